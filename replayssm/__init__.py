@@ -1,0 +1,25 @@
+"""replayssm: fast Mamba-2 decoding with an FP16 checkpoint, a 16-entry input ring and an
+FP8 / NVFP4 read copy of the recurrent state."""
+
+from .api import (
+    clear_replayssm_slots,
+    initialize_replayssm_state,
+    materialize_replayssm_state,
+    selective_state_update_replayssm,
+)
+from .cache import ReplaySSMCache
+from .layout import allocate_cache
+from .slots import NULL_SLOT, SlotAllocator
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ReplaySSMCache",
+    "SlotAllocator",
+    "NULL_SLOT",
+    "allocate_cache",
+    "initialize_replayssm_state",
+    "selective_state_update_replayssm",
+    "clear_replayssm_slots",
+    "materialize_replayssm_state",
+]

@@ -1,0 +1,206 @@
+"""Functional API with the serving engine's signatures: validate -> plan -> launch.
+
+Everything a call could reject is checked before anything is written, so a rejected call
+leaves the cache untouched. CPU tensors run the PyTorch reference; CUDA tensors run the
+kernels where they exist (replayssm.kernels.backend_for says which), the reference
+elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from . import layout as L
+from . import reference as ref
+from .kernels import backend_for
+
+
+def _debug() -> bool:
+    return os.environ.get("REPLAYSSM_DEBUG", "0") not in ("", "0")
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{t.dtype} {list(t.shape)} on {t.device}"
+
+
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    return t
+
+
+def _check_seed(seed: object) -> int:
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed must be a Python int; got {type(seed).__name__}")
+    return seed
+
+
+def _check_indices(state_indices: torch.Tensor, device: torch.device) -> torch.Tensor:
+    _check_tensor("state_indices", state_indices)
+    if state_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"state_indices must be int32 or int64; got {state_indices.dtype}")
+    if state_indices.device != device:
+        raise ValueError(f"state_indices must be on the cache device {device}; got {state_indices.device}")
+    return state_indices.reshape(-1)
+
+
+def _check_unique(ids: torch.Tensor, num_slots: int) -> None:
+    """Debug-mode check (REPLAYSSM_DEBUG=1) of the precondition that live slots are unique;
+    it synchronizes with the host, so it is off on the hot path."""
+    live = ids[(ids > 0) & (ids < num_slots)]
+    if live.numel() != torch.unique(live).numel():
+        raise ValueError(f"state_indices must name each live slot once; got {ids.tolist()}")
+
+
+def initialize_replayssm_state(
+    cache: Sequence[torch.Tensor],
+    states: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    state_dtype: str,
+    seed: int = 0,
+) -> None:
+    """Initialize the FP16 checkpoint and the read copy independently from FP32 prefill
+    states [batch, heads, 64, 128], and clear the rings and positions of the slots.
+
+    Nonpositive and out-of-range slot indices are ignored. `states` may be a broadcast
+    view (stride 0 on the batch dim) and need not be contiguous.
+    """
+    nvfp4 = L.is_nvfp4(state_dtype)
+    _check_seed(seed)
+    slots, heads, groups = L.check_cache(cache, nvfp4)
+    device = cache[L.CHECKPOINT].device
+    _check_tensor("states", states)
+    if states.dtype != torch.float32 or states.dim() != 4 or states.shape[1:] != (heads, L.HEAD_DIM, L.STATE_DIM):
+        raise ValueError(f"states must be float32 [batch, {heads}, 64, 128]; got {states.dtype} {list(states.shape)}")
+    if states.device != device:
+        raise ValueError(f"states must be on the cache device {device}; got {states.device}")
+    ids = _check_indices(state_indices, device)
+    if ids.numel() != states.shape[0]:
+        raise ValueError(f"state_indices must hold one slot per state ({states.shape[0]}); got {ids.numel()}")
+    if ids.numel() == 0:
+        return
+    if _debug():
+        _check_unique(ids, slots)
+    backend_for(device).initialize(cache, states, ids, nvfp4=nvfp4, seed=seed)
+
+
+def clear_replayssm_slots(cache: Sequence[torch.Tensor], state_indices: torch.Tensor, *, state_dtype: str) -> None:
+    """Zero the rings and positions of the given slots (invalid ids ignored)."""
+    nvfp4 = L.is_nvfp4(state_dtype)
+    L.check_cache(cache, nvfp4)
+    ids = _check_indices(state_indices, cache[L.CHECKPOINT].device)
+    if ids.numel():
+        backend_for(ids.device).clear(cache, ids)
+
+
+def normalize_decode_inputs(x, dt, A, B, C, D, dt_bias, batch: int, heads: int, groups: int):
+    """Validate shapes/dtypes of one decode step's inputs and return them in the kernels'
+    layout: x [b, H, 64] bf16, dt [b, H] f32, A [H] f32, B, C [b, G, 128] bf16,
+    D [H, 64] f32, dt_bias [H] f32. Tied (stride-0) views are read at their first element."""
+    P, N = L.HEAD_DIM, L.STATE_DIM
+    for name, t in (("x", x), ("B", B), ("C", C)):
+        _check_tensor(name, t)
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"{name} must be bfloat16; got {_describe(t)}")
+    if x.numel() != batch * heads * P or x.shape[0] != batch:
+        raise ValueError(f"x must be bfloat16 [{batch}, {heads}, 64] or [{batch}, {heads * P}]; got {_describe(x)}")
+    for name, t in (("B", B), ("C", C)):
+        if t.numel() != batch * groups * N or t.shape[0] != batch:
+            raise ValueError(f"{name} must be bfloat16 [{batch}, {groups}, 128]; got {_describe(t)}")
+    for name, t in (("dt", dt), ("A", A), ("D", D), ("dt_bias", dt_bias)):
+        _check_tensor(name, t)
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point tensor; got {_describe(t)}")
+    if dt.shape[0] != batch or dt.numel() not in (batch * heads, batch * heads * P):
+        raise ValueError(f"dt must be [{batch}, {heads}] or [{batch}, {heads}, 64] (tied); got {_describe(dt)}")
+    if A.numel() not in (heads, heads * P, heads * P * N) or A.shape[0] != heads:
+        raise ValueError(f"A must be [{heads}] or a tied [{heads}, 64(, 128)] view; got {_describe(A)}")
+    if dt_bias.numel() not in (heads, heads * P) or dt_bias.shape[0] != heads:
+        raise ValueError(f"dt_bias must be [{heads}] or a tied [{heads}, 64] view; got {_describe(dt_bias)}")
+    if D.numel() not in (heads, heads * P) or D.shape[0] != heads:
+        raise ValueError(f"D must be [{heads}] or [{heads}, 64]; got {_describe(D)}")
+    x = x.reshape(batch, heads, P)
+    B = B.reshape(batch, groups, N)
+    C = C.reshape(batch, groups, N)
+    dt = dt.reshape(batch, heads, -1)[:, :, 0].float()
+    A = A.reshape(heads, -1)[:, 0].float()
+    dt_bias = dt_bias.reshape(heads, -1)[:, 0].float()
+    D = D.reshape(heads, -1).expand(heads, P).float()
+    return x, dt, A, B, C, D, dt_bias
+
+
+def selective_state_update_replayssm(
+    cache: Sequence[torch.Tensor],
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_indices: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    state_dtype: str,
+    seed: int = 0,
+    num_accepted_tokens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int = 1,
+) -> torch.Tensor:
+    """Decode one token per row and advance the device-resident positions.
+
+    Applies softplus to dt + dt_bias. Rows whose slot is <= 0 or >= num_slots are padding:
+    their output rows are zeroed and nothing else changes. Active slot indices must be
+    unique (checked when REPLAYSSM_DEBUG=1). Returns `out` (bf16 [batch, heads, 64]).
+    """
+    nvfp4 = L.is_nvfp4(state_dtype)
+    _check_seed(seed)
+    slots, heads, groups = L.check_cache(cache, nvfp4)
+    if cache[L.POSITIONS].dim() == 2:
+        raise ValueError(
+            "pending mode (positions [slots, 2]: speculative decoding) is not supported yet; "
+            f"got positions {list(cache[L.POSITIONS].shape)}"
+        )
+    if num_accepted_tokens is not None or cu_seqlens is not None:
+        raise ValueError("num_accepted_tokens and cu_seqlens are pending-mode arguments; separate mode takes neither")
+    if max_seqlen != 1:
+        raise ValueError(f"separate mode decodes one token per row: max_seqlen must be 1; got {max_seqlen}")
+    device = cache[L.CHECKPOINT].device
+    ids = _check_indices(state_indices, device)
+    batch = ids.numel()
+    _check_tensor("out", out)
+    if out.dtype != torch.bfloat16 or out.numel() != batch * heads * L.HEAD_DIM or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous bfloat16 [{batch}, {heads}, 64]; got {_describe(out)}")
+    tensors = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "dt_bias": dt_bias, "out": out}
+    for name, t in tensors.items():
+        _check_tensor(name, t)
+        if t.device != device:
+            raise ValueError(f"{name} must be on the cache device {device}; got {t.device}")
+    if batch == 0:
+        return out
+    norm = normalize_decode_inputs(x, dt, A, B, C, D, dt_bias, batch, heads, groups)
+    if _debug():
+        _check_unique(ids, slots)
+    backend_for(device).decode(cache, *norm, ids, out.view(batch, heads, L.HEAD_DIM), nvfp4=nvfp4, seed=seed)
+    return out
+
+
+def materialize_replayssm_state(
+    cache: Sequence[torch.Tensor], state_indices: torch.Tensor, A: torch.Tensor, *, state_dtype: str
+) -> torch.Tensor:
+    """FP32 states [n, heads, 64, 128] of the given live slots after every decoded token
+    (checkpoint plus live ring entries). Reads only; `A` as for decode."""
+    nvfp4 = L.is_nvfp4(state_dtype)
+    slots, heads, _ = L.check_cache(cache, nvfp4)
+    ids = _check_indices(state_indices, cache[L.CHECKPOINT].device)
+    _check_tensor("A", A)
+    if A.numel() not in (heads, heads * L.HEAD_DIM, heads * L.HEAD_DIM * L.STATE_DIM) or A.shape[0] != heads:
+        raise ValueError(f"A must be [{heads}] or a tied [{heads}, 64(, 128)] view; got {_describe(A)}")
+    bad = ids[(ids <= 0) | (ids >= slots)]
+    if bad.numel():
+        raise ValueError(f"state_indices must be live slots in [1, {slots - 1}]; got {bad.tolist()}")
+    return ref.materialize(cache, ids, A.reshape(heads, -1)[:, 0].float().to(ids.device))

@@ -1,0 +1,164 @@
+"""ReplaySSMCache: the per-layer cache manager.
+
+Vocabulary (used the same way everywhere in replayssm):
+
+- slot: one request's share of the cache; dim 0 of every cache tensor. Slot 0 is the
+  padding slot: never handed out, never read for a live row.
+- padding row: a batch row whose slot id is <= 0 or >= num_slots; its output is zeros and
+  it changes nothing.
+- checkpoint: the FP16 state [heads, 64, 128] of a slot as of its last flush; the only
+  tensor the recurrence accumulates into.
+- read copy: the checkpoint quantized to FP8 (e4m3, per-row scales) or NVFP4 (e2m1 codes,
+  e4m3 block scales, second-level scale); what a non-flush step reads.
+- ring: the last inputs since the checkpoint, 16 entries per slot: x [heads, 64],
+  processed dt [heads], B [groups, 128]. An entry is one token's inputs.
+- position: tokens decoded since the slot's last `prefill_init`; the ring index is
+  position mod 16.
+- flush: the step at ring index 15, which folds 16 tokens into the checkpoint and
+  re-derives the read copy. A period is the 16 tokens between two flushes.
+- group: heads sharing B and C (8 or 16 heads per group).
+- parity: NVFP4 only; which half of the double-buffered second-level scale is live.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+
+from . import api
+from . import layout as L
+from .slots import NULL_SLOT, SlotAllocator
+
+
+def _as_device(value) -> torch.device:
+    return torch.device(value)
+
+
+@attrs.define(eq=False)
+class ReplaySSMCache:
+    """One model layer's ReplaySSM state for `num_slots` slots (slot 0 reserved).
+
+    Owns the cache tuple (`.tensors`, laid out as docs/format.md says), allocates slots,
+    and runs prefill initialization and decode steps on the best backend for `device`.
+    `max_batch` (default num_slots - 1) bounds the rows of one decode call.
+    """
+
+    num_slots: int
+    num_heads: int
+    num_groups: int
+    state_dtype: str
+    device: torch.device = attrs.field(converter=_as_device)
+    seed: int = 0
+    max_batch: int | None = None
+    conv_state_shape: tuple[int, ...] | None = None
+    slot_padding: int = 0
+    tensors: list[torch.Tensor] = attrs.field(init=False)
+    allocator: SlotAllocator = attrs.field(init=False)
+    _last_A: torch.Tensor = attrs.field(init=False, repr=False)
+    _have_A: bool = attrs.field(init=False, default=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        L.is_nvfp4(self.state_dtype)
+        for name in ("num_slots", "num_heads", "num_groups"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"{name} must be an int; got {type(v).__name__}")
+            if v <= 0:
+                raise ValueError(f"{name} must be positive; got {v}")
+        if self.num_slots < 2:
+            raise ValueError(f"num_slots must be >= 2 (slot 0 is the padding slot); got {self.num_slots}")
+        if self.num_heads % self.num_groups or self.num_heads // self.num_groups not in L.HEADS_PER_GROUP:
+            raise ValueError(
+                f"heads per group must be one of {L.HEADS_PER_GROUP}; "
+                f"got {self.num_heads} heads in {self.num_groups} groups"
+            )
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise TypeError(f"seed must be a Python int; got {type(self.seed).__name__}")
+        if self.max_batch is None:
+            self.max_batch = self.num_slots - 1
+        if not isinstance(self.max_batch, int) or isinstance(self.max_batch, bool):
+            raise TypeError(f"max_batch must be an int or None; got {type(self.max_batch).__name__}")
+        if self.max_batch <= 0:
+            raise ValueError(f"max_batch must be positive; got {self.max_batch}")
+        self.tensors = L.allocate_cache(
+            self.num_slots,
+            self.num_heads,
+            self.num_groups,
+            self.state_dtype,
+            self.device,
+            conv_shape=self.conv_state_shape,
+            slot_padding=self.slot_padding,
+        )
+        self.allocator = SlotAllocator(self.num_slots)
+        self._last_A = torch.zeros(self.num_heads, dtype=torch.float32, device=self.device)
+
+    # -- slots --------------------------------------------------------------------------
+    def allocate(self, n: int) -> torch.Tensor:
+        """n unique free slot ids (int32, on the cache device)."""
+        return self.allocator.allocate(n, device=self.device)
+
+    def release(self, slots: torch.Tensor) -> None:
+        """Return slots to the pool and clear their rings and positions."""
+        ids = slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, dtype=torch.int64)
+        self.allocator.release(ids)
+        api.clear_replayssm_slots(self.tensors, ids.to(self.device).reshape(-1), state_dtype=self.state_dtype)
+
+    # -- operations ---------------------------------------------------------------------
+    def prefill_init(self, states: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write the checkpoint and read copy of `slots` from FP32 `states`
+        [n, heads, 64, 128] and clear their rings and positions."""
+        api.initialize_replayssm_state(self.tensors, states, slots, state_dtype=self.state_dtype, seed=self.seed)
+
+    def reset(self, slots: torch.Tensor) -> None:
+        """Start `slots` from a zero state (a request with no prefill)."""
+        n = slots.numel()
+        zero = torch.zeros(1, self.num_heads, L.HEAD_DIM, L.STATE_DIM, device=self.device)
+        self.prefill_init(zero.expand(n, -1, -1, -1), slots)
+
+    def decode(self, x, dt, A, B, C, D, dt_bias, slots, out=None) -> torch.Tensor:
+        """One decode step; returns bf16 [batch, heads, 64] (`out` if given)."""
+        batch = slots.numel() if isinstance(slots, torch.Tensor) else -1
+        if batch > self.max_batch:
+            raise ValueError(f"slots must hold at most max_batch={self.max_batch} rows; got {batch}")
+        if out is None:
+            out = torch.empty(max(batch, 0), self.num_heads, L.HEAD_DIM, dtype=torch.bfloat16, device=self.device)
+        api.selective_state_update_replayssm(
+            self.tensors, x, dt, A, B, C, D, dt_bias, slots, out, state_dtype=self.state_dtype, seed=self.seed
+        )
+        self._last_A.copy_(A.reshape(self.num_heads, -1)[:, 0])
+        self._have_A = True
+        return out
+
+    def materialize(self, slots: torch.Tensor, A: torch.Tensor | None = None) -> torch.Tensor:
+        """FP32 state [n, heads, 64, 128] of live slots (checkpoint plus live ring
+        entries). `A` defaults to the one seen by the last decode call."""
+        if A is None:
+            if not self._have_A:
+                live = self.tensors[L.POSITIONS][slots.to(self.device).long()] % L.RING
+                if bool((live != 0).any()):
+                    raise ValueError("materialize needs A: no decode call has supplied one yet")
+            A = self._last_A
+        return api.materialize_replayssm_state(self.tensors, slots.to(self.device), A, state_dtype=self.state_dtype)
+
+    def warmup(self) -> list[str]:
+        """Compile every kernel variant this cache will launch (before CUDA-graph capture).
+        Returns the names of the variants compiled (empty where none are needed)."""
+        from .kernels import backend_for
+
+        backend = backend_for(self.device)
+        warm = getattr(backend, "warmup", None)
+        return list(warm(self)) if warm else []
+
+    # -- reporting ----------------------------------------------------------------------
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.tensors[L.POSITIONS]
+
+    def bytes_per_slot(self) -> int:
+        """Bytes of replayssm state per slot (cache indices 1.., excluding the conv state)."""
+        return sum(math.prod(t.shape[1:]) * t.element_size() for t in self.tensors[1:])
+
+
+__all__ = ["ReplaySSMCache", "NULL_SLOT"]

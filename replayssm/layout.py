@@ -1,0 +1,167 @@
+"""The cache tuple: indices, shapes, dtypes, allocation (optionally carved from one byte
+page per slot with padding between slots) and its validation. docs/format.md specifies it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+HEAD_DIM = 64  # P: head dimension
+STATE_DIM = 128  # N: state dimension
+RING = 16  # L: ring entries; one flush every RING tokens
+NVFP4_BLOCK = 16
+HEADS_PER_GROUP = (8, 16)
+STATE_DTYPES = ("fp8", "nvfp4")
+
+# Cache tuple indices shared by both formats.
+CONV, CHECKPOINT, X_RING, DT_RING, B_RING, READ_COPY, SCALES = 0, 1, 2, 3, 4, 5, 6
+# NVFP4 only.
+META, PARITY = 7, 8
+POSITIONS = -1
+
+
+def is_nvfp4(state_dtype: object) -> bool:
+    """Parse `state_dtype`; raise a clear error for anything but "fp8" / "nvfp4"."""
+    if not isinstance(state_dtype, str):
+        raise TypeError(f"state_dtype must be a str in {STATE_DTYPES}; got {type(state_dtype).__name__}")
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype must be one of {STATE_DTYPES}; got {state_dtype!r}")
+    return state_dtype == "nvfp4"
+
+
+def tensor_specs(heads: int, groups: int, nvfp4: bool, pending: bool = False):
+    """[(name, per-slot shape, dtype)] for cache indices 1.. (index 0, the conv state, is
+    the caller's)."""
+    specs = [
+        ("checkpoint", (heads, HEAD_DIM, STATE_DIM), torch.float16),
+        ("x_ring", (heads, RING, HEAD_DIM), torch.bfloat16),
+        ("dt_ring", (heads, RING), torch.float32),
+        ("b_ring", (groups, RING, STATE_DIM), torch.bfloat16),
+    ]
+    if nvfp4:
+        specs += [
+            ("read_copy", (heads, HEAD_DIM, STATE_DIM // 2), torch.uint8),
+            ("block_scales", (heads, HEAD_DIM, STATE_DIM // NVFP4_BLOCK), torch.float8_e4m3fn),
+            ("meta", (groups, 2), torch.float32),
+            ("parity", (), torch.int32),
+        ]
+    else:
+        specs += [
+            ("read_copy", (heads, HEAD_DIM, STATE_DIM), torch.float8_e4m3fn),
+            ("row_scales", (heads, HEAD_DIM), torch.float32),
+        ]
+    specs.append(("positions", (2,) if pending else (), torch.int32))
+    return specs
+
+
+def allocate_cache(
+    num_slots: int,
+    heads: int,
+    groups: int,
+    state_dtype: str,
+    device: torch.device | str = "cpu",
+    *,
+    conv_shape: Sequence[int] | None = None,
+    conv_dtype: torch.dtype = torch.bfloat16,
+    slot_padding: int = 0,
+    fill: float | None = None,
+    pending: bool = False,
+) -> list[torch.Tensor]:
+    """Allocate a cache tuple.
+
+    With `slot_padding` > 0 every slot's tensors are carved from one byte page per slot
+    (as serving engines do), `slot_padding` bytes of slack after each tensor, so every
+    tensor has a slot stride larger than its per-slot size. `fill` (e.g. NaN) poisons the
+    state tensors; rings and positions are always zeroed.
+    """
+    nvfp4 = is_nvfp4(state_dtype)
+    specs = tensor_specs(heads, groups, nvfp4, pending)
+    conv = torch.zeros(num_slots, *(conv_shape or (0,)), dtype=conv_dtype, device=device)
+    if slot_padding <= 0:
+        tensors = [torch.empty(num_slots, *shape, dtype=dt, device=device) for _, shape, dt in specs]
+    else:
+        sizes, offset, offsets = [], 0, []
+        for _, shape, dt in specs:
+            offset = -(-offset // 16) * 16  # 16-byte alignment of every tensor
+            offsets.append(offset)
+            nbytes = math.prod(shape) * dt.itemsize
+            sizes.append(nbytes)
+            offset += nbytes + slot_padding
+        page_bytes = -(-offset // 16) * 16
+        page = torch.empty(num_slots, page_bytes, dtype=torch.uint8, device=device)
+        if fill is not None:
+            page.fill_(0xFF)  # NaN in every float dtype used here
+        tensors = []
+        for (_, shape, dt), off, nbytes in zip(specs, offsets, sizes):
+            t = page[:, off : off + nbytes].view(dt)
+            tensors.append(t.reshape(num_slots, *shape) if shape else t.reshape(num_slots))
+    for (name, _, _), t in zip(specs, tensors):
+        if name in ("x_ring", "dt_ring", "b_ring", "positions", "parity"):
+            t.zero_()
+        elif fill is not None:
+            t.fill_(fill if t.dtype.is_floating_point else 0)
+        elif name == "meta":
+            t.fill_(0.0)
+        else:
+            t.zero_()
+    return [conv, *tensors]
+
+
+def slot_stride_ok(t: torch.Tensor) -> bool:
+    """Every dim after the slot dim is contiguous; the slot stride covers one slot."""
+    inner = t.shape[1:]
+    expect = 1
+    for size, stride in zip(reversed(inner), reversed(t.stride()[1:])):
+        if size != 1 and stride != expect:
+            return False
+        expect *= size
+    return t.stride(0) >= expect or t.shape[0] <= 1
+
+
+def check_cache(cache: Sequence[torch.Tensor], nvfp4: bool) -> tuple[int, int, int]:
+    """Validate a cache tuple; return (num_slots, heads, groups)."""
+    if isinstance(cache, torch.Tensor) or not isinstance(cache, Sequence):
+        raise TypeError(f"cache must be a sequence of tensors; got {type(cache).__name__}")
+    want = 10 if nvfp4 else 8
+    if len(cache) != want:
+        fmt = "nvfp4" if nvfp4 else "fp8"
+        raise ValueError(f"cache for state_dtype {fmt!r} must hold {want} tensors; got {len(cache)}")
+    for i, t in enumerate(cache):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"cache[{i}] must be a torch.Tensor; got {type(t).__name__}")
+    ckpt = cache[CHECKPOINT]
+    if ckpt.dim() != 4 or ckpt.shape[2:] != (HEAD_DIM, STATE_DIM):
+        raise ValueError(f"cache[1] (checkpoint) must be [slots, heads, 64, 128]; got {list(ckpt.shape)}")
+    slots, heads = ckpt.shape[0], ckpt.shape[1]
+    bring = cache[B_RING]
+    if bring.dim() != 4:
+        raise ValueError(f"cache[4] (B ring) must be [slots, groups, 16, 128]; got {list(bring.shape)}")
+    groups = bring.shape[1]
+    if groups <= 0 or heads % groups != 0 or heads // groups not in HEADS_PER_GROUP:
+        raise ValueError(
+            f"heads per group must be one of {HEADS_PER_GROUP}; got {heads} heads in {groups} groups"
+        )
+    pos = cache[POSITIONS]
+    pending = pos.dim() == 2
+    specs = tensor_specs(heads, groups, nvfp4, pending)
+    device = ckpt.device
+    for i, (name, shape, dt) in enumerate(specs, start=1):
+        idx = i if i < len(specs) else len(cache) - 1
+        t = cache[idx]
+        if t.dtype != dt or tuple(t.shape) != (slots, *shape):
+            raise ValueError(
+                f"cache[{idx}] ({name}) must be {dt} {[slots, *shape]}; got {t.dtype} {list(t.shape)}"
+            )
+        if t.device != device:
+            raise ValueError(f"cache[{idx}] ({name}) must be on {device}; got {t.device}")
+        if not slot_stride_ok(t):
+            raise ValueError(
+                f"cache[{idx}] ({name}) must be contiguous within a slot with slot stride >= slot size; "
+                f"got strides {t.stride()}"
+            )
+    if slots < 2:
+        raise ValueError(f"cache needs at least 2 slots (slot 0 is the padding slot); got {slots}")
+    return slots, heads, groups

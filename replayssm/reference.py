@@ -1,0 +1,267 @@
+"""Pure-PyTorch reference of every replayssm operation (CPU or CUDA).
+
+Each function has the argument names of its kernel twin and the same split:
+`initialize` (prefill), `clear`, `prepare_decode` (per-row plan, position advance,
+NVFP4 parity flip), `decode_nonflush`, `decode_flush`, and `materialize`. Quantization
+and random bits come from `replayssm.quant`, which is bit-exact with the kernels; the
+float accumulation here is FP32 in the order the kernels use, and tests compare kernels
+to it with tolerances. Inputs are already normalized by `replayssm.api`:
+
+    x [batch, H, 64] bf16, dt [batch, H] f32 (raw), A [H] f32, D [H, 64] f32,
+    dt_bias [H] f32, B, C [batch, G, 128] bf16, slots [batch] int.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from . import layout as L
+from .quant import formats as Q
+from .quant.minifloat import to_fp16
+from .quant.rng import INIT_POSITION, checkpoint_rbits, stream_key
+
+
+class Plan(NamedTuple):
+    """What `prepare_decode` tells the decode kernels about each batch row."""
+
+    valid: torch.Tensor  # bool [batch]: the row names a live slot
+    slot: torch.Tensor  # int64 [batch]: slot id (0 for padding rows)
+    ring_index: torch.Tensor  # int64 [batch]: positions[slot] mod 16 before the step
+    flush: torch.Tensor  # bool [batch]: valid and ring_index == 15
+    key: torch.Tensor  # int64 [batch]: random-stream tag (uint32), see quant/rng.py
+    old_parity: torch.Tensor  # int64 [batch]: NVFP4 live half before the step (0 for fp8)
+
+
+def softplus_dt(dt: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """softplus(dt + dt_bias) in FP32, linear above 20 (as the serving engine does)."""
+    return F.softplus(dt.float() + dt_bias.float(), beta=1.0, threshold=20.0)
+
+
+def valid_rows(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    return (slots > 0) & (slots < num_slots)
+
+
+def _head_group(heads: int, groups: int, device) -> torch.Tensor:
+    return torch.arange(heads, device=device) // (heads // groups)
+
+
+def _group_amax(state: torch.Tensor, groups: int) -> torch.Tensor:
+    """[n, H, 64, 128] -> [n, G] max |value| over each group's heads."""
+    n, heads = state.shape[:2]
+    return state.abs().reshape(n, groups, -1).amax(dim=-1)
+
+
+def _write_read_copy(cache, slot, state, nvfp4: bool, live_amax: torch.Tensor | None) -> None:
+    if nvfp4:
+        heads = state.shape[1]
+        groups = cache[L.META].shape[1]
+        amax_h = live_amax[:, _head_group(heads, groups, state.device)]
+        codes, bscales = Q.nvfp4_encode(state, amax_h)
+        cache[L.READ_COPY][slot] = codes
+        cache[L.SCALES][slot] = bscales
+    else:
+        codes, scales = Q.fp8_encode(state)
+        cache[L.READ_COPY][slot] = codes
+        cache[L.SCALES][slot] = scales
+
+
+def clear(cache: Sequence[torch.Tensor], slots: torch.Tensor) -> None:
+    """Zero the rings and positions of the valid `slots` (both position layouts)."""
+    slot = slots.to(torch.int64)
+    slot = slot[valid_rows(slot, cache[L.CHECKPOINT].shape[0])]
+    for i in (L.X_RING, L.DT_RING, L.B_RING, L.POSITIONS):
+        cache[i][slot] = 0
+
+
+def initialize(
+    cache: Sequence[torch.Tensor], states: torch.Tensor, slots: torch.Tensor, *, nvfp4: bool, seed: int
+) -> None:
+    """FP16 checkpoint (stochastic rounding, position tag INIT_POSITION), read copy and
+    its scales from FP32 `states` [batch, H, 64, 128]; rings and positions cleared."""
+    slot = slots.reshape(-1).to(torch.int64)
+    keep = valid_rows(slot, cache[L.CHECKPOINT].shape[0])
+    slot = slot[keep]
+    state = states[keep].float()
+    heads = state.shape[1]
+    key = stream_key(seed, slot, torch.full_like(slot, INIT_POSITION))
+    cache[L.CHECKPOINT][slot] = to_fp16(state, checkpoint_rbits(key, heads))
+    live_amax = None
+    if nvfp4:
+        groups = cache[L.META].shape[1]
+        live_amax = _group_amax(state, groups)
+        cache[L.META][slot] = live_amax.unsqueeze(-1).expand(-1, -1, 2)
+        cache[L.PARITY][slot] = 0
+    _write_read_copy(cache, slot, state, nvfp4, live_amax)
+    clear(cache, slot)
+
+
+def prepare_decode(
+    cache: Sequence[torch.Tensor], slots: torch.Tensor, out: torch.Tensor, *, nvfp4: bool, seed: int
+) -> Plan:
+    """Per-row plan; zero the output rows of padding rows; advance positions; for NVFP4
+    flush rows flip the parity and zero the half that becomes the amax accumulator."""
+    num_slots = cache[L.CHECKPOINT].shape[0]
+    slot = slots.reshape(-1).to(torch.int64)
+    valid = valid_rows(slot, num_slots)
+    slot = torch.where(valid, slot, torch.zeros_like(slot))
+    pos_t = cache[L.POSITIONS]
+    pos = pos_t[slot].to(torch.int64)
+    pos = torch.where(valid, pos, torch.zeros_like(pos))
+    ring_index = pos % L.RING
+    flush = valid & (ring_index == L.RING - 1)
+    key = stream_key(seed, slot, pos)
+    old_parity = torch.zeros_like(slot)
+    out.reshape(slot.shape[0], -1)[~valid] = 0
+    live = slot[valid]
+    pos_t[live] = (pos[valid] + 1).to(torch.int32)
+    if nvfp4:
+        fl = slot[flush]
+        old_parity = torch.where(flush, cache[L.PARITY][slot].to(torch.int64), old_parity)
+        p_old = old_parity[flush]
+        cache[L.PARITY][fl] = (1 - p_old).to(torch.int32)
+        meta = cache[L.META]
+        for g in range(meta.shape[1]):
+            meta[fl, g, p_old] = 0.0
+    return Plan(valid, slot, ring_index, flush, key, old_parity)
+
+
+def _entries(cache, slot, x, dt, B, ring_index, live_count):
+    """The live ring entries of each row plus the current token at entry `ring_index`.
+
+    Returns x_e [n, H, 16, 64], dt_e [n, H, 16], B_e [n, G, 16, 128] in FP32, entries
+    beyond the current one replaced by zeros (never multiplied: NaN * 0 is NaN)."""
+    j = torch.arange(L.RING, device=x.device)
+    cur = j.view(1, -1) == ring_index.view(-1, 1)  # [n, 16]
+    live = j.view(1, -1) < live_count.view(-1, 1)
+    x_e = cache[L.X_RING][slot].float()
+    dt_e = cache[L.DT_RING][slot].float()
+    B_e = cache[L.B_RING][slot].float()
+    zero = torch.zeros((), device=x.device)
+    x_e = torch.where(cur[:, None, :, None], x.float()[:, :, None, :], torch.where(live[:, None, :, None], x_e, zero))
+    dt_e = torch.where(cur[:, None, :], dt[:, :, None], torch.where(live[:, None, :], dt_e, zero))
+    B_e = torch.where(cur[:, None, :, None], B.float()[:, :, None, :], torch.where(live[:, None, :, None], B_e, zero))
+    return x_e, dt_e, B_e
+
+
+def _replay_weights(dt_e: torch.Tensor, A: torch.Tensor, last: torch.Tensor):
+    """pre_j = dt_0 + .. + dt_j; returns (exp(A * pre_last) [n, H],
+    w_j = dt_j * exp(A * (pre_last - pre_j)) [n, H, 16], zero beyond `last`)."""
+    pre = torch.cumsum(dt_e, dim=-1)
+    pre_k = pre.gather(-1, last.view(-1, 1, 1).expand(-1, pre.shape[1], 1))  # [n, H, 1]
+    a = A.view(1, -1, 1)
+    w = dt_e * torch.exp(a * (pre_k - pre))
+    j = torch.arange(L.RING, device=dt_e.device)
+    w = torch.where(j.view(1, 1, -1) <= last.view(-1, 1, 1), w, torch.zeros((), device=w.device))
+    return torch.exp(a * pre_k).squeeze(-1), w
+
+
+def _expand_groups(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[n, G, ...] -> [n, H, ...] (head h reads group h // (H / G))."""
+    groups = t.shape[1]
+    return t.repeat_interleave(heads // groups, dim=1)
+
+
+def read_copy_state(cache: Sequence[torch.Tensor], slot: torch.Tensor, *, nvfp4: bool) -> torch.Tensor:
+    """Dequantized read copy [n, H, 64, 128] (FP32) of the given slots."""
+    if nvfp4:
+        heads = cache[L.CHECKPOINT].shape[1]
+        groups = cache[L.META].shape[1]
+        par = cache[L.PARITY][slot].to(torch.int64)
+        live_amax = cache[L.META][slot].gather(2, par.view(-1, 1, 1).expand(-1, groups, 1)).squeeze(-1)
+        amax_h = live_amax[:, _head_group(heads, groups, slot.device)]
+        return Q.nvfp4_decode(cache[L.READ_COPY][slot], cache[L.SCALES][slot], amax_h)
+    return Q.fp8_decode(cache[L.READ_COPY][slot], cache[L.SCALES][slot])
+
+
+def decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan: Plan, out, *, nvfp4: bool) -> None:
+    """Rows that do not flush: y = exp(A pre_k) (read copy . C) + ring replay + D x;
+    the token's (x, processed dt, B) is stored at ring entry `ring_index`."""
+    rows = plan.valid & ~plan.flush
+    if not bool(rows.any()):
+        return
+    slot, r = plan.slot[rows], plan.ring_index[rows]
+    xs, Bs, Cs = x[rows], B[rows], C[rows].float()
+    dts = softplus_dt(dt[rows], dt_bias.view(1, -1))
+    heads = xs.shape[1]
+    x_e, dt_e, B_e = _entries(cache, slot, xs, dts, Bs, r, r)
+    decay, w = _replay_weights(dt_e, A, r)
+    state = read_copy_state(cache, slot, nvfp4=nvfp4)
+    Ch = _expand_groups(Cs, heads)  # [n, H, 128]
+    y = decay.unsqueeze(-1) * torch.einsum("nhpk,nhk->nhp", state, Ch)
+    bc = torch.einsum("ngjk,ngk->ngj", B_e, Cs)  # B_j . C, shared by a group's heads
+    y = y + torch.einsum("nhj,nhjp->nhp", w * _expand_groups(bc, heads), x_e)
+    y = y + D.view(1, heads, -1) * xs.float()
+    out[rows] = y.to(out.dtype)
+    cache[L.X_RING][slot, :, r] = xs
+    cache[L.DT_RING][slot, :, r] = dts
+    cache[L.B_RING][slot, :, r] = Bs
+
+
+def fold(cache, slot, x, dts, B, A, last) -> torch.Tensor:
+    """FP32 state after folding ring entries 0..last-1 and the current token (entry
+    `last`) into the FP16 checkpoint: exp(A pre_k) S0 + sum_j w_j x_j (x) B_j."""
+    heads = x.shape[1]
+    x_e, dt_e, B_e = _entries(cache, slot, x, dts, B, last, last)
+    decay, w = _replay_weights(dt_e, A, last)
+    s0 = cache[L.CHECKPOINT][slot].float()
+    upd = torch.einsum("nhj,nhjp,nhjk->nhpk", w, x_e, _expand_groups(B_e, heads))
+    return decay[:, :, None, None] * s0 + upd
+
+
+def decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan: Plan, out, *, nvfp4: bool, seed: int) -> None:
+    """Rows at ring index 15: fold 16 tokens into the checkpoint in FP32, output from the
+    unrounded state, checkpoint written with stochastic rounding, read copy re-derived."""
+    rows = plan.flush
+    if not bool(rows.any()):
+        return
+    slot, r = plan.slot[rows], plan.ring_index[rows]
+    xs, Bs, Cs = x[rows], B[rows], C[rows].float()
+    dts = softplus_dt(dt[rows], dt_bias.view(1, -1))
+    heads = xs.shape[1]
+    state = fold(cache, slot, xs, dts, Bs, A, r)
+    y = torch.einsum("nhpk,nhk->nhp", state, _expand_groups(Cs, heads)) + D.view(1, heads, -1) * xs.float()
+    out[rows] = y.to(out.dtype)
+    cache[L.CHECKPOINT][slot] = to_fp16(state, checkpoint_rbits(plan.key[rows], heads))
+    live_amax = None
+    if nvfp4:
+        groups = cache[L.META].shape[1]
+        p_old = plan.old_parity[rows]
+        new_live = 1 - p_old
+        meta = cache[L.META][slot]  # [n, G, 2]
+        live_amax = meta.gather(2, new_live.view(-1, 1, 1).expand(-1, groups, 1)).squeeze(-1)
+        measured = _group_amax(state, groups)
+        for g in range(groups):
+            cache[L.META][slot, g, p_old] = measured[:, g]
+    _write_read_copy(cache, slot, state, nvfp4, live_amax)
+
+
+def decode(cache, x, dt, A, B, C, D, dt_bias, slots, out, *, nvfp4: bool, seed: int) -> torch.Tensor:
+    """One decode step for a batch (normalized inputs); returns `out` [batch, H, 64]."""
+    plan = prepare_decode(cache, slots, out, nvfp4=nvfp4, seed=seed)
+    decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4)
+    decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4, seed=seed)
+    return out
+
+
+def materialize(cache: Sequence[torch.Tensor], slots: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """FP32 state [n, H, 64, 128] of `slots` after every decoded token: the FP16
+    checkpoint advanced through the live ring entries. Reads only."""
+    slot = slots.reshape(-1).to(torch.int64)
+    live = cache[L.POSITIONS][slot].to(torch.int64)
+    if live.dim() == 2:
+        live = live[:, 0]
+    live = live % L.RING
+    heads = cache[L.CHECKPOINT].shape[1]
+    groups = cache[L.B_RING].shape[1]
+    n = slot.shape[0]
+    dev = slot.device
+    # An empty "current token" (dt = 0, zeros) at entry `live` leaves the fold unchanged.
+    zx = torch.zeros(n, heads, L.HEAD_DIM, device=dev)
+    zB = torch.zeros(n, groups, L.STATE_DIM, device=dev)
+    zdt = torch.zeros(n, heads, device=dev)
+    s = fold(cache, slot, zx, zdt, zB, A.float(), live)
+    return s

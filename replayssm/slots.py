@@ -1,0 +1,79 @@
+"""Slot allocation for a scheduler: slot 0 (`NULL_SLOT`) is the padding slot and is never
+handed out."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+import torch
+
+NULL_SLOT = 0
+
+
+@attrs.define
+class SlotAllocator:
+    """Hands out unique slot ids in [1, num_slots - 1]; lowest free ids first."""
+
+    num_slots: int = attrs.field()
+    _free: list[int] = attrs.field(init=False, repr=False)
+    _used: set[int] = attrs.field(init=False, factory=set, repr=False)
+
+    @num_slots.validator
+    def _check_num_slots(self, _attr, value) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 2:
+            raise ValueError(f"num_slots must be an int >= 2 (slot 0 is reserved); got {value!r}")
+
+    def __attrs_post_init__(self) -> None:
+        # A stack popped from the end: lowest ids first.
+        self._free = list(range(self.num_slots - 1, NULL_SLOT, -1))
+
+    @property
+    def capacity(self) -> int:
+        return self.num_slots - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    def is_allocated(self, slot: int) -> bool:
+        return slot in self._used
+
+    def allocate(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """n unique slot ids as an int32 tensor; raises if fewer than n are free."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"n must be a non-negative int; got {n!r}")
+        if n > len(self._free):
+            raise RuntimeError(
+                f"cannot allocate {n} slots: {len(self._free)} of {self.capacity} are free"
+            )
+        ids = [self._free.pop() for _ in range(n)]
+        self._used.update(ids)
+        return torch.tensor(ids, dtype=torch.int32, device=device)
+
+    def release(self, slots: torch.Tensor | Iterable[int] | int) -> None:
+        """Return slots to the pool. Rejects (and changes nothing on) slot 0, ids out of
+        range, ids not allocated, and ids repeated in one call."""
+        if isinstance(slots, torch.Tensor):
+            ids = [int(s) for s in slots.reshape(-1).tolist()]
+        elif isinstance(slots, int):
+            ids = [slots]
+        else:
+            ids = [int(s) for s in slots]
+        for s in ids:
+            if s == NULL_SLOT:
+                raise ValueError("slot 0 is the padding slot and is never allocated; cannot release it")
+            if not 0 < s < self.num_slots:
+                raise ValueError(f"slot ids must be in [1, {self.num_slots - 1}]; got {s}")
+            if s not in self._used:
+                raise ValueError(f"slot {s} is not allocated (double release?)")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"slots to release must be unique; got {ids}")
+        for s in ids:
+            self._used.remove(s)
+            self._free.append(s)
+        self._free.sort(reverse=True)

@@ -1,0 +1,87 @@
+"""Synthetic but realistic Mamba-2 layer data and the exact FP64 recurrence.
+
+Shared by the demo, the tests, the benchmarks and the notebooks. Ranges follow Mamba-2's
+initialization: A = -exp(U(log 1, log 16)) per head, dt_bias = softplus^-1(dt0) with dt0
+log-uniform in [0.001, 0.1], D = 1, and the raw dt a small Gaussian around 0. Prefill
+states are the exact recurrence run over a random prompt, so they have the magnitudes a
+real prefill produces.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from .layout import HEAD_DIM, STATE_DIM
+
+
+@attrs.frozen
+class LayerParams:
+    A: torch.Tensor  # [H] float32, negative
+    D: torch.Tensor  # [H] float32
+    dt_bias: torch.Tensor  # [H] float32
+
+
+@attrs.frozen
+class Token:
+    x: torch.Tensor  # [b, H, 64] bf16
+    dt: torch.Tensor  # [b, H] float32 (raw, before softplus)
+    B: torch.Tensor  # [b, G, 128] bf16
+    C: torch.Tensor  # [b, G, 128] bf16
+
+
+def layer_params(heads: int, *, generator: torch.Generator, device="cpu") -> LayerParams:
+    u = torch.rand(heads, generator=generator)
+    A = -torch.exp(u * torch.log(torch.tensor(16.0)))
+    dt0 = torch.exp(torch.rand(heads, generator=generator) * (torch.log(torch.tensor(0.1)) - torch.log(torch.tensor(1e-3))) + torch.log(torch.tensor(1e-3)))
+    dt_bias = dt0 + torch.log(-torch.expm1(-dt0))  # softplus^-1(dt0)
+    D = torch.ones(heads)
+    return LayerParams(A.to(device), D.to(device), dt_bias.to(device))
+
+
+def token(batch: int, heads: int, groups: int, *, generator: torch.Generator, device="cpu") -> Token:
+    g = generator
+    x = torch.randn(batch, heads, HEAD_DIM, generator=g)
+    dt = 0.5 * torch.randn(batch, heads, generator=g)
+    B = torch.randn(batch, groups, STATE_DIM, generator=g)
+    C = torch.randn(batch, groups, STATE_DIM, generator=g)
+    return Token(
+        x.to(device, torch.bfloat16), dt.to(device), B.to(device, torch.bfloat16), C.to(device, torch.bfloat16)
+    )
+
+
+class ExactRecurrence:
+    """The Mamba-2 recurrence in FP64 (no quantization anywhere): the ground truth."""
+
+    def __init__(self, params: LayerParams, state: torch.Tensor):
+        self.p = params
+        self.S = state.double().clone()
+
+    def step(self, tok: Token) -> torch.Tensor:
+        heads = self.S.shape[1]
+        groups = tok.B.shape[1]
+        dt = torch.nn.functional.softplus(tok.dt.double() + self.p.dt_bias.double().to(tok.dt.device))
+        a = torch.exp(self.p.A.double().to(dt.device) * dt)
+        Bh = tok.B.double().repeat_interleave(heads // groups, 1)
+        Ch = tok.C.double().repeat_interleave(heads // groups, 1)
+        x = tok.x.double()
+        self.S = a[:, :, None, None] * self.S + (dt[:, :, None] * x)[:, :, :, None] * Bh[:, :, None, :]
+        return torch.einsum("bhpn,bhn->bhp", self.S, Ch) + self.p.D.double().to(x.device)[None, :, None] * x
+
+
+def prefill_states(
+    params: LayerParams, batch: int, groups: int, prompt_len: int, *, generator: torch.Generator, device="cpu"
+) -> torch.Tensor:
+    """FP32 states after an exact recurrence over `prompt_len` random tokens from zero."""
+    heads = params.A.shape[0]
+    rec = ExactRecurrence(params, torch.zeros(batch, heads, HEAD_DIM, STATE_DIM, dtype=torch.float64, device=device))
+    for _ in range(prompt_len):
+        rec.step(token(batch, heads, groups, generator=generator, device=device))
+    return rec.S.float()
+
+
+def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """10 log10(|ref|^2 / |ref - approx|^2) in dB."""
+    ref = reference.double()
+    err = (approx.double() - ref).pow(2).sum()
+    return float(10 * torch.log10(ref.pow(2).sum() / err.clamp_min(1e-300)))
