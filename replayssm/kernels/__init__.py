@@ -4,13 +4,23 @@
 `device`: the PyTorch reference on the CPU (and wherever kernels are missing), the
 Triton bookkeeping kernels on CUDA. Backends take inputs already validated and
 normalized by `replayssm.api`; they never validate user input themselves.
+
+The Triton kernels live in `replayssm.kernels.triton` and are imported on first use:
+`triton.jit` chooses between compiler and CPU interpreter when a kernel is defined, so
+TRITON_INTERPRET=1 (CPU tests) must be set before then; importing replayssm alone never
+imports Triton.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from .. import layout as L
 from .. import reference as ref
+
+BACKENDS = ("torch", "triton")
 
 
 class ReferenceBackend:
@@ -28,12 +38,120 @@ class ReferenceBackend:
         ref.decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4=nvfp4, seed=seed)
 
 
+class TritonBackend:
+    """Bookkeeping on Triton kernels: `initialize`, `clear` and the decode plan
+    (`prepare`); the decode math itself still runs on `reference.decode_nonflush` /
+    `reference.decode_flush`, fed the kernel-made plan, until the CuTe decode kernels land.
+
+    Runs on CUDA, and on the CPU when Triton interprets (TRITON_INTERPRET=1, for tests).
+
+    Plan scratch: `prepare` / `decode` write the plan into a `PlanScratch` so a step
+    allocates no device memory. A caller may pass its own (`scratch=`, e.g. one per cache
+    sized for its max batch, or one per stream); otherwise the backend keeps one per
+    (device, capacity), the capacity being the batch rounded up to a power of two (at
+    least 64). Those shared buffers assume one stream per device: a plan is consumed by
+    the kernels launched right after it, before the next `prepare` on the same stream can
+    overwrite it. Create them before CUDA-graph capture (`warmup` does) so that a captured
+    graph and eager calls use the same buffers.
+    """
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._scratch: dict[tuple[torch.device, int], object] = {}
+
+    @staticmethod
+    def _kernels():
+        from . import triton as kernels
+
+        return kernels
+
+    def scratch(self, device: torch.device | str, rows: int):
+        """The shared `PlanScratch` with room for `rows` rows on `device`."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        capacity = max(64, 1 << max(rows - 1, 0).bit_length())
+        key = (device, capacity)
+        buf = self._scratch.get(key)
+        if buf is None:
+            buf = self._kernels().PlanScratch(capacity, device)
+            self._scratch[key] = buf
+        return buf
+
+    def initialize(self, cache, states, ids, *, nvfp4: bool, seed: int) -> None:
+        self._kernels().initialize(cache, states, ids, nvfp4=nvfp4, seed=seed)
+
+    def clear(self, cache, ids) -> None:
+        self._kernels().clear(cache, ids)
+
+    def prepare(self, cache, ids, out, *, nvfp4: bool, seed: int, scratch=None) -> ref.Plan:
+        """Kernel twin of `reference.prepare_decode`; returns views into the scratch."""
+        if scratch is None:
+            scratch = self.scratch(ids.device, ids.numel())
+        return self._kernels().prepare_decode(cache, ids, out, scratch, nvfp4=nvfp4, seed=seed)
+
+    def decode(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, nvfp4: bool, seed: int, scratch=None) -> None:
+        plan = self.prepare(cache, ids, out, nvfp4=nvfp4, seed=seed, scratch=scratch)
+        ref.decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4)
+        ref.decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4, seed=seed)
+
+    def warmup(self, cache) -> list[str]:
+        """Compile the bookkeeping kernels for a `ReplaySSMCache` and create its plan
+        scratch, changing nothing in the cache: every launch uses padding rows only
+        (slot 0), which write nothing but their own output rows."""
+        nvfp4 = L.is_nvfp4(cache.state_dtype)
+        tensors, device = cache.tensors, cache.tensors[L.CHECKPOINT].device
+        heads = tensors[L.CHECKPOINT].shape[1]
+        scratch = self.scratch(device, cache.max_batch)
+        zero_state = torch.zeros(1, heads, L.HEAD_DIM, L.STATE_DIM, device=device)
+        out = torch.empty(2, heads, L.HEAD_DIM, dtype=torch.bfloat16, device=device)
+        names = []
+        for dtype in (torch.int32, torch.int64):
+            ids = torch.zeros(2, dtype=dtype, device=device)
+            # Contiguous and broadcast (stride-0, as `reset` passes) prefill states.
+            self.initialize(tensors, zero_state.repeat(2, 1, 1, 1), ids, nvfp4=nvfp4, seed=cache.seed)
+            self.initialize(tensors, zero_state.expand(2, -1, -1, -1), ids, nvfp4=nvfp4, seed=cache.seed)
+            self.prepare(tensors, ids, out, nvfp4=nvfp4, seed=cache.seed, scratch=scratch)
+            names += [f"triton.initialize[{dtype}]", f"triton.clear[{dtype}]", f"triton.prepare[{dtype}]"]
+        return names
+
+
 REFERENCE = ReferenceBackend()
+_TRITON: TritonBackend | None = None
+
+
+def triton_backend() -> TritonBackend:
+    """The process-wide `TritonBackend` (its shared plan scratch lives there)."""
+    global _TRITON
+    if _TRITON is None:
+        _TRITON = TritonBackend()
+    return _TRITON
+
+
+def _triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def backend_for(device: torch.device | str, prefer: str | None = None):
-    """The backend for tensors on `device` (`prefer="torch"` forces the reference)."""
+    """The backend for tensors on `device`: Triton on CUDA, the reference elsewhere.
+
+    `prefer="torch"` forces the reference; `prefer="triton"` asks for the Triton backend,
+    which on a non-CUDA device needs the Triton interpreter (TRITON_INTERPRET=1)."""
+    if prefer is not None and prefer not in BACKENDS:
+        raise ValueError(f"prefer must be None or one of {BACKENDS}; got {prefer!r}")
+    if prefer == "torch":
+        return REFERENCE
+    device = torch.device(device)
+    if device.type == "cuda":
+        return triton_backend()
+    if prefer == "triton":
+        if not _triton_interpreting():
+            raise ValueError(
+                f"the triton backend needs a CUDA device or TRITON_INTERPRET=1; got device {device}"
+            )
+        return triton_backend()
     return REFERENCE
 
 
-__all__ = ["ReferenceBackend", "REFERENCE", "backend_for"]
+__all__ = ["BACKENDS", "ReferenceBackend", "TritonBackend", "REFERENCE", "backend_for", "triton_backend"]

@@ -1,0 +1,67 @@
+"""Head-amax kernel: max |value| of each (row, head) of FP32 prefill states, as FP32 bits.
+
+The first of the two NVFP4 initialize launches. The group amax that sets a group's
+second-level scale spans 8 or 16 heads, i.e. many encode programs; reducing it in a
+separate launch (ordered before the encode launch by the stream) lets every encode program
+read the finished value, with no atomics and no race. The max is taken on the integer bits
+of |value| (for non-negative FP32, integer order is value order), so it is exact and
+independent of reduction order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import interpreting
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _head_amax_kernel(
+    p_states,
+    p_ids,
+    p_hmax,
+    stride_ids,
+    stride_sb,
+    stride_sh,
+    stride_sp,
+    stride_sn,
+    num_slots,
+    H: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    i_h = tl.program_id(1)
+    slot = tl.load(p_ids + i_b.to(tl.int64) * stride_ids)
+    valid = (slot > 0) & (slot < num_slots)
+    o_p = tl.arange(0, BLOCK_P)
+    o_n = tl.arange(0, 128)
+    p_x = p_states + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh
+    b_max = tl.zeros([BLOCK_P, 128], tl.int32)
+    for i_p in range(0, 64 // BLOCK_P):
+        o_row = (i_p * BLOCK_P + o_p).to(tl.int64)
+        b_x = tl.load(p_x + o_row[:, None] * stride_sp + o_n[None, :].to(tl.int64) * stride_sn, mask=valid, other=0.0)
+        b_max = tl.maximum(b_max, b_x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    b_amax = tl.max(tl.max(b_max, axis=1), axis=0)
+    tl.store(p_hmax + i_b.to(tl.int64) * H + i_h, b_amax, mask=valid)
+
+
+def head_amax(states: torch.Tensor, ids: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """int32 [batch, H]: FP32 bits of max |states[b, h]| for valid rows (other rows are
+    left unwritten and must not be read)."""
+    batch, heads = states.shape[:2]
+    hmax = torch.empty(batch, heads, dtype=torch.int32, device=states.device)
+    block_p = 64 if interpreting() else 16
+    _head_amax_kernel[(batch, heads)](
+        states,
+        ids,
+        hmax,
+        ids.stride(0),
+        *states.stride(),
+        num_slots,
+        H=heads,
+        BLOCK_P=block_p,
+        num_warps=4,
+    )
+    return hmax

@@ -1,0 +1,156 @@
+"""Prepare kernel: the per-row decode plan (`reference.Plan`), bit-exact with
+`reference.prepare_decode`, written into caller-owned scratch.
+
+Grid (batch,): program i_b reads row i_b's slot id and
+- writes the plan row: valid, slot (0 for padding rows), ring_index = positions[slot] mod
+  16, flush = valid and ring_index == 15, key = stream tag of (seed, slot, position) and
+  old_parity (NVFP4 flush rows: parity[slot] before the step; 0 otherwise). Padding rows
+  get the reference's values too (slot 0, position 0, key of slot 0 at position 0);
+- zeroes output row i_b when it is padding;
+- advances positions[slot] by one (valid rows);
+- NVFP4 flush rows: flips parity[slot] and zeroes meta[slot, g, old_parity] for every
+  group g, the half that becomes the amax accumulator of the flush.
+Live slots are unique (API precondition), so each slot's positions / parity / meta are
+touched by one program only; padding rows write nothing in the cache. No host sync, no
+allocation: a CUDA graph captures the launch with the seed baked in, and freshness comes
+from the device-resident positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import layout as L
+from ...quant.rng import seed_key
+from ...reference import Plan
+from .bits import stream_key
+from .launch import int32_pattern
+
+
+@triton.jit(do_not_specialize=["num_slots", "seed_key"])
+def _prepare_kernel(
+    p_ids,
+    p_pos,
+    p_parity,
+    p_meta,
+    p_out,
+    p_valid,
+    p_slot,
+    p_ring,
+    p_flush,
+    p_key,
+    p_old,
+    stride_ids,
+    stride_pos,
+    stride_parity,
+    stride_meta,
+    num_slots,
+    seed_key,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    OUT_ROW: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+    NVFP4: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    raw = tl.load(p_ids + i_b.to(tl.int64) * stride_ids)
+    valid = (raw > 0) & (raw < num_slots)
+    slot = tl.where(valid, raw, 0).to(tl.int64)
+    pos = tl.load(p_pos + slot * stride_pos, mask=valid, other=0)
+    ring = pos & 15  # == pos mod 16 for every int32 (two's complement), as the reference's int64 %
+    flush = valid & (ring == 15)
+    key = stream_key(seed_key, slot, pos)
+    tl.store(p_pos + slot * stride_pos, pos + 1, mask=valid)
+    old = tl.zeros([], tl.int32)
+    if NVFP4:
+        old = tl.load(p_parity + slot * stride_parity, mask=flush, other=0)
+        tl.store(p_parity + slot * stride_parity, 1 - old, mask=flush)
+        o_g = tl.arange(0, BLOCK_G)
+        tl.store(p_meta + slot * stride_meta + o_g * 2 + old, tl.zeros([BLOCK_G], tl.float32), mask=flush & (o_g < G))
+    o_out = tl.arange(0, BLOCK_OUT)
+    tl.store(p_out + i_b.to(tl.int64) * OUT_ROW + o_out, tl.zeros([BLOCK_OUT], tl.int16), mask=(o_out < OUT_ROW) & ~valid)
+    tl.store(p_valid + i_b, valid.to(tl.int8))
+    tl.store(p_slot + i_b, slot)
+    tl.store(p_ring + i_b, ring.to(tl.int64))
+    tl.store(p_flush + i_b, flush.to(tl.int8))
+    tl.store(p_key + i_b, key.to(tl.int64))
+    tl.store(p_old + i_b, old.to(tl.int64))
+
+
+class PlanScratch:
+    """Device buffers for the plan of up to `rows` batch rows, in `reference.Plan`'s dtypes:
+    valid / flush bool, slot / ring_index / old_parity int64, key int64 holding the uint32
+    stream tag (0 .. 2**32 - 1, as quant/rng.py `stream_key` returns it).
+
+    `plan(batch)` returns views of the first `batch` rows, so a decode step allocates no
+    device memory. A later `prepare_decode` into the same scratch overwrites them: consume
+    a plan (launch the kernels that read it) before preparing the next one on that stream.
+    """
+
+    def __init__(self, rows: int, device: torch.device | str) -> None:
+        self.rows = rows
+        self.device = torch.device(device)
+        self.valid = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.slot = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.ring_index = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.flush = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.key = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.old_parity = torch.zeros(rows, dtype=torch.int64, device=device)
+
+    def plan(self, batch: int) -> Plan:
+        return Plan(
+            self.valid[:batch],
+            self.slot[:batch],
+            self.ring_index[:batch],
+            self.flush[:batch],
+            self.key[:batch],
+            self.old_parity[:batch],
+        )
+
+
+def prepare_decode(cache, ids: torch.Tensor, out: torch.Tensor, scratch: PlanScratch, *, nvfp4: bool, seed: int) -> Plan:
+    """Plan of the rows of `ids` (int32/int64 [batch], batch <= scratch.rows) into
+    `scratch`; zero the padding rows of `out` (contiguous [batch, H, 64], 2-byte dtype);
+    advance positions; NVFP4 flush rows flip parity and zero the accumulator half of meta.
+    Separate mode only (positions [S])."""
+    ids = ids.reshape(-1)
+    batch = ids.numel()
+    plan = scratch.plan(batch)
+    if batch == 0:
+        return plan
+    pos = cache[L.POSITIONS]
+    if nvfp4:
+        meta, parity = cache[L.META], cache[L.PARITY]
+        groups = meta.shape[1]
+    else:
+        meta = parity = pos  # unused (the NVFP4 branch is compiled out)
+        groups = 1
+    out_row = out[0].numel()
+    _prepare_kernel[(batch,)](
+        ids,
+        pos,
+        parity,
+        meta,
+        out.view(torch.int16),
+        scratch.valid.view(torch.int8),
+        scratch.slot,
+        scratch.ring_index,
+        scratch.flush.view(torch.int8),
+        scratch.key,
+        scratch.old_parity,
+        ids.stride(0),
+        pos.stride(0),
+        parity.stride(0),
+        meta.stride(0),
+        cache[L.CHECKPOINT].shape[0],
+        int32_pattern(seed_key(seed)),
+        G=groups,
+        BLOCK_G=triton.next_power_of_2(groups),
+        OUT_ROW=out_row,
+        BLOCK_OUT=triton.next_power_of_2(out_row),
+        NVFP4=nvfp4,
+        num_warps=4,
+    )
+    return plan
