@@ -14,6 +14,8 @@ imports Triton.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -36,6 +38,13 @@ class ReferenceBackend:
 
     def decode(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, nvfp4: bool, seed: int) -> None:
         ref.decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4=nvfp4, seed=seed)
+
+
+class _TritonKernels(NamedTuple):
+    initialize: Callable
+    clear: Callable
+    prepare_decode: Callable
+    PlanScratch: type
 
 
 class TritonBackend:
@@ -62,9 +71,9 @@ class TritonBackend:
 
     @staticmethod
     def _kernels():
-        from . import triton as kernels
+        from .triton import clear, initialize, prepare
 
-        return kernels
+        return _TritonKernels(initialize.initialize, clear.clear, prepare.prepare_decode, prepare.PlanScratch)
 
     def scratch(self, device: torch.device | str, rows: int):
         """The shared `PlanScratch` with room for `rows` rows on `device`."""

@@ -1,14 +1,10 @@
-"""Triton bookkeeping kernels: prefill initialization, slot clearing and the per-step
-decode plan. Bit-exact with `replayssm.reference` (same quantizers, same random hash,
-see `bits.py`); they run under the Triton interpreter on CPU (TRITON_INTERPRET=1, set
-before this package is imported) and compiled on CUDA.
+"""Triton kernels. The bookkeeping ones -- `initialize.py` (with `head_amax.py`),
+`clear.py`, `prepare.py` -- are bit-exact with `replayssm.reference` (same quantizers, same
+random hash: `bits.py`) and run under the Triton interpreter on CPU (TRITON_INTERPRET=1)
+as well as compiled on CUDA.
 
-Import this package lazily: `triton.jit` picks interpreter or compiler when a kernel is
-defined, so the environment must be settled first (`replayssm.kernels` does so).
+Import the modules lazily, after the environment is settled: `triton.jit` picks
+interpreter or compiler when a kernel is defined. Launchers are imported from their
+modules (`from replayssm.kernels.triton.clear import clear`); this package re-exports
+nothing, so module and launcher names never shadow each other.
 """
-
-from .clear import clear
-from .initialize import initialize
-from .prepare import PlanScratch, prepare_decode
-
-__all__ = ["clear", "initialize", "prepare_decode", "PlanScratch"]

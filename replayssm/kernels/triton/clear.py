@@ -39,14 +39,15 @@ def _clear_kernel(
     i_b = tl.program_id(0)
     i_c = tl.program_id(1)
     slot = tl.load(p_ids + i_b.to(tl.int64) * stride_ids)
-    valid = (slot > 0) & (slot < num_slots)
-    slot = tl.where(valid, slot, 0).to(tl.int64)
+    if (slot <= 0) | (slot >= num_slots):  # padding row
+        return
+    slot = slot.to(tl.int64)
     o = i_c * BLOCK + tl.arange(0, BLOCK)
-    tl.store(p_x + slot * stride_x + o, tl.zeros([BLOCK], tl.int16), mask=valid & (o < N_X))
-    tl.store(p_dt + slot * stride_dt + o, tl.zeros([BLOCK], tl.int32), mask=valid & (o < N_DT))
-    tl.store(p_b + slot * stride_b + o, tl.zeros([BLOCK], tl.int16), mask=valid & (o < N_B))
+    tl.store(p_x + slot * stride_x + o, tl.zeros([BLOCK], tl.int16), mask=o < N_X)
+    tl.store(p_dt + slot * stride_dt + o, tl.zeros([BLOCK], tl.int32), mask=o < N_DT)
+    tl.store(p_b + slot * stride_b + o, tl.zeros([BLOCK], tl.int16), mask=o < N_B)
     o_w = tl.arange(0, POS_WIDTH)
-    tl.store(p_pos + slot * stride_pos + o_w, tl.zeros([POS_WIDTH], tl.int32), mask=valid & (i_c == 0))
+    tl.store(p_pos + slot * stride_pos + o_w, tl.zeros([POS_WIDTH], tl.int32), mask=i_c == 0)
 
 
 def clear(cache, ids: torch.Tensor) -> None:

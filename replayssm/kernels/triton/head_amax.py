@@ -29,22 +29,30 @@ def _head_amax_kernel(
     stride_sn,
     num_slots,
     H: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
     slot = tl.load(p_ids + i_b.to(tl.int64) * stride_ids)
-    valid = (slot > 0) & (slot < num_slots)
+    if (slot <= 0) | (slot >= num_slots):  # padding row
+        return
+    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
     o_p = tl.arange(0, BLOCK_P)
     o_n = tl.arange(0, 128)
-    p_x = p_states + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh
-    b_max = tl.zeros([BLOCK_P, 128], tl.int32)
+    p_x = (
+        p_states
+        + i_b.to(tl.int64) * stride_sb
+        + o_h[:, None, None].to(tl.int64) * stride_sh
+        + o_n[None, None, :].to(tl.int64) * stride_sn
+    )
+    b_max = tl.zeros([BLOCK_H, BLOCK_P, 128], tl.int32)
     for i_p in range(0, 64 // BLOCK_P):
         o_row = (i_p * BLOCK_P + o_p).to(tl.int64)
-        b_x = tl.load(p_x + o_row[:, None] * stride_sp + o_n[None, :].to(tl.int64) * stride_sn, mask=valid, other=0.0)
+        b_x = tl.load(p_x + o_row[None, :, None] * stride_sp)
         b_max = tl.maximum(b_max, b_x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-    b_amax = tl.max(tl.max(b_max, axis=1), axis=0)
-    tl.store(p_hmax + i_b.to(tl.int64) * H + i_h, b_amax, mask=valid)
+    b_amax = tl.max(tl.max(b_max, axis=2), axis=1)
+    tl.store(p_hmax + i_b.to(tl.int64) * H + o_h, b_amax)
 
 
 def head_amax(states: torch.Tensor, ids: torch.Tensor, num_slots: int) -> torch.Tensor:
@@ -52,8 +60,9 @@ def head_amax(states: torch.Tensor, ids: torch.Tensor, num_slots: int) -> torch.
     left unwritten and must not be read)."""
     batch, heads = states.shape[:2]
     hmax = torch.empty(batch, heads, dtype=torch.int32, device=states.device)
-    block_p = 64 if interpreting() else 16
-    _head_amax_kernel[(batch, heads)](
+    # Interpreter: one program per batch row (H is a multiple of 8); GPU: one per head.
+    block_h, block_p = (min(16, heads & -heads), 64) if interpreting() else (1, 16)
+    _head_amax_kernel[(batch, heads // block_h)](
         states,
         ids,
         hmax,
@@ -61,6 +70,7 @@ def head_amax(states: torch.Tensor, ids: torch.Tensor, num_slots: int) -> torch.
         *states.stride(),
         num_slots,
         H=heads,
+        BLOCK_H=block_h,
         BLOCK_P=block_p,
         num_warps=4,
     )

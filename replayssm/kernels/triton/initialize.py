@@ -39,7 +39,7 @@ from .clear import clear
 from .head_amax import head_amax
 from .launch import int32_pattern, interpreting
 
-ONE_SIXTH_BITS = 0x3E2AAAAB  # FP32(1/6), the constant quant/formats.py multiplies by
+ONE_SIXTH_BITS = tl.constexpr(0x3E2AAAAB)  # FP32(1/6), the constant quant/formats.py multiplies by
 
 
 @triton.jit(do_not_specialize=["num_slots", "seed_key"])
@@ -72,8 +72,9 @@ def _initialize_kernel(
     i_b = tl.program_id(0)
     i_r = tl.program_id(1)
     slot = tl.load(p_ids + i_b.to(tl.int64) * stride_ids)
-    valid = (slot > 0) & (slot < num_slots)
-    slot = tl.where(valid, slot, 0).to(tl.int64)
+    if (slot <= 0) | (slot >= num_slots):  # padding row: writes nothing
+        return
+    slot = slot.to(tl.int64)
 
     o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)  # state rows h * 64 + p of the slot
     o_bk = tl.arange(0, 8)  # 16-element blocks of a row
@@ -89,8 +90,8 @@ def _initialize_kernel(
         + (o_row & 63).to(tl.int64) * stride_sp
         + o_n * stride_sn
     )
-    b_xe = tl.load(p_x, mask=valid, other=0.0)
-    b_xo = tl.load(p_x + stride_sn, mask=valid, other=0.0)
+    b_xe = tl.load(p_x)
+    b_xo = tl.load(p_x + stride_sn)
 
     # FP16 checkpoint, stochastic rounding; stream tag at position INIT_POSITION (2**32 - 1).
     key = stream_key(seed_key, slot, tl.full([], -1, tl.int32))
@@ -98,8 +99,8 @@ def _initialize_kernel(
     b_ce = encode_fp16_sr(b_xe, b_w & 0x1FFF)
     b_co = encode_fp16_sr(b_xo, (b_w >> 16) & 0x1FFF)
     p_c = p_ckpt + slot * stride_ckpt + o_row.to(tl.int64) * 128 + o_n
-    tl.store(p_c, b_ce.to(tl.int16), mask=valid)
-    tl.store(p_c + 1, b_co.to(tl.int16), mask=valid)
+    tl.store(p_c, b_ce.to(tl.int16))
+    tl.store(p_c + 1, b_co.to(tl.int16))
 
     b_ae = b_xe.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     b_ao = b_xo.to(tl.int32, bitcast=True) & 0x7FFFFFFF
@@ -107,7 +108,7 @@ def _initialize_kernel(
     if NVFP4:
         o_g = (o_r >> 6) // HPG  # group of each row
         o_hg = o_g[:, None] * HPG + tl.arange(0, HPG)[None, :]  # the group's heads
-        b_gbits = tl.max(tl.load(p_hmax + i_b.to(tl.int64) * H + o_hg, mask=valid, other=0), axis=1)
+        b_gbits = tl.max(tl.load(p_hmax + i_b.to(tl.int64) * H + o_hg), axis=1)
         e_g = pow2_exponent_above(b_gbits, 0x280000, 7)  # [BLOCK_R]
         gs = f32_exp2(e_g)[:, None]
         igs = f32_exp2(-e_g)[:, None]
@@ -120,24 +121,24 @@ def _initialize_kernel(
         b_qe = encode_e2m1_rn(b_xe * b_r) & 0xF
         b_qo = encode_e2m1_rn(b_xo * b_r) & 0xF
         p_q = p_read + slot * stride_read + o_row.to(tl.int64) * 64 + o_pair
-        tl.store(p_q, (b_qe | (b_qo << 4)).to(tl.uint8), mask=valid)
+        tl.store(p_q, (b_qe | (b_qo << 4)).to(tl.uint8))
         p_s = p_scales + slot * stride_scales + o_r[:, None].to(tl.int64) * 8 + o_bk[None, :]
-        tl.store(p_s, b_s.to(tl.uint8), mask=valid)
+        tl.store(p_s, b_s.to(tl.uint8))
         # The group's first row (head g * HPG, p = 0) writes both halves of meta[slot, g].
         o_half = tl.arange(0, 2)[None, :]
         first = (o_r % (HPG * 64) == 0)[:, None]
         b_gamax = b_gbits.to(tl.float32, bitcast=True)[:, None] + tl.zeros([BLOCK_R, 2], tl.float32)
-        tl.store(p_meta + slot * stride_meta + o_g[:, None] * 2 + o_half, b_gamax, mask=valid & first)
-        tl.store(p_parity + slot * stride_parity, tl.zeros([], tl.int32), mask=valid & (i_r == 0))
+        tl.store(p_meta + slot * stride_meta + o_g[:, None] * 2 + o_half, b_gamax, mask=first)
+        tl.store(p_parity + slot * stride_parity, tl.zeros([], tl.int32), mask=i_r == 0)
     else:
         e_r = pow2_exponent_above(tl.max(b_bmax, axis=1), 0x600000, 8)  # [BLOCK_R]
         inv = f32_exp2(-e_r)[:, None, None]
         b_qe = encode_e4m3_rn(b_xe * inv)
         b_qo = encode_e4m3_rn(b_xo * inv)
         p_q = p_read + slot * stride_read + o_row.to(tl.int64) * 128 + o_n
-        tl.store(p_q, b_qe.to(tl.uint8), mask=valid)
-        tl.store(p_q + 1, b_qo.to(tl.uint8), mask=valid)
-        tl.store(p_scales + slot * stride_scales + o_r, f32_exp2(e_r), mask=valid)
+        tl.store(p_q, b_qe.to(tl.uint8))
+        tl.store(p_q + 1, b_qo.to(tl.uint8))
+        tl.store(p_scales + slot * stride_scales + o_r, f32_exp2(e_r))
 
 
 def initialize(cache, states: torch.Tensor, ids: torch.Tensor, *, nvfp4: bool, seed: int) -> None:

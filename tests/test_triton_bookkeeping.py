@@ -1,0 +1,562 @@
+"""Triton bookkeeping kernels (initialize, clear, prepare) against the PyTorch reference,
+bit for bit (every cache tensor and plan field compared through integer views, so NaN
+poison compares too). On CPU the kernels run in the Triton interpreter (tests/conftest.py
+sets TRITON_INTERPRET=1), at tiny shapes; the `gpu` tests run them compiled at serving
+shapes and capture the prepare kernel in a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from replayssm import layout as L
+from replayssm import reference as ref
+from replayssm.kernels import REFERENCE, TritonBackend, backend_for
+from replayssm.kernels.triton import bits as K
+from replayssm.kernels.triton.clear import clear
+from replayssm.kernels.triton.initialize import initialize
+from replayssm.kernels.triton.prepare import PlanScratch, prepare_decode
+from replayssm.quant import minifloat as M
+from replayssm.quant import rng
+
+HAS_CUDA = torch.cuda.is_available()
+INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.bool else t.view(INT_VIEW[t.element_size()])
+
+
+def assert_same_cache(got, want):
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"cache[{i}]"
+        assert torch.equal(as_bits(a).cpu(), as_bits(b).cpu()), f"cache[{i}] differs"
+
+
+def assert_same_plan(got: ref.Plan, want: ref.Plan):
+    for name in ref.Plan._fields:
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype, f"plan.{name}: {a.dtype} vs {b.dtype}"
+        assert torch.equal(a.cpu(), b.cpu()), f"plan.{name}: {a.tolist()} vs {b.tolist()}"
+
+
+def twin_caches(slots, heads, groups, fmt, device="cpu", *, garbage=True, gen=None, **alloc):
+    """Two identical caches; with `garbage`, rings / positions / parity hold junk (NaN in
+    the float rings) that an initialize or clear must overwrite."""
+    a = L.allocate_cache(slots, heads, groups, fmt, device, **alloc)
+    if garbage:
+        g = gen or torch.Generator().manual_seed(1)
+        a[L.X_RING].copy_(torch.randn(a[L.X_RING].shape, generator=g))
+        a[L.X_RING][:, :, 3] = float("nan")
+        a[L.DT_RING].copy_(torch.rand(a[L.DT_RING].shape, generator=g))
+        a[L.B_RING].copy_(torch.randn(a[L.B_RING].shape, generator=g))
+        a[L.POSITIONS].copy_(torch.randint(1, 1000, a[L.POSITIONS].shape, generator=g))
+        if fmt == "nvfp4":
+            a[L.PARITY].copy_(torch.randint(0, 2, a[L.PARITY].shape, generator=g))
+    b = L.allocate_cache(slots, heads, groups, fmt, device, **alloc)
+    for x, y in zip(a, b):
+        as_bits(y).copy_(as_bits(x))
+    return a, b
+
+
+def prefill_like(batch, heads, gen, device="cpu"):
+    """FP32 states over a wide range: heads scaled 1e-8 .. 1e8, one all-zero head, FP16
+    subnormals and values beyond FP16's range, exact ties, signed zeros."""
+    s = torch.randn(batch, heads, 64, 128, generator=gen)
+    s = s * torch.logspace(-8, 8, heads).view(1, heads, 1, 1)
+    s[:, 0] = 0.0
+    s[:, 0, 0, :8] = -0.0
+    s[:, 1, 1, :16] = torch.tensor([1e-6, -3e-7, 6e-8, 1e5, -7e4, 65520.0, 65519.0, 0.5] * 2)
+    s[:, 2, :, 5] = 448.0 * 2.0 ** torch.arange(-30, 34).float()
+    return s.to(device)
+
+
+# ---------------------------------------------------------------------------------------
+# Encoders and hash on vectors
+
+
+@triton.jit
+def _encode_probe(p_x, p_r, p_o, N: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr):
+    o = tl.arange(0, N)
+    x = tl.load(p_x + o)
+    r = tl.load(p_r + o)
+    if FMT == 0:
+        c = K.encode_fp16_sr(x, r) if SR else K.encode_fp16_rn(x)
+    elif FMT == 1:
+        c = K.encode_e4m3_sr(x, r) if SR else K.encode_e4m3_rn(x)
+    else:
+        c = K.encode_e2m1_sr(x, r) if SR else K.encode_e2m1_rn(x)
+    tl.store(p_o + o, c)
+
+
+@triton.jit
+def _hash_probe(p_slot, p_pos, p_idx, p_key, p_word, seed_key, N: tl.constexpr):
+    o = tl.arange(0, N)
+    key = K.stream_key(seed_key, tl.load(p_slot + o), tl.load(p_pos + o))
+    tl.store(p_key + o, key.to(tl.int64))
+    tl.store(p_word + o, K.random_word(key, tl.load(p_idx + o)).to(tl.int64))
+
+
+@triton.jit
+def _decode_e4m3_probe(p_c, p_o, N: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(p_o + o, K.decode_e4m3_pos(tl.load(p_c + o)))
+
+
+def _probe_inputs(n, gen):
+    """FP32 bit patterns with every exponent field equally likely (all signs, zeros,
+    subnormals, infinities, NaNs), plus hand-picked values: ties, saturation edges."""
+    ef = torch.randint(0, 256, (n,), generator=gen, dtype=torch.int64)
+    raw = torch.randint(0, 2**32, (n,), generator=gen, dtype=torch.int64)
+    x = M.bits_f32((raw & 0x807FFFFF) | (ef << 23))
+    special = torch.tensor(
+        [0.0, -0.0, 0.25, 0.75, 1.25, 2.5, 5.0, 6.0, 7.0, -6.5, 448.0, 464.0, 480.0, 65504.0, 65520.0,
+         2.0**-9, 2.0**-10, 3 * 2.0**-11, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 1e-30,
+         float("inf"), -float("inf"), float("nan")]
+    )
+    x[: special.numel()] = special
+    r = torch.randint(0, 2**31, (n,), generator=gen, dtype=torch.int64)
+    r[::7] = 0x7FFFFFFF  # all random bits set: the largest round-up increment
+    return x, r.to(torch.int32)
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["rn", "sr"])
+@pytest.mark.parametrize("fmt_i, fmt", [(0, M.FP16), (1, M.E4M3), (2, M.E2M1)], ids=["fp16", "e4m3", "e2m1"])
+def test_encoders_match_reference(fmt_i, fmt, stochastic):
+    x, r = _probe_inputs(1 << 14, torch.Generator().manual_seed(10 + fmt_i))
+    out = torch.empty(x.numel(), dtype=torch.int32)
+    _encode_probe[(1,)](x, r, out, x.numel(), fmt_i, stochastic)
+    want = M.encode(x, fmt, r.to(torch.int64) if stochastic else None)
+    assert torch.equal(out.to(torch.int64), want)
+
+
+def test_fp16_stochastic_far_subnormal():
+    """The reference clamps the shift at 40 in int64; the kernel's int32 rewrite must agree
+    where rounding up to the smallest FP16 subnormal is still possible (shift 32..36)."""
+    ef = torch.arange(84, 100, dtype=torch.int64).repeat_interleave(256)  # shifts 27 .. 42
+    mant = torch.randint(0, 1 << 23, ef.shape, generator=torch.Generator().manual_seed(3))
+    x = M.bits_f32((ef << 23) | mant)
+    r = torch.full_like(ef, 0x1FFF).to(torch.int32)
+    r[1::2] = 0x1FF0
+    out = torch.empty(x.numel(), dtype=torch.int32)
+    _encode_probe[(1,)](x, r, out, x.numel(), 0, True)
+    want = M.encode(x, M.FP16, r.to(torch.int64))
+    assert torch.equal(out.to(torch.int64), want)
+    assert int(want.sum()) > 0  # some of them do round up
+
+
+def test_decode_e4m3_all_codes():
+    codes = torch.arange(128, dtype=torch.int32)
+    out = torch.empty(128, dtype=torch.float32)
+    _decode_e4m3_probe[(1,)](codes, out, 128)
+    want = M.decode_e4m3(codes)
+    assert torch.equal(out.view(torch.int32)[:127], want.view(torch.int32)[:127])
+    assert out[127].isnan() and want[127].isnan()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 12345, 2**32 + 7, 2**64 - 1, -5])
+def test_hash_matches_reference(seed):
+    g = torch.Generator().manual_seed(4)
+    n = 512
+    slot = torch.randint(0, 2**31, (n,), generator=g, dtype=torch.int64)
+    pos = torch.randint(-(2**31), 2**31, (n,), generator=g).to(torch.int32)
+    idx = torch.randint(0, 2**31, (n,), generator=g).to(torch.int32)
+    key, word = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+    sk = rng.seed_key(seed)
+    _hash_probe[(1,)](slot, pos, idx, key, word, sk - (1 << 32) if sk >= 1 << 31 else sk, n)
+    want = rng.stream_key(seed, slot, pos)
+    assert torch.equal(key, want)
+    assert torch.equal(word, rng.random_words(want, idx))
+
+
+# ---------------------------------------------------------------------------------------
+# initialize
+
+INIT_CASES = [
+    pytest.param("fp8", 16, 2, [3, 0, 5, -1], torch.int32, "contiguous", 0, id="fp8-h16-g2-i32-pad"),
+    pytest.param("nvfp4", 16, 2, [3, 0, 5, -1], torch.int32, "contiguous", 0, id="nvfp4-h16-g2-i32-pad"),
+    pytest.param("fp8", 16, 2, [9, 2, 2**32 + 1, 0], torch.int64, "contiguous", 64, id="fp8-i64-big-slotstride"),
+    pytest.param("nvfp4", 16, 1, [2**32 + 4, 4, 6, 7], torch.int64, "contiguous", 64, id="nvfp4-g1-i64-slotstride"),
+    pytest.param("fp8", 16, 2, [1, 0, 4, 0], torch.int32, "broadcast", 0, id="fp8-broadcast"),
+    pytest.param("nvfp4", 16, 2, [1, 0, 4, 10], torch.int32, "broadcast", 64, id="nvfp4-broadcast-slotstride"),
+    pytest.param("fp8", 16, 2, [2, 8, 0], torch.int64, "transposed", 0, id="fp8-noncontig"),
+    pytest.param("nvfp4", 16, 2, [8, -7, 2], torch.int32, "sliced", 0, id="nvfp4-noncontig"),
+    pytest.param("nvfp4", 24, 3, [5, 0], torch.int32, "contiguous", 32, id="nvfp4-h24-g3"),
+]
+
+
+def _states(kind, batch, heads, gen, device="cpu"):
+    if kind == "contiguous":
+        return prefill_like(batch, heads, gen, device)
+    if kind == "broadcast":
+        return prefill_like(1, heads, gen, device).expand(batch, -1, -1, -1)
+    if kind == "transposed":  # strides (.., .., 1, 64)
+        return prefill_like(batch, heads, gen, device).transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert kind == "sliced"  # every other head, an offset window of the state dim
+    big = torch.randn(batch, 2 * heads, 64, 130, generator=gen).to(device)
+    big[:, ::2, :, 1:129] = prefill_like(batch, heads, gen, device)
+    return big[:, ::2, :, 1:129]
+
+
+@pytest.mark.parametrize("fmt, heads, groups, ids, id_dtype, kind, slot_padding", INIT_CASES)
+def test_initialize_matches_reference(fmt, heads, groups, ids, id_dtype, kind, slot_padding):
+    nvfp4 = fmt == "nvfp4"
+    gen = torch.Generator().manual_seed(5)
+    got, want = twin_caches(11, heads, groups, fmt, fill=float("nan"), slot_padding=slot_padding, gen=gen)
+    states = _states(kind, len(ids), heads, gen)
+    ids = torch.tensor(ids, dtype=id_dtype)
+    initialize(got, states, ids, nvfp4=nvfp4, seed=77)
+    ref.initialize(want, states, ids, nvfp4=nvfp4, seed=77)
+    assert_same_cache(got, want)
+    # Poison fully overwritten in the written slots (finite states give finite encodings).
+    live = ids[(ids > 0) & (ids < 11)].long()
+    for i in (L.CHECKPOINT, L.SCALES) + ((L.META,) if nvfp4 else ()):
+        assert not got[i][live].float().isnan().any(), f"cache[{i}] keeps NaN poison"
+    assert not got[L.READ_COPY][live].view(torch.uint8).eq(0x7F).any() or nvfp4
+
+
+def test_initialize_empty_batch_is_noop():
+    got, want = twin_caches(4, 16, 2, "fp8")
+    initialize(got, torch.zeros(0, 16, 64, 128), torch.zeros(0, dtype=torch.int32), nvfp4=False, seed=0)
+    assert_same_cache(got, want)
+
+
+# ---------------------------------------------------------------------------------------
+# clear
+
+CLEAR_CASES = [
+    pytest.param("fp8", False, [2, 0, 5, 0, -3], torch.int32, 0, id="fp8-separate-i32-pad"),
+    pytest.param("nvfp4", False, [7, 12, 1], torch.int64, 64, id="nvfp4-separate-i64-slotstride"),
+    pytest.param("fp8", True, [1, 3, -1, 9], torch.int64, 64, id="fp8-pending-slotstride"),
+    pytest.param("nvfp4", True, [4, 0, 0, 2**33 + 2], torch.int64, 0, id="nvfp4-pending-i64-big"),
+]
+
+
+@pytest.mark.parametrize("fmt, pending, ids, id_dtype, slot_padding", CLEAR_CASES)
+def test_clear_matches_reference(fmt, pending, ids, id_dtype, slot_padding):
+    got, want = twin_caches(10, 16, 2, fmt, pending=pending, slot_padding=slot_padding)
+    ids = torch.tensor(ids, dtype=id_dtype)
+    clear(got, ids)
+    ref.clear(want, ids)
+    assert_same_cache(got, want)
+
+
+def test_clear_strided_ids():
+    got, want = twin_caches(10, 16, 2, "fp8")
+    ids = torch.tensor([3, 99, 0, 99, 6, 99], dtype=torch.int32)[::2]  # [3, 0, 6], stride 2
+    clear(got, ids)
+    ref.clear(want, ids.contiguous())
+    assert_same_cache(got, want)
+
+
+# ---------------------------------------------------------------------------------------
+# prepare
+
+PREP_CASES = [
+    pytest.param("fp8", [3, 0, 4, -1, 12, 0, 5, 7], torch.int64, 0, id="fp8-i64-pad"),
+    pytest.param("nvfp4", [3, 0, 4, -1, 12, 0, 5, 7], torch.int32, 64, id="nvfp4-i32-pad-slotstride"),
+    pytest.param("nvfp4", [2**32 + 3, 6, 8, 9, 1, 2], torch.int64, 0, id="nvfp4-i64-big"),
+]
+
+
+@pytest.mark.parametrize("fmt, ids, id_dtype, slot_padding", PREP_CASES)
+def test_prepare_matches_reference(fmt, ids, id_dtype, slot_padding):
+    nvfp4 = fmt == "nvfp4"
+    S, H, G = 10, 16, 2
+    gen = torch.Generator().manual_seed(6)
+    got, want = twin_caches(S, H, G, fmt, fill=float("nan"), slot_padding=slot_padding, gen=gen)
+    # Staggered positions: flush rows (15, 31, -1 = 2**32 - 1), the int32 wrap, plain rows.
+    pos = torch.tensor([0, 0, 17, 15, 31, 2**31 - 1, -1, 40, 46, 3], dtype=torch.int32)
+    for c in (got, want):
+        c[L.POSITIONS].copy_(pos)
+        if nvfp4:
+            c[L.META].copy_(torch.arange(S * G * 2, dtype=torch.float32).view(S, G, 2) + 0.5)
+    ids = torch.tensor(ids, dtype=id_dtype)
+    out_got = torch.randn(ids.numel(), H, 64, generator=gen).to(torch.bfloat16)
+    out_want = out_got.clone()
+    scratch = PlanScratch(16, "cpu")
+    plan = prepare_decode(got, ids, out_got, scratch, nvfp4=nvfp4, seed=2**40 + 3)
+    plan_want = ref.prepare_decode(want, ids, out_want, nvfp4=nvfp4, seed=2**40 + 3)
+    assert_same_plan(plan, plan_want)
+    assert torch.equal(out_got.view(torch.int16), out_want.view(torch.int16))
+    assert_same_cache(got, want)
+    assert plan.key.data_ptr() == scratch.key.data_ptr()  # views into the caller's scratch
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_prepare_period_sequence(fmt):
+    """17 steps of rows in phase (every row flushes at steps 0 and 16, none in between)
+    plus a padding row, int32 ids; plan, outputs and cache equal every step."""
+    nvfp4 = fmt == "nvfp4"
+    got, want = twin_caches(6, 16, 2, fmt, slot_padding=32)
+    for c in (got, want):
+        c[L.POSITIONS].fill_(15)
+    ids = torch.tensor([4, 0, 1, 5], dtype=torch.int32)
+    scratch = PlanScratch(4, "cpu")
+    flushes = []
+    for step in range(17):
+        out_got = torch.full((4, 16, 64), float("nan"), dtype=torch.bfloat16)
+        out_want = out_got.clone()
+        plan = prepare_decode(got, ids, out_got, scratch, nvfp4=nvfp4, seed=9)
+        plan_want = ref.prepare_decode(want, ids, out_want, nvfp4=nvfp4, seed=9)
+        assert_same_plan(plan, plan_want)
+        assert torch.equal(out_got.view(torch.int16), out_want.view(torch.int16))
+        assert_same_cache(got, want)
+        flushes.append(int(plan.flush.sum()))
+    assert flushes == [3] + [0] * 15 + [3]
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_backend_decode_matches_reference(fmt):
+    """TritonBackend.decode (prepare kernel + reference decode math) equals the reference
+    decode step by step, rows at staggered positions: slots 2 and 5 flush at step 3, slot
+    3 at step 6, and the steps after a flush read the re-derived read copy."""
+    from replayssm.synthetic import layer_params, token
+
+    nvfp4 = fmt == "nvfp4"
+    H, G = 8, 1
+    gen = torch.Generator().manual_seed(8)
+    params = layer_params(H, generator=gen)
+    got, want = twin_caches(6, H, G, fmt, garbage=False)
+    states = prefill_like(3, H, gen) * 1e-3
+    ids = torch.tensor([2, 5, 3], dtype=torch.int64)
+    ref.initialize(got, states, ids, nvfp4=nvfp4, seed=1)
+    ref.initialize(want, states, ids, nvfp4=nvfp4, seed=1)
+    for c in (got, want):
+        c[L.POSITIONS][2] = c[L.POSITIONS][5] = 12
+        c[L.POSITIONS][3] = 9
+    backend = TritonBackend()
+    batch_ids = torch.tensor([2, 0, 5, 3], dtype=torch.int64)
+    for step in range(8):
+        tok = token(4, H, G, generator=gen)
+        args = (tok.x, tok.dt, params.A, tok.B, tok.C, params.D[:, None].expand(H, 64), params.dt_bias)
+        out_got = torch.full((4, H, 64), float("nan"), dtype=torch.bfloat16)
+        out_want = out_got.clone()
+        backend.decode(got, *args, batch_ids, out_got, nvfp4=nvfp4, seed=1)
+        REFERENCE.decode(want, *args, batch_ids, out_want, nvfp4=nvfp4, seed=1)
+        assert torch.equal(out_got.view(torch.int16), out_want.view(torch.int16)), f"step {step}"
+        assert_same_cache(got, want)
+
+
+# ---------------------------------------------------------------------------------------
+# backend choice, scratch, warmup
+
+
+def test_backend_for():
+    assert backend_for("cpu") is REFERENCE
+    assert backend_for("cpu", prefer="torch") is REFERENCE
+    assert isinstance(backend_for("cpu", prefer="triton"), TritonBackend)  # interpreter on CPU CI
+    assert backend_for("cuda", prefer="torch") is REFERENCE
+    assert isinstance(backend_for("cuda"), TritonBackend)
+    with pytest.raises(ValueError, match="prefer"):
+        backend_for("cpu", prefer="cute!")
+
+
+def test_shared_scratch_is_reused():
+    backend = TritonBackend()
+    a = backend.scratch("cpu", 5)
+    assert a.rows == 64 and backend.scratch("cpu", 64) is a
+    assert backend.scratch("cpu", 65).rows == 128
+
+
+def test_warmup_changes_nothing():
+    from replayssm.cache import ReplaySSMCache
+
+    cache = ReplaySSMCache(4, 16, 2, "nvfp4", "cpu", seed=3, slot_padding=16)
+    before = [as_bits(t).clone() for t in cache.tensors]
+    names = TritonBackend().warmup(cache)
+    assert "triton.prepare[torch.int64]" in names
+    for i, (a, t) in enumerate(zip(before, cache.tensors)):
+        assert torch.equal(a, as_bits(t)), f"cache[{i}] changed"
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: serving shapes, CUDA graphs
+
+GPU_SHAPES = [
+    pytest.param("fp8", 16, 2, id="fp8-h16-g2"),
+    pytest.param("nvfp4", 16, 2, id="nvfp4-h16-g2"),
+    pytest.param("fp8", 64, 8, id="fp8-h64-g8"),
+    pytest.param("nvfp4", 64, 4, id="nvfp4-h64-g4"),
+    pytest.param("nvfp4", 64, 8, id="nvfp4-h64-g8"),
+]
+
+
+def _gpu_ids(n, num_slots, gen, dtype):
+    ids = torch.randperm(num_slots - 1, generator=gen)[:n] + 1
+    ids[::5] = 0
+    ids[1::11] = -1
+    ids[2::13] = num_slots + 3
+    return ids.to(dtype).cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, heads, groups", GPU_SHAPES)
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+def test_gpu_initialize(fmt, heads, groups, id_dtype):
+    nvfp4 = fmt == "nvfp4"
+    gen = torch.Generator().manual_seed(20)
+    got, want = twin_caches(256, heads, groups, fmt, "cuda", fill=float("nan"), slot_padding=128, gen=gen)
+    ids = _gpu_ids(48, 256, gen, id_dtype)
+    states = prefill_like(48, heads, gen, "cuda")
+    initialize(got, states, ids, nvfp4=nvfp4, seed=2**33 + 1)
+    ref.initialize(want, states, ids, nvfp4=nvfp4, seed=2**33 + 1)
+    assert_same_cache(got, want)
+    # Broadcast and non-contiguous states.
+    ids2 = _gpu_ids(40, 256, gen, id_dtype)
+    for st in (
+        prefill_like(1, heads, gen, "cuda").expand(40, -1, -1, -1),
+        prefill_like(40, heads, gen, "cuda").transpose(-1, -2).contiguous().transpose(-1, -2),
+    ):
+        initialize(got, st, ids2, nvfp4=nvfp4, seed=5)
+        ref.initialize(want, st, ids2, nvfp4=nvfp4, seed=5)
+        assert_same_cache(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pending", [False, True], ids=["separate", "pending"])
+def test_gpu_clear(pending):
+    gen = torch.Generator().manual_seed(21)
+    got, want = twin_caches(256, 64, 8, "nvfp4", "cuda", pending=pending, slot_padding=128, gen=gen)
+    ids = _gpu_ids(100, 256, gen, torch.int64)
+    clear(got, ids)
+    ref.clear(want, ids)
+    assert_same_cache(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, heads, groups", GPU_SHAPES)
+def test_gpu_prepare_and_cuda_graph(fmt, heads, groups):
+    """The prepare kernel captured in a CUDA graph and replayed for two whole periods
+    (32 steps) gives, step by step, the plans, outputs and cache of eager reference calls."""
+    nvfp4 = fmt == "nvfp4"
+    gen = torch.Generator().manual_seed(22)
+    got, want = twin_caches(256, heads, groups, fmt, "cuda", slot_padding=128, gen=gen)
+    pos = torch.randint(0, 10_000, (256,), generator=gen, dtype=torch.int32).cuda()
+    for c in (got, want):
+        c[L.POSITIONS].copy_(pos)
+    ids = _gpu_ids(200, 256, gen, torch.int32)
+    out = torch.empty(200, heads, 64, dtype=torch.bfloat16, device="cuda")
+    out_want = torch.empty_like(out)
+    scratch = PlanScratch(256, "cuda")
+    # Eager step first (compiles), then capture one step; each replay is one more step.
+    plan = prepare_decode(got, ids, out, scratch, nvfp4=nvfp4, seed=42)
+    plan_want = ref.prepare_decode(want, ids, out_want, nvfp4=nvfp4, seed=42)
+    assert_same_plan(plan, plan_want)
+    assert_same_cache(got, want)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    snapshot = [as_bits(t).clone() for t in got]
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        prepare_decode(got, ids, out, scratch, nvfp4=nvfp4, seed=42)
+    torch.cuda.current_stream().wait_stream(stream)
+    for t, s in zip(got, snapshot):  # capture must not have run the kernel
+        assert torch.equal(as_bits(t), s)
+    flush_steps = 0
+    for step in range(32):
+        out.fill_(float("nan"))
+        out_want.fill_(float("nan"))
+        graph.replay()
+        plan_want = ref.prepare_decode(want, ids, out_want, nvfp4=nvfp4, seed=42)
+        torch.cuda.synchronize()
+        assert_same_plan(plan, plan_want)
+        assert torch.equal(out.view(torch.int16), out_want.view(torch.int16)), f"step {step}"
+        assert_same_cache(got, want)
+        flush_steps += int(plan.flush.any())
+    assert flush_steps > 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_gpu_api_decode_uses_triton(fmt):
+    """Through the public API on CUDA (TritonBackend) vs the reference backend on a twin
+    cache: 17 steps, outputs and cache bit-exact."""
+    from replayssm import api
+    from replayssm.synthetic import layer_params, token
+
+    nvfp4 = fmt == "nvfp4"
+    H, G = 64, 8
+    gen = torch.Generator().manual_seed(23)
+    params = layer_params(H, generator=gen)
+    got, want = twin_caches(64, H, G, fmt, "cuda", garbage=False, slot_padding=64)
+    ids = torch.tensor([5, 0, 9, 33, 63, -2, 1], dtype=torch.int32, device="cuda")
+    states = prefill_like(7, H, gen, "cuda") * 1e-3
+    api.initialize_replayssm_state(got, states, ids, state_dtype=fmt, seed=3)
+    REFERENCE.initialize(want, states, ids.reshape(-1), nvfp4=nvfp4, seed=3)
+    assert_same_cache(got, want)
+    for step in range(17):
+        tok = token(7, H, G, generator=gen)
+        A, D, dt_bias = (t.cuda() for t in (params.A, params.D, params.dt_bias))
+        args = (tok.x.cuda(), tok.dt.cuda(), A, tok.B.cuda(), tok.C.cuda(), D, dt_bias)
+        out = torch.empty(7, H, 64, dtype=torch.bfloat16, device="cuda")
+        out_want = torch.empty_like(out)
+        api.selective_state_update_replayssm(got, *args, ids, out, state_dtype=fmt, seed=3)
+        norm = api.normalize_decode_inputs(*args, 7, H, G)
+        REFERENCE.decode(want, *norm, ids, out_want, nvfp4=nvfp4, seed=3)
+        assert torch.equal(out.view(torch.int16), out_want.view(torch.int16)), f"step {step}"
+        assert_same_cache(got, want)
+
+
+# ---------------------------------------------------------------------------------------
+# Compile-only (CPU): the interpreter never compiles, so compile every kernel variant for
+# sm_90a in a subprocess without TRITON_INTERPRET, and check the PTX arithmetic the
+# bit-exact contract relies on: IEEE division for the NVFP4 reciprocal, no FMA contraction,
+# no flush-to-zero multiplies.
+
+_COMPILE_SCRIPT = r"""
+import importlib, json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+mods = {m: importlib.import_module("replayssm.kernels.triton." + m) for m in ("initialize", "head_amax", "clear", "prepare")}
+target = GPUTarget("cuda", 90, 32)
+i32 = "i32"
+def build(fn, sig, const, **opts):
+    sig = dict(sig, **{k: "constexpr" for k in const})
+    return triton.compile(ASTSource(fn, sig, const), target=target, options=dict(num_warps=4, **opts)).asm["ptx"]
+strides = lambda *names: {n: i32 for n in names}
+out = {}
+for nv in (False, True):
+    for ids in ("*i32", "*i64"):
+        sig = dict(p_states="*fp32", p_ids=ids, p_hmax="*i32", p_ckpt="*i16", p_read="*u8",
+                   p_scales="*u8" if nv else "*fp32", p_meta="*fp32", p_parity="*i32")
+        sig.update(strides("stride_ids", "stride_sb", "stride_sh", "stride_sp", "stride_sn", "stride_ckpt",
+                           "stride_read", "stride_scales", "stride_meta", "stride_parity", "num_slots", "seed_key"))
+        out[f"initialize-{'nvfp4' if nv else 'fp8'}-{ids}"] = build(
+            mods["initialize"]._initialize_kernel, sig, dict(H=64, HPG=8, NVFP4=nv, BLOCK_R=16), enable_fp_fusion=False)
+        sig = dict(p_ids=ids, p_pos="*i32", p_parity="*i32", p_meta="*fp32", p_out="*i16", p_valid="*i8",
+                   p_slot="*i64", p_ring="*i64", p_flush="*i8", p_key="*i64", p_old="*i64")
+        sig.update(strides("stride_ids", "stride_pos", "stride_parity", "stride_meta", "num_slots", "seed_key"))
+        out[f"prepare-{'nvfp4' if nv else 'fp8'}-{ids}"] = build(
+            mods["prepare"]._prepare_kernel, sig, dict(G=4, BLOCK_G=4, OUT_ROW=4096, BLOCK_OUT=4096, NVFP4=nv))
+sig = dict(p_states="*fp32", p_ids="*i32", p_hmax="*i32")
+sig.update(strides("stride_ids", "stride_sb", "stride_sh", "stride_sp", "stride_sn", "num_slots"))
+out["head_amax"] = build(mods["head_amax"]._head_amax_kernel, sig, dict(H=64, BLOCK_H=1, BLOCK_P=16))
+sig = dict(p_ids="*i64", p_x="*i16", p_dt="*i32", p_b="*i16", p_pos="*i32")
+sig.update(strides("stride_ids", "stride_x", "stride_dt", "stride_b", "stride_pos", "num_slots"))
+for w in (1, 2):
+    out[f"clear-{w}"] = build(mods["clear"]._clear_kernel, sig, dict(N_X=65536, N_DT=1024, N_B=16384, POS_WIDTH=w, BLOCK=4096))
+ops = {k: sorted(set(re.findall(r"\b((?:div|fma|mul|add|sub)\.[a-z0-9.]*f32)\b", v))) for k, v in out.items()}
+print(json.dumps(ops))
+"""
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the GPU tests compile and run the kernels for real")
+def test_compile_sm90():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ops = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(ops) == 11
+    for name, found in ops.items():
+        assert not any(o.startswith("fma") or "ftz" in o or "approx" in o or "full" in o for o in found), (name, found)
+    assert "div.rn.f32" in ops["initialize-nvfp4-*i32"]
