@@ -179,3 +179,54 @@ def test_serving_shapes_gpu(dtype, heads, groups):
     amax = float(ref_state.float().abs().amax())
     assert within_ulps(y, y_ref, torch.bfloat16, n=1.0, slack=1e-5 * amax * math.sqrt(128))
     assert torch.equal(y[ids == 0], torch.zeros_like(y[ids == 0]))
+
+
+_COMPILE_SM90 = r"""
+import re, sys, json
+import triton
+from triton.backends.compiler import GPUTarget
+from replayssm.kernels.triton.standard_decode import standard_decode_kernel as k, default_config
+names = k.arg_names
+ptr = {"state": "*" + sys.argv[1], "x": "*bf16", "dt": "*fp32", "A": "*fp32", "B": "*bf16", "C": "*bf16",
+       "D": "*fp32", "dt_bias": "*fp32", "slots": "*i32", "out": "*bf16"}
+bp, nw = default_config(None)
+consts = {"HEADS_PER_GROUP": 8, "BLOCK_P": bp, "N": 128, "SOFT_BF16": False, "stride_x_p": 1, "stride_d_p": 0}
+sig = {n: ptr.get(n, "i32") for n in names}
+sig.update({n: "constexpr" for n in consts})
+# As a launch specializes them: pointers and the slot/head/row strides are multiples of 16.
+odd = {"num_slots", "stride_dt_b", "stride_dt_h", "stride_a_h", "stride_dtb_h", "stride_d_h"}
+attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in consts and n not in odd}
+src = triton.compiler.ASTSource(fn=k, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()},
+                                attrs=attrs)
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw}).asm["ptx"]
+state = [l for l in ptx.splitlines() if "evict_first" in l and ".global" in l]
+print(json.dumps({"state_ld": [l.split()[1] for l in state if "ld.global" in l],
+                  "state_st": [l.split()[1] for l in state if "st.global" in l],
+                  "cvt_bf16": "cvt.rn.bf16x2.f32" in ptx, "cvt_f16": "cvt.rn.f16x2.f32" in ptx}))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_compiles_for_sm90_with_16_byte_state_accesses(dtype):
+    """Compile-only (no GPU needed): every state load and store of the sm_90a build is a
+    16-byte vector access, and 16-bit states use the hardware round-to-nearest cvt."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SM90, dtype], env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr:
+        pytest.skip("Triton's bundled ptxas is unavailable")
+    assert res.returncode == 0, res.stderr[-3000:]
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    assert info["state_ld"] and info["state_st"]
+    assert all(op.endswith(".v4.b32") for op in info["state_ld"] + info["state_st"]), info
+    # 16 rows x 128 values over 128 threads: 16 values per thread per tile.
+    per_thread_bytes = 16 * {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
+    assert len(info["state_ld"]) == per_thread_bytes // 16
+    # the packed round-to-nearest converts of the state (the bf16 output uses scalar cvt.rn)
+    assert info["cvt_bf16"] == (dtype == "bf16")
+    assert info["cvt_f16"] == (dtype == "fp16")

@@ -15,7 +15,8 @@ Kernel shape: one program per (head-dim block of BLOCK_P rows, head, batch row).
 program streams its BLOCK_P x 128 tile of the state once (read, update in registers,
 write), so the kernel is a pure stream over the state and its speed is judged against the
 copy bandwidth. The tile is contiguous (128 state values per row, rows adjacent), so the
-loads vectorize to 16-byte accesses; axis 0 of the grid walks the tiles of one slot in
+loads and stores vectorize to 16-byte accesses (ld/st.global.v4.b32 in the sm_90a PTX,
+checked by a compile-only test); axis 0 of the grid walks the tiles of one slot in
 address order. At batch 32 with 16 heads and BLOCK_P = 16 that is 2,048 programs, about
 15 per SM on an H200's 132 SMs. No tl.dot: the contraction with C is a 128-wide
 multiply and row sum, which is not compute-bound anywhere near the stream rate.
@@ -50,16 +51,20 @@ def _softplus(v):
 
 
 @triton.jit
-def _to_storage(v, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
-    # The Triton interpreter's float32 -> bfloat16 cast truncates; SOFT_BF16 (set only
-    # there) rounds to nearest-even with integer ops instead, which is what the GPU's
-    # cvt.rn.bf16 does, so CPU tests see the GPU's bits. Finite values only.
-    if SOFT_BF16 and dtype == tl.bfloat16:
-        b = v.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+def _store_rn(p, v, mask, SOFT_BF16: tl.constexpr, EVICT: tl.constexpr):
+    # Store FP32 `v` at `p` rounded to nearest-even in p's dtype. The Triton interpreter's
+    # float32 -> bfloat16 cast truncates; SOFT_BF16 (set only there) rounds with integer
+    # ops instead, which is what the GPU's cvt.rn.bf16 does, so CPU tests see the GPU's
+    # bits. Finite values only.
+    if SOFT_BF16:
+        if p.dtype.element_ty == tl.bfloat16:
+            b = v.to(tl.uint32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+            tl.store(p, b.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+        else:
+            tl.store(p, v.to(p.dtype.element_ty), mask=mask)
     else:
-        return v.to(dtype)
+        tl.store(p, v.to(p.dtype.element_ty), mask=mask, eviction_policy=EVICT)
 
 
 @triton.jit
@@ -131,17 +136,19 @@ def standard_decode_kernel(
     # The state is touched once: do not let it evict the small, reused inputs from L2.
     b_s = tl.load(p_s, mask=m_s, other=0.0, eviction_policy="evict_first").to(tl.float32)
     b_s = b_s * b_decay + (b_x * b_dt)[:, None] * b_B[None, :]
-    tl.store(p_s, _to_storage(b_s, state.dtype.element_ty, SOFT_BF16), mask=m_s, eviction_policy="evict_first")
+    _store_rn(p_s, b_s, m_s, SOFT_BF16, "evict_first")
 
     # y from the unrounded FP32 state (padding rows: b_s, b_x are all zero -> y = 0).
     b_y = tl.sum(b_s * b_C[None, :], axis=1) + b_D * b_x
-    tl.store(out + i_b * stride_o_b + i_h * stride_o_h + o_p, _to_storage(b_y, tl.bfloat16, SOFT_BF16), mask=o_p < 64)
+    _store_rn(out + i_b * stride_o_b + i_h * stride_o_h + o_p, b_y, o_p < 64, SOFT_BF16, "")
 
 
 def default_config(state_dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_P, num_warps): an 8 KiB state tile per program for fp32, 4 KiB for 16-bit
-    states (more programs in flight at small batch)."""
-    return (16, 4) if state_dtype == torch.float32 else (16, 4)
+    """(BLOCK_P, num_warps). A 16-row tile is 8 KiB of fp32 (4 KiB of bf16 / fp16) per
+    program: 48 (40) registers per thread on sm_90a, so about 10 programs per SM are
+    resident, 40-80 KiB of loads in flight per SM, and batch 32 x 16 heads still gives
+    2,048 programs. `bench_decode.py --tune-standard` sweeps the alternatives."""
+    return 16, 4
 
 
 def standard_decode(

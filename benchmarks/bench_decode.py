@@ -1,0 +1,648 @@
+"""Decode-step benchmark: ReplaySSM (FP8, NVFP4) against a standard Mamba-2 decode kernel
+(fp32 / bf16 / fp16 state) over batch sizes and model shapes.
+
+Every timing covers whole 16-token periods, so ReplaySSM's flush is always paid for:
+
+- GPU, graph mode: for each layer cache in rotation, 16 consecutive decode steps are
+  captured in one CUDA graph (token-major: token t runs through every layer before token
+  t + 1, as in a model); per-step time = median graph replay time / (16 * layers).
+- GPU, eager mode (a provider that cannot be captured, e.g. the ReplaySSM reference
+  backend, which synchronizes with the host): whole periods timed with CUDA events; the
+  row is marked "eager" (its time includes Python and launch overhead).
+- CPU (--dry-run): the PyTorch references at tiny sizes, wall-clock; checks the plumbing.
+
+Rows are desynchronized (row i starts at ring position i mod 16, so 1/16 of the rows
+flush every step) or synchronized (every row flushes on the same step). Several layers'
+caches rotate so the working set exceeds the L2 (default target 3 x 50 MB) wherever the
+layer cap allows; rows where it cannot are flagged `l2_resident`. Data is random, never
+zero. Bytes per step come from benchmarks/byte_model.py; the copy bandwidth is measured
+in the same run (a large device-to-device copy, 2 * bytes / time).
+
+Outputs: a table on stdout, results.json and (if matplotlib is installed) decode.png in
+--out. A provider that fails records its error in its row; the run goes on.
+
+    python benchmarks/bench_decode.py --out results/          # full run (one H200: ~5 min)
+    python benchmarks/bench_decode.py --dry-run --out /tmp/r  # CPU smoke test (< 1 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:  # run as a script from a source checkout
+    sys.path.insert(0, str(_ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks import byte_model as bm  # noqa: E402
+
+RING = 16
+STANDARD = ("standard-fp32", "standard-bf16", "standard-fp16")
+REPLAY = ("replayssm-fp8", "replayssm-nvfp4")
+STD_DTYPES = {"standard-fp32": torch.float32, "standard-bf16": torch.bfloat16, "standard-fp16": torch.float16}
+DEFAULT_BATCHES = (1, 8, 32, 128, 256, 512, 1024)
+DEFAULT_SHAPES = ("16x2", "64x8")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default="results", help="results folder (results.json, decode.png)")
+    p.add_argument("--dry-run", action="store_true", help="CPU, PyTorch references, tiny sizes (smoke test)")
+    p.add_argument("--providers", default=",".join(REPLAY + STANDARD), help="comma-separated provider names")
+    p.add_argument("--batches", default=None, help=f"comma-separated batch sizes (default {DEFAULT_BATCHES})")
+    p.add_argument("--shapes", default=None, help=f"HEADSxGROUPS list (default {','.join(DEFAULT_SHAPES)})")
+    p.add_argument("--sync", default="desync,sync", help="ReplaySSM flush alignment: desync, sync or both")
+    p.add_argument("--reps", type=int, default=20, help="timed graph replays (median)")
+    p.add_argument("--eager-periods", type=int, default=2, help="timed periods in eager mode (median)")
+    p.add_argument("--eager-max-layers", type=int, default=1, help="layer caches in rotation in eager mode")
+    p.add_argument("--max-layers", type=int, default=64, help="layer caches in rotation at most (graph mode)")
+    p.add_argument("--l2-mb", type=float, default=50.0, help="L2 size used for the working-set target")
+    p.add_argument("--ws-factor", type=float, default=3.0, help="working-set target, in L2 sizes")
+    p.add_argument("--copy-gib", type=float, default=2.0, help="buffer size of the copy-bandwidth probe")
+    p.add_argument("--time-budget", type=float, default=300.0, help="seconds; later rows are skipped (recorded)")
+    p.add_argument("--force-eager", action="store_true", help="time ReplaySSM eagerly even if capturable")
+    p.add_argument("--block-p", type=int, default=None, help="standard kernel BLOCK_P (default: kernel's)")
+    p.add_argument("--num-warps", type=int, default=None, help="standard kernel num_warps (default: kernel's)")
+    p.add_argument("--tune-standard", action="store_true",
+                   help="only sweep the standard kernel's (BLOCK_P, num_warps) at --batches")
+    p.add_argument("--no-check", action="store_true", help="skip the correctness checks before timing")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.batches is None:
+        a.batches = "1,2" if a.dry_run else ",".join(map(str, DEFAULT_BATCHES))
+    if a.shapes is None:
+        a.shapes = "8x1" if a.dry_run else ",".join(DEFAULT_SHAPES)
+    a.batches = [int(b) for b in a.batches.split(",") if b]
+    a.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",") if s]
+    a.providers = [s for s in a.providers.split(",") if s]
+    for prov in a.providers:
+        if prov not in REPLAY + STANDARD:
+            p.error(f"--providers: unknown provider {prov!r}; expected some of {REPLAY + STANDARD}")
+    a.sync = [s for s in a.sync.split(",") if s]
+    for s in a.sync:
+        if s not in ("desync", "sync"):
+            p.error(f"--sync: expected desync and/or sync; got {s!r}")
+    if a.dry_run:
+        a.max_layers = 1
+        a.eager_max_layers = 1
+        a.eager_periods = 1
+        a.copy_gib = min(a.copy_gib, 1 / 32)
+    return a
+
+
+# ----------------------------------------------------------------------------------------
+# timing
+
+
+class Clock:
+    """CUDA events on the GPU, perf_counter on the CPU; times in seconds."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def time_each(self, fn, reps: int) -> list[float]:
+        if not self.cuda:
+            out = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+            return out
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for s, e in ev:
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) * 1e-3 for s, e in ev]
+
+
+def copy_bandwidth(device: torch.device, gib: float, clock: Clock) -> dict:
+    """Device-to-device copy of a `gib` GiB buffer: bandwidth = 2 * bytes / time."""
+    n = int(gib * 2**30) // 4
+    src = torch.rand(n, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    clock.sync()
+    t = statistics.median(clock.time_each(lambda: dst.copy_(src), 10 if clock.cuda else 3))
+    del src, dst
+    return {"bytes": 4 * n, "seconds": t, "tb_per_s": 2 * 4 * n / t / 1e12}
+
+
+# ----------------------------------------------------------------------------------------
+# data
+
+
+@dataclass
+class Inputs:
+    """16 tokens of step inputs (one per step of a period), shared by all layers, and one
+    set of per-layer parameters per layer, all in the serving engine's tied layouts."""
+
+    x: list
+    dt: list
+    B: list
+    C: list
+    ids: torch.Tensor
+    out: torch.Tensor
+    params: list = field(default_factory=list)
+
+
+def make_inputs(heads, groups, batch, layers, device, seed) -> Inputs:
+    from replayssm import synthetic
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    xs, dts, Bs, Cs = [], [], [], []
+    for _ in range(RING):
+        xs.append(torch.randn(batch, heads, 64, device=device, generator=g).to(torch.bfloat16))
+        dt = 0.5 * torch.randn(batch, heads, device=device, generator=g)
+        dts.append(dt[:, :, None].expand(batch, heads, 64))  # tied over the head dim
+        Bs.append(torch.randn(batch, groups, 128, device=device, generator=g).to(torch.bfloat16))
+        Cs.append(torch.randn(batch, groups, 128, device=device, generator=g).to(torch.bfloat16))
+    # A random permutation of slots 1..batch, as a scheduler hands them out.
+    ids = (torch.randperm(batch, device=device, generator=g) + 1).to(torch.int32)
+    out = torch.empty(batch, heads, 64, dtype=torch.bfloat16, device=device)
+    inp = Inputs(xs, dts, Bs, Cs, ids, out)
+    gc = torch.Generator().manual_seed(seed + 1)
+    for _ in range(layers):
+        p = synthetic.layer_params(heads, generator=gc, device=device)
+        inp.params.append({
+            "A": p.A[:, None, None].expand(heads, 64, 128),
+            "D": p.D[:, None].expand(heads, 64),
+            "dt_bias": p.dt_bias[:, None].expand(heads, 64),
+        })  # fmt: skip
+    return inp
+
+
+def base_states(heads, groups, n, device, seed) -> torch.Tensor:
+    """n realistic FP32 prefill states (exact recurrence over a short random prompt)."""
+    from replayssm import synthetic
+
+    gc = torch.Generator().manual_seed(seed + 2)
+    params = synthetic.layer_params(heads, generator=gc)
+    return synthetic.prefill_states(params, n, groups, 8, generator=gc).to(device)
+
+
+def make_replay_cache(fmt, heads, groups, batch, device, states, ids, sync: bool, seed: int):
+    """A cache for slots 1..batch: checkpoint and read copy from `states` (tiled), random
+    ring contents, and positions offset per row (desync) or all at ring index 0 (sync)."""
+    import replayssm
+
+    cache = replayssm.allocate_cache(batch + 1, heads, groups, fmt, device)
+    n0 = states.shape[0]
+    for lo in range(0, batch, n0):
+        n = min(n0, batch - lo)
+        slots = torch.arange(lo + 1, lo + 1 + n, device=device, dtype=torch.int32)
+        replayssm.initialize_replayssm_state(cache, states[:n], slots, state_dtype=fmt, seed=seed)
+    g = torch.Generator(device=device).manual_seed(seed + 3)
+    from replayssm import layout as L
+
+    cache[L.X_RING].copy_(torch.randn(cache[L.X_RING].shape, device=device, generator=g))
+    cache[L.DT_RING].copy_(torch.rand(cache[L.DT_RING].shape, device=device, generator=g) * 0.1 + 1e-3)
+    cache[L.B_RING].copy_(torch.randn(cache[L.B_RING].shape, device=device, generator=g))
+    pos = cache[L.POSITIONS]
+    if not sync:
+        # Batch row i (slot ids[i]) starts at ring index i mod 16.
+        pos[ids.long()] = (torch.arange(batch, device=device, dtype=torch.int32) % RING).to(pos.dtype)
+    return cache
+
+
+# ----------------------------------------------------------------------------------------
+# providers
+
+
+def replay_capturable(device: torch.device) -> tuple[bool, str]:
+    """Whether the ReplaySSM path on `device` can be captured in a CUDA graph: not when it
+    runs the PyTorch reference (it reads tensor values on the host)."""
+    try:
+        from replayssm.kernels import backend_for
+
+        b = backend_for(device)
+        name = getattr(b, "name", type(b).__name__)
+        if name == "torch":
+            return False, "reference backend (syncs the host)"
+        return True, str(name)
+    except Exception as e:  # noqa: BLE001 - reported, never fatal
+        return False, f"backend lookup failed: {e!r}"
+
+
+def build_steps(provider, shape, batch, layers, inp: Inputs, device, states, sync, args):
+    """[period of step closures] (token-major over layers) and the layers' state."""
+    heads, groups = shape
+    steps, keep = [], []
+    if provider in REPLAY:
+        import replayssm
+
+        fmt = provider.split("-")[1]
+        caches = [make_replay_cache(fmt, heads, groups, batch, device, states, inp.ids, sync, args.seed + li)
+                  for li in range(layers)]  # fmt: skip
+        keep = caches
+        for t in range(RING):
+            for li, cache in enumerate(caches):
+                prm = inp.params[li]
+
+                def step(cache=cache, t=t, prm=prm):
+                    replayssm.selective_state_update_replayssm(
+                        cache, inp.x[t], inp.dt[t], prm["A"], inp.B[t], inp.C[t], prm["D"], prm["dt_bias"],
+                        inp.ids, inp.out, state_dtype=fmt, seed=args.seed,
+                    )  # fmt: skip
+
+                steps.append(step)
+    else:
+        from replayssm.kernels.triton.standard_decode import standard_decode, standard_decode_ref
+
+        dtype = STD_DTYPES[provider]
+        g = torch.Generator(device=device).manual_seed(args.seed + 5)
+        reps = math.ceil(batch / states.shape[0])
+        for _ in range(layers):
+            st = torch.empty(batch + 1, heads, 64, 128, dtype=dtype, device=device)
+            st[1:] = states.to(dtype).repeat(reps, 1, 1, 1)[:batch]
+            st[0] = torch.randn(heads, 64, 128, device=device, generator=g).to(dtype)
+            keep.append(st)
+        for t in range(RING):
+            for li, st in enumerate(keep):
+                prm = inp.params[li]
+                if device.type == "cuda":
+
+                    def step(st=st, t=t, prm=prm):
+                        standard_decode(st, inp.x[t], inp.dt[t], prm["A"], inp.B[t], inp.C[t], prm["D"],
+                                        prm["dt_bias"], inp.ids, inp.out, block_p=args.block_p,
+                                        num_warps=args.num_warps)  # fmt: skip
+                else:
+
+                    def step(st=st, t=t, prm=prm):
+                        standard_decode_ref(st, inp.x[t], inp.dt[t], prm["A"], inp.B[t], inp.C[t], prm["D"],
+                                            prm["dt_bias"], inp.ids, inp.out)  # fmt: skip
+
+                steps.append(step)
+    return steps, keep
+
+
+def time_period(steps, clock: Clock, graph: bool, reps: int) -> tuple[float, str]:
+    """Median seconds of one whole period (all steps); ("graph" | "eager" | "cpu")."""
+
+    def period():
+        for s in steps:
+            s()
+
+    if not clock.cuda:  # smoke test: no warm-up needed (nothing compiles)
+        return statistics.median(clock.time_each(period, reps)), "cpu"
+    period()  # warm-up: compiles every variant (flush and non-flush steps)
+    clock.sync()
+    if not graph:
+        return statistics.median(clock.time_each(period, reps)), "eager"
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        period()
+    g.replay()
+    clock.sync()
+    first = clock.time_each(g.replay, 1)[0]
+    n = max(5, min(reps, int(1.0 / max(first, 1e-6))))
+    t = statistics.median(clock.time_each(g.replay, n))
+    del g
+    return t, "graph"
+
+
+def layers_for(provider, shape, batch, args, eager: bool) -> tuple[int, int]:
+    """(layers in rotation, working-set bytes)."""
+    s = bm.Shape(*shape)
+    per_layer = batch * bm.cache_bytes_per_slot(provider, s)
+    inputs = RING * batch * (sum(bm.io_bytes(s).values()))
+    target = args.ws_factor * args.l2_mb * 1e6
+    cap = args.eager_max_layers if eager else args.max_layers
+    layers = max(1, min(cap, math.ceil(max(target - inputs, 0) / per_layer)))
+    return layers, layers * per_layer + inputs
+
+
+def run_row(provider, shape, batch, sync_mode, ctx) -> dict:
+    args, device, clock = ctx["args"], ctx["device"], ctx["clock"]
+    s = bm.Shape(*shape)
+    row = {
+        "provider": provider, "heads": shape[0], "groups": shape[1], "batch": batch,
+        "sync": sync_mode if provider in REPLAY else "-", "timing": None, "layers": None,
+        "working_set_mb": None, "l2_resident": None, "us_per_step": None,
+        "bytes_per_step": batch * bm.step_bytes(provider, s).total, "tb_per_s": None,
+        "frac_copy_bw": None, "error": None, "note": None,
+    }  # fmt: skip
+    graph = device.type == "cuda"
+    if provider in REPLAY and graph:
+        ok, why = ctx["replay_capture"]
+        if not ok or args.force_eager:
+            graph = False
+            row["note"] = "eager: " + (why if not ok else "--force-eager")
+    layers, ws = layers_for(provider, shape, batch, args, eager=(device.type == "cuda" and not graph))
+    row.update(layers=layers, working_set_mb=round(ws / 1e6, 2), l2_resident=ws < 2 * args.l2_mb * 1e6)
+    keep = None
+    try:
+        inp = make_inputs(shape[0], shape[1], batch, layers, device, args.seed)
+        states = ctx["states"][shape]
+        steps, keep = build_steps(provider, shape, batch, layers, inp, device, states, sync_mode == "sync", args)
+        reps = args.reps if graph else args.eager_periods
+        try:
+            t, timing = time_period(steps, clock, graph, reps)
+        except Exception as e:  # noqa: BLE001 - a capture that fails falls back to eager
+            if not graph:
+                raise
+            clock.sync()
+            row["note"] = f"eager: capture failed: {type(e).__name__}: {str(e)[:200]}"
+            steps, keep = build_steps(provider, shape, batch, layers, inp, device, states, sync_mode == "sync", args)
+            t, timing = time_period(steps, clock, False, args.eager_periods)
+        us = t / len(steps) * 1e6
+        row.update(timing=timing, us_per_step=us)
+        row["tb_per_s"] = row["bytes_per_step"] / (us * 1e-6) / 1e12
+        row["frac_copy_bw"] = row["tb_per_s"] / ctx["copy"]["tb_per_s"]
+    except Exception as e:  # noqa: BLE001 - one provider's failure must not end the run
+        row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        row["traceback"] = traceback.format_exc(limit=6)
+    finally:
+        del keep
+        if device.type == "cuda":
+            try:
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001
+                row["error"] = (row["error"] or "") + f" | sync after row failed: {e!r}"
+            torch.cuda.empty_cache()
+    return row
+
+
+# ----------------------------------------------------------------------------------------
+# correctness checks (one small batch per provider and shape, before timing)
+
+
+def check_standard(provider, shape, device, args) -> dict:
+    from replayssm.kernels.triton.standard_decode import standard_decode, standard_decode_ref
+
+    heads, groups = shape
+    batch = 8
+    inp = make_inputs(heads, groups, batch, 1, device, args.seed + 7)
+    st = (0.5 * torch.randn(batch + 1, heads, 64, 128, device=device)).to(STD_DTYPES[provider])
+    st_ref = st.clone()
+    prm = inp.params[0]
+    common = (inp.x[0], inp.dt[0], prm["A"], inp.B[0], inp.C[0], prm["D"], prm["dt_bias"], inp.ids)
+    y = standard_decode(st, *common, block_p=args.block_p, num_warps=args.num_warps).float()
+    y_ref = standard_decode_ref(st_ref, *common).float()
+    return {
+        "check": f"{provider} h{heads}g{groups} vs PyTorch twin",
+        "max_abs_err_y": float((y - y_ref).abs().max()), "max_abs_y": float(y_ref.abs().max()),
+        "max_abs_err_state": float((st.float() - st_ref.float()).abs().max()),
+        "max_abs_state": float(st_ref.float().abs().max()),
+    }  # fmt: skip
+
+
+def check_replay(provider, shape, device, states, args) -> dict:
+    """One desynchronized period on `device` (public API) against the PyTorch reference
+    on a clone of the same cache."""
+    import replayssm
+    from replayssm import api
+    from replayssm import reference as ref
+
+    heads, groups = shape
+    fmt = provider.split("-")[1]
+    batch = 16
+    inp = make_inputs(heads, groups, batch, 1, device, args.seed + 7)
+    cache = make_replay_cache(fmt, heads, groups, batch, device, states, inp.ids, False, args.seed)
+    twin = [t.clone() for t in cache]
+    prm = inp.params[0]
+    err, amax = 0.0, 0.0
+    for t in range(RING):
+        y = torch.empty_like(inp.out)
+        replayssm.selective_state_update_replayssm(
+            cache, inp.x[t], inp.dt[t], prm["A"], inp.B[t], inp.C[t], prm["D"], prm["dt_bias"], inp.ids, y,
+            state_dtype=fmt, seed=args.seed,
+        )  # fmt: skip
+        y_ref = torch.empty_like(inp.out)
+        norm = api.normalize_decode_inputs(inp.x[t], inp.dt[t], prm["A"], inp.B[t], inp.C[t], prm["D"],
+                                           prm["dt_bias"], batch, heads, groups)  # fmt: skip
+        ref.decode(twin, *norm, inp.ids, y_ref, nvfp4=fmt == "nvfp4", seed=args.seed)
+        err = max(err, float((y.float() - y_ref.float()).abs().max()))
+        amax = max(amax, float(y_ref.float().abs().max()))
+    return {"check": f"{provider} h{heads}g{groups} one period vs reference", "max_abs_err_y": err, "max_abs_y": amax}
+
+
+# ----------------------------------------------------------------------------------------
+# reporting
+
+
+def add_speedups(rows: list[dict]) -> None:
+    base = {(r["provider"], r["heads"], r["batch"]): r["us_per_step"] for r in rows if r["provider"] in STANDARD}
+    for r in rows:
+        for sp in STANDARD:
+            b = base.get((sp, r["heads"], r["batch"]))
+            key = "speedup_vs_" + sp.split("-")[1]
+            r[key] = b / r["us_per_step"] if (b and r["us_per_step"]) else None
+
+
+def fmt_table(rows: list[dict], copy_tbs: float) -> str:
+    cols = [("shape", 7), ("batch", 5), ("provider", 16), ("sync", 6), ("timing", 6), ("lay", 3), ("us/step", 9),
+            ("MB/step", 8), ("TB/s", 6), ("%copy", 6), ("x fp32", 6), ("x bf16", 6), ("x fp16", 6)]  # fmt: skip
+    lines = [f"copy bandwidth: {copy_tbs:.3f} TB/s (2 x bytes / time)",
+             "  ".join(f"{c:>{w}}" for c, w in cols)]  # fmt: skip
+
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    for r in rows:
+        cells = [f"{r['heads']}h{r['groups']}g", str(r["batch"]), r["provider"], r["sync"], r["timing"] or "-",
+                 f(r["layers"], "d"), f(r["us_per_step"], ".2f"), f(r["bytes_per_step"] / 1e6, ".3f"),
+                 f(r["tb_per_s"], ".3f"), f(None if r["frac_copy_bw"] is None else 100 * r["frac_copy_bw"], ".1f"),
+                 f(r.get("speedup_vs_fp32"), ".2f"), f(r.get("speedup_vs_bf16"), ".2f"),
+                 f(r.get("speedup_vs_fp16"), ".2f")]  # fmt: skip
+        line = "  ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, cols))
+        if r["l2_resident"]:
+            line += "  (L2)"
+        if r["error"]:
+            line += f"  ERROR {r['error'][:120]}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> str | None:
+    """decode.png: us per step and fraction of copy bandwidth against batch, one column per
+    shape. Returns None, or why no plot was written (matplotlib missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        return f"no plot: {e}"
+    shapes = sorted({(r["heads"], r["groups"]) for r in rows})
+    colors = dict(zip(REPLAY + STANDARD, ["tab:blue", "tab:green", "tab:red", "tab:orange", "tab:purple"]))
+    fig, axes = plt.subplots(2, len(shapes), figsize=(6.5 * len(shapes), 8.5), squeeze=False)
+    for c, (h, g) in enumerate(shapes):
+        series = {}
+        for r in rows:
+            if (r["heads"], r["groups"]) == (h, g) and r["us_per_step"]:
+                series.setdefault((r["provider"], r["sync"], r["timing"]), []).append(
+                    (r["batch"], r["us_per_step"], r["frac_copy_bw"]))
+        top = 1.05
+        for (prov, sync, timing), pts in sorted(series.items()):
+            pts.sort()
+            label = prov + ("" if sync == "-" else f" ({sync})") + (" [eager]" if timing == "eager" else "")
+            kw = dict(color=colors.get(prov), linestyle="--" if sync == "sync" else "-",
+                      marker="s" if timing == "eager" else "o", label=label)  # fmt: skip
+            bs = [p[0] for p in pts]
+            axes[0][c].plot(bs, [p[1] for p in pts], **kw)
+            axes[1][c].plot(bs, [p[2] for p in pts], **kw)
+            top = max(top, 1.05 * max(p[2] for p in pts))
+        batches = sorted({r["batch"] for r in rows})
+        axes[0][c].set(xscale="log", yscale="log", ylabel="us per step (one layer)",
+                       title=f"{h} heads, {g} group{'s' if g > 1 else ''}; whole 16-token periods")  # fmt: skip
+        axes[1][c].set(xscale="log", xlabel="batch", ylabel="fraction of copy bandwidth", ylim=(0, top))
+        for ax in axes[:, c]:
+            ax.set_xticks(batches, [str(b) for b in batches])
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0][c].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+# ----------------------------------------------------------------------------------------
+# tuning of the baseline
+
+
+def tune_standard(ctx) -> list[dict]:
+    args, device, clock = ctx["args"], ctx["device"], ctx["clock"]
+    out = []
+    for shape in args.shapes:
+        for prov in [p for p in args.providers if p in STANDARD]:
+            for batch in args.batches:
+                for bp in (8, 16, 32, 64):
+                    for nw in (1, 2, 4, 8):
+                        args.block_p, args.num_warps = bp, nw
+                        r = run_row(prov, shape, batch, "-", ctx)
+                        r.update(block_p=bp, num_warps=nw)
+                        out.append(r)
+                        print(f"{prov:14s} {shape[0]}h{shape[1]}g b={batch:5d} BLOCK_P={bp:2d} warps={nw} "
+                              f"{r['us_per_step'] or float('nan'):9.2f} us  "
+                              f"{100 * (r['frac_copy_bw'] or 0):5.1f}% copy  {r['error'] or ''}", flush=True)  # fmt: skip
+    args.block_p = args.num_warps = None
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    if args.dry_run:
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        raise SystemExit("no CUDA device: run with --dry-run for the CPU smoke test")
+    clock = Clock(device)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+
+    ctx = {"args": args, "device": device, "clock": clock}
+    ctx["copy"] = copy_bandwidth(device, args.copy_gib, clock)
+    ctx["replay_capture"] = replay_capturable(device) if device.type == "cuda" else (False, "cpu")
+    ctx["states"] = {s: base_states(s[0], s[1], 16, device, args.seed) for s in args.shapes}
+    meta = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "dry_run": args.dry_run,
+        "copy_bandwidth": ctx["copy"],
+        "replayssm_capturable": ctx["replay_capture"],
+        "args": {k: v for k, v in vars(args).items()},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    result = {"meta": meta, "byte_model": {}, "checks": [], "rows": []}
+    for shape in args.shapes:
+        for prov in args.providers:
+            result["byte_model"][f"{prov}/{shape[0]}x{shape[1]}"] = bm.describe(prov, bm.Shape(*shape))
+
+    if args.tune_standard:
+        if device.type != "cuda":
+            raise SystemExit("--tune-standard needs a GPU")
+        result["tuning"] = tune_standard(ctx)
+        _write(result, out_dir / "tuning.json")
+        return result
+
+    if not args.no_check and device.type == "cuda":  # on the CPU both sides are the reference
+        for shape in args.shapes:
+            for prov in args.providers:
+                try:
+                    if prov in STANDARD:
+                        result["checks"].append(check_standard(prov, shape, device, args))
+                    else:
+                        result["checks"].append(check_replay(prov, shape, device, ctx["states"][shape], args))
+                except Exception as e:  # noqa: BLE001
+                    result["checks"].append({"check": f"{prov} {shape}", "error": f"{type(e).__name__}: {e}"})
+        for c in result["checks"]:
+            print("check:", json.dumps(c), flush=True)
+
+    plan = []
+    for shape in args.shapes:
+        for batch in args.batches:
+            for prov in args.providers:
+                for sync_mode in args.sync if prov in REPLAY else ["-"]:
+                    plan.append((prov, shape, batch, sync_mode))
+    for prov, shape, batch, sync_mode in plan:
+        if time.perf_counter() - t_start > args.time_budget:
+            row = run_row_skipped(prov, shape, batch, sync_mode)
+        else:
+            row = run_row(prov, shape, batch, sync_mode, ctx)
+        result["rows"].append(row)
+        print(f"{prov:16s} {shape[0]:3d}h{shape[1]}g b={batch:5d} {row['sync']:6s} {row['timing'] or '-':5s} "
+              f"layers={row['layers'] or 0:3d} "
+              + (f"{row['us_per_step']:10.2f} us/step  {100 * row['frac_copy_bw']:5.1f}% copy"
+                 if row["us_per_step"] else f"ERROR {row['error']}"), flush=True)  # fmt: skip
+
+    add_speedups(result["rows"])
+    meta["seconds"] = time.perf_counter() - t_start
+    print()
+    print(fmt_table(result["rows"], ctx["copy"]["tb_per_s"]))
+    _write(result, out_dir / "results.json")
+    why = plot(result["rows"], out_dir / "decode.png")
+    meta["plot"] = why or str(out_dir / "decode.png")
+    _write(result, out_dir / "results.json")
+    print(f"\nwrote {out_dir / 'results.json'}; {meta['plot']}; {meta['seconds']:.1f} s")
+    return result
+
+
+def run_row_skipped(prov, shape, batch, sync_mode) -> dict:
+    s = bm.Shape(*shape)
+    return {
+        "provider": prov, "heads": shape[0], "groups": shape[1], "batch": batch,
+        "sync": sync_mode, "timing": None, "layers": None, "working_set_mb": None, "l2_resident": None,
+        "us_per_step": None, "bytes_per_step": batch * bm.step_bytes(prov, s).total, "tb_per_s": None,
+        "frac_copy_bw": None, "error": "skipped: --time-budget exhausted", "note": None,
+    }  # fmt: skip
+
+
+def _version(mod: str) -> str | None:
+    try:
+        return __import__(mod).__version__
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _write(obj, path: Path) -> None:
+    path.write_text(json.dumps(obj, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

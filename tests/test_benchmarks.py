@@ -1,0 +1,142 @@
+"""The benchmark's byte model against the bytes of real cache tensors, and the benchmark
+script end to end in --dry-run mode (CPU, PyTorch references, tiny sizes)."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import replayssm
+from replayssm import layout as L
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import bench_decode, byte_model as bm  # noqa: E402
+
+SHAPES = [pytest.param(8, 1, id="h8-g1"), pytest.param(16, 2, id="h16-g2"), pytest.param(64, 8, id="h64-g8"),
+          pytest.param(32, 2, id="h32-g2")]  # fmt: skip
+
+
+def slot_nbytes(t: torch.Tensor) -> int:
+    return t[0].numel() * t.element_size()
+
+
+@pytest.mark.parametrize("heads,groups", SHAPES)
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_cache_memory_matches_allocated_tensors(fmt, heads, groups):
+    cache = replayssm.allocate_cache(3, heads, groups, fmt)
+    want = sum(slot_nbytes(t) for t in cache[1:])
+    shape = bm.Shape(heads, groups)
+    assert bm.cache_bytes_per_slot(f"replayssm-{fmt}", shape) == want
+    mgr = replayssm.ReplaySSMCache(3, heads, groups, fmt, "cpu")
+    assert mgr.bytes_per_slot() == want
+    assert bm.cache_bytes_per_slot("standard-fp32", shape) == torch.empty(heads, 64, 128).nbytes
+    assert bm.cache_bytes_per_slot("standard-bf16", shape) == torch.empty(heads, 64, 128, dtype=torch.bfloat16).nbytes
+
+
+@pytest.mark.parametrize("heads,groups", SHAPES)
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_step_bytes_match_cache_tensors(fmt, heads, groups):
+    """Every term of the model recomputed from the tensors a step touches."""
+    nvfp4 = fmt == "nvfp4"
+    cache = replayssm.allocate_cache(3, heads, groups, fmt)
+    shape = bm.Shape(heads, groups)
+    # one ring entry: the x, dt and B of one token (ring index 0) of one slot
+    entry = cache[L.X_RING][0, :, 0].nbytes + cache[L.DT_RING][0, :, 0].nbytes + cache[L.B_RING][0, :, 0].nbytes
+    assert bm.ring_entry_bytes(shape) == entry
+    read_copy = slot_nbytes(cache[L.READ_COPY]) + slot_nbytes(cache[L.SCALES])
+    meta = slot_nbytes(cache[L.META]) + slot_nbytes(cache[L.PARITY]) if nvfp4 else 0
+    assert sum(bm.read_copy_bytes(shape, fmt).values()) == read_copy + meta
+    ckpt = slot_nbytes(cache[L.CHECKPOINT])
+    pos = slot_nbytes(cache[L.POSITIONS])
+    x = torch.empty(1, heads, 64, dtype=torch.bfloat16).nbytes
+    dt = torch.empty(1, heads).nbytes
+    bc = 2 * torch.empty(1, groups, 128, dtype=torch.bfloat16).nbytes
+    inputs = x + dt + bc + torch.empty(1, dtype=torch.int32).nbytes
+    out = x
+
+    # A period: ring index r = 0..14 reads the read copy and r entries and writes one
+    # entry; r = 15 reads the checkpoint and 15 entries and writes checkpoint + read copy.
+    read = 15 * (read_copy + meta) + ckpt + sum(range(16)) * entry + 16 * (inputs + pos) + meta
+    write = 15 * entry + ckpt + read_copy + meta + 16 * (out + pos)
+    for r in range(15):
+        b = bm.replay_step(shape, fmt, r)
+        assert b.read == read_copy + meta + r * entry + inputs + pos
+        assert b.write == entry + out + pos
+    avg = bm.replay_period_average(shape, fmt)
+    assert avg.read == read // 16 and avg.write == write // 16
+    assert bm.step_bytes(f"replayssm-{fmt}", shape) == avg
+
+    for dtype, name in [(torch.float32, "fp32"), (torch.bfloat16, "bf16"), (torch.float16, "fp16")]:
+        state = torch.empty(1, heads, 64, 128, dtype=dtype).nbytes
+        b = bm.step_bytes(f"standard-{name}", shape)
+        assert (b.read, b.write) == (state + inputs, state + out)
+
+
+def test_state_bytes_per_head_token_match_design_table():
+    """Design brief §6: 65,536 / 32,768 bytes per head per token for the standard decode,
+    about 11,000 (FP8) and 7,500 (NVFP4) for ReplaySSM."""
+    assert bm.state_bytes_per_head_token("standard-fp32") == 65536
+    assert bm.state_bytes_per_head_token("standard-bf16") == 32768
+    # FP8: (15 * (8192 + 256) + (2 * 16384 + 8192 + 256)) / 16
+    assert bm.state_bytes_per_head_token("replayssm-fp8") == (15 * 8448 + 41216) / 16
+    # NVFP4: (15 * (4096 + 512) + (2 * 16384 + 4096 + 512)) / 16
+    assert bm.state_bytes_per_head_token("replayssm-nvfp4") == (15 * 4608 + 37376) / 16
+    assert 10_000 < bm.state_bytes_per_head_token("replayssm-fp8") < 11_500
+    assert 6_000 < bm.state_bytes_per_head_token("replayssm-nvfp4") < 7_600
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="ring_index"):
+        bm.replay_step(bm.Shape(8, 1), "fp8", 16)
+    with pytest.raises(ValueError, match="fmt"):
+        bm.read_copy_bytes(bm.Shape(8, 1), "int8")
+    with pytest.raises(SystemExit):
+        bench_decode.parse_args(["--providers", "replayssm-int8"])
+
+
+def test_dry_run_writes_expected_rows(tmp_path):
+    res = bench_decode.main(["--dry-run", "--out", str(tmp_path), "--batches", "1,2"])
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["rows"] == json.loads(json.dumps(res["rows"], default=str))
+    rows = data["rows"]
+    want = {(p, b, s) for b in (1, 2) for p in bench_decode.REPLAY for s in ("desync", "sync")}
+    want |= {(p, b, "-") for b in (1, 2) for p in bench_decode.STANDARD}
+    assert {(r["provider"], r["batch"], r["sync"]) for r in rows} == want
+    assert len(rows) == len(want)
+    for r in rows:
+        assert r["error"] is None, r
+        assert (r["heads"], r["groups"], r["timing"], r["layers"]) == (8, 1, "cpu", 1)
+        assert r["bytes_per_step"] == r["batch"] * bm.step_bytes(r["provider"], bm.Shape(8, 1)).total
+        assert r["us_per_step"] > 0
+        assert math.isclose(r["tb_per_s"], r["bytes_per_step"] / (r["us_per_step"] * 1e-6) / 1e12)
+        assert math.isclose(r["frac_copy_bw"], r["tb_per_s"] / data["meta"]["copy_bandwidth"]["tb_per_s"])
+        base = next(s for s in rows if s["provider"] == "standard-bf16" and s["batch"] == r["batch"])
+        assert math.isclose(r["speedup_vs_bf16"], base["us_per_step"] / r["us_per_step"])
+    assert data["byte_model"]["replayssm-fp8/8x1"]["cache_bytes_per_slot"] == bm.cache_bytes_per_slot(
+        "replayssm-fp8", bm.Shape(8, 1))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert data["meta"]["plot"].startswith("no plot")
+    else:
+        assert (tmp_path / "decode.png").stat().st_size > 10_000
+
+
+def test_failing_provider_is_recorded_not_fatal(tmp_path, monkeypatch):
+    real = bench_decode.build_steps
+
+    def broken(provider, *a, **k):
+        if provider == "replayssm-nvfp4":
+            raise RuntimeError("boom")
+        return real(provider, *a, **k)
+
+    monkeypatch.setattr(bench_decode, "build_steps", broken)
+    res = bench_decode.main(["--dry-run", "--out", str(tmp_path), "--batches", "1",
+                             "--providers", "replayssm-nvfp4,standard-fp16", "--sync", "desync"])  # fmt: skip
+    rows = {r["provider"]: r for r in res["rows"]}
+    assert rows["replayssm-nvfp4"]["error"] == "RuntimeError: boom"
+    assert rows["replayssm-nvfp4"]["us_per_step"] is None
+    assert rows["standard-fp16"]["error"] is None and rows["standard-fp16"]["us_per_step"] > 0
