@@ -53,6 +53,7 @@ REPLAY = ("replayssm-fp8", "replayssm-nvfp4")
 STD_DTYPES = {"standard-fp32": torch.float32, "standard-bf16": torch.bfloat16, "standard-fp16": torch.float16}
 DEFAULT_BATCHES = (1, 8, 32, 128, 256, 512, 1024)
 DEFAULT_SHAPES = ("16x2", "64x8")
+BATCH_PRIORITY = (256, 32, 1024, 128, 512, 8, 1)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,12 +76,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-p", type=int, default=None, help="standard kernel BLOCK_P (default: kernel's)")
     p.add_argument("--num-warps", type=int, default=None, help="standard kernel num_warps (default: kernel's)")
     p.add_argument("--tune-standard", action="store_true",
-                   help="only sweep the standard kernel's (BLOCK_P, num_warps) at --batches")
+                   help="only sweep the standard kernel's (BLOCK_P, num_warps) at --batches (default 32,256)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness checks before timing")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     if a.batches is None:
-        a.batches = "1,2" if a.dry_run else ",".join(map(str, DEFAULT_BATCHES))
+        a.batches = "1,2" if a.dry_run else "32,256" if a.tune_standard else ",".join(map(str, DEFAULT_BATCHES))
     if a.shapes is None:
         a.shapes = "8x1" if a.dry_run else ",".join(DEFAULT_SHAPES)
     a.batches = [int(b) for b in a.batches.split(",") if b]
@@ -347,37 +348,51 @@ def run_row(provider, shape, batch, sync_mode, ctx) -> dict:
             row["note"] = "eager: " + (why if not ok else "--force-eager")
     layers, ws = layers_for(provider, shape, batch, args, eager=(device.type == "cuda" and not graph))
     row.update(layers=layers, working_set_mb=round(ws / 1e6, 2), l2_resident=ws < 2 * args.l2_mb * 1e6)
-    keep = None
     try:
-        inp = make_inputs(shape[0], shape[1], batch, layers, device, args.seed)
-        states = ctx["states"][shape]
-        steps, keep = build_steps(provider, shape, batch, layers, inp, device, states, sync_mode == "sync", args)
-        reps = args.reps if graph else args.eager_periods
-        try:
-            t, timing = time_period(steps, clock, graph, reps)
-        except Exception as e:  # noqa: BLE001 - a capture that fails falls back to eager
-            if not graph:
-                raise
-            clock.sync()
-            row["note"] = f"eager: capture failed: {type(e).__name__}: {str(e)[:200]}"
-            steps, keep = build_steps(provider, shape, batch, layers, inp, device, states, sync_mode == "sync", args)
-            t, timing = time_period(steps, clock, False, args.eager_periods)
-        us = t / len(steps) * 1e6
+        t, timing, note, n_steps = _measure(provider, shape, batch, sync_mode, layers, graph, ctx)
+        us = t / n_steps * 1e6
         row.update(timing=timing, us_per_step=us)
+        row["note"] = note or row["note"]
         row["tb_per_s"] = row["bytes_per_step"] / (us * 1e-6) / 1e12
         row["frac_copy_bw"] = row["tb_per_s"] / ctx["copy"]["tb_per_s"]
     except Exception as e:  # noqa: BLE001 - one provider's failure must not end the run
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         row["traceback"] = traceback.format_exc(limit=6)
-    finally:
-        del keep
-        if device.type == "cuda":
-            try:
-                torch.cuda.synchronize()
-            except Exception as e:  # noqa: BLE001
-                row["error"] = (row["error"] or "") + f" | sync after row failed: {e!r}"
-            torch.cuda.empty_cache()
+    if provider in STANDARD:
+        from replayssm.kernels.triton.standard_decode import default_config
+
+        bp, nw = default_config(STD_DTYPES[provider])
+        row.update(block_p=args.block_p or bp, num_warps=args.num_warps or nw)
+    if device.type == "cuda":  # the row's tensors are gone: hand their memory back
+        try:
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            row["error"] = (row["error"] or "") + f" | sync after row failed: {e!r}"
+        torch.cuda.empty_cache()
     return row
+
+
+def _measure(provider, shape, batch, sync_mode, layers, graph, ctx):
+    """Build the row's caches and inputs and time them: (seconds per period, timing,
+    note, steps per period). Everything allocated here is freed when it returns."""
+    args, device, clock = ctx["args"], ctx["device"], ctx["clock"]
+    inp = make_inputs(shape[0], shape[1], batch, layers, device, args.seed)
+    states = ctx["states"][shape]
+    sync = sync_mode == "sync"
+    steps, keep = build_steps(provider, shape, batch, layers, inp, device, states, sync, args)
+    reps = args.reps if graph else args.eager_periods
+    try:
+        t, timing = time_period(steps, clock, graph, reps)
+        return t, timing, None, len(steps)
+    except Exception as e:  # noqa: BLE001 - a capture that fails falls back to eager
+        if not graph:
+            raise
+        note = f"eager: capture failed: {type(e).__name__}: {str(e)[:200]}"
+    clock.sync()
+    del steps, keep
+    steps, keep = build_steps(provider, shape, batch, layers, inp, device, states, sync, args)
+    t, timing = time_period(steps, clock, False, args.eager_periods)
+    return t, timing, note, len(steps)
 
 
 # ----------------------------------------------------------------------------------------
@@ -527,7 +542,10 @@ def tune_standard(ctx) -> list[dict]:
                 for bp in (8, 16, 32, 64):
                     for nw in (1, 2, 4, 8):
                         args.block_p, args.num_warps = bp, nw
-                        r = run_row(prov, shape, batch, "-", ctx)
+                        if time.perf_counter() - ctx["t_start"] > args.time_budget:
+                            r = run_row_skipped(prov, shape, batch, "-")
+                        else:
+                            r = run_row(prov, shape, batch, "-", ctx)
                         r.update(block_p=bp, num_warps=nw)
                         out.append(r)
                         print(f"{prov:14s} {shape[0]}h{shape[1]}g b={batch:5d} BLOCK_P={bp:2d} warps={nw} "
@@ -554,7 +572,7 @@ def main(argv=None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
 
-    ctx = {"args": args, "device": device, "clock": clock}
+    ctx = {"args": args, "device": device, "clock": clock, "t_start": t_start}
     ctx["copy"] = copy_bandwidth(device, args.copy_gib, clock)
     ctx["replay_capture"] = replay_capturable(device) if device.type == "cuda" else (False, "cpu")
     ctx["states"] = {s: base_states(s[0], s[1], 16, device, args.seed) for s in args.shapes}
@@ -593,9 +611,12 @@ def main(argv=None) -> dict:
         for c in result["checks"]:
             print("check:", json.dumps(c), flush=True)
 
+    # The most telling batch sizes first, so a --time-budget cut loses the least; the
+    # table and JSON are sorted afterwards.
+    order = sorted(args.batches, key=lambda b: (BATCH_PRIORITY.index(b) if b in BATCH_PRIORITY else 99, b))
     plan = []
-    for shape in args.shapes:
-        for batch in args.batches:
+    for batch in order:
+        for shape in args.shapes:
             for prov in args.providers:
                 for sync_mode in args.sync if prov in REPLAY else ["-"]:
                     plan.append((prov, shape, batch, sync_mode))
@@ -610,6 +631,9 @@ def main(argv=None) -> dict:
               + (f"{row['us_per_step']:10.2f} us/step  {100 * row['frac_copy_bw']:5.1f}% copy"
                  if row["us_per_step"] else f"ERROR {row['error']}"), flush=True)  # fmt: skip
 
+    rank = {p: i for i, p in enumerate(args.providers)}
+    result["rows"].sort(key=lambda r: (args.shapes.index((r["heads"], r["groups"])), r["batch"], rank[r["provider"]],
+                                       r["sync"]))  # fmt: skip
     add_speedups(result["rows"])
     meta["seconds"] = time.perf_counter() - t_start
     print()
