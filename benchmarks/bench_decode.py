@@ -227,19 +227,47 @@ def make_replay_cache(fmt, heads, groups, batch, device, states, ids, sync: bool
 # providers
 
 
-def replay_capturable(device: torch.device) -> tuple[bool, str]:
-    """Whether the ReplaySSM path on `device` can be captured in a CUDA graph: not when it
-    runs the PyTorch reference (it reads tensor values on the host)."""
+def backend_name(device: torch.device) -> str:
     try:
         from replayssm.kernels import backend_for
 
         b = backend_for(device)
-        name = getattr(b, "name", type(b).__name__)
-        if name == "torch":
-            return False, "reference backend (syncs the host)"
-        return True, str(name)
+        return str(getattr(b, "name", type(b).__name__))
     except Exception as e:  # noqa: BLE001 - reported, never fatal
-        return False, f"backend lookup failed: {e!r}"
+        return f"backend lookup failed: {e!r}"
+
+
+def probe_capturable(provider, shape, ctx) -> tuple[bool, str]:
+    """Whether `provider`'s decode can be captured in a CUDA graph, decided without
+    attempting one (a failed capture is best not risked mid-run): one
+    whole period at batch 16 is run once to compile, then once more with torch's sync
+    debug mode set to "error", which raises on any host synchronization (a path that
+    reads tensor values on the host, such as the PyTorch reference, cannot be captured).
+    Syncs outside torch are not seen here; a capture that fails still falls back to
+    eager timing."""
+    args, device = ctx["args"], ctx["device"]
+    batch = 16
+    inp = make_inputs(shape[0], shape[1], batch, 1, device, args.seed)
+    steps, keep = build_steps(provider, shape, batch, 1, inp, device, ctx["states"][shape], False, args)
+    stage = "warm-up period failed"
+    try:
+        for st in steps:
+            st()
+        torch.cuda.synchronize()
+        stage = f"{backend_name(device)} backend synchronizes with the host"
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for st in steps:
+                st()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    except Exception as e:  # noqa: BLE001 - the answer is "no", with the reason
+        msg = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        return False, f"{stage} ({msg})"
+    finally:
+        torch.cuda.synchronize()
+        del steps, keep
+    return True, backend_name(device)
 
 
 def build_steps(provider, shape, batch, layers, inp: Inputs, device, states, sync, args):
@@ -342,7 +370,10 @@ def run_row(provider, shape, batch, sync_mode, ctx) -> dict:
     }  # fmt: skip
     graph = device.type == "cuda"
     if provider in REPLAY and graph:
-        ok, why = ctx["replay_capture"]
+        key = f"{provider}/{shape[0]}x{shape[1]}"
+        if key not in ctx["capturable"]:
+            ctx["capturable"][key] = probe_capturable(provider, shape, ctx)
+        ok, why = ctx["capturable"][key]
         if not ok or args.force_eager:
             graph = False
             row["note"] = "eager: " + (why if not ok else "--force-eager")
@@ -574,7 +605,7 @@ def main(argv=None) -> dict:
 
     ctx = {"args": args, "device": device, "clock": clock, "t_start": t_start}
     ctx["copy"] = copy_bandwidth(device, args.copy_gib, clock)
-    ctx["replay_capture"] = replay_capturable(device) if device.type == "cuda" else (False, "cpu")
+    ctx["capturable"] = {}
     ctx["states"] = {s: base_states(s[0], s[1], 16, device, args.seed) for s in args.shapes}
     meta = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
@@ -582,7 +613,8 @@ def main(argv=None) -> dict:
         "triton": _version("triton"),
         "dry_run": args.dry_run,
         "copy_bandwidth": ctx["copy"],
-        "replayssm_capturable": ctx["replay_capture"],
+        "replayssm_backend": backend_name(device),
+        "replayssm_capturable": ctx["capturable"],  # filled as rows run
         "args": {k: v for k, v in vars(args).items()},
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }

@@ -140,3 +140,22 @@ def test_failing_provider_is_recorded_not_fatal(tmp_path, monkeypatch):
     assert rows["replayssm-nvfp4"]["error"] == "RuntimeError: boom"
     assert rows["replayssm-nvfp4"]["us_per_step"] is None
     assert rows["standard-fp16"]["error"] is None and rows["standard-fp16"]["us_per_step"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_smoke_run(tmp_path):
+    """A small real run: every row timed, the standard decode captured in CUDA graphs, the
+    correctness checks within bf16 rounding of the PyTorch twins."""
+    res = bench_decode.main(["--out", str(tmp_path), "--batches", "8,64", "--shapes", "16x2", "--reps", "5",
+                             "--max-layers", "4", "--eager-periods", "1", "--copy-gib", "0.25"])  # fmt: skip
+    for r in res["rows"]:
+        assert r["error"] is None, r
+        assert r["us_per_step"] > 0 and r["frac_copy_bw"] > 0
+        if r["provider"] in bench_decode.STANDARD:
+            assert r["timing"] == "graph"
+        else:
+            assert r["timing"] in ("graph", "eager")
+    for c in res["checks"]:
+        assert "error" not in c, c
+        # one bf16 ulp of the largest output, plus FP32 summation-order noise
+        assert c["max_abs_err_y"] <= 2 ** -7 * c["max_abs_y"] + 1e-3, c
