@@ -293,6 +293,8 @@ def test_prepare_period_sequence(fmt):
     got, want = twin_caches(6, 16, 2, fmt, slot_padding=32)
     for c in (got, want):
         c[L.POSITIONS].fill_(15)
+        if nvfp4:
+            c[L.META].fill_(3.0)  # the zeroed accumulator halves must show
     ids = torch.tensor([4, 0, 1, 5], dtype=torch.int32)
     scratch = PlanScratch(4, "cpu")
     flushes = []
@@ -435,8 +437,11 @@ def test_gpu_prepare_and_cuda_graph(fmt, heads, groups):
     gen = torch.Generator().manual_seed(22)
     got, want = twin_caches(256, heads, groups, fmt, "cuda", slot_padding=128, gen=gen)
     pos = torch.randint(0, 10_000, (256,), generator=gen, dtype=torch.int32).cuda()
+    meta = torch.rand(256, groups, 2, generator=gen).cuda() + 1.0  # zeroed halves must show
     for c in (got, want):
         c[L.POSITIONS].copy_(pos)
+        if nvfp4:
+            c[L.META].copy_(meta)
     ids = _gpu_ids(200, 256, gen, torch.int32)
     out = torch.empty(200, heads, 64, dtype=torch.bfloat16, device="cuda")
     out_want = torch.empty_like(out)
