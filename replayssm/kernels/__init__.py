@@ -8,11 +8,13 @@ normalized by `replayssm.api`; they never validate user input themselves.
 The Triton kernels live in `replayssm.kernels.triton` and are imported on first use:
 `triton.jit` chooses between compiler and CPU interpreter when a kernel is defined, so
 TRITON_INTERPRET=1 (CPU tests) must be set before then; importing replayssm alone never
-imports Triton.
+imports Triton. The CuTe DSL decode kernels (`replayssm.kernels.cute`, FP8 read copy) are
+imported on first use too; `compile_all` builds them for any target without a GPU.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import NamedTuple
@@ -23,6 +25,8 @@ from .. import layout as L
 from .. import reference as ref
 
 BACKENDS = ("torch", "triton")
+
+log = logging.getLogger(__name__)
 
 
 class ReferenceBackend:
@@ -56,18 +60,22 @@ class TritonBackend:
 
     Plan scratch: `prepare` / `decode` write the plan into a `PlanScratch` so a step
     allocates no device memory. A caller may pass its own (`scratch=`, e.g. one per cache
-    sized for its max batch, or one per stream); otherwise the backend keeps one per
-    (device, capacity), the capacity being the batch rounded up to a power of two (at
-    least 64). Those shared buffers assume one stream per device: a plan is consumed by
-    the kernels launched right after it, before the next `prepare` on the same stream can
-    overwrite it. Create them before CUDA-graph capture (`warmup` does) so that a captured
-    graph and eager calls use the same buffers.
+    sized for its max batch, or one per stream). Otherwise the backend keeps a few, keyed
+    by (device, capacity): a call uses the smallest one with room for its batch, and only
+    when none has room creates one (capacity: the batch rounded up to a power of two, at
+    least 64), so once `warmup` has made the max-batch one, every later batch reuses an
+    existing buffer -- the same one in eager calls and in a captured CUDA graph. Shared
+    buffers assume one stream per device: a plan is consumed by the kernels launched right
+    after it, before the next `prepare` on the same stream overwrites it.
     """
 
     name = "triton"
 
     def __init__(self) -> None:
         self._scratch: dict[tuple[torch.device, int], object] = {}
+        self._cute_launch = None  # replayssm.kernels.cute.launch, False when unavailable
+        self._cute_arch: dict[torch.device, str | None] = {}
+        self._warned: set[str] = set()
 
     @staticmethod
     def _kernels():
@@ -76,16 +84,17 @@ class TritonBackend:
         return _TritonKernels(initialize.initialize, clear.clear, prepare.prepare_decode, prepare.PlanScratch)
 
     def scratch(self, device: torch.device | str, rows: int):
-        """The shared `PlanScratch` with room for `rows` rows on `device`."""
+        """The smallest shared `PlanScratch` on `device` with room for `rows` rows
+        (created when none has room)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        fits = [cap for dev, cap in self._scratch if dev == device and cap >= rows]
+        if fits:
+            return self._scratch[(device, min(fits))]
         capacity = max(64, 1 << max(rows - 1, 0).bit_length())
-        key = (device, capacity)
-        buf = self._scratch.get(key)
-        if buf is None:
-            buf = self._kernels().PlanScratch(capacity, device)
-            self._scratch[key] = buf
+        buf = self._kernels().PlanScratch(capacity, device)
+        self._scratch[(device, capacity)] = buf
         return buf
 
     def initialize(self, cache, states, ids, *, nvfp4: bool, seed: int) -> None:
@@ -101,9 +110,55 @@ class TritonBackend:
         return self._kernels().prepare_decode(cache, ids, out, scratch, nvfp4=nvfp4, seed=seed)
 
     def decode(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, nvfp4: bool, seed: int, scratch=None) -> None:
+        """Prepare kernel, then the CuTe decode kernels (FP8 on a supported GPU: both the
+        non-flush and the flush kernel launch every step), else the reference decode."""
         plan = self.prepare(cache, ids, out, nvfp4=nvfp4, seed=seed, scratch=scratch)
+        cute = None if nvfp4 else self.cute_for(cache)
+        if cute is not None:
+            launch, arch = cute
+            launch.decode_fp8(cache, x, dt, A, B, C, D, dt_bias, plan, out, arch=arch)
+            return
         ref.decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4)
         ref.decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4, seed=seed)
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            log.warning("%s; decoding with the PyTorch reference instead", message)
+
+    def cute_for(self, cache):
+        """(launch module, arch) when the CuTe FP8 decode kernels can run `cache` (CUDA
+        tensors, the CuTe DSL importable, a GPU in the arch table, 16-byte-aligned
+        layout); None otherwise, with the reason logged once."""
+        device = cache[L.CHECKPOINT].device
+        if device.type != "cuda":
+            return None
+        if self._cute_launch is None:
+            try:
+                from .cute import launch
+
+                self._cute_launch = launch
+            except Exception as exc:  # ImportError, or the DSL failing to initialize
+                self._cute_launch = False
+                self._warn_once(f"the CuTe DSL decode kernels are unavailable ({type(exc).__name__}: {exc})")
+        if self._cute_launch is False:
+            return None
+        if device not in self._cute_arch:
+            from .cute.arch import arch_for
+
+            try:
+                self._cute_arch[device] = arch_for(device)
+            except ValueError as exc:
+                self._cute_arch[device] = None
+                self._warn_once(str(exc))
+        arch = self._cute_arch[device]
+        if arch is None:
+            return None
+        reason = self._cute_launch.layout_ok(cache)
+        if reason is not None:
+            self._warn_once(f"the CuTe decode kernels cannot address this cache: {reason}")
+            return None
+        return self._cute_launch, arch
 
     def warmup(self, cache) -> list[str]:
         """Compile the bookkeeping kernels for a `ReplaySSMCache` and create its plan
@@ -123,7 +178,28 @@ class TritonBackend:
             self.initialize(tensors, zero_state.expand(2, -1, -1, -1), ids, nvfp4=nvfp4, seed=cache.seed)
             self.prepare(tensors, ids, out, nvfp4=nvfp4, seed=cache.seed, scratch=scratch)
             names += [f"triton.initialize[{dtype}]", f"triton.clear[{dtype}]", f"triton.prepare[{dtype}]"]
+        cute = None if nvfp4 else self.cute_for(tensors)
+        if cute is not None:
+            # Compile both decode kernels, then launch them once on padding rows (which
+            # exit at once) so their modules are loaded before any graph capture.
+            launch, arch = cute
+            names += launch.warmup(heads, tensors[L.B_RING].shape[1], arch)
+            ids = torch.zeros(2, dtype=torch.int32, device=device)
+            plan = self.prepare(tensors, ids, out, nvfp4=nvfp4, seed=cache.seed, scratch=scratch)
+            launch.launch_padding(tensors, plan, out, arch)
         return names
+
+
+def compile_all(arch: str, dump_dir) -> list[str]:
+    """Compile every CuTe DSL decode kernel variant (FP8 non-flush and flush, 8 and 16
+    heads per group) for `arch` ("sm_90a", "sm_100a" or "sm_103a"; no GPU needed) into
+    the existing folder `dump_dir`; returns the paths of the PTX and cubin files."""
+    from .cute.arch import check_arch
+
+    check_arch(arch)
+    from .cute.launch import compile_all as _compile_all
+
+    return _compile_all(arch, dump_dir)
 
 
 REFERENCE = ReferenceBackend()
@@ -163,4 +239,12 @@ def backend_for(device: torch.device | str, prefer: str | None = None):
     return REFERENCE
 
 
-__all__ = ["BACKENDS", "ReferenceBackend", "TritonBackend", "REFERENCE", "backend_for", "triton_backend"]
+__all__ = [
+    "BACKENDS",
+    "ReferenceBackend",
+    "TritonBackend",
+    "REFERENCE",
+    "backend_for",
+    "compile_all",
+    "triton_backend",
+]

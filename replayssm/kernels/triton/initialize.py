@@ -127,7 +127,7 @@ def _initialize_kernel(
         # The group's first row (head g * HPG, p = 0) writes both halves of meta[slot, g].
         o_half = tl.arange(0, 2)[None, :]
         first = (o_r % (HPG * 64) == 0)[:, None]
-        b_gamax = b_gbits.to(tl.float32, bitcast=True)[:, None] + tl.zeros([BLOCK_R, 2], tl.float32)
+        b_gamax = tl.broadcast_to(b_gbits.to(tl.float32, bitcast=True)[:, None], (BLOCK_R, 2))
         tl.store(p_meta + slot * stride_meta + o_g[:, None] * 2 + o_half, b_gamax, mask=first)
         tl.store(p_parity + slot * stride_parity, tl.zeros([], tl.int32), mask=i_r == 0)
     else:
