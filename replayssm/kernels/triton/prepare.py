@@ -68,7 +68,9 @@ def _prepare_kernel(
         old = tl.load(p_parity + slot * stride_parity, mask=flush, other=0)
         tl.store(p_parity + slot * stride_parity, 1 - old, mask=flush)
         o_g = tl.arange(0, BLOCK_G)
-        tl.store(p_meta + slot * stride_meta + o_g * 2 + old, tl.zeros([BLOCK_G], tl.float32), mask=flush & (o_g < G))
+        # `old & 1`: a corrupt parity word must not send the store outside meta[slot].
+        p_m = p_meta + slot * stride_meta + o_g * 2 + (old & 1)
+        tl.store(p_m, tl.zeros([BLOCK_G], tl.float32), mask=flush & (o_g < G))
     o_out = tl.arange(0, BLOCK_OUT)
     tl.store(p_out + i_b.to(tl.int64) * OUT_ROW + o_out, tl.zeros([BLOCK_OUT], tl.int16), mask=(o_out < OUT_ROW) & ~valid)
     tl.store(p_valid + i_b, valid.to(tl.int8))
