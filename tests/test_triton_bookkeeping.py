@@ -530,7 +530,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-mods = {m: importlib.import_module("replayssm.kernels.triton." + m) for m in ("initialize", "head_amax", "clear", "prepare")}
+names = ("initialize", "head_amax", "clear", "prepare")
+mods = {m: importlib.import_module("replayssm.kernels.triton." + m) for m in names}
 target = GPUTarget("cuda", 90, 32)
 i32 = "i32"
 def build(fn, sig, const, **opts):
@@ -557,7 +558,8 @@ out["head_amax"] = build(mods["head_amax"]._head_amax_kernel, sig, dict(H=64, BL
 sig = dict(p_ids="*i64", p_x="*i16", p_dt="*i32", p_b="*i16", p_pos="*i32")
 sig.update(strides("stride_ids", "stride_x", "stride_dt", "stride_b", "stride_pos", "num_slots"))
 for w in (1, 2):
-    out[f"clear-{w}"] = build(mods["clear"]._clear_kernel, sig, dict(N_X=65536, N_DT=1024, N_B=16384, POS_WIDTH=w, BLOCK=4096))
+    const = dict(N_X=65536, N_DT=1024, N_B=16384, POS_WIDTH=w, BLOCK=4096)
+    out[f"clear-{w}"] = build(mods["clear"]._clear_kernel, sig, const)
 ops = {k: sorted(set(re.findall(r"\b((?:div|fma|mul|add|sub)\.[a-z0-9.]*f32)\b", v))) for k, v in out.items()}
 print(json.dumps(ops))
 """

@@ -72,7 +72,8 @@ def _prepare_kernel(
         p_m = p_meta + slot * stride_meta + o_g * 2 + (old & 1)
         tl.store(p_m, tl.zeros([BLOCK_G], tl.float32), mask=flush & (o_g < G))
     o_out = tl.arange(0, BLOCK_OUT)
-    tl.store(p_out + i_b.to(tl.int64) * OUT_ROW + o_out, tl.zeros([BLOCK_OUT], tl.int16), mask=(o_out < OUT_ROW) & ~valid)
+    p_o = p_out + i_b.to(tl.int64) * OUT_ROW + o_out
+    tl.store(p_o, tl.zeros([BLOCK_OUT], tl.int16), mask=(o_out < OUT_ROW) & ~valid)
     tl.store(p_valid + i_b, valid.to(tl.int8))
     tl.store(p_slot + i_b, slot)
     tl.store(p_ring + i_b, ring.to(tl.int64))
@@ -112,7 +113,9 @@ class PlanScratch:
         )
 
 
-def prepare_decode(cache, ids: torch.Tensor, out: torch.Tensor, scratch: PlanScratch, *, nvfp4: bool, seed: int) -> Plan:
+def prepare_decode(
+    cache, ids: torch.Tensor, out: torch.Tensor, scratch: PlanScratch, *, nvfp4: bool, seed: int
+) -> Plan:
     """Plan of the rows of `ids` (int32/int64 [batch], batch <= scratch.rows) into
     `scratch`; zero the padding rows of `out` (contiguous [batch, H, 64], 2-byte dtype);
     advance positions; NVFP4 flush rows flip parity and zero the accumulator half of meta.
