@@ -662,6 +662,7 @@ def main(argv=None) -> dict:
               f"layers={row['layers'] or 0:3d} "
               + (f"{row['us_per_step']:10.2f} us/step  {100 * row['frac_copy_bw']:5.1f}% copy"
                  if row["us_per_step"] else f"ERROR {row['error']}"), flush=True)  # fmt: skip
+        _write(result, out_dir / "results.json")  # partial results survive a crash or a kill
 
     rank = {p: i for i, p in enumerate(args.providers)}
     result["rows"].sort(key=lambda r: (args.shapes.index((r["heads"], r["groups"])), r["batch"], rank[r["provider"]],
