@@ -12,6 +12,8 @@ import torch
 from replayssm import synthetic
 from replayssm.kernels.triton.standard_decode import standard_decode, standard_decode_ref
 
+# The kernel runs compiled on a GPU machine (CUDA tensors), in the interpreter elsewhere.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 MANT_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 MIN_NORMAL_EXP = {torch.float32: -126, torch.bfloat16: -126, torch.float16: -14}
 
@@ -34,14 +36,14 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def make_problem(batch, heads, groups, num_slots, state_dtype, *, seed, slot_pad=0, tied=True):
     g = torch.Generator().manual_seed(seed)
-    params = synthetic.layer_params(heads, generator=g)
-    tok = synthetic.token(batch, heads, groups, generator=g)
+    params = synthetic.layer_params(heads, generator=g, device=DEV)
+    tok = synthetic.token(batch, heads, groups, generator=g, device=DEV)
     # The state buffer is carved with `slot_pad` extra elements per slot (padded slot
     # stride) and poisoned with NaN everywhere, then the slots get a realistic state.
     per_slot = heads * 64 * 128
-    buf = torch.full((num_slots, per_slot + slot_pad), float("nan"), dtype=state_dtype)
+    buf = torch.full((num_slots, per_slot + slot_pad), float("nan"), dtype=state_dtype, device=DEV)
     state = buf[:, :per_slot].view(num_slots, heads, 64, 128)
-    init = synthetic.prefill_states(params, num_slots - 1, groups, 3, generator=g)
+    init = synthetic.prefill_states(params, num_slots - 1, groups, 3, generator=g, device=DEV)
     state[1:] = init.to(state_dtype)
     A, dt_bias, D, dt = params.A, params.dt_bias, params.D, tok.dt
     if tied:  # the serving engine's stride-0 views of per-head scalars
@@ -67,15 +69,15 @@ def test_one_step_matches_reference(dtype, heads, groups, ids, slot_pad):
     num_slots = 7
     batch = len(ids)
     buf, state, tok, params, tied = make_problem(batch, heads, groups, num_slots, dtype, seed=11, slot_pad=slot_pad)
-    ids_t = torch.tensor(ids, dtype=torch.int32)
+    ids_t = torch.tensor(ids, dtype=torch.int32, device=DEV)
     buf_before = buf.clone()
     ref_state = state.clone()
     y_ref = standard_decode_ref(ref_state, tok.x, **tied, B=tok.B, C=tok.C, state_indices=ids_t)
-    out = torch.full((batch, heads, 64), float("nan"), dtype=torch.bfloat16)
+    out = torch.full((batch, heads, 64), float("nan"), dtype=torch.bfloat16, device=DEV)
     y = standard_decode(state, tok.x, **tied, B=tok.B, C=tok.C, state_indices=ids_t, out=out)
     assert y is out
 
-    valid = torch.tensor([0 < s < num_slots for s in ids])
+    valid = torch.tensor([0 < s < num_slots for s in ids], device=DEV)
     live = [s for s in ids if 0 < s < num_slots]
     untouched = [s for s in range(num_slots) if s not in live]
     # Padding rows: zero output; slot 0, untouched slots and the inter-slot padding keep
@@ -106,15 +108,15 @@ def test_many_steps_track_exact_recurrence():
     3 dB of what the PyTorch twin (rounding to nearest) achieves."""
     heads, groups, num_slots, dtype = 2, 1, 4, torch.bfloat16
     g = torch.Generator().manual_seed(5)
-    params = synthetic.layer_params(heads, generator=g)
-    init = synthetic.prefill_states(params, num_slots - 1, groups, 4, generator=g)
-    state = torch.zeros(num_slots, heads, 64, 128, dtype=dtype)
+    params = synthetic.layer_params(heads, generator=g, device=DEV)
+    init = synthetic.prefill_states(params, num_slots - 1, groups, 4, generator=g, device=DEV)
+    state = torch.zeros(num_slots, heads, 64, 128, dtype=dtype, device=DEV)
     state[1:] = init.to(dtype)
     ref_state = state.clone()
     exact = synthetic.ExactRecurrence(params, state[1:].float())
-    ids = torch.tensor([1, 2, 3])
+    ids = torch.tensor([1, 2, 3], device=DEV)
     for _ in range(8):
-        tok = synthetic.token(3, heads, groups, generator=g)
+        tok = synthetic.token(3, heads, groups, generator=g, device=DEV)
         args = dict(x=tok.x, dt=tok.dt, A=params.A, B=tok.B, C=tok.C, D=params.D, dt_bias=params.dt_bias,
                     state_indices=ids)
         y = standard_decode(state, **args)
@@ -131,16 +133,17 @@ def test_large_dt_is_linear_softplus():
     """dt + dt_bias > 20 takes the linear branch (as the serving engine), and a very
     negative argument gives the tiny positive softplus, not zero."""
     heads, groups = 2, 1
-    state = torch.randn(3, heads, 64, 128)
+    g = torch.Generator().manual_seed(9)
+    state = torch.randn(3, heads, 64, 128, generator=g).to(DEV)
     ref_state = state.clone()
-    x = torch.randn(2, heads, 64).bfloat16()
-    B = torch.randn(2, groups, 128).bfloat16()
-    C = torch.randn(2, groups, 128).bfloat16()
-    dt = torch.tensor([[25.0, -30.0], [-8.0, 19.5]])
-    A = torch.tensor([-1e-3, -2.0])
-    D = torch.tensor([0.5, 2.0])
-    dt_bias = torch.zeros(heads)
-    ids = torch.tensor([2, 1])
+    x = torch.randn(2, heads, 64, generator=g).bfloat16().to(DEV)
+    B = torch.randn(2, groups, 128, generator=g).bfloat16().to(DEV)
+    C = torch.randn(2, groups, 128, generator=g).bfloat16().to(DEV)
+    dt = torch.tensor([[25.0, -30.0], [-8.0, 19.5]], device=DEV)
+    A = torch.tensor([-1e-3, -2.0], device=DEV)
+    D = torch.tensor([0.5, 2.0], device=DEV)
+    dt_bias = torch.zeros(heads, device=DEV)
+    ids = torch.tensor([2, 1], device=DEV)
     y = standard_decode(state, x, dt, A, B, C, D, dt_bias, ids)
     y_ref = standard_decode_ref(ref_state, x, dt, A, B, C, D, dt_bias, ids)
     torch.testing.assert_close(state, ref_state, rtol=2e-6, atol=1e-6)
