@@ -259,3 +259,31 @@ def test_pending_positions_layout_is_initialized_and_decode_rejects_it():
     h = torch.zeros(16)
     with pytest.raises(ValueError, match="pending mode"):
         selective_state_update_replayssm(cache, x, torch.zeros(1, 16), h, bc, bc, h, h, torch.tensor([2]), torch.empty_like(x), state_dtype="fp8")
+
+
+def test_stochastic_checkpoint_tracks_decay_that_nearest_rounding_loses():
+    """Why the checkpoint is rounded stochastically (docs/format.md section 7): a state of
+    1.0 decaying by 2e-4 per period changes by less than half an fp16 ulp below 1 (2**-12) each
+    flush, so nearest rounding would keep 1.0 forever; stochastic rounding follows the
+    decay in expectation."""
+    fmt, heads, n_periods = "fp8", 8, 32
+    cache = allocate_cache(3, heads, 1, fmt)
+    initialize_replayssm_state(cache, torch.ones(1, heads, 64, 128), torch.tensor([1]), state_dtype=fmt, seed=1)
+    per_token = 2e-4 / 16
+    dt_bias = torch.full((heads,), float(torch.log(torch.expm1(torch.tensor(per_token, dtype=torch.float64)))))
+    A = -torch.ones(heads)
+    x = torch.zeros(1, heads, 64, dtype=torch.bfloat16)
+    bc = torch.zeros(1, 1, 128, dtype=torch.bfloat16)
+    from replayssm import selective_state_update_replayssm
+
+    for _ in range(16 * n_periods):
+        out = torch.empty_like(x)
+        selective_state_update_replayssm(cache, x, torch.zeros(1, heads), A, bc, bc, torch.ones(heads), dt_bias, torch.tensor([1]), out, state_dtype=fmt, seed=1)
+    ckpt = cache[L.CHECKPOINT][1].double()
+    exact = torch.exp(torch.tensor(-per_token * 16 * n_periods, dtype=torch.float64)).item()
+    nearest_would_keep = 1.0
+    # stochastic rounding: within 5% of the decay; nearest rounding: 100% of it missing
+    assert abs(ckpt.mean().item() - exact) < 0.05 * abs(nearest_would_keep - exact)
+    # and nearest rounding really does stall: one flush's update rounds back to 1.0
+    one_period = torch.tensor(1.0 * (1 - 2e-4), dtype=torch.float32)
+    assert one_period.half().item() == 1.0
