@@ -1,0 +1,16 @@
+"""CuTe DSL decode kernels (the hot path) for the FP8 read copy.
+
+- `decode_fp8.DecodeFp8`: the non-flush step (read copy + ring replay, ring append).
+- `flush_fp8.FlushFp8Sm90` / `FlushFp8Sm100`: the flush (fold 16 tokens into the FP16
+  checkpoint with stochastic rounding, re-derive the read copy); they differ only in the
+  two conversions (software on sm_90a, `cvt.rs` / `cvt.rn ... e4m3x2` on sm_100a/sm_103a).
+- `launch`: compile cache keyed by (kernel, arch, heads, groups), `compile_all`, `warmup`
+  and the per-step launcher.
+- `arch`: the compute-capability table and the $REPLAYSSM_ARCH override.
+
+Importing this package does not import the CuTe DSL; `launch` (and the kernel modules) do.
+"""
+
+from .arch import ARCH_ENV, ARCHS, SUPPORTED, arch_for, check_arch
+
+__all__ = ["ARCH_ENV", "ARCHS", "SUPPORTED", "arch_for", "check_arch"]

@@ -1,0 +1,56 @@
+"""Which CuTe DSL target a GPU gets: one table keyed by compute capability.
+
+`REPLAYSSM_ARCH=sm_100a` (or sm_90a, sm_103a) overrides the device query, so a machine
+without the GPU (CPU CI) can compile for any target. The table is the only place that
+knows the mapping; kernels choose their conversion instructions from the arch string.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+ARCH_ENV = "REPLAYSSM_ARCH"
+
+# compute capability -> CuTe DSL / ptxas target
+ARCHS: dict[tuple[int, int], str] = {
+    (9, 0): "sm_90a",  # H100 / H200: software stochastic rounding and e4m3 encode
+    (10, 0): "sm_100a",  # B200: cvt.rs.satfinite.f16x2.f32, cvt.rn.satfinite.e4m3x2.f32
+    (10, 3): "sm_103a",  # B300: as sm_100a
+}
+SUPPORTED = tuple(ARCHS.values())
+# Targets with the `cvt.rs` stochastic-rounding conversion.
+HAS_CVT_RS = frozenset({"sm_100a", "sm_103a"})
+
+
+def check_arch(arch: object) -> str:
+    if not isinstance(arch, str) or arch not in SUPPORTED:
+        raise ValueError(f"arch must be one of {SUPPORTED}; got {arch!r}")
+    return arch
+
+
+def arch_for(device: torch.device | str | int | None = None) -> str:
+    """The target for `device` (current CUDA device by default), or the override in
+    $REPLAYSSM_ARCH. Raises ValueError for GPUs outside the table."""
+    env = os.environ.get(ARCH_ENV)
+    if env:
+        if env not in SUPPORTED:
+            raise ValueError(f"${ARCH_ENV} must be one of {SUPPORTED}; got {env!r}")
+        return env
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"no CUDA device to pick a CuTe target for; set ${ARCH_ENV} to one of {SUPPORTED} to compile without one"
+        )
+    cc = torch.cuda.get_device_capability(device)
+    arch = ARCHS.get(tuple(cc))
+    if arch is None:
+        supported = ", ".join(f"sm_{a}{b} ({name})" for (a, b), name in ARCHS.items())
+        raise ValueError(
+            f"the replayssm CuTe kernels support compute capabilities {supported}; "
+            f"got sm_{cc[0]}{cc[1]} ({torch.cuda.get_device_name(device)})"
+        )
+    return arch
+
+
+__all__ = ["ARCHS", "ARCH_ENV", "SUPPORTED", "HAS_CVT_RS", "arch_for", "check_arch"]

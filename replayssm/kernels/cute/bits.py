@@ -1,0 +1,186 @@
+"""CuTe DSL twins of `replayssm.quant`: the random hash, the bit-level encoders the flush
+needs, and the few float helpers both decode kernels share. Device-side only: every
+function here is traced inside a `cute.kernel`.
+
+The software encoders follow quant/minifloat.py step for step on the FP32 bits, with the
+two 32-bit rewrites the Triton twin (kernels/triton/bits.py) documents: a shift beyond the
+normal one happens only for subnormal results, whose significand v is below 2**24, so
+  nearest:    (v + 2**(s-1) - 1 + bit) >> s is 0 for s >= 25  -> s is clamped at 25;
+  stochastic: (v + (r << (s-k))) >> s == ((v >> (s-k)) + r) >> k, and v >> t == 0 for
+              t >= 24 -> t = s - k is clamped at 31.
+The hardware forms (sm_100a / sm_103a) are single PTX instructions fed the same inputs:
+`cvt.rs.satfinite.f16x2.f32` consumes rbits[12:0] for the low half and rbits[28:16] for
+the high half, exactly the split of the software path (docs/format.md section 6).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+
+# quant/rng.py constants.
+GOLDEN = 0x9E3779B9
+MIX_M1 = 0x7FEB352D
+MIX_M2 = 0x846CA68B
+# Mask that keeps the 13 random bits of each half of a checkpoint word (format.md 6).
+RBITS_F16X2 = 0x1FFF1FFF
+
+
+# ---------------------------------------------------------------------------------------
+# Random hash
+
+
+def mix32(x: Uint32) -> Uint32:
+    """lowbias32 on a uint32 (quant/rng.py `mix32`); multiplies wrap mod 2**32."""
+    x = x ^ (x >> 16)
+    x = x * Uint32(MIX_M1)
+    x = x ^ (x >> 15)
+    x = x * Uint32(MIX_M2)
+    x = x ^ (x >> 16)
+    return x
+
+
+def random_word(key: Uint32, index: Uint32) -> Uint32:
+    """mix(key ^ index * GOLDEN) (quant/rng.py `random_words`)."""
+    return mix32(key ^ (index * Uint32(GOLDEN)))
+
+
+# ---------------------------------------------------------------------------------------
+# Floats shared by both kernels
+
+
+def sel(cond, a, b):
+    """cond ? a : b for two DSL scalars of one type (a select, no branch)."""
+    return type(a)(cutlass.select_(cond, a, b))
+
+
+def softplus(v: Float32) -> Float32:
+    """softplus(v) = log1p(exp(v)), v itself above 20: PyTorch's CUDA softplus with
+    beta = 1 and threshold = 20 (libdevice expf / log1pf, so the processed dt written
+    to the ring has the reference's bits when both run on the same GPU)."""
+    return sel(v > Float32(20.0), v, cute.math.log1p(cute.math.exp(v)))
+
+
+def pow2_exponent_above(abs_bits: Int32, mant_limit: int, e_off: int) -> Int32:
+    """E = ceil(log2(amax / L)), L = (1 + mant_limit / 2**23) * 2**e_off, from the FP32
+    bits of amax >= 0 (any NaN or Inf clamps to 100); 0 for zero or FP32-subnormal
+    amax; clamped to [-100, 100] (quant/formats.py `_pow2_exponent_above`)."""
+    ef = abs_bits >> 23
+    e = ef - Int32(127 + e_off) + sel((abs_bits & Int32(0x7FFFFF)) > Int32(mant_limit), Int32(1), Int32(0))
+    e = sel(ef == Int32(0), Int32(0), e)
+    return cutlass.max(cutlass.min(e, Int32(100)), Int32(-100))
+
+
+def exp2_int(e: Int32) -> Float32:
+    """2**e as FP32 for e in [-126, 127], from bits (exact)."""
+    return ((e + Int32(127)) << 23).bitcast(Float32)
+
+
+# ---------------------------------------------------------------------------------------
+# Software encoders (sm_90a), integer steps of quant/minifloat.py `encode`
+
+
+def fp16_sr_soft(x: Float32, r: Uint32) -> Uint32:
+    """FP32 -> FP16 code (16 bits, in a uint32), stochastic with the 13 low bits of `r`,
+    satfinite; NaN -> 0x7FFF."""
+    bits = x.bitcast(Uint32)
+    a = bits & Uint32(0x7FFFFFFF)
+    ef = a >> 23
+    # Normal result (ef >= 113): rebias in place, the random bits sit at the top of the
+    # 13 discarded bits. Subnormal: explicit significand, t more bits discarded first.
+    normal = ef >= Uint32(113)
+    sub_v = (a & Uint32(0x7FFFFF)) | sel(ef > Uint32(0), Uint32(0x800000), Uint32(0))
+    v = sel(normal, a - Uint32(112 << 23), sub_v)
+    t = sel(normal, Uint32(0), cutlass.min(Uint32(113) - cutlass.max(ef, Uint32(1)), Uint32(31)))
+    code = ((v >> t) + (r & Uint32(0x1FFF))) >> 13
+    code = cutlass.min(code, Uint32(0x7BFF)) | ((bits >> 16) & Uint32(0x8000))
+    return sel(a > Uint32(0x7F800000), Uint32(0x7FFF), code)
+
+
+def e4m3_rn_soft(x: Float32) -> Uint32:
+    """FP32 -> e4m3fn code (8 bits, in a uint32), nearest-even, satfinite; NaN -> 0x7F."""
+    bits = x.bitcast(Uint32)
+    a = bits & Uint32(0x7FFFFFFF)
+    ef = a >> 23
+    normal = ef >= Uint32(121)
+    sub_v = (a & Uint32(0x7FFFFF)) | sel(ef > Uint32(0), Uint32(0x800000), Uint32(0))
+    v = sel(normal, a - Uint32(120 << 23), sub_v)
+    s = sel(normal, Uint32(20), cutlass.min(Uint32(141) - cutlass.max(ef, Uint32(1)), Uint32(25)))
+    code = (v + (Uint32(1) << (s - Uint32(1))) - Uint32(1) + ((v >> s) & Uint32(1))) >> s
+    code = cutlass.min(code, Uint32(0x7E)) | ((bits >> 24) & Uint32(0x80))
+    return sel(a > Uint32(0x7F800000), Uint32(0x7F), code)
+
+
+def fp16x2_sr_soft(lo: Float32, hi: Float32, word: Uint32) -> Uint32:
+    """Elements n (lo, bits [12:0] of `word`) and n + 1 (hi, bits [28:16]) -> packed
+    FP16 pair, lo in bits [15:0]."""
+    return fp16_sr_soft(lo, word) | (fp16_sr_soft(hi, word >> 16) << 16)
+
+
+def e4m3x2_rn_soft(lo: Float32, hi: Float32) -> Uint32:
+    """Two e4m3 codes, lo in bits [7:0], hi in [15:8]."""
+    return e4m3_rn_soft(lo) | (e4m3_rn_soft(hi) << 8)
+
+
+# ---------------------------------------------------------------------------------------
+# Hardware encoders (sm_100a / sm_103a)
+
+
+@dsl_user_op
+def fp16x2_sr_hw(lo: Float32, hi: Float32, word: Uint32, *, loc=None, ip=None) -> Uint32:
+    """`cvt.rs.satfinite.f16x2.f32 d, a, b, rbits`: a (hi) -> d[31:16] with rbits[28:16],
+    b (lo) -> d[15:0] with rbits[12:0]."""
+    rbits = Uint32(word) & Uint32(RBITS_F16X2)
+    res = llvm.inline_asm(
+        Uint32.mlir_type,
+        [
+            Float32(hi).ir_value(loc=loc, ip=ip),
+            Float32(lo).ir_value(loc=loc, ip=ip),
+            rbits.ir_value(loc=loc, ip=ip),
+        ],
+        "cvt.rs.satfinite.f16x2.f32 $0, $1, $2, $3;",
+        "=r,f,f,r",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return Uint32(res)
+
+
+@dsl_user_op
+def e4m3x2_rn_hw(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
+    """`cvt.rn.satfinite.e4m3x2.f32 d, a, b`: a (hi) -> d[15:8], b (lo) -> d[7:0]."""
+    res = llvm.inline_asm(
+        Uint32.mlir_type,
+        [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b16 q;\n\tcvt.rn.satfinite.e4m3x2.f32 q, $1, $2;\n\tcvt.u32.u16 $0, q;\n\t}",
+        "=r,f,f",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return Uint32(res)
+
+
+__all__ = [
+    "GOLDEN",
+    "mix32",
+    "random_word",
+    "sel",
+    "softplus",
+    "pow2_exponent_above",
+    "exp2_int",
+    "fp16_sr_soft",
+    "e4m3_rn_soft",
+    "fp16x2_sr_soft",
+    "e4m3x2_rn_soft",
+    "fp16x2_sr_hw",
+    "e4m3x2_rn_hw",
+]

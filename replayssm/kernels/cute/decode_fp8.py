@@ -1,0 +1,228 @@
+"""Non-flush decode kernel for the FP8 read copy (CuTe DSL, SIMT).
+
+For every batch row whose plan says valid and not flush (docs/format.md section 5):
+
+    y[p] = exp(A pre_r) scale[p] sum_n e4m3(code[p, n]) C[n]
+           + sum_{j <= r} dt_j exp(A (pre_r - pre_j)) (B_j . C) x_j[p] + D[p] x[p]
+
+with ring entries j < r and the current token as entry r, and the token's (x, processed
+dt, B) stored at ring entry r. It reads the read copy, never the checkpoint, and writes
+no state. Padding and flush rows return at once (the prepare kernel zeroed the outputs of
+padding rows; the flush kernel owns flush rows), so both kernels launch every step and a
+captured CUDA graph replays any mix of rows.
+
+Grid (heads, batch), 128 threads. Thread t owns
+- read copy: 16-byte chunks t, t + 128, t + 256, t + 384 of the head's 8 KiB, i.e. rows
+  p_i = 16 i + t // 8 (i = 0..3) at n = 16 (t % 8) .. + 15: every warp load instruction
+  reads 512 contiguous bytes, and the thread needs only 16 values of C;
+- ring entry j = t // 8 (0..15) at the same 16 n (B_j . C partial) and x_j[8 (t % 8) ..
+  + 7] (staged in shared memory): the 8 lanes of entry j finish B_j . C with three xor
+  shuffles, as they do each read-copy row dot.
+Entries beyond r are staged as zeros (never multiplied by poisoned memory).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+from cuda.bindings import driver as cuda_driver
+from cutlass.cute.typing import Pointer
+from cutlass.memory import SmemAllocator
+
+from .bits import sel, softplus
+
+THREADS = 128
+P, N, RING = 64, 128, 16
+
+
+def _vec(ptr, offset, n: int):
+    """A rank-1 view of `n` contiguous elements at `ptr + offset`."""
+    return cute.make_tensor(ptr + offset, cute.make_layout(n))
+
+
+def _xor_sum(v: Float32, width: int) -> Float32:
+    """Sum over `width` adjacent lanes (power of two), result in every lane."""
+    off = 1
+    while off < width:
+        v = v + cute.arch.shuffle_sync_bfly(v, off)
+        off *= 2
+    return v
+
+
+class DecodeFp8:
+    """Non-flush decode for one geometry (heads, groups); the same code for every arch."""
+
+    name = "decode_fp8"
+
+    def __init__(self, heads: int, groups: int) -> None:
+        self.heads, self.groups = heads, groups
+        self.hpg = heads // groups
+
+    @cute.jit
+    def __call__(
+        self,
+        read: Pointer,  # fp8 [S, H, 64, 128], 16-byte aligned
+        scales: Pointer,  # f32 [S, H, 64]
+        x_ring: Pointer,  # bf16 [S, H, 16, 64], 16-byte aligned
+        dt_ring: Pointer,  # f32 [S, H, 16]
+        b_ring: Pointer,  # bf16 [S, G, 16, 128], 16-byte aligned
+        x: Pointer,  # bf16 [batch, H, 64] contiguous, 16-byte aligned
+        dt: Pointer,  # f32 [batch, H] (raw dt), strided
+        A: Pointer,  # f32 [H], strided
+        B: Pointer,  # bf16 [batch, G, 128] contiguous, 16-byte aligned
+        C: Pointer,  # bf16 [batch, G, 128] contiguous, 16-byte aligned
+        D: Pointer,  # f32 [H, 64], strided
+        dt_bias: Pointer,  # f32 [H], strided
+        out: Pointer,  # bf16 [batch, H, 64] contiguous
+        plan_valid: Pointer,  # int8 [batch]
+        plan_slot: Pointer,  # int64 [batch]
+        plan_ring: Pointer,  # int64 [batch]
+        plan_flush: Pointer,  # int8 [batch]
+        read_stride16: Int64,  # slot strides: of the 16-byte-aligned tensors in 16-byte units
+        scale_stride: Int64,
+        x_ring_stride16: Int64,
+        dt_ring_stride: Int64,
+        b_ring_stride16: Int64,
+        dt_stride_b: Int64,
+        dt_stride_h: Int64,
+        a_stride: Int64,
+        dt_bias_stride: Int64,
+        d_stride_h: Int64,
+        d_stride_p: Int64,
+        batch: Int32,
+        stream: cuda_driver.CUstream,
+    ):
+        self.kernel(
+            read, scales, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
+            plan_valid, plan_slot, plan_ring, plan_flush,
+            read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
+            dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
+        ).launch(grid=[self.heads, batch, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        read: Pointer,
+        scales: Pointer,
+        x_ring: Pointer,
+        dt_ring: Pointer,
+        b_ring: Pointer,
+        x: Pointer,
+        dt: Pointer,
+        A: Pointer,
+        B: Pointer,
+        C: Pointer,
+        D: Pointer,
+        dt_bias: Pointer,
+        out: Pointer,
+        plan_valid: Pointer,
+        plan_slot: Pointer,
+        plan_ring: Pointer,
+        plan_flush: Pointer,
+        read_stride16: Int64,
+        scale_stride: Int64,
+        x_ring_stride16: Int64,
+        dt_ring_stride: Int64,
+        b_ring_stride16: Int64,
+        dt_stride_b: Int64,
+        dt_stride_h: Int64,
+        a_stride: Int64,
+        dt_bias_stride: Int64,
+        d_stride_h: Int64,
+        d_stride_p: Int64,
+    ):
+        H, G, HPG = self.heads, self.groups, self.hpg
+        t, _, _ = cute.arch.thread_idx()
+        h, b, _ = cute.arch.block_idx()
+        smem = SmemAllocator()
+        s_x = smem.allocate_tensor(BFloat16, cute.make_layout(RING * P), byte_alignment=16)
+        s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
+        s_coef = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
+
+        bb = Int64(b)
+        # 1 exactly for valid rows that do not flush (flush implies valid).
+        live = Int32(plan_valid[bb]) - Int32(plan_flush[bb])
+        if live == Int32(1):
+            slot = plan_slot[bb]
+            r = Int32(plan_ring[bb])
+            hh = Int64(h)
+            g = hh // HPG
+            lane8 = t % 8
+            j = t // 8  # ring entry of this thread; also the read-copy row offset
+            n0 = lane8 * 16
+
+            # Read copy first: the bulk of the bytes, in flight while the rest is set up.
+            r_base = slot * read_stride16 * 16 + hh * (P * N)
+            r_codes = []
+            for i in cutlass.range_constexpr(4):
+                r_codes.append(_vec(read, r_base + (i * THREADS + t) * 16, 16).load())
+            r_c = _vec(C, (bb * G + g) * N + n0, 16).load().to(Float32)
+            p_out = (lane8 % 4) * 16 + j  # output row of lanes 0..3 of each group of 8
+            r_scale = scales[slot * scale_stride + hh * P + Int64(p_out)]
+
+            # Ring entry j: zeros beyond r, the current token at r (stored into the ring).
+            r_b = cute.make_rmem_tensor(cute.make_layout(16), BFloat16)
+            r_b.fill(0.0)
+            r_x = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
+            r_x.fill(0.0)
+            dt_j = Float32(0.0)
+            br_row = slot * b_ring_stride16 * 8 + (g * RING + Int64(j)) * N + n0
+            xr_row = slot * x_ring_stride16 * 8 + (hh * RING + Int64(j)) * P + lane8 * 8
+            dtr = slot * dt_ring_stride + hh * RING + Int64(j)
+            if j < r:
+                r_b.store(_vec(b_ring, br_row, 16).load())
+                r_x.store(_vec(x_ring, xr_row, 8).load())
+                dt_j = dt_ring[dtr]
+            if j == r:
+                cur_b = _vec(B, (bb * G + g) * N + n0, 16).load()
+                r_b.store(cur_b)
+                cur_x = _vec(x, (bb * H + hh) * P + lane8 * 8, 8).load()
+                r_x.store(cur_x)
+                dt_j = softplus(dt[bb * dt_stride_b + hh * dt_stride_h] + dt_bias[hh * dt_bias_stride])
+                _vec(x_ring, xr_row, 8).store(cur_x)
+                if lane8 == 0:
+                    dt_ring[dtr] = dt_j
+                if hh % HPG == 0:
+                    # B is shared by the group: one head writes it.
+                    _vec(b_ring, br_row, 16).store(cur_b)
+            _vec(s_x.iterator, j * P + lane8 * 8, 8).store(r_x.load())
+            if lane8 == 0:
+                s_dt[j] = dt_j
+            bc = _xor_sum((r_b.load().to(Float32) * r_c).reduce(cute.ReductionOp.ADD, Float32(0.0), 0), 8)
+
+            # Read-copy row dots (unscaled), reduced over the 8 lanes of each row.
+            dots = []
+            for i in cutlass.range_constexpr(4):
+                part = (r_codes[i].to(Float32) * r_c).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                dots.append(_xor_sum(part, 8))
+            cute.arch.sync_threads()
+
+            # pre_k = dt_0 + .. + dt_k in order; w_j = dt_j exp(A (pre_r - pre_j)).
+            a_h = A[hh * a_stride]
+            acc = Float32(0.0)
+            pre_j = Float32(0.0)
+            pre_r = Float32(0.0)
+            for k in cutlass.range_constexpr(RING):
+                acc = acc + s_dt[k]
+                pre_j = sel(j == k, acc, pre_j)
+                pre_r = sel(r == k, acc, pre_r)
+            w_j = dt_j * cute.math.exp(a_h * (pre_r - pre_j))
+            if lane8 == 0:
+                s_coef[j] = w_j * bc
+            decay = cute.math.exp(a_h * pre_r)
+            cute.arch.sync_threads()
+
+            if lane8 < 4:
+                dot = sel(lane8 == 1, dots[1], dots[0])
+                dot = sel(lane8 == 2, dots[2], dot)
+                dot = sel(lane8 == 3, dots[3], dot)
+                y = decay * (r_scale * dot)
+                for k in cutlass.range_constexpr(RING):
+                    y = y + s_coef[k] * Float32(s_x[k * P + p_out])
+                x_p = Float32(s_x[r * P + p_out])
+                y = y + D[hh * d_stride_h + Int64(p_out) * d_stride_p] * x_p
+                out[(bb * H + hh) * P + Int64(p_out)] = BFloat16(y)
+
+
+__all__ = ["DecodeFp8"]

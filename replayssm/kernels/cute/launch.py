@@ -1,0 +1,214 @@
+"""Compile cache and launchers of the CuTe DSL decode kernels (FP8 read copy).
+
+Compile keys hold static properties only: (kernel, arch, heads, groups). Batch size, slot
+count and every stride are runtime arguments (kernels take raw pointers plus slot strides
+in 16-byte units, so one compile serves every batch, cache size and slot padding, and the
+kernels still know their vector accesses are 16-byte aligned). Launches go to the current
+torch stream, so a captured CUDA graph records them. Launchers map tensors to arguments;
+they do not validate user input (`replayssm.api` did), only the layout assumptions the
+compiled code makes (`layout_ok`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cuda.bindings import driver as cuda_driver
+from cutlass import BFloat16, Float16, Float32, Float8E4M3FN, Int8, Int32, Int64, Uint32
+from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+from ... import layout as L
+from .arch import HAS_CVT_RS, arch_for, check_arch
+from .decode_fp8 import DecodeFp8
+from .flush_fp8 import FlushFp8Sm90, FlushFp8Sm100
+
+KINDS = ("decode_fp8", "flush_fp8", "flush_fp8_debug")
+# Geometries `compile_all` builds: 16 heads in 2 groups (8 heads per group, the serving
+# geometry) and 16 heads in 1 group (16 heads per group).
+COMPILE_ALL_GEOMETRIES = ((16, 2), (16, 1))
+
+_COMPILED: dict[tuple[str, str, int, int], object] = {}
+
+
+def _kernel_object(kind: str, arch: str, heads: int, groups: int):
+    if kind == "decode_fp8":
+        return DecodeFp8(heads, groups)
+    cls = FlushFp8Sm100 if arch in HAS_CVT_RS else FlushFp8Sm90
+    return cls(heads, groups, debug=kind == "flush_fp8_debug")
+
+
+def _ptr(dtype, align: int):
+    return make_ptr(dtype, 0, assumed_align=align)
+
+
+def _fake_args(kind: str) -> list:
+    """Placeholder arguments with the types (and pointer alignments) of a launch."""
+    bf16, f32 = _ptr(BFloat16, 16), _ptr(Float32, 4)
+    inputs = [bf16, f32, f32, bf16, bf16, f32, f32, _ptr(BFloat16, 2)]  # x dt A B C D dt_bias out
+    if kind == "decode_fp8":
+        cache = [_ptr(Float8E4M3FN, 16), f32, bf16, f32, bf16]  # read scales x_ring dt_ring b_ring
+        plan = [_ptr(Int8, 1), _ptr(Int64, 8), _ptr(Int64, 8), _ptr(Int8, 1)]  # valid slot ring flush
+        scalars = 11
+        extra: list = []
+    else:
+        cache = [_ptr(Float16, 16), _ptr(Uint32, 16), f32, bf16, f32, bf16]  # ckpt read scales rings
+        plan = [_ptr(Int64, 8), _ptr(Int8, 1), _ptr(Int64, 8)]  # slot flush key
+        extra = [_ptr(Float32, 16)]  # state_out
+        scalars = 12
+    return [*cache, *inputs, *plan, *extra, *([Int64(0)] * scalars), Int32(0), make_fake_stream()]
+
+
+def _options(arch: str, dump_dir: str | os.PathLike | None) -> str:
+    opts = f"--gpu-arch {arch}"
+    if dump_dir is not None:
+        opts += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
+    return opts
+
+
+def compiled(kind: str, arch: str, heads: int, groups: int):
+    """The compiled launcher for (kind, arch, heads, groups), compiling it on first use."""
+    key = (kind, arch, heads, groups)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        obj = _kernel_object(kind, arch, heads, groups)
+        fn = cute.compile(obj, *_fake_args(kind), options=_options(arch, None))
+        _COMPILED[key] = fn
+    return fn
+
+
+def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
+    """Compile every FP8 decode variant for `arch` (no GPU needed) into `dump_dir`.
+
+    Each variant gets its own folder `dump_dir/<kind>-h<H>g<G>` (the DSL names its dumps
+    after the launcher, which all variants share). Returns the PTX and cubin paths."""
+    arch = check_arch(arch)
+    root = Path(dump_dir)
+    paths: list[str] = []
+    for heads, groups in COMPILE_ALL_GEOMETRIES:
+        for kind in ("decode_fp8", "flush_fp8"):
+            sub = root / f"{kind}-h{heads}g{groups}"
+            sub.mkdir(parents=True, exist_ok=True)  # the DSL writes into an existing folder only
+            obj = _kernel_object(kind, arch, heads, groups)
+            cute.compile(obj, *_fake_args(kind), options=_options(arch, sub))
+            found = sorted(str(p) for p in sub.iterdir() if p.suffix in (".ptx", ".cubin"))
+            if not any(p.endswith(".ptx") for p in found):
+                raise RuntimeError(f"CuTe DSL compile of {kind} for {arch} wrote no PTX into {sub}")
+            paths += found
+    return paths
+
+
+def warmup(heads: int, groups: int, arch: str | None = None) -> list[str]:
+    """Compile both decode kernels for one geometry (before CUDA-graph capture)."""
+    arch = arch or arch_for()
+    names = []
+    for kind in ("decode_fp8", "flush_fp8"):
+        compiled(kind, arch, heads, groups)
+        names.append(f"cute.{kind}[{arch},h{heads},g{groups}]")
+    return names
+
+
+def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, arch: str) -> None:
+    """Launch both kernels for a plan of padding rows only (they return at once and
+    write nothing): loads the compiled modules, e.g. before CUDA-graph capture."""
+    batch = plan.valid.shape[0]
+    heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
+    dev = out.device
+    x = torch.zeros(batch, heads, L.HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    bc = torch.zeros(batch, groups, L.STATE_DIM, dtype=torch.bfloat16, device=dev)
+    per_head = torch.zeros(heads, device=dev)
+    decode_fp8(
+        cache, x, torch.zeros(batch, heads, device=dev), per_head, bc, bc,
+        torch.zeros(heads, L.HEAD_DIM, device=dev), per_head, plan, out, arch=arch,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Launch
+
+
+def _aligned16(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0 and (t.shape[0] <= 1 or (t.stride(0) * t.element_size()) % 16 == 0)
+
+
+def layout_ok(cache: Sequence[torch.Tensor]) -> str | None:
+    """None when the compiled kernels can address `cache` (16-byte-aligned bases and
+    slot strides for the tensors read with vector accesses), else the reason."""
+    for i in (L.CHECKPOINT, L.X_RING, L.B_RING, L.READ_COPY):
+        if not _aligned16(cache[i]):
+            return f"cache[{i}] needs a 16-byte-aligned base and slot stride (data_ptr {cache[i].data_ptr():#x}, stride {cache[i].stride(0)})"
+    return None
+
+
+def _stride16(t: torch.Tensor) -> int:
+    return t.stride(0) * t.element_size() // 16
+
+
+def _dense16(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous with a 16-byte-aligned base (a copy only for unusual caller tensors)."""
+    if not t.is_contiguous():
+        return t.contiguous()
+    return t.clone() if t.data_ptr() % 16 else t
+
+
+def _stream():
+    return cuda_driver.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+def decode_fp8(
+    cache: Sequence[torch.Tensor],
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    plan,
+    out: torch.Tensor,
+    *,
+    arch: str | None = None,
+    state_out: torch.Tensor | None = None,
+) -> None:
+    """Launch the non-flush and the flush kernel for one step (after `prepare`).
+
+    Inputs as `reference.decode_nonflush` takes them (normalized by `replayssm.api`);
+    `plan` is the prepare kernel's `reference.Plan` (device buffers). `state_out`
+    (float32 [batch, H, 64, 128], contiguous) selects the debug flush, which also writes
+    the FP32 state of every flushed row there (tests only)."""
+    batch, heads = x.shape[0], x.shape[1]
+    groups = cache[L.B_RING].shape[1]
+    arch = arch or arch_for(x.device)
+    x, B, C = _dense16(x), _dense16(B), _dense16(C)
+    ckpt, x_ring, dt_ring, b_ring = cache[L.CHECKPOINT], cache[L.X_RING], cache[L.DT_RING], cache[L.B_RING]
+    read, scales = cache[L.READ_COPY], cache[L.SCALES]
+    inputs = [x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(), D.data_ptr(), dt_bias.data_ptr(), out.data_ptr()]
+    input_strides = [dt.stride(0), dt.stride(1), A.stride(0), dt_bias.stride(0), D.stride(0), D.stride(1)]
+    stream = _stream()
+    nonflush = compiled("decode_fp8", arch, heads, groups)
+    nonflush(
+        read.data_ptr(), scales.data_ptr(), x_ring.data_ptr(), dt_ring.data_ptr(), b_ring.data_ptr(),
+        *inputs,
+        plan.valid.data_ptr(), plan.slot.data_ptr(), plan.ring_index.data_ptr(), plan.flush.data_ptr(),
+        _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
+        *input_strides,
+        batch, stream,
+    )
+    kind = "flush_fp8" if state_out is None else "flush_fp8_debug"
+    flush = compiled(kind, arch, heads, groups)
+    flush(
+        ckpt.data_ptr(), read.data_ptr(), scales.data_ptr(), x_ring.data_ptr(), dt_ring.data_ptr(), b_ring.data_ptr(),
+        *inputs,
+        plan.slot.data_ptr(), plan.flush.data_ptr(), plan.key.data_ptr(),
+        0 if state_out is None else state_out.data_ptr(),
+        _stride16(ckpt), _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
+        *input_strides,
+        batch, stream,
+    )
+
+
+__all__ = ["KINDS", "COMPILE_ALL_GEOMETRIES", "compiled", "compile_all", "warmup", "launch_padding", "layout_ok", "decode_fp8"]

@@ -1,0 +1,78 @@
+"""Compile-only checks of the CuTe DSL decode kernels for every target (CPU CI).
+
+No GPU is needed: `compile_all` names the target explicitly. The sm_100a / sm_103a flush
+must use the hardware conversions (`cvt.rs.satfinite.f16x2.f32` for the stochastically
+rounded checkpoint, `cvt.rn.satfinite.e4m3x2.f32` for the read copy); sm_90a has no
+`cvt.rs` and must not emit it (its software path is what the GPU test checks bit for bit).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("cutlass") is None,
+    reason="nvidia-cutlass-dsl is not installed (pip install -e '.[cute]')",
+)
+
+ARCHS = ("sm_90a", "sm_100a", "sm_103a")
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    from replayssm.kernels import compile_all
+
+    return {arch: [Path(p) for p in compile_all(arch, tmp_path_factory.mktemp(arch))] for arch in ARCHS}
+
+
+def _ptx(paths, kind):
+    return {p.parent.name: p.read_text() for p in paths if p.suffix == ".ptx" and p.parent.name.startswith(kind)}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_variant_compiles(compiled, arch):
+    paths = compiled[arch]
+    folders = {p.parent.name for p in paths}
+    assert folders == {"decode_fp8-h16g2", "decode_fp8-h16g1", "flush_fp8-h16g2", "flush_fp8-h16g1"}
+    for folder in folders:
+        kinds = sorted(p.suffix for p in paths if p.parent.name == folder)
+        assert kinds == [".cubin", ".ptx"], folder
+    for name, text in {**_ptx(paths, "decode"), **_ptx(paths, "flush")}.items():
+        assert re.search(rf"^\.target {arch}\b", text, re.M), name
+        assert ".entry kernel_" in text, name
+
+
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+def test_sm100_flush_uses_hardware_conversions(compiled, arch):
+    for name, text in _ptx(compiled[arch], "flush").items():
+        # 8 rows x 4 pairs per thread: every checkpoint pair goes through cvt.rs.
+        assert text.count("cvt.rs.satfinite.f16x2.f32") == 32, name
+        assert text.count("cvt.rn.satfinite.e4m3x2.f32") == 32, name
+
+
+def test_sm90_flush_is_software(compiled):
+    for name, text in _ptx(compiled["sm_90a"], "flush").items():
+        assert "cvt.rs" not in text, name
+        assert "e4m3x2.f32" not in text, name
+        # The hash multiplies by the lowbias32 constants (software and hardware paths alike).
+        assert "2146121005" in text, name  # 0x7FEB352D
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_reads_the_fp8_copy_with_vector_loads(compiled, arch):
+    for name, text in _ptx(compiled[arch], "decode").items():
+        # 4 x 16-byte read-copy loads per thread, decoded by the e4m3x2 -> f16x2 cvt.
+        assert text.count("cvt.rn.f16x2.e4m3x2") == 32, name
+        assert "ld.global.v4" in text, name
+        assert "cvt.rs" not in text, name
+
+
+def test_unknown_arch_is_rejected(tmp_path):
+    from replayssm.kernels import compile_all
+
+    with pytest.raises(ValueError, match="sm_90a"):
+        compile_all("sm_80", tmp_path)
