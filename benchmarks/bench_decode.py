@@ -23,6 +23,7 @@ Outputs: a table on stdout, results.json and (if matplotlib is installed) decode
 
     python benchmarks/bench_decode.py --out results/          # full run (one H200: ~5 min)
     python benchmarks/bench_decode.py --dry-run --out /tmp/r  # CPU smoke test (< 1 min)
+    python benchmarks/bench_decode.py --replot results/results.json --out results/  # plot only
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-warps", type=int, default=None, help="standard kernel num_warps (default: kernel's)")
     p.add_argument("--tune-standard", action="store_true",
                    help="only sweep the standard kernel's (BLOCK_P, num_warps) at --batches (default 32,256)")
+    p.add_argument("--replot", metavar="RESULTS_JSON", default=None,
+                   help="only redraw the table and decode.png (in --out) from a results.json")
     p.add_argument("--no-check", action="store_true", help="skip the correctness checks before timing")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -592,6 +595,14 @@ def tune_standard(ctx) -> list[dict]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
+    if args.replot:  # e.g. results from a GPU machine without matplotlib
+        result = json.loads(Path(args.replot).read_text())
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        print(fmt_table(result["rows"], result["meta"]["copy_bandwidth"]["tb_per_s"]))
+        why = plot(result["rows"], out_dir / "decode.png")
+        print(why or f"wrote {out_dir / 'decode.png'}")
+        return result
     if args.dry_run:
         device = torch.device("cpu")
     elif torch.cuda.is_available():

@@ -125,6 +125,17 @@ def test_dry_run_writes_expected_rows(tmp_path):
         assert (tmp_path / "decode.png").stat().st_size > 10_000
 
 
+def test_replot_redraws_from_json(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    bench_decode.main(["--dry-run", "--out", str(tmp_path / "run"), "--batches", "1", "--providers", "standard-fp16"])
+    capsys.readouterr()
+    res = bench_decode.main(["--replot", str(tmp_path / "run" / "results.json"), "--out", str(tmp_path / "plot")])
+    table = capsys.readouterr().out
+    row = res["rows"][0]
+    assert f"{row['us_per_step']:.2f}" in table
+    assert (tmp_path / "plot" / "decode.png").stat().st_size > 10_000
+
+
 def test_failing_provider_is_recorded_not_fatal(tmp_path, monkeypatch):
     real = bench_decode.build_steps
 
