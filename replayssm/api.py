@@ -150,12 +150,15 @@ def selective_state_update_replayssm(
     num_accepted_tokens: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int = 1,
+    scratch=None,
 ) -> torch.Tensor:
     """Decode one token per row and advance the device-resident positions.
 
     Applies softplus to dt + dt_bias. Rows whose slot is <= 0 or >= num_slots are padding:
     their output rows are zeroed and nothing else changes. Active slot indices must be
     unique (checked when REPLAYSSM_DEBUG=1). Returns `out` (bf16 [batch, heads, 64]).
+    `scratch`: optional per-row plan buffers for the kernel backend (ReplaySSMCache passes
+    its own, sized for its max_batch); the backend keeps shared ones otherwise.
     """
     nvfp4 = L.is_nvfp4(state_dtype)
     _check_seed(seed)
@@ -185,7 +188,9 @@ def selective_state_update_replayssm(
     norm = normalize_decode_inputs(x, dt, A, B, C, D, dt_bias, batch, heads, groups)
     if _debug():
         _check_unique(ids, slots)
-    backend_for(device).decode(cache, *norm, ids, out.view(batch, heads, L.HEAD_DIM), nvfp4=nvfp4, seed=seed)
+    backend = backend_for(device)
+    extra = {"scratch": scratch} if scratch is not None else {}
+    backend.decode(cache, *norm, ids, out.view(batch, heads, L.HEAD_DIM), nvfp4=nvfp4, seed=seed, **extra)
     return out
 
 

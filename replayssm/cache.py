@@ -53,10 +53,12 @@ class ReplaySSMCache:
     seed: int = 0
     max_batch: int | None = None
     conv_state_shape: tuple[int, ...] | None = None
+    conv_state_dtype: torch.dtype = torch.bfloat16
     slot_padding: int = 0
     tensors: list[torch.Tensor] = attrs.field(init=False)
     allocator: SlotAllocator = attrs.field(init=False)
     _last_A: torch.Tensor = attrs.field(init=False, repr=False)
+    _scratch: object = attrs.field(init=False, default=None, repr=False)
     _have_A: bool = attrs.field(init=False, default=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -89,10 +91,28 @@ class ReplaySSMCache:
             self.state_dtype,
             self.device,
             conv_shape=self.conv_state_shape,
+            conv_dtype=self.conv_state_dtype,
             slot_padding=self.slot_padding,
         )
         self.allocator = SlotAllocator(self.num_slots)
+        # Plan scratch for the kernel backend, owned here and sized for max_batch, so a
+        # decode step allocates nothing (None on the reference backend).
+        from .kernels import backend_for
+
+        make = getattr(backend_for(self.device), "scratch", None)
+        self._scratch = make(self.device, self.max_batch) if make else None
         self._last_A = torch.zeros(self.num_heads, dtype=torch.float32, device=self.device)
+
+    def _slots(self, slots) -> torch.Tensor:
+        """Slot ids as a 1-D integer tensor on the cache device (lists and ints accepted)."""
+        if isinstance(slots, torch.Tensor):
+            return slots.to(self.device).reshape(-1)
+        if isinstance(slots, int) and not isinstance(slots, bool):
+            slots = [slots]
+        try:
+            return torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"slots must be a tensor, an int or a sequence of ints; got {type(slots).__name__}") from e
 
     # -- slots --------------------------------------------------------------------------
     def allocate(self, n: int) -> torch.Tensor:
@@ -101,31 +121,34 @@ class ReplaySSMCache:
 
     def release(self, slots: torch.Tensor) -> None:
         """Return slots to the pool and clear their rings and positions."""
-        ids = slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, dtype=torch.int64)
+        ids = self._slots(slots)
         self.allocator.release(ids)
-        api.clear_replayssm_slots(self.tensors, ids.to(self.device).reshape(-1), state_dtype=self.state_dtype)
+        api.clear_replayssm_slots(self.tensors, ids, state_dtype=self.state_dtype)
 
     # -- operations ---------------------------------------------------------------------
     def prefill_init(self, states: torch.Tensor, slots: torch.Tensor) -> None:
         """Write the checkpoint and read copy of `slots` from FP32 `states`
         [n, heads, 64, 128] and clear their rings and positions."""
-        api.initialize_replayssm_state(self.tensors, states, slots, state_dtype=self.state_dtype, seed=self.seed)
+        api.initialize_replayssm_state(self.tensors, states, self._slots(slots), state_dtype=self.state_dtype, seed=self.seed)
 
     def reset(self, slots: torch.Tensor) -> None:
         """Start `slots` from a zero state (a request with no prefill)."""
+        slots = self._slots(slots)
         n = slots.numel()
         zero = torch.zeros(1, self.num_heads, L.HEAD_DIM, L.STATE_DIM, device=self.device)
         self.prefill_init(zero.expand(n, -1, -1, -1), slots)
 
     def decode(self, x, dt, A, B, C, D, dt_bias, slots, out=None) -> torch.Tensor:
         """One decode step; returns bf16 [batch, heads, 64] (`out` if given)."""
-        batch = slots.numel() if isinstance(slots, torch.Tensor) else -1
+        slots = self._slots(slots)
+        batch = slots.numel()
         if batch > self.max_batch:
             raise ValueError(f"slots must hold at most max_batch={self.max_batch} rows; got {batch}")
         if out is None:
-            out = torch.empty(max(batch, 0), self.num_heads, L.HEAD_DIM, dtype=torch.bfloat16, device=self.device)
+            out = torch.empty(batch, self.num_heads, L.HEAD_DIM, dtype=torch.bfloat16, device=self.device)
         api.selective_state_update_replayssm(
-            self.tensors, x, dt, A, B, C, D, dt_bias, slots, out, state_dtype=self.state_dtype, seed=self.seed
+            self.tensors, x, dt, A, B, C, D, dt_bias, slots, out,
+            state_dtype=self.state_dtype, seed=self.seed, scratch=self._scratch,
         )
         self._last_A.copy_(A.reshape(self.num_heads, -1)[:, 0])
         self._have_A = True
@@ -134,13 +157,14 @@ class ReplaySSMCache:
     def materialize(self, slots: torch.Tensor, A: torch.Tensor | None = None) -> torch.Tensor:
         """FP32 state [n, heads, 64, 128] of live slots (checkpoint plus live ring
         entries). `A` defaults to the one seen by the last decode call."""
+        slots = self._slots(slots)
         if A is None:
             if not self._have_A:
-                live = self.tensors[L.POSITIONS][slots.to(self.device).long()] % L.RING
+                live = self.tensors[L.POSITIONS][slots.long()] % L.RING
                 if bool((live != 0).any()):
                     raise ValueError("materialize needs A: no decode call has supplied one yet")
             A = self._last_A
-        return api.materialize_replayssm_state(self.tensors, slots.to(self.device), A, state_dtype=self.state_dtype)
+        return api.materialize_replayssm_state(self.tensors, slots, A, state_dtype=self.state_dtype)
 
     def warmup(self) -> list[str]:
         """Compile every kernel variant this cache will launch (before CUDA-graph capture).

@@ -56,3 +56,18 @@ def test_bytes_per_slot_matches_format():
     assert fp8.bytes_per_slot() == common + 16 * 64 * 128 + 16 * 64 * 4
     assert nv.bytes_per_slot() == common + 16 * 64 * 64 + 16 * 64 * 8 + 2 * 2 * 4 + 4
     assert fp8.warmup() == []
+
+
+def test_slots_accept_lists_and_ints_and_conv_dtype_is_configurable():
+    cache = ReplaySSMCache(4, 16, 2, "fp8", "cpu", conv_state_shape=(3, 8), conv_state_dtype=torch.float32)
+    assert cache.tensors[0].dtype == torch.float32 and cache.tensors[0].shape == (4, 3, 8)
+    cache.allocate(2)
+    cache.reset([1, 2])
+    states = torch.randn(1, 16, 64, 128)
+    cache.prefill_init(states, [2])
+    ref = ReplaySSMCache(4, 16, 2, "fp8", "cpu")
+    ref.prefill_init(states, torch.tensor([2]))
+    assert torch.equal(cache.tensors[L.CHECKPOINT][2], ref.tensors[L.CHECKPOINT][2])
+    assert torch.equal(cache.materialize(2), ref.materialize(torch.tensor([2])))
+    cache.release(1)
+    assert cache.allocator.num_free == 2
