@@ -22,6 +22,9 @@ pytestmark = pytest.mark.skipif(
 ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 
 
+ROWS = 2  # flush_fp8.ROWS: state rows per flush thread
+
+
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     from replayssm.kernels import compile_all
@@ -49,9 +52,10 @@ def test_every_variant_compiles(compiled, arch):
 @pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
 def test_sm100_flush_uses_hardware_conversions(compiled, arch):
     for name, text in _ptx(compiled[arch], "flush").items():
-        # 8 rows x 4 pairs per thread: every checkpoint pair goes through cvt.rs.
-        assert text.count("cvt.rs.satfinite.f16x2.f32") == 32, name
-        assert text.count("cvt.rn.satfinite.e4m3x2.f32") == 32, name
+        # Every checkpoint pair goes through cvt.rs and every read-copy pair through the
+        # e4m3x2 cvt: 4 of each per state row a thread owns.
+        assert text.count("cvt.rs.satfinite.f16x2.f32") == 4 * ROWS, name
+        assert text.count("cvt.rn.satfinite.e4m3x2.f32") == 4 * ROWS, name
 
 
 def test_sm90_flush_is_software(compiled):

@@ -32,8 +32,14 @@ from cutlass.memory import SmemAllocator
 from . import bits
 from .bits import sel, softplus
 
-THREADS = 128
+THREADS = 512
 P, N, RING = 64, 128, 16
+ROWS = 2  # state rows per thread: row0 + 32 i
+ROW_STEP = THREADS // 16
+# Batch rows per CTA: the grid is (heads, ceil(batch / ROWS_PER_CTA)) and a CTA loops over
+# its rows, flushing those the plan marks; with ~1/16 of the rows flushing per step this
+# keeps most CTAs busy instead of launching batch x heads CTAs that exit at once.
+ROWS_PER_CTA = 16
 # amax <= 448 * scale: E = ceil(log2(amax / 448)), 448 = 1.75 * 2**8 (formats.fp8_row_scale).
 FP8_MANT_LIMIT, FP8_E_OFF = 0x600000, 8
 
@@ -113,7 +119,10 @@ class FlushFp8:
             plan_slot, plan_flush, plan_key, state_out,
             ckpt_stride16, read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
             dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
-        ).launch(grid=[self.heads, batch, 1], block=[THREADS, 1, 1], stream=stream)
+            batch,
+        ).launch(
+            grid=[self.heads, (batch + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1], block=[THREADS, 1, 1], stream=stream
+        )
 
     @cute.kernel
     def kernel(
@@ -148,37 +157,58 @@ class FlushFp8:
         dt_bias_stride: Int64,
         d_stride_h: Int64,
         d_stride_p: Int64,
+        batch: Int32,
     ):
         H, G, HPG = self.heads, self.groups, self.hpg
         t, _, _ = cute.arch.thread_idx()
-        h, b, _ = cute.arch.block_idx()
+        h, by, _ = cute.arch.block_idx()
         smem = SmemAllocator()
         s_x = smem.allocate_tensor(Float32, cute.make_layout(RING * P), byte_alignment=16)
         s_b = smem.allocate_tensor(BFloat16, cute.make_layout(RING * N), byte_alignment=16)
         s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
         s_w = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
 
-        bb = Int64(b)
-        if Int32(plan_flush[bb]) != Int32(0):
-            slot = plan_slot[bb]
-            key = Uint32(plan_key[bb])
-            hh = Int64(h)
-            g = hh // HPG
-            q = t % 16
-            n0 = q * 8
-            row0 = t // 16  # rows row0 + 8 i
+        hh = Int64(h)
+        g = hh // HPG
+        q = t % 16
+        n0 = q * 8
+        row0 = t // 16  # this thread's rows: row0 + 32 i
+        ck_words = cute.recast_ptr(ckpt, dtype=Uint32)  # FP16 pairs, the unit of the stores
+        for rr in range(ROWS_PER_CTA):
+            b = by * ROWS_PER_CTA + rr
+            if b < batch:
+                bb = Int64(b)
+                if Int32(plan_flush[bb]) != Int32(0):
+                    self.flush_row(
+                        t, q, n0, row0, hh, g, bb, H, G, s_x, s_b, s_dt, s_w, ck_words,
+                        read, scales, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
+                        plan_slot, plan_key, state_out,
+                        ckpt_stride16, read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
+                        dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
+                    )
 
-            # Checkpoint first (the largest read), in flight during the staging below.
-            # (as uint32 words: pairs of FP16, the unit of the stores below)
-            ck_words = cute.recast_ptr(ckpt, dtype=Uint32)
-            ck_head_w = slot * ckpt_stride16 * 4 + hh * (P * N // 2)
-            ck_thread_w = ck_head_w + Int64(row0 * (N // 2) + q * 4)
-            r_ck = []
-            for i in cutlass.range_constexpr(8):
-                r_ck.append(_vec(ck_words, ck_thread_w + i * 8 * (N // 2), 4).load())
+    @cute.jit
+    def flush_row(
+        self, t, q, n0, row0, hh, g, bb, H: cutlass.Constexpr, G: cutlass.Constexpr, s_x, s_b, s_dt, s_w, ck_words,
+        read, scales, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
+        plan_slot, plan_key, state_out,
+        ckpt_stride16, read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
+        dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
+    ):
+        """One flushing batch row of head hh (the whole CTA)."""
+        slot = plan_slot[bb]
+        key = Uint32(plan_key[bb])
 
-            # Stage x_j (FP32) and B_j (BF16) of entries 0..15: 15 from the rings, the
-            # current token as entry 15.
+        # Checkpoint first (the largest read), in flight during the staging below.
+        ck_head_w = slot * ckpt_stride16 * 4 + hh * (P * N // 2)
+        ck_thread_w = ck_head_w + Int64(row0 * (N // 2) + q * 4)
+        r_ck = []
+        for i in cutlass.range_constexpr(ROWS):
+            r_ck.append(_vec(ck_words, ck_thread_w + i * ROW_STEP * (N // 2), 4).load())
+
+        # Stage x_j (FP32) and B_j (BF16) of entries 0..15: 15 from the rings, the
+        # current token as entry 15.
+        if t < RING * P // 8:
             jx = t // 8
             xs = (t % 8) * 8
             r_x = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
@@ -187,96 +217,96 @@ class FlushFp8:
             else:
                 r_x.store(_vec(x, (bb * H + hh) * P + xs, 8).load())
             _vec(s_x.iterator, jx * P + xs, 8).store(r_x.load().to(Float32))
-            for c in cutlass.range_constexpr(2):
-                cb = t + c * THREADS
-                jb = cb // 16
-                bs = (cb % 16) * 8
-                r_bv = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
-                if jb < RING - 1:
-                    r_bv.store(_vec(b_ring, slot * b_ring_stride16 * 8 + (g * RING + Int64(jb)) * N + bs, 8).load())
-                else:
-                    r_bv.store(_vec(B, (bb * G + g) * N + bs, 8).load())
-                _vec(s_b.iterator, jb * N + bs, 8).store(r_bv.load())
-            if t < RING:
-                dt_t = Float32(0.0)
-                if t < RING - 1:
-                    dt_t = dt_ring[slot * dt_ring_stride + hh * RING + Int64(t)]
-                else:
-                    dt_t = softplus(dt[bb * dt_stride_b + hh * dt_stride_h] + dt_bias[hh * dt_bias_stride])
-                s_dt[t] = dt_t
-            r_c = _vec(C, (bb * G + g) * N + n0, 8).load().to(Float32)
-            cute.arch.sync_threads()
+        if t < RING * N // 8:
+            jb = t // 16
+            bs = (t % 16) * 8
+            r_bv = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
+            if jb < RING - 1:
+                r_bv.store(_vec(b_ring, slot * b_ring_stride16 * 8 + (g * RING + Int64(jb)) * N + bs, 8).load())
+            else:
+                r_bv.store(_vec(B, (bb * G + g) * N + bs, 8).load())
+            _vec(s_b.iterator, jb * N + bs, 8).store(r_bv.load())
+        if t < RING:
+            dt_t = Float32(0.0)
+            if t < RING - 1:
+                dt_t = dt_ring[slot * dt_ring_stride + hh * RING + Int64(t)]
+            else:
+                dt_t = softplus(dt[bb * dt_stride_b + hh * dt_stride_h] + dt_bias[hh * dt_bias_stride])
+            s_dt[t] = dt_t
+        r_c = _vec(C, (bb * G + g) * N + n0, 8).load().to(Float32)
+        cute.arch.sync_threads()
 
-            # pre_k = dt_0 + .. + dt_k in order; w_j = dt_j exp(A (pre_15 - pre_j)).
-            a_h = A[hh * a_stride]
-            acc = Float32(0.0)
-            pre_t = Float32(0.0)
-            for k in cutlass.range_constexpr(RING):
-                acc = acc + s_dt[k]
-                pre_t = sel(t == k, acc, pre_t)
-            if t < RING:
-                s_w[t] = s_dt[t] * cute.math.exp(a_h * (acc - pre_t))
-            decay = cute.math.exp(a_h * acc)
-            cute.arch.sync_threads()
+        # pre_k = dt_0 + .. + dt_k in order; w_j = dt_j exp(A (pre_15 - pre_j)).
+        a_h = A[hh * a_stride]
+        acc = Float32(0.0)
+        pre_t = Float32(0.0)
+        for k in cutlass.range_constexpr(RING):
+            acc = acc + s_dt[k]
+            pre_t = sel(t == k, acc, pre_t)
+        if t < RING:
+            s_w[t] = s_dt[t] * cute.math.exp(a_h * (acc - pre_t))
+        decay = cute.math.exp(a_h * acc)
+        cute.arch.sync_threads()
 
-            # S in registers: s[i][k] for row 8 i + row0, n = n0 + k.
-            s = []
-            for i in cutlass.range_constexpr(8):
-                ck = r_ck[i].bitcast(Float16).to(Float32)
-                row = []
+        # S in registers: s[i][k] for row row0 + 32 i, n = n0 + k.
+        s = []
+        for i in cutlass.range_constexpr(ROWS):
+            ck = r_ck[i].bitcast(Float16).to(Float32)
+            row = []
+            for k in cutlass.range_constexpr(8):
+                row.append(decay * ck[k])
+            s.append(row)
+        for j in cutlass.range_constexpr(RING):
+            b_j = _vec(s_b.iterator, j * N + n0, 8).load().to(Float32)
+            w_j = s_w[j]
+            for i in cutlass.range_constexpr(ROWS):
+                wx = w_j * s_x[j * P + i * ROW_STEP + row0]
                 for k in cutlass.range_constexpr(8):
-                    row.append(decay * ck[k])
-                s.append(row)
-            for j in cutlass.range_constexpr(RING):
-                b_j = _vec(s_b.iterator, j * N + n0, 8).load().to(Float32)
-                w_j = s_w[j]
-                for i in cutlass.range_constexpr(8):
-                    wx = w_j * s_x[j * P + i * 8 + row0]
-                    for k in cutlass.range_constexpr(8):
-                        s[i][k] = s[i][k] + wx * b_j[k]
+                    s[i][k] = s[i][k] + wx * b_j[k]
 
-            r_state = cute.make_rmem_tensor(cute.make_layout(8), Float32)
-            r_ck_out = cute.make_rmem_tensor(cute.make_layout(4), Uint32)
-            r_rc_out = cute.make_rmem_tensor(cute.make_layout(2), Uint32)
-            # Word (uint32) offsets of this head in the read copy and the checkpoint.
-            rc_head = slot * read_stride16 * 4 + hh * (P * N // 4)
-            for i in cutlass.range_constexpr(8):
-                p = i * 8 + row0
-                pp = Int64(p)
-                # y = S . C + D x, from the unrounded S.
-                dot = Float32(0.0)
-                amax = Int32(0)
+        r_state = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+        r_ck_out = cute.make_rmem_tensor(cute.make_layout(4), Uint32)
+        r_rc_out = cute.make_rmem_tensor(cute.make_layout(2), Uint32)
+        rc_head = slot * read_stride16 * 4 + hh * (P * N // 4)  # read-copy words of this head
+        for i in cutlass.range_constexpr(ROWS):
+            p = i * ROW_STEP + row0
+            pp = Int64(p)
+            # y = S . C + D x, from the unrounded S; the row's amax from the bits.
+            dot = Float32(0.0)
+            amax = Int32(0)
+            for k in cutlass.range_constexpr(8):
+                dot = dot + s[i][k] * r_c[k]
+                amax = cutlass.max(amax, s[i][k].bitcast(Int32) & Int32(0x7FFFFFFF))
+            dot = _xor_reduce(dot, 16, lambda a, c: a + c)
+            amax = _xor_reduce(amax, 16, cutlass.max)
+            if q == i:
+                y = dot + D[hh * d_stride_h + pp * d_stride_p] * s_x[(RING - 1) * P + p]
+                out[(bb * H + hh) * P + pp] = BFloat16(y)
+            if cutlass.const_expr(self.debug):
                 for k in cutlass.range_constexpr(8):
-                    dot = dot + s[i][k] * r_c[k]
-                    amax = cutlass.max(amax, s[i][k].bitcast(Int32) & Int32(0x7FFFFFFF))
-                dot = _xor_reduce(dot, 16, lambda a, c: a + c)
-                amax = _xor_reduce(amax, 16, cutlass.max)
-                if q == i:
-                    y = dot + D[hh * d_stride_h + pp * d_stride_p] * s_x[(RING - 1) * P + p]
-                    out[(bb * H + hh) * P + pp] = BFloat16(y)
-                if cutlass.const_expr(self.debug):
-                    for k in cutlass.range_constexpr(8):
-                        r_state[k] = s[i][k]
-                    _vec(state_out, ((bb * H + hh) * P + pp) * N + n0, 8).store(r_state.load())
+                    r_state[k] = s[i][k]
+                _vec(state_out, ((bb * H + hh) * P + pp) * N + n0, 8).store(r_state.load())
 
-                # Read copy: codes of S * 2**-E, scale 2**E (exact power-of-two products).
-                e = bits.pow2_exponent_above(amax, FP8_MANT_LIMIT, FP8_E_OFF)
-                inv = bits.exp2_int(-e)
-                if q == 0:
-                    scales[slot * scale_stride + hh * P + pp] = bits.exp2_int(e)
-                for m in cutlass.range_constexpr(2):
-                    lo = self.e4m3x2_rn(s[i][4 * m] * inv, s[i][4 * m + 1] * inv)
-                    hi = self.e4m3x2_rn(s[i][4 * m + 2] * inv, s[i][4 * m + 3] * inv)
-                    r_rc_out[m] = lo | (hi << 16)
-                _vec(read, rc_head + pp * (N // 4) + q * 2, 2).store(r_rc_out.load())
+            # Read copy: codes of S * 2**-E, scale 2**E (exact power-of-two products).
+            e = bits.pow2_exponent_above(amax, FP8_MANT_LIMIT, FP8_E_OFF)
+            inv = bits.exp2_int(-e)
+            if q == 0:
+                scales[slot * scale_stride + hh * P + pp] = bits.exp2_int(e)
+            for m in cutlass.range_constexpr(2):
+                lo = self.e4m3x2_rn(s[i][4 * m] * inv, s[i][4 * m + 1] * inv)
+                hi = self.e4m3x2_rn(s[i][4 * m + 2] * inv, s[i][4 * m + 3] * inv)
+                r_rc_out[m] = lo | (hi << 16)
+            _vec(read, rc_head + pp * (N // 4) + q * 2, 2).store(r_rc_out.load())
 
-                # Checkpoint: FP16 pairs with stochastic rounding; one hash word per pair,
-                # word index ((h * 64 + p) * 128 + n) / 2.
-                w0 = Uint32((hh * P + pp) * (N // 2)) + Uint32(q * 4)
-                for m in cutlass.range_constexpr(4):
-                    word = bits.random_word(key, w0 + Uint32(m))
-                    r_ck_out[m] = self.fp16x2_sr(s[i][2 * m], s[i][2 * m + 1], word)
-                _vec(ck_words, ck_head_w + pp * (N // 2) + q * 4, 4).store(r_ck_out.load())
+            # Checkpoint: FP16 pairs with stochastic rounding; one hash word per pair,
+            # word index ((h * 64 + p) * 128 + n) / 2.
+            w0 = Uint32((hh * P + pp) * (N // 2)) + Uint32(q * 4)
+            for m in cutlass.range_constexpr(4):
+                word = bits.random_word(key, w0 + Uint32(m))
+                r_ck_out[m] = self.fp16x2_sr(s[i][2 * m], s[i][2 * m + 1], word)
+            _vec(ck_words, ck_head_w + pp * (N // 2) + q * 4, 4).store(r_ck_out.load())
+        # The next flushing row of this CTA restages the shared buffers.
+        cute.arch.sync_threads()
 
 
 class FlushFp8Sm90(FlushFp8):

@@ -15,7 +15,6 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-import cutlass
 import cutlass.cute as cute
 import torch
 from cuda.bindings import driver as cuda_driver
@@ -42,25 +41,58 @@ def _kernel_object(kind: str, arch: str, heads: int, groups: int):
     return cls(heads, groups, debug=kind == "flush_fp8_debug")
 
 
-def _ptr(dtype, align: int):
-    return make_ptr(dtype, 0, assumed_align=align)
+# Pointer arguments of each launcher, in order: (dtype, alignment in bytes). The same
+# table types the placeholders at compile time and the addresses at launch time.
+_INPUT_PTRS = [
+    (BFloat16, 16),  # x
+    (Float32, 4),  # dt
+    (Float32, 4),  # A
+    (BFloat16, 16),  # B
+    (BFloat16, 16),  # C
+    (Float32, 4),  # D
+    (Float32, 4),  # dt_bias
+    (BFloat16, 2),  # out
+]
+POINTERS = {
+    "decode_fp8": [
+        (Float8E4M3FN, 16),  # read copy
+        (Float32, 4),  # scales
+        (BFloat16, 16),  # x ring
+        (Float32, 4),  # dt ring
+        (BFloat16, 16),  # B ring
+        *_INPUT_PTRS,
+        (Int8, 1),  # plan.valid
+        (Int64, 8),  # plan.slot
+        (Int64, 8),  # plan.ring_index
+        (Int8, 1),  # plan.flush
+    ],
+    "flush_fp8": [
+        (Float16, 16),  # checkpoint
+        (Uint32, 16),  # read copy, as words
+        (Float32, 4),  # scales
+        (BFloat16, 16),  # x ring
+        (Float32, 4),  # dt ring
+        (BFloat16, 16),  # B ring
+        *_INPUT_PTRS,
+        (Int64, 8),  # plan.slot
+        (Int8, 1),  # plan.flush
+        (Int64, 8),  # plan.key
+        (Float32, 16),  # state_out (debug variant)
+    ],
+}
+POINTERS["flush_fp8_debug"] = POINTERS["flush_fp8"]
+# Int64 scalars (slot strides, input strides) after the pointers.
+SCALARS = {"decode_fp8": 11, "flush_fp8": 12, "flush_fp8_debug": 12}
+
+
+def _pointers(kind: str, addresses) -> list:
+    return [make_ptr(dtype, addr, assumed_align=align) for (dtype, align), addr in zip(POINTERS[kind], addresses, strict=True)]
 
 
 def _fake_args(kind: str) -> list:
     """Placeholder arguments with the types (and pointer alignments) of a launch."""
-    bf16, f32 = _ptr(BFloat16, 16), _ptr(Float32, 4)
-    inputs = [bf16, f32, f32, bf16, bf16, f32, f32, _ptr(BFloat16, 2)]  # x dt A B C D dt_bias out
-    if kind == "decode_fp8":
-        cache = [_ptr(Float8E4M3FN, 16), f32, bf16, f32, bf16]  # read scales x_ring dt_ring b_ring
-        plan = [_ptr(Int8, 1), _ptr(Int64, 8), _ptr(Int64, 8), _ptr(Int8, 1)]  # valid slot ring flush
-        scalars = 11
-        extra: list = []
-    else:
-        cache = [_ptr(Float16, 16), _ptr(Uint32, 16), f32, bf16, f32, bf16]  # ckpt read scales rings
-        plan = [_ptr(Int64, 8), _ptr(Int8, 1), _ptr(Int64, 8)]  # slot flush key
-        extra = [_ptr(Float32, 16)]  # state_out
-        scalars = 12
-    return [*cache, *inputs, *plan, *extra, *([Int64(0)] * scalars), Int32(0), make_fake_stream()]
+    ptrs = _pointers(kind, [0] * len(POINTERS[kind]))
+    return [*ptrs, *([Int64(0)] * SCALARS[kind]), Int32(0), make_fake_stream()]
 
 
 def _options(arch: str, dump_dir: str | os.PathLike | None) -> str:
@@ -186,25 +218,23 @@ def decode_fp8(
     x, B, C = _dense16(x), _dense16(B), _dense16(C)
     ckpt, x_ring, dt_ring, b_ring = cache[L.CHECKPOINT], cache[L.X_RING], cache[L.DT_RING], cache[L.B_RING]
     read, scales = cache[L.READ_COPY], cache[L.SCALES]
-    inputs = [x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(), D.data_ptr(), dt_bias.data_ptr(), out.data_ptr()]
+    inputs = [x, dt, A, B, C, D, dt_bias, out]
     input_strides = [dt.stride(0), dt.stride(1), A.stride(0), dt_bias.stride(0), D.stride(0), D.stride(1)]
     stream = _stream()
     nonflush = compiled("decode_fp8", arch, heads, groups)
+    ptrs = [read, scales, x_ring, dt_ring, b_ring, *inputs, plan.valid, plan.slot, plan.ring_index, plan.flush]
     nonflush(
-        read.data_ptr(), scales.data_ptr(), x_ring.data_ptr(), dt_ring.data_ptr(), b_ring.data_ptr(),
-        *inputs,
-        plan.valid.data_ptr(), plan.slot.data_ptr(), plan.ring_index.data_ptr(), plan.flush.data_ptr(),
+        *_pointers("decode_fp8", [t.data_ptr() for t in ptrs]),
         _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
         *input_strides,
         batch, stream,
     )
     kind = "flush_fp8" if state_out is None else "flush_fp8_debug"
     flush = compiled(kind, arch, heads, groups)
+    ptrs = [ckpt, read, scales, x_ring, dt_ring, b_ring, *inputs, plan.slot, plan.flush, plan.key]
+    addresses = [t.data_ptr() for t in ptrs] + [0 if state_out is None else state_out.data_ptr()]
     flush(
-        ckpt.data_ptr(), read.data_ptr(), scales.data_ptr(), x_ring.data_ptr(), dt_ring.data_ptr(), b_ring.data_ptr(),
-        *inputs,
-        plan.slot.data_ptr(), plan.flush.data_ptr(), plan.key.data_ptr(),
-        0 if state_out is None else state_out.data_ptr(),
+        *_pointers(kind, addresses),
         _stride16(ckpt), _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
         *input_strides,
         batch, stream,
