@@ -177,15 +177,20 @@ def read_copy_state(cache: Sequence[torch.Tensor], slot: torch.Tensor, *, nvfp4:
     return Q.fp8_decode(cache[L.READ_COPY][slot], cache[L.SCALES][slot])
 
 
+def _select(rows, plan: Plan, x, dt, B, C, dt_bias):
+    """The plan's slot and ring index and the step's inputs for the selected `rows`
+    (x, B bf16; processed dt FP32; C as FP32)."""
+    dts = softplus_dt(dt[rows], dt_bias.view(1, -1))
+    return plan.slot[rows], plan.ring_index[rows], x[rows], dts, B[rows], C[rows].float()
+
+
 def decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan: Plan, out, *, nvfp4: bool) -> None:
     """Rows that do not flush: y = exp(A pre_k) (read copy . C) + ring replay + D x;
     the token's (x, processed dt, B) is stored at ring entry `ring_index`."""
     rows = plan.valid & ~plan.flush
     if not bool(rows.any()):
         return
-    slot, r = plan.slot[rows], plan.ring_index[rows]
-    xs, Bs, Cs = x[rows], B[rows], C[rows].float()
-    dts = softplus_dt(dt[rows], dt_bias.view(1, -1))
+    slot, r, xs, dts, Bs, Cs = _select(rows, plan, x, dt, B, C, dt_bias)
     heads = xs.shape[1]
     x_e, dt_e, B_e = _entries(cache, slot, xs, dts, Bs, r, r)
     decay, w = _replay_weights(dt_e, A, r)
@@ -218,9 +223,7 @@ def decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan: Plan, out, *, nvfp4: b
     rows = plan.flush
     if not bool(rows.any()):
         return
-    slot, r = plan.slot[rows], plan.ring_index[rows]
-    xs, Bs, Cs = x[rows], B[rows], C[rows].float()
-    dts = softplus_dt(dt[rows], dt_bias.view(1, -1))
+    slot, r, xs, dts, Bs, Cs = _select(rows, plan, x, dt, B, C, dt_bias)
     heads = xs.shape[1]
     state = fold(cache, slot, xs, dts, Bs, A, r)
     y = torch.einsum("nhpk,nhk->nhp", state, _expand_groups(Cs, heads)) + D.view(1, heads, -1) * xs.float()
