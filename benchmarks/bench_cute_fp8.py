@@ -8,16 +8,19 @@ graph and the graph replayed. us/step = replay time / (16 * layers). Rows are
 desynchronized (row i starts at ring index i mod 16, so 1/16 of the rows flush each step).
 The byte floor is the byte model's period-average bytes (benchmarks/byte_model.py) over
 the device-to-device copy bandwidth measured in the same run; "prepare" is the same graph
-with the prepare kernel alone (the bookkeeping share).
+with the prepare kernel alone (the bookkeeping share); "nonflush" / "flush" are the two
+CuTe kernels' GPU times per step from the PyTorch profiler over one eager period.
 
     python benchmarks/bench_cute_fp8.py                      # 16 heads / 2 groups, batch 1 256 1024
     python benchmarks/bench_cute_fp8.py --batch 64 512 --reps 50
+    python benchmarks/bench_cute_fp8.py --ablate     # also: flush overlap on/off x sm_90a e4m3 soft/hw
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -32,6 +35,7 @@ from benchmarks import byte_model as bm  # noqa: E402
 from replayssm import layout as L  # noqa: E402
 from replayssm.api import initialize_replayssm_state, selective_state_update_replayssm  # noqa: E402
 from replayssm.kernels import triton_backend  # noqa: E402
+from replayssm.kernels.cute import launch  # noqa: E402
 from replayssm.synthetic import layer_params, token  # noqa: E402
 
 RING = 16
@@ -93,6 +97,25 @@ def graph_us(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def kernel_us(fn, steps: int) -> dict[str, float]:
+    """GPU microseconds per step of each kernel family launched by `fn` (profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out = {"prepare": 0.0, "nonflush": 0.0, "flush": 0.0}
+    for evt in prof.key_averages():
+        name = evt.key
+        total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+        for tag, key in (("prepare", "prepare"), ("nonflush", "decode_fp8"), ("flush", "flush_fp8")):
+            if key in name:
+                out[tag] += total / steps
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", type=int, default=16)
@@ -102,6 +125,7 @@ def main() -> None:
     ap.add_argument("--target-mb", type=float, default=150.0, help="read-copy bytes touched per step across layers")
     ap.add_argument("--max-layers", type=int, default=8)
     ap.add_argument("--slot-padding", type=int, default=128)
+    ap.add_argument("--ablate", action="store_true", help="time flush overlap on/off x sm_90a e4m3 soft/hw too")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_cute_fp8 needs a CUDA GPU")
@@ -113,7 +137,7 @@ def main() -> None:
     per_row = bm.replay_period_average(bm.Shape(H, G), "fp8").total
     print(f"# {torch.cuda.get_device_name()}  heads={H} groups={G}  copy {tb_s:.2f} TB/s  "
           f"model {per_row} B/row/step (period average)")
-    print(f"{'batch':>6}{'layers':>7}{'us/step':>10}{'prepare':>9}{'floor us':>10}{'GB/s':>8}{'of copy':>9}")
+    print(f"{'batch':>6}{'layers':>7}{'us/step':>10}{'prepare':>9}{'nonflush':>10}{'flush':>8}{'floor us':>10}{'GB/s':>8}{'of copy':>9}")
     for batch in args.batch:
         rc_bytes = batch * H * L.HEAD_DIM * L.STATE_DIM
         layers = max(1, min(args.max_layers, math.ceil(args.target_mb * 1e6 / rc_bytes)))
@@ -139,10 +163,30 @@ def main() -> None:
         steps = RING * layers
         us = graph_us(period, args.reps) / steps
         prep = graph_us(prepare_only, args.reps) / steps
+        per_kernel = kernel_us(period, steps)
         nbytes = per_row * batch
         floor = nbytes / (tb_s * 1e12) * 1e6
         gbs = nbytes / (us * 1e-6) / 1e9
-        print(f"{batch:>6}{layers:>7}{us:>10.2f}{prep:>9.2f}{floor:>10.2f}{gbs:>8.0f}{gbs / (tb_s * 1e3):>9.0%}")
+        print(
+            f"{batch:>6}{layers:>7}{us:>10.2f}{prep:>9.2f}{per_kernel['nonflush']:>10.2f}{per_kernel['flush']:>8.2f}"
+            f"{floor:>10.2f}{gbs:>8.0f}{gbs / (tb_s * 1e3):>9.0%}"
+        )
+        if args.ablate:
+            default_overlap, default_e4m3 = launch.OVERLAP, os.environ.get(launch.SM90_E4M3_ENV)
+            cells = []
+            for overlap in (True, False):
+                for e4m3 in ("soft", "hw"):
+                    launch.OVERLAP = overlap
+                    os.environ[launch.SM90_E4M3_ENV] = e4m3
+                    t = graph_us(period, args.reps) / steps
+                    k = kernel_us(period, steps)
+                    cells.append(f"overlap={int(overlap)} e4m3={e4m3}: {t:.2f} (flush {k['flush']:.2f})")
+            launch.OVERLAP = default_overlap
+            if default_e4m3 is None:
+                os.environ.pop(launch.SM90_E4M3_ENV, None)
+            else:
+                os.environ[launch.SM90_E4M3_ENV] = default_e4m3
+            print("        ablation us/step: " + " | ".join(cells))
         del built, outs
         torch.cuda.empty_cache()
 

@@ -59,9 +59,12 @@ def test_sm100_flush_uses_hardware_conversions(compiled, arch):
 
 
 def test_sm90_flush_is_software(compiled):
+    from replayssm.kernels.cute.launch import sm90_e4m3
+
     for name, text in _ptx(compiled["sm_90a"], "flush").items():
         assert "cvt.rs" not in text, name
-        assert "e4m3x2.f32" not in text, name
+        # The read-copy encode: software by default, the e4m3x2 cvt on request.
+        assert ("cvt.rn.satfinite.e4m3x2.f32" in text) == (sm90_e4m3() == "hw"), name
         # The hash multiplies by the lowbias32 constants (software and hardware paths alike).
         assert "2146121005" in text, name  # 0x7FEB352D
 

@@ -123,14 +123,16 @@ def _ulp_bf16(m: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "heads,groups,sync",
+    "heads,groups,sync,e4m3",
     [
-        pytest.param(16, 2, False, id="fp8-h16-g2-mixed"),
-        pytest.param(16, 1, False, id="fp8-h16-g1-mixed"),
-        pytest.param(16, 2, True, id="fp8-h16-g2-sync"),
+        pytest.param(16, 2, False, "soft", id="fp8-h16-g2-mixed"),
+        pytest.param(16, 1, False, "soft", id="fp8-h16-g1-mixed"),
+        pytest.param(16, 2, True, "soft", id="fp8-h16-g2-sync"),
+        # sm_90a only: the hardware e4m3x2 cvt the sm_100a / sm_103a kernels use.
+        pytest.param(16, 2, False, "hw", id="fp8-h16-g2-mixed-hw-e4m3"),
     ],
 )
-def test_kernels_match_reference_over_three_periods(heads, groups, sync):
+def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3):
     from replayssm.kernels import triton_backend
     from replayssm.kernels.cute import launch
 
@@ -149,7 +151,7 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync):
         out.fill_(NAN)
         state.fill_(NAN)
         plan = backend.prepare(cache, w.ids, out, nvfp4=False, seed=w.seed)
-        launch.decode_fp8(cache, x, dt, A, B, C, D, dt_bias, plan, out, state_out=state)
+        launch.decode_fp8(cache, x, dt, A, B, C, D, dt_bias, plan, out, state_out=state, e4m3=e4m3)
         # Reference from the same starting state.
         expect = [t.clone() for t in before]
         out_ref = torch.full_like(out, NAN)
@@ -191,7 +193,7 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync):
         assert w.gaps_untouched(), f"step {step}: bytes between slot tensors were written"
     live = int(valid.sum())
     assert flushed == 3 * live, (flushed, live)
-    print(f"[{heads}h/{groups}g sync={sync}] 48 steps, {flushed} row flushes, worst output error {worst:.2f} bf16 ulps of row max")
+    print(f"[{heads}h/{groups}g sync={sync} e4m3={e4m3}] 48 steps, {flushed} row flushes, worst output error {worst:.2f} bf16 ulps of row max")
 
 
 def test_cuda_graph_replays_whole_periods():

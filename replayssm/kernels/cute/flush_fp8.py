@@ -36,10 +36,14 @@ THREADS = 512
 P, N, RING = 64, 128, 16
 ROWS = 2  # state rows per thread: row0 + 32 i
 ROW_STEP = THREADS // 16
-# Batch rows per CTA: the grid is (heads, ceil(batch / ROWS_PER_CTA)) and a CTA loops over
-# its rows, flushing those the plan marks; with ~1/16 of the rows flushing per step this
-# keeps most CTAs busy instead of launching batch x heads CTAs that exit at once.
-ROWS_PER_CTA = 16
+# Batch rows per CTA: the grid is (heads, ceil(batch / ROWS_PER_CTA)); a CTA reads its
+# rows' flush flags at once (one ballot) and flushes the marked rows one after another.
+# With ~1/16 of the rows flushing per step most CTAs get about one row, instead of
+# batch x heads CTAs of which 15/16 would exit at once.
+ROWS_PER_CTA = 8
+# Two CTAs per SM (at most 64 registers a thread): a desynchronized batch has about one
+# flushing row per CTA, so per-SM concurrency comes from resident CTAs.
+MIN_CTAS_PER_SM = 2
 # amax <= 448 * scale: E = ceil(log2(amax / 448)), 448 = 1.75 * 2**8 (formats.fp8_row_scale).
 FP8_MANT_LIMIT, FP8_E_OFF = 0x600000, 8
 
@@ -121,7 +125,11 @@ class FlushFp8:
             dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
             batch,
         ).launch(
-            grid=[self.heads, (batch + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1], block=[THREADS, 1, 1], stream=stream
+            grid=[self.heads, (batch + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1],
+            block=[THREADS, 1, 1],
+            min_blocks_per_mp=MIN_CTAS_PER_SM,
+            preferred_smem_carveout=-1,  # the driver's default (and no device query at compile time)
+            stream=stream,
         )
 
     @cute.kernel
@@ -164,9 +172,23 @@ class FlushFp8:
         h, by, _ = cute.arch.block_idx()
         smem = SmemAllocator()
         s_x = smem.allocate_tensor(Float32, cute.make_layout(RING * P), byte_alignment=16)
-        s_b = smem.allocate_tensor(BFloat16, cute.make_layout(RING * N), byte_alignment=16)
+        s_b = smem.allocate_tensor(Float32, cute.make_layout(RING * N), byte_alignment=16)
         s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
         s_w = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
+        s_mask = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+
+        # Which of this CTA's batch rows flush: one load per lane of warp 0, one ballot.
+        if t < 32:
+            b_t = by * ROWS_PER_CTA + t
+            f = Int32(0)
+            if t < ROWS_PER_CTA:
+                if b_t < batch:
+                    f = Int32(plan_flush[Int64(b_t)])
+            m = cute.arch.vote_ballot_sync(f != Int32(0))
+            if t == 0:
+                s_mask[0] = Int32(m)
+        cute.arch.sync_threads()
+        mask = s_mask[0]
 
         hh = Int64(h)
         g = hh // HPG
@@ -175,17 +197,15 @@ class FlushFp8:
         row0 = t // 16  # this thread's rows: row0 + 32 i
         ck_words = cute.recast_ptr(ckpt, dtype=Uint32)  # FP16 pairs, the unit of the stores
         for rr in range(ROWS_PER_CTA):
-            b = by * ROWS_PER_CTA + rr
-            if b < batch:
-                bb = Int64(b)
-                if Int32(plan_flush[bb]) != Int32(0):
-                    self.flush_row(
-                        t, q, n0, row0, hh, g, bb, H, G, s_x, s_b, s_dt, s_w, ck_words,
-                        read, scales, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
-                        plan_slot, plan_key, state_out,
-                        ckpt_stride16, read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
-                        dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
-                    )
+            if ((mask >> rr) & Int32(1)) != Int32(0):
+                bb = Int64(by * ROWS_PER_CTA + rr)
+                self.flush_row(
+                    t, q, n0, row0, hh, g, bb, H, G, s_x, s_b, s_dt, s_w, ck_words,
+                    read, scales, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
+                    plan_slot, plan_key, state_out,
+                    ckpt_stride16, read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
+                    dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
+                )
 
     @cute.jit
     def flush_row(
@@ -225,7 +245,7 @@ class FlushFp8:
                 r_bv.store(_vec(b_ring, slot * b_ring_stride16 * 8 + (g * RING + Int64(jb)) * N + bs, 8).load())
             else:
                 r_bv.store(_vec(B, (bb * G + g) * N + bs, 8).load())
-            _vec(s_b.iterator, jb * N + bs, 8).store(r_bv.load())
+            _vec(s_b.iterator, jb * N + bs, 8).store(r_bv.load().to(Float32))
         if t < RING:
             dt_t = Float32(0.0)
             if t < RING - 1:
@@ -257,7 +277,7 @@ class FlushFp8:
                 row.append(decay * ck[k])
             s.append(row)
         for j in cutlass.range_constexpr(RING):
-            b_j = _vec(s_b.iterator, j * N + n0, 8).load().to(Float32)
+            b_j = _vec(s_b.iterator, j * N + n0, 8).load()
             w_j = s_w[j]
             for i in cutlass.range_constexpr(ROWS):
                 wx = w_j * s_x[j * P + i * ROW_STEP + row0]
@@ -310,14 +330,23 @@ class FlushFp8:
 
 
 class FlushFp8Sm90(FlushFp8):
-    """sm_90a: software stochastic rounding and e4m3 encode (no cvt.rs on Hopper)."""
+    """sm_90a: software stochastic rounding (Hopper has no cvt.rs). The read copy's e4m3
+    encode is software too, or with `hw_e4m3=True` the `cvt.rn.satfinite.e4m3x2.f32`
+    the sm_100a kernels use (Hopper has it: sm_89+), which lets an H200 check that
+    instruction against the reference bit for bit."""
 
     arch = "sm_90a"
+
+    def __init__(self, heads: int, groups: int, *, debug: bool = False, hw_e4m3: bool = False) -> None:
+        super().__init__(heads, groups, debug=debug)
+        self.hw_e4m3 = hw_e4m3
 
     def fp16x2_sr(self, lo, hi, word):
         return bits.fp16x2_sr_soft(lo, hi, word)
 
     def e4m3x2_rn(self, lo, hi):
+        if self.hw_e4m3:
+            return bits.e4m3x2_rn_hw(lo, hi)
         return bits.e4m3x2_rn_soft(lo, hi)
 
 

@@ -30,15 +30,28 @@ KINDS = ("decode_fp8", "flush_fp8", "flush_fp8_debug")
 # Geometries `compile_all` builds: 16 heads in 2 groups (8 heads per group, the serving
 # geometry) and 16 heads in 1 group (16 heads per group).
 COMPILE_ALL_GEOMETRIES = ((16, 2), (16, 1))
+# The sm_90a read-copy encode: "soft" (integer steps of quant/minifloat.py) or "hw"
+# (cvt.rn.satfinite.e4m3x2.f32, as on sm_100a); both give the reference's bits.
+SM90_E4M3_ENV = "REPLAYSSM_SM90_E4M3"
+SM90_E4M3_DEFAULT = "soft"
 
-_COMPILED: dict[tuple[str, str, int, int], object] = {}
+_COMPILED: dict[tuple, object] = {}
 
 
-def _kernel_object(kind: str, arch: str, heads: int, groups: int):
+def sm90_e4m3() -> str:
+    mode = os.environ.get(SM90_E4M3_ENV, SM90_E4M3_DEFAULT)
+    if mode not in ("soft", "hw"):
+        raise ValueError(f"${SM90_E4M3_ENV} must be 'soft' or 'hw'; got {mode!r}")
+    return mode
+
+
+def _kernel_object(kind: str, arch: str, heads: int, groups: int, e4m3: str):
     if kind == "decode_fp8":
         return DecodeFp8(heads, groups)
-    cls = FlushFp8Sm100 if arch in HAS_CVT_RS else FlushFp8Sm90
-    return cls(heads, groups, debug=kind == "flush_fp8_debug")
+    debug = kind == "flush_fp8_debug"
+    if arch in HAS_CVT_RS:
+        return FlushFp8Sm100(heads, groups, debug=debug)
+    return FlushFp8Sm90(heads, groups, debug=debug, hw_e4m3=e4m3 == "hw")
 
 
 # Pointer arguments of each launcher, in order: (dtype, alignment in bytes). The same
@@ -102,12 +115,14 @@ def _options(arch: str, dump_dir: str | os.PathLike | None) -> str:
     return opts
 
 
-def compiled(kind: str, arch: str, heads: int, groups: int):
-    """The compiled launcher for (kind, arch, heads, groups), compiling it on first use."""
-    key = (kind, arch, heads, groups)
+def compiled(kind: str, arch: str, heads: int, groups: int, e4m3: str | None = None):
+    """The compiled launcher for (kind, arch, heads, groups), compiling it on first use
+    (`e4m3`: the sm_90a read-copy encode, default `sm90_e4m3()`)."""
+    e4m3 = "hw" if arch in HAS_CVT_RS or kind == "decode_fp8" else (e4m3 or sm90_e4m3())
+    key = (kind, arch, heads, groups, e4m3)
     fn = _COMPILED.get(key)
     if fn is None:
-        obj = _kernel_object(kind, arch, heads, groups)
+        obj = _kernel_object(kind, arch, heads, groups, e4m3)
         fn = cute.compile(obj, *_fake_args(kind), options=_options(arch, None))
         _COMPILED[key] = fn
     return fn
@@ -125,7 +140,7 @@ def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
         for kind in ("decode_fp8", "flush_fp8"):
             sub = root / f"{kind}-h{heads}g{groups}"
             sub.mkdir(parents=True, exist_ok=True)  # the DSL writes into an existing folder only
-            obj = _kernel_object(kind, arch, heads, groups)
+            obj = _kernel_object(kind, arch, heads, groups, sm90_e4m3())
             cute.compile(obj, *_fake_args(kind), options=_options(arch, sub))
             found = sorted(str(p) for p in sub.iterdir() if p.suffix in (".ptx", ".cubin"))
             if not any(p.endswith(".ptx") for p in found):
@@ -187,8 +202,22 @@ def _dense16(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.data_ptr() % 16 else t
 
 
-def _stream():
-    return cuda_driver.CUstream(torch.cuda.current_stream().cuda_stream)
+# Run the flush kernel on a side stream, forked from and joined back into the current
+# stream, so that it overlaps the non-flush kernel: the two touch disjoint slots and
+# output rows (non-flush rows vs flush rows of one plan), the flush is compute-bound
+# (hash, stochastic rounding, encode) and the non-flush memory-bound. A captured CUDA
+# graph records the fork and the join as edges. False: both on the current stream.
+OVERLAP = True
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    side = _SIDE.get(device)
+    if side is None:
+        # High priority: the flush CTAs are the latency-critical part of a step.
+        side = torch.cuda.Stream(device=device, priority=-1)
+        _SIDE[device] = side
+    return side
 
 
 def decode_fp8(
@@ -205,13 +234,15 @@ def decode_fp8(
     *,
     arch: str | None = None,
     state_out: torch.Tensor | None = None,
+    e4m3: str | None = None,
 ) -> None:
     """Launch the non-flush and the flush kernel for one step (after `prepare`).
 
     Inputs as `reference.decode_nonflush` takes them (normalized by `replayssm.api`);
     `plan` is the prepare kernel's `reference.Plan` (device buffers). `state_out`
     (float32 [batch, H, 64, 128], contiguous) selects the debug flush, which also writes
-    the FP32 state of every flushed row there (tests only)."""
+    the FP32 state of every flushed row there (tests only); `e4m3` picks the sm_90a
+    read-copy encode ("soft" / "hw", default $REPLAYSSM_SM90_E4M3 or "soft")."""
     batch, heads = x.shape[0], x.shape[1]
     groups = cache[L.B_RING].shape[1]
     arch = arch or arch_for(x.device)
@@ -220,25 +251,31 @@ def decode_fp8(
     read, scales = cache[L.READ_COPY], cache[L.SCALES]
     inputs = [x, dt, A, B, C, D, dt_bias, out]
     input_strides = [dt.stride(0), dt.stride(1), A.stride(0), dt_bias.stride(0), D.stride(0), D.stride(1)]
-    stream = _stream()
     nonflush = compiled("decode_fp8", arch, heads, groups)
-    ptrs = [read, scales, x_ring, dt_ring, b_ring, *inputs, plan.valid, plan.slot, plan.ring_index, plan.flush]
-    nonflush(
-        *_pointers("decode_fp8", [t.data_ptr() for t in ptrs]),
-        _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
-        *input_strides,
-        batch, stream,
-    )
     kind = "flush_fp8" if state_out is None else "flush_fp8_debug"
-    flush = compiled(kind, arch, heads, groups)
+    flush = compiled(kind, arch, heads, groups, e4m3)
+    main = torch.cuda.current_stream(x.device)
+    side = _side_stream(x.device) if OVERLAP else main
+    if side is not main:
+        side.wait_stream(main)  # the plan and the inputs are ready
+
     ptrs = [ckpt, read, scales, x_ring, dt_ring, b_ring, *inputs, plan.slot, plan.flush, plan.key]
     addresses = [t.data_ptr() for t in ptrs] + [0 if state_out is None else state_out.data_ptr()]
     flush(
         *_pointers(kind, addresses),
         _stride16(ckpt), _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
         *input_strides,
-        batch, stream,
+        batch, cuda_driver.CUstream(side.cuda_stream),
     )
+    ptrs = [read, scales, x_ring, dt_ring, b_ring, *inputs, plan.valid, plan.slot, plan.ring_index, plan.flush]
+    nonflush(
+        *_pointers("decode_fp8", [t.data_ptr() for t in ptrs]),
+        _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
+        *input_strides,
+        batch, cuda_driver.CUstream(main.cuda_stream),
+    )
+    if side is not main:
+        main.wait_stream(side)  # join: everything after the step sees both kernels' writes
 
 
 __all__ = ["KINDS", "COMPILE_ALL_GEOMETRIES", "compiled", "compile_all", "warmup", "launch_padding", "layout_ok", "decode_fp8"]
