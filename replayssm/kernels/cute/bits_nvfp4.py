@@ -1,0 +1,271 @@
+"""NVFP4 bit helpers of the CuTe DSL kernels: e2m1 encode / decode, e4m3 block-scale
+decode and the block-scale pipeline of the flush (docs/format.md section 3).
+
+The software routines are written once, against a tiny `ops` namespace (unsigned 32-bit
+constructor, select, min / max, bit casts), and run two ways:
+
+- `DSL_OPS` traces them inside a `cute.kernel` (the sm_90a path, and the parts that are
+  software on every target);
+- `NUMPY_OPS` runs the very same source on numpy uint32 / float32 arrays on the CPU, where
+  tests compare it bit for bit with quant/minifloat.py and quant/formats.py.
+
+numpy's uint32 arithmetic wraps mod 2**32 like PTX's; every shift below is < 32 (PTX
+clamps larger shifts, C does not), and float32 products and quotients are IEEE
+round-to-nearest on both sides.
+
+Packed layouts (format.md section 3): a 32-bit word of a row holds elements 8w .. 8w + 7,
+element k in bits [4k + 3 : 4k] (byte j: element 2j low nibble, 2j + 1 high nibble).
+The hardware forms (sm_100a / sm_103a) are `cvt.rn.satfinite.e2m1x2.f32 d, a, b`
+(a -> high nibble, b -> low nibble) and `cvt.rn.f16x2.e2m1x2 d, a` (low nibble -> low
+half of d).
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+# FP32 1/6 as formats.nvfp4_encode rounds it (Python float -> FP32, nearest).
+ONE_SIXTH = 1.0 / 6.0
+# Second-level scale: amax_live / g <= 168 = 1.3125 * 2**7 (formats.nvfp4_global_scale).
+NVFP4_MANT_LIMIT, NVFP4_E_OFF = 0x280000, 7
+# The software e2m1 -> f16 decode writes e2m1 value * 2**-14 (see e2m1x8_f16x2_soft).
+SOFT_DECODE_FACTOR = 2.0**14
+# Element order of the f16 halves the software decode returns for one word:
+# word j = (element j in bits [15:0], element j + 4 in bits [31:16]).
+SOFT_DECODE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+HW_DECODE_ORDER = (0, 1, 2, 3, 4, 5, 6, 7)
+
+
+# ---------------------------------------------------------------------------------------
+# Format-generic software routines (ops = DSL_OPS or NUMPY_OPS)
+
+
+def e2m1_code(x_bits, ops, rbits=None):
+    """FP32 bits -> e2m1 code (4 bits, sign in bit 3), satfinite; NaN -> 0x7.
+
+    Nearest-even, or stochastic with the 8 low bits of `rbits` (format.md section 2).
+    Integer steps of quant/minifloat.py `encode` for e2m1 (bias 1, 1 mantissa bit: a
+    normal result, |x| >= 1, discards 22 bits) with the 32-bit rewrites of bits.py:
+    nearest clamps the subnormal shift at 25 (v < 2**24 rounds to 0 beyond), stochastic
+    shifts by s - 8 first (exact, since the random bits are added at bit s - 8)."""
+    u, sel = ops.u, ops.sel
+    a = x_bits & u(0x7FFFFFFF)
+    ef = a >> u(23)
+    normal = ef >= u(127)
+    sub_v = (a & u(0x7FFFFF)) | sel(ef > u(0), u(0x800000), u(0))
+    v = sel(normal, a - u(126 << 23), sub_v)
+    efc = ops.umax(ef, u(1))
+    if rbits is None:
+        s = sel(normal, u(22), ops.umin(u(149) - efc, u(25)))
+        code = (v + (u(1) << (s - u(1))) - u(1) + ((v >> s) & u(1))) >> s
+    else:
+        t = sel(normal, u(14), ops.umin(u(141) - efc, u(31)))
+        code = ((v >> t) + (rbits & u(0xFF))) >> u(8)
+    code = ops.umin(code, u(7)) | ((x_bits >> u(28)) & u(8))
+    return sel(a > u(0x7F800000), u(7), code)
+
+
+def e2m1x8_rn_soft_words(vals, ops):
+    """Eight FP32 values (elements 0..7 of a word) -> packed word, element k in nibble k."""
+    u = ops.u
+    word = e2m1_code(ops.bits(vals[0]), ops)
+    for k in range(1, 8):
+        word = word | (e2m1_code(ops.bits(vals[k]), ops) << u(4 * k))
+    return word
+
+
+def e2m1x8_f16x2_soft(w, ops):
+    """Packed word (8 e2m1 codes) -> four f16x2 words; word j holds element j (bits
+    [15:0]) and element j + 4 (bits [31:16]), each equal to its e2m1 value * 2**-14.
+
+    The 3 magnitude bits of a code, put at f16 bits [11:9], are the low exponent bits
+    and the top mantissa bit: f16 exponent bias 15 against e2m1's 1, and the single
+    e2m1 subnormal (0.5) lands on the f16 subnormal with the same ratio, so every code
+    decodes to value * 2**-14 exactly. The sign bit (nibble bit 3, at bit 12 after the
+    shift by 9) moves to bit 15 by adding (2**12 - 2**9) times it."""
+    u = ops.u
+    words = []
+    for j in range(4):
+        t = (w >> u(4 * j)) & u(0x000F000F) if j else w & u(0x000F000F)
+        words.append((t << u(9)) + (t & u(0x00080008)) * u(0xE00))
+    return words
+
+
+def e4m3_value(code, ops):
+    """e4m3fn code (8 bits in a uint32) -> FP32 value, exact; 0x7F / 0xFF -> NaN.
+
+    Normal codes rebias in place; subnormal ones (exponent 0) are (1 + m/8) * 2**-6
+    minus 2**-6, an exact subtraction."""
+    u, sel = ops.u, ops.sel
+    c = code & u(0x7F)
+    sub = (c >> u(3)) == u(0)
+    b = (c << u(20)) + u(120 << 23) + sel(sub, u(1 << 23), u(0))
+    mag = ops.f32(b) - sel(sub, ops.f(2.0**-6), ops.f(0.0))
+    mag = sel(c == u(0x7F), ops.f(math.nan), mag)
+    return sel((code & u(0x80)) != u(0), -mag, mag)
+
+
+def block_scale_input(bamax, ig, ops):
+    """t = (bamax * ig) * fp32(1/6): two FP32 products in this order (formats.nvfp4_encode),
+    `bamax` a block's max |x|, ig = 2**-E of the second-level scale. Its e4m3 code
+    (nearest, satfinite) is the stored block scale s."""
+    return (bamax * ig) * ops.f(ONE_SIXTH)
+
+
+def block_recip(s, g, ops):
+    """r = 1 / (e4m3(s) * g), IEEE round-to-nearest; 0 when the product is 0. The codes of
+    a block are e2m1(x * r). e4m3(s) * g is exact (g a power of two)."""
+    d = e4m3_value(s, ops) * g
+    return ops.sel(d == ops.f(0.0), ops.f(0.0), ops.rcp(d))
+
+
+# ---------------------------------------------------------------------------------------
+# numpy ops (CPU twins)
+
+
+def _numpy_ops():
+    import numpy as np
+
+    def u(x):
+        return np.asarray(x, dtype=np.uint32) if not isinstance(x, int) else np.uint32(x)
+
+    return SimpleNamespace(
+        u=u,
+        f=np.float32,
+        sel=np.where,
+        umin=np.minimum,
+        umax=np.maximum,
+        bits=lambda f: np.asarray(f, dtype=np.float32).view(np.uint32),
+        f32=lambda b: np.asarray(b, dtype=np.uint32).view(np.float32),
+        rcp=lambda d: np.float32(1.0) / d,
+    )
+
+
+class _LazyNumpyOps:
+    """`NUMPY_OPS`: numpy is imported on first use (the kernels never need it)."""
+
+    _ops = None
+
+    def __getattr__(self, name):
+        if _LazyNumpyOps._ops is None:
+            _LazyNumpyOps._ops = _numpy_ops()
+        return getattr(_LazyNumpyOps._ops, name)
+
+
+NUMPY_OPS = _LazyNumpyOps()
+
+
+# ---------------------------------------------------------------------------------------
+# CuTe DSL ops and hardware forms (traced inside kernels; the DSL is imported lazily so
+# the numpy twins above run without it)
+
+try:
+    import cutlass
+    from cutlass import Float32, Uint32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import dsl_user_op
+
+    from .bits import sel as _sel
+
+    _HAVE_DSL = True
+except ImportError:  # pragma: no cover - CPU twins only
+    _HAVE_DSL = False
+
+
+if _HAVE_DSL:
+
+    def _rcp_rn(d):
+        # Lowers to rcp.rn.f32 (IEEE-rounded reciprocal, = div.rn.f32 1/d; checked in
+        # the compile tests): never the approximate forms.
+        return Float32(1.0) / d
+
+    DSL_OPS = SimpleNamespace(
+        u=Uint32,
+        f=Float32,
+        sel=_sel,
+        umin=cutlass.min,
+        umax=cutlass.max,
+        bits=lambda f: Float32(f).bitcast(Uint32),
+        f32=lambda b: Uint32(b).bitcast(Float32),
+        rcp=_rcp_rn,
+    )
+
+    def e2m1x8_rn_soft(vals) -> Uint32:
+        """sm_90a: eight FP32 values -> packed e2m1 word (software, nearest)."""
+        return e2m1x8_rn_soft_words(vals, DSL_OPS)
+
+    @dsl_user_op
+    def _e2m1x8_rn_hw(vals, *, loc=None, ip=None) -> Uint32:
+        res = llvm.inline_asm(
+            Uint32.mlir_type,
+            [Float32(vals[k ^ 1]).ir_value(loc=loc, ip=ip) for k in range(8)],
+            "{\n\t.reg .b8 q0, q1, q2, q3;\n\t"
+            "cvt.rn.satfinite.e2m1x2.f32 q0, $1, $2;\n\t"
+            "cvt.rn.satfinite.e2m1x2.f32 q1, $3, $4;\n\t"
+            "cvt.rn.satfinite.e2m1x2.f32 q2, $5, $6;\n\t"
+            "cvt.rn.satfinite.e2m1x2.f32 q3, $7, $8;\n\t"
+            "mov.b32 $0, {q0, q1, q2, q3};\n\t}",
+            "=r,f,f,f,f,f,f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc,
+            ip=ip,
+        )
+        return Uint32(res)
+
+    def e2m1x8_rn_hw(vals) -> Uint32:
+        """sm_100a / sm_103a: eight FP32 values -> packed e2m1 word (hardware, nearest):
+        four `cvt.rn.satfinite.e2m1x2.f32 q, a, b` with a = element 2j + 1 (high nibble),
+        b = element 2j (low nibble); operands are passed as (v1, v0, v3, v2, ...)."""
+        return _e2m1x8_rn_hw(list(vals))
+
+    @dsl_user_op
+    def _e2m1x2_f16x2_hw(w, byte: int, *, loc=None, ip=None) -> Uint32:
+        """Byte `byte` of w (elements 2 byte, 2 byte + 1) -> f16x2, low nibble in the low
+        half: `cvt.rn.f16x2.e2m1x2`."""
+        res = llvm.inline_asm(
+            Uint32.mlir_type,
+            [Uint32(w).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .b8 q0, q1, q2, q3;\n\t"
+            "mov.b32 {q0, q1, q2, q3}, $1;\n\t"
+            f"cvt.rn.f16x2.e2m1x2 $0, q{byte};\n\t}}",
+            "=r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc,
+            ip=ip,
+        )
+        return Uint32(res)
+
+    def e2m1x8_f16x2_hw(w) -> list:
+        """sm_100a / sm_103a: packed word -> four f16x2 words in element order (true values)."""
+        return [_e2m1x2_f16x2_hw(w, j) for j in range(4)]
+
+    def e2m1x8_f16x2_sw(w) -> list:
+        """sm_90a: packed word -> four f16x2 words, SOFT_DECODE_ORDER, values * 2**-14."""
+        return e2m1x8_f16x2_soft(w, DSL_OPS)
+
+
+__all__ = [
+    "ONE_SIXTH",
+    "NVFP4_MANT_LIMIT",
+    "NVFP4_E_OFF",
+    "SOFT_DECODE_FACTOR",
+    "SOFT_DECODE_ORDER",
+    "HW_DECODE_ORDER",
+    "e2m1_code",
+    "e2m1x8_rn_soft_words",
+    "e2m1x8_f16x2_soft",
+    "e4m3_value",
+    "block_scale_input",
+    "block_recip",
+    "NUMPY_OPS",
+    "DSL_OPS",
+    "e2m1x8_rn_soft",
+    "e2m1x8_rn_hw",
+    "e2m1x8_f16x2_sw",
+    "e2m1x8_f16x2_hw",
+]

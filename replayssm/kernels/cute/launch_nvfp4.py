@@ -1,0 +1,200 @@
+"""Compile cache entries and launchers of the NVFP4 CuTe DSL decode kernels.
+
+The FP8 launcher's machinery (launch.py) serves both formats: the same compile cache
+(keys (kind, arch, heads, groups)), compile options, pointer typing and layout check;
+this module adds the NVFP4 kinds and the per-step launcher. As for FP8, batch, slot count
+and strides are runtime arguments, so one compile serves every batch and slot padding.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float16, Float32, Int8, Int32, Int64, Uint8, Uint32
+from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+from ... import layout as L
+from . import launch as _fp8
+from .arch import HAS_CVT_RS, arch_for, check_arch
+from .decode_nvfp4 import DecodeNvfp4Sm90, DecodeNvfp4Sm100
+from .flush_nvfp4 import FlushNvfp4Sm90, FlushNvfp4Sm100
+
+KINDS = ("decode_nvfp4", "flush_nvfp4", "flush_nvfp4_debug")
+
+
+def _kernel_object(kind: str, arch: str, heads: int, groups: int):
+    hw = arch in HAS_CVT_RS  # the e2m1 conversions come with the same targets as cvt.rs
+    if kind == "decode_nvfp4":
+        return (DecodeNvfp4Sm100 if hw else DecodeNvfp4Sm90)(heads, groups)
+    cls = FlushNvfp4Sm100 if hw else FlushNvfp4Sm90
+    return cls(heads, groups, debug=kind == "flush_nvfp4_debug")
+
+
+# Pointer arguments of each launcher, in order: (dtype, alignment in bytes).
+_INPUT_PTRS = [
+    (BFloat16, 16),  # x
+    (Float32, 4),  # dt
+    (Float32, 4),  # A
+    (BFloat16, 16),  # B
+    (BFloat16, 16),  # C
+    (Float32, 4),  # D
+    (Float32, 4),  # dt_bias
+    (BFloat16, 2),  # out
+]
+POINTERS = {
+    "decode_nvfp4": [
+        (Uint32, 16),  # read copy (packed codes), as words
+        (Uint8, 1),  # block scales (e4m3 codes)
+        (Float32, 4),  # meta
+        (Int32, 4),  # parity
+        (BFloat16, 16),  # x ring
+        (Float32, 4),  # dt ring
+        (BFloat16, 16),  # B ring
+        *_INPUT_PTRS,
+        (Int8, 1),  # plan.valid
+        (Int64, 8),  # plan.slot
+        (Int64, 8),  # plan.ring_index
+        (Int8, 1),  # plan.flush
+    ],
+    "flush_nvfp4": [
+        (Float16, 16),  # checkpoint
+        (Uint32, 16),  # read copy, as words
+        (Uint8, 1),  # block scales
+        (Float32, 4),  # meta
+        (BFloat16, 16),  # x ring
+        (Float32, 4),  # dt ring
+        (BFloat16, 16),  # B ring
+        *_INPUT_PTRS,
+        (Int64, 8),  # plan.slot
+        (Int8, 1),  # plan.flush
+        (Int64, 8),  # plan.key
+        (Int64, 8),  # plan.old_parity
+        (Float32, 16),  # state_out (debug variant)
+    ],
+}
+POINTERS["flush_nvfp4_debug"] = POINTERS["flush_nvfp4"]
+# Int64 scalars (slot strides, input strides) after the pointers.
+SCALARS = {"decode_nvfp4": 13, "flush_nvfp4": 13, "flush_nvfp4_debug": 13}
+
+
+def _pointers(kind: str, addresses) -> list:
+    return [make_ptr(dtype, addr, assumed_align=align) for (dtype, align), addr in zip(POINTERS[kind], addresses, strict=True)]
+
+
+def _fake_args(kind: str) -> list:
+    ptrs = _pointers(kind, [0] * len(POINTERS[kind]))
+    return [*ptrs, *([Int64(0)] * SCALARS[kind]), Int32(0), make_fake_stream()]
+
+
+def compiled(kind: str, arch: str, heads: int, groups: int):
+    """The compiled launcher for (kind, arch, heads, groups), compiling it on first use
+    (entries live in launch.py's compile cache)."""
+    key = (kind, arch, heads, groups)
+    fn = _fp8._COMPILED.get(key)
+    if fn is None:
+        obj = _kernel_object(kind, arch, heads, groups)
+        fn = cute.compile(obj, *_fake_args(kind), options=_fp8._options(arch, None))
+        _fp8._COMPILED[key] = fn
+    return fn
+
+
+def compile_variants(arch: str, dump_dir: str | os.PathLike, geometries) -> list[str]:
+    """Compile the NVFP4 non-flush and flush kernels for `arch` and each (heads, groups)
+    into `dump_dir/<kind>-h<H>g<G>`; returns the PTX and cubin paths."""
+    arch = check_arch(arch)
+    root = Path(dump_dir)
+    paths: list[str] = []
+    for heads, groups in geometries:
+        for kind in ("decode_nvfp4", "flush_nvfp4"):
+            sub = root / f"{kind}-h{heads}g{groups}"
+            sub.mkdir(parents=True, exist_ok=True)
+            obj = _kernel_object(kind, arch, heads, groups)
+            cute.compile(obj, *_fake_args(kind), options=_fp8._options(arch, sub))
+            found = sorted(str(p) for p in sub.iterdir() if p.suffix in (".ptx", ".cubin"))
+            if not any(p.endswith(".ptx") for p in found):
+                raise RuntimeError(f"CuTe DSL compile of {kind} for {arch} wrote no PTX into {sub}")
+            paths += found
+    return paths
+
+
+def warmup(heads: int, groups: int, arch: str | None = None) -> list[str]:
+    """Compile both NVFP4 decode kernels for one geometry (before CUDA-graph capture)."""
+    arch = arch or arch_for()
+    names = []
+    for kind in ("decode_nvfp4", "flush_nvfp4"):
+        compiled(kind, arch, heads, groups)
+        names.append(f"cute.{kind}[{arch},h{heads},g{groups}]")
+    return names
+
+
+def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, arch: str) -> None:
+    """Launch both kernels for a plan of padding rows only (they write nothing): loads
+    the compiled modules before CUDA-graph capture."""
+    batch = plan.valid.shape[0]
+    heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
+    dev = out.device
+    x = torch.zeros(batch, heads, L.HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    bc = torch.zeros(batch, groups, L.STATE_DIM, dtype=torch.bfloat16, device=dev)
+    per_head = torch.zeros(heads, device=dev)
+    decode_nvfp4(
+        cache, x, torch.zeros(batch, heads, device=dev), per_head, bc, bc,
+        torch.zeros(heads, L.HEAD_DIM, device=dev), per_head, plan, out, arch=arch,
+    )
+
+
+def decode_nvfp4(
+    cache: Sequence[torch.Tensor],
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    plan,
+    out: torch.Tensor,
+    *,
+    arch: str | None = None,
+    state_out: torch.Tensor | None = None,
+) -> None:
+    """Launch the NVFP4 non-flush and flush kernels for one step (after `prepare`, which
+    flipped the parity and zeroed the accumulator half of meta for flushing rows).
+
+    Arguments as `launch.decode_fp8`; `state_out` selects the debug flush, which also
+    writes the FP32 state of every flushed row (tests only)."""
+    batch, heads = x.shape[0], x.shape[1]
+    groups = cache[L.B_RING].shape[1]
+    arch = arch or arch_for(x.device)
+    x, B, C = _fp8._dense16(x), _fp8._dense16(B), _fp8._dense16(C)
+    ckpt, x_ring, dt_ring, b_ring = cache[L.CHECKPOINT], cache[L.X_RING], cache[L.DT_RING], cache[L.B_RING]
+    read, scales, meta, parity = cache[L.READ_COPY], cache[L.SCALES], cache[L.META], cache[L.PARITY]
+    inputs = [x, dt, A, B, C, D, dt_bias, out]
+    input_strides = [dt.stride(0), dt.stride(1), A.stride(0), dt_bias.stride(0), D.stride(0), D.stride(1)]
+    stream = _fp8._stream()
+    nonflush = compiled("decode_nvfp4", arch, heads, groups)
+    ptrs = [read, scales, meta, parity, x_ring, dt_ring, b_ring, *inputs, plan.valid, plan.slot, plan.ring_index, plan.flush]
+    nonflush(
+        *_pointers("decode_nvfp4", [t.data_ptr() for t in ptrs]),
+        _fp8._stride16(read), scales.stride(0), meta.stride(0), parity.stride(0),
+        _fp8._stride16(x_ring), dt_ring.stride(0), _fp8._stride16(b_ring),
+        *input_strides,
+        batch, stream,
+    )
+    kind = "flush_nvfp4" if state_out is None else "flush_nvfp4_debug"
+    flush = compiled(kind, arch, heads, groups)
+    ptrs = [ckpt, read, scales, meta, x_ring, dt_ring, b_ring, *inputs, plan.slot, plan.flush, plan.key, plan.old_parity]
+    addresses = [t.data_ptr() for t in ptrs] + [0 if state_out is None else state_out.data_ptr()]
+    flush(
+        *_pointers(kind, addresses),
+        _fp8._stride16(ckpt), _fp8._stride16(read), scales.stride(0), meta.stride(0),
+        _fp8._stride16(x_ring), dt_ring.stride(0), _fp8._stride16(b_ring),
+        *input_strides,
+        batch, stream,
+    )
+
+
+__all__ = ["KINDS", "compiled", "compile_variants", "warmup", "launch_padding", "decode_nvfp4"]
