@@ -130,6 +130,10 @@ def _numpy_ops():
     def u(x):
         return np.asarray(x, dtype=np.uint32) if not isinstance(x, int) else np.uint32(x)
 
+    def _rcp(d):
+        with np.errstate(divide="ignore"):  # d == 0 is selected away (r = 0)
+            return np.float32(1.0) / d
+
     return SimpleNamespace(
         u=u,
         f=np.float32,
@@ -138,7 +142,7 @@ def _numpy_ops():
         umax=np.maximum,
         bits=lambda f: np.asarray(f, dtype=np.float32).view(np.uint32),
         f32=lambda b: np.asarray(b, dtype=np.uint32).view(np.float32),
-        rcp=lambda d: np.float32(1.0) / d,
+        rcp=_rcp,
     )
 
 

@@ -144,11 +144,12 @@ class DecodeNvfp4(DecodeFp8):
         s_coef = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
 
         bb = Int64(b)
-        # 1 exactly for valid rows that do not flush (flush implies valid).
+        # The whole plan row at once (one memory latency, as the FP8 kernel): 1 exactly
+        # for valid rows that do not flush (flush implies valid).
         live = Int32(plan_valid[bb]) - Int32(plan_flush[bb])
+        slot = plan_slot[bb]
+        r = Int32(plan_ring[bb])
         if live == Int32(1):
-            slot = plan_slot[bb]
-            r = Int32(plan_ring[bb])
             hh = Int64(h)
             g = hh // HPG
             lane8 = t % 8

@@ -47,6 +47,7 @@ from .flush_fp8 import (
     ROWS,
     ROWS_PER_CTA,
     THREADS,
+    MIN_CTAS_PER_SM,
     FlushFp8,
     FlushFp8Sm90,
     FlushFp8Sm100,
@@ -116,7 +117,11 @@ class FlushNvfp4(FlushFp8):
             dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
             batch,
         ).launch(
-            grid=[self.heads, (batch + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1], block=[THREADS, 1, 1], stream=stream
+            grid=[self.heads, (batch + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1],
+            block=[THREADS, 1, 1],
+            min_blocks_per_mp=MIN_CTAS_PER_SM,
+            preferred_smem_carveout=-1,
+            stream=stream,
         )
 
     @cute.kernel
@@ -162,10 +167,25 @@ class FlushNvfp4(FlushFp8):
         h, by, _ = cute.arch.block_idx()
         smem = SmemAllocator()
         s_x = smem.allocate_tensor(Float32, cute.make_layout(RING * P), byte_alignment=16)
-        s_b = smem.allocate_tensor(BFloat16, cute.make_layout(RING * N), byte_alignment=16)
+        s_b = smem.allocate_tensor(Float32, cute.make_layout(RING * N), byte_alignment=16)
         s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
         s_w = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
         s_amax = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
+        s_mask = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+
+        # Which of this CTA's batch rows flush: one load per lane of warp 0, one ballot
+        # (as the FP8 flush).
+        if t < 32:
+            b_t = by * ROWS_PER_CTA + t
+            f = Int32(0)
+            if t < ROWS_PER_CTA:
+                if b_t < batch:
+                    f = Int32(plan_flush[Int64(b_t)])
+            m = cute.arch.vote_ballot_sync(f != Int32(0))
+            if t == 0:
+                s_mask[0] = Int32(m)
+        cute.arch.sync_threads()
+        mask = s_mask[0]
 
         hh = Int64(h)
         g = hh // HPG
@@ -175,18 +195,16 @@ class FlushNvfp4(FlushFp8):
         ck_words = cute.recast_ptr(ckpt, dtype=Uint32)  # FP16 pairs, the unit of the stores
         meta_bits = cute.recast_ptr(meta, dtype=Int32)  # the atomic max works on the bits
         for rr in range(ROWS_PER_CTA):
-            b = by * ROWS_PER_CTA + rr
-            if b < batch:
-                bb = Int64(b)
-                if Int32(plan_flush[bb]) != Int32(0):
-                    self.flush_row(
-                        t, q, n0, row0, hh, g, bb, H, G, s_x, s_b, s_dt, s_w, s_amax, ck_words, meta_bits,
-                        read, scales, meta, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
-                        plan_slot, plan_key, plan_old, state_out,
-                        ckpt_stride16, read_stride16, scale_stride, meta_stride,
-                        x_ring_stride16, dt_ring_stride, b_ring_stride16,
-                        dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
-                    )
+            if ((mask >> rr) & Int32(1)) != Int32(0):
+                bb = Int64(by * ROWS_PER_CTA + rr)
+                self.flush_row(
+                    t, q, n0, row0, hh, g, bb, H, G, s_x, s_b, s_dt, s_w, s_amax, ck_words, meta_bits,
+                    read, scales, meta, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
+                    plan_slot, plan_key, plan_old, state_out,
+                    ckpt_stride16, read_stride16, scale_stride, meta_stride,
+                    x_ring_stride16, dt_ring_stride, b_ring_stride16,
+                    dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
+                )
 
     @cute.jit
     def flush_row(
@@ -235,7 +253,7 @@ class FlushNvfp4(FlushFp8):
                 r_bv.store(_vec(b_ring, slot * b_ring_stride16 * 8 + (g * RING + Int64(jb)) * N + bs, 8).load())
             else:
                 r_bv.store(_vec(B, (bb * G + g) * N + bs, 8).load())
-            _vec(s_b.iterator, jb * N + bs, 8).store(r_bv.load())
+            _vec(s_b.iterator, jb * N + bs, 8).store(r_bv.load().to(Float32))
         if t < RING:
             dt_t = Float32(0.0)
             if t < RING - 1:
@@ -267,7 +285,7 @@ class FlushNvfp4(FlushFp8):
                 row.append(decay * ck[k])
             s.append(row)
         for j in cutlass.range_constexpr(RING):
-            b_j = _vec(s_b.iterator, j * N + n0, 8).load().to(Float32)
+            b_j = _vec(s_b.iterator, j * N + n0, 8).load()
             w_j = s_w[j]
             for i in cutlass.range_constexpr(ROWS):
                 wx = w_j * s_x[j * P + i * ROW_STEP + row0]

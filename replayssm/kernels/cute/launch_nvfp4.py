@@ -14,6 +14,7 @@ from pathlib import Path
 
 import cutlass.cute as cute
 import torch
+from cuda.bindings import driver as cuda_driver
 from cutlass import BFloat16, Float16, Float32, Int8, Int32, Int64, Uint8, Uint32
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 
@@ -174,18 +175,16 @@ def decode_nvfp4(
     read, scales, meta, parity = cache[L.READ_COPY], cache[L.SCALES], cache[L.META], cache[L.PARITY]
     inputs = [x, dt, A, B, C, D, dt_bias, out]
     input_strides = [dt.stride(0), dt.stride(1), A.stride(0), dt_bias.stride(0), D.stride(0), D.stride(1)]
-    stream = _fp8._stream()
     nonflush = compiled("decode_nvfp4", arch, heads, groups)
-    ptrs = [read, scales, meta, parity, x_ring, dt_ring, b_ring, *inputs, plan.valid, plan.slot, plan.ring_index, plan.flush]
-    nonflush(
-        *_pointers("decode_nvfp4", [t.data_ptr() for t in ptrs]),
-        _fp8._stride16(read), scales.stride(0), meta.stride(0), parity.stride(0),
-        _fp8._stride16(x_ring), dt_ring.stride(0), _fp8._stride16(b_ring),
-        *input_strides,
-        batch, stream,
-    )
     kind = "flush_nvfp4" if state_out is None else "flush_nvfp4_debug"
     flush = compiled(kind, arch, heads, groups)
+    # The flush on the FP8 launcher's side stream, overlapping the non-flush kernel: they
+    # touch disjoint slots (meta included: the non-flush kernel reads meta of
+    # non-flushing slots only) and disjoint output rows.
+    main = torch.cuda.current_stream(x.device)
+    side = _fp8._side_stream(x.device) if _fp8.OVERLAP else main
+    if side is not main:
+        side.wait_stream(main)  # the plan and the inputs are ready
     ptrs = [ckpt, read, scales, meta, x_ring, dt_ring, b_ring, *inputs, plan.slot, plan.flush, plan.key, plan.old_parity]
     addresses = [t.data_ptr() for t in ptrs] + [0 if state_out is None else state_out.data_ptr()]
     flush(
@@ -193,8 +192,17 @@ def decode_nvfp4(
         _fp8._stride16(ckpt), _fp8._stride16(read), scales.stride(0), meta.stride(0),
         _fp8._stride16(x_ring), dt_ring.stride(0), _fp8._stride16(b_ring),
         *input_strides,
-        batch, stream,
+        batch, cuda_driver.CUstream(side.cuda_stream),
     )
-
+    ptrs = [read, scales, meta, parity, x_ring, dt_ring, b_ring, *inputs, plan.valid, plan.slot, plan.ring_index, plan.flush]
+    nonflush(
+        *_pointers("decode_nvfp4", [t.data_ptr() for t in ptrs]),
+        _fp8._stride16(read), scales.stride(0), meta.stride(0), parity.stride(0),
+        _fp8._stride16(x_ring), dt_ring.stride(0), _fp8._stride16(b_ring),
+        *input_strides,
+        batch, cuda_driver.CUstream(main.cuda_stream),
+    )
+    if side is not main:
+        main.wait_stream(side)  # join: everything after the step sees both kernels' writes
 
 __all__ = ["KINDS", "compiled", "compile_variants", "warmup", "launch_padding", "decode_nvfp4"]
