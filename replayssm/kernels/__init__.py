@@ -8,8 +8,8 @@ normalized by `replayssm.api`; they never validate user input themselves.
 The Triton kernels live in `replayssm.kernels.triton` and are imported on first use:
 `triton.jit` chooses between compiler and CPU interpreter when a kernel is defined, so
 TRITON_INTERPRET=1 (CPU tests) must be set before then; importing replayssm alone never
-imports Triton. The CuTe DSL decode kernels (`replayssm.kernels.cute`, FP8 read copy) are
-imported on first use too; `compile_all` builds them for any target without a GPU.
+imports Triton. The CuTe DSL decode kernels (`replayssm.kernels.cute`, FP8 and NVFP4 read
+copies) are imported on first use too; `compile_all` builds them for any target without a GPU.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ class TritonBackend:
     def __init__(self) -> None:
         self._scratch: dict[tuple[torch.device, int], object] = {}
         self._cute_launch = None  # replayssm.kernels.cute.launch, False when unavailable
+        self._cute_nvfp4 = None  # replayssm.kernels.cute.launch_nvfp4, loaded with it
         self._cute_arch: dict[torch.device, str | None] = {}
         self._warned: set[str] = set()
 
@@ -110,13 +111,14 @@ class TritonBackend:
         return self._kernels().prepare_decode(cache, ids, out, scratch, nvfp4=nvfp4, seed=seed)
 
     def decode(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, nvfp4: bool, seed: int, scratch=None) -> None:
-        """Prepare kernel, then the CuTe decode kernels (FP8 on a supported GPU: both the
-        non-flush and the flush kernel launch every step), else the reference decode."""
+        """Prepare kernel, then the CuTe decode kernels (FP8 or NVFP4 on a supported GPU:
+        both the non-flush and the flush kernel launch every step), else the reference decode."""
         plan = self.prepare(cache, ids, out, nvfp4=nvfp4, seed=seed, scratch=scratch)
-        cute = None if nvfp4 else self.cute_for(cache)
+        cute = self.cute_for(cache, nvfp4=nvfp4)
         if cute is not None:
             launch, arch = cute
-            launch.decode_fp8(cache, x, dt, A, B, C, D, dt_bias, plan, out, arch=arch)
+            step = launch.decode_nvfp4 if nvfp4 else launch.decode_fp8
+            step(cache, x, dt, A, B, C, D, dt_bias, plan, out, arch=arch)
             return
         ref.decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4)
         ref.decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4, seed=seed)
@@ -126,18 +128,20 @@ class TritonBackend:
             self._warned.add(message)
             log.warning("%s; decoding with the PyTorch reference instead", message)
 
-    def cute_for(self, cache):
-        """(launch module, arch) when the CuTe FP8 decode kernels can run `cache` (CUDA
+    def cute_for(self, cache, nvfp4: bool = False):
+        """(launch module, arch) when the CuTe decode kernels can run `cache` (CUDA
         tensors, the CuTe DSL importable, a GPU in the arch table, 16-byte-aligned
-        layout); None otherwise, with the reason logged once."""
+        layout); None otherwise, with the reason logged once. The module is
+        `cute.launch` (FP8) or `cute.launch_nvfp4` (`nvfp4=True`)."""
         device = cache[L.CHECKPOINT].device
         if device.type != "cuda":
             return None
         if self._cute_launch is None:
             try:
-                from .cute import launch
+                from .cute import launch, launch_nvfp4
 
                 self._cute_launch = launch
+                self._cute_nvfp4 = launch_nvfp4
             except Exception as exc:  # ImportError, or the DSL failing to initialize
                 self._cute_launch = False
                 self._warn_once(f"the CuTe DSL decode kernels are unavailable ({type(exc).__name__}: {exc})")
@@ -158,7 +162,7 @@ class TritonBackend:
         if reason is not None:
             self._warn_once(f"the CuTe decode kernels cannot address this cache: {reason}")
             return None
-        return self._cute_launch, arch
+        return (self._cute_nvfp4 if nvfp4 else self._cute_launch), arch
 
     def warmup(self, cache) -> list[str]:
         """Compile the bookkeeping kernels for a `ReplaySSMCache` and create its plan
@@ -178,7 +182,7 @@ class TritonBackend:
             self.initialize(tensors, zero_state.expand(2, -1, -1, -1), ids, nvfp4=nvfp4, seed=cache.seed)
             self.prepare(tensors, ids, out, nvfp4=nvfp4, seed=cache.seed, scratch=scratch)
             names += [f"triton.initialize[{dtype}]", f"triton.clear[{dtype}]", f"triton.prepare[{dtype}]"]
-        cute = None if nvfp4 else self.cute_for(tensors)
+        cute = self.cute_for(tensors, nvfp4=nvfp4)
         if cute is not None:
             # Compile both decode kernels, then launch them once on padding rows (which
             # exit at once) so their modules are loaded before any graph capture.
@@ -191,8 +195,8 @@ class TritonBackend:
 
 
 def compile_all(arch: str, dump_dir) -> list[str]:
-    """Compile every CuTe DSL decode kernel variant (FP8 non-flush and flush, 8 and 16
-    heads per group) for `arch` ("sm_90a", "sm_100a" or "sm_103a"; no GPU needed) into
+    """Compile every CuTe DSL decode kernel variant (FP8 and NVFP4, non-flush and flush,
+    8 and 16 heads per group) for `arch` ("sm_90a", "sm_100a" or "sm_103a"; no GPU needed) into
     the existing folder `dump_dir`; returns the paths of the PTX and cubin files."""
     from .cute.arch import check_arch
 

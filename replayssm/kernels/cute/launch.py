@@ -129,7 +129,7 @@ def compiled(kind: str, arch: str, heads: int, groups: int, e4m3: str | None = N
 
 
 def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
-    """Compile every FP8 decode variant for `arch` (no GPU needed) into `dump_dir`.
+    """Compile every FP8 and NVFP4 decode variant for `arch` (no GPU needed) into `dump_dir`.
 
     Each variant gets its own folder `dump_dir/<kind>-h<H>g<G>` (the DSL names its dumps
     after the launcher, which all variants share). Returns the PTX and cubin paths."""
@@ -146,6 +146,9 @@ def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
             if not any(p.endswith(".ptx") for p in found):
                 raise RuntimeError(f"CuTe DSL compile of {kind} for {arch} wrote no PTX into {sub}")
             paths += found
+    from .launch_nvfp4 import compile_variants  # the NVFP4 kinds (that module imports this one)
+
+    paths += compile_variants(arch, root, COMPILE_ALL_GEOMETRIES)
     return paths
 
 
