@@ -34,6 +34,9 @@ from .bits import sel, softplus
 
 THREADS = 128
 P, N, RING = 64, 128, 16
+# Row stride (floats) of the staged x entries: 68 keeps 16-byte rows and puts entries
+# 2k and 2k + 1 (read by the two threads of an output row) in different banks.
+X_ROW = 68
 
 
 def _vec(ptr, offset, n: int):
@@ -136,9 +139,11 @@ class DecodeFp8:
         t, _, _ = cute.arch.thread_idx()
         h, b, _ = cute.arch.block_idx()
         smem = SmemAllocator()
-        s_x = smem.allocate_tensor(BFloat16, cute.make_layout(RING * P), byte_alignment=16)
+        s_x = smem.allocate_tensor(Float32, cute.make_layout(RING * X_ROW), byte_alignment=16)
+        s_dot = smem.allocate_tensor(Float32, cute.make_layout(P), byte_alignment=16)
         s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
-        s_coef = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
+        s_bc = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
+        s_coef = smem.allocate_tensor(Float32, cute.make_layout(RING + 1), byte_alignment=16)
 
         bb = Int64(b)
         # The whole plan row at once (one memory latency, not two): 1 exactly for valid
@@ -150,17 +155,19 @@ class DecodeFp8:
             hh = Int64(h)
             g = hh // HPG
             lane8 = t % 8
-            j = t // 8  # ring entry of this thread; also the read-copy row offset
+            j = t // 8  # ring entry of this thread; also its read-copy row offset
             n0 = lane8 * 16
+            p_out = t // 2  # output row of this thread (two threads a row)
 
-            # Read copy first: the bulk of the bytes, in flight while the rest is set up.
-            r_base = slot * read_stride16 * 16 + hh * (P * N)
+            # Loads first: the read copy (the bulk of the bytes), C, then ring entry j.
+            r_head = read + (slot * read_stride16 * 16 + hh * (P * N))
             r_codes = []
             for i in cutlass.range_constexpr(4):
-                r_codes.append(_vec(read, r_base + (i * THREADS + t) * 16, 16).load())
-            r_c = _vec(C, (bb * G + g) * N + n0, 16).load().to(Float32)
-            p_out = (lane8 % 4) * 16 + j  # output row of lanes 0..3 of each group of 8
+                r_codes.append(_vec(r_head, t * 16 + i * (THREADS * 16), 16).load())
+            c_row = C + (bb * G + g) * N
+            r_c = _vec(c_row, n0, 16).load().to(Float32)
             r_scale = scales[slot * scale_stride + hh * P + Int64(p_out)]
+            r_d = D[hh * d_stride_h + Int64(p_out) * d_stride_p]
 
             # Ring entry j: zeros beyond r, the current token at r (stored into the ring).
             r_b = cute.make_rmem_tensor(cute.make_layout(16), BFloat16)
@@ -168,61 +175,67 @@ class DecodeFp8:
             r_x = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
             r_x.fill(0.0)
             dt_j = Float32(0.0)
-            br_row = slot * b_ring_stride16 * 8 + (g * RING + Int64(j)) * N + n0
-            xr_row = slot * x_ring_stride16 * 8 + (hh * RING + Int64(j)) * P + lane8 * 8
+            br_row = b_ring + (slot * b_ring_stride16 * 8 + (g * RING + Int64(j)) * N)
+            xr_row = x_ring + (slot * x_ring_stride16 * 8 + (hh * RING + Int64(j)) * P)
             dtr = slot * dt_ring_stride + hh * RING + Int64(j)
             if j < r:
-                r_b.store(_vec(b_ring, br_row, 16).load())
-                r_x.store(_vec(x_ring, xr_row, 8).load())
+                r_b.store(_vec(br_row, n0, 16).load())
+                r_x.store(_vec(xr_row, lane8 * 8, 8).load())
                 dt_j = dt_ring[dtr]
             if j == r:
-                cur_b = _vec(B, (bb * G + g) * N + n0, 16).load()
+                cur_b = _vec(B + (bb * G + g) * N, n0, 16).load()
                 r_b.store(cur_b)
-                cur_x = _vec(x, (bb * H + hh) * P + lane8 * 8, 8).load()
+                cur_x = _vec(x + (bb * H + hh) * P, lane8 * 8, 8).load()
                 r_x.store(cur_x)
                 dt_j = softplus(dt[bb * dt_stride_b + hh * dt_stride_h] + dt_bias[hh * dt_bias_stride])
-                _vec(x_ring, xr_row, 8).store(cur_x)
+                _vec(xr_row, lane8 * 8, 8).store(cur_x)
                 if lane8 == 0:
                     dt_ring[dtr] = dt_j
                 if hh % HPG == 0:
                     # B is shared by the group: one head writes it.
-                    _vec(b_ring, br_row, 16).store(cur_b)
-            _vec(s_x.iterator, j * P + lane8 * 8, 8).store(r_x.load())
+                    _vec(br_row, n0, 16).store(cur_b)
+            _vec(s_x.iterator, j * X_ROW + lane8 * 8, 8).store(r_x.load().to(Float32))
+            bc = _xor_sum((r_b.load().to(Float32) * r_c).reduce(cute.ReductionOp.ADD, Float32(0.0), 0), 8)
             if lane8 == 0:
                 s_dt[j] = dt_j
-            bc = _xor_sum((r_b.load().to(Float32) * r_c).reduce(cute.ReductionOp.ADD, Float32(0.0), 0), 8)
+                s_bc[j] = bc
 
-            # Read-copy row dots (unscaled), reduced over the 8 lanes of each row.
-            dots = []
+            # Read-copy row dots (unscaled): rows 16 i + j, reduced over the 8 lanes.
             for i in cutlass.range_constexpr(4):
                 part = (r_codes[i].to(Float32) * r_c).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                dots.append(_xor_sum(part, 8))
+                part = _xor_sum(part, 8)
+                if lane8 == i:
+                    s_dot[i * 16 + j] = part
             cute.arch.sync_threads()
 
-            # pre_k = dt_0 + .. + dt_k in order; w_j = dt_j exp(A (pre_r - pre_j)).
-            a_h = A[hh * a_stride]
+            # Warp 0, lanes 0..15 = entries: pre_k = dt_0 + .. + dt_k (shuffle scan),
+            # w_k = dt_k exp(A (pre_r - pre_k)); coef_k = w_k (B_k . C); s_coef[16] = decay.
+            if t < 32:
+                k = t % 16
+                dt_k = s_dt[k]
+                pre = dt_k
+                off = 1
+                while off < RING:
+                    up = cute.arch.shuffle_sync_up(pre, off)
+                    pre = sel(k >= off, pre + up, pre)
+                    off *= 2
+                pre_r = cute.arch.shuffle_sync(pre, r)
+                a_h = A[hh * a_stride]
+                if t < RING:
+                    s_coef[t] = dt_k * cute.math.exp(a_h * (pre_r - pre)) * s_bc[k]
+                if t == RING:
+                    s_coef[RING] = cute.math.exp(a_h * pre_r)
+            cute.arch.sync_threads()
+
+            # Output row p_out: two threads share the ring sum (even / odd entries).
+            half = t % 2
             acc = Float32(0.0)
-            pre_j = Float32(0.0)
-            pre_r = Float32(0.0)
-            for k in cutlass.range_constexpr(RING):
-                acc = acc + s_dt[k]
-                pre_j = sel(j == k, acc, pre_j)
-                pre_r = sel(r == k, acc, pre_r)
-            w_j = dt_j * cute.math.exp(a_h * (pre_r - pre_j))
-            if lane8 == 0:
-                s_coef[j] = w_j * bc
-            decay = cute.math.exp(a_h * pre_r)
-            cute.arch.sync_threads()
-
-            if lane8 < 4:
-                dot = sel(lane8 == 1, dots[1], dots[0])
-                dot = sel(lane8 == 2, dots[2], dot)
-                dot = sel(lane8 == 3, dots[3], dot)
-                y = decay * (r_scale * dot)
-                for k in cutlass.range_constexpr(RING):
-                    y = y + s_coef[k] * Float32(s_x[k * P + p_out])
-                x_p = Float32(s_x[r * P + p_out])
-                y = y + D[hh * d_stride_h + Int64(p_out) * d_stride_p] * x_p
+            for kk in cutlass.range_constexpr(RING // 2):
+                e = 2 * kk + half
+                acc = acc + s_coef[e] * s_x[e * X_ROW + p_out]
+            acc = acc + cute.arch.shuffle_sync_bfly(acc, 1)
+            if half == 0:
+                y = s_coef[RING] * (r_scale * s_dot[p_out]) + acc + r_d * s_x[r * X_ROW + p_out]
                 out[(bb * H + hh) * P + Int64(p_out)] = BFloat16(y)
 
 

@@ -52,6 +52,17 @@ def _vec(ptr, offset, n: int):
     return cute.make_tensor(ptr + offset, cute.make_layout(n))
 
 
+def _outside(vals, normal_min: int) -> Int32:
+    """1 if some |v| (FP32 bits) is below `normal_min` or NaN, else 0."""
+    lo = Uint32(0xFFFFFFFF)
+    hi = Uint32(0)
+    for v in vals:
+        a = v.bitcast(Uint32) & Uint32(0x7FFFFFFF)
+        lo = cutlass.min(lo, a)
+        hi = cutlass.max(hi, a)
+    return sel(lo < Uint32(normal_min), Int32(1), sel(hi > Uint32(bits.F32_INF), Int32(1), Int32(0)))
+
+
 def _xor_reduce(v, width: int, op):
     off = 1
     while off < width:
@@ -69,18 +80,32 @@ class FlushFp8:
 
     name = "flush_fp8"
     arch = ""
+    # Whether the *_fast conversions are software fast paths that need the general ones
+    # for subnormal results and NaN (a warp-uniform second pass, see flush_row).
+    soft_fp16 = False
+    soft_e4m3 = False
 
     def __init__(self, heads: int, groups: int, *, debug: bool = False) -> None:
         self.heads, self.groups = heads, groups
         self.hpg = heads // groups
         self.debug = debug
 
-    # -- the per-target conversions -------------------------------------------------------
+    # -- the per-target conversions (exact for every input) -------------------------------
     def fp16x2_sr(self, lo: Float32, hi: Float32, word: Uint32) -> Uint32:
+        """Checkpoint pair (lo in bits [15:0]) with the stochastic bits of `word`."""
         raise NotImplementedError
 
     def e4m3x2_rn(self, lo: Float32, hi: Float32) -> Uint32:
+        """Two read-copy codes, lo in bits [7:0]."""
         raise NotImplementedError
+
+    # -- and their fast forms (exact for normal results unless soft_* says otherwise) ------
+    def fp16x2_sr_fast(self, lo: Float32, hi: Float32, word: Uint32) -> Uint32:
+        return self.fp16x2_sr(lo, hi, word)
+
+    def e4m3x4_rn_fast(self, v0: Float32, v1: Float32, v2: Float32, v3: Float32) -> Uint32:
+        """Four read-copy codes, v0 in bits [7:0]."""
+        return self.e4m3x2_rn(v0, v1) | (self.e4m3x2_rn(v2, v3) << 16)
 
     @cute.jit
     def __call__(
@@ -174,7 +199,7 @@ class FlushFp8:
         s_x = smem.allocate_tensor(Float32, cute.make_layout(RING * P), byte_alignment=16)
         s_b = smem.allocate_tensor(Float32, cute.make_layout(RING * N), byte_alignment=16)
         s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
-        s_w = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
+        s_w = smem.allocate_tensor(Float32, cute.make_layout(RING + 1), byte_alignment=16)
         s_mask = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
 
         # Which of this CTA's batch rows flush: one load per lane of warp 0, one ballot.
@@ -256,17 +281,25 @@ class FlushFp8:
         r_c = _vec(C, (bb * G + g) * N + n0, 8).load().to(Float32)
         cute.arch.sync_threads()
 
-        # pre_k = dt_0 + .. + dt_k in order; w_j = dt_j exp(A (pre_15 - pre_j)).
-        a_h = A[hh * a_stride]
-        acc = Float32(0.0)
-        pre_t = Float32(0.0)
-        for k in cutlass.range_constexpr(RING):
-            acc = acc + s_dt[k]
-            pre_t = sel(t == k, acc, pre_t)
-        if t < RING:
-            s_w[t] = s_dt[t] * cute.math.exp(a_h * (acc - pre_t))
-        decay = cute.math.exp(a_h * acc)
+        # Warp 0, lanes 0..15 = entries: pre_k = dt_0 + .. + dt_k (shuffle scan),
+        # w_k = dt_k exp(A (pre_15 - pre_k)); s_w[16] = decay = exp(A pre_15).
+        if t < 32:
+            k = t % 16
+            dt_k = s_dt[k]
+            pre = dt_k
+            off = 1
+            while off < RING:
+                up = cute.arch.shuffle_sync_up(pre, off)
+                pre = sel(k >= off, pre + up, pre)
+                off *= 2
+            pre_15 = cute.arch.shuffle_sync(pre, RING - 1)
+            a_h = A[hh * a_stride]
+            if t < RING:
+                s_w[t] = dt_k * cute.math.exp(a_h * (pre_15 - pre))
+            if t == RING:
+                s_w[RING] = cute.math.exp(a_h * pre_15)
         cute.arch.sync_threads()
+        decay = s_w[RING]
 
         # S in registers: s[i][k] for row row0 + 32 i, n = n0 + k.
         s = []
@@ -307,24 +340,41 @@ class FlushFp8:
                     r_state[k] = s[i][k]
                 _vec(state_out, ((bb * H + hh) * P + pp) * N + n0, 8).store(r_state.load())
 
+            # Checkpoint: FP16 pairs with stochastic rounding; one hash word per pair,
+            # word index ((h * 64 + p) * 128 + n) / 2.
+            w0 = Uint32((hh * P + pp) * (N // 2)) + Uint32(q * 4)
+            words = []
+            for m in cutlass.range_constexpr(4):
+                words.append(bits.random_word(key, w0 + Uint32(m)))
+                r_ck_out[m] = self.fp16x2_sr_fast(s[i][2 * m], s[i][2 * m + 1], words[m])
+            if cutlass.const_expr(self.soft_fp16):
+                # The fast encode covers normal FP16 results; a warp with an FP16-subnormal
+                # result (|S| < 2**-14) or a NaN anywhere takes the general one (rare).
+                if cute.arch.vote_any_sync(_outside(s[i], bits.FP16_NORMAL_MIN) != Int32(0)):
+                    for m in cutlass.range_constexpr(4):
+                        r_ck_out[m] = bits.fp16x2_sr_soft(s[i][2 * m], s[i][2 * m + 1], words[m])
+            _vec(ck_words, ck_head_w + pp * (N // 2) + q * 4, 4).store(r_ck_out.load())
+
             # Read copy: codes of S * 2**-E, scale 2**E (exact power-of-two products).
             e = bits.pow2_exponent_above(amax, FP8_MANT_LIMIT, FP8_E_OFF)
             inv = bits.exp2_int(-e)
             if q == 0:
                 scales[slot * scale_stride + hh * P + pp] = bits.exp2_int(e)
             for m in cutlass.range_constexpr(2):
-                lo = self.e4m3x2_rn(s[i][4 * m] * inv, s[i][4 * m + 1] * inv)
-                hi = self.e4m3x2_rn(s[i][4 * m + 2] * inv, s[i][4 * m + 3] * inv)
-                r_rc_out[m] = lo | (hi << 16)
+                r_rc_out[m] = self.e4m3x4_rn_fast(
+                    s[i][4 * m] * inv, s[i][4 * m + 1] * inv, s[i][4 * m + 2] * inv, s[i][4 * m + 3] * inv
+                )
+            if cutlass.const_expr(self.soft_e4m3):
+                # Likewise for subnormal e4m3 results (|S| 2**14 below the row amax) and NaN.
+                sc = []
+                for k in cutlass.range_constexpr(8):
+                    sc.append(s[i][k] * inv)
+                if cute.arch.vote_any_sync(_outside(sc, bits.E4M3_NORMAL_MIN) != Int32(0)):
+                    for m in cutlass.range_constexpr(2):
+                        lo = bits.e4m3x2_rn_soft(sc[4 * m], sc[4 * m + 1])
+                        hi = bits.e4m3x2_rn_soft(sc[4 * m + 2], sc[4 * m + 3])
+                        r_rc_out[m] = lo | (hi << 16)
             _vec(read, rc_head + pp * (N // 4) + q * 2, 2).store(r_rc_out.load())
-
-            # Checkpoint: FP16 pairs with stochastic rounding; one hash word per pair,
-            # word index ((h * 64 + p) * 128 + n) / 2.
-            w0 = Uint32((hh * P + pp) * (N // 2)) + Uint32(q * 4)
-            for m in cutlass.range_constexpr(4):
-                word = bits.random_word(key, w0 + Uint32(m))
-                r_ck_out[m] = self.fp16x2_sr(s[i][2 * m], s[i][2 * m + 1], word)
-            _vec(ck_words, ck_head_w + pp * (N // 2) + q * 4, 4).store(r_ck_out.load())
         # The next flushing row of this CTA restages the shared buffers.
         cute.arch.sync_threads()
 
@@ -336,10 +386,12 @@ class FlushFp8Sm90(FlushFp8):
     instruction against the reference bit for bit."""
 
     arch = "sm_90a"
+    soft_fp16 = True
 
     def __init__(self, heads: int, groups: int, *, debug: bool = False, hw_e4m3: bool = False) -> None:
         super().__init__(heads, groups, debug=debug)
         self.hw_e4m3 = hw_e4m3
+        self.soft_e4m3 = not hw_e4m3
 
     def fp16x2_sr(self, lo, hi, word):
         return bits.fp16x2_sr_soft(lo, hi, word)
@@ -348,6 +400,17 @@ class FlushFp8Sm90(FlushFp8):
         if self.hw_e4m3:
             return bits.e4m3x2_rn_hw(lo, hi)
         return bits.e4m3x2_rn_soft(lo, hi)
+
+    def fp16x2_sr_fast(self, lo, hi, word):
+        return bits.fp16x2_sr_fast(lo.bitcast(Uint32), hi.bitcast(Uint32), word)
+
+    def e4m3x4_rn_fast(self, v0, v1, v2, v3):
+        if self.hw_e4m3:
+            return bits.e4m3x2_rn_hw(v0, v1) | (bits.e4m3x2_rn_hw(v2, v3) << 16)
+        c = bits.e4m3_rn_fast(v0.bitcast(Uint32))
+        c = c | (bits.e4m3_rn_fast(v1.bitcast(Uint32)) << 8)
+        c = c | (bits.e4m3_rn_fast(v2.bitcast(Uint32)) << 16)
+        return c | (bits.e4m3_rn_fast(v3.bitcast(Uint32)) << 24)
 
 
 class FlushFp8Sm100(FlushFp8):
