@@ -32,19 +32,25 @@ from cutlass.memory import SmemAllocator
 
 from . import bits, bits_nvfp4
 from .bits import sel, softplus
-from .decode_fp8 import THREADS, DecodeFp8, N, P, RING, _vec, _xor_sum
+from .decode_fp8 import N, P, RING, _vec, _xor_sum
+
+THREADS = 128  # the FP8 non-flush kernel's block and thread map (see above)
 
 ROWS = 4  # read-copy rows per thread
 WORDS_PER_HEAD = P * N // 8  # packed codes of one head, in 32-bit words
 BLOCKS = N // 16  # block scales per state row
 
 
-class DecodeNvfp4(DecodeFp8):
+class DecodeNvfp4:
     """Non-flush decode with the NVFP4 read copy, for one geometry (heads, groups);
     subclasses supply the e2m1 decode of their target."""
 
     name = "decode_nvfp4"
     arch = ""
+
+    def __init__(self, heads: int, groups: int) -> None:
+        self.heads, self.groups = heads, groups
+        self.hpg = heads // groups
     # Element order of the 8 f16 halves `e2m1x8_f16x2` returns, and the factor that
     # turns them into e2m1 values.
     decode_order = bits_nvfp4.HW_DECODE_ORDER

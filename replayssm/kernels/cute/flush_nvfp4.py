@@ -22,8 +22,8 @@ elements) is two adjacent lanes: one xor shuffle gives its amax; both lanes deri
 same scale and each encodes its 8 elements into one 32-bit word of codes. The two rows'
 block scales go through one e4m3x2 conversion.
 
-Targets differ in three conversions: the two of the FP8 flush (inherited from
-`FlushFp8Sm90` / `FlushFp8Sm100`) and the e2m1 encode (software integer steps on sm_90a,
+Targets differ in three conversions: the two of the FP8 flush (bits.py: FP16 stochastic
+rounding and the e4m3 encode, here of the block scales) and the e2m1 encode (software integer steps on sm_90a,
 `cvt.rn.satfinite.e2m1x2.f32` on sm_100a / sm_103a): identical codes for identical inputs.
 """
 
@@ -39,34 +39,40 @@ from cutlass.memory import SmemAllocator
 from . import bits, bits_nvfp4
 from .bits import sel, softplus
 from .bits_nvfp4 import DSL_OPS
-from .flush_fp8 import (
-    N,
-    P,
-    RING,
-    ROW_STEP,
-    ROWS,
-    ROWS_PER_CTA,
-    THREADS,
-    MIN_CTAS_PER_SM,
-    FlushFp8,
-    FlushFp8Sm90,
-    FlushFp8Sm100,
-    _vec,
-    _xor_reduce,
-)
+from .flush_fp8 import N, P, RING, _vec, _xor_reduce
 
+# The FP8 flush's launch shape and thread map (flush_fp8.py), fixed here because the code
+# below depends on them (two rows per thread: one e4m3x2 conversion for their scales).
+THREADS = 512
+ROWS = 2  # state rows per thread: row0 + 32 i
+ROW_STEP = THREADS // 16
+ROWS_PER_CTA = 8  # batch rows per CTA, flush flags read by one ballot
+MIN_CTAS_PER_SM = 2
 WARPS = THREADS // 32
 WORDS_PER_ROW = N // 8  # packed e2m1 codes of one state row, in 32-bit words
 BLOCKS = N // 16  # block scales per state row
 
 
-class FlushNvfp4(FlushFp8):
+class FlushNvfp4:
     """NVFP4 flush for one geometry (heads, groups); subclasses supply the conversions.
 
     `debug=True` also writes the FP32 state S of every flushed row to an extra
     [batch, H, 64, 128] buffer, as the FP8 debug variant does."""
 
     name = "flush_nvfp4"
+    arch = ""
+
+    def __init__(self, heads: int, groups: int, *, debug: bool = False) -> None:
+        self.heads, self.groups = heads, groups
+        self.hpg = heads // groups
+        self.debug = debug
+
+    # -- the per-target conversions -------------------------------------------------------
+    def fp16x2_sr(self, lo: Float32, hi: Float32, word: Uint32) -> Uint32:
+        raise NotImplementedError
+
+    def e4m3x2_rn(self, lo: Float32, hi: Float32) -> Uint32:
+        raise NotImplementedError
 
     def e2m1x8_rn(self, vals) -> Uint32:
         raise NotImplementedError
@@ -359,16 +365,33 @@ class FlushNvfp4(FlushFp8):
             cute.arch.atomic_max(meta_bits + (meta_row + old), cta_max, sem="relaxed", scope="gpu")
 
 
-class FlushNvfp4Sm90(FlushNvfp4, FlushFp8Sm90):
-    """sm_90a: software stochastic rounding, e4m3 and e2m1 encodes (integer steps)."""
+class FlushNvfp4Sm90(FlushNvfp4):
+    """sm_90a: software stochastic rounding, e4m3 and e2m1 encodes (integer steps of
+    quant/minifloat.py; the first two are the FP8 flush's, from bits.py)."""
+
+    arch = "sm_90a"
+
+    def fp16x2_sr(self, lo, hi, word):
+        return bits.fp16x2_sr_soft(lo, hi, word)
+
+    def e4m3x2_rn(self, lo, hi):
+        return bits.e4m3x2_rn_soft(lo, hi)
 
     def e2m1x8_rn(self, vals):
         return bits_nvfp4.e2m1x8_rn_soft(vals)
 
 
-class FlushNvfp4Sm100(FlushNvfp4, FlushFp8Sm100):
+class FlushNvfp4Sm100(FlushNvfp4):
     """sm_100a / sm_103a: `cvt.rs.satfinite.f16x2.f32`, `cvt.rn.satfinite.e4m3x2.f32` and
     `cvt.rn.satfinite.e2m1x2.f32`; bit-identical to FlushNvfp4Sm90 by construction."""
+
+    arch = "sm_100a"
+
+    def fp16x2_sr(self, lo, hi, word):
+        return bits.fp16x2_sr_hw(lo, hi, word)
+
+    def e4m3x2_rn(self, lo, hi):
+        return bits.e4m3x2_rn_hw(lo, hi)
 
     def e2m1x8_rn(self, vals):
         return bits_nvfp4.e2m1x8_rn_hw(vals)
