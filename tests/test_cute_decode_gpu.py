@@ -61,13 +61,22 @@ class World:
     (valid ring entries below the position, NaN at and above it) and a batch that mixes
     them with padding rows."""
 
-    def __init__(self, heads=16, groups=2, seed=0, live=(3, 5, 1, 7, 2, 9, 4, 8, 10), num_slots=12, sync=False):
+    def __init__(
+        self, heads=16, groups=2, seed=0, live=(3, 5, 1, 7, 2, 9, 4, 8, 10), num_slots=12, sync=False, wide=False
+    ):
         self.heads, self.groups, self.seed = heads, groups, seed
         self.gen = torch.Generator().manual_seed(seed)
         self.params = layer_params(heads, generator=self.gen, device=DEVICE)
         self.cache = L.allocate_cache(num_slots, heads, groups, "fp8", DEVICE, slot_padding=64, fill=NAN)
         live_t = torch.tensor(live, dtype=torch.int32, device=DEVICE)
         states = prefill_states(self.params, len(live), groups, 24, generator=self.gen, device=DEVICE)
+        # `wide`: the first live slot's state spans 10**-12 .. 1 within every row and its
+        # tokens have x = 0, so its flushes meet FP16-subnormal and e4m3-subnormal results
+        # (the encoders' general path).
+        self.wide_slot = live[0] if wide else None
+        if wide:
+            mag = torch.pow(10.0, -12.0 * torch.rand(heads, 64, 128, generator=self.gen)).to(DEVICE)
+            states[0] = torch.randn(heads, 64, 128, generator=self.gen).to(DEVICE) * mag
         initialize_replayssm_state(self.cache, states, live_t, state_dtype="fp8", seed=seed)
         xr, dtr, br, pos = self.cache[L.X_RING], self.cache[L.DT_RING], self.cache[L.B_RING], self.cache[L.POSITIONS]
         # Slot 0 (padding) and every unused slot: NaN rings.
@@ -80,6 +89,8 @@ class World:
             r = q % 16
             pos[s] = q
             tok = token(r, heads, groups, generator=self.gen, device=DEVICE)
+            if s == self.wide_slot:
+                tok.x.zero_()
             dts = ref.softplus_dt(tok.dt, self.params.dt_bias.view(1, -1))
             xr[s, :, :r] = tok.x.transpose(0, 1)
             dtr[s, :, :r] = dts.transpose(0, 1)
@@ -106,7 +117,10 @@ class World:
         self.gap = gap
 
     def token(self):
-        return token(self.batch, self.heads, self.groups, generator=self.gen, device=DEVICE)
+        tok = token(self.batch, self.heads, self.groups, generator=self.gen, device=DEVICE)
+        if self.wide_slot is not None:
+            tok.x[self.ids == self.wide_slot] = 0
+        return tok
 
     def inputs(self, tok):
         p = self.params
@@ -130,13 +144,14 @@ def _ulp_bf16(m: torch.Tensor) -> torch.Tensor:
         pytest.param(16, 2, True, "soft", id="fp8-h16-g2-sync"),
         # sm_90a only: the hardware e4m3x2 cvt the sm_100a / sm_103a kernels use.
         pytest.param(16, 2, False, "hw", id="fp8-h16-g2-mixed-hw-e4m3"),
+        pytest.param(16, 2, "wide", "soft", id="fp8-h16-g2-mixed-wide-range"),
     ],
 )
 def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3):
     from replayssm.kernels import triton_backend
     from replayssm.kernels.cute import launch
 
-    w = World(heads, groups, sync=sync)
+    w = World(heads, groups, sync=sync is True, wide=sync == "wide")
     backend = triton_backend()
     cache, H, P, N = w.cache, heads, L.HEAD_DIM, L.STATE_DIM
     out = torch.empty(w.batch, H, P, dtype=torch.bfloat16, device=DEVICE)
