@@ -56,9 +56,10 @@ def copy_tb_s(gib: float = 1.0) -> float:
     return 2 * 4 * n / statistics.median(times[2:]) / 1e12
 
 
-def make_layer(batch: int, heads: int, groups: int, padding: int, gen: torch.Generator):
+def make_layer(batch: int, heads: int, groups: int, padding: int, gen: torch.Generator, sync: bool = False):
     """A cache with `batch` live slots (random states, full random rings) at ring
-    positions i mod 16, the slot ids shuffled."""
+    positions i mod 16 (`sync`: all at 0, so every row flushes on the same step), the
+    slot ids shuffled."""
     cache = L.allocate_cache(batch + 1, heads, groups, "fp8", "cuda", slot_padding=padding)
     ids = (torch.randperm(batch, generator=gen, device="cuda") + 1).to(torch.int32)
     for s in range(0, batch, 256):
@@ -70,7 +71,8 @@ def make_layer(batch: int, heads: int, groups: int, padding: int, gen: torch.Gen
     cache[L.X_RING][slots] = torch.randn(batch, heads, RING, L.HEAD_DIM, **rand).to(torch.bfloat16)
     cache[L.DT_RING][slots] = 0.001 + 0.1 * torch.rand(batch, heads, RING, **rand)
     cache[L.B_RING][slots] = torch.randn(batch, groups, RING, L.STATE_DIM, **rand).to(torch.bfloat16)
-    cache[L.POSITIONS][slots] = torch.arange(batch, dtype=torch.int32, device="cuda") % RING
+    pos = torch.arange(batch, dtype=torch.int32, device="cuda") % RING
+    cache[L.POSITIONS][slots] = pos * 0 if sync else pos
     return cache, ids
 
 
@@ -126,6 +128,7 @@ def main() -> None:
     ap.add_argument("--max-layers", type=int, default=8)
     ap.add_argument("--slot-padding", type=int, default=128)
     ap.add_argument("--ablate", action="store_true", help="time flush overlap on/off x sm_90a e4m3 soft/hw too")
+    ap.add_argument("--sync", action="store_true", help="synchronized rows: all flush on the same step")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_cute_fp8 needs a CUDA GPU")
@@ -135,13 +138,14 @@ def main() -> None:
     gen = torch.Generator("cuda").manual_seed(0)
     tb_s = copy_tb_s()
     per_row = bm.replay_period_average(bm.Shape(H, G), "fp8").total
-    print(f"# {torch.cuda.get_device_name()}  heads={H} groups={G}  copy {tb_s:.2f} TB/s  "
+    rows = "synchronized" if args.sync else "desynchronized"
+    print(f"# {torch.cuda.get_device_name()}  heads={H} groups={G} {rows}  copy {tb_s:.2f} TB/s  "
           f"model {per_row} B/row/step (period average)")
     print(f"{'batch':>6}{'layers':>7}{'us/step':>10}{'prepare':>9}{'nonflush':>10}{'flush':>8}{'floor us':>10}{'GB/s':>8}{'of copy':>9}")
     for batch in args.batch:
         rc_bytes = batch * H * L.HEAD_DIM * L.STATE_DIM
         layers = max(1, min(args.max_layers, math.ceil(args.target_mb * 1e6 / rc_bytes)))
-        built = [make_layer(batch, H, G, args.slot_padding, gen) for _ in range(layers)]
+        built = [make_layer(batch, H, G, args.slot_padding, gen, args.sync) for _ in range(layers)]
         assert backend.cute_for(built[0][0]) is not None, "the CuTe decode kernels must run here"
         cpu_gen = torch.Generator().manual_seed(batch)
         toks = [token(batch, H, G, generator=cpu_gen, device="cuda") for _ in range(RING)]

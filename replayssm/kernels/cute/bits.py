@@ -125,33 +125,6 @@ def e4m3x2_rn_soft(lo: Float32, hi: Float32) -> Uint32:
     return e4m3_rn_soft(lo) | (e4m3_rn_soft(hi) << 8)
 
 
-# Fast paths: the same codes for the common inputs, in fewer (integer) instructions. They
-# are exact for |x| bits `a` in [smallest normal result, 0x7F800000] (finite or infinite,
-# not NaN, no subnormal result); callers check that range per warp and recompute with the
-# general encoders above where it does not hold (quant/minifloat.py's steps restricted to
-# normal results: rebias, add, truncate / round, saturate).
-FP16_NORMAL_MIN = 113 << 23  # |x| >= 2**-14
-E4M3_NORMAL_MIN = 121 << 23  # |x| >= 2**-6
-F32_INF = 0x7F800000
-
-
-def fp16x2_sr_fast(lo: Uint32, hi: Uint32, word: Uint32) -> Uint32:
-    """`fp16x2_sr_soft` for FP32 bits `lo`, `hi` whose results are normal FP16 (or
-    saturate): code = min((|x| - (112 << 23) + r) >> 13, 0x7BFF), signs or-ed in."""
-    m1 = Uint32(0x7FFFFFFF)
-    c_lo = cutlass.min(((lo & m1) + (word & Uint32(0x1FFF)) - Uint32(112 << 23)) >> 13, Uint32(0x7BFF))
-    c_hi = cutlass.min(((hi & m1) + ((word >> 16) & Uint32(0x1FFF)) - Uint32(112 << 23)) >> 13, Uint32(0x7BFF))
-    return c_lo | (c_hi << 16) | ((lo >> 16) & Uint32(0x8000)) | (hi & Uint32(0x80000000))
-
-
-def e4m3_rn_fast(x: Uint32) -> Uint32:
-    """`e4m3_rn_soft` (magnitude and sign) for FP32 bits `x` with a normal e4m3 result
-    (or one that saturates)."""
-    v = (x & Uint32(0x7FFFFFFF)) - Uint32(120 << 23)
-    code = cutlass.min((v + Uint32(0x7FFFF) + ((v >> 20) & Uint32(1))) >> 20, Uint32(0x7E))
-    return code | ((x >> 24) & Uint32(0x80))
-
-
 # ---------------------------------------------------------------------------------------
 # Hardware encoders (sm_100a / sm_103a)
 
@@ -208,11 +181,6 @@ __all__ = [
     "e4m3_rn_soft",
     "fp16x2_sr_soft",
     "e4m3x2_rn_soft",
-    "fp16x2_sr_fast",
-    "e4m3_rn_fast",
-    "FP16_NORMAL_MIN",
-    "E4M3_NORMAL_MIN",
-    "F32_INF",
     "fp16x2_sr_hw",
     "e4m3x2_rn_hw",
 ]

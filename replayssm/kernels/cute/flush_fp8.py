@@ -52,17 +52,6 @@ def _vec(ptr, offset, n: int):
     return cute.make_tensor(ptr + offset, cute.make_layout(n))
 
 
-def _outside(vals, normal_min: int) -> Int32:
-    """1 if some |v| (FP32 bits) is below `normal_min` or NaN, else 0."""
-    lo = Uint32(0xFFFFFFFF)
-    hi = Uint32(0)
-    for v in vals:
-        a = v.bitcast(Uint32) & Uint32(0x7FFFFFFF)
-        lo = cutlass.min(lo, a)
-        hi = cutlass.max(hi, a)
-    return sel(lo < Uint32(normal_min), Int32(1), sel(hi > Uint32(bits.F32_INF), Int32(1), Int32(0)))
-
-
 def _xor_reduce(v, width: int, op):
     off = 1
     while off < width:
@@ -80,10 +69,6 @@ class FlushFp8:
 
     name = "flush_fp8"
     arch = ""
-    # Whether the *_fast conversions are software fast paths that need the general ones
-    # for subnormal results and NaN (a warp-uniform second pass, see flush_row).
-    soft_fp16 = False
-    soft_e4m3 = False
 
     def __init__(self, heads: int, groups: int, *, debug: bool = False) -> None:
         self.heads, self.groups = heads, groups
@@ -98,14 +83,6 @@ class FlushFp8:
     def e4m3x2_rn(self, lo: Float32, hi: Float32) -> Uint32:
         """Two read-copy codes, lo in bits [7:0]."""
         raise NotImplementedError
-
-    # -- and their fast forms (exact for normal results unless soft_* says otherwise) ------
-    def fp16x2_sr_fast(self, lo: Float32, hi: Float32, word: Uint32) -> Uint32:
-        return self.fp16x2_sr(lo, hi, word)
-
-    def e4m3x4_rn_fast(self, v0: Float32, v1: Float32, v2: Float32, v3: Float32) -> Uint32:
-        """Four read-copy codes, v0 in bits [7:0]."""
-        return self.e4m3x2_rn(v0, v1) | (self.e4m3x2_rn(v2, v3) << 16)
 
     @cute.jit
     def __call__(
@@ -201,14 +178,19 @@ class FlushFp8:
         s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
         s_w = smem.allocate_tensor(Float32, cute.make_layout(RING + 1), byte_alignment=16)
         s_mask = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+        s_slot = smem.allocate_tensor(Int64, cute.make_layout(ROWS_PER_CTA), byte_alignment=16)
+        s_key = smem.allocate_tensor(Int64, cute.make_layout(ROWS_PER_CTA), byte_alignment=16)
 
-        # Which of this CTA's batch rows flush: one load per lane of warp 0, one ballot.
+        # Which of this CTA's batch rows flush (one load per lane of warp 0, one ballot),
+        # with their slots and stream tags loaded in the same round trip.
         if t < 32:
             b_t = by * ROWS_PER_CTA + t
             f = Int32(0)
             if t < ROWS_PER_CTA:
                 if b_t < batch:
                     f = Int32(plan_flush[Int64(b_t)])
+                    s_slot[t] = plan_slot[Int64(b_t)]
+                    s_key[t] = plan_key[Int64(b_t)]
             m = cute.arch.vote_ballot_sync(f != Int32(0))
             if t == 0:
                 s_mask[0] = Int32(m)
@@ -227,7 +209,7 @@ class FlushFp8:
                 self.flush_row(
                     t, q, n0, row0, hh, g, bb, H, G, s_x, s_b, s_dt, s_w, ck_words,
                     read, scales, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
-                    plan_slot, plan_key, state_out,
+                    s_slot[rr], s_key[rr], state_out,
                     ckpt_stride16, read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
                     dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
                 )
@@ -236,13 +218,13 @@ class FlushFp8:
     def flush_row(
         self, t, q, n0, row0, hh, g, bb, H: cutlass.Constexpr, G: cutlass.Constexpr, s_x, s_b, s_dt, s_w, ck_words,
         read, scales, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
-        plan_slot, plan_key, state_out,
+        slot, key64, state_out,
         ckpt_stride16, read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
         dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
     ):
-        """One flushing batch row of head hh (the whole CTA)."""
-        slot = plan_slot[bb]
-        key = Uint32(plan_key[bb])
+        """One flushing batch row of head hh (the whole CTA); `slot` and `key64` are its
+        plan entries."""
+        key = Uint32(key64)
 
         # Checkpoint first (the largest read), in flight during the staging below.
         ck_head_w = slot * ckpt_stride16 * 4 + hh * (P * N // 2)
@@ -341,18 +323,13 @@ class FlushFp8:
                 _vec(state_out, ((bb * H + hh) * P + pp) * N + n0, 8).store(r_state.load())
 
             # Checkpoint: FP16 pairs with stochastic rounding; one hash word per pair,
-            # word index ((h * 64 + p) * 128 + n) / 2.
+            # word index ((h * 64 + p) * 128 + n) / 2. (A fast path for normal results
+            # with a warp-voted general pass measured no faster: ptxas predicates the
+            # general pass instead of branching around it.)
             w0 = Uint32((hh * P + pp) * (N // 2)) + Uint32(q * 4)
-            words = []
             for m in cutlass.range_constexpr(4):
-                words.append(bits.random_word(key, w0 + Uint32(m)))
-                r_ck_out[m] = self.fp16x2_sr_fast(s[i][2 * m], s[i][2 * m + 1], words[m])
-            if cutlass.const_expr(self.soft_fp16):
-                # The fast encode covers normal FP16 results; a warp with an FP16-subnormal
-                # result (|S| < 2**-14) or a NaN anywhere takes the general one (rare).
-                if cute.arch.vote_any_sync(_outside(s[i], bits.FP16_NORMAL_MIN) != Int32(0)):
-                    for m in cutlass.range_constexpr(4):
-                        r_ck_out[m] = bits.fp16x2_sr_soft(s[i][2 * m], s[i][2 * m + 1], words[m])
+                word = bits.random_word(key, w0 + Uint32(m))
+                r_ck_out[m] = self.fp16x2_sr(s[i][2 * m], s[i][2 * m + 1], word)
             _vec(ck_words, ck_head_w + pp * (N // 2) + q * 4, 4).store(r_ck_out.load())
 
             # Read copy: codes of S * 2**-E, scale 2**E (exact power-of-two products).
@@ -361,19 +338,9 @@ class FlushFp8:
             if q == 0:
                 scales[slot * scale_stride + hh * P + pp] = bits.exp2_int(e)
             for m in cutlass.range_constexpr(2):
-                r_rc_out[m] = self.e4m3x4_rn_fast(
-                    s[i][4 * m] * inv, s[i][4 * m + 1] * inv, s[i][4 * m + 2] * inv, s[i][4 * m + 3] * inv
-                )
-            if cutlass.const_expr(self.soft_e4m3):
-                # Likewise for subnormal e4m3 results (|S| 2**14 below the row amax) and NaN.
-                sc = []
-                for k in cutlass.range_constexpr(8):
-                    sc.append(s[i][k] * inv)
-                if cute.arch.vote_any_sync(_outside(sc, bits.E4M3_NORMAL_MIN) != Int32(0)):
-                    for m in cutlass.range_constexpr(2):
-                        lo = bits.e4m3x2_rn_soft(sc[4 * m], sc[4 * m + 1])
-                        hi = bits.e4m3x2_rn_soft(sc[4 * m + 2], sc[4 * m + 3])
-                        r_rc_out[m] = lo | (hi << 16)
+                lo = self.e4m3x2_rn(s[i][4 * m] * inv, s[i][4 * m + 1] * inv)
+                hi = self.e4m3x2_rn(s[i][4 * m + 2] * inv, s[i][4 * m + 3] * inv)
+                r_rc_out[m] = lo | (hi << 16)
             _vec(read, rc_head + pp * (N // 4) + q * 2, 2).store(r_rc_out.load())
         # The next flushing row of this CTA restages the shared buffers.
         cute.arch.sync_threads()
@@ -386,12 +353,10 @@ class FlushFp8Sm90(FlushFp8):
     instruction against the reference bit for bit."""
 
     arch = "sm_90a"
-    soft_fp16 = True
 
     def __init__(self, heads: int, groups: int, *, debug: bool = False, hw_e4m3: bool = False) -> None:
         super().__init__(heads, groups, debug=debug)
         self.hw_e4m3 = hw_e4m3
-        self.soft_e4m3 = not hw_e4m3
 
     def fp16x2_sr(self, lo, hi, word):
         return bits.fp16x2_sr_soft(lo, hi, word)
@@ -400,17 +365,6 @@ class FlushFp8Sm90(FlushFp8):
         if self.hw_e4m3:
             return bits.e4m3x2_rn_hw(lo, hi)
         return bits.e4m3x2_rn_soft(lo, hi)
-
-    def fp16x2_sr_fast(self, lo, hi, word):
-        return bits.fp16x2_sr_fast(lo.bitcast(Uint32), hi.bitcast(Uint32), word)
-
-    def e4m3x4_rn_fast(self, v0, v1, v2, v3):
-        if self.hw_e4m3:
-            return bits.e4m3x2_rn_hw(v0, v1) | (bits.e4m3x2_rn_hw(v2, v3) << 16)
-        c = bits.e4m3_rn_fast(v0.bitcast(Uint32))
-        c = c | (bits.e4m3_rn_fast(v1.bitcast(Uint32)) << 8)
-        c = c | (bits.e4m3_rn_fast(v2.bitcast(Uint32)) << 16)
-        return c | (bits.e4m3_rn_fast(v3.bitcast(Uint32)) << 24)
 
 
 class FlushFp8Sm100(FlushFp8):
