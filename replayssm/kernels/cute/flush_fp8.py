@@ -75,13 +75,11 @@ class FlushFp8:
         self.hpg = heads // groups
         self.debug = debug
 
-    # -- the per-target conversions (exact for every input) -------------------------------
+    # -- the per-target conversions -------------------------------------------------------
     def fp16x2_sr(self, lo: Float32, hi: Float32, word: Uint32) -> Uint32:
-        """Checkpoint pair (lo in bits [15:0]) with the stochastic bits of `word`."""
         raise NotImplementedError
 
     def e4m3x2_rn(self, lo: Float32, hi: Float32) -> Uint32:
-        """Two read-copy codes, lo in bits [7:0]."""
         raise NotImplementedError
 
     @cute.jit
@@ -176,21 +174,16 @@ class FlushFp8:
         s_x = smem.allocate_tensor(Float32, cute.make_layout(RING * P), byte_alignment=16)
         s_b = smem.allocate_tensor(Float32, cute.make_layout(RING * N), byte_alignment=16)
         s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
-        s_w = smem.allocate_tensor(Float32, cute.make_layout(RING + 1), byte_alignment=16)
+        s_w = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
         s_mask = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
-        s_slot = smem.allocate_tensor(Int64, cute.make_layout(ROWS_PER_CTA), byte_alignment=16)
-        s_key = smem.allocate_tensor(Int64, cute.make_layout(ROWS_PER_CTA), byte_alignment=16)
 
-        # Which of this CTA's batch rows flush (one load per lane of warp 0, one ballot),
-        # with their slots and stream tags loaded in the same round trip.
+        # Which of this CTA's batch rows flush: one load per lane of warp 0, one ballot.
         if t < 32:
             b_t = by * ROWS_PER_CTA + t
             f = Int32(0)
             if t < ROWS_PER_CTA:
                 if b_t < batch:
                     f = Int32(plan_flush[Int64(b_t)])
-                    s_slot[t] = plan_slot[Int64(b_t)]
-                    s_key[t] = plan_key[Int64(b_t)]
             m = cute.arch.vote_ballot_sync(f != Int32(0))
             if t == 0:
                 s_mask[0] = Int32(m)
@@ -209,7 +202,7 @@ class FlushFp8:
                 self.flush_row(
                     t, q, n0, row0, hh, g, bb, H, G, s_x, s_b, s_dt, s_w, ck_words,
                     read, scales, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
-                    s_slot[rr], s_key[rr], state_out,
+                    plan_slot, plan_key, state_out,
                     ckpt_stride16, read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
                     dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
                 )
@@ -218,13 +211,13 @@ class FlushFp8:
     def flush_row(
         self, t, q, n0, row0, hh, g, bb, H: cutlass.Constexpr, G: cutlass.Constexpr, s_x, s_b, s_dt, s_w, ck_words,
         read, scales, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
-        slot, key64, state_out,
+        plan_slot, plan_key, state_out,
         ckpt_stride16, read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
         dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
     ):
-        """One flushing batch row of head hh (the whole CTA); `slot` and `key64` are its
-        plan entries."""
-        key = Uint32(key64)
+        """One flushing batch row of head hh (the whole CTA)."""
+        slot = plan_slot[bb]
+        key = Uint32(plan_key[bb])
 
         # Checkpoint first (the largest read), in flight during the staging below.
         ck_head_w = slot * ckpt_stride16 * 4 + hh * (P * N // 2)
@@ -263,25 +256,17 @@ class FlushFp8:
         r_c = _vec(C, (bb * G + g) * N + n0, 8).load().to(Float32)
         cute.arch.sync_threads()
 
-        # Warp 0, lanes 0..15 = entries: pre_k = dt_0 + .. + dt_k (shuffle scan),
-        # w_k = dt_k exp(A (pre_15 - pre_k)); s_w[16] = decay = exp(A pre_15).
-        if t < 32:
-            k = t % 16
-            dt_k = s_dt[k]
-            pre = dt_k
-            off = 1
-            while off < RING:
-                up = cute.arch.shuffle_sync_up(pre, off)
-                pre = sel(k >= off, pre + up, pre)
-                off *= 2
-            pre_15 = cute.arch.shuffle_sync(pre, RING - 1)
-            a_h = A[hh * a_stride]
-            if t < RING:
-                s_w[t] = dt_k * cute.math.exp(a_h * (pre_15 - pre))
-            if t == RING:
-                s_w[RING] = cute.math.exp(a_h * pre_15)
+        # pre_k = dt_0 + .. + dt_k in order; w_j = dt_j exp(A (pre_15 - pre_j)).
+        a_h = A[hh * a_stride]
+        acc = Float32(0.0)
+        pre_t = Float32(0.0)
+        for k in cutlass.range_constexpr(RING):
+            acc = acc + s_dt[k]
+            pre_t = sel(t == k, acc, pre_t)
+        if t < RING:
+            s_w[t] = s_dt[t] * cute.math.exp(a_h * (acc - pre_t))
+        decay = cute.math.exp(a_h * acc)
         cute.arch.sync_threads()
-        decay = s_w[RING]
 
         # S in registers: s[i][k] for row row0 + 32 i, n = n0 + k.
         s = []
@@ -322,16 +307,6 @@ class FlushFp8:
                     r_state[k] = s[i][k]
                 _vec(state_out, ((bb * H + hh) * P + pp) * N + n0, 8).store(r_state.load())
 
-            # Checkpoint: FP16 pairs with stochastic rounding; one hash word per pair,
-            # word index ((h * 64 + p) * 128 + n) / 2. (A fast path for normal results
-            # with a warp-voted general pass measured no faster: ptxas predicates the
-            # general pass instead of branching around it.)
-            w0 = Uint32((hh * P + pp) * (N // 2)) + Uint32(q * 4)
-            for m in cutlass.range_constexpr(4):
-                word = bits.random_word(key, w0 + Uint32(m))
-                r_ck_out[m] = self.fp16x2_sr(s[i][2 * m], s[i][2 * m + 1], word)
-            _vec(ck_words, ck_head_w + pp * (N // 2) + q * 4, 4).store(r_ck_out.load())
-
             # Read copy: codes of S * 2**-E, scale 2**E (exact power-of-two products).
             e = bits.pow2_exponent_above(amax, FP8_MANT_LIMIT, FP8_E_OFF)
             inv = bits.exp2_int(-e)
@@ -342,6 +317,14 @@ class FlushFp8:
                 hi = self.e4m3x2_rn(s[i][4 * m + 2] * inv, s[i][4 * m + 3] * inv)
                 r_rc_out[m] = lo | (hi << 16)
             _vec(read, rc_head + pp * (N // 4) + q * 2, 2).store(r_rc_out.load())
+
+            # Checkpoint: FP16 pairs with stochastic rounding; one hash word per pair,
+            # word index ((h * 64 + p) * 128 + n) / 2.
+            w0 = Uint32((hh * P + pp) * (N // 2)) + Uint32(q * 4)
+            for m in cutlass.range_constexpr(4):
+                word = bits.random_word(key, w0 + Uint32(m))
+                r_ck_out[m] = self.fp16x2_sr(s[i][2 * m], s[i][2 * m + 1], word)
+            _vec(ck_words, ck_head_w + pp * (N // 2) + q * 4, 4).store(r_ck_out.load())
         # The next flushing row of this CTA restages the shared buffers.
         cute.arch.sync_threads()
 
