@@ -176,7 +176,11 @@ def test_serving_shapes_gpu(dtype, heads, groups):
     if dtype == torch.float32:
         torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-6)
     else:
-        assert within_ulps(state, ref_state, dtype, n=1.0)
+        # One ulp where both round the same FP32 value differently, plus FP32 noise
+        # (~2**-23 of the terms, which are bounded by the state scale) where the update
+        # cancels the decayed state and the result is far smaller than its terms.
+        slack = 2.0**-19 * float(ref_state.float().abs().amax())
+        assert within_ulps(state, ref_state, dtype, n=1.0, slack=slack)
         frac = (state != ref_state).float().mean().item()
         assert frac < 1e-3, frac
     amax = float(ref_state.float().abs().amax())
