@@ -152,18 +152,25 @@ def main(argv=None) -> int:
         if args.batch < 1 or args.steps < 1:
             parser.error("--batch and --steps must be >= 1")
         formats = ("fp8", "nvfp4") if args.format == "both" else (args.format,)
-        run_demo(
-            device=args.device,
-            formats=formats,
-            batch=args.batch,
-            steps=args.steps,
-            heads=args.heads,
-            groups=args.groups,
-            prompt=args.prompt,
-            seed=args.seed,
-            progress=False if args.no_progress else None,
-        )
+        try:
+            _run_cli_demo(args, formats)
+        except (ValueError, TypeError) as exc:
+            parser.error(str(exc))
     return 0
+
+
+def _run_cli_demo(args, formats) -> None:
+    run_demo(
+        device=args.device,
+        formats=formats,
+        batch=args.batch,
+        steps=args.steps,
+        heads=args.heads,
+        groups=args.groups,
+        prompt=args.prompt,
+        seed=args.seed,
+        progress=False if args.no_progress else None,
+    )
 
 
 if __name__ == "__main__":

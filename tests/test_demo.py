@@ -29,3 +29,12 @@ def test_cli_entry_point():
     )
     assert r.returncode == 0, r.stderr
     assert "fp8" in r.stdout and "SQNR" in r.stdout
+
+
+def test_cli_rejects_unsupported_geometry_cleanly():
+    r = subprocess.run(
+        [sys.executable, "-m", "replayssm", "demo", "--device", "cpu", "--heads", "12", "--groups", "2", "--steps", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 2
+    assert "heads per group must be one of (8, 16)" in r.stderr and "Traceback" not in r.stderr
