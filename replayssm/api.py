@@ -123,6 +123,16 @@ def normalize_decode_inputs(x, dt, A, B, C, D, dt_bias, batch: int, heads: int, 
         raise ValueError(f"dt_bias must be [{heads}] or a tied [{heads}, 64] view; got {_describe(dt_bias)}")
     if D.numel() not in (heads, heads * P) or D.shape[0] != heads:
         raise ValueError(f"D must be [{heads}] or [{heads}, 64]; got {_describe(D)}")
+    for name, t, flat in (
+        ("dt", dt, dt.reshape(batch, heads, -1)),
+        ("A", A, A.reshape(heads, -1)),
+        ("dt_bias", dt_bias, dt_bias.reshape(heads, -1)),
+    ):
+        if flat.shape[-1] != 1 and flat.stride(-1) != 0:
+            raise ValueError(
+                f"{name} must hold one value per head: extra dims must be tied views (stride 0); "
+                f"got shape {list(t.shape)} with strides {list(t.stride())}"
+            )
     x = x.reshape(batch, heads, P)
     B = B.reshape(batch, groups, N)
     C = C.reshape(batch, groups, N)
@@ -188,6 +198,8 @@ def selective_state_update_replayssm(
     norm = normalize_decode_inputs(x, dt, A, B, C, D, dt_bias, batch, heads, groups)
     if _debug():
         _check_unique(ids, slots)
+    if scratch is not None and getattr(scratch, "rows", batch) < batch:
+        raise ValueError(f"scratch holds {scratch.rows} rows; the batch has {batch}")
     backend = backend_for(device)
     extra = {"scratch": scratch} if scratch is not None else {}
     backend.decode(cache, *norm, ids, out.view(batch, heads, L.HEAD_DIM), nvfp4=nvfp4, seed=seed, **extra)

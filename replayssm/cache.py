@@ -95,11 +95,11 @@ class ReplaySSMCache:
             slot_padding=self.slot_padding,
         )
         self.allocator = SlotAllocator(self.num_slots)
-        # Plan scratch for the kernel backend, owned here and sized for max_batch, so a
-        # decode step allocates nothing (None on the reference backend).
+        # Plan scratch for the kernel backend, owned by this cache and sized for
+        # max_batch, so a decode step allocates nothing (None on the reference backend).
         from .kernels import backend_for
 
-        make = getattr(backend_for(self.device), "scratch", None)
+        make = getattr(backend_for(self.device), "new_scratch", None)
         self._scratch = make(self.device, self.max_batch) if make else None
         self._last_A = torch.zeros(self.num_heads, dtype=torch.float32, device=self.device)
 
@@ -122,7 +122,9 @@ class ReplaySSMCache:
     def release(self, slots: torch.Tensor) -> None:
         """Return slots to the pool and clear their rings and positions."""
         ids = self._slots(slots)
-        self.allocator.release(ids)
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"slots must be int32 or int64; got {ids.dtype}")
+        self.allocator.release(ids)  # validates every id before changing anything
         api.clear_replayssm_slots(self.tensors, ids, state_dtype=self.state_dtype)
 
     # -- operations ---------------------------------------------------------------------
@@ -139,7 +141,8 @@ class ReplaySSMCache:
         self.prefill_init(zero.expand(n, -1, -1, -1), slots)
 
     def decode(self, x, dt, A, B, C, D, dt_bias, slots, out=None) -> torch.Tensor:
-        """One decode step; returns bf16 [batch, heads, 64] (`out` if given)."""
+        """One decode step; returns bf16 [batch, heads, 64] (`out` if given; pass `out`
+        when capturing a CUDA graph, so that the step allocates nothing)."""
         slots = self._slots(slots)
         batch = slots.numel()
         if batch > self.max_batch:
@@ -150,7 +153,7 @@ class ReplaySSMCache:
             self.tensors, x, dt, A, B, C, D, dt_bias, slots, out,
             state_dtype=self.state_dtype, seed=self.seed, scratch=self._scratch,
         )
-        self._last_A.copy_(A.reshape(self.num_heads, -1)[:, 0])
+        self._last_A = A  # a reference, not a copy: no extra launch per step
         self._have_A = True
         return out
 
@@ -158,6 +161,9 @@ class ReplaySSMCache:
         """FP32 state [n, heads, 64, 128] of live slots (checkpoint plus live ring
         entries). `A` defaults to the one seen by the last decode call."""
         slots = self._slots(slots)
+        bad = slots[(slots <= 0) | (slots >= self.num_slots)]
+        if bad.numel():
+            raise ValueError(f"slots must be live slots in [1, {self.num_slots - 1}]; got {bad.tolist()}")
         if A is None:
             if not self._have_A:
                 live = self.tensors[L.POSITIONS][slots.long()] % L.RING

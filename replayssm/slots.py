@@ -59,6 +59,8 @@ class SlotAllocator:
         """Return slots to the pool. Rejects (and changes nothing on) slot 0, ids out of
         range, ids not allocated, and ids repeated in one call."""
         if isinstance(slots, torch.Tensor):
+            if slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
+                raise TypeError(f"slots must be an integer tensor; got {slots.dtype}")
             ids = [int(s) for s in slots.reshape(-1).tolist()]
         elif isinstance(slots, int):
             ids = [slots]

@@ -189,3 +189,51 @@ def test_cache_decode_rejects_batch_above_max_batch():
     with pytest.raises(ValueError, match="max_batch=1"):
         cache.decode(args["x"], args["dt"], args["A"], args["B"], args["C"], args["D"], args["dt_bias"], args["state_indices"])
     assert cache.positions.sum().item() == 0
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        pytest.param("A", torch.randn(H, 64), id="A-per-dim"),
+        pytest.param("dt", torch.randn(2, H, 64), id="dt-per-dim"),
+        pytest.param("dt_bias", torch.randn(H, 64), id="dt_bias-per-dim"),
+        pytest.param("dt", torch.randn(2, H * 64), id="dt-flat"),
+    ],
+)
+def test_untied_per_head_parameters_are_rejected(name, value):
+    cache = _cache()
+    args = _decode_args()
+    args[name] = value
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=f"{name} must hold one value per head"):
+        selective_state_update_replayssm(cache, *args.values(), state_dtype="fp8")
+    assert_cache_equal(before, cache)
+
+
+def test_scratch_smaller_than_batch_is_rejected():
+    cache = _cache()
+
+    class Scratch:
+        rows = 1
+
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match="scratch holds 1 rows"):
+        selective_state_update_replayssm(cache, *_decode_args().values(), state_dtype="fp8", scratch=Scratch())
+    assert_cache_equal(before, cache)
+
+
+def test_rejected_release_and_materialize_change_nothing():
+    cache = ReplaySSMCache(4, 16, 2, "fp8", "cpu")
+    slots = cache.allocate(2)
+    cache.reset(slots)
+    before = snapshot(cache.tensors)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        cache.release(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="not allocated"):
+        cache.release(torch.tensor([1, 3]))
+    with pytest.raises(ValueError, match="live slots"):
+        cache.materialize([7])
+    with pytest.raises(ValueError, match="live slots"):
+        cache.materialize([-1])
+    assert cache.allocator.num_used == 2
+    assert_cache_equal(before, cache.tensors)

@@ -84,6 +84,11 @@ class TritonBackend:
 
         return _TritonKernels(initialize.initialize, clear.clear, prepare.prepare_decode, prepare.PlanScratch)
 
+    def new_scratch(self, device: torch.device | str, rows: int):
+        """A private `PlanScratch` for `rows` rows (ReplaySSMCache owns one, sized for its
+        max_batch, so caches decoded on different streams never share plan buffers)."""
+        return self._kernels().PlanScratch(rows, torch.device(device))
+
     def scratch(self, device: torch.device | str, rows: int):
         """The smallest shared `PlanScratch` on `device` with room for `rows` rows
         (created when none has room)."""
