@@ -32,10 +32,6 @@ from . import layout as L
 from .slots import NULL_SLOT, SlotAllocator
 
 
-def _as_device(value) -> torch.device:
-    return torch.device(value)
-
-
 @attrs.define(eq=False)
 class ReplaySSMCache:
     """One model layer's ReplaySSM state for `num_slots` slots (slot 0 reserved).
@@ -49,7 +45,7 @@ class ReplaySSMCache:
     num_heads: int
     num_groups: int
     state_dtype: str
-    device: torch.device = attrs.field(converter=_as_device)
+    device: torch.device = attrs.field(converter=torch.device)
     seed: int = 0
     max_batch: int | None = None
     conv_state_shape: tuple[int, ...] | None = None

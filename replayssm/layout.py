@@ -103,8 +103,6 @@ def allocate_cache(
             t.zero_()
         elif fill is not None:
             t.fill_(fill if t.dtype.is_floating_point else 0)
-        elif name == "meta":
-            t.fill_(0.0)
         else:
             t.zero_()
     return [conv, *tensors]

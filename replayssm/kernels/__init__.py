@@ -52,9 +52,11 @@ class _TritonKernels(NamedTuple):
 
 
 class TritonBackend:
-    """Bookkeeping on Triton kernels: `initialize`, `clear` and the decode plan
-    (`prepare`); the decode math itself still runs on `reference.decode_nonflush` /
-    `reference.decode_flush`, fed the kernel-made plan, until the CuTe decode kernels land.
+    """Bookkeeping on Triton kernels (`initialize`, `clear`, the decode plan `prepare`)
+    and the decode math on the CuTe DSL kernels (`cute_for`); where those cannot run
+    (no CuTe DSL, an unsupported GPU, an unaligned cache) the decode math falls back to
+    `reference.decode_nonflush` / `reference.decode_flush` fed the kernel-made plan,
+    which is correct but synchronizes with the host (not CUDA-graph capturable).
 
     Runs on CUDA, and on the CPU when Triton interprets (TRITON_INTERPRET=1, for tests).
 

@@ -15,7 +15,7 @@ ARCH_ENV = "REPLAYSSM_ARCH"
 
 # compute capability -> CuTe DSL / ptxas target
 ARCHS: dict[tuple[int, int], str] = {
-    (9, 0): "sm_90a",  # H100 / H200: software stochastic rounding and e4m3 encode
+    (9, 0): "sm_90a",  # H100 / H200: software stochastic rounding and FP4
     (10, 0): "sm_100a",  # B200: cvt.rs.satfinite.f16x2.f32, cvt.rn.satfinite.e4m3x2.f32
     (10, 3): "sm_103a",  # B300: as sm_100a
 }

@@ -10,13 +10,16 @@ bits of format.md section 6) and the read copy and its per-row power-of-two scal
 re-derived from S (format.md section 3, nearest-even e4m3, satfinite). Rows that do not
 flush return at once. The ring is not written: the next step starts a period at entry 0.
 
-Grid (heads, batch), 128 threads. Thread t owns n = 8 (t % 16) .. + 7 of the eight state
-rows p_i = 8 i + t // 16 (i = 0..7): 64 values of S in registers across the 16 entries.
-The 16 lanes of a row finish its dot with C and its amax with four xor shuffles; each
-thread then writes 16 bytes of checkpoint and 8 bytes of read copy per row.
+Grid (heads, ceil(batch / ROWS_PER_CTA)), THREADS = 512 threads: a CTA reads the flush
+flags of its ROWS_PER_CTA = 8 batch rows with one ballot and folds each flushing row in
+turn. Thread t owns n = 8 (t % 16) .. + 7 of state rows t // 16 + 32 i (i = 0, 1): 16
+values of S in registers across the 16 entries. The 16 lanes of a row finish its dot with
+C and its amax with four xor shuffles; each thread then writes 16 bytes of checkpoint and
+8 bytes of read copy per row.
 
 Only the two conversions differ between targets: `FlushFp8Sm90` (software stochastic
-rounding and e4m3 encode, integer steps of quant/minifloat.py) and `FlushFp8Sm100`
+rounding, integer steps of quant/minifloat.py; e4m3 by the `cvt.rn.satfinite.e4m3x2.f32`
+Hopper also has, or in software with REPLAYSSM_SM90_E4M3=soft) and `FlushFp8Sm100`
 (`cvt.rs.satfinite.f16x2.f32` fed the same hash words, `cvt.rn.satfinite.e4m3x2.f32`).
 """
 

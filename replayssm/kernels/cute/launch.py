@@ -1,10 +1,12 @@
 """Compile cache and launchers of the CuTe DSL decode kernels (FP8 read copy).
 
-Compile keys hold static properties only: (kernel, arch, heads, groups). Batch size, slot
+Compile keys hold static properties only: (kernel, arch, heads, groups, and for the FP8
+flush the sm_90a e4m3 encoder choice). Batch size, slot
 count and every stride are runtime arguments (kernels take raw pointers plus slot strides
 in 16-byte units, so one compile serves every batch, cache size and slot padding, and the
 kernels still know their vector accesses are 16-byte aligned). Launches go to the current
-torch stream, so a captured CUDA graph records them. Launchers map tensors to arguments;
+torch stream (the flush forked onto a side stream and joined back, see OVERLAP), so a
+captured CUDA graph records them. Launchers map tensors to arguments;
 they do not validate user input (`replayssm.api` did), only the layout assumptions the
 compiled code makes (`layout_ok`).
 """
@@ -32,8 +34,8 @@ KINDS = ("decode_fp8", "flush_fp8", "flush_fp8_debug")
 COMPILE_ALL_GEOMETRIES = ((16, 2), (16, 1))
 # The sm_90a read-copy encode: "hw" (cvt.rn.satfinite.e4m3x2.f32, which Hopper has, as
 # sm_100a uses it) or "soft" (integer steps of quant/minifloat.py). Both give the
-# reference's bits (GPU-tested); "hw" makes the flush ~20% faster on an H200 (batch 256:
-# 17.1 vs 21.0 us per step; docs/perf-notes-cute.md).
+# reference's bits (GPU-tested); "hw" makes the flush 2-6 us per step faster on an H200
+# at batch 256 (docs/perf-notes-cute.md).
 SM90_E4M3_ENV = "REPLAYSSM_SM90_E4M3"
 SM90_E4M3_DEFAULT = "hw"
 
