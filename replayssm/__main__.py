@@ -85,6 +85,7 @@ def run_demo(
         slots = cache.allocate(batch)
         states = prefill_states(params, batch, groups, prompt, generator=gen, device=dev)
         cache.prefill_init(states, slots)
+        cache.warmup()  # compile every kernel first: tokens/s measures decoding, not compiling
         exact = ExactRecurrence(params, states)
         tokens = [token(batch, heads, groups, generator=gen, device=dev) for _ in range(steps)]
         out_buf = torch.empty(steps, batch, heads, L.HEAD_DIM, dtype=torch.bfloat16, device=dev)
