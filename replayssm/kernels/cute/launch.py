@@ -102,14 +102,15 @@ POINTERS["flush_fp8_debug"] = POINTERS["flush_fp8"]
 SCALARS = {"decode_fp8": 11, "flush_fp8": 12, "flush_fp8_debug": 12}
 
 
-def _pointers(kind: str, addresses) -> list:
-    return [make_ptr(dtype, addr, assumed_align=align) for (dtype, align), addr in zip(POINTERS[kind], addresses, strict=True)]
+def _pointers(kind: str, addresses, table: dict = POINTERS) -> list:
+    """Typed pointers for a launch of `kind` (`table`: kind -> [(dtype, alignment)])."""
+    return [make_ptr(dtype, addr, assumed_align=align) for (dtype, align), addr in zip(table[kind], addresses, strict=True)]
 
 
-def _fake_args(kind: str) -> list:
+def _fake_args(kind: str, table: dict = POINTERS, scalars: dict = SCALARS) -> list:
     """Placeholder arguments with the types (and pointer alignments) of a launch."""
-    ptrs = _pointers(kind, [0] * len(POINTERS[kind]))
-    return [*ptrs, *([Int64(0)] * SCALARS[kind]), Int32(0), make_fake_stream()]
+    ptrs = _pointers(kind, [0] * len(table[kind]), table)
+    return [*ptrs, *([Int64(0)] * scalars[kind]), Int32(0), make_fake_stream()]
 
 
 def _options(arch: str, dump_dir: str | os.PathLike | None) -> str:

@@ -16,7 +16,6 @@ import cutlass.cute as cute
 import torch
 from cuda.bindings import driver as cuda_driver
 from cutlass import BFloat16, Float16, Float32, Int8, Int32, Int64, Uint8, Uint32
-from cutlass.cute.runtime import make_fake_stream, make_ptr
 
 from ... import layout as L
 from . import launch as _fp8
@@ -83,12 +82,11 @@ SCALARS = {"decode_nvfp4": 13, "flush_nvfp4": 13, "flush_nvfp4_debug": 13}
 
 
 def _pointers(kind: str, addresses) -> list:
-    return [make_ptr(dtype, addr, assumed_align=align) for (dtype, align), addr in zip(POINTERS[kind], addresses, strict=True)]
+    return _fp8._pointers(kind, addresses, POINTERS)
 
 
 def _fake_args(kind: str) -> list:
-    ptrs = _pointers(kind, [0] * len(POINTERS[kind]))
-    return [*ptrs, *([Int64(0)] * SCALARS[kind]), Int32(0), make_fake_stream()]
+    return _fp8._fake_args(kind, POINTERS, SCALARS)
 
 
 def compiled(kind: str, arch: str, heads: int, groups: int):
