@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 # quant/rng.py constants.
 GOLDEN = 0x9E3779B9
@@ -169,7 +169,116 @@ def e4m3x2_rn_hw(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
     return Uint32(res)
 
 
+@dsl_user_op
+def ld_global_u32_if(addr, pred, *, loc=None, ip=None) -> Uint32:
+    """The 32-bit word at global address `addr` (Int64) if `pred` (Int32) is nonzero,
+    else 0: a predicated load, so a run of them issues back to back instead of one
+    branch (and one memory latency) after another. Marked as having side effects so
+    the compiler keeps it where the kernel put it (before the waits that follow) rather
+    than sinking it next to its first use."""
+    res = llvm.inline_asm(
+        T.i32(),
+        [Int64(addr).ir_value(loc=loc, ip=ip), Int32(pred).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\tmov.b32 $0, 0;\n\t@p ld.global.b32 $0, [$1];\n\t}",
+        "=r,l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return Uint32(res)
+
+
+@dsl_user_op
+def ld_global_v4_u32(addr, *, loc=None, ip=None) -> list:
+    """The 16 bytes at global address `addr` (Int64, 16-byte aligned) as four words,
+    issued where it stands (see ld_global_u32_if)."""
+    return ld_global_v4_u32_if(addr, Int32(1), loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_global_v4_u32_if(addr, pred, *, loc=None, ip=None) -> list:
+    """The 16 bytes at global address `addr` (Int64, 16-byte aligned) as four words if
+    `pred` (Int32) is nonzero, else zeros (a predicated vector load)."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [Int64(addr).ir_value(loc=loc, ip=ip), Int32(pred).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $5, 0;\n\tmov.b32 $0, 0;\n\tmov.b32 $1, 0;\n\t"
+        "mov.b32 $2, 0;\n\tmov.b32 $3, 0;\n\t@p ld.global.v4.b32 {$0, $1, $2, $3}, [$4];\n\t}",
+        "=r,=r,=r,=r,l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return [Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+def _asm_void(text: str, cons: str, args, loc, ip) -> None:
+    llvm.inline_asm(
+        None, args, text, cons,
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
+def cp_async_16(smem_addr, gmem_addr, *, loc=None, ip=None) -> None:
+    """Asynchronous copy of 16 bytes global -> shared (`cp.async.cg`, L2 only); the
+    addresses are a shared-window Int32 and a global Int64, both 16-byte aligned."""
+    _asm_void(
+        "cp.async.cg.shared.global [$0], [$1], 16;", "r,l",
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip)], loc, ip,
+    )
+
+
+@dsl_user_op
+def cp_async_4_if(smem_addr, gmem_addr, pred, *, loc=None, ip=None) -> None:
+    """Asynchronous copy of 4 bytes global -> shared if `pred` (Int32) is nonzero, else
+    4 zero bytes written and nothing read (the ignore-src form, src-size 0)."""
+    size = Int32(cutlass.select_(Int32(pred) != Int32(0), Int32(4), Int32(0)))
+    _asm_void(
+        "cp.async.ca.shared.global [$0], [$1], 4, $2;", "r,l,r",
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip), size.ir_value(loc=loc, ip=ip)],
+        loc, ip,
+    )
+
+
+@dsl_user_op
+def cp_async_wait_all(*, loc=None, ip=None) -> None:
+    """Wait for this thread's cp.async copies (their data is then visible to it)."""
+    _asm_void("cp.async.wait_all;", "", [], loc, ip)
+
+
+@dsl_user_op
+def e4m3x2_to_f32x2(word: Uint32, *, loc=None, ip=None) -> list:
+    """The two e4m3 codes in bits [7:0] and [15:8] of `word` as FP32 (exact):
+    `cvt.rn.f16x2.e4m3x2` (sm_89+), then two exact f16 -> f32 conversions."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32(), T.f32()]),
+        [Uint32(word).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b16 q, h0, h1;\n\t.reg .b32 d;\n\tcvt.u16.u32 q, $2;\n\t"
+        "cvt.rn.f16x2.e4m3x2 d, q;\n\tmov.b32 {h0, h1}, d;\n\t"
+        "cvt.f32.f16 $0, h0;\n\tcvt.f32.f16 $1, h1;\n\t}",
+        "=f,=f,r",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(2)]
+
+
 __all__ = [
+    "ld_global_u32_if",
+    "cp_async_16",
+    "cp_async_4_if",
+    "cp_async_wait_all",
+    "ld_global_v4_u32_if",
+    "ld_global_v4_u32",
+    "e4m3x2_to_f32x2",
     "GOLDEN",
     "mix32",
     "random_word",

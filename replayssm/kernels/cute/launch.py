@@ -72,7 +72,7 @@ _INPUT_PTRS = [
 ]
 POINTERS = {
     "decode_fp8": [
-        (Float8E4M3FN, 16),  # read copy
+        (Uint32, 16),  # read copy, as words
         (Float32, 4),  # scales
         (BFloat16, 16),  # x ring
         (Float32, 4),  # dt ring
