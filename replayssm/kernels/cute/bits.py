@@ -114,6 +114,71 @@ def e4m3_rn_soft(x: Float32) -> Uint32:
     return sel(a > Uint32(0x7F800000), Uint32(0x7F), code)
 
 
+@dsl_user_op
+def add_rz(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """a + b rounded toward zero (`add.rz.f32`)."""
+    res = llvm.inline_asm(
+        T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+        "add.rz.f32 $0, $1, $2;", "=f,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )
+    return Float32(res)
+
+
+@dsl_user_op
+def f16x2_rz(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
+    """`cvt.rz.f16x2.f32`: hi -> bits [31:16], lo -> [15:0], rounded toward zero (a
+    finite input never becomes infinite; NaN becomes the canonical 0x7FFF)."""
+    res = llvm.inline_asm(
+        Uint32.mlir_type, [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+        "cvt.rz.f16x2.f32 $0, $1, $2;", "=r,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )
+    return Uint32(res)
+
+
+# 2**-14 (smallest normal FP16) and 65504 (largest finite FP16), as FP32 bits.
+F16_MIN_NORMAL_BITS = 0x38800000
+F16_MAX_BITS = 0x477FE000
+
+
+def _sr_pick(x: Float32, r: Uint32) -> Float32:
+    """An FP32 value whose FP16 truncation (toward zero) is the stochastic rounding of
+    x with the 13 random bits r (fp16_sr_soft's result, see fp16x2_sr_fast)."""
+    b = x.bitcast(Uint32)
+    a = b & Uint32(0x7FFFFFFF)
+    sign = b & Uint32(0x80000000)
+    # Normal FP16 result: r added below the 10 kept mantissa bits (carries propagate
+    # into the exponent exactly as the integer encoder's do).
+    vn = b + r
+    # FP16-subnormal result: x + sign(x) r 2**-37 rounded toward zero; (2**23 + r) is
+    # exact in FP32 and the fma removes 2**23 * 2**-37 = 2**-14 exactly.
+    mag = ((r | Uint32(0x4B000000)).bitcast(Float32) * Float32(2.0**-37) - Float32(2.0**-14)).bitcast(Uint32)
+    vs = add_rz(x, (mag | sign).bitcast(Float32)).bitcast(Uint32)
+    v = sel(a >= Uint32(F16_MIN_NORMAL_BITS), vn, vs)
+    # Infinity: the encoder's satfinite gives +-65504 (NaN stays NaN).
+    v = sel(a == Uint32(0x7F800000), sign | Uint32(F16_MAX_BITS), v)
+    return v.bitcast(Float32)
+
+
+def fp16x2_sr_fast(lo: Float32, hi: Float32, word: Uint32) -> Uint32:
+    """fp16x2_sr_soft's bits with fewer integer steps (sm_90a flush).
+
+    With u = |x| and r the 13 random bits, the encoder computes
+    floor((floor(u 2**(37 - s)) + r) / 2**13) codes above the sign, i.e. FP16 truncation
+    of u + r ulp16(u) 2**-13 with exact addition:
+    - normal results (u >= 2**-14): ulp16(u) 2**-13 is the FP32 ulp of u and the sum is the
+      integer add of r to the FP32 bits (a carry into the exponent moves to the next
+      binade exactly as the value does);
+    - subnormal results: ulp16 2**-13 = 2**-37; FP32 addition rounded toward zero
+      truncates on a grid (<= 2**-37) finer than FP16's 2**-24, so the two truncations
+      compose to the one the encoder makes.
+    `cvt.rz.f16x2.f32` then truncates both, satfinite for free (rounding toward zero
+    never overflows to infinity); infinities are mapped to +-65504 first and NaN gives
+    0x7FFF, as in the encoder."""
+    return f16x2_rz(_sr_pick(lo, word & Uint32(0x1FFF)), _sr_pick(hi, (word >> 16) & Uint32(0x1FFF)))
+
+
 def fp16x2_sr_soft(lo: Float32, hi: Float32, word: Uint32) -> Uint32:
     """Elements n (lo, bits [12:0] of `word`) and n + 1 (hi, bits [28:16]) -> packed
     FP16 pair, lo in bits [15:0]."""
@@ -252,6 +317,19 @@ def cp_async_wait_all(*, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def f16x2_to_f32x2(word: Uint32, *, loc=None, ip=None) -> list:
+    """The FP16 halves [15:0], [31:16] of `word` as FP32 (exact)."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32(), T.f32()]),
+        [Uint32(word).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b16 h0, h1;\n\tmov.b32 {h0, h1}, $2;\n\tcvt.f32.f16 $0, h0;\n\tcvt.f32.f16 $1, h1;\n\t}",
+        "=f,=f,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(2)]
+
+
+@dsl_user_op
 def e4m3x2_to_f32x2(word: Uint32, *, loc=None, ip=None) -> list:
     """The two e4m3 codes in bits [7:0] and [15:8] of `word` as FP32 (exact):
     `cvt.rn.f16x2.e4m3x2` (sm_89+), then two exact f16 -> f32 conversions."""
@@ -279,6 +357,7 @@ __all__ = [
     "ld_global_v4_u32_if",
     "ld_global_v4_u32",
     "e4m3x2_to_f32x2",
+    "f16x2_to_f32x2",
     "GOLDEN",
     "mix32",
     "random_word",
@@ -289,6 +368,9 @@ __all__ = [
     "fp16_sr_soft",
     "e4m3_rn_soft",
     "fp16x2_sr_soft",
+    "fp16x2_sr_fast",
+    "add_rz",
+    "f16x2_rz",
     "e4m3x2_rn_soft",
     "fp16x2_sr_hw",
     "e4m3x2_rn_hw",
