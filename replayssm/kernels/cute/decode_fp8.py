@@ -40,6 +40,8 @@ element) and below the bf16 rounding of the output.
 
 from __future__ import annotations
 
+import os
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
@@ -79,9 +81,11 @@ def _bf16x2(w: Uint32) -> list:
     return [(w << 16).bitcast(Float32), (w & Uint32(0xFFFF0000)).bitcast(Float32)]
 
 
-def warps_for(hpg: int) -> int:
-    """Warps per CTA: the largest divisor of the heads per group up to MAX_WARPS."""
-    return max(d for d in range(1, min(hpg, MAX_WARPS) + 1) if hpg % d == 0)
+def warps_for(hpg: int, limit: int = MAX_WARPS) -> int:
+    """Warps (= heads) per CTA: the largest divisor of the heads per group up to `limit`
+    (default $REPLAYSSM_DECODE_WARPS, else MAX_WARPS)."""
+    limit = int(os.environ.get("REPLAYSSM_DECODE_WARPS", limit))
+    return max(d for d in range(1, min(hpg, limit) + 1) if hpg % d == 0)
 
 
 class DecodeFp8:
@@ -93,6 +97,7 @@ class DecodeFp8:
         self.heads, self.groups = heads, groups
         self.hpg = heads // groups
         self.warps = warps_for(self.hpg)
+        self.splits = self.hpg // self.warps  # CTAs per (row, group)
 
     @cute.jit
     def __call__(
@@ -133,7 +138,7 @@ class DecodeFp8:
             plan_valid, plan_slot, plan_ring, plan_flush,
             read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
             dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
-        ).launch(grid=[self.groups, batch, 1], block=[32 * self.warps, 1, 1], stream=stream)
+        ).launch(grid=[self.groups * self.splits, batch, 1], block=[32 * self.warps, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
@@ -170,7 +175,7 @@ class DecodeFp8:
         H, G, HPG, WARPS = self.heads, self.groups, self.hpg, self.warps
         THREADS = 32 * WARPS
         t, _, _ = cute.arch.thread_idx()
-        gi, b, _ = cute.arch.block_idx()
+        bx, b, _ = cute.arch.block_idx()
         smem = SmemAllocator()
         s_ct = smem.allocate_tensor(Uint32, cute.make_layout(TERMS * N // 4), byte_alignment=16)
         s_bc = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
@@ -186,9 +191,11 @@ class DecodeFp8:
         slot = plan_slot[bb]
         r = Int32(plan_ring[bb])
         if live == Int32(1):
-            g = Int64(gi)
+            g = Int64(bx // self.splits)
+            split = bx % self.splits  # which WARPS heads of the group this CTA takes
             lane = t % 32
             w = t // 32
+            h0 = g * HPG + Int64(split * WARPS + w)
             gq = lane // 4
             q = lane % 4
             read_w = cute.recast_ptr(read, dtype=Uint32)
@@ -200,9 +207,9 @@ class DecodeFp8:
             # asynchronously, in flight during the shared part.
             my_codes = s_codes.iterator + w * CODE_WORDS
             my_xr = s_xr.iterator + w * (RING * 32)
-            self.copy_head(read_w, xr_w, my_codes, my_xr, slot_rw, slot, r, g * HPG + w, lane, gq, q, x_ring_stride16)
+            self.copy_head(read_w, xr_w, my_codes, my_xr, slot_rw, slot, r, h0, lane, gq, q, x_ring_stride16)
             scalars = self.head_loads(
-                g * HPG + w, bb, slot, r, lane, gq, q, x_w, scales, dt_ring, dt, A, D, dt_bias,
+                h0, bb, slot, r, lane, gq, q, x_w, scales, dt_ring, dt, A, D, dt_bias,
                 scale_stride, dt_ring_stride, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
             )
 
@@ -228,7 +235,8 @@ class DecodeFp8:
                         c_v += cf
                         part = part + bf[0] * cf[0] + bf[1] * cf[1]
                     if j == r:
-                        _vec(br_w, br_off, 4).store(curw)
+                        if split == 0:  # B is shared by the group: one CTA writes it
+                            _vec(br_w, br_off, 4).store(curw)
                     bc = _xor_sum(part, 16)
                     if ch == 0:
                         s_bc[j] = bc
@@ -251,22 +259,12 @@ class DecodeFp8:
                 bfrag.append(sel(gq < TERMS, v, Uint32(0)))
             e_pow = s_pow[0]
 
-            for k in cutlass.range_constexpr(HPG // WARPS):
-                hh = g * HPG + w + k * WARPS
-                if cutlass.const_expr(k > 0):
-                    cute.arch.sync_warp()  # every lane is done with the previous head's copies
-                    self.copy_head(read_w, xr_w, my_codes, my_xr, slot_rw, slot, r, hh, lane, gq, q, x_ring_stride16)
-                    scalars = self.head_loads(
-                        hh, bb, slot, r, lane, gq, q, x_w, scales, dt_ring, dt, A, D, dt_bias,
-                        scale_stride, dt_ring_stride, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
-                    )
-                    bits.cp_async_wait_all()
-                codes = self.read_codes(my_codes, lane)
-                xr_words = [my_xr[j * 32 + lane] for j in range(RING)]
-                self.head(
-                    hh, bb, slot, r, lane, gq, q, codes, xr_words, scalars, bfrag, e_pow, s_bc, xr_w,
-                    dt_ring, out, x_ring_stride16, dt_ring_stride,
-                )
+            codes = self.read_codes(my_codes, lane)
+            xr_words = [my_xr[j * 32 + lane] for j in range(RING)]
+            self.head(
+                h0, bb, slot, r, lane, gq, q, codes, xr_words, scalars, bfrag, e_pow, s_bc, xr_w,
+                dt_ring, out, x_ring_stride16, dt_ring_stride,
+            )
 
     @cute.jit
     def copy_head(self, read_w, xr_w, my_codes, my_xr, slot_rw, slot, r, hh, lane, gq, q, x_ring_stride16):

@@ -26,6 +26,7 @@ from cutlass.cute.runtime import make_fake_stream, make_ptr
 from ... import layout as L
 from .arch import HAS_CVT_RS, arch_for, check_arch
 from .decode_fp8 import DecodeFp8
+from .decode_fp8_simt import DecodeFp8Simt
 from .flush_fp8 import FlushFp8Sm90, FlushFp8Sm100
 
 KINDS = ("decode_fp8", "flush_fp8", "flush_fp8_debug")
@@ -51,6 +52,8 @@ def sm90_e4m3() -> str:
 
 def _kernel_object(kind: str, arch: str, heads: int, groups: int, e4m3: str):
     if kind == "decode_fp8":
+        if os.environ.get("REPLAYSSM_FP8_DECODE") == "simt":  # the previous kernel, for comparison
+            return DecodeFp8Simt(heads, groups)
         return DecodeFp8(heads, groups)
     debug = kind == "flush_fp8_debug"
     if arch in HAS_CVT_RS:
@@ -223,7 +226,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     side = _SIDE.get(device)
     if side is None:
         # High priority: the flush CTAs are the latency-critical part of a step.
-        side = torch.cuda.Stream(device=device, priority=-1)
+        side = torch.cuda.Stream(device=device, priority=int(os.environ.get("REPLAYSSM_FLUSH_PRIORITY", "-1")))
         _SIDE[device] = side
     return side
 
