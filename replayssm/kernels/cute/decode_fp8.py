@@ -96,8 +96,15 @@ class DecodeFp8:
     def __init__(self, heads: int, groups: int) -> None:
         self.heads, self.groups = heads, groups
         self.hpg = heads // groups
-        self.warps = warps_for(self.hpg)
+        # Warps per head (1 or 2): two halve each warp's serial work and double the
+        # warps an SM holds (the kernel is bound by dependent-instruction latency).
+        self.wph = int(os.environ.get("REPLAYSSM_DECODE_WPH", "2"))
+        if self.wph not in (1, 2):
+            raise ValueError(f"$REPLAYSSM_DECODE_WPH must be 1 or 2; got {self.wph}")
+        self.warps = warps_for(self.hpg, MAX_WARPS // self.wph)  # heads per CTA
         self.splits = self.hpg // self.warps  # CTAs per (row, group)
+        self.mt = 4 // self.wph  # m-tiles per warp
+        self.rpl = self.mt // 2  # output rows per lane
 
     @cute.jit
     def __call__(
@@ -138,7 +145,13 @@ class DecodeFp8:
             plan_valid, plan_slot, plan_ring, plan_flush,
             read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
             dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
-        ).launch(grid=[self.groups * self.splits, batch, 1], block=[32 * self.warps, 1, 1], stream=stream)
+        ).launch(
+            grid=[self.groups * self.splits, batch, 1],
+            block=[32 * self.warps * self.wph, 1, 1],
+            min_blocks_per_mp=max(1, 32 // (self.warps * self.wph)),
+            preferred_smem_carveout=-1,  # the driver's choice (and no device query at compile time)
+            stream=stream,
+        )
 
     @cute.kernel
     def kernel(
@@ -172,17 +185,17 @@ class DecodeFp8:
         d_stride_h: Int64,
         d_stride_p: Int64,
     ):
-        H, G, HPG, WARPS = self.heads, self.groups, self.hpg, self.warps
-        THREADS = 32 * WARPS
+        H, G, HPG, WARPS, WPH, MT = self.heads, self.groups, self.hpg, self.warps, self.wph, self.mt
+        THREADS = 32 * WARPS * WPH
         t, _, _ = cute.arch.thread_idx()
         bx, b, _ = cute.arch.block_idx()
         smem = SmemAllocator()
         s_ct = smem.allocate_tensor(Uint32, cute.make_layout(TERMS * N // 4), byte_alignment=16)
         s_bc = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
         s_pow = smem.allocate_tensor(Float32, cute.make_layout(1), byte_alignment=4)
-        # Per warp: its head's codes (8 KiB) and ring x (2 KiB), each lane's own words.
+        # Per warp: its m-tiles' codes (8 KiB / WPH) and ring x (2 KiB), each lane's own words.
         s_codes = smem.allocate_tensor(Uint32, cute.make_layout(WARPS * CODE_WORDS), byte_alignment=16)
-        s_xr = smem.allocate_tensor(Uint32, cute.make_layout(WARPS * RING * 32), byte_alignment=16)
+        s_xr = smem.allocate_tensor(Uint32, cute.make_layout(WARPS * WPH * RING * 32), byte_alignment=16)
 
         bb = Int64(b)
         # The whole plan row at once (one memory latency): 1 exactly for valid rows that
@@ -195,7 +208,8 @@ class DecodeFp8:
             split = bx % self.splits  # which WARPS heads of the group this CTA takes
             lane = t % 32
             w = t // 32
-            h0 = g * HPG + Int64(split * WARPS + w)
+            sub = w % WPH  # which m-tiles of its head this warp takes
+            h0 = g * HPG + Int64(split * WARPS + w // WPH)
             gq = lane // 4
             q = lane % 4
             read_w = cute.recast_ptr(read, dtype=Uint32)
@@ -205,11 +219,11 @@ class DecodeFp8:
 
             # This warp's first head: codes and ring x copied to shared memory
             # asynchronously, in flight during the shared part.
-            my_codes = s_codes.iterator + w * CODE_WORDS
+            my_codes = s_codes.iterator + w * (CODE_WORDS // WPH)
             my_xr = s_xr.iterator + w * (RING * 32)
-            self.copy_head(read_w, xr_w, my_codes, my_xr, slot_rw, slot, r, h0, lane, gq, q, x_ring_stride16)
+            self.copy_head(read_w, xr_w, my_codes, my_xr, slot_rw, slot, r, h0, sub, lane, gq, q, x_ring_stride16)
             scalars = self.head_loads(
-                h0, bb, slot, r, lane, gq, q, x_w, scales, dt_ring, dt, A, D, dt_bias,
+                h0, bb, slot, r, sub, lane, gq, q, x_w, scales, dt_ring, dt, A, D, dt_bias,
                 scale_stride, dt_ring_stride, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
             )
 
@@ -262,23 +276,35 @@ class DecodeFp8:
             codes = self.read_codes(my_codes, lane)
             xr_words = [my_xr[j * 32 + lane] for j in range(RING)]
             self.head(
-                h0, bb, slot, r, lane, gq, q, codes, xr_words, scalars, bfrag, e_pow, s_bc, xr_w,
+                h0, bb, slot, r, sub, lane, gq, q, codes, xr_words, scalars, bfrag, e_pow, s_bc, xr_w,
                 dt_ring, out, x_ring_stride16, dt_ring_stride,
             )
 
+    def lane_rows(self, sub, gq, q) -> list:
+        """This lane's output rows: of the 2 MT rows 8 gq + 2 MT sub .. its quad holds
+        after the MMAs (MMA rows g, g + 8 of m-tile mt are state rows 8 g + 2 mt and
+        8 g + 2 mt + 1), lane q takes RPL consecutive ones."""
+        base = 8 * gq + 2 * self.mt * sub + self.rpl * q
+        return [base + k for k in range(self.rpl)]
+
+    def x_word(self, sub, gq, q):
+        """Index of the bf16 pair holding this lane's first row (within a 64-row vector)."""
+        return self.lane_rows(sub, gq, q)[0] // 2
+
     @cute.jit
-    def copy_head(self, read_w, xr_w, my_codes, my_xr, slot_rw, slot, r, hh, lane, gq, q, x_ring_stride16):
+    def copy_head(self, read_w, xr_w, my_codes, my_xr, slot_rw, slot, r, hh, sub, lane, gq, q, x_ring_stride16):
         """Start this lane's asynchronous copies of head hh into its warp's buffers: the
-        16-byte code chunks it feeds to the MMAs (chunk i to word 4 (32 i + lane): every
-        shared access of the warp is 512 contiguous bytes) and x_j[p0], x_j[p0 + 1]
-        (p0 = 8 gq + 2 q) of ring entries j < r (zeros beyond, never read)."""
-        for mt in cutlass.range_constexpr(4):
+        16-byte code chunks it feeds to the MMAs of its m-tiles (chunk i to word
+        4 (32 i + lane): every shared access of the warp is 512 contiguous bytes) and the
+        bf16 pair of x_j holding its rows, for ring entries j < r (zeros beyond, never read)."""
+        for ml in cutlass.range_constexpr(self.mt):
+            mt = sub * self.mt + ml
             for half in cutlass.range_constexpr(2):
                 rw = slot_rw + (Int64(hh) * P + Int64(8 * gq + 2 * mt + half)) * (N // 4) + Int64(q * 4)
                 for c in cutlass.range_constexpr(2):
-                    i = (mt * 2 + half) * 2 + c
+                    i = (ml * 2 + half) * 2 + c
                     bits.cp_async_16((my_codes + (i * 32 + lane) * 4).toint(), (read_w + rw + 16 * c).toint())
-        xr_head = slot * x_ring_stride16 * 4 + Int64(hh) * (RING * P // 2) + Int64(4 * gq + q)
+        xr_head = slot * x_ring_stride16 * 4 + Int64(hh) * (RING * P // 2) + Int64(self.x_word(sub, gq, q))
         for j in cutlass.range_constexpr(RING):
             bits.cp_async_4_if(
                 (my_xr + j * 32 + lane).toint(), (xr_w + (xr_head + j * (P // 2))).toint(), sel(Int32(j) < r, Int32(1), Int32(0))
@@ -286,12 +312,12 @@ class DecodeFp8:
 
     @cute.jit
     def read_codes(self, my_codes, lane):
-        """codes[mt][half][c]: the words copy_head fetched for this lane."""
+        """codes[ml][half][c]: the words copy_head fetched for this lane."""
         codes = []
-        for mt in cutlass.range_constexpr(4):
+        for ml in cutlass.range_constexpr(self.mt):
             pair = []
             for half in cutlass.range_constexpr(2):
-                pair.append([_vec(my_codes, ((mt * 2 + half) * 2 + c) * 128 + lane * 4, 4).load() for c in range(2)])
+                pair.append([_vec(my_codes, ((ml * 2 + half) * 2 + c) * 128 + lane * 4, 4).load() for c in range(2)])
             codes.append(pair)
         return codes
 
@@ -333,54 +359,51 @@ class DecodeFp8:
 
     @cute.jit
     def head_loads(
-        self, hh, bb, slot, r, lane, gq, q, x_w, scales, dt_ring, dt, A, D, dt_bias,
+        self, hh, bb, slot, r, sub, lane, gq, q, x_w, scales, dt_ring, dt, A, D, dt_bias,
         scale_stride, dt_ring_stride, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
     ):
-        """The scalars `head` needs, loaded where this call stands (before the barrier
-        for the first head): [x pair word, raw dt, dt_bias, dt_j (lane j % 16, 0 for
-        j >= r), A, scale[p0], scale[p0 + 1], D[p0], D[p0 + 1]]."""
+        """The scalars `head` needs, loaded where this call stands (before the barrier):
+        [x pair word, raw dt, dt_bias, dt_j (lane j % 16, 0 for j >= r), A, then scale[p]
+        and D[p] of each of this lane's rows]."""
         H = self.heads
         hh = Int64(hh)
-        p0 = Int64(8 * gq + 2 * q)
         one = Int32(1)
         jl = lane % 16
 
         def f32(ptr, off, pred=one):
             return bits.ld_global_u32_if((ptr + off).toint(), pred).bitcast(Float32)
 
-        sc = slot * scale_stride + hh * P + p0
-        dh = hh * d_stride_h + p0 * d_stride_p
-        return [
-            bits.ld_global_u32_if((x_w + ((bb * H + hh) * (P // 2) + p0 // 2)).toint(), one),
+        vals = [
+            bits.ld_global_u32_if((x_w + ((bb * H + hh) * (P // 2) + Int64(self.x_word(sub, gq, q)))).toint(), one),
             f32(dt, bb * dt_stride_b + hh * dt_stride_h),
             f32(dt_bias, hh * dt_bias_stride),
             f32(dt_ring, slot * dt_ring_stride + hh * RING + Int64(jl), sel(jl < r, one, Int32(0))),
             f32(A, hh * a_stride),
-            f32(scales, sc),
-            f32(scales, sc + 1),
-            f32(D, dh),
-            f32(D, dh + d_stride_p),
         ]
+        for p in self.lane_rows(sub, gq, q):
+            vals.append(f32(scales, slot * scale_stride + hh * P + Int64(p)))
+            vals.append(f32(D, hh * d_stride_h + Int64(p) * d_stride_p))
+        return vals
 
     @cute.jit
     def head(
-        self, hh, bb, slot, r, lane, gq, q, codes, xr_words, scalars, bfrag, e_pow, s_bc, xr_w,
+        self, hh, bb, slot, r, sub, lane, gq, q, codes, xr_words, scalars, bfrag, e_pow, s_bc, xr_w,
         dt_ring, out, x_ring_stride16, dt_ring_stride,
     ):
-        """One head on one warp: row dots on the tensor cores, ring replay, output
-        (`scalars`: what head_loads fetched)."""
-        H = self.heads
-        xw, dt_raw, dt_b, dt_j, a_h, sc0, sc1, d_0, d_1 = scalars
-        p0 = Int64(8 * gq + 2 * q)
-        xr_head = slot * x_ring_stride16 * 4 + hh * (RING * P // 2) + p0 // 2
+        """This warp's share of one head: row dots of its m-tiles on the tensor cores,
+        ring replay and outputs of its lanes' rows (`scalars`: what head_loads fetched)."""
+        H, MT, RPL = self.heads, self.mt, self.rpl
+        xw, dt_raw, dt_b, dt_j, a_h = scalars[:5]
+        rows = self.lane_rows(sub, gq, q)
         # Ring coefficients: lane j (and j + 16) holds entry j: pre_j = dt_0 + .. + dt_j
         # (shuffle scan), coef_j = dt_j exp(A (pre_r - pre_j)) (B_j . C); 0 beyond r.
         jl = lane % 16
         dtr = slot * dt_ring_stride + hh * RING
         dt_cur = softplus(dt_raw + dt_b)
         dt_j = sel(jl == r, dt_cur, dt_j)
-        if lane == r:
-            dt_ring[dtr + Int64(r)] = dt_cur
+        if sub == 0:
+            if lane == r:
+                dt_ring[dtr + Int64(r)] = dt_cur
         pre = dt_j
         off = 1
         while off < RING:
@@ -391,41 +414,54 @@ class DecodeFp8:
         coef = dt_j * cute.math.exp(a_h * (pre_r - pre)) * s_bc[jl]
         decay = cute.math.exp(a_h * pre_r)
 
-        # Row dots: 4 m-tiles x 4 k-steps of m16n8k32.
+        # Row dots: MT m-tiles x 4 k-steps of m16n8k32; dots[2 ml + half] is the dot of
+        # state row 8 gq + 2 (MT sub + ml) + half, in all four lanes of the quad.
         dots = []
-        for mt in cutlass.range_constexpr(4):
+        for ml in cutlass.range_constexpr(MT):
             acc = [Float32(0.0)] * 4
             for s in cutlass.range_constexpr(4):
-                c0 = codes[mt][0][s // 2]
-                c1 = codes[mt][1][s // 2]
+                c0 = codes[ml][0][s // 2]
+                c1 = codes[ml][1][s // 2]
                 i = 2 * (s % 2)
                 acc = mma_e4m3_16x8x32(
                     [c0[i], c1[i], c0[i + 1], c1[i + 1]], [bfrag[2 * s], bfrag[2 * s + 1]], acc
                 )
-            dots.append([_xor_sum(acc[0] + acc[1], 4), _xor_sum(acc[2] + acc[3], 4)])
-        # This lane's rows p0 = 8 gq + 2 q and p0 + 1 are m-tile q's.
-        d0, d1 = dots[3][0], dots[3][1]
-        for mt in cutlass.range_constexpr(3):
-            d0 = sel(q == 2 - mt, dots[2 - mt][0], d0)
-            d1 = sel(q == 2 - mt, dots[2 - mt][1], d1)
+            dots += [_xor_sum(acc[0] + acc[1], 4), _xor_sum(acc[2] + acc[3], 4)]
+        # Lane q's rows are local rows RPL q + k of the quad's 2 MT.
+        mine = []
+        for k in cutlass.range_constexpr(RPL):
+            d = dots[0]
+            for c in cutlass.range_constexpr(1, 2 * MT):
+                d = sel(q * RPL + k == c, dots[c], d)
+            mine.append(d)
 
         # Ring replay over entries j < r (zero words beyond), then the current token.
-        acc0 = Float32(0.0)
-        acc1 = Float32(0.0)
+        accs = [Float32(0.0)] * RPL
         for j in cutlass.range_constexpr(RING):
             c_j = cute.arch.shuffle_sync(coef, j)
-            xv = _bf16x2(xr_words[j])
-            acc0 = acc0 + c_j * xv[0]
-            acc1 = acc1 + c_j * xv[1]
-        xr_w[xr_head + Int64(r) * (P // 2)] = xw
-        xc = _bf16x2(xw)
+            xv = self.lane_x(xr_words[j], q)
+            for k in cutlass.range_constexpr(RPL):
+                accs[k] = accs[k] + c_j * xv[k]
+        xr_head = slot * x_ring_stride16 * 4 + hh * (RING * P // 2) + Int64(self.x_word(sub, gq, q))
+        if cutlass.const_expr(RPL == 2):
+            xr_w[xr_head + Int64(r) * (P // 2)] = xw
+        else:
+            if q % 2 == 0:  # lanes q, q + 1 share the pair: one writes it
+                xr_w[xr_head + Int64(r) * (P // 2)] = xw
+        xc = self.lane_x(xw, q)
         c_r = cute.arch.shuffle_sync(coef, r)
         f = decay * e_pow
-        y0 = f * sc0 * d0 + (acc0 + c_r * xc[0]) + d_0 * xc[0]
-        y1 = f * sc1 * d1 + (acc1 + c_r * xc[1]) + d_1 * xc[1]
-        o = (bb * H + hh) * P + p0
-        out[o] = BFloat16(y0)
-        out[o + 1] = BFloat16(y1)
+        for k in cutlass.range_constexpr(RPL):
+            sc_k, d_k = scalars[5 + 2 * k], scalars[6 + 2 * k]
+            y = f * sc_k * mine[k] + (accs[k] + c_r * xc[k]) + d_k * xc[k]
+            out[(bb * H + hh) * P + Int64(rows[k])] = BFloat16(y)
+
+    def lane_x(self, word, q) -> list:
+        """This lane's x values from the bf16 pair holding its rows."""
+        v = _bf16x2(word)
+        if self.rpl == 2:
+            return v
+        return [sel(q % 2 == 0, v[0], v[1])]
 
 
 __all__ = ["DecodeFp8", "warps_for", "N", "P", "RING", "_vec", "_xor_sum", "_bf16x2"]
