@@ -55,6 +55,9 @@ from .mma import mma_e4m3_16x8x32
 
 P, N, RING = 64, 128, 16
 MAX_WARPS = 16
+# Heads per CTA (a divisor of the heads per group): 2, 4 and 8 measured within 1 % of
+# each other at batch 256 and 1024 on an H200, 4 the best (docs/perf-notes-cute.md).
+HEADS_PER_CTA = 4
 # Terms of C (columns of the MMA's B operand).
 TERMS = 3
 CODE_WORDS = P * N // 4  # one head's read copy, in words
@@ -98,10 +101,10 @@ class DecodeFp8:
         self.hpg = heads // groups
         # Warps per head (1 or 2): two halve each warp's serial work and double the
         # warps an SM holds (the kernel is bound by dependent-instruction latency).
-        self.wph = int(os.environ.get("REPLAYSSM_DECODE_WPH", "2"))
+        self.wph = int(os.environ.get("REPLAYSSM_DECODE_WPH", "1"))
         if self.wph not in (1, 2):
             raise ValueError(f"$REPLAYSSM_DECODE_WPH must be 1 or 2; got {self.wph}")
-        self.warps = warps_for(self.hpg, MAX_WARPS // self.wph)  # heads per CTA
+        self.warps = warps_for(self.hpg, HEADS_PER_CTA)  # heads per CTA
         self.splits = self.hpg // self.warps  # CTAs per (row, group)
         self.mt = 4 // self.wph  # m-tiles per warp
         self.rpl = self.mt // 2  # output rows per lane

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64
 from cuda.bindings import driver as cuda_driver
 from cutlass.cute.typing import Pointer
 from cutlass.memory import SmemAllocator
@@ -65,7 +65,7 @@ class DecodeFp8Simt:
     @cute.jit
     def __call__(
         self,
-        read: Pointer,  # fp8 [S, H, 64, 128], 16-byte aligned
+        read: Pointer,  # fp8 [S, H, 64, 128] as uint32 words, 16-byte aligned
         scales: Pointer,  # f32 [S, H, 64]
         x_ring: Pointer,  # bf16 [S, H, 16, 64], 16-byte aligned
         dt_ring: Pointer,  # f32 [S, H, 16]
@@ -160,7 +160,8 @@ class DecodeFp8Simt:
             p_out = t // 2  # output row of this thread (two threads a row)
 
             # Loads first: the read copy (the bulk of the bytes), C, then ring entry j.
-            r_head = read + (slot * read_stride16 * 16 + hh * (P * N))
+            # The launcher passes the read copy as words (the tensor-core kernel's view).
+            r_head = cute.recast_ptr(read, dtype=Float8E4M3FN) + (slot * read_stride16 * 16 + hh * (P * N))
             r_codes = []
             for i in cutlass.range_constexpr(4):
                 r_codes.append(_vec(r_head, t * 16 + i * (THREADS * 16), 16).load())
