@@ -4,6 +4,8 @@ No GPU is needed: `compile_all` names the target explicitly. The sm_100a / sm_10
 must use the hardware conversions (`cvt.rs.satfinite.f16x2.f32` for the stochastically
 rounded checkpoint, `cvt.rn.satfinite.e4m3x2.f32` for the read copy); sm_90a has no
 `cvt.rs` and must not emit it (its software path is what the GPU test checks bit for bit).
+Both fold on the tensor cores (`mma.sync` tf32) and every target has the same number of
+them; the opt-in tensor-core non-flush kernel is compiled here too.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ pytestmark = pytest.mark.skipif(
 ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 
 
-ROWS = 2  # flush_fp8.ROWS: state rows per flush thread
+# Per flush thread: 2 state rows x 16 columns = 16 FP16 pairs and 16 e4m3 pairs;
+# 8 n-tiles x 2 k-steps x 2 tf32 terms = 32 MMAs.
+PAIRS = 16
+FOLD_MMAS = 32
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +60,9 @@ def test_sm100_flush_uses_hardware_conversions(compiled, arch):
     for name, text in _ptx(compiled[arch], "flush").items():
         # Every checkpoint pair goes through cvt.rs and every read-copy pair through the
         # e4m3x2 cvt: 4 of each per state row a thread owns.
-        assert text.count("cvt.rs.satfinite.f16x2.f32") == 4 * ROWS, name
-        assert text.count("cvt.rn.satfinite.e4m3x2.f32") == 4 * ROWS, name
+        assert text.count("cvt.rs.satfinite.f16x2.f32") == PAIRS, name
+        assert text.count("cvt.rn.satfinite.e4m3x2.f32") == PAIRS, name
+        assert text.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == FOLD_MMAS, name
 
 
 def test_sm90_flush_is_software(compiled):
@@ -64,6 +70,9 @@ def test_sm90_flush_is_software(compiled):
 
     for name, text in _ptx(compiled["sm_90a"], "flush").items():
         assert "cvt.rs" not in text, name
+        # Stochastic rounding by bits.fp16x2_sr_fast: one truncating pair conversion each.
+        assert text.count("cvt.rz.f16x2.f32") == PAIRS, name
+        assert text.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == FOLD_MMAS, name
         # The read-copy encode: software by default, the e4m3x2 cvt on request.
         assert ("cvt.rn.satfinite.e4m3x2.f32" in text) == (sm90_e4m3() == "hw"), name
         # The hash multiplies by the lowbias32 constants (software and hardware paths alike).
@@ -77,6 +86,24 @@ def test_decode_reads_the_fp8_copy_with_vector_loads(compiled, arch):
         assert text.count("cvt.rn.f16x2.e4m3x2") == 32, name
         assert "ld.global.v4" in text, name
         assert "cvt.rs" not in text, name
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_tensor_core_decode_variant_compiles(monkeypatch, tmp_path, arch):
+    """REPLAYSSM_FP8_DECODE=mma: 4 m-tiles x 4 k-steps of the e4m3 MMA per warp (one
+    head), the codes and ring x staged by cp.async."""
+    import cutlass.cute as cute
+
+    from replayssm.kernels.cute import launch
+
+    monkeypatch.setenv(launch.FP8_DECODE_ENV, "mma")
+    obj = launch._kernel_object("decode_fp8", arch, 16, 2, "hw")
+    assert type(obj).__name__ == "DecodeFp8Mma"
+    cute.compile(obj, *launch._fake_args("decode_fp8"), options=launch._options(arch, tmp_path))
+    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    assert ptx.count("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32") == 16
+    assert ptx.count("cp.async.cg.shared.global") == 16
+    assert "cvt.rs" not in ptx
 
 
 def test_unknown_arch_is_rejected(tmp_path):

@@ -157,7 +157,7 @@ def test_block_pipeline_twin_matches_nvfp4_encode():
 # ---------------------------------------------------------------------------------------
 # Compile-only (no GPU)
 
-ROWS_FLUSH = 2  # flush_fp8.ROWS: state rows per flush thread
+ROWS_FLUSH = 2  # flush_nvfp4.ROWS: state rows per flush thread
 ROWS_DECODE = 4  # decode_nvfp4.ROWS
 
 

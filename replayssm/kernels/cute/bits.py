@@ -52,6 +52,11 @@ def random_word(key: Uint32, index: Uint32) -> Uint32:
 # Floats shared by both kernels
 
 
+def bf16x2_to_f32x2(w: Uint32) -> list:
+    """The two bf16 halves of a word as FP32 (exact): [bits 15:0, bits 31:16]."""
+    return [(w << 16).bitcast(Float32), (w & Uint32(0xFFFF0000)).bitcast(Float32)]
+
+
 def sel(cond, a, b):
     """cond ? a : b for two DSL scalars of one type (a select, no branch)."""
     return type(a)(cutlass.select_(cond, a, b))
@@ -140,6 +145,7 @@ def f16x2_rz(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
 # 2**-14 (smallest normal FP16) and 65504 (largest finite FP16), as FP32 bits.
 F16_MIN_NORMAL_BITS = 0x38800000
 F16_MAX_BITS = 0x477FE000
+F16_OVERFLOW_BITS = 0x47800000  # 65536: every |x| from here on saturates
 
 
 def _sr_pick(x: Float32, r: Uint32) -> Float32:
@@ -156,8 +162,11 @@ def _sr_pick(x: Float32, r: Uint32) -> Float32:
     mag = ((r | Uint32(0x4B000000)).bitcast(Float32) * Float32(2.0**-37) - Float32(2.0**-14)).bitcast(Uint32)
     vs = add_rz(x, (mag | sign).bitcast(Float32)).bitcast(Uint32)
     v = sel(a >= Uint32(F16_MIN_NORMAL_BITS), vn, vs)
-    # Infinity: the encoder's satfinite gives +-65504 (NaN stays NaN).
-    v = sel(a == Uint32(0x7F800000), sign | Uint32(F16_MAX_BITS), v)
+    # |x| >= 65536 up to infinity: the encoder's satfinite gives +-65504 (NaN stays NaN).
+    # Done here, not left to the truncation, because r added to values near the FP32
+    # maximum carries into the all-ones exponent (an infinity or NaN pattern).
+    big = (a - Uint32(F16_OVERFLOW_BITS)) <= Uint32(0x7F800000 - F16_OVERFLOW_BITS)
+    v = sel(big, sign | Uint32(F16_MAX_BITS), v)
     return v.bitcast(Float32)
 
 
@@ -174,8 +183,9 @@ def fp16x2_sr_fast(lo: Float32, hi: Float32, word: Uint32) -> Uint32:
       truncates on a grid (<= 2**-37) finer than FP16's 2**-24, so the two truncations
       compose to the one the encoder makes.
     `cvt.rz.f16x2.f32` then truncates both, satfinite for free (rounding toward zero
-    never overflows to infinity); infinities are mapped to +-65504 first and NaN gives
-    0x7FFF, as in the encoder."""
+    never overflows to infinity); |x| >= 65536 (infinities included) is mapped to +-65504
+    first and NaN gives 0x7FFF, as in the encoder. tests/test_sr_fast.py emulates these
+    instructions on the CPU against the encoder."""
     return f16x2_rz(_sr_pick(lo, word & Uint32(0x1FFF)), _sr_pick(hi, (word >> 16) & Uint32(0x1FFF)))
 
 
@@ -350,6 +360,7 @@ def e4m3x2_to_f32x2(word: Uint32, *, loc=None, ip=None) -> list:
 
 
 __all__ = [
+    "bf16x2_to_f32x2",
     "ld_global_u32_if",
     "cp_async_16",
     "cp_async_4_if",

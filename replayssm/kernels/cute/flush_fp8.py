@@ -42,8 +42,7 @@ from cutlass.cute.typing import Pointer
 from cutlass.memory import SmemAllocator
 
 from . import bits
-from .bits import sel, softplus
-from .decode_fp8 import _bf16x2
+from .bits import bf16x2_to_f32x2 as _bf16x2, sel, softplus
 from .mma import mma_tf32_16x8x8
 
 WARPS = 8

@@ -41,8 +41,9 @@ from .bits import sel, softplus
 from .bits_nvfp4 import DSL_OPS
 from .flush_fp8 import N, P, RING, _vec, _xor_reduce
 
-# The FP8 flush's launch shape and thread map (flush_fp8.py), fixed here because the code
-# below depends on them (two rows per thread: one e4m3x2 conversion for their scales).
+# Launch shape and thread map (those of the first FP8 flush, before it moved to the tensor
+# cores): the code below depends on them (two rows per thread: one e4m3x2 conversion for
+# their scales).
 THREADS = 512
 ROWS = 2  # state rows per thread: row0 + 32 i
 ROW_STEP = THREADS // 16

@@ -26,7 +26,7 @@ from cutlass.cute.runtime import make_fake_stream, make_ptr
 from ... import layout as L
 from .arch import HAS_CVT_RS, arch_for, check_arch
 from .decode_fp8 import DecodeFp8
-from .decode_fp8_simt import DecodeFp8Simt
+from .decode_fp8_mma import DecodeFp8Mma
 from .flush_fp8 import FlushFp8Sm90, FlushFp8Sm100
 
 KINDS = ("decode_fp8", "flush_fp8", "flush_fp8_debug")
@@ -43,6 +43,19 @@ SM90_E4M3_DEFAULT = "hw"
 _COMPILED: dict[tuple, object] = {}
 
 
+# The FP8 non-flush kernel: "simt" (decode_fp8.py, the default: fastest measured) or
+# "mma" (decode_fp8_mma.py: tensor-core row dots, 11-18 % slower on an H200, kept for the
+# pipelined design it is a step towards; docs/perf-notes-cute.md).
+FP8_DECODE_ENV = "REPLAYSSM_FP8_DECODE"
+
+
+def fp8_decode() -> str:
+    mode = os.environ.get(FP8_DECODE_ENV, "simt")
+    if mode not in ("simt", "mma"):
+        raise ValueError(f"${FP8_DECODE_ENV} must be 'simt' or 'mma'; got {mode!r}")
+    return mode
+
+
 def sm90_e4m3() -> str:
     mode = os.environ.get(SM90_E4M3_ENV, SM90_E4M3_DEFAULT)
     if mode not in ("soft", "hw"):
@@ -52,9 +65,7 @@ def sm90_e4m3() -> str:
 
 def _kernel_object(kind: str, arch: str, heads: int, groups: int, e4m3: str):
     if kind == "decode_fp8":
-        if os.environ.get("REPLAYSSM_FP8_DECODE") == "simt":  # the previous kernel, for comparison
-            return DecodeFp8Simt(heads, groups)
-        return DecodeFp8(heads, groups)
+        return DecodeFp8Mma(heads, groups) if fp8_decode() == "mma" else DecodeFp8(heads, groups)
     debug = kind == "flush_fp8_debug"
     if arch in HAS_CVT_RS:
         return FlushFp8Sm100(heads, groups, debug=debug)
@@ -127,7 +138,7 @@ def compiled(kind: str, arch: str, heads: int, groups: int, e4m3: str | None = N
     """The compiled launcher for (kind, arch, heads, groups), compiling it on first use
     (`e4m3`: the sm_90a read-copy encode, default `sm90_e4m3()`)."""
     e4m3 = "hw" if arch in HAS_CVT_RS or kind == "decode_fp8" else (e4m3 or sm90_e4m3())
-    key = (kind, arch, heads, groups, e4m3)
+    key = (kind, arch, heads, groups, e4m3, fp8_decode() if kind == "decode_fp8" else None)
     fn = _COMPILED.get(key)
     if fn is None:
         obj = _kernel_object(kind, arch, heads, groups, e4m3)
