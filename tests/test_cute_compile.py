@@ -111,3 +111,27 @@ def test_unknown_arch_is_rejected(tmp_path):
 
     with pytest.raises(ValueError, match="sm_90a"):
         compile_all("sm_80", tmp_path)
+
+
+def test_flush_fragment_maps_are_bijections():
+    """The flush's permuted column maps (flush_fp8.py): the B staging formula the kernel
+    uses equals `_b_slot`, `_b_slot` is a permutation of the 128 columns, and lane
+    (gq, q)'s B fragment (its eight n-tiles, read as 8 consecutive staged floats) holds
+    exactly the columns its accumulators are stored to (16 q + 2 nt + {0, 1} per half)."""
+    from replayssm.kernels.cute.flush_fp8 import N, _b_slot
+
+    slots = [_b_slot(n) for n in range(N)]
+    assert sorted(slots) == list(range(N))
+    for ch in range(16):  # staging thread: columns 8 ch .. 8 ch + 7
+        base = (ch // 8) * 64 + 16 * ((ch % 8) // 2) + 4 * (ch % 2)
+        for i in range(8):
+            assert base + 8 * (i % 2) + i // 2 == _b_slot(8 * ch + i), (ch, i)
+    for nh in range(2):
+        for g in range(8):  # MMA column g of n-tile nt is state column phys(nt, g)
+            for nt in range(8):
+                phys = nh * 64 + (g // 2) * 16 + 2 * nt + g % 2
+                assert _b_slot(phys) == nh * 64 + 8 * g + nt
+        # Accumulator columns 2 q, 2 q + 1 of n-tile nt: lane q's 16 consecutive columns.
+        for q in range(4):
+            cols = sorted(nh * 64 + (c // 2) * 16 + 2 * nt + c % 2 for nt in range(8) for c in (2 * q, 2 * q + 1))
+            assert cols == list(range(nh * 64 + 16 * q, nh * 64 + 16 * q + 16))

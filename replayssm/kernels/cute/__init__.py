@@ -1,9 +1,13 @@
-"""CuTe DSL decode kernels (the hot path) for the FP8 read copy.
+"""CuTe DSL decode kernels (the hot path).
 
-- `decode_fp8.DecodeFp8`: the non-flush step (read copy + ring replay, ring append).
+- `decode_fp8.DecodeFp8`: the non-flush step (read copy + ring replay, ring append);
+  `decode_fp8_mma.DecodeFp8Mma` the same on the tensor cores (opt-in,
+  $REPLAYSSM_FP8_DECODE=mma: slower today, docs/perf-notes-cute.md).
 - `flush_fp8.FlushFp8Sm90` / `FlushFp8Sm100`: the flush (fold 16 tokens into the FP16
-  checkpoint with stochastic rounding, re-derive the read copy); they differ only in the
-  two conversions (software on sm_90a, `cvt.rs` / `cvt.rn ... e4m3x2` on sm_100a/sm_103a).
+  checkpoint on the tensor cores, stochastic rounding, re-derive the read copy); they
+  differ only in the two conversions (integer and round-toward-zero steps on sm_90a,
+  `cvt.rs` / `cvt.rn ... e4m3x2` on sm_100a/sm_103a).
+- `decode_nvfp4`, `flush_nvfp4`, `launch_nvfp4`: the NVFP4 read copy.
 - `launch`: compile cache keyed by (kernel, arch, heads, groups), `compile_all`, `warmup`
   and the per-step launcher.
 - `arch`: the compute-capability table and the $REPLAYSSM_ARCH override.

@@ -11,9 +11,15 @@ no state. Padding and flush rows return at once (the prepare kernel zeroed the o
 padding rows; the flush kernel owns flush rows), so both kernels launch every step and a
 captured CUDA graph replays any mix of rows.
 
-Grid (groups, batch): one CTA per (row, group), one warp per head of the group (WARPS
-warps, each taking HPG / WARPS heads in turn). The CTA first computes what the heads of
-a group share: B_j . C for the 16 ring entries, and C split into three e4m3 terms,
+Opt-in ($REPLAYSSM_FP8_DECODE=mma): on an H200 it is 11-18 % slower than the SIMT kernel
+(decode_fp8.py) and insensitive to its shape; it is the compute core of a pipelined
+design (docs/perf-notes-cute.md, session 2).
+
+Grid (groups * HPG / heads_per_cta, batch): a CTA takes heads_per_cta heads of one group
+for one row, one warp per head (two with warps_per_head=2, each taking half the m-tiles).
+Each lane first starts asynchronous copies (cp.async) of its head's codes and ring x into
+its warp's shared memory and loads its scalars; the CTA meanwhile computes what the heads
+of a group share: B_j . C for the 16 ring entries, and C split into three e4m3 terms,
 
     C 2**-e = c1 + c2 + c3,  c1 = e4m3(C 2**-e), c2 = e4m3(C 2**-e - c1), ...
 
@@ -22,15 +28,15 @@ significant bits except below e4m3's subnormal step, 2**-9 of the scaled C, i.e.
 absolute error under 2**-17 max |C|). Each warp then computes the read-copy row dots of
 its head on the tensor cores: 16 `mma.m16n8k32` e4m3 x e4m3 -> f32 with the codes as A
 (64 x 128) and the three terms as columns 0..2 of B (128 x 8); the sum of the three
-output columns is the row dot times 2**-e. The codes need no decode instruction at all.
+output columns is the row dot times 2**-e. The codes need no decode instruction (sm_90a's
+mma.sync converts them to f16 in hardware-issued F2FP, sm_100a natively).
 
-Lane 4 g + q of a warp loads, for m-tile mt (0..3), state rows 8 g + 2 mt (MMA row g)
-and 8 g + 2 mt + 1 (MMA row g + 8): bytes 16 q .. 16 q + 15 and 64 + 16 q .. + 15 of each,
-four 16-byte loads a tile (k-step s takes bytes 8 (s & 1) .. + 7 of chunk s >> 1, i.e.
-the MMA's k index is a permutation of n that A and B share). After the MMAs the four
-lanes of group g hold the dots of rows 8 g .. 8 g + 7; lane q keeps rows 8 g + 2 q and
-8 g + 2 q + 1 and computes their outputs, ring replay included (one 4-byte load of x_j
-per entry).
+Lane 4 g + q of a warp feeds, for m-tile mt (0..3), state rows 8 g + 2 mt (MMA row g)
+and 8 g + 2 mt + 1 (MMA row g + 8): bytes 16 q .. 16 q + 15 and 64 + 16 q .. + 15 of each
+(k-step s takes bytes 8 (s & 1) .. + 7 of chunk s >> 1, i.e. the MMA's k index is a
+permutation of n that A and B share). After the MMAs the four lanes of group g hold the
+dots of rows 8 g .. 8 g + 7; lane q keeps rows 8 g + 2 q and 8 g + 2 q + 1 and computes
+their outputs, ring replay included.
 
 Accuracy: the products of e4m3 codes are exact; the tensor core adds them with a
 reduced-precision aligned sum (relative error ~2**-13 of the largest partial sum per
@@ -39,8 +45,6 @@ element) and below the bf16 rounding of the output.
 """
 
 from __future__ import annotations
-
-import os
 
 import cutlass
 import cutlass.cute as cute
@@ -80,9 +84,7 @@ def _xor_sum(v: Float32, width: int) -> Float32:
 
 
 def warps_for(hpg: int, limit: int = MAX_WARPS) -> int:
-    """Warps (= heads) per CTA: the largest divisor of the heads per group up to `limit`
-    (default $REPLAYSSM_DECODE_WARPS, else MAX_WARPS)."""
-    limit = int(os.environ.get("REPLAYSSM_DECODE_WARPS", limit))
+    """Heads per CTA: the largest divisor of the heads per group up to `limit`."""
     return max(d for d in range(1, min(hpg, limit) + 1) if hpg % d == 0)
 
 
@@ -91,15 +93,15 @@ class DecodeFp8Mma:
 
     name = "decode_fp8_mma"
 
-    def __init__(self, heads: int, groups: int) -> None:
+    def __init__(self, heads: int, groups: int, *, heads_per_cta: int = HEADS_PER_CTA, warps_per_head: int = 1) -> None:
         self.heads, self.groups = heads, groups
         self.hpg = heads // groups
-        # Warps per head (1 or 2): two halve each warp's serial work and double the
-        # warps an SM holds (the kernel is bound by dependent-instruction latency).
-        self.wph = int(os.environ.get("REPLAYSSM_DECODE_WPH", "1"))
-        if self.wph not in (1, 2):
-            raise ValueError(f"$REPLAYSSM_DECODE_WPH must be 1 or 2; got {self.wph}")
-        self.warps = warps_for(self.hpg, HEADS_PER_CTA)  # heads per CTA
+        # Warps per head (1 or 2): two halve each warp's serial work and double the warps
+        # an SM holds; measured no faster (docs/perf-notes-cute.md), 1 by default.
+        if warps_per_head not in (1, 2):
+            raise ValueError(f"warps_per_head must be 1 or 2; got {warps_per_head}")
+        self.wph = warps_per_head
+        self.warps = warps_for(self.hpg, heads_per_cta)  # heads per CTA
         self.splits = self.hpg // self.warps  # CTAs per (row, group)
         self.mt = 4 // self.wph  # m-tiles per warp
         self.rpl = self.mt // 2  # output rows per lane

@@ -16,7 +16,7 @@ read only the half 1 - old and write only the half old; the reset of `old` and t
 flip happened in the prepare launch before this one on the same stream, and the non-flush
 launch of the step touches only non-flushing slots.
 
-Grid (heads, ceil(batch / ROWS_PER_CTA)), 512 threads, the FP8 flush's thread map: thread t owns
+Grid (heads, ceil(batch / ROWS_PER_CTA)), 512 threads (the first FP8 flush's thread map): thread t owns
 n = 8 (t % 16) .. + 7 of state rows t // 16 + 32 i (i = 0, 1). An NVFP4 block (16
 elements) is two adjacent lanes: one xor shuffle gives its amax; both lanes derive the
 same scale and each encodes its 8 elements into one 32-bit word of codes. The two rows'

@@ -20,7 +20,7 @@ from pathlib import Path
 import cutlass.cute as cute
 import torch
 from cuda.bindings import driver as cuda_driver
-from cutlass import BFloat16, Float16, Float32, Float8E4M3FN, Int8, Int32, Int64, Uint32
+from cutlass import BFloat16, Float16, Float32, Int8, Int32, Int64, Uint32
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 
 from ... import layout as L
@@ -237,7 +237,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     side = _SIDE.get(device)
     if side is None:
         # High priority: the flush CTAs are the latency-critical part of a step.
-        side = torch.cuda.Stream(device=device, priority=int(os.environ.get("REPLAYSSM_FLUSH_PRIORITY", "-1")))
+        side = torch.cuda.Stream(device=device, priority=-1)
         _SIDE[device] = side
     return side
 
