@@ -14,6 +14,7 @@ CuTe kernels' GPU times per step from the PyTorch profiler over one eager period
     python benchmarks/bench_cute_fp8.py                      # 16 heads / 2 groups, batch 1 256 1024
     python benchmarks/bench_cute_fp8.py --batch 64 512 --reps 50
     python benchmarks/bench_cute_fp8.py --ablate     # also: flush overlap on/off x sm_90a e4m3 soft/hw
+    REPLAYSSM_FP8_DECODE=mma python benchmarks/bench_cute_fp8.py   # the tensor-core non-flush kernel
 """
 
 from __future__ import annotations
