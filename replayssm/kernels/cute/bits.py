@@ -19,7 +19,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 
 # quant/rng.py constants.
 GOLDEN = 0x9E3779B9
@@ -27,6 +27,40 @@ MIX_M1 = 0x7FEB352D
 MIX_M2 = 0x846CA68B
 # Mask that keeps the 13 random bits of each half of a checkpoint word (format.md 6).
 RBITS_F16X2 = 0x1FFF1FFF
+
+
+# ---------------------------------------------------------------------------------------
+# Inline PTX
+
+
+def inline_ptx(text: str, constraints: str, args, results=(), *, side_effects: bool = False, loc=None, ip=None):
+    """Emit `text` (PTX, operands $0.. outputs first) with LLVM `constraints` over the DSL
+    scalars `args`. `results`: the DSL types of the outputs; returns None, one scalar or a
+    list. `side_effects=True` keeps the statement where it stands (loads meant to be
+    issued early, asynchronous copies, waits)."""
+    types = [r.mlir_type for r in results]
+    if not types:
+        ret = None
+    elif len(types) == 1:
+        ret = types[0]
+    else:
+        ret = llvm.StructType.get_literal(types)
+    res = llvm.inline_asm(
+        ret,
+        [a.ir_value(loc=loc, ip=ip) for a in args],
+        text,
+        constraints,
+        has_side_effects=side_effects,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    if not types:
+        return None
+    if len(types) == 1:
+        return results[0](res)
+    return [r(llvm.extractvalue(t, res, [i], loc=loc, ip=ip)) for i, (r, t) in enumerate(zip(results, types))]
 
 
 # ---------------------------------------------------------------------------------------
@@ -122,24 +156,14 @@ def e4m3_rn_soft(x: Float32) -> Uint32:
 @dsl_user_op
 def add_rz(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
     """a + b rounded toward zero (`add.rz.f32`)."""
-    res = llvm.inline_asm(
-        T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-        "add.rz.f32 $0, $1, $2;", "=f,f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    )
-    return Float32(res)
+    return inline_ptx("add.rz.f32 $0, $1, $2;", "=f,f,f", [Float32(a), Float32(b)], [Float32], loc=loc, ip=ip)
 
 
 @dsl_user_op
 def f16x2_rz(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
     """`cvt.rz.f16x2.f32`: hi -> bits [31:16], lo -> [15:0], rounded toward zero (a
     finite input never becomes infinite; NaN becomes the canonical 0x7FFF)."""
-    res = llvm.inline_asm(
-        Uint32.mlir_type, [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-        "cvt.rz.f16x2.f32 $0, $1, $2;", "=r,f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    )
-    return Uint32(res)
+    return inline_ptx("cvt.rz.f16x2.f32 $0, $1, $2;", "=r,f,f", [Float32(hi), Float32(lo)], [Uint32], loc=loc, ip=ip)
 
 
 # 2**-14 (smallest normal FP16) and 65504 (largest finite FP16), as FP32 bits.
@@ -209,39 +233,19 @@ def fp16x2_sr_hw(lo: Float32, hi: Float32, word: Uint32, *, loc=None, ip=None) -
     """`cvt.rs.satfinite.f16x2.f32 d, a, b, rbits`: a (hi) -> d[31:16] with rbits[28:16],
     b (lo) -> d[15:0] with rbits[12:0]."""
     rbits = Uint32(word) & Uint32(RBITS_F16X2)
-    res = llvm.inline_asm(
-        Uint32.mlir_type,
-        [
-            Float32(hi).ir_value(loc=loc, ip=ip),
-            Float32(lo).ir_value(loc=loc, ip=ip),
-            rbits.ir_value(loc=loc, ip=ip),
-        ],
-        "cvt.rs.satfinite.f16x2.f32 $0, $1, $2, $3;",
-        "=r,f,f,r",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
+    return inline_ptx(
+        "cvt.rs.satfinite.f16x2.f32 $0, $1, $2, $3;", "=r,f,f,r", [Float32(hi), Float32(lo), rbits], [Uint32],
+        loc=loc, ip=ip,
     )
-    return Uint32(res)
 
 
 @dsl_user_op
 def e4m3x2_rn_hw(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
     """`cvt.rn.satfinite.e4m3x2.f32 d, a, b`: a (hi) -> d[15:8], b (lo) -> d[7:0]."""
-    res = llvm.inline_asm(
-        Uint32.mlir_type,
-        [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+    return inline_ptx(
         "{\n\t.reg .b16 q;\n\tcvt.rn.satfinite.e4m3x2.f32 q, $1, $2;\n\tcvt.u32.u16 $0, q;\n\t}",
-        "=r,f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
+        "=r,f,f", [Float32(hi), Float32(lo)], [Uint32], loc=loc, ip=ip,
     )
-    return Uint32(res)
 
 
 @dsl_user_op
@@ -251,18 +255,10 @@ def ld_global_u32_if(addr, pred, *, loc=None, ip=None) -> Uint32:
     branch (and one memory latency) after another. Marked as having side effects so
     the compiler keeps it where the kernel put it (before the waits that follow) rather
     than sinking it next to its first use."""
-    res = llvm.inline_asm(
-        T.i32(),
-        [Int64(addr).ir_value(loc=loc, ip=ip), Int32(pred).ir_value(loc=loc, ip=ip)],
+    return inline_ptx(
         "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\tmov.b32 $0, 0;\n\t@p ld.global.b32 $0, [$1];\n\t}",
-        "=r,l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
+        "=r,l,r", [Int64(addr), Int32(pred)], [Uint32], side_effects=True, loc=loc, ip=ip,
     )
-    return Uint32(res)
 
 
 @dsl_user_op
@@ -276,25 +272,10 @@ def ld_global_v4_u32(addr, *, loc=None, ip=None) -> list:
 def ld_global_v4_u32_if(addr, pred, *, loc=None, ip=None) -> list:
     """The 16 bytes at global address `addr` (Int64, 16-byte aligned) as four words if
     `pred` (Int32) is nonzero, else zeros (a predicated vector load)."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 4),
-        [Int64(addr).ir_value(loc=loc, ip=ip), Int32(pred).ir_value(loc=loc, ip=ip)],
+    return inline_ptx(
         "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $5, 0;\n\tmov.b32 $0, 0;\n\tmov.b32 $1, 0;\n\t"
         "mov.b32 $2, 0;\n\tmov.b32 $3, 0;\n\t@p ld.global.v4.b32 {$0, $1, $2, $3}, [$4];\n\t}",
-        "=r,=r,=r,=r,l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-    return [Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-def _asm_void(text: str, cons: str, args, loc, ip) -> None:
-    llvm.inline_asm(
-        None, args, text, cons,
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+        "=r,=r,=r,=r,l,r", [Int64(addr), Int32(pred)], [Uint32] * 4, side_effects=True, loc=loc, ip=ip,
     )
 
 
@@ -302,9 +283,9 @@ def _asm_void(text: str, cons: str, args, loc, ip) -> None:
 def cp_async_16(smem_addr, gmem_addr, *, loc=None, ip=None) -> None:
     """Asynchronous copy of 16 bytes global -> shared (`cp.async.cg`, L2 only); the
     addresses are a shared-window Int32 and a global Int64, both 16-byte aligned."""
-    _asm_void(
-        "cp.async.cg.shared.global [$0], [$1], 16;", "r,l",
-        [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip)], loc, ip,
+    inline_ptx(
+        "cp.async.cg.shared.global [$0], [$1], 16;", "r,l", [Int32(smem_addr), Int64(gmem_addr)],
+        side_effects=True, loc=loc, ip=ip,
     )
 
 
@@ -313,53 +294,41 @@ def cp_async_4_if(smem_addr, gmem_addr, pred, *, loc=None, ip=None) -> None:
     """Asynchronous copy of 4 bytes global -> shared if `pred` (Int32) is nonzero, else
     4 zero bytes written and nothing read (the ignore-src form, src-size 0)."""
     size = Int32(cutlass.select_(Int32(pred) != Int32(0), Int32(4), Int32(0)))
-    _asm_void(
-        "cp.async.ca.shared.global [$0], [$1], 4, $2;", "r,l,r",
-        [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip), size.ir_value(loc=loc, ip=ip)],
-        loc, ip,
+    inline_ptx(
+        "cp.async.ca.shared.global [$0], [$1], 4, $2;", "r,l,r", [Int32(smem_addr), Int64(gmem_addr), size],
+        side_effects=True, loc=loc, ip=ip,
     )
 
 
 @dsl_user_op
 def cp_async_wait_all(*, loc=None, ip=None) -> None:
     """Wait for this thread's cp.async copies (their data is then visible to it)."""
-    _asm_void("cp.async.wait_all;", "", [], loc, ip)
+    inline_ptx("cp.async.wait_all;", "", [], side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def f16x2_to_f32x2(word: Uint32, *, loc=None, ip=None) -> list:
     """The FP16 halves [15:0], [31:16] of `word` as FP32 (exact)."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32(), T.f32()]),
-        [Uint32(word).ir_value(loc=loc, ip=ip)],
+    return inline_ptx(
         "{\n\t.reg .b16 h0, h1;\n\tmov.b32 {h0, h1}, $2;\n\tcvt.f32.f16 $0, h0;\n\tcvt.f32.f16 $1, h1;\n\t}",
-        "=f,=f,r",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+        "=f,=f,r", [Uint32(word)], [Float32, Float32], loc=loc, ip=ip,
     )
-    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(2)]
 
 
 @dsl_user_op
 def e4m3x2_to_f32x2(word: Uint32, *, loc=None, ip=None) -> list:
     """The two e4m3 codes in bits [7:0] and [15:8] of `word` as FP32 (exact):
     `cvt.rn.f16x2.e4m3x2` (sm_89+), then two exact f16 -> f32 conversions."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32(), T.f32()]),
-        [Uint32(word).ir_value(loc=loc, ip=ip)],
+    return inline_ptx(
         "{\n\t.reg .b16 q, h0, h1;\n\t.reg .b32 d;\n\tcvt.u16.u32 q, $2;\n\t"
         "cvt.rn.f16x2.e4m3x2 d, q;\n\tmov.b32 {h0, h1}, d;\n\t"
         "cvt.f32.f16 $0, h0;\n\tcvt.f32.f16 $1, h1;\n\t}",
-        "=f,=f,r",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
+        "=f,=f,r", [Uint32(word)], [Float32, Float32], loc=loc, ip=ip,
     )
-    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(2)]
 
 
 __all__ = [
+    "inline_ptx",
     "bf16x2_to_f32x2",
     "ld_global_u32_if",
     "cp_async_16",

@@ -167,9 +167,9 @@ NUMPY_OPS = _LazyNumpyOps()
 try:
     import cutlass
     from cutlass import Float32, Uint32
-    from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import dsl_user_op
 
+    from .bits import inline_ptx as _inline_ptx
     from .bits import sel as _sel
 
     _HAVE_DSL = True
@@ -201,9 +201,7 @@ if _HAVE_DSL:
 
     @dsl_user_op
     def _e2m1x8_rn_hw(vals, *, loc=None, ip=None) -> Uint32:
-        res = llvm.inline_asm(
-            Uint32.mlir_type,
-            [Float32(vals[k ^ 1]).ir_value(loc=loc, ip=ip) for k in range(8)],
+        return _inline_ptx(
             "{\n\t.reg .b8 q0, q1, q2, q3;\n\t"
             "cvt.rn.satfinite.e2m1x2.f32 q0, $1, $2;\n\t"
             "cvt.rn.satfinite.e2m1x2.f32 q1, $3, $4;\n\t"
@@ -211,13 +209,11 @@ if _HAVE_DSL:
             "cvt.rn.satfinite.e2m1x2.f32 q3, $7, $8;\n\t"
             "mov.b32 $0, {q0, q1, q2, q3};\n\t}",
             "=r,f,f,f,f,f,f,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
+            [Float32(vals[k ^ 1]) for k in range(8)],
+            [Uint32],
             loc=loc,
             ip=ip,
         )
-        return Uint32(res)
 
     def e2m1x8_rn_hw(vals) -> Uint32:
         """sm_100a / sm_103a: eight FP32 values -> packed e2m1 word (hardware, nearest):
@@ -229,20 +225,16 @@ if _HAVE_DSL:
     def _e2m1x2_f16x2_hw(w, byte: int, *, loc=None, ip=None) -> Uint32:
         """Byte `byte` of w (elements 2 byte, 2 byte + 1) -> f16x2, low nibble in the low
         half: `cvt.rn.f16x2.e2m1x2`."""
-        res = llvm.inline_asm(
-            Uint32.mlir_type,
-            [Uint32(w).ir_value(loc=loc, ip=ip)],
+        return _inline_ptx(
             "{\n\t.reg .b8 q0, q1, q2, q3;\n\t"
             "mov.b32 {q0, q1, q2, q3}, $1;\n\t"
             f"cvt.rn.f16x2.e2m1x2 $0, q{byte};\n\t}}",
             "=r,r",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
+            [Uint32(w)],
+            [Uint32],
             loc=loc,
             ip=ip,
         )
-        return Uint32(res)
 
     def e2m1x8_f16x2_hw(w) -> list:
         """sm_100a / sm_103a: packed word -> four f16x2 words in element order (true values)."""

@@ -20,24 +20,17 @@ every lane 16-byte loads and stores.
 from __future__ import annotations
 
 from cutlass import Float32, Uint32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
+
+from .bits import inline_ptx
 
 
 def _mma(ptx: str, a, b, c, loc, ip):
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4),
-        [*(v.ir_value(loc=loc, ip=ip) for v in a), *(v.ir_value(loc=loc, ip=ip) for v in b),
-         *(v.ir_value(loc=loc, ip=ip) for v in c)],
+    return inline_ptx(
         ptx + " {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
         "=f,=f,=f,=f," + ",".join(["r"] * 6 + ["f"] * 4),
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
+        [*a, *b, *c], [Float32] * 4, loc=loc, ip=ip,
     )
-    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
 @dsl_user_op
