@@ -101,7 +101,17 @@ class DecodeFp8:
             plan_valid, plan_slot, plan_ring, plan_flush,
             read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
             dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
-        ).launch(grid=[self.heads, batch, 1], block=[THREADS, 1, 1], stream=stream)
+        ).launch(grid=self.grid(batch), block=[self.threads, 1, 1], stream=stream, **self.launch_options())
+
+    # Launch shape (the tensor-core variant, decode_fp8_mma.py, overrides these and
+    # `kernel`, and shares this signature).
+    threads = THREADS
+
+    def grid(self, batch):
+        return [self.heads, batch, 1]
+
+    def launch_options(self) -> dict:
+        return {}
 
     @cute.kernel
     def kernel(

@@ -49,12 +49,12 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
-from cuda.bindings import driver as cuda_driver
 from cutlass.cute.typing import Pointer
 from cutlass.memory import SmemAllocator
 
 from . import bits
 from .bits import bf16x2_to_f32x2 as _bf16x2, sel, softplus
+from .decode_fp8 import DecodeFp8
 from .mma import mma_e4m3_16x8x32
 
 P, N, RING = 64, 128, 16
@@ -88,8 +88,10 @@ def warps_for(hpg: int, limit: int = MAX_WARPS) -> int:
     return max(d for d in range(1, min(hpg, limit) + 1) if hpg % d == 0)
 
 
-class DecodeFp8Mma:
-    """Non-flush decode for one geometry (heads, groups); the same code for every arch."""
+class DecodeFp8Mma(DecodeFp8):
+    """Non-flush decode for one geometry (heads, groups) on the tensor cores; the same
+    code for every arch. Takes DecodeFp8's launcher (its pointer and stride arguments)
+    with its own kernel and launch shape."""
 
     name = "decode_fp8_mma"
 
@@ -106,52 +108,18 @@ class DecodeFp8Mma:
         self.mt = 4 // self.wph  # m-tiles per warp
         self.rpl = self.mt // 2  # output rows per lane
 
-    @cute.jit
-    def __call__(
-        self,
-        read: Pointer,  # fp8 [S, H, 64, 128] as uint32 words, 16-byte aligned
-        scales: Pointer,  # f32 [S, H, 64]
-        x_ring: Pointer,  # bf16 [S, H, 16, 64], 16-byte aligned
-        dt_ring: Pointer,  # f32 [S, H, 16]
-        b_ring: Pointer,  # bf16 [S, G, 16, 128], 16-byte aligned
-        x: Pointer,  # bf16 [batch, H, 64] contiguous, 16-byte aligned
-        dt: Pointer,  # f32 [batch, H] (raw dt), strided
-        A: Pointer,  # f32 [H], strided
-        B: Pointer,  # bf16 [batch, G, 128] contiguous, 16-byte aligned
-        C: Pointer,  # bf16 [batch, G, 128] contiguous, 16-byte aligned
-        D: Pointer,  # f32 [H, 64], strided
-        dt_bias: Pointer,  # f32 [H], strided
-        out: Pointer,  # bf16 [batch, H, 64] contiguous
-        plan_valid: Pointer,  # int8 [batch]
-        plan_slot: Pointer,  # int64 [batch]
-        plan_ring: Pointer,  # int64 [batch]
-        plan_flush: Pointer,  # int8 [batch]
-        read_stride16: Int64,  # slot strides: of the 16-byte-aligned tensors in 16-byte units
-        scale_stride: Int64,
-        x_ring_stride16: Int64,
-        dt_ring_stride: Int64,
-        b_ring_stride16: Int64,
-        dt_stride_b: Int64,
-        dt_stride_h: Int64,
-        a_stride: Int64,
-        dt_bias_stride: Int64,
-        d_stride_h: Int64,
-        d_stride_p: Int64,
-        batch: Int32,
-        stream: cuda_driver.CUstream,
-    ):
-        self.kernel(
-            read, scales, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
-            plan_valid, plan_slot, plan_ring, plan_flush,
-            read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
-            dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
-        ).launch(
-            grid=[self.groups * self.splits, batch, 1],
-            block=[32 * self.warps * self.wph, 1, 1],
-            min_blocks_per_mp=max(1, 32 // (self.warps * self.wph)),
-            preferred_smem_carveout=-1,  # the driver's choice (and no device query at compile time)
-            stream=stream,
-        )
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps * self.wph
+
+    def grid(self, batch):
+        return [self.groups * self.splits, batch, 1]
+
+    def launch_options(self) -> dict:
+        return {
+            "min_blocks_per_mp": max(1, 32 // (self.warps * self.wph)),
+            "preferred_smem_carveout": -1,  # the driver's choice (and no device query at compile time)
+        }
 
     @cute.kernel
     def kernel(
