@@ -81,6 +81,23 @@ def _b_slot(n: int) -> int:
     return 64 * half + 8 * c + nt
 
 
+@cute.jit
+def flush_mask(t, by, plan_flush, batch, s_mask):
+    """Bit rr set when batch row by * ROWS_PER_CTA + rr flushes: one load per lane of
+    warp 0 and one ballot, shared through `s_mask` (one Int32) with the whole CTA."""
+    if t < 32:
+        b_t = by * ROWS_PER_CTA + t
+        f = Int32(0)
+        if t < ROWS_PER_CTA:
+            if b_t < batch:
+                f = Int32(plan_flush[Int64(b_t)])
+        m = cute.arch.vote_ballot_sync(f != Int32(0))
+        if t == 0:
+            s_mask[0] = Int32(m)
+    cute.arch.sync_threads()
+    return s_mask[0]
+
+
 class FlushFp8:
     """Flush for one geometry (heads, groups); subclasses supply the two conversions.
 
@@ -197,18 +214,7 @@ class FlushFp8:
         s_amax = smem.allocate_tensor(Int32, cute.make_layout(2 * P), byte_alignment=16)
         s_mask = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
 
-        # Which of this CTA's batch rows flush: one load per lane of warp 0, one ballot.
-        if t < 32:
-            b_t = by * ROWS_PER_CTA + t
-            f = Int32(0)
-            if t < ROWS_PER_CTA:
-                if b_t < batch:
-                    f = Int32(plan_flush[Int64(b_t)])
-            m = cute.arch.vote_ballot_sync(f != Int32(0))
-            if t == 0:
-                s_mask[0] = Int32(m)
-        cute.arch.sync_threads()
-        mask = s_mask[0]
+        mask = flush_mask(t, by, plan_flush, batch, s_mask)
 
         for rr in range(ROWS_PER_CTA):
             if ((mask >> rr) & Int32(1)) != Int32(0):
@@ -437,4 +443,4 @@ class FlushFp8Sm100(FlushFp8):
         return bits.e4m3x2_rn_hw(lo, hi)
 
 
-__all__ = ["FlushFp8", "FlushFp8Sm90", "FlushFp8Sm100", "N", "P", "RING", "_vec", "_xor_reduce", "_b_slot"]
+__all__ = ["FlushFp8", "FlushFp8Sm90", "FlushFp8Sm100", "flush_mask", "ROWS_PER_CTA", "N", "P", "RING", "_vec", "_xor_reduce", "_b_slot"]

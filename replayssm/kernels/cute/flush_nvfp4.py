@@ -39,7 +39,7 @@ from cutlass.memory import SmemAllocator
 from . import bits, bits_nvfp4
 from .bits import sel, softplus
 from .bits_nvfp4 import DSL_OPS
-from .flush_fp8 import N, P, RING, _vec, _xor_reduce
+from .flush_fp8 import ROWS_PER_CTA, N, P, RING, _vec, _xor_reduce, flush_mask
 
 # Launch shape and thread map (those of the first FP8 flush, before it moved to the tensor
 # cores): the code below depends on them (two rows per thread: one e4m3x2 conversion for
@@ -47,7 +47,6 @@ from .flush_fp8 import N, P, RING, _vec, _xor_reduce
 THREADS = 512
 ROWS = 2  # state rows per thread: row0 + 32 i
 ROW_STEP = THREADS // 16
-ROWS_PER_CTA = 8  # batch rows per CTA, flush flags read by one ballot
 MIN_CTAS_PER_SM = 2
 WARPS = THREADS // 32
 WORDS_PER_ROW = N // 8  # packed e2m1 codes of one state row, in 32-bit words
@@ -180,19 +179,8 @@ class FlushNvfp4:
         s_amax = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
         s_mask = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
 
-        # Which of this CTA's batch rows flush: one load per lane of warp 0, one ballot
-        # (as the FP8 flush).
-        if t < 32:
-            b_t = by * ROWS_PER_CTA + t
-            f = Int32(0)
-            if t < ROWS_PER_CTA:
-                if b_t < batch:
-                    f = Int32(plan_flush[Int64(b_t)])
-            m = cute.arch.vote_ballot_sync(f != Int32(0))
-            if t == 0:
-                s_mask[0] = Int32(m)
-        cute.arch.sync_threads()
-        mask = s_mask[0]
+        # Which of this CTA's batch rows flush (one ballot, as the FP8 flush).
+        mask = flush_mask(t, by, plan_flush, batch, s_mask)
 
         hh = Int64(h)
         g = hh // HPG
