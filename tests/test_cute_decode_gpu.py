@@ -140,6 +140,9 @@ def _ulp_bf16(m: torch.Tensor) -> torch.Tensor:
     "heads,groups,sync,e4m3",
     [
         pytest.param(16, 2, False, "hw", id="fp8-h16-g2-mixed"),
+        # The opt-in tensor-core non-flush kernel ($REPLAYSSM_FP8_DECODE=mma).
+        pytest.param(16, 2, False, "hw-mma", id="fp8-h16-g2-mixed-mma-decode"),
+        pytest.param(16, 1, False, "hw-mma", id="fp8-h16-g1-mixed-mma-decode"),
         pytest.param(16, 1, False, "hw", id="fp8-h16-g1-mixed"),
         pytest.param(16, 2, True, "hw", id="fp8-h16-g2-sync"),
         # sm_90a only: the software e4m3 encode instead of the e4m3x2 cvt.
@@ -149,9 +152,13 @@ def _ulp_bf16(m: torch.Tensor) -> torch.Tensor:
         pytest.param(16, 2, "wide", "soft", id="fp8-h16-g2-wide-range-soft-e4m3"),
     ],
 )
-def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3):
+def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3, monkeypatch):
     from replayssm.kernels import triton_backend
     from replayssm.kernels.cute import launch
+
+    if e4m3.endswith("-mma"):
+        monkeypatch.setenv(launch.FP8_DECODE_ENV, "mma")
+        e4m3 = e4m3.removesuffix("-mma")
 
     w = World(heads, groups, sync=sync is True, wide=sync == "wide")
     backend = triton_backend()
