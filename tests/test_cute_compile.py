@@ -89,20 +89,23 @@ def test_decode_reads_the_fp8_copy_with_vector_loads(compiled, arch):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_tensor_core_decode_variant_compiles(monkeypatch, tmp_path, arch):
-    """REPLAYSSM_FP8_DECODE=mma: 4 m-tiles x 4 k-steps of the e4m3 MMA per warp (one
-    head), the codes and ring x staged by cp.async."""
+@pytest.mark.parametrize("warps_per_head", [1, 2])
+def test_tensor_core_decode_variant_compiles(monkeypatch, tmp_path, arch, warps_per_head):
+    """REPLAYSSM_FP8_DECODE=mma: per warp, 4 / warps_per_head m-tiles x 4 k-steps of the
+    e4m3 MMA, their codes staged by one 16-byte cp.async per (m-tile, row, chunk)."""
     import cutlass.cute as cute
 
     from replayssm.kernels.cute import launch
+    from replayssm.kernels.cute.decode_fp8_mma import DecodeFp8Mma
 
     monkeypatch.setenv(launch.FP8_DECODE_ENV, "mma")
-    obj = launch._kernel_object("decode_fp8", arch, 16, 2, "hw")
-    assert type(obj).__name__ == "DecodeFp8Mma"
+    assert type(launch._kernel_object("decode_fp8", arch, 16, 2, "hw")) is DecodeFp8Mma
+    obj = DecodeFp8Mma(16, 2, warps_per_head=warps_per_head)
     cute.compile(obj, *launch._fake_args("decode_fp8"), options=launch._options(arch, tmp_path))
     (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
-    assert ptx.count("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32") == 16
-    assert ptx.count("cp.async.cg.shared.global") == 16
+    m_tiles = 4 // warps_per_head
+    assert ptx.count("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32") == 4 * m_tiles
+    assert ptx.count("cp.async.cg.shared.global") == 4 * m_tiles
     assert "cvt.rs" not in ptx
 
 
@@ -114,16 +117,16 @@ def test_unknown_arch_is_rejected(tmp_path):
 
 
 def test_flush_fragment_maps_are_bijections():
-    """The flush's permuted column maps (flush_fp8.py): the B staging formula the kernel
-    uses equals `_b_slot`, `_b_slot` is a permutation of the 128 columns, and lane
+    """The flush's permuted column maps (flush_fp8.py): the staging positions the kernel
+    writes (`_b_stage_base`, + 8 (i % 2) + i // 2 for column 8 ch + i) equal `_b_slot`, `_b_slot` is a permutation of the 128 columns, and lane
     (gq, q)'s B fragment (its eight n-tiles, read as 8 consecutive staged floats) holds
     exactly the columns its accumulators are stored to (16 q + 2 nt + {0, 1} per half)."""
-    from replayssm.kernels.cute.flush_fp8 import N, _b_slot
+    from replayssm.kernels.cute.flush_fp8 import N, _b_slot, _b_stage_base
 
     slots = [_b_slot(n) for n in range(N)]
     assert sorted(slots) == list(range(N))
     for ch in range(16):  # staging thread: columns 8 ch .. 8 ch + 7
-        base = (ch // 8) * 64 + 16 * ((ch % 8) // 2) + 4 * (ch % 2)
+        base = _b_stage_base(ch)
         for i in range(8):
             assert base + 8 * (i % 2) + i // 2 == _b_slot(8 * ch + i), (ch, i)
     for nh in range(2):

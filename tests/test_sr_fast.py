@@ -18,10 +18,14 @@ from fractions import Fraction
 
 import torch
 
-from replayssm.quant.minifloat import FP16, encode
+from replayssm.quant.minifloat import (
+    FP16,
+    FP16_MAX_F32_BITS,
+    FP16_MIN_NORMAL_F32_BITS,
+    FP16_OVERFLOW_F32_BITS,
+    encode,
+)
 
-F16_MIN_NORMAL_BITS = 0x38800000
-F16_MAX_BITS = 0x477FE000
 F16_MAX = 65504
 
 
@@ -50,36 +54,44 @@ def _rz(v: Fraction, man_bits: int, emin: int) -> Fraction:
     return q if v > 0 else -q
 
 
-def _f16_code(v: Fraction, negative: bool) -> int:
-    """`cvt.rz` of an (already representable or larger) value to an FP16 code."""
-    q = _rz(v, 10, -14)
-    if abs(q) > F16_MAX:  # round toward zero never overflows to infinity
-        q = Fraction(F16_MAX) * (1 if q > 0 else -1)
+def _cvt_rz_f16(bits: int) -> int:
+    """`cvt.rz.f16.f32` of the FP32 pattern `bits`: NaN -> the canonical 0x7FFF, finite
+    values truncated onto the FP16 grid, saturating at +-65504 (round toward zero never
+    overflows), signed zeros kept."""
+    if bits & 0x7FFFFFFF > 0x7F800000:
+        return 0x7FFF
+    assert bits & 0x7FFFFFFF != 0x7F800000, "the kernel never converts an infinity"
+    negative = bool(bits >> 31)
+    q = _rz(Fraction(_f32(bits)), 10, -14)
+    if abs(q) > F16_MAX:
+        q = Fraction(F16_MAX) * (-1 if negative else 1)
     code = torch.tensor([float(q)], dtype=torch.float16).view(torch.int16).item() & 0xFFFF
-    if q == 0 and negative:
-        code = 0x8000
-    return code
+    return 0x8000 if q == 0 and negative else code
 
 
 def sr_fast_emulated(bits: int, r: int) -> int:
-    """fp16x2_sr_fast for one element: FP32 bits and 13 random bits -> FP16 code."""
-    x = _f32(bits)
+    """bits._sr_pick then the truncating conversion, step by step, for one element:
+    FP32 bits and 13 random bits -> FP16 code."""
     a = bits & 0x7FFFFFFF
     sign = bits & 0x80000000
-    if a > 0x7F800000:
-        return 0x7FFF  # cvt of NaN: the canonical NaN
+    # Normal results: integer add of r to the FP32 bits.
     vn = (bits + r) & 0xFFFFFFFF
-    if 0x47800000 <= a <= 0x7F800000:  # |x| >= 65536 and infinities: +-65504
-        v = Fraction(_f32(sign | F16_MAX_BITS))
-        return _f16_code(v, bool(sign))
-    if a >= F16_MIN_NORMAL_BITS:
-        fv = _f32(vn)
-        assert math.isfinite(fv)
-        return _f16_code(Fraction(fv), bool(sign))
-    # mag = (2**23 + r) * 2**-37 - 2**-14 (exact), sign of x; add.rz.f32(x, mag).
-    mag = Fraction(r, 2**37)
-    vs = _rz(Fraction(x) + (-mag if sign else mag), 23, -126)
-    return _f16_code(vs, bool(sign))
+    v = vn
+    if a < FP16_MIN_NORMAL_F32_BITS:
+        # Subnormal results: mag = float(0x4B000000 | r) * 2**-37 - 2**-14 (each step
+        # exact in FP32), given x's sign, then add.rz.f32(x, mag).
+        mag = Fraction(_f32(0x4B000000 | r)) * Fraction(1, 2**37) - Fraction(1, 2**14)
+        assert Fraction(float(mag)) == mag and _rz(mag, 23, -126) == mag
+        s_mag = _bits(float(mag)) | sign
+        vs = _rz(Fraction(_f32(bits)) + Fraction(_f32(s_mag)), 23, -126)
+        v = _bits(float(vs)) | (sign if vs == 0 else 0)
+    # |x| >= 65536 up to infinity: +-65504.
+    if FP16_OVERFLOW_F32_BITS <= a <= 0x7F800000:
+        v = sign | FP16_MAX_F32_BITS
+    # NaN: unchanged.
+    if a > 0x7F800000:
+        v = bits
+    return _cvt_rz_f16(v)
 
 
 def _cases(gen: torch.Generator) -> list[int]:
@@ -88,10 +100,12 @@ def _cases(gen: torch.Generator) -> list[int]:
     low = torch.randint(0, 1 << 13, base.shape, generator=gen)
     normal = (base + low)[::5]
     # FP16-subnormal range densely: |x| < 2**-14, random FP32 bits.
-    sub = torch.randint(0, F16_MIN_NORMAL_BITS, (3000,), generator=gen)
+    sub = torch.randint(0, FP16_MIN_NORMAL_F32_BITS, (3000,), generator=gen)
     tiny = torch.randint(0, 1 << 23, (200,), generator=gen)  # FP32 subnormals
-    big = torch.tensor([F16_MAX_BITS - 1, F16_MAX_BITS, F16_MAX_BITS + 1, 0x477FEFFF, 0x477FF000, 0x47800000,
-                        0x7F7FFFFF, 0x38800000, 0x387FFFFF, 0x38000000, 0, 0x7F800000, 0x7FC00000, 0x7F800001])
+    big = torch.tensor([FP16_MAX_F32_BITS - 1, FP16_MAX_F32_BITS, FP16_MAX_F32_BITS + 1, 0x477FEFFF, 0x477FF000,
+                        0x47800000, 0x7F7FFFFF, 0x7F7FE001, 0x38800000, 0x387FFFFF, 0x38000000, 0, 0x7F800000,
+                        # NaNs, large payloads included (r could carry them into the sign bit)
+                        0x7FC00000, 0x7F800001, 0x7FFFFFFF, 0x7FFFF000, 0x7FFFE001])
     mags = torch.cat([normal, sub, tiny, big])
     signs = torch.randint(0, 2, mags.shape, generator=gen) << 31
     return (mags | signs).tolist() + big.tolist() + (big | (1 << 31)).tolist()

@@ -58,6 +58,13 @@ E4M3 = MiniFloat("e4m3", 4, 3, 7, 0x7E, 0x7F, rand_bits=8)
 E2M1 = MiniFloat("e2m1", 2, 1, 1, 0x7, 0x7, rand_bits=8)
 FP16 = MiniFloat("fp16", 5, 10, 15, 0x7BFF, 0x7FFF, rand_bits=13)
 
+# FP16 thresholds as FP32 bit patterns (the sm_90a flush's fast stochastic rounding,
+# kernels/cute/bits.py, and its CPU emulation test): smallest normal 2**-14, largest
+# finite 65504, and 65536, from which every finite magnitude saturates.
+FP16_MIN_NORMAL_F32_BITS = 0x38800000
+FP16_MAX_F32_BITS = 0x477FE000
+FP16_OVERFLOW_F32_BITS = 0x47800000
+
 
 def f32_bits(x: torch.Tensor) -> torch.Tensor:
     """IEEE bits of an FP32 tensor as int64 values in [0, 2**32)."""

@@ -8,7 +8,8 @@
   differ only in the two conversions (integer and round-toward-zero steps on sm_90a,
   `cvt.rs` / `cvt.rn ... e4m3x2` on sm_100a/sm_103a).
 - `decode_nvfp4`, `flush_nvfp4`, `launch_nvfp4`: the NVFP4 read copy.
-- `launch`: compile cache keyed by (kernel, arch, heads, groups), `compile_all`, `warmup`
+- `launch`: compile cache keyed by (kernel, arch, heads, groups, sm_90a e4m3 encode, FP8
+  non-flush variant), `compile_all`, `warmup`
   and the per-step launcher.
 - `arch`: the compute-capability table and the $REPLAYSSM_ARCH override.
 

@@ -21,6 +21,8 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
+from ...quant.minifloat import FP16_MAX_F32_BITS, FP16_MIN_NORMAL_F32_BITS, FP16_OVERFLOW_F32_BITS
+
 # quant/rng.py constants.
 GOLDEN = 0x9E3779B9
 MIX_M1 = 0x7FEB352D
@@ -166,10 +168,9 @@ def f16x2_rz(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
     return inline_ptx("cvt.rz.f16x2.f32 $0, $1, $2;", "=r,f,f", [Float32(hi), Float32(lo)], [Uint32], loc=loc, ip=ip)
 
 
-# 2**-14 (smallest normal FP16) and 65504 (largest finite FP16), as FP32 bits.
-F16_MIN_NORMAL_BITS = 0x38800000
-F16_MAX_BITS = 0x477FE000
-F16_OVERFLOW_BITS = 0x47800000  # 65536: every |x| from here on saturates
+F16_MIN_NORMAL_BITS = FP16_MIN_NORMAL_F32_BITS
+F16_MAX_BITS = FP16_MAX_F32_BITS
+F16_OVERFLOW_BITS = FP16_OVERFLOW_F32_BITS
 
 
 def _sr_pick(x: Float32, r: Uint32) -> Float32:
@@ -186,11 +187,14 @@ def _sr_pick(x: Float32, r: Uint32) -> Float32:
     mag = ((r | Uint32(0x4B000000)).bitcast(Float32) * Float32(2.0**-37) - Float32(2.0**-14)).bitcast(Uint32)
     vs = add_rz(x, (mag | sign).bitcast(Float32)).bitcast(Uint32)
     v = sel(a >= Uint32(F16_MIN_NORMAL_BITS), vn, vs)
-    # |x| >= 65536 up to infinity: the encoder's satfinite gives +-65504 (NaN stays NaN).
-    # Done here, not left to the truncation, because r added to values near the FP32
-    # maximum carries into the all-ones exponent (an infinity or NaN pattern).
+    # |x| >= 65536 up to infinity: the encoder's satfinite gives +-65504. Done here, not
+    # left to the truncation, because r added to values near the FP32 maximum carries
+    # into the all-ones exponent (an infinity or NaN pattern).
     big = (a - Uint32(F16_OVERFLOW_BITS)) <= Uint32(0x7F800000 - F16_OVERFLOW_BITS)
     v = sel(big, sign | Uint32(F16_MAX_BITS), v)
+    # NaN passes through unchanged (adding r to a large payload could carry into the
+    # sign bit and make it -0); the truncating conversion returns the canonical 0x7FFF.
+    v = sel(a > Uint32(0x7F800000), b, v)
     return v.bitcast(Float32)
 
 

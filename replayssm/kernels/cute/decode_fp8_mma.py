@@ -11,8 +11,9 @@ no state. Padding and flush rows return at once (the prepare kernel zeroed the o
 padding rows; the flush kernel owns flush rows), so both kernels launch every step and a
 captured CUDA graph replays any mix of rows.
 
-Opt-in ($REPLAYSSM_FP8_DECODE=mma): on an H200 it is 11-18 % slower than the SIMT kernel
-(decode_fp8.py) and insensitive to its shape; it is the compute core of a pipelined
+Opt-in ($REPLAYSSM_FP8_DECODE=mma): on an H200 this kernel alone takes 17-26 % longer
+than the SIMT one (decode_fp8.py) at batch 256 and 1024 (whole steps: 8-20 % slower, batch
+1 ~25 %), whatever its shape; it is the compute core of a pipelined
 design (docs/perf-notes-cute.md, session 2).
 
 Grid (groups * HPG / heads_per_cta, batch): a CTA takes heads_per_cta heads of one group
@@ -28,8 +29,9 @@ significant bits except below e4m3's subnormal step, 2**-9 of the scaled C, i.e.
 absolute error under 2**-17 max |C|). Each warp then computes the read-copy row dots of
 its head on the tensor cores: 16 `mma.m16n8k32` e4m3 x e4m3 -> f32 with the codes as A
 (64 x 128) and the three terms as columns 0..2 of B (128 x 8); the sum of the three
-output columns is the row dot times 2**-e. The codes need no decode instruction (sm_90a's
-mma.sync converts them to f16 in hardware-issued F2FP, sm_100a natively).
+output columns is the row dot times 2**-e. The kernel writes no decode of its own: on
+sm_90a ptxas lowers the FP8 mma.sync to f16 HMMAs with one F2FP per two codes (Hopper's
+mma.sync has no FP8 path; wgmma has).
 
 Lane 4 g + q of a warp feeds, for m-tile mt (0..3), state rows 8 g + 2 mt (MMA row g)
 and 8 g + 2 mt + 1 (MMA row g + 8): bytes 16 q .. 16 q + 15 and 64 + 16 q .. + 15 of each
@@ -59,8 +61,10 @@ from .mma import mma_e4m3_16x8x32
 
 P, N, RING = 64, 128, 16
 MAX_WARPS = 16
-# Heads per CTA (a divisor of the heads per group): 2, 4 and 8 measured within 1 % of
-# each other at batch 256 and 1024 on an H200, 4 the best (docs/perf-notes-cute.md).
+# Heads per CTA (a divisor of the heads per group): 2, 4 and 8 gave 34.37 / 34.09 / 33.68
+# us per step at batch 256 and 107.30 / 104.95 / 107.93 at 1024 on an H200 (within 3 %;
+# docs/perf-notes-cute.md). With 4, the 64-register cap that min_blocks_per_mp implies
+# spills 16 bytes a thread (measured that way).
 HEADS_PER_CTA = 4
 # Terms of C (columns of the MMA's B operand).
 TERMS = 3

@@ -98,6 +98,14 @@ def flush_mask(t, by, plan_flush, batch, s_mask):
     return s_mask[0]
 
 
+def _b_stage_base(ch):
+    """Staged position of column 8 ch (a staging thread's first column; works on Python
+    ints and DSL integers): columns 8 ch + i sit at _b_stage_base(ch) + 8 (i % 2) + i // 2,
+    i.e. half ch // 8, lane column 2 ((ch % 8) // 2) + i % 2, n-tile 4 (ch % 2) + i // 2
+    (= _b_slot(8 ch + i))."""
+    return (ch // 8) * 64 + 16 * ((ch % 8) // 2) + 4 * (ch % 2)
+
+
 class FlushFp8:
     """Flush for one geometry (heads, groups); subclasses supply the two conversions.
 
@@ -279,13 +287,11 @@ class FlushFp8:
         ch = t % 16  # columns 8 ch .. 8 ch + 7
         ring = _vec(bw, slot * b_ring_stride16 * 4 + (g * RING + Int64(jb)) * (N // 2) + ch * 4, 4).load()
         cur = _vec(bcur, (bb * G + g) * (N // 2) + ch * 4, 4).load()
-        # Columns 8 ch + i: half ch // 8, lane column 2 ((ch % 8) // 2) + i % 2, n-tile
-        # 4 (ch % 2) + i // 2 (see _b_slot).
-        b_base = jb * B_ROW + (ch // 8) * 64 + 16 * ((ch % 8) // 2) + 4 * (ch % 2)
+        b_base = jb * B_ROW + _b_stage_base(ch)
         for k in cutlass.range_constexpr(4):
             v = _bf16x2(sel(jb == RING - 1, cur[k], ring[k]))
-            s_b[b_base + k] = v[0]
-            s_b[b_base + 8 + k] = v[1]
+            s_b[b_base + k] = v[0]  # column 8 ch + 2 k
+            s_b[b_base + 8 + k] = v[1]  # column 8 ch + 2 k + 1
         if t < RING:
             dt_t = Float32(0.0)
             if t < RING - 1:

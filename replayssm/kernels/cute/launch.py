@@ -44,7 +44,7 @@ _COMPILED: dict[tuple, object] = {}
 
 
 # The FP8 non-flush kernel: "simt" (decode_fp8.py, the default: fastest measured) or
-# "mma" (decode_fp8_mma.py: tensor-core row dots, 11-18 % slower on an H200, kept for the
+# "mma" (decode_fp8_mma.py: tensor-core row dots, 8-20 % slower per step on an H200, kept for the
 # pipelined design it is a step towards; docs/perf-notes-cute.md).
 FP8_DECODE_ENV = "REPLAYSSM_FP8_DECODE"
 
