@@ -244,18 +244,70 @@ class FlushFp8:
         dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
     ):
         """One flushing batch row of head hh (the whole CTA)."""
-        H, G, HPG = self.heads, self.groups, self.hpg
-        g = hh // HPG
+        q, nh, rows, col0 = self.lane_geometry(t)
+        slot = plan_slot[bb]
+        key = Uint32(plan_key[bb])
+        acc, r_c, ck_w, ck_head = self.fold(
+            t, hh, bb, slot, s_x, s_b, s_dt, ckpt, x_ring, dt_ring, b_ring, x, dt, A, B, C, dt_bias,
+            ckpt_stride16, x_ring_stride16, dt_ring_stride, b_ring_stride16, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride,
+        )
+        self.row_partials(t, acc, r_c, s_dot, s_amax)
+        cute.arch.sync_threads()
+
+        rc_w = cute.recast_ptr(read, dtype=Uint32)
+        rc_head = slot * read_stride16 * 4 + hh * (P * N // 4)
+        r_rc = cute.make_rmem_tensor(cute.make_layout(4), Uint32)
+        for i in cutlass.range_constexpr(2):
+            p = rows[i]
+            pp = Int64(p)
+            amax = cutlass.max(s_amax[p], s_amax[P + p])
+            self.row_output(t, hh, bb, p, s_x, s_dot, D, out, d_stride_h, d_stride_p)
+            self.store_state(hh, bb, pp, col0, acc, i, state_out)
+
+            # Read copy: codes of S * 2**-E, scale 2**E (exact power-of-two products).
+            e = bits.pow2_exponent_above(amax, FP8_MANT_LIMIT, FP8_E_OFF)
+            inv = bits.exp2_int(-e)
+            if nh == 0:
+                if q == 0:
+                    scales[slot * scale_stride + hh * P + pp] = bits.exp2_int(e)
+            for m in cutlass.range_constexpr(4):  # columns 4 m .. 4 m + 3 = n-tiles 2 m, 2 m + 1
+                lo = self.e4m3x2_rn(acc[2 * m][2 * i] * inv, acc[2 * m][2 * i + 1] * inv)
+                hi = self.e4m3x2_rn(acc[2 * m + 1][2 * i] * inv, acc[2 * m + 1][2 * i + 1] * inv)
+                r_rc[m] = lo | (hi << 16)
+            _vec(rc_w, rc_head + pp * (N // 4) + Int64(col0 // 4), 4).store(r_rc.load())
+
+            self.store_checkpoint(hh, pp, col0, key, acc, i, ck_w, ck_head)
+        # The next flushing row of this CTA restages the shared buffers.
+        cute.arch.sync_threads()
+
+    # -- shared with the NVFP4 flush (flush_nvfp4.py) --------------------------------------
+    @staticmethod
+    def lane_geometry(t):
+        """(q, column half, [row 0, row 1], first column) of thread t: warp w takes m-tile
+        w % 4 and column half w // 4; lane 4 gq + q holds rows 16 (w % 4) + gq (+ 8) at
+        columns 64 (w // 4) + 16 q .. + 15."""
         lane = t % 32
         w = t // 32
         gq = lane // 4
         q = lane % 4
         mt = w % 4
         nh = w // 4
-        slot = plan_slot[bb]
-        key = Uint32(plan_key[bb])
-        rows = [mt * 16 + gq, mt * 16 + gq + 8]
-        col0 = nh * 64 + q * 16  # this lane's 16 columns
+        return q, nh, [mt * 16 + gq, mt * 16 + gq + 8], nh * 64 + q * 16
+
+    @cute.jit
+    def fold(
+        self, t, hh, bb, slot, s_x, s_b, s_dt, ckpt, x_ring, dt_ring, b_ring, x, dt, A, B, C, dt_bias,
+        ckpt_stride16, x_ring_stride16, dt_ring_stride, b_ring_stride16, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride,
+    ):
+        """S of this lane's 32 elements, from the checkpoint and the 16 ring entries (the
+        current token as entry 15), on the tensor cores. Returns (acc, this lane's C words,
+        the checkpoint as words, the head's first checkpoint word); acc[nt][2 i + e] is
+        row i at lane column 2 nt + e. Leaves s_x (x_j, FP32) staged for the outputs."""
+        H, G, HPG = self.heads, self.groups, self.hpg
+        g = hh // HPG
+        lane = t % 32
+        gq = lane // 4
+        q, nh, rows, col0 = self.lane_geometry(t)
 
         # Checkpoint first (the largest read), in flight during the staging below: per
         # row 16 FP16 values = 8 words.
@@ -352,8 +404,13 @@ class FlushFp8:
                 a4 = mma_tf32_16x8x8(a_lo[ks], bf, a4)
             acc.append(a4)
         # Values of row i (0, 1) at this lane's column 2 nt + e: acc[nt][2 i + e].
+        return acc, r_c, ck_w, ck_head
 
-        # Row dots with C and amaxes, over the 4 lanes of a row and the 2 column halves.
+    @cute.jit
+    def row_partials(self, t, acc, r_c, s_dot, s_amax):
+        """Row dots with C and amaxes of this column half: over the 4 lanes of a row, into
+        s_dot / s_amax[half * 64 + row] (a barrier must follow before they are read)."""
+        q, nh, rows, col0 = self.lane_geometry(t)
         for i in cutlass.range_constexpr(2):
             dot = Float32(0.0)
             amax = Int32(0)
@@ -368,51 +425,40 @@ class FlushFp8:
             if q == 0:
                 s_dot[nh * P + rows[i]] = dot
                 s_amax[nh * P + rows[i]] = amax
-        cute.arch.sync_threads()
 
-        rc_w = cute.recast_ptr(read, dtype=Uint32)
-        rc_head = slot * read_stride16 * 4 + hh * (P * N // 4)
-        r_rc = cute.make_rmem_tensor(cute.make_layout(4), Uint32)
+    @cute.jit
+    def row_output(self, t, hh, bb, p, s_x, s_dot, D, out, d_stride_h, d_stride_p):
+        """y[p] = S[p] . C + D[p] x[p] from the two halves' dots (one lane writes it)."""
+        q, nh, rows, col0 = self.lane_geometry(t)
+        pp = Int64(p)
+        if nh == 0:
+            if q == 0:
+                y = s_dot[p] + s_dot[P + p] + D[hh * d_stride_h + pp * d_stride_p] * s_x[(RING - 1) * P + p]
+                out[(bb * self.heads + hh) * P + pp] = BFloat16(y)
+
+    @cute.jit
+    def store_state(self, hh, bb, pp, col0, acc, i, state_out):
+        """Debug variant: this lane's 16 FP32 values of row i to state_out."""
+        if cutlass.const_expr(self.debug):
+            r_state = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            for k4 in cutlass.range_constexpr(4):
+                for k in cutlass.range_constexpr(4):
+                    c = 4 * k4 + k  # column col0 + c = 2 nt + e
+                    r_state[k] = acc[c // 2][2 * i + c % 2]
+                _vec(state_out, ((bb * self.heads + hh) * P + pp) * N + Int64(col0 + 4 * k4), 4).store(r_state.load())
+
+    @cute.jit
+    def store_checkpoint(self, hh, pp, col0, key, acc, i, ck_w, ck_head):
+        """Row i's 16 values as FP16 pairs with stochastic rounding; one hash word per
+        pair, word index ((h * 64 + p) * 128 + n) / 2."""
         r_ck_out = cute.make_rmem_tensor(cute.make_layout(8), Uint32)
-        r_state = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-        for i in cutlass.range_constexpr(2):
-            p = rows[i]
-            pp = Int64(p)
-            amax = cutlass.max(s_amax[p], s_amax[P + p])
-            if nh == 0:
-                if q == 0:
-                    y = s_dot[p] + s_dot[P + p] + D[hh * d_stride_h + pp * d_stride_p] * s_x[(RING - 1) * P + p]
-                    out[(bb * H + hh) * P + pp] = BFloat16(y)
-            if cutlass.const_expr(self.debug):
-                for k4 in cutlass.range_constexpr(4):
-                    for k in cutlass.range_constexpr(4):
-                        c = 4 * k4 + k  # column col0 + c = 2 nt + e
-                        r_state[k] = acc[c // 2][2 * i + c % 2]
-                    _vec(state_out, ((bb * H + hh) * P + pp) * N + Int64(col0 + 4 * k4), 4).store(r_state.load())
-
-            # Read copy: codes of S * 2**-E, scale 2**E (exact power-of-two products).
-            e = bits.pow2_exponent_above(amax, FP8_MANT_LIMIT, FP8_E_OFF)
-            inv = bits.exp2_int(-e)
-            if nh == 0:
-                if q == 0:
-                    scales[slot * scale_stride + hh * P + pp] = bits.exp2_int(e)
-            for m in cutlass.range_constexpr(4):  # columns 4 m .. 4 m + 3 = n-tiles 2 m, 2 m + 1
-                lo = self.e4m3x2_rn(acc[2 * m][2 * i] * inv, acc[2 * m][2 * i + 1] * inv)
-                hi = self.e4m3x2_rn(acc[2 * m + 1][2 * i] * inv, acc[2 * m + 1][2 * i + 1] * inv)
-                r_rc[m] = lo | (hi << 16)
-            _vec(rc_w, rc_head + pp * (N // 4) + Int64(col0 // 4), 4).store(r_rc.load())
-
-            # Checkpoint: FP16 pairs with stochastic rounding; one hash word per pair,
-            # word index ((h * 64 + p) * 128 + n) / 2.
-            w0 = Uint32((hh * P + pp) * (N // 2)) + Uint32(col0 // 2)
-            for nt in cutlass.range_constexpr(8):
-                word = bits.random_word(key, w0 + Uint32(nt))
-                r_ck_out[nt] = self.fp16x2_sr(acc[nt][2 * i], acc[nt][2 * i + 1], word)
-            base = ck_head + pp * (N // 2) + Int64(col0 // 2)
-            _vec(ck_w, base, 4).store(_vec(r_ck_out.iterator, 0, 4).load())
-            _vec(ck_w, base + 4, 4).store(_vec(r_ck_out.iterator, 4, 4).load())
-        # The next flushing row of this CTA restages the shared buffers.
-        cute.arch.sync_threads()
+        w0 = Uint32((hh * P + pp) * (N // 2)) + Uint32(col0 // 2)
+        for nt in cutlass.range_constexpr(8):
+            word = bits.random_word(key, w0 + Uint32(nt))
+            r_ck_out[nt] = self.fp16x2_sr(acc[nt][2 * i], acc[nt][2 * i + 1], word)
+        base = ck_head + pp * (N // 2) + Int64(col0 // 2)
+        _vec(ck_w, base, 4).store(_vec(r_ck_out.iterator, 0, 4).load())
+        _vec(ck_w, base + 4, 4).store(_vec(r_ck_out.iterator, 4, 4).load())
 
 
 class FlushFp8Sm90(FlushFp8):
