@@ -138,3 +138,29 @@ def test_flush_fragment_maps_are_bijections():
         for q in range(4):
             cols = sorted(nh * 64 + (c // 2) * 16 + 2 * nt + c % 2 for nt in range(8) for c in (2 * q, 2 * q + 1))
             assert cols == list(range(nh * 64 + 16 * q, nh * 64 + 16 * q + 16))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_flush_streams_fork_and_join(monkeypatch, overlap):
+    """The launchers' stream handling (no GPU: streams replaced by recorders): with
+    OVERLAP the side stream waits for the current one before the kernels and the current
+    one waits for the side stream after them; without it both are the current stream."""
+    from replayssm.kernels.cute import launch
+
+    calls = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            calls.append(f"{self.name} waits {other.name}")
+
+    main, side = Stream("main"), Stream("side")
+    monkeypatch.setattr(launch.torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(launch, "_side_stream", lambda device: side)
+    monkeypatch.setattr(launch, "OVERLAP", overlap)
+    with launch.flush_streams("cuda") as (m, s):
+        calls.append("kernels")
+    assert m is main and s is (side if overlap else main)
+    assert calls == (["side waits main", "kernels", "main waits side"] if overlap else ["kernels"])

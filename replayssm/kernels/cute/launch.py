@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import cutlass.cute as cute
@@ -147,6 +148,17 @@ def compiled(kind: str, arch: str, heads: int, groups: int, e4m3: str | None = N
     return fn
 
 
+def compile_into(obj, fake_args: list, arch: str, sub: Path) -> list[str]:
+    """Compile kernel object `obj` for `arch` into folder `sub` (created); returns its PTX
+    and cubin paths, and raises if the DSL wrote no PTX."""
+    sub.mkdir(parents=True, exist_ok=True)  # the DSL writes into an existing folder only
+    cute.compile(obj, *fake_args, options=_options(arch, sub))
+    found = sorted(str(p) for p in sub.iterdir() if p.suffix in (".ptx", ".cubin"))
+    if not any(p.endswith(".ptx") for p in found):
+        raise RuntimeError(f"CuTe DSL compile of {type(obj).__name__} for {arch} wrote no PTX into {sub}")
+    return found
+
+
 def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
     """Compile every FP8 and NVFP4 decode variant for `arch` (no GPU needed) into `dump_dir`.
 
@@ -157,14 +169,8 @@ def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
     paths: list[str] = []
     for heads, groups in COMPILE_ALL_GEOMETRIES:
         for kind in ("decode_fp8", "flush_fp8"):
-            sub = root / f"{kind}-h{heads}g{groups}"
-            sub.mkdir(parents=True, exist_ok=True)  # the DSL writes into an existing folder only
             obj = _kernel_object(kind, arch, heads, groups, sm90_e4m3())
-            cute.compile(obj, *_fake_args(kind), options=_options(arch, sub))
-            found = sorted(str(p) for p in sub.iterdir() if p.suffix in (".ptx", ".cubin"))
-            if not any(p.endswith(".ptx") for p in found):
-                raise RuntimeError(f"CuTe DSL compile of {kind} for {arch} wrote no PTX into {sub}")
-            paths += found
+            paths += compile_into(obj, _fake_args(kind), arch, root / f"{kind}-h{heads}g{groups}")
     from .launch_nvfp4 import compile_variants  # the NVFP4 kinds (that module imports this one)
 
     paths += compile_variants(arch, root, COMPILE_ALL_GEOMETRIES)
@@ -242,6 +248,21 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return side
 
 
+@contextmanager
+def flush_streams(device: torch.device):
+    """(main, side) for one step: the flush goes on `side`, forked from the current
+    stream `main` on entry (the plan and the inputs are ready) and joined back into it on
+    exit (everything after the step sees both kernels' writes); with OVERLAP off both are
+    the current stream."""
+    main = torch.cuda.current_stream(device)
+    side = _side_stream(device) if OVERLAP else main
+    if side is not main:
+        side.wait_stream(main)
+    yield main, side
+    if side is not main:
+        main.wait_stream(side)
+
+
 def decode_fp8(
     cache: Sequence[torch.Tensor],
     x: torch.Tensor,
@@ -276,28 +297,22 @@ def decode_fp8(
     nonflush = compiled("decode_fp8", arch, heads, groups)
     kind = "flush_fp8" if state_out is None else "flush_fp8_debug"
     flush = compiled(kind, arch, heads, groups, e4m3)
-    main = torch.cuda.current_stream(x.device)
-    side = _side_stream(x.device) if OVERLAP else main
-    if side is not main:
-        side.wait_stream(main)  # the plan and the inputs are ready
-
-    ptrs = [ckpt, read, scales, x_ring, dt_ring, b_ring, *inputs, plan.slot, plan.flush, plan.key]
-    addresses = [t.data_ptr() for t in ptrs] + [0 if state_out is None else state_out.data_ptr()]
-    flush(
-        *_pointers(kind, addresses),
-        _stride16(ckpt), _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
-        *input_strides,
-        batch, cuda_driver.CUstream(side.cuda_stream),
-    )
-    ptrs = [read, scales, x_ring, dt_ring, b_ring, *inputs, plan.valid, plan.slot, plan.ring_index, plan.flush]
-    nonflush(
-        *_pointers("decode_fp8", [t.data_ptr() for t in ptrs]),
-        _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
-        *input_strides,
-        batch, cuda_driver.CUstream(main.cuda_stream),
-    )
-    if side is not main:
-        main.wait_stream(side)  # join: everything after the step sees both kernels' writes
+    with flush_streams(x.device) as (main, side):
+        ptrs = [ckpt, read, scales, x_ring, dt_ring, b_ring, *inputs, plan.slot, plan.flush, plan.key]
+        addresses = [t.data_ptr() for t in ptrs] + [0 if state_out is None else state_out.data_ptr()]
+        flush(
+            *_pointers(kind, addresses),
+            _stride16(ckpt), _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
+            *input_strides,
+            batch, cuda_driver.CUstream(side.cuda_stream),
+        )
+        ptrs = [read, scales, x_ring, dt_ring, b_ring, *inputs, plan.valid, plan.slot, plan.ring_index, plan.flush]
+        nonflush(
+            *_pointers("decode_fp8", [t.data_ptr() for t in ptrs]),
+            _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
+            *input_strides,
+            batch, cuda_driver.CUstream(main.cuda_stream),
+        )
 
 
 __all__ = ["KINDS", "COMPILE_ALL_GEOMETRIES", "compiled", "compile_all", "warmup", "launch_padding", "layout_ok", "decode_fp8"]

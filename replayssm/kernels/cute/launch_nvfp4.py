@@ -34,17 +34,9 @@ def _kernel_object(kind: str, arch: str, heads: int, groups: int):
     return cls(heads, groups, debug=kind == "flush_nvfp4_debug")
 
 
-# Pointer arguments of each launcher, in order: (dtype, alignment in bytes).
-_INPUT_PTRS = [
-    (BFloat16, 16),  # x
-    (Float32, 4),  # dt
-    (Float32, 4),  # A
-    (BFloat16, 16),  # B
-    (BFloat16, 16),  # C
-    (Float32, 4),  # D
-    (Float32, 4),  # dt_bias
-    (BFloat16, 2),  # out
-]
+# Pointer arguments of each launcher, in order: (dtype, alignment in bytes); the inputs
+# as for FP8.
+_INPUT_PTRS = _fp8._INPUT_PTRS
 POINTERS = {
     "decode_nvfp4": [
         (Uint32, 16),  # read copy (packed codes), as words
@@ -109,14 +101,8 @@ def compile_variants(arch: str, dump_dir: str | os.PathLike, geometries) -> list
     paths: list[str] = []
     for heads, groups in geometries:
         for kind in ("decode_nvfp4", "flush_nvfp4"):
-            sub = root / f"{kind}-h{heads}g{groups}"
-            sub.mkdir(parents=True, exist_ok=True)
             obj = _kernel_object(kind, arch, heads, groups)
-            cute.compile(obj, *_fake_args(kind), options=_fp8._options(arch, sub))
-            found = sorted(str(p) for p in sub.iterdir() if p.suffix in (".ptx", ".cubin"))
-            if not any(p.endswith(".ptx") for p in found):
-                raise RuntimeError(f"CuTe DSL compile of {kind} for {arch} wrote no PTX into {sub}")
-            paths += found
+            paths += _fp8.compile_into(obj, _fake_args(kind), arch, root / f"{kind}-h{heads}g{groups}")
     return paths
 
 
@@ -179,28 +165,23 @@ def decode_nvfp4(
     # The flush on the FP8 launcher's side stream, overlapping the non-flush kernel: they
     # touch disjoint slots (meta included: the non-flush kernel reads meta of
     # non-flushing slots only) and disjoint output rows.
-    main = torch.cuda.current_stream(x.device)
-    side = _fp8._side_stream(x.device) if _fp8.OVERLAP else main
-    if side is not main:
-        side.wait_stream(main)  # the plan and the inputs are ready
-    ptrs = [ckpt, read, scales, meta, x_ring, dt_ring, b_ring, *inputs, plan.slot, plan.flush, plan.key, plan.old_parity]
-    addresses = [t.data_ptr() for t in ptrs] + [0 if state_out is None else state_out.data_ptr()]
-    flush(
-        *_pointers(kind, addresses),
-        _fp8._stride16(ckpt), _fp8._stride16(read), scales.stride(0), meta.stride(0),
-        _fp8._stride16(x_ring), dt_ring.stride(0), _fp8._stride16(b_ring),
-        *input_strides,
-        batch, cuda_driver.CUstream(side.cuda_stream),
-    )
-    ptrs = [read, scales, meta, parity, x_ring, dt_ring, b_ring, *inputs, plan.valid, plan.slot, plan.ring_index, plan.flush]
-    nonflush(
-        *_pointers("decode_nvfp4", [t.data_ptr() for t in ptrs]),
-        _fp8._stride16(read), scales.stride(0), meta.stride(0), parity.stride(0),
-        _fp8._stride16(x_ring), dt_ring.stride(0), _fp8._stride16(b_ring),
-        *input_strides,
-        batch, cuda_driver.CUstream(main.cuda_stream),
-    )
-    if side is not main:
-        main.wait_stream(side)  # join: everything after the step sees both kernels' writes
+    with _fp8.flush_streams(x.device) as (main, side):
+        ptrs = [ckpt, read, scales, meta, x_ring, dt_ring, b_ring, *inputs, plan.slot, plan.flush, plan.key, plan.old_parity]
+        addresses = [t.data_ptr() for t in ptrs] + [0 if state_out is None else state_out.data_ptr()]
+        flush(
+            *_pointers(kind, addresses),
+            _fp8._stride16(ckpt), _fp8._stride16(read), scales.stride(0), meta.stride(0),
+            _fp8._stride16(x_ring), dt_ring.stride(0), _fp8._stride16(b_ring),
+            *input_strides,
+            batch, cuda_driver.CUstream(side.cuda_stream),
+        )
+        ptrs = [read, scales, meta, parity, x_ring, dt_ring, b_ring, *inputs, plan.valid, plan.slot, plan.ring_index, plan.flush]
+        nonflush(
+            *_pointers("decode_nvfp4", [t.data_ptr() for t in ptrs]),
+            _fp8._stride16(read), scales.stride(0), meta.stride(0), parity.stride(0),
+            _fp8._stride16(x_ring), dt_ring.stride(0), _fp8._stride16(b_ring),
+            *input_strides,
+            batch, cuda_driver.CUstream(main.cuda_stream),
+        )
 
 __all__ = ["KINDS", "compiled", "compile_variants", "warmup", "launch_padding", "decode_nvfp4"]
