@@ -157,7 +157,7 @@ def test_block_pipeline_twin_matches_nvfp4_encode():
 # ---------------------------------------------------------------------------------------
 # Compile-only (no GPU)
 
-ROWS_FLUSH = 2  # flush_nvfp4.ROWS: state rows per flush thread
+ROWS_FLUSH = 2  # flush_nvfp4.ROWS: state rows per flush thread (one 16-value block each)
 ROWS_DECODE = 4  # decode_nvfp4.ROWS
 
 
@@ -196,8 +196,9 @@ def test_sm100_uses_hardware_e2m1_conversions(compiled, arch):
         assert text.count("cvt.rn.f16x2.e2m1x2") == ROWS_DECODE * 8, name
         assert "cvt.rs" not in text, name
     for name, text in _ptx(compiled[arch], "flush").items():
-        assert text.count("cvt.rn.satfinite.e2m1x2.f32") == ROWS_FLUSH * 4, name
-        assert text.count("cvt.rs.satfinite.f16x2.f32") == ROWS_FLUSH * 4, name
+        # Per row: 16 values = 8 e2m1x2 conversions and 8 FP16 pairs.
+        assert text.count("cvt.rn.satfinite.e2m1x2.f32") == ROWS_FLUSH * 8, name
+        assert text.count("cvt.rs.satfinite.f16x2.f32") == ROWS_FLUSH * 8, name
         assert text.count("cvt.rn.satfinite.e4m3x2.f32") == 1, name  # both rows' block scales
         assert "cvt.rs.satfinite.e2m1" not in text, name  # the read copy is rounded to nearest
 
