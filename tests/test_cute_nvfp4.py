@@ -218,6 +218,8 @@ def test_flush_reciprocal_is_ieee_and_amax_is_one_atomic(compiled, arch):
         assert ieee == ROWS_FLUSH, (name, ieee)
         assert not re.search(r"\b(div|rcp)\.(approx|full)", text), name
         assert len(re.findall(r"\b(atom|red)(\.\w+)*\.global(\.\w+)*\.max\.s32\b", text)) == 1, name
+        assert "st.global.v2.b32" in text, name  # a block's 16 codes: one 8-byte store per row
+        assert text.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 32, name  # the FP8 flush's fold
     for name, text in _ptx(compiled[arch], "decode").items():
         assert not re.search(r"\b(atom|red)\.", text), name  # the non-flush kernel writes no meta
         assert "ld.global.v2.b32" in text, name  # 8 bytes of codes per row and thread

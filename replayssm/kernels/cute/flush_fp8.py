@@ -407,9 +407,10 @@ class FlushFp8:
         return acc, r_c, ck_w, ck_head
 
     @cute.jit
-    def row_partials(self, t, acc, r_c, s_dot, s_amax):
-        """Row dots with C and amaxes of this column half: over the 4 lanes of a row, into
-        s_dot / s_amax[half * 64 + row] (a barrier must follow before they are read)."""
+    def row_partials(self, t, acc, r_c, s_dot, s_amax, row_amax: cutlass.Constexpr = True):
+        """Row dots with C and (`row_amax`) amaxes of this column half: over the 4 lanes of
+        a row, into s_dot / s_amax[half * 64 + row] (a barrier must follow before they are
+        read)."""
         q, nh, rows, col0 = self.lane_geometry(t)
         for i in cutlass.range_constexpr(2):
             dot = Float32(0.0)
@@ -421,10 +422,12 @@ class FlushFp8:
                     dot = dot + v * cv[e]
                     amax = cutlass.max(amax, v.bitcast(Int32) & Int32(0x7FFFFFFF))
             dot = _xor_reduce(dot, 4, lambda a, c: a + c)
-            amax = _xor_reduce(amax, 4, cutlass.max)
+            if cutlass.const_expr(row_amax):
+                amax = _xor_reduce(amax, 4, cutlass.max)
             if q == 0:
                 s_dot[nh * P + rows[i]] = dot
-                s_amax[nh * P + rows[i]] = amax
+                if cutlass.const_expr(row_amax):
+                    s_amax[nh * P + rows[i]] = amax
 
     @cute.jit
     def row_output(self, t, hh, bb, p, s_x, s_dot, D, out, d_stride_h, d_stride_p):

@@ -107,8 +107,9 @@ class FlushNvfp4(FlushFp8):
         ).launch(
             grid=[self.heads, (batch + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1],
             block=[THREADS, 1, 1],
-            # Two CTAs per SM (at most 128 registers a thread): the sm_90a software e2m1
-            # encode would otherwise take ~240 and leave one CTA per SM.
+            # Two CTAs per SM (at most 128 registers a thread; sm_90a then spills 64 bytes a
+            # thread): without the bound the sm_90a software e2m1 encode takes ~240
+            # registers and one CTA per SM. Which is faster is to be measured.
             min_blocks_per_mp=MIN_CTAS_PER_SM,
             preferred_smem_carveout=-1,  # the driver's choice (and no device query at compile time)
             stream=stream,
@@ -188,7 +189,7 @@ class FlushNvfp4(FlushFp8):
         dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
     ):
         """One flushing batch row of head hh (the whole CTA)."""
-        q, nh, rows, col0 = self.lane_geometry(t)
+        _, _, rows, col0 = self.lane_geometry(t)
         g = hh // self.hpg
         slot = plan_slot[bb]
         key = Uint32(plan_key[bb])
@@ -204,7 +205,7 @@ class FlushNvfp4(FlushFp8):
             t, hh, bb, slot, s_x, s_b, s_dt, ckpt, x_ring, dt_ring, b_ring, x, dt, A, B, C, dt_bias,
             ckpt_stride16, x_ring_stride16, dt_ring_stride, b_ring_stride16, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride,
         )
-        self.row_partials(t, acc, r_c, s_dot, s_amax)
+        self.row_partials(t, acc, r_c, s_dot, s_amax, row_amax=False)
         # Block amax of row i: this lane's 16 values (one block), from the bits.
         bamax = []
         for i in cutlass.range_constexpr(ROWS):
