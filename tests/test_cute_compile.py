@@ -24,10 +24,10 @@ pytestmark = pytest.mark.skipif(
 ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 
 
-# Per flush thread: 2 state rows x 16 columns = 16 FP16 pairs and 16 e4m3 pairs;
-# 8 n-tiles x 2 k-steps x 2 tf32 terms = 32 MMAs.
-PAIRS = 16
-FOLD_MMAS = 32
+# Per flush thread: 2 state rows x 8 columns = 8 FP16 pairs and 8 e4m3 pairs;
+# 4 n-tiles x 2 k-steps x 2 tf32 terms = 16 MMAs.
+PAIRS = 8
+FOLD_MMAS = 16
 
 
 @pytest.fixture(scope="module")
@@ -118,26 +118,46 @@ def test_unknown_arch_is_rejected(tmp_path):
 
 def test_flush_fragment_maps_are_bijections():
     """The flush's permuted column maps (flush_fp8.py): the staging positions the kernel
-    writes (`_b_stage_base`, + 8 (i % 2) + i // 2 for column 8 ch + i) equal `_b_slot`, `_b_slot` is a permutation of the 128 columns, and lane
-    (gq, q)'s B fragment (its eight n-tiles, read as 8 consecutive staged floats) holds
-    exactly the columns its accumulators are stored to (16 q + 2 nt + {0, 1} per half)."""
-    from replayssm.kernels.cute.flush_fp8 import N, _b_slot, _b_stage_base
+    writes (`_b_stage_base`, + 4 (i % 2) + i // 2 for column 8 ch + i) equal `_b_slot`,
+    `_b_slot` is a permutation of the 128 columns, and lane (gq, q)'s B fragment (its four
+    n-tiles, read as 4 consecutive staged floats at 32 quarter + 4 gq) holds exactly the
+    columns its accumulators are stored to (8 q + 2 nt + {0, 1} of the quarter)."""
+    from replayssm.kernels.cute.flush_fp8 import B_ROW, N, NT, QUARTERS, _b_slot, _b_stage_base
 
     slots = [_b_slot(n) for n in range(N)]
     assert sorted(slots) == list(range(N))
     for ch in range(16):  # staging thread: columns 8 ch .. 8 ch + 7
         base = _b_stage_base(ch)
         for i in range(8):
-            assert base + 8 * (i % 2) + i // 2 == _b_slot(8 * ch + i), (ch, i)
-    for nh in range(2):
+            assert base + 4 * (i % 2) + i // 2 == _b_slot(8 * ch + i), (ch, i)
+    for nq in range(QUARTERS):
         for g in range(8):  # MMA column g of n-tile nt is state column phys(nt, g)
-            for nt in range(8):
-                phys = nh * 64 + (g // 2) * 16 + 2 * nt + g % 2
-                assert _b_slot(phys) == nh * 64 + 8 * g + nt
-        # Accumulator columns 2 q, 2 q + 1 of n-tile nt: lane q's 16 consecutive columns.
+            for nt in range(NT):
+                phys = nq * 32 + (g // 2) * 8 + 2 * nt + g % 2
+                assert _b_slot(phys) == nq * 32 + 4 * g + nt
+        # Accumulator columns 2 q, 2 q + 1 of n-tile nt: lane q's 8 consecutive columns.
         for q in range(4):
-            cols = sorted(nh * 64 + (c // 2) * 16 + 2 * nt + c % 2 for nt in range(8) for c in (2 * q, 2 * q + 1))
-            assert cols == list(range(nh * 64 + 16 * q, nh * 64 + 16 * q + 16))
+            cols = sorted(nq * 32 + (c // 2) * 8 + 2 * nt + c % 2 for nt in range(NT) for c in (2 * q, 2 * q + 1))
+            assert cols == list(range(nq * 32 + 8 * q, nq * 32 + 8 * q + 8))
+    # Bank-conflict-free B fragment loads: the 8 lanes of each 16-byte load phase
+    # (gq in {2 a, 2 a + 1}, q = 0..3) read distinct 4-bank groups.
+    for a in range(4):
+        groups = {((q * B_ROW + 4 * (2 * a + b)) % 32) // 4 for q in range(4) for b in range(2)}
+        assert len(groups) == 8, a
+
+
+def test_flush_lane_map_covers_each_state_row_half_once():
+    """The two CTAs of a (row, head) and their 256 threads cover the 64 x 128 state once:
+    lane_geometry's two rows x 8 columns per thread, over both halves."""
+    from replayssm.kernels.cute.flush_fp8 import M_SPLIT, N, P, THREADS, FlushFp8
+
+    seen = set()
+    for mh in range(M_SPLIT):
+        for t in range(THREADS):
+            _, _, rows, col0 = FlushFp8.lane_geometry(t, mh)
+            assert all(32 * mh <= r < 32 * mh + 32 for r in rows)
+            seen.update((r, col0 + c) for r in rows for c in range(8))
+    assert seen == {(p, n) for p in range(P) for n in range(N)}
 
 
 @pytest.mark.parametrize("overlap", [True, False])

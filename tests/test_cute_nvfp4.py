@@ -157,7 +157,7 @@ def test_block_pipeline_twin_matches_nvfp4_encode():
 # ---------------------------------------------------------------------------------------
 # Compile-only (no GPU)
 
-ROWS_FLUSH = 2  # flush_nvfp4.ROWS: state rows per flush thread (one 16-value block each)
+ROWS_FLUSH = 2  # flush_nvfp4.ROWS: state rows per flush thread (8 values, half a block, each)
 ROWS_DECODE = 4  # decode_nvfp4.ROWS
 
 
@@ -196,9 +196,9 @@ def test_sm100_uses_hardware_e2m1_conversions(compiled, arch):
         assert text.count("cvt.rn.f16x2.e2m1x2") == ROWS_DECODE * 8, name
         assert "cvt.rs" not in text, name
     for name, text in _ptx(compiled[arch], "flush").items():
-        # Per row: 16 values = 8 e2m1x2 conversions and 8 FP16 pairs.
-        assert text.count("cvt.rn.satfinite.e2m1x2.f32") == ROWS_FLUSH * 8, name
-        assert text.count("cvt.rs.satfinite.f16x2.f32") == ROWS_FLUSH * 8, name
+        # Per row: 8 values = 4 e2m1x2 conversions and 4 FP16 pairs.
+        assert text.count("cvt.rn.satfinite.e2m1x2.f32") == ROWS_FLUSH * 4, name
+        assert text.count("cvt.rs.satfinite.f16x2.f32") == ROWS_FLUSH * 4, name
         assert text.count("cvt.rn.satfinite.e4m3x2.f32") == 1, name  # both rows' block scales
         assert "cvt.rs.satfinite.e2m1" not in text, name  # the read copy is rounded to nearest
 
@@ -218,8 +218,10 @@ def test_flush_reciprocal_is_ieee_and_amax_is_one_atomic(compiled, arch):
         assert ieee == ROWS_FLUSH, (name, ieee)
         assert not re.search(r"\b(div|rcp)\.(approx|full)", text), name
         assert len(re.findall(r"\b(atom|red)(\.\w+)*\.global(\.\w+)*\.max\.s32\b", text)) == 1, name
-        assert "st.global.v2.b32" in text, name  # a block's 16 codes: one 8-byte store per row
-        assert text.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 32, name  # the FP8 flush's fold
+        # Per row a lane's 8 codes (half a block) are one 4-byte store, the block scale one byte.
+        assert text.count("st.global.b32") == ROWS_FLUSH, name
+        assert text.count("st.global.b8") == ROWS_FLUSH, name
+        assert text.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 16, name  # the FP8 flush's fold
     for name, text in _ptx(compiled[arch], "decode").items():
         assert not re.search(r"\b(atom|red)\.", text), name  # the non-flush kernel writes no meta
         assert "ld.global.v2.b32" in text, name  # 8 bytes of codes per row and thread

@@ -10,20 +10,23 @@ bits of format.md section 6) and the read copy and its per-row power-of-two scal
 re-derived from S (format.md section 3, nearest-even e4m3, satfinite). Rows that do not
 flush return at once. The ring is not written: the next step starts a period at entry 0.
 
-Grid (heads, ceil(batch / ROWS_PER_CTA)), 8 warps: a CTA reads the flush flags of its
-ROWS_PER_CTA batch rows with one ballot and folds each flushing row in turn.
+Grid (heads * M_SPLIT, ceil(batch / ROWS_PER_CTA)), 8 warps: a CTA reads the flush flags
+of its ROWS_PER_CTA batch rows with one ballot and folds its half of the state rows
+(32 of 64) of each flushing row in turn. Two CTAs per (row, head) need no communication:
+every output y[p], FP8 row scale and NVFP4 block depends on state row p alone.
 
 The fold is a K = 16 matrix product, S = decay ckpt + X' B with X'[p, j] = w_j x_j[p]
 (64 x 16) and B[j, n] = B_j[n] (16 x 128), on the tensor cores: `mma.m16n8k8` tf32 with
 X' split into two tf32 terms (hi = X' with its low 13 bits cleared, lo = X' - hi, exact),
 B exact in tf32 (bf16), the accumulator initialized with decay * ckpt; the result equals
-the FP32 fold to ~2**-21 relative per term. Warp w takes m-tile w % 4 (state rows
-16 (w % 4) + g and + 8 for lane 4 g + q) and column half w // 4; the MMA's n index is
-permuted so that lane q's accumulators are the 16 consecutive columns
-64 (w // 4) + 16 q .. + 15 of its two rows: 16-byte loads of the checkpoint and 16-byte
-stores of checkpoint and read copy, and adjacent (even, odd) pairs for the FP16x2 hash
-words and the e4m3x2 conversions. Row dots and amaxes are reduced over the four lanes of
-a row and the two column halves (shared memory).
+the FP32 fold to ~2**-21 relative per term. Warp w takes m-tile 2 (CTA half) + w % 2
+(state rows 16 mt + gq and + 8 for lane 4 gq + q) and column quarter w // 2; the MMA's n
+index is permuted so that lane q's accumulators are the 8 consecutive columns
+32 (w // 2) + 8 q .. + 7 of its two rows: one 16-byte load of the checkpoint and one
+16-byte store of the checkpoint per row, and adjacent (even, odd) pairs for the FP16x2
+hash words and the e4m3x2 conversions. Row dots and amaxes are reduced over the four
+lanes of a row and the four column quarters (shared memory). Each lane holds 16 values,
+so a thread needs at most 64 registers and four CTAs fit an SM.
 
 Only the two conversions differ between targets: `FlushFp8Sm90` (stochastic rounding by
 bits.fp16x2_sr_fast, integer and round-toward-zero steps with the encoder's bits; e4m3
@@ -48,19 +51,35 @@ from .mma import mma_tf32_16x8x8
 WARPS = 8
 THREADS = 32 * WARPS
 P, N, RING = 64, 128, 16
-# Batch rows per CTA: the grid is (heads, ceil(batch / ROWS_PER_CTA)); a CTA reads its
-# rows' flush flags at once (one ballot) and flushes the marked rows one after another.
-# With ~1/16 of the rows flushing per step most CTAs get about one row, instead of
-# batch x heads CTAs of which 15/16 would exit at once.
+# CTAs per (batch row, head): each folds 32 of the 64 state rows (two m-tiles).
+M_SPLIT = 2
+ROWS_HALF = P // M_SPLIT
+QUARTERS = 4  # column quarters of 32 (one per warp pair)
+NT = 4  # n-tiles of 8 per warp; a lane holds 2 rows x 8 columns
+# Batch rows per CTA: the grid is (heads * M_SPLIT, ceil(batch / ROWS_PER_CTA)); a CTA
+# reads its rows' flush flags at once (one ballot) and flushes the marked rows one after
+# another. With ~1/16 of the rows flushing per step most CTAs get about one row, instead
+# of batch x heads CTAs of which 15/16 would exit at once.
 ROWS_PER_CTA = 8
-# Shared-memory row of the staged B_j (floats): 128 values in fragment order plus 4.
-B_ROW = N + 4
+# Shared-memory rows (floats): a staged B_j is 128 values in fragment order plus 8 (rows
+# 8 banks apart: the eight lanes of a 16-byte load phase hit distinct banks); a staged
+# x_j is 64 values plus 8 (the four entries a warp's A fragment reads 8 banks apart).
+B_ROW = N + 8
+X_ROW = P + 8
+# Four CTAs of 256 threads per SM: at most 64 registers a thread.
+MIN_CTAS_PER_SM = 4
 # amax <= 448 * scale: E = ceil(log2(amax / 448)), 448 = 1.75 * 2**8 (formats.fp8_row_scale).
 FP8_MANT_LIMIT, FP8_E_OFF = 0x600000, 8
 
 
 def _vec(ptr, offset, n: int):
     return cute.make_tensor(ptr + offset, cute.make_layout(n))
+
+
+def _vec_a(ptr, offset, n: int):
+    """`_vec` at an offset the caller guarantees to be a multiple of n elements (with an
+    n-element-aligned base), so the access compiles to one vector instruction."""
+    return cute.make_tensor(ptr + cute.assume(offset, divby=n), cute.make_layout(n))
 
 
 def _xor_reduce(v, width: int, op):
@@ -72,13 +91,13 @@ def _xor_reduce(v, width: int, op):
 
 
 def _b_slot(n: int) -> int:
-    """Position of state column n in a staged B row: lane column c = 2 (n % 64 // 16) +
-    n % 2 of n-tile n % 16 // 2 in column half n // 64 sits at 64 (n // 64) + 8 c + nt,
-    so lane g reads its eight n-tiles with two 16-byte loads."""
-    half, within = divmod(n, 64)
-    c = 2 * (within // 16) + within % 2
-    nt = within % 16 // 2
-    return 64 * half + 8 * c + nt
+    """Position of state column n in a staged B row: within quarter n // 32, lane column
+    c = 2 (n % 32 // 8) + n % 2 of n-tile n % 8 // 2 sits at 32 (n // 32) + 4 c + nt, so
+    lane gq reads its four n-tiles with one 16-byte load at 32 quarter + 4 gq."""
+    quarter, within = divmod(n, 32)
+    c = 2 * (within // 8) + within % 2
+    nt = within % 8 // 2
+    return 32 * quarter + 4 * c + nt
 
 
 @cute.jit
@@ -99,11 +118,10 @@ def flush_mask(t, by, plan_flush, batch, s_mask):
 
 
 def _b_stage_base(ch):
-    """Staged position of column 8 ch (a staging thread's first column; works on Python
-    ints and DSL integers): columns 8 ch + i sit at _b_stage_base(ch) + 8 (i % 2) + i // 2,
-    i.e. half ch // 8, lane column 2 ((ch % 8) // 2) + i % 2, n-tile 4 (ch % 2) + i // 2
-    (= _b_slot(8 ch + i))."""
-    return (ch // 8) * 64 + 16 * ((ch % 8) // 2) + 4 * (ch % 2)
+    """Staged position of column 8 ch (a staging thread's first column): columns
+    8 ch + i sit at 8 ch + 4 (i % 2) + i // 2 (= _b_slot(8 ch + i)), so a staging thread
+    writes 8 consecutive floats (even columns, then odd)."""
+    return 8 * ch
 
 
 class FlushFp8:
@@ -171,8 +189,10 @@ class FlushFp8:
             dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
             batch,
         ).launch(
-            grid=[self.heads, (batch + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1],
+            grid=[self.heads * M_SPLIT, (batch + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1],
             block=[THREADS, 1, 1],
+            min_blocks_per_mp=MIN_CTAS_PER_SM,
+            preferred_smem_carveout=-1,  # the driver's choice (and no device query at compile time)
             stream=stream,
         )
 
@@ -212,14 +232,10 @@ class FlushFp8:
         batch: Int32,
     ):
         t, _, _ = cute.arch.thread_idx()
-        h, by, _ = cute.arch.block_idx()
+        bx, by, _ = cute.arch.block_idx()
+        mh = bx % M_SPLIT
         smem = SmemAllocator()
-        s_x = smem.allocate_tensor(Float32, cute.make_layout(RING * P), byte_alignment=16)
-        s_b = smem.allocate_tensor(Float32, cute.make_layout(RING * B_ROW), byte_alignment=16)
-        s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
-        # Per (column half, row): partial dot and amax bits.
-        s_dot = smem.allocate_tensor(Float32, cute.make_layout(2 * P), byte_alignment=16)
-        s_amax = smem.allocate_tensor(Int32, cute.make_layout(2 * P), byte_alignment=16)
+        s_x, s_b, s_dt, s_dot, s_amax = self.shared_buffers(smem)
         s_mask = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
 
         mask = flush_mask(t, by, plan_flush, batch, s_mask)
@@ -228,53 +244,64 @@ class FlushFp8:
             if ((mask >> rr) & Int32(1)) != Int32(0):
                 bb = Int64(by * ROWS_PER_CTA + rr)
                 self.flush_row(
-                    t, Int64(h), bb, s_x, s_b, s_dt, s_dot, s_amax,
+                    t, Int64(bx // M_SPLIT), mh, bb, s_x, s_b, s_dt, s_dot, s_amax,
                     ckpt, read, scales, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
                     plan_slot, plan_key, state_out,
                     ckpt_stride16, read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
                     dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
                 )
 
+    @staticmethod
+    def shared_buffers(smem):
+        """Staged x_j (FP32, X_ROW a row), B_j (FP32, fragment order, B_ROW a row), dt_j,
+        and per (column quarter, state row) the partial dots and amax bits."""
+        s_x = smem.allocate_tensor(Float32, cute.make_layout(RING * X_ROW), byte_alignment=16)
+        s_b = smem.allocate_tensor(Float32, cute.make_layout(RING * B_ROW), byte_alignment=16)
+        s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
+        s_dot = smem.allocate_tensor(Float32, cute.make_layout(QUARTERS * P), byte_alignment=16)
+        s_amax = smem.allocate_tensor(Int32, cute.make_layout(QUARTERS * P), byte_alignment=16)
+        return s_x, s_b, s_dt, s_dot, s_amax
+
     @cute.jit
     def flush_row(
-        self, t, hh, bb, s_x, s_b, s_dt, s_dot, s_amax,
+        self, t, hh, mh, bb, s_x, s_b, s_dt, s_dot, s_amax,
         ckpt, read, scales, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
         plan_slot, plan_key, state_out,
         ckpt_stride16, read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
         dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
     ):
-        """One flushing batch row of head hh (the whole CTA)."""
-        q, nh, rows, col0 = self.lane_geometry(t)
+        """State rows 32 mh .. + 31 of one flushing batch row of head hh (the whole CTA)."""
+        q, nq, rows, col0 = self.lane_geometry(t, mh)
         slot = plan_slot[bb]
         key = Uint32(plan_key[bb])
         acc, r_c, ck_w, ck_head = self.fold(
-            t, hh, bb, slot, s_x, s_b, s_dt, ckpt, x_ring, dt_ring, b_ring, x, dt, A, B, C, dt_bias,
+            t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, x_ring, dt_ring, b_ring, x, dt, A, B, C, dt_bias,
             ckpt_stride16, x_ring_stride16, dt_ring_stride, b_ring_stride16, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride,
         )
-        self.row_partials(t, acc, r_c, s_dot, s_amax)
+        self.row_partials(t, mh, acc, r_c, s_dot, s_amax)
         cute.arch.sync_threads()
 
         rc_w = cute.recast_ptr(read, dtype=Uint32)
         rc_head = slot * read_stride16 * 4 + hh * (P * N // 4)
-        r_rc = cute.make_rmem_tensor(cute.make_layout(4), Uint32)
+        r_rc = cute.make_rmem_tensor(cute.make_layout(2), Uint32)
         for i in cutlass.range_constexpr(2):
             p = rows[i]
             pp = Int64(p)
-            amax = cutlass.max(s_amax[p], s_amax[P + p])
-            self.row_output(t, hh, bb, p, s_x, s_dot, D, out, d_stride_h, d_stride_p)
+            amax = cutlass.max(cutlass.max(s_amax[p], s_amax[P + p]), cutlass.max(s_amax[2 * P + p], s_amax[3 * P + p]))
+            self.row_output(t, mh, hh, bb, p, s_x, s_dot, D, out, d_stride_h, d_stride_p)
             self.store_state(hh, bb, pp, col0, acc, i, state_out)
 
             # Read copy: codes of S * 2**-E, scale 2**E (exact power-of-two products).
             e = bits.pow2_exponent_above(amax, FP8_MANT_LIMIT, FP8_E_OFF)
             inv = bits.exp2_int(-e)
-            if nh == 0:
+            if nq == 0:
                 if q == 0:
                     scales[slot * scale_stride + hh * P + pp] = bits.exp2_int(e)
-            for m in cutlass.range_constexpr(4):  # columns 4 m .. 4 m + 3 = n-tiles 2 m, 2 m + 1
+            for m in cutlass.range_constexpr(2):  # columns 4 m .. 4 m + 3 = n-tiles 2 m, 2 m + 1
                 lo = self.e4m3x2_rn(acc[2 * m][2 * i] * inv, acc[2 * m][2 * i + 1] * inv)
                 hi = self.e4m3x2_rn(acc[2 * m + 1][2 * i] * inv, acc[2 * m + 1][2 * i + 1] * inv)
                 r_rc[m] = lo | (hi << 16)
-            _vec(rc_w, rc_head + pp * (N // 4) + Int64(col0 // 4), 4).store(r_rc.load())
+            _vec_a(rc_w, rc_head + pp * (N // 4) + Int64(col0 // 4), 2).store(r_rc.load())
 
             self.store_checkpoint(hh, pp, col0, key, acc, i, ck_w, ck_head)
         # The next flushing row of this CTA restages the shared buffers.
@@ -282,68 +309,72 @@ class FlushFp8:
 
     # -- shared with the NVFP4 flush (flush_nvfp4.py) --------------------------------------
     @staticmethod
-    def lane_geometry(t):
-        """(q, column half, [row 0, row 1], first column) of thread t: warp w takes m-tile
-        w % 4 and column half w // 4; lane 4 gq + q holds rows 16 (w % 4) + gq (+ 8) at
-        columns 64 (w // 4) + 16 q .. + 15."""
+    def lane_geometry(t, mh):
+        """(q, column quarter, [row 0, row 1], first column) of thread t in the CTA of
+        state-row half mh: warp w takes m-tile 2 mh + w % 2 and column quarter w // 2;
+        lane 4 gq + q holds rows 16 mt + gq (+ 8) at columns 32 (w // 2) + 8 q .. + 7."""
         lane = t % 32
         w = t // 32
         gq = lane // 4
         q = lane % 4
-        mt = w % 4
-        nh = w // 4
-        return q, nh, [mt * 16 + gq, mt * 16 + gq + 8], nh * 64 + q * 16
+        mt = mh * 2 + w % 2
+        nq = w // 2
+        return q, nq, [mt * 16 + gq, mt * 16 + gq + 8], nq * 32 + q * 8
 
     @cute.jit
     def fold(
-        self, t, hh, bb, slot, s_x, s_b, s_dt, ckpt, x_ring, dt_ring, b_ring, x, dt, A, B, C, dt_bias,
+        self, t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, x_ring, dt_ring, b_ring, x, dt, A, B, C, dt_bias,
         ckpt_stride16, x_ring_stride16, dt_ring_stride, b_ring_stride16, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride,
     ):
-        """S of this lane's 32 elements, from the checkpoint and the 16 ring entries (the
+        """S of this lane's 16 elements, from the checkpoint and the 16 ring entries (the
         current token as entry 15), on the tensor cores. Returns (acc, this lane's C words,
         the checkpoint as words, the head's first checkpoint word); acc[nt][2 i + e] is
-        row i at lane column 2 nt + e. Leaves s_x (x_j, FP32) staged for the outputs."""
+        row i at lane column 2 nt + e. Leaves s_x (x_j of this CTA's state rows, FP32)
+        staged for the outputs."""
         H, G, HPG = self.heads, self.groups, self.hpg
         g = hh // HPG
         lane = t % 32
         gq = lane // 4
-        q, nh, rows, col0 = self.lane_geometry(t)
+        q, nq, rows, col0 = self.lane_geometry(t, mh)
 
         # Checkpoint first (the largest read), in flight during the staging below: per
-        # row 16 FP16 values = 8 words.
+        # row 8 FP16 values = 4 words, one 16-byte load.
         ck_w = cute.recast_ptr(ckpt, dtype=Uint32)
         ck_head = slot * ckpt_stride16 * 4 + hh * (P * N // 2)
-        r_ck = []
-        for i in cutlass.range_constexpr(2):
-            base = ck_head + Int64(rows[i] * (N // 2) + col0 // 2)
-            r_ck.append([_vec(ck_w, base, 4).load(), _vec(ck_w, base + 4, 4).load()])
+        r_ck = [_vec_a(ck_w, ck_head + Int64(rows[i] * (N // 2) + col0 // 2), 4).load() for i in range(2)]
         c_w = cute.recast_ptr(C, dtype=Uint32)
-        r_c = [_vec(c_w, (bb * G + g) * (N // 2) + Int64(col0 // 2) + 4 * k, 4).load() for k in range(2)]
+        r_c = _vec_a(c_w, (bb * G + g) * (N // 2) + Int64(col0 // 2), 4).load()
 
-        # Stage x_j (FP32) and B_j (FP32, fragment order) of entries 0..15: 15 from the
-        # rings, the current token as entry 15; and dt_j.
+        # Stage x_j (FP32) of this CTA's 32 state rows and B_j (FP32, fragment order) of
+        # entries 0..15: 15 from the rings, the current token as entry 15; and dt_j.
         xw = cute.recast_ptr(x_ring, dtype=Uint32)
         xcur = cute.recast_ptr(x, dtype=Uint32)
-        if t < RING * P // 8:
-            jx = t // 8
-            xs = (t % 8) * 8
-            ring = _vec(xw, slot * x_ring_stride16 * 4 + (hh * RING + Int64(jx)) * (P // 2) + xs // 2, 4).load()
-            cur = _vec(xcur, (bb * H + hh) * (P // 2) + xs // 2, 4).load()
+        if t < RING * ROWS_HALF // 8:
+            jx = t // (ROWS_HALF // 8)
+            xs = mh * ROWS_HALF + (t % (ROWS_HALF // 8)) * 8
+            ring = _vec_a(xw, slot * x_ring_stride16 * 4 + (hh * RING + Int64(jx)) * (P // 2) + Int64(xs // 2), 4).load()
+            cur = _vec_a(xcur, (bb * H + hh) * (P // 2) + Int64(xs // 2), 4).load()
+            r_xs = cute.make_rmem_tensor(cute.make_layout(8), Float32)
             for k in cutlass.range_constexpr(4):
                 v = _bf16x2(sel(jx == RING - 1, cur[k], ring[k]))
-                s_x[jx * P + xs + 2 * k] = v[0]
-                s_x[jx * P + xs + 2 * k + 1] = v[1]
+                r_xs[2 * k] = v[0]
+                r_xs[2 * k + 1] = v[1]
+            for k in cutlass.range_constexpr(2):
+                _vec_a(s_x.iterator, jx * X_ROW + xs + 4 * k, 4).store(_vec(r_xs.iterator, 4 * k, 4).load())
         bw = cute.recast_ptr(b_ring, dtype=Uint32)
         bcur = cute.recast_ptr(B, dtype=Uint32)
         jb = t // 16
         ch = t % 16  # columns 8 ch .. 8 ch + 7
-        ring = _vec(bw, slot * b_ring_stride16 * 4 + (g * RING + Int64(jb)) * (N // 2) + ch * 4, 4).load()
-        cur = _vec(bcur, (bb * G + g) * (N // 2) + ch * 4, 4).load()
-        b_base = jb * B_ROW + _b_stage_base(ch)
+        ring = _vec_a(bw, slot * b_ring_stride16 * 4 + (g * RING + Int64(jb)) * (N // 2) + Int64(ch * 4), 4).load()
+        cur = _vec_a(bcur, (bb * G + g) * (N // 2) + Int64(ch * 4), 4).load()
+        r_bs = cute.make_rmem_tensor(cute.make_layout(8), Float32)
         for k in cutlass.range_constexpr(4):
             v = _bf16x2(sel(jb == RING - 1, cur[k], ring[k]))
-            s_b[b_base + k] = v[0]  # column 8 ch + 2 k
-            s_b[b_base + 8 + k] = v[1]  # column 8 ch + 2 k + 1
+            r_bs[k] = v[0]  # column 8 ch + 2 k
+            r_bs[4 + k] = v[1]  # column 8 ch + 2 k + 1
+        b_base = jb * B_ROW + _b_stage_base(ch)
+        for k in cutlass.range_constexpr(2):
+            _vec_a(s_b.iterator, b_base + 4 * k, 4).store(_vec(r_bs.iterator, 4 * k, 4).load())
         if t < RING:
             dt_t = Float32(0.0)
             if t < RING - 1:
@@ -373,28 +404,29 @@ class FlushFp8:
                 j = ks * 8 + jj * 4 + q
                 w_s = cute.arch.shuffle_sync(w_j, j)
                 for i in cutlass.range_constexpr(2):
-                    xp = w_s * s_x[j * P + rows[i]]
+                    xp = w_s * s_x[j * X_ROW + rows[i]]
                     hb = xp.bitcast(Uint32) & Uint32(0xFFFFE000)
                     hi_k.append(hb)
                     lo_k.append((xp - hb.bitcast(Float32)).bitcast(Uint32))
             a_hi.append(hi_k)
             a_lo.append(lo_k)
-        # B fragments: b0 = B_{8 ks + q}, b1 = B_{8 ks + q + 4} at lane column gq.
+        # B fragments: b0 = B_{8 ks + q}, b1 = B_{8 ks + q + 4} at lane column gq of the
+        # quarter's four n-tiles: one 16-byte load each.
         b_frag = []
         for ks in cutlass.range_constexpr(2):
             pair = []
             for jj in cutlass.range_constexpr(2):
-                off = (ks * 8 + jj * 4 + q) * B_ROW + nh * 64 + gq * 8
-                v = [_vec(s_b.iterator, off, 4).load(), _vec(s_b.iterator, off + 4, 4).load()]
-                pair.append([(v[nt // 4][nt % 4]).bitcast(Uint32) for nt in range(8)])
+                off = (ks * 8 + jj * 4 + q) * B_ROW + nq * 32 + gq * 4
+                v = _vec_a(s_b.iterator, off, 4).load()
+                pair.append([v[nt].bitcast(Uint32) for nt in range(NT)])
             b_frag.append(pair)
 
         # S: acc[nt] = (row 0 at lane columns 2 nt, 2 nt + 1, row 1 at the same).
         acc = []
-        for nt in cutlass.range_constexpr(8):
+        for nt in cutlass.range_constexpr(NT):
             c4 = []
             for i in cutlass.range_constexpr(2):
-                pair = bits.f16x2_to_f32x2(r_ck[i][nt // 4][nt % 4])
+                pair = bits.f16x2_to_f32x2(r_ck[i][nt])
                 c4.append(decay * pair[0])
                 c4.append(decay * pair[1])
             a4 = [c4[0], c4[1], c4[2], c4[3]]
@@ -407,16 +439,16 @@ class FlushFp8:
         return acc, r_c, ck_w, ck_head
 
     @cute.jit
-    def row_partials(self, t, acc, r_c, s_dot, s_amax, row_amax: cutlass.Constexpr = True):
-        """Row dots with C and (`row_amax`) amaxes of this column half: over the 4 lanes of
-        a row, into s_dot / s_amax[half * 64 + row] (a barrier must follow before they are
-        read)."""
-        q, nh, rows, col0 = self.lane_geometry(t)
+    def row_partials(self, t, mh, acc, r_c, s_dot, s_amax, row_amax: cutlass.Constexpr = True):
+        """Row dots with C and (`row_amax`) amaxes of this column quarter: over the 4
+        lanes of a row, into s_dot / s_amax[quarter * 64 + row] (a barrier must follow
+        before they are read)."""
+        q, nq, rows, col0 = self.lane_geometry(t, mh)
         for i in cutlass.range_constexpr(2):
             dot = Float32(0.0)
             amax = Int32(0)
-            for nt in cutlass.range_constexpr(8):
-                cv = _bf16x2(r_c[nt // 4][nt % 4])
+            for nt in cutlass.range_constexpr(NT):
+                cv = _bf16x2(r_c[nt])
                 for e in cutlass.range_constexpr(2):
                     v = acc[nt][2 * i + e]
                     dot = dot + v * cv[e]
@@ -425,43 +457,42 @@ class FlushFp8:
             if cutlass.const_expr(row_amax):
                 amax = _xor_reduce(amax, 4, cutlass.max)
             if q == 0:
-                s_dot[nh * P + rows[i]] = dot
+                s_dot[nq * P + rows[i]] = dot
                 if cutlass.const_expr(row_amax):
-                    s_amax[nh * P + rows[i]] = amax
+                    s_amax[nq * P + rows[i]] = amax
 
     @cute.jit
-    def row_output(self, t, hh, bb, p, s_x, s_dot, D, out, d_stride_h, d_stride_p):
-        """y[p] = S[p] . C + D[p] x[p] from the two halves' dots (one lane writes it)."""
-        q, nh, rows, col0 = self.lane_geometry(t)
+    def row_output(self, t, mh, hh, bb, p, s_x, s_dot, D, out, d_stride_h, d_stride_p):
+        """y[p] = S[p] . C + D[p] x[p] from the four quarters' dots (one lane writes it)."""
+        q, nq, rows, col0 = self.lane_geometry(t, mh)
         pp = Int64(p)
-        if nh == 0:
+        if nq == 0:
             if q == 0:
-                y = s_dot[p] + s_dot[P + p] + D[hh * d_stride_h + pp * d_stride_p] * s_x[(RING - 1) * P + p]
+                dot = (s_dot[p] + s_dot[P + p]) + (s_dot[2 * P + p] + s_dot[3 * P + p])
+                y = dot + D[hh * d_stride_h + pp * d_stride_p] * s_x[(RING - 1) * X_ROW + p]
                 out[(bb * self.heads + hh) * P + pp] = BFloat16(y)
 
     @cute.jit
     def store_state(self, hh, bb, pp, col0, acc, i, state_out):
-        """Debug variant: this lane's 16 FP32 values of row i to state_out."""
+        """Debug variant: this lane's 8 FP32 values of row i to state_out."""
         if cutlass.const_expr(self.debug):
             r_state = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-            for k4 in cutlass.range_constexpr(4):
+            for k4 in cutlass.range_constexpr(2):
                 for k in cutlass.range_constexpr(4):
                     c = 4 * k4 + k  # column col0 + c = 2 nt + e
                     r_state[k] = acc[c // 2][2 * i + c % 2]
-                _vec(state_out, ((bb * self.heads + hh) * P + pp) * N + Int64(col0 + 4 * k4), 4).store(r_state.load())
+                _vec_a(state_out, ((bb * self.heads + hh) * P + pp) * N + Int64(col0 + 4 * k4), 4).store(r_state.load())
 
     @cute.jit
     def store_checkpoint(self, hh, pp, col0, key, acc, i, ck_w, ck_head):
-        """Row i's 16 values as FP16 pairs with stochastic rounding; one hash word per
+        """Row i's 8 values as FP16 pairs with stochastic rounding; one hash word per
         pair, word index ((h * 64 + p) * 128 + n) / 2."""
-        r_ck_out = cute.make_rmem_tensor(cute.make_layout(8), Uint32)
+        r_ck_out = cute.make_rmem_tensor(cute.make_layout(4), Uint32)
         w0 = Uint32((hh * P + pp) * (N // 2)) + Uint32(col0 // 2)
-        for nt in cutlass.range_constexpr(8):
+        for nt in cutlass.range_constexpr(NT):
             word = bits.random_word(key, w0 + Uint32(nt))
             r_ck_out[nt] = self.fp16x2_sr(acc[nt][2 * i], acc[nt][2 * i + 1], word)
-        base = ck_head + pp * (N // 2) + Int64(col0 // 2)
-        _vec(ck_w, base, 4).store(_vec(r_ck_out.iterator, 0, 4).load())
-        _vec(ck_w, base + 4, 4).store(_vec(r_ck_out.iterator, 4, 4).load())
+        _vec_a(ck_w, ck_head + pp * (N // 2) + Int64(col0 // 2), 4).store(r_ck_out.load())
 
 
 class FlushFp8Sm90(FlushFp8):
@@ -498,4 +529,4 @@ class FlushFp8Sm100(FlushFp8):
         return bits.e4m3x2_rn_hw(lo, hi)
 
 
-__all__ = ["FlushFp8", "FlushFp8Sm90", "FlushFp8Sm100", "flush_mask", "ROWS_PER_CTA", "N", "P", "RING", "_vec", "_xor_reduce", "_b_slot"]
+__all__ = ["FlushFp8", "FlushFp8Sm90", "FlushFp8Sm100", "flush_mask", "ROWS_PER_CTA", "M_SPLIT", "N", "P", "RING", "_vec", "_vec_a", "_xor_reduce", "_b_slot"]

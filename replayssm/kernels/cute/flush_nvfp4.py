@@ -17,10 +17,11 @@ read only the half 1 - old and write only the half old; the reset of `old` and t
 flip happened in the prepare launch before this one on the same stream, and the non-flush
 launch of the step touches only non-flushing slots.
 
-Thread map: the FP8 flush's (8 warps; lane q of a row quad holds 16 consecutive columns
-64 (w // 4) + 16 q .. + 15 of two rows), so each lane's 16 values of a row are exactly
-one NVFP4 block: its amax is lane-local, its 16 codes are two words (one 8-byte store),
-its scale one byte. The two rows' block scales go through one e4m3x2 conversion.
+Thread map: the FP8 flush's (two CTAs of 8 warps per (row, head); lane q of a row quad
+holds 8 consecutive columns 32 (w // 2) + 8 q .. + 7 of two rows), so lanes q and q ^ 1
+hold one NVFP4 block between them: its amax is the max of the two lanes' (one xor
+shuffle), each lane's 8 codes are one word (one 4-byte store), and the even lane writes
+the block's scale byte. The two rows' block scales go through one e4m3x2 conversion.
 
 Targets differ in three conversions: the two of the FP8 flush (FP16 stochastic rounding;
 the e4m3 encode, here of the block scales, software on sm_90a) and the e2m1 encode
@@ -39,12 +40,13 @@ from cutlass.memory import SmemAllocator
 
 from . import bits, bits_nvfp4
 from .bits_nvfp4 import DSL_OPS
-from .flush_fp8 import B_ROW, ROWS_PER_CTA, THREADS, WARPS, FlushFp8, N, P, RING, _vec, _xor_reduce, flush_mask
+from .flush_fp8 import M_SPLIT, ROWS_PER_CTA, THREADS, WARPS, FlushFp8, N, P, _xor_reduce, flush_mask
 
 ROWS = 2  # state rows per thread
 WORDS_PER_ROW = N // 8  # packed e2m1 codes of one state row, in 32-bit words
 BLOCKS = N // 16  # block scales per state row
-MIN_CTAS_PER_SM = 2
+# Four CTAs of 256 threads per SM (at most 64 registers a thread), as the FP8 flush.
+MIN_CTAS_PER_SM = 4
 
 
 class FlushNvfp4(FlushFp8):
@@ -105,11 +107,8 @@ class FlushNvfp4(FlushFp8):
             dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
             batch,
         ).launch(
-            grid=[self.heads, (batch + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1],
+            grid=[self.heads * M_SPLIT, (batch + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1],
             block=[THREADS, 1, 1],
-            # Two CTAs per SM (at most 128 registers a thread; sm_90a then spills 64 bytes a
-            # thread): without the bound the sm_90a software e2m1 encode takes ~240
-            # registers and one CTA per SM. Which is faster is to be measured.
             min_blocks_per_mp=MIN_CTAS_PER_SM,
             preferred_smem_carveout=-1,  # the driver's choice (and no device query at compile time)
             stream=stream,
@@ -154,13 +153,10 @@ class FlushNvfp4(FlushFp8):
         batch: Int32,
     ):
         t, _, _ = cute.arch.thread_idx()
-        h, by, _ = cute.arch.block_idx()
+        bx, by, _ = cute.arch.block_idx()
+        mh = bx % M_SPLIT
         smem = SmemAllocator()
-        s_x = smem.allocate_tensor(Float32, cute.make_layout(RING * P), byte_alignment=16)
-        s_b = smem.allocate_tensor(Float32, cute.make_layout(RING * B_ROW), byte_alignment=16)
-        s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
-        s_dot = smem.allocate_tensor(Float32, cute.make_layout(2 * P), byte_alignment=16)
-        s_amax = smem.allocate_tensor(Int32, cute.make_layout(2 * P), byte_alignment=16)
+        s_x, s_b, s_dt, s_dot, s_amax = self.shared_buffers(smem)
         s_gmax = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
         s_mask = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
 
@@ -171,7 +167,7 @@ class FlushNvfp4(FlushFp8):
             if ((mask >> rr) & Int32(1)) != Int32(0):
                 bb = Int64(by * ROWS_PER_CTA + rr)
                 self.flush_row_nvfp4(
-                    t, Int64(h), bb, s_x, s_b, s_dt, s_dot, s_amax, s_gmax, meta_bits,
+                    t, Int64(bx // M_SPLIT), mh, bb, s_x, s_b, s_dt, s_dot, s_amax, s_gmax, meta_bits,
                     ckpt, read, scales, meta, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
                     plan_slot, plan_key, plan_old, state_out,
                     ckpt_stride16, read_stride16, scale_stride, meta_stride,
@@ -181,15 +177,15 @@ class FlushNvfp4(FlushFp8):
 
     @cute.jit
     def flush_row_nvfp4(
-        self, t, hh, bb, s_x, s_b, s_dt, s_dot, s_amax, s_gmax, meta_bits,
+        self, t, hh, mh, bb, s_x, s_b, s_dt, s_dot, s_amax, s_gmax, meta_bits,
         ckpt, read, scales, meta, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
         plan_slot, plan_key, plan_old, state_out,
         ckpt_stride16, read_stride16, scale_stride, meta_stride,
         x_ring_stride16, dt_ring_stride, b_ring_stride16,
         dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
     ):
-        """One flushing batch row of head hh (the whole CTA)."""
-        _, _, rows, col0 = self.lane_geometry(t)
+        """State rows 32 mh .. + 31 of one flushing batch row of head hh (the whole CTA)."""
+        q, _, rows, col0 = self.lane_geometry(t, mh)
         g = hh // self.hpg
         slot = plan_slot[bb]
         key = Uint32(plan_key[bb])
@@ -202,17 +198,18 @@ class FlushNvfp4(FlushFp8):
         ig_scale = bits.exp2_int(-e)
 
         acc, r_c, ck_w, ck_head = self.fold(
-            t, hh, bb, slot, s_x, s_b, s_dt, ckpt, x_ring, dt_ring, b_ring, x, dt, A, B, C, dt_bias,
+            t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, x_ring, dt_ring, b_ring, x, dt, A, B, C, dt_bias,
             ckpt_stride16, x_ring_stride16, dt_ring_stride, b_ring_stride16, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride,
         )
-        self.row_partials(t, acc, r_c, s_dot, s_amax, row_amax=False)
-        # Block amax of row i: this lane's 16 values (one block), from the bits.
+        self.row_partials(t, mh, acc, r_c, s_dot, s_amax, row_amax=False)
+        # Block amax of row i: this lane's 8 values and its partner's (lane ^ 1), from the
+        # bits.
         bamax = []
         for i in cutlass.range_constexpr(ROWS):
             amax = Int32(0)
-            for c in cutlass.range_constexpr(16):
+            for c in cutlass.range_constexpr(8):
                 amax = cutlass.max(amax, acc[c // 2][2 * i + c % 2].bitcast(Int32) & Int32(0x7FFFFFFF))
-            bamax.append(amax)
+            bamax.append(_xor_reduce(amax, 2, cutlass.max))
         cute.arch.sync_threads()
 
         # Block scales of both rows in one e4m3x2 conversion (nearest, satfinite):
@@ -226,19 +223,18 @@ class FlushNvfp4(FlushFp8):
         rc_head = slot * read_stride16 * 4 + hh * (P * WORDS_PER_ROW)  # packed-code words of this head
         sc_head = slot * scale_stride + hh * (P * BLOCKS)
         blk = col0 // 16
-        r_rc = cute.make_rmem_tensor(cute.make_layout(2), Uint32)
         for i in cutlass.range_constexpr(ROWS):
             p = rows[i]
             pp = Int64(p)
-            self.row_output(t, hh, bb, p, s_x, s_dot, D, out, d_stride_h, d_stride_p)
+            self.row_output(t, mh, hh, bb, p, s_x, s_dot, D, out, d_stride_h, d_stride_p)
             self.store_state(hh, bb, pp, col0, acc, i, state_out)
-            # Read copy: e2m1(x * r), the block's 16 codes = two words; its scale byte.
+            # Read copy: e2m1(x * r), this lane's 8 codes = one word; the block's scale byte
+            # from the even lane of the pair.
             r = bits_nvfp4.block_recip(s_codes[i], g_scale, DSL_OPS)
-            for half in cutlass.range_constexpr(2):
-                scaled = [acc[(8 * half + c) // 2][2 * i + c % 2] * r for c in range(8)]
-                r_rc[half] = self.e2m1x8_rn(scaled)
-            _vec(rc_w, rc_head + pp * WORDS_PER_ROW + Int64(2 * blk), 2).store(r_rc.load())
-            scales[sc_head + pp * BLOCKS + Int64(blk)] = Uint8(s_codes[i])
+            scaled = [acc[c // 2][2 * i + c % 2] * r for c in range(8)]
+            rc_w[rc_head + pp * WORDS_PER_ROW + Int64(col0 // 8)] = self.e2m1x8_rn(scaled)
+            if q % 2 == 0:
+                scales[sc_head + pp * BLOCKS + Int64(blk)] = Uint8(s_codes[i])
             self.store_checkpoint(hh, pp, col0, key, acc, i, ck_w, ck_head)
 
         # Group amax: this lane's two blocks, the warp, then the CTA's warps in shared
