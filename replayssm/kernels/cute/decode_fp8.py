@@ -100,7 +100,7 @@ class DecodeFp8:
             read, scales, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
             plan_valid, plan_slot, plan_ring, plan_flush,
             read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
-            dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p, batch,
+            dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
         ).launch(grid=self.grid(batch), block=[self.threads, 1, 1], stream=stream, **self.launch_options())
 
     # Launch shape (the tensor-core variant, decode_fp8_mma.py, overrides these and
@@ -144,7 +144,6 @@ class DecodeFp8:
         dt_bias_stride: Int64,
         d_stride_h: Int64,
         d_stride_p: Int64,
-        batch: Int32,
     ):
         H, G, HPG = self.heads, self.groups, self.hpg
         t, _, _ = cute.arch.thread_idx()

@@ -156,7 +156,6 @@ class DecodeFp8Mma(DecodeFp8):
         dt_bias_stride: Int64,
         d_stride_h: Int64,
         d_stride_p: Int64,
-        batch: Int32,
     ):
         H, G, HPG, WARPS, WPH, MT = self.heads, self.groups, self.hpg, self.warps, self.wph, self.mt
         THREADS = 32 * WARPS * WPH

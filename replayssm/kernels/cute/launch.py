@@ -28,7 +28,6 @@ from ... import layout as L
 from .arch import HAS_CVT_RS, arch_for, check_arch
 from .decode_fp8 import DecodeFp8
 from .decode_fp8_mma import DecodeFp8Mma
-from .decode_fp8_stream import DecodeFp8Stream
 from .flush_fp8 import FlushFp8Sm90, FlushFp8Sm100
 
 KINDS = ("decode_fp8", "flush_fp8", "flush_fp8_debug")
@@ -53,8 +52,8 @@ FP8_DECODE_ENV = "REPLAYSSM_FP8_DECODE"
 
 def fp8_decode() -> str:
     mode = os.environ.get(FP8_DECODE_ENV, "simt")
-    if mode not in ("simt", "mma", "stream"):
-        raise ValueError(f"${FP8_DECODE_ENV} must be 'simt', 'mma' or 'stream'; got {mode!r}")
+    if mode not in ("simt", "mma"):
+        raise ValueError(f"${FP8_DECODE_ENV} must be 'simt' or 'mma'; got {mode!r}")
     return mode
 
 
@@ -67,12 +66,7 @@ def sm90_e4m3() -> str:
 
 def _kernel_object(kind: str, arch: str, heads: int, groups: int, e4m3: str):
     if kind == "decode_fp8":
-        mode = fp8_decode()
-        if mode == "mma":
-            return DecodeFp8Mma(heads, groups)
-        if mode == "stream":
-            return DecodeFp8Stream(heads, groups, arch, int(os.environ.get("REPLAYSSM_FP8_STREAM_CTAS", "6")))
-        return DecodeFp8(heads, groups)
+        return DecodeFp8Mma(heads, groups) if fp8_decode() == "mma" else DecodeFp8(heads, groups)
     debug = kind == "flush_fp8_debug"
     if arch in HAS_CVT_RS:
         return FlushFp8Sm100(heads, groups, debug=debug)
