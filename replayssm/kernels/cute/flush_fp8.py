@@ -101,20 +101,15 @@ def _b_slot(n: int) -> int:
 
 
 @cute.jit
-def flush_mask(t, by, plan_flush, batch, s_mask, per_row=()):
+def flush_mask(t, by, plan_flush, batch, s_mask):
     """Bit rr set when batch row by * ROWS_PER_CTA + rr flushes: one load per lane of
-    warp 0 and one ballot, shared through `s_mask` (one Int32) with the whole CTA. Each
-    (plan tensor, shared tensor) pair of `per_row` is copied for the CTA's rows in the
-    same memory round trip (shared[rr] = plan[row rr]), so a flushing row's slot and key
-    are at hand after the barrier instead of one more dependent load later."""
+    warp 0 and one ballot, shared through `s_mask` (one Int32) with the whole CTA."""
     if t < 32:
         b_t = by * ROWS_PER_CTA + t
         f = Int32(0)
         if t < ROWS_PER_CTA:
             if b_t < batch:
                 f = Int32(plan_flush[Int64(b_t)])
-                for src, dst in per_row:
-                    dst[t] = src[Int64(b_t)]
         m = cute.arch.vote_ballot_sync(f != Int32(0))
         if t == 0:
             s_mask[0] = Int32(m)
@@ -241,10 +236,9 @@ class FlushFp8:
         mh = bx % M_SPLIT
         smem = SmemAllocator()
         s_x, s_b, s_dt, s_dot, s_amax = self.shared_buffers(smem)
-        s_plan = smem.allocate_tensor(Int64, cute.make_layout((ROWS_PER_CTA, 2)), byte_alignment=16)
         s_mask = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
 
-        mask = flush_mask(t, by, plan_flush, batch, s_mask, [(plan_slot, s_plan[None, 0]), (plan_key, s_plan[None, 1])])
+        mask = flush_mask(t, by, plan_flush, batch, s_mask)
 
         for rr in range(ROWS_PER_CTA):
             if ((mask >> rr) & Int32(1)) != Int32(0):
@@ -252,7 +246,7 @@ class FlushFp8:
                 self.flush_row(
                     t, Int64(bx // M_SPLIT), mh, bb, s_x, s_b, s_dt, s_dot, s_amax,
                     ckpt, read, scales, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
-                    s_plan[rr, 0], Uint32(s_plan[rr, 1]), state_out,
+                    plan_slot, plan_key, state_out,
                     ckpt_stride16, read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
                     dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
                 )
@@ -272,13 +266,14 @@ class FlushFp8:
     def flush_row(
         self, t, hh, mh, bb, s_x, s_b, s_dt, s_dot, s_amax,
         ckpt, read, scales, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
-        slot, key, state_out,
+        plan_slot, plan_key, state_out,
         ckpt_stride16, read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
         dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
     ):
-        """State rows 32 mh .. + 31 of one flushing batch row of head hh (the whole CTA),
-        whose cache slot and hash key (plan_slot, plan_key) are `slot` and `key`."""
+        """State rows 32 mh .. + 31 of one flushing batch row of head hh (the whole CTA)."""
         q, nq, rows, col0 = self.lane_geometry(t, mh)
+        slot = plan_slot[bb]
+        key = Uint32(plan_key[bb])
         acc, r_c, ck_w, ck_head = self.fold(
             t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, x_ring, dt_ring, b_ring, x, dt, A, B, C, dt_bias,
             ckpt_stride16, x_ring_stride16, dt_ring_stride, b_ring_stride16, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride,

@@ -158,15 +158,10 @@ class FlushNvfp4(FlushFp8):
         smem = SmemAllocator()
         s_x, s_b, s_dt, s_dot, s_amax = self.shared_buffers(smem)
         s_gmax = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
-        s_plan = smem.allocate_tensor(Int64, cute.make_layout((ROWS_PER_CTA, 3)), byte_alignment=16)
         s_mask = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
 
-        # Which of this CTA's batch rows flush (one ballot, as the FP8 flush), with their
-        # slots, keys and old parities in the same round trip.
-        mask = flush_mask(
-            t, by, plan_flush, batch, s_mask,
-            [(plan_slot, s_plan[None, 0]), (plan_key, s_plan[None, 1]), (plan_old, s_plan[None, 2])],
-        )
+        # Which of this CTA's batch rows flush (one ballot, as the FP8 flush).
+        mask = flush_mask(t, by, plan_flush, batch, s_mask)
         meta_bits = cute.recast_ptr(meta, dtype=Int32)  # the atomic max works on the bits
         for rr in range(ROWS_PER_CTA):
             if ((mask >> rr) & Int32(1)) != Int32(0):
@@ -174,7 +169,7 @@ class FlushNvfp4(FlushFp8):
                 self.flush_row_nvfp4(
                     t, Int64(bx // M_SPLIT), mh, bb, s_x, s_b, s_dt, s_dot, s_amax, s_gmax, meta_bits,
                     ckpt, read, scales, meta, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
-                    s_plan[rr, 0], Uint32(s_plan[rr, 1]), s_plan[rr, 2], state_out,
+                    plan_slot, plan_key, plan_old, state_out,
                     ckpt_stride16, read_stride16, scale_stride, meta_stride,
                     x_ring_stride16, dt_ring_stride, b_ring_stride16,
                     dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
@@ -184,16 +179,17 @@ class FlushNvfp4(FlushFp8):
     def flush_row_nvfp4(
         self, t, hh, mh, bb, s_x, s_b, s_dt, s_dot, s_amax, s_gmax, meta_bits,
         ckpt, read, scales, meta, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
-        slot, key, plan_old_bb, state_out,
+        plan_slot, plan_key, plan_old, state_out,
         ckpt_stride16, read_stride16, scale_stride, meta_stride,
         x_ring_stride16, dt_ring_stride, b_ring_stride16,
         dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
     ):
-        """State rows 32 mh .. + 31 of one flushing batch row of head hh (the whole CTA),
-        whose plan_slot, plan_key and plan_old are `slot`, `key` and `plan_old_bb`."""
+        """State rows 32 mh .. + 31 of one flushing batch row of head hh (the whole CTA)."""
         q, _, rows, col0 = self.lane_geometry(t, mh)
         g = hh // self.hpg
-        old = Int64(Int32(plan_old_bb) & Int32(1))  # `& 1`: stay inside the slot's meta
+        slot = plan_slot[bb]
+        key = Uint32(plan_key[bb])
+        old = Int64(Int32(plan_old[bb]) & Int32(1))  # `& 1`: stay inside the slot's meta
         # The live amax (the half the prepare kernel did not reset) -> g = 2**E.
         meta_row = slot * meta_stride + g * 2
         a_live = meta[meta_row + 1 - old].bitcast(Int32) & Int32(0x7FFFFFFF)
