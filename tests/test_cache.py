@@ -3,7 +3,7 @@
 import torch
 
 from replayssm import ReplaySSMCache, layout as L
-from replayssm.synthetic import ExactRecurrence, Token, layer_params, prefill_states, sqnr_db, token
+from replayssm.synthetic import ExactRecurrence, layer_params, prefill_states, sqnr_db, token
 
 
 def test_lifecycle_matches_exact_recurrence_and_reuses_slots():

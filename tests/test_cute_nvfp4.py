@@ -14,7 +14,6 @@ GPU (@pytest.mark.gpu), see the section header below.
 from __future__ import annotations
 
 import importlib.util
-import math
 import re
 from pathlib import Path
 
@@ -22,8 +21,12 @@ import numpy as np
 import pytest
 import torch
 
+from replayssm import layout as L
 from replayssm.quant import formats as Q
 from replayssm.quant.minifloat import E2M1, E4M3, decode_e2m1, decode_e4m3, encode
+
+from .gpu_harness import DEVICE, NAN, World, check_graph_replays_whole_periods, check_warmup, ulp_bf16
+from .helpers import same_bits
 
 HAS_DSL = importlib.util.find_spec("cutlass") is not None
 needs_dsl = pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl is not installed (pip install -e '.[cute]')")
@@ -244,84 +247,6 @@ def test_flush_reciprocal_is_ieee_and_amax_is_one_atomic(compiled, arch):
 #   to_fp16(S, checkpoint_rbits) and NVFP4 copy = formats.nvfp4_encode(S, A_live) bit for
 #   bit; everything else untouched, the bytes between slot tensors included.
 
-DEVICE = "cuda"
-NAN = float("nan")
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
-class World:
-    def __init__(self, heads=16, groups=2, seed=0, live=(3, 5, 1, 7, 2, 9, 4, 8, 10), num_slots=12, sync=False):
-        from replayssm import layout as L
-        from replayssm import reference as ref
-        from replayssm.api import initialize_replayssm_state
-        from replayssm.synthetic import layer_params, prefill_states, token
-
-        self.L = L
-        self.heads, self.groups, self.seed = heads, groups, seed
-        self.gen = torch.Generator().manual_seed(seed)
-        self.params = layer_params(heads, generator=self.gen, device=DEVICE)
-        cache = L.allocate_cache(num_slots, heads, groups, "nvfp4", DEVICE, slot_padding=64, fill=NAN)
-        self.cache = cache
-        cache[L.READ_COPY].fill_(0xFF)  # garbage codes in every slot that is not initialized
-        live_t = torch.tensor(live, dtype=torch.int32, device=DEVICE)
-        states = prefill_states(self.params, len(live), groups, 24, generator=self.gen, device=DEVICE)
-        initialize_replayssm_state(cache, states, live_t, state_dtype="nvfp4", seed=seed)
-        # The half the first flush encodes with (parity is 0 after init): off by 1/64,
-        # 64 and 0 for three slots.
-        for s, f in zip(live[:3], (1 / 64, 64.0, 0.0)):
-            cache[L.META][s, :, 1] *= f
-        xr, dtr, br, pos = cache[L.X_RING], cache[L.DT_RING], cache[L.B_RING], cache[L.POSITIONS]
-        for t in (xr, dtr, br):
-            t.fill_(NAN)
-        for i, s in enumerate(live):
-            q = 16 * (i % 3) + (13 if sync else (5 * i) % 16)
-            r = q % 16
-            pos[s] = q
-            tok = token(r, heads, groups, generator=self.gen, device=DEVICE)
-            dts = ref.softplus_dt(tok.dt, self.params.dt_bias.view(1, -1))
-            xr[s, :, :r] = tok.x.transpose(0, 1)
-            dtr[s, :, :r] = dts.transpose(0, 1)
-            br[s, :, :r] = tok.B.transpose(0, 1)
-        S = num_slots
-        pad = [0, -1, S, 0, S + 7]
-        ids = []
-        for i, s in enumerate(live):
-            ids.append(s)
-            if i % 2 == 1:
-                ids.append(pad[(i // 2) % len(pad)])
-        self.ids = torch.tensor(ids, dtype=torch.int32, device=DEVICE)
-        self.batch = len(ids)
-        storage = cache[L.CHECKPOINT].untyped_storage()
-        page = torch.empty(0, dtype=torch.uint8, device=DEVICE).set_(storage).view(num_slots, -1)
-        self.page = page
-        gap = torch.ones(page.shape[1], dtype=torch.bool, device=DEVICE)
-        for t in cache[1:]:
-            off = t.data_ptr() - page.data_ptr()
-            gap[off : off + math.prod(t.shape[1:]) * t.element_size()] = False
-        self.gap = gap
-        self._token = token
-
-    def token(self):
-        return self._token(self.batch, self.heads, self.groups, generator=self.gen, device=DEVICE)
-
-    def inputs(self, tok):
-        from replayssm.api import normalize_decode_inputs
-
-        p = self.params
-        return normalize_decode_inputs(tok.x, tok.dt, p.A, tok.B, tok.C, p.D, p.dt_bias, self.batch, self.heads, self.groups)
-
-    def gaps_untouched(self) -> bool:
-        return bool((self.page[:, self.gap] == 0xFF).all())
-
-
-def _ulp_bf16(m: torch.Tensor) -> torch.Tensor:
-    e = torch.floor(torch.log2(m.clamp_min(2.0**-120)))
-    return torch.exp2(e - 7)
-
-
 def _step(w: World, out, state):
     """prepare (Triton) + both NVFP4 CuTe kernels with the S dump; returns the inputs and plan."""
     from replayssm.kernels import triton_backend
@@ -352,8 +277,8 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync):
     from replayssm.quant.minifloat import to_fp16
     from replayssm.quant.rng import checkpoint_rbits
 
-    w = World(heads, groups, sync=sync)
-    L, cache, H, P, N = w.L, w.cache, heads, 64, 128
+    w = World("nvfp4", heads, groups, sync=sync)
+    cache, H, P, N = w.cache, heads, 64, 128
     hpg = H // groups
     out = torch.empty(w.batch, H, P, dtype=torch.bfloat16, device=DEVICE)
     state = torch.empty(w.batch, H, P, N, dtype=torch.float32, device=DEVICE)
@@ -370,11 +295,11 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync):
         assert bool((out[~valid] == 0).all()), f"step {step}: padding rows must be zero"
         y, yr = out[valid].float(), out_ref[valid].float()
         assert not bool(torch.isnan(y).any()), f"step {step}: NaN in outputs"
-        ratio = float(((y - yr).abs() / _ulp_bf16(yr.abs().amax(dim=-1, keepdim=True))).amax())
+        ratio = float(((y - yr).abs() / ulp_bf16(yr.abs().amax(dim=-1, keepdim=True))).amax())
         worst = max(worst, ratio)
         assert ratio <= 2.0, f"step {step}: output differs by {ratio:.2f} bf16 ulps of the row max"
         for i in (L.X_RING, L.DT_RING, L.B_RING, L.POSITIONS, L.PARITY):
-            assert _same(cache[i], expect[i]), f"step {step}: cache[{i}] differs from the reference"
+            assert same_bits(cache[i], expect[i]), f"step {step}: cache[{i}] differs from the reference"
 
         fl = plan.flush.clone()
         slots = plan.slot[fl]
@@ -382,7 +307,7 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync):
         untouched = torch.ones(cache[1].shape[0], dtype=torch.bool, device=DEVICE)
         untouched[slots] = False
         for i in (L.CHECKPOINT, L.READ_COPY, L.SCALES, L.META):
-            assert _same(cache[i][untouched], before[i][untouched]), f"step {step}: cache[{i}] of a non-flushing slot changed"
+            assert same_bits(cache[i][untouched], before[i][untouched]), f"step {step}: cache[{i}] of a non-flushing slot changed"
         if slots.numel():
             flushed += slots.numel()
             S = state[fl]
@@ -390,18 +315,18 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync):
             S_ref = ref.fold(before, slots, x[fl], dts, B[fl], A, plan.ring_index[fl])
             scale = S_ref.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
             assert float(((S - S_ref).abs() / scale).amax()) < 1e-5, f"step {step}: FP32 state differs"
-            assert _same(cache[L.CHECKPOINT][slots], to_fp16(S, checkpoint_rbits(plan.key[fl], H))), f"step {step}: checkpoint"
+            assert same_bits(cache[L.CHECKPOINT][slots], to_fp16(S, checkpoint_rbits(plan.key[fl], H))), f"step {step}: checkpoint"
             meta_b = before[L.META][slots]  # prepare leaves the live half (1 - old) as it was
             live_amax = meta_b.gather(2, (1 - old).view(-1, 1, 1).expand(-1, groups, 1)).squeeze(-1)
             codes, bscales = Q.nvfp4_encode(S, live_amax.repeat_interleave(hpg, dim=1))
-            assert _same(cache[L.READ_COPY][slots], codes), f"step {step}: NVFP4 codes differ from nvfp4_encode(S)"
-            assert _same(cache[L.SCALES][slots], bscales), f"step {step}: block scales differ from nvfp4_encode(S)"
+            assert same_bits(cache[L.READ_COPY][slots], codes), f"step {step}: NVFP4 codes differ from nvfp4_encode(S)"
+            assert same_bits(cache[L.SCALES][slots], bscales), f"step {step}: block scales differ from nvfp4_encode(S)"
             meta = cache[L.META][slots]
             measured = S.abs().reshape(S.shape[0], groups, -1).amax(dim=-1)
             acc = meta.gather(2, old.view(-1, 1, 1).expand(-1, groups, 1)).squeeze(-1)
             kept = meta.gather(2, (1 - old).view(-1, 1, 1).expand(-1, groups, 1)).squeeze(-1)
-            assert _same(acc, measured), f"step {step}: meta[old] is not the group amax of S"
-            assert _same(kept, live_amax), f"step {step}: the live half of meta changed"
+            assert same_bits(acc, measured), f"step {step}: meta[old] is not the group amax of S"
+            assert same_bits(kept, live_amax), f"step {step}: the live half of meta changed"
         assert w.gaps_untouched(), f"step {step}: bytes between slot tensors were written"
     live = int(valid.sum())
     assert flushed == 3 * live, (flushed, live)
@@ -415,7 +340,7 @@ def test_runs_are_bit_identical_with_many_ctas_per_group():
     same start give identical bits everywhere (outputs, checkpoint, copy, meta)."""
     runs = []
     for _ in range(2):
-        w = World(64, 4, seed=5)
+        w = World("nvfp4", 64, 4, seed=5)
         out = torch.empty(w.batch, 64, 64, dtype=torch.bfloat16, device=DEVICE)
         state = torch.empty(w.batch, 64, 64, 128, dtype=torch.float32, device=DEVICE)
         outs = []
@@ -426,64 +351,18 @@ def test_runs_are_bit_identical_with_many_ctas_per_group():
         runs.append((outs, [t.clone() for t in w.cache]))
     (o1, c1), (o2, c2) = runs
     for s, (a, b) in enumerate(zip(o1, o2)):
-        assert _same(a, b), f"step {s}: outputs differ between runs"
+        assert same_bits(a, b), f"step {s}: outputs differ between runs"
     for i, (a, b) in enumerate(zip(c1, c2)):
-        assert _same(a, b), f"cache[{i}] differs between runs"
+        assert same_bits(a, b), f"cache[{i}] differs between runs"
 
 
 @pytest.mark.gpu
 @needs_dsl
 def test_cuda_graph_replays_whole_periods():
-    from replayssm.api import selective_state_update_replayssm
-    from replayssm.kernels import triton_backend
-
-    w = World(16, 2, seed=1)
-    twin = World(16, 2, seed=1)
-    for a, b in zip(w.cache, twin.cache):
-        assert _same(a, b)
-    steps = 32
-    toks = [w.token() for _ in range(steps)]
-    p = w.params
-
-    def run(cache, outs):
-        for t, o in zip(toks, outs):
-            selective_state_update_replayssm(
-                cache, t.x, t.dt, p.A, t.B, t.C, p.D, p.dt_bias, w.ids, o, state_dtype="nvfp4", seed=w.seed
-            )
-
-    assert triton_backend().cute_for(w.cache) is not None, "the CuTe kernels must run this cache"
-    eager = [torch.empty(w.batch, 16, 64, dtype=torch.bfloat16, device=DEVICE) for _ in range(steps)]
-    graph_out = [torch.empty_like(o) for o in eager]
-    run(twin.cache, eager)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(g, stream=stream):
-        run(w.cache, graph_out)
-    torch.cuda.current_stream().wait_stream(stream)
-    for rep in range(2):
-        if rep:
-            run(twin.cache, eager)
-        g.replay()
-        torch.cuda.synchronize()
-        for s, (a, b) in enumerate(zip(graph_out, eager)):
-            assert _same(a, b), f"replay {rep}, step {s}: graph output differs from eager"
-        for i, (a, b) in enumerate(zip(w.cache, twin.cache)):
-            assert _same(a, b), f"replay {rep}: cache[{i}] differs from eager"
-    assert w.gaps_untouched()
+    check_graph_replays_whole_periods("nvfp4")
 
 
 @pytest.mark.gpu
 @needs_dsl
 def test_warmup_compiles_and_launches_both_kernels_without_changing_the_cache():
-    from replayssm import ReplaySSMCache
-
-    cache = ReplaySSMCache(num_slots=6, num_heads=16, num_groups=2, state_dtype="nvfp4", device=DEVICE, slot_padding=64)
-    before = [t.clone() for t in cache.tensors]
-    names = cache.warmup()
-    torch.cuda.synchronize()
-    assert any(n.startswith("cute.decode_nvfp4[") for n in names), names
-    assert any(n.startswith("cute.flush_nvfp4[") for n in names), names
-    for i, (a, b) in enumerate(zip(before, cache.tensors)):
-        assert _same(a, b), f"warmup changed cache[{i}]"
+    check_warmup("nvfp4")
