@@ -12,17 +12,19 @@ period-average bytes over the copy bandwidth measured in the same run. "nonflush
     python benchmarks/bench_cute_nvfp4.py                 # 16 heads / 2 groups, batch 1 256 1024
     python benchmarks/bench_cute_nvfp4.py --formats nvfp4 --batch 64 512
 
-H200 (sm_90a), 2026-11-29, `--reps 10`, NVFP4 kernels of commit 676af83 next to FP8 v3:
+H200 (sm_90a), 2026-11-30, `--reps 10 --batch 256 1024`, the session-3 kernels (flush
+split over two CTAs per (row, head), 16 batch rows per CTA):
 
-       fmt batch layers  us/step nonflush  flush  floor   GB/s of copy (4.21 TB/s)
-     nvfp4     1      8     4.79     2.51   2.19   0.03     28      1%
-     nvfp4   256      6    36.73    18.32  20.62   8.14    933     22%
-     nvfp4  1024      2   125.98    64.00  70.16  32.58   1088     26%
-       fp8  1024      1   124.17    59.79  72.63  47.52   1610     38%
+       fmt batch layers  us/step nonflush  flush  floor   GB/s of copy
+     nvfp4   256      6    30.83    18.15  13.31   8.26   1111     27%
+     nvfp4  1024      2   108.33    63.91  46.08  33.03   1265     30%
+       fp8   256      3    27.35    17.00   9.72  12.05   1827     44%
+       fp8  1024      1    91.65    59.14  32.07  48.19   2182     53%
 
-NVFP4 moves 0.69x the bytes of FP8 but is no faster on sm_90a: its non-flush kernel is
-ALU-bound by the software e2m1 decode, and the flush (on its side stream) takes as long
-as the non-flush kernel in both formats.
+NVFP4 moves 0.69x the bytes of FP8 but is slower on sm_90a: its non-flush kernel is
+issue-bound by the software e2m1 decode (ncu: 3.1 IPC). The "nonflush" / "flush" columns
+come from eager steps, where the two kernels run one after the other: they are
+standalone times. Earlier versions: docs/perf-notes-cute.md.
 """
 
 from __future__ import annotations
