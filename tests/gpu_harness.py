@@ -1,7 +1,7 @@
 """Shared GPU test harness of the CuTe decode kernels (tests/test_cute_decode_gpu.py for
 FP8, tests/test_cute_nvfp4.py for NVFP4): a poisoned cache with live slots at mixed ring
 positions and padding rows, and the checks both formats run the same way (CUDA-graph
-replay against eager steps, warmup). Imported only by GPU tests."""
+replay against eager steps, warmup). Importing it needs no GPU; running it does."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ from .helpers import same_bits
 
 DEVICE = "cuda"
 NAN = float("nan")
+# 30 live slots of 40 (with 15 padding rows a batch of 45): the flush kernels' CTAs take
+# 16 batch rows each, so this batch spans three CTA rows, the last one partial.
+MANY_LIVE = tuple((7 * i + 3) % 39 + 1 for i in range(30))
+MANY_SLOTS = 40
 
 
 def ulp_bf16(m: torch.Tensor) -> torch.Tensor:

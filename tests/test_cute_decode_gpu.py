@@ -32,7 +32,7 @@ from replayssm.quant.formats import fp8_encode
 from replayssm.quant.minifloat import to_fp16
 from replayssm.quant.rng import checkpoint_rbits
 
-from .gpu_harness import DEVICE, NAN, World, check_graph_replays_whole_periods, check_warmup, ulp_bf16
+from .gpu_harness import DEVICE, MANY_LIVE, MANY_SLOTS, NAN, World, check_graph_replays_whole_periods, check_warmup, ulp_bf16
 from .helpers import same_bits
 
 pytestmark = [
@@ -57,6 +57,8 @@ pytestmark = [
         # Subnormal FP16 / e4m3 results: the encoders' general (warp-voted) path.
         pytest.param(16, 2, "wide", "hw", id="fp8-h16-g2-wide-range"),
         pytest.param(16, 2, "wide", "soft", id="fp8-h16-g2-wide-range-soft-e4m3"),
+        # A batch of 45 rows: three CTA rows of the flush kernel, the last one partial.
+        pytest.param(16, 2, "many", "hw", id="fp8-h16-g2-many-rows"),
     ],
 )
 def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3, monkeypatch):
@@ -67,7 +69,8 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3, m
         monkeypatch.setenv(launch.FP8_DECODE_ENV, "mma")
         e4m3 = e4m3.removesuffix("-mma")
 
-    w = World("fp8", heads, groups, sync=sync is True, wide=sync == "wide")
+    many = {"live": MANY_LIVE, "num_slots": MANY_SLOTS} if sync == "many" else {}
+    w = World("fp8", heads, groups, sync=sync is True, wide=sync == "wide", **many)
     backend = triton_backend()
     cache, H, P, N = w.cache, heads, L.HEAD_DIM, L.STATE_DIM
     out = torch.empty(w.batch, H, P, dtype=torch.bfloat16, device=DEVICE)

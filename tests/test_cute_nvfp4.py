@@ -25,7 +25,7 @@ from replayssm import layout as L
 from replayssm.quant import formats as Q
 from replayssm.quant.minifloat import E2M1, E4M3, decode_e2m1, decode_e4m3, encode
 
-from .gpu_harness import DEVICE, NAN, World, check_graph_replays_whole_periods, check_warmup, ulp_bf16
+from .gpu_harness import DEVICE, MANY_LIVE, MANY_SLOTS, NAN, World, check_graph_replays_whole_periods, check_warmup, ulp_bf16
 from .helpers import same_bits
 
 HAS_DSL = importlib.util.find_spec("cutlass") is not None
@@ -270,6 +270,8 @@ def _step(w: World, out, state):
         pytest.param(16, 1, False, id="nvfp4-h16-g1-mixed"),
         pytest.param(16, 2, True, id="nvfp4-h16-g2-sync"),
         pytest.param(64, 4, False, id="nvfp4-h64-g4-mixed"),
+        # A batch of 45 rows: three CTA rows of the flush kernel, the last one partial.
+        pytest.param(16, 2, "many", id="nvfp4-h16-g2-many-rows"),
     ],
 )
 def test_kernels_match_reference_over_three_periods(heads, groups, sync):
@@ -277,7 +279,8 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync):
     from replayssm.quant.minifloat import to_fp16
     from replayssm.quant.rng import checkpoint_rbits
 
-    w = World("nvfp4", heads, groups, sync=sync)
+    many = {"live": MANY_LIVE, "num_slots": MANY_SLOTS} if sync == "many" else {}
+    w = World("nvfp4", heads, groups, sync=sync is True, **many)
     cache, H, P, N = w.cache, heads, 64, 128
     hpg = H // groups
     out = torch.empty(w.batch, H, P, dtype=torch.bfloat16, device=DEVICE)
