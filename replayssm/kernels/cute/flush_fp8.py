@@ -26,7 +26,9 @@ index is permuted so that lane q's accumulators are the 8 consecutive columns
 16-byte store of the checkpoint per row, and adjacent (even, odd) pairs for the FP16x2
 hash words and the e4m3x2 conversions. Row dots and amaxes are reduced over the four
 lanes of a row and the four column quarters (shared memory). Each lane holds 16 values,
-so a thread needs at most 64 registers and four CTAs fit an SM.
+so four CTAs fit an SM at 64 registers a thread (the sm_90a variants then spill a few
+words: 16 bytes a thread for FP8, 40 with the software e4m3 encode, 8 for NVFP4; sm_100a
+does not spill).
 
 Only the two conversions differ between targets: `FlushFp8Sm90` (stochastic rounding by
 bits.fp16x2_sr_fast, integer and round-toward-zero steps with the encoder's bits; e4m3
@@ -60,14 +62,14 @@ NT = 4  # n-tiles of 8 per warp; a lane holds 2 rows x 8 columns
 # reads its rows' flush flags at once (one ballot) and flushes the marked rows one after
 # another. With 1/16 of the rows flushing per step (desynchronized rows) a CTA gets one
 # row on average, instead of batch x heads CTAs of which 15/16 would exit at once
-# (H200, batch 256: the FP8 flush 12.4 us with 8 rows a CTA, 9.7 us with 16).
+# (H200, batch 256, one run: the FP8 flush 12.41 us with 8 rows a CTA, 9.72 us with 16).
 ROWS_PER_CTA = 16
 # Shared-memory rows (floats): a staged B_j is 128 values in fragment order plus 8 (rows
 # 8 banks apart: the eight lanes of a 16-byte load phase hit distinct banks); a staged
 # x_j is 64 values plus 8 (the four entries a warp's A fragment reads 8 banks apart).
 B_ROW = N + 8
 X_ROW = P + 8
-# Four CTAs of 256 threads per SM: at most 64 registers a thread.
+# Four CTAs of 256 threads per SM: at most 64 registers a thread (small spills on sm_90a).
 MIN_CTAS_PER_SM = 4
 # amax <= 448 * scale: E = ceil(log2(amax / 448)), 448 = 1.75 * 2**8 (formats.fp8_row_scale).
 FP8_MANT_LIMIT, FP8_E_OFF = 0x600000, 8

@@ -12,7 +12,7 @@ kernel's: the same methods, inherited), then
   max on the FP32 bits as int32 (non-negative values order like their bits; max is
   order-independent, so every run writes the same bits).
 
-Why this is race-free (format.md section 4): the CTAs of one (slot, group) (one per head)
+Why this is race-free (format.md section 4): the CTAs of one (slot, group) (two per head)
 read only the half 1 - old and write only the half old; the reset of `old` and the parity
 flip happened in the prepare launch before this one on the same stream, and the non-flush
 launch of the step touches only non-flushing slots.
