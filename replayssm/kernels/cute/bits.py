@@ -66,6 +66,36 @@ def inline_ptx(text: str, constraints: str, args, results=(), *, side_effects: b
 
 
 # ---------------------------------------------------------------------------------------
+# Views and warp reductions shared by the kernels
+
+
+def vec(ptr, offset, n: int):
+    """A rank-1 view of `n` contiguous elements at `ptr + offset`."""
+    return cute.make_tensor(ptr + offset, cute.make_layout(n))
+
+
+def vec_aligned(ptr, offset, n: int):
+    """`vec` at an offset the caller guarantees to be a multiple of n elements (with an
+    n-element-aligned base), so the access compiles to one vector instruction."""
+    return cute.make_tensor(ptr + cute.assume(offset, divby=n), cute.make_layout(n))
+
+
+def xor_reduce(v, width: int, op):
+    """op over `width` adjacent lanes (a power of two) by xor shuffles, result in every
+    lane; every lane of the warp must execute it."""
+    off = 1
+    while off < width:
+        v = op(v, cute.arch.shuffle_sync_bfly(v, off))
+        off *= 2
+    return v
+
+
+def xor_sum(v, width: int):
+    """Sum over `width` adjacent lanes (xor_reduce with +, in that order)."""
+    return xor_reduce(v, width, lambda a, c: a + c)
+
+
+# ---------------------------------------------------------------------------------------
 # Random hash
 
 
@@ -332,6 +362,10 @@ def e4m3x2_to_f32x2(word: Uint32, *, loc=None, ip=None) -> list:
 
 
 __all__ = [
+    "vec",
+    "vec_aligned",
+    "xor_reduce",
+    "xor_sum",
     "inline_ptx",
     "bf16x2_to_f32x2",
     "ld_global_u32_if",

@@ -30,27 +30,13 @@ from cuda.bindings import driver as cuda_driver
 from cutlass.cute.typing import Pointer
 from cutlass.memory import SmemAllocator
 
-from .bits import sel, softplus
+from .bits import sel, softplus, vec as _vec, xor_sum as _xor_sum
 
 THREADS = 128
 P, N, RING = 64, 128, 16
 # Row stride (floats) of the staged x entries: 68 keeps 16-byte rows and puts entries
 # 2k and 2k + 1 (read by the two threads of an output row) in different banks.
 X_ROW = 68
-
-
-def _vec(ptr, offset, n: int):
-    """A rank-1 view of `n` contiguous elements at `ptr + offset`."""
-    return cute.make_tensor(ptr + offset, cute.make_layout(n))
-
-
-def _xor_sum(v: Float32, width: int) -> Float32:
-    """Sum over `width` adjacent lanes (power of two), result in every lane."""
-    off = 1
-    while off < width:
-        v = v + cute.arch.shuffle_sync_bfly(v, off)
-        off *= 2
-    return v
 
 
 class DecodeFp8:

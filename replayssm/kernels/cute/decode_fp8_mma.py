@@ -55,7 +55,7 @@ from cutlass.cute.typing import Pointer
 from cutlass.memory import SmemAllocator
 
 from . import bits
-from .bits import bf16x2_to_f32x2 as _bf16x2, sel, softplus
+from .bits import bf16x2_to_f32x2 as _bf16x2, sel, softplus, vec as _vec, xor_sum as _xor_sum
 from .decode_fp8 import DecodeFp8
 from .mma import mma_e4m3_16x8x32
 
@@ -71,20 +71,6 @@ TERMS = 3
 CODE_WORDS = P * N // 4  # one head's read copy, in words
 # amax <= 448 * 2**e (as the FP8 row scale, formats.fp8_row_scale).
 FP8_MANT_LIMIT, FP8_E_OFF = 0x600000, 8
-
-
-def _vec(ptr, offset, n: int):
-    """A rank-1 view of `n` contiguous elements at `ptr + offset`."""
-    return cute.make_tensor(ptr + offset, cute.make_layout(n))
-
-
-def _xor_sum(v: Float32, width: int) -> Float32:
-    """Sum over `width` adjacent lanes (power of two), result in every lane."""
-    off = 1
-    while off < width:
-        v = v + cute.arch.shuffle_sync_bfly(v, off)
-        off *= 2
-    return v
 
 
 def warps_for(hpg: int, limit: int = MAX_WARPS) -> int:
@@ -157,7 +143,7 @@ class DecodeFp8Mma(DecodeFp8):
         d_stride_h: Int64,
         d_stride_p: Int64,
     ):
-        H, G, HPG, WARPS, WPH, MT = self.heads, self.groups, self.hpg, self.warps, self.wph, self.mt
+        G, HPG, WARPS, WPH = self.groups, self.hpg, self.warps, self.wph
         THREADS = 32 * WARPS * WPH
         t, _, _ = cute.arch.thread_idx()
         bx, b, _ = cute.arch.block_idx()

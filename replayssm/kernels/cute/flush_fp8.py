@@ -47,7 +47,7 @@ from cutlass.cute.typing import Pointer
 from cutlass.memory import SmemAllocator
 
 from . import bits
-from .bits import bf16x2_to_f32x2 as _bf16x2, sel, softplus
+from .bits import bf16x2_to_f32x2 as _bf16x2, sel, softplus, vec as _vec, vec_aligned as _vec_a, xor_reduce as _xor_reduce
 from .mma import mma_tf32_16x8x8
 
 WARPS = 8
@@ -73,24 +73,6 @@ X_ROW = P + 8
 MIN_CTAS_PER_SM = 4
 # amax <= 448 * scale: E = ceil(log2(amax / 448)), 448 = 1.75 * 2**8 (formats.fp8_row_scale).
 FP8_MANT_LIMIT, FP8_E_OFF = 0x600000, 8
-
-
-def _vec(ptr, offset, n: int):
-    return cute.make_tensor(ptr + offset, cute.make_layout(n))
-
-
-def _vec_a(ptr, offset, n: int):
-    """`_vec` at an offset the caller guarantees to be a multiple of n elements (with an
-    n-element-aligned base), so the access compiles to one vector instruction."""
-    return cute.make_tensor(ptr + cute.assume(offset, divby=n), cute.make_layout(n))
-
-
-def _xor_reduce(v, width: int, op):
-    off = 1
-    while off < width:
-        v = op(v, cute.arch.shuffle_sync_bfly(v, off))
-        off *= 2
-    return v
 
 
 def _b_slot(n: int) -> int:
