@@ -184,3 +184,37 @@ def test_flush_streams_fork_and_join(monkeypatch, overlap):
         calls.append("kernels")
     assert m is main and s is (side if overlap else main)
     assert calls == (["side waits main", "kernels", "main waits side"] if overlap else ["kernels"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_non_flush_kernels_wait_for_the_prepare_kernel_and_flushes_do_not(compiled, arch):
+    """Programmatic dependent launch: each non-flush kernel (FP8 and NVFP4) starts with
+    one griddepcontrol.wait, before its first memory access; the flushes, launched after
+    an event on the side stream, have none."""
+    for path in compiled[arch]:
+        if path.suffix != ".ptx":
+            continue
+        text = path.read_text()
+        name = path.parent.name
+        if name.startswith("decode_"):
+            assert text.count("griddepcontrol.wait") == 1, name
+            body = text[text.index(".entry"):]
+            assert body.index("griddepcontrol.wait") < body.index("ld.global"), name
+        else:
+            assert "griddepcontrol" not in text, name
+
+
+def test_pdl_can_be_turned_off(monkeypatch, tmp_path):
+    import cutlass.cute as cute
+
+    from replayssm.kernels.cute import launch
+
+    monkeypatch.setenv(launch.PDL_ENV, "0")
+    obj = launch._kernel_object("decode_fp8", "sm_90a", 16, 2, "hw")
+    assert obj.pdl is False and obj.launch_options() == {}
+    cute.compile(obj, *launch._fake_args("decode_fp8"), options=launch._options("sm_90a", tmp_path))
+    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    assert "griddepcontrol" not in ptx
+    monkeypatch.setenv(launch.PDL_ENV, "2")
+    with pytest.raises(ValueError, match="REPLAYSSM_PDL"):
+        launch.pdl()

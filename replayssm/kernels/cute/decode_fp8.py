@@ -43,6 +43,10 @@ class DecodeFp8:
     """Non-flush decode for one geometry (heads, groups); the same code for every arch."""
 
     name = "decode_fp8"
+    # Programmatic dependent launch (launch.py sets it): the kernel may start while the
+    # prepare kernel before it finishes, and waits for it (griddepcontrol.wait) before
+    # its first memory access.
+    pdl = False
 
     def __init__(self, heads: int, groups: int) -> None:
         self.heads, self.groups = heads, groups
@@ -97,7 +101,7 @@ class DecodeFp8:
         return [self.heads, batch, 1]
 
     def launch_options(self) -> dict:
-        return {}
+        return {"use_pdl": True} if self.pdl else {}
 
     @cute.kernel
     def kernel(
@@ -134,6 +138,8 @@ class DecodeFp8:
         H, G, HPG = self.heads, self.groups, self.hpg
         t, _, _ = cute.arch.thread_idx()
         h, b, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
         smem = SmemAllocator()
         s_x = smem.allocate_tensor(Float32, cute.make_layout(RING * X_ROW), byte_alignment=16)
         s_dot = smem.allocate_tensor(Float32, cute.make_layout(P), byte_alignment=16)

@@ -47,6 +47,7 @@ class DecodeNvfp4:
 
     name = "decode_nvfp4"
     arch = ""
+    pdl = False  # as DecodeFp8.pdl
 
     def __init__(self, heads: int, groups: int) -> None:
         self.heads, self.groups = heads, groups
@@ -103,7 +104,7 @@ class DecodeNvfp4:
             read_stride16, scale_stride, meta_stride, parity_stride,
             x_ring_stride16, dt_ring_stride, b_ring_stride16,
             dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
-        ).launch(grid=[self.heads, batch, 1], block=[THREADS, 1, 1], stream=stream)
+        ).launch(grid=[self.heads, batch, 1], block=[THREADS, 1, 1], use_pdl=self.pdl, stream=stream)
 
     @cute.kernel
     def kernel(
@@ -144,6 +145,8 @@ class DecodeNvfp4:
         H, G, HPG = self.heads, self.groups, self.hpg
         t, _, _ = cute.arch.thread_idx()
         h, b, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # as DecodeFp8.pdl
         smem = SmemAllocator()
         s_x = smem.allocate_tensor(BFloat16, cute.make_layout(RING * P), byte_alignment=16)
         s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)

@@ -29,7 +29,9 @@ KINDS = ("decode_nvfp4", "flush_nvfp4", "flush_nvfp4_debug")
 def _kernel_object(kind: str, arch: str, heads: int, groups: int):
     hw = arch in HAS_CVT_RS  # the e2m1 conversions come with the same targets as cvt.rs
     if kind == "decode_nvfp4":
-        return (DecodeNvfp4Sm100 if hw else DecodeNvfp4Sm90)(heads, groups)
+        obj = (DecodeNvfp4Sm100 if hw else DecodeNvfp4Sm90)(heads, groups)
+        obj.pdl = _fp8.pdl()  # programmatic dependent launch, as the FP8 non-flush
+        return obj
     cls = FlushNvfp4Sm100 if hw else FlushNvfp4Sm90
     return cls(heads, groups, debug=kind == "flush_nvfp4_debug")
 
@@ -84,7 +86,7 @@ def _fake_args(kind: str) -> list:
 def compiled(kind: str, arch: str, heads: int, groups: int):
     """The compiled launcher for (kind, arch, heads, groups), compiling it on first use
     (entries live in launch.py's compile cache)."""
-    key = (kind, arch, heads, groups)
+    key = (kind, arch, heads, groups, _fp8.pdl() if kind == "decode_nvfp4" else None)
     fn = _fp8._COMPILED.get(key)
     if fn is None:
         obj = _kernel_object(kind, arch, heads, groups)
