@@ -46,7 +46,9 @@ def _ptx(paths, kind):
 def test_every_variant_compiles(compiled, arch):
     paths = compiled[arch]
     folders = {p.parent.name for p in paths}
-    assert folders == {f"{k}_{fmt}-h16g{g}" for k in ("decode", "flush") for fmt in ("fp8", "nvfp4") for g in (1, 2)}
+    assert folders == {f"{k}_{fmt}-h16g{g}" for k in ("decode", "flush") for fmt in ("fp8", "nvfp4") for g in (1, 2)} | {
+        f"decode_{fmt}-h16g{g}-pdl" for fmt in ("fp8", "nvfp4") for g in (1, 2)
+    }
     for folder in folders:
         kinds = sorted(p.suffix for p in paths if p.parent.name == folder)
         assert kinds == [".cubin", ".ptx"], folder
@@ -187,34 +189,38 @@ def test_flush_streams_fork_and_join(monkeypatch, overlap):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_non_flush_kernels_wait_for_the_prepare_kernel_and_flushes_do_not(compiled, arch):
-    """Programmatic dependent launch: each non-flush kernel (FP8 and NVFP4) starts with
-    one griddepcontrol.wait, before its first memory access; the flushes, launched after
-    an event on the side stream, have none."""
+def test_only_the_pdl_variants_wait_for_the_prepare_kernel(compiled, arch):
+    """Programmatic dependent launch (batch 1): the PDL variant of each non-flush kernel
+    (FP8 and NVFP4) starts with one griddepcontrol.wait, before its first global load;
+    the other variants and the flushes have none."""
+    seen = 0
     for path in compiled[arch]:
         if path.suffix != ".ptx":
             continue
         text = path.read_text()
         name = path.parent.name
-        if name.startswith("decode_"):
+        if name.endswith("-pdl"):
+            seen += 1
+            assert name.startswith("decode_"), name
             assert text.count("griddepcontrol.wait") == 1, name
             body = text[text.index(".entry"):]
             assert body.index("griddepcontrol.wait") < body.index("ld.global"), name
         else:
             assert "griddepcontrol" not in text, name
+    assert seen == 4
 
 
-def test_pdl_can_be_turned_off(monkeypatch, tmp_path):
-    import cutlass.cute as cute
-
+def test_pdl_is_for_batch_1_and_can_be_turned_off(monkeypatch):
     from replayssm.kernels.cute import launch
 
+    monkeypatch.delenv(launch.PDL_ENV, raising=False)
+    assert [launch.pdl_for(b) for b in (1, 2, 256)] == [True, False, False]
+    assert launch.pdl_variants() == (False, True)
+    obj = launch._kernel_object("decode_fp8", "sm_90a", 16, 2, "hw", True)
+    assert obj.pdl is True and obj.launch_options() == {"use_pdl": True}
+    assert launch._kernel_object("decode_fp8", "sm_90a", 16, 2, "hw").launch_options() == {}
     monkeypatch.setenv(launch.PDL_ENV, "0")
-    obj = launch._kernel_object("decode_fp8", "sm_90a", 16, 2, "hw")
-    assert obj.pdl is False and obj.launch_options() == {}
-    cute.compile(obj, *launch._fake_args("decode_fp8"), options=launch._options("sm_90a", tmp_path))
-    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
-    assert "griddepcontrol" not in ptx
+    assert launch.pdl_for(1) is False and launch.pdl_variants() == (False,)
     monkeypatch.setenv(launch.PDL_ENV, "2")
     with pytest.raises(ValueError, match="REPLAYSSM_PDL"):
         launch.pdl()

@@ -59,6 +59,8 @@ pytestmark = [
         pytest.param(16, 2, "wide", "soft", id="fp8-h16-g2-wide-range-soft-e4m3"),
         # A batch of 45 rows: three CTA rows of the flush kernel, the last one partial.
         pytest.param(16, 2, "many", "hw", id="fp8-h16-g2-many-rows"),
+        # A batch of one row: the non-flush kernel launched with PDL (launch.pdl_for).
+        pytest.param(16, 2, "one", "hw", id="fp8-h16-g2-one-row"),
     ],
 )
 def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3, monkeypatch):
@@ -69,7 +71,7 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3, m
         monkeypatch.setenv(launch.FP8_DECODE_ENV, "mma")
         e4m3 = e4m3.removesuffix("-mma")
 
-    many = {"live": MANY_LIVE, "num_slots": MANY_SLOTS} if sync == "many" else {}
+    many = {"live": MANY_LIVE, "num_slots": MANY_SLOTS} if sync == "many" else {"live": (5,)} if sync == "one" else {}
     w = World("fp8", heads, groups, sync=sync is True, wide=sync == "wide", **many)
     backend = triton_backend()
     cache, H, P, N = w.cache, heads, L.HEAD_DIM, L.STATE_DIM
@@ -132,6 +134,11 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3, m
 
 def test_cuda_graph_replays_whole_periods():
     check_graph_replays_whole_periods("fp8")
+
+
+def test_cuda_graph_replays_whole_periods_at_batch_1():
+    """Batch 1: the non-flush kernel with programmatic dependent launch, captured."""
+    check_graph_replays_whole_periods("fp8", live=(5,))
 
 
 def test_warmup_compiles_and_launches_both_kernels_without_changing_the_cache():

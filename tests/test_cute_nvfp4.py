@@ -183,7 +183,10 @@ def _ptx(paths, kind):
 def test_every_variant_compiles(compiled, arch):
     paths = compiled[arch]
     folders = {p.parent.name for p in paths}
-    assert folders == {"decode_nvfp4-h16g2", "decode_nvfp4-h16g1", "flush_nvfp4-h16g2", "flush_nvfp4-h16g1"}
+    assert folders == {
+        "decode_nvfp4-h16g2", "decode_nvfp4-h16g1", "flush_nvfp4-h16g2", "flush_nvfp4-h16g1",
+        "decode_nvfp4-h16g2-pdl", "decode_nvfp4-h16g1-pdl",
+    }
     for folder in folders:
         assert sorted(p.suffix for p in paths if p.parent.name == folder) == [".cubin", ".ptx"], folder
     for name, text in _ptx(paths, "").items():
@@ -272,6 +275,7 @@ def _step(w: World, out, state):
         pytest.param(64, 4, False, id="nvfp4-h64-g4-mixed"),
         # A batch of 45 rows: three CTA rows of the flush kernel, the last one partial.
         pytest.param(16, 2, "many", id="nvfp4-h16-g2-many-rows"),
+        pytest.param(16, 2, "one", id="nvfp4-h16-g2-one-row"),  # batch 1: PDL launch
     ],
 )
 def test_kernels_match_reference_over_three_periods(heads, groups, sync):
@@ -279,7 +283,7 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync):
     from replayssm.quant.minifloat import to_fp16
     from replayssm.quant.rng import checkpoint_rbits
 
-    many = {"live": MANY_LIVE, "num_slots": MANY_SLOTS} if sync == "many" else {}
+    many = {"live": MANY_LIVE, "num_slots": MANY_SLOTS} if sync == "many" else {"live": (5,)} if sync == "one" else {}
     w = World("nvfp4", heads, groups, sync=sync is True, **many)
     cache, H, P, N = w.cache, heads, 64, 128
     hpg = H // groups
@@ -363,6 +367,13 @@ def test_runs_are_bit_identical_with_many_ctas_per_group():
 @needs_dsl
 def test_cuda_graph_replays_whole_periods():
     check_graph_replays_whole_periods("nvfp4")
+
+
+@pytest.mark.gpu
+@needs_dsl
+def test_cuda_graph_replays_whole_periods_at_batch_1():
+    """Batch 1: the non-flush kernel with programmatic dependent launch, captured."""
+    check_graph_replays_whole_periods("nvfp4", live=(5,))
 
 
 @pytest.mark.gpu

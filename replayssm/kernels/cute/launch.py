@@ -64,14 +64,16 @@ def sm90_e4m3() -> str:
     return mode
 
 
-# Programmatic dependent launch (PDL) of the non-flush kernels: launched right behind the
-# prepare kernel on the current stream, they may start while it finishes and wait for it
-# (griddepcontrol.wait) before their first memory access, which hides one launch latency
-# per step. The flush, forked onto the side stream by an event, is launched as before.
-# H200, FP8, 16 heads / 2 groups, CUDA graph: batch 1 4.18 -> 3.53 us per step;
-# docs/perf-notes-cute.md (session 4) has the orders and variants measured.
-# $REPLAYSSM_PDL=0 turns it off.
+# Programmatic dependent launch (PDL) of the non-flush kernel at batch 1: launched right
+# behind the prepare kernel on the current stream, it may start while that kernel
+# finishes and waits for it (griddepcontrol.wait) before its first memory access, which
+# hides a launch latency. The flush, forked onto the side stream by an event, is launched
+# as before. H200, project benchmark: batch 1 4.16 -> 3.96 us (FP8) and 4.35 -> 4.20
+# (NVFP4) at 16 heads / 2 groups; but at batch 32-1024 PDL made steps slower (NVFP4 at
+# batch 32 8.8 -> 16.0 us), hence batch 1 only (docs/perf-notes-cute.md, session 4).
+# Both variants are compiled; $REPLAYSSM_PDL=0 turns PDL off.
 PDL_ENV = "REPLAYSSM_PDL"
+PDL_MAX_BATCH = 1
 
 
 def pdl() -> bool:
@@ -81,12 +83,22 @@ def pdl() -> bool:
     return mode == "1"
 
 
-def _kernel_object(kind: str, arch: str, heads: int, groups: int, e4m3: str):
+def pdl_for(batch: int) -> bool:
+    """Whether the non-flush kernel of a `batch`-row step is launched with PDL."""
+    return batch <= PDL_MAX_BATCH and pdl()
+
+
+def pdl_variants() -> tuple[bool, ...]:
+    """The non-flush variants a step may launch (warmup compiles and loads each)."""
+    return (False, True) if pdl() else (False,)
+
+
+def _kernel_object(kind: str, arch: str, heads: int, groups: int, e4m3: str, pdl: bool = False):
     if kind == "decode_fp8":
         if fp8_decode() == "mma":
             return DecodeFp8Mma(heads, groups)
         obj = DecodeFp8(heads, groups)
-        obj.pdl = pdl()
+        obj.pdl = pdl
         return obj
     debug = kind == "flush_fp8_debug"
     if arch in HAS_CVT_RS:
@@ -156,14 +168,16 @@ def _options(arch: str, dump_dir: str | os.PathLike | None) -> str:
     return opts
 
 
-def compiled(kind: str, arch: str, heads: int, groups: int, e4m3: str | None = None):
+def compiled(kind: str, arch: str, heads: int, groups: int, e4m3: str | None = None, pdl: bool = False):
     """The compiled launcher for (kind, arch, heads, groups), compiling it on first use
-    (`e4m3`: the sm_90a read-copy encode, default `sm90_e4m3()`)."""
+    (`e4m3`: the sm_90a read-copy encode, default `sm90_e4m3()`; `pdl`: the non-flush
+    variant launched with programmatic dependent launch)."""
     e4m3 = "hw" if arch in HAS_CVT_RS or kind == "decode_fp8" else (e4m3 or sm90_e4m3())
-    key = (kind, arch, heads, groups, e4m3, (fp8_decode(), pdl()) if kind == "decode_fp8" else None)
+    pdl = pdl and kind == "decode_fp8" and fp8_decode() == "simt"
+    key = (kind, arch, heads, groups, e4m3, fp8_decode() if kind == "decode_fp8" else None, pdl)
     fn = _COMPILED.get(key)
     if fn is None:
-        obj = _kernel_object(kind, arch, heads, groups, e4m3)
+        obj = _kernel_object(kind, arch, heads, groups, e4m3, pdl)
         fn = cute.compile(obj, *_fake_args(kind), options=_options(arch, None))
         _COMPILED[key] = fn
     return fn
@@ -183,15 +197,18 @@ def compile_into(obj, fake_args: list, arch: str, sub: Path) -> list[str]:
 def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
     """Compile every FP8 and NVFP4 decode variant for `arch` (no GPU needed) into `dump_dir`.
 
-    Each variant gets its own folder `dump_dir/<kind>-h<H>g<G>` (the DSL names its dumps
-    after the launcher, which all variants share). Returns the PTX and cubin paths."""
+    Each variant gets its own folder `dump_dir/<kind>-h<H>g<G>`, the non-flush kernel's
+    PDL variant (batch 1, `pdl_for`) `dump_dir/<kind>-h<H>g<G>-pdl` (the DSL names its
+    dumps after the launcher, which all variants share). Returns the PTX and cubin paths."""
     arch = check_arch(arch)
     root = Path(dump_dir)
     paths: list[str] = []
     for heads, groups in COMPILE_ALL_GEOMETRIES:
         for kind in ("decode_fp8", "flush_fp8"):
-            obj = _kernel_object(kind, arch, heads, groups, sm90_e4m3())
-            paths += compile_into(obj, _fake_args(kind), arch, root / f"{kind}-h{heads}g{groups}")
+            for with_pdl in (False, True) if kind == "decode_fp8" else (False,):
+                obj = _kernel_object(kind, arch, heads, groups, sm90_e4m3(), with_pdl)
+                sub = f"{kind}-h{heads}g{groups}" + ("-pdl" if with_pdl else "")
+                paths += compile_into(obj, _fake_args(kind), arch, root / sub)
     from .launch_nvfp4 import compile_variants  # the NVFP4 kinds (that module imports this one)
 
     paths += compile_variants(arch, root, COMPILE_ALL_GEOMETRIES)
@@ -203,8 +220,9 @@ def warmup(heads: int, groups: int, arch: str | None = None) -> list[str]:
     arch = arch or arch_for()
     names = []
     for kind in ("decode_fp8", "flush_fp8"):
-        compiled(kind, arch, heads, groups)
-        names.append(f"cute.{kind}[{arch},h{heads},g{groups}]")
+        for with_pdl in pdl_variants() if kind == "decode_fp8" else (False,):
+            compiled(kind, arch, heads, groups, pdl=with_pdl)
+            names.append(f"cute.{kind}[{arch},h{heads},g{groups}{',pdl' if with_pdl else ''}]")
     return names
 
 
@@ -217,10 +235,11 @@ def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, arch:
     x = torch.zeros(batch, heads, L.HEAD_DIM, dtype=torch.bfloat16, device=dev)
     bc = torch.zeros(batch, groups, L.STATE_DIM, dtype=torch.bfloat16, device=dev)
     per_head = torch.zeros(heads, device=dev)
-    decode_fp8(
-        cache, x, torch.zeros(batch, heads, device=dev), per_head, bc, bc,
-        torch.zeros(heads, L.HEAD_DIM, device=dev), per_head, plan, out, arch=arch,
-    )
+    for with_pdl in pdl_variants():
+        decode_fp8(
+            cache, x, torch.zeros(batch, heads, device=dev), per_head, bc, bc,
+            torch.zeros(heads, L.HEAD_DIM, device=dev), per_head, plan, out, arch=arch, pdl=with_pdl,
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -299,6 +318,7 @@ def decode_fp8(
     arch: str | None = None,
     state_out: torch.Tensor | None = None,
     e4m3: str | None = None,
+    pdl: bool | None = None,
 ) -> None:
     """Launch the non-flush and the flush kernel for one step (after `prepare`).
 
@@ -306,7 +326,8 @@ def decode_fp8(
     `plan` is the prepare kernel's `reference.Plan` (device buffers). `state_out`
     (float32 [batch, H, 64, 128], contiguous) selects the debug flush, which also writes
     the FP32 state of every flushed row there (tests only); `e4m3` picks the sm_90a
-    read-copy encode ("hw" / "soft", default $REPLAYSSM_SM90_E4M3 or "hw")."""
+    read-copy encode ("hw" / "soft", default $REPLAYSSM_SM90_E4M3 or "hw"); `pdl` the
+    non-flush variant (default `pdl_for(batch)`)."""
     batch, heads = x.shape[0], x.shape[1]
     groups = cache[L.B_RING].shape[1]
     arch = arch or arch_for(x.device)
@@ -315,7 +336,7 @@ def decode_fp8(
     read, scales = cache[L.READ_COPY], cache[L.SCALES]
     inputs = [x, dt, A, B, C, D, dt_bias, out]
     input_strides = [dt.stride(0), dt.stride(1), A.stride(0), dt_bias.stride(0), D.stride(0), D.stride(1)]
-    nonflush = compiled("decode_fp8", arch, heads, groups)
+    nonflush = compiled("decode_fp8", arch, heads, groups, pdl=pdl_for(batch) if pdl is None else pdl)
     kind = "flush_fp8" if state_out is None else "flush_fp8_debug"
     flush = compiled(kind, arch, heads, groups, e4m3)
     with flush_streams(x.device) as (main, side):

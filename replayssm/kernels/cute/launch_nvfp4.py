@@ -26,11 +26,11 @@ from .flush_nvfp4 import FlushNvfp4Sm90, FlushNvfp4Sm100
 KINDS = ("decode_nvfp4", "flush_nvfp4", "flush_nvfp4_debug")
 
 
-def _kernel_object(kind: str, arch: str, heads: int, groups: int):
+def _kernel_object(kind: str, arch: str, heads: int, groups: int, pdl: bool = False):
     hw = arch in HAS_CVT_RS  # the e2m1 conversions come with the same targets as cvt.rs
     if kind == "decode_nvfp4":
         obj = (DecodeNvfp4Sm100 if hw else DecodeNvfp4Sm90)(heads, groups)
-        obj.pdl = _fp8.pdl()  # programmatic dependent launch, as the FP8 non-flush
+        obj.pdl = pdl  # programmatic dependent launch, as the FP8 non-flush (launch.pdl_for)
         return obj
     cls = FlushNvfp4Sm100 if hw else FlushNvfp4Sm90
     return cls(heads, groups, debug=kind == "flush_nvfp4_debug")
@@ -83,13 +83,14 @@ def _fake_args(kind: str) -> list:
     return _fp8._fake_args(kind, POINTERS, SCALARS)
 
 
-def compiled(kind: str, arch: str, heads: int, groups: int):
+def compiled(kind: str, arch: str, heads: int, groups: int, pdl: bool = False):
     """The compiled launcher for (kind, arch, heads, groups), compiling it on first use
-    (entries live in launch.py's compile cache)."""
-    key = (kind, arch, heads, groups, _fp8.pdl() if kind == "decode_nvfp4" else None)
+    (entries live in launch.py's compile cache; `pdl` as in launch.compiled)."""
+    pdl = pdl and kind == "decode_nvfp4"
+    key = (kind, arch, heads, groups, pdl)
     fn = _fp8._COMPILED.get(key)
     if fn is None:
-        obj = _kernel_object(kind, arch, heads, groups)
+        obj = _kernel_object(kind, arch, heads, groups, pdl)
         fn = cute.compile(obj, *_fake_args(kind), options=_fp8._options(arch, None))
         _fp8._COMPILED[key] = fn
     return fn
@@ -97,14 +98,17 @@ def compiled(kind: str, arch: str, heads: int, groups: int):
 
 def compile_variants(arch: str, dump_dir: str | os.PathLike, geometries) -> list[str]:
     """Compile the NVFP4 non-flush and flush kernels for `arch` and each (heads, groups)
-    into `dump_dir/<kind>-h<H>g<G>`; returns the PTX and cubin paths."""
+    into `dump_dir/<kind>-h<H>g<G>` (the non-flush kernel's PDL variant into `...-pdl`);
+    returns the PTX and cubin paths."""
     arch = check_arch(arch)
     root = Path(dump_dir)
     paths: list[str] = []
     for heads, groups in geometries:
         for kind in ("decode_nvfp4", "flush_nvfp4"):
-            obj = _kernel_object(kind, arch, heads, groups)
-            paths += _fp8.compile_into(obj, _fake_args(kind), arch, root / f"{kind}-h{heads}g{groups}")
+            for with_pdl in (False, True) if kind == "decode_nvfp4" else (False,):
+                obj = _kernel_object(kind, arch, heads, groups, with_pdl)
+                sub = f"{kind}-h{heads}g{groups}" + ("-pdl" if with_pdl else "")
+                paths += _fp8.compile_into(obj, _fake_args(kind), arch, root / sub)
     return paths
 
 
@@ -113,8 +117,9 @@ def warmup(heads: int, groups: int, arch: str | None = None) -> list[str]:
     arch = arch or arch_for()
     names = []
     for kind in ("decode_nvfp4", "flush_nvfp4"):
-        compiled(kind, arch, heads, groups)
-        names.append(f"cute.{kind}[{arch},h{heads},g{groups}]")
+        for with_pdl in _fp8.pdl_variants() if kind == "decode_nvfp4" else (False,):
+            compiled(kind, arch, heads, groups, pdl=with_pdl)
+            names.append(f"cute.{kind}[{arch},h{heads},g{groups}{',pdl' if with_pdl else ''}]")
     return names
 
 
@@ -127,10 +132,11 @@ def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, arch:
     x = torch.zeros(batch, heads, L.HEAD_DIM, dtype=torch.bfloat16, device=dev)
     bc = torch.zeros(batch, groups, L.STATE_DIM, dtype=torch.bfloat16, device=dev)
     per_head = torch.zeros(heads, device=dev)
-    decode_nvfp4(
-        cache, x, torch.zeros(batch, heads, device=dev), per_head, bc, bc,
-        torch.zeros(heads, L.HEAD_DIM, device=dev), per_head, plan, out, arch=arch,
-    )
+    for with_pdl in _fp8.pdl_variants():
+        decode_nvfp4(
+            cache, x, torch.zeros(batch, heads, device=dev), per_head, bc, bc,
+            torch.zeros(heads, L.HEAD_DIM, device=dev), per_head, plan, out, arch=arch, pdl=with_pdl,
+        )
 
 
 def decode_nvfp4(
@@ -147,12 +153,14 @@ def decode_nvfp4(
     *,
     arch: str | None = None,
     state_out: torch.Tensor | None = None,
+    pdl: bool | None = None,
 ) -> None:
     """Launch the NVFP4 non-flush and flush kernels for one step (after `prepare`, which
     flipped the parity and zeroed the accumulator half of meta for flushing rows).
 
     Arguments as `launch.decode_fp8`; `state_out` selects the debug flush, which also
-    writes the FP32 state of every flushed row (tests only)."""
+    writes the FP32 state of every flushed row (tests only). `pdl`: the non-flush variant
+    (default `launch.pdl_for(batch)`)."""
     batch, heads = x.shape[0], x.shape[1]
     groups = cache[L.B_RING].shape[1]
     arch = arch or arch_for(x.device)
@@ -161,7 +169,7 @@ def decode_nvfp4(
     read, scales, meta, parity = cache[L.READ_COPY], cache[L.SCALES], cache[L.META], cache[L.PARITY]
     inputs = [x, dt, A, B, C, D, dt_bias, out]
     input_strides = [dt.stride(0), dt.stride(1), A.stride(0), dt_bias.stride(0), D.stride(0), D.stride(1)]
-    nonflush = compiled("decode_nvfp4", arch, heads, groups)
+    nonflush = compiled("decode_nvfp4", arch, heads, groups, pdl=_fp8.pdl_for(batch) if pdl is None else pdl)
     kind = "flush_nvfp4" if state_out is None else "flush_nvfp4_debug"
     flush = compiled(kind, arch, heads, groups)
     # The flush on the FP8 launcher's side stream, overlapping the non-flush kernel: they
