@@ -5,8 +5,9 @@ flush the sm_90a e4m3 encoder choice). Batch size, slot
 count and every stride are runtime arguments (kernels take raw pointers plus slot strides
 in 16-byte units, so one compile serves every batch, cache size and slot padding, and the
 kernels still know their vector accesses are 16-byte aligned). Launches go to the current
-torch stream (the flush forked onto a side stream and joined back, see OVERLAP), so a
-captured CUDA graph records them. Launchers map tensors to arguments;
+torch stream (the flush forked onto a side stream and joined back, see OVERLAP; at batch
+1 the non-flush kernel with programmatic dependent launch, see PDL_ENV), so a captured
+CUDA graph records them. Launchers map tensors to arguments;
 they do not validate user input (`replayssm.api` did), only the layout assumptions the
 compiled code makes (`layout_ok`).
 """
