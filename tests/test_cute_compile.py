@@ -46,8 +46,11 @@ def _ptx(paths, kind):
 def test_every_variant_compiles(compiled, arch):
     paths = compiled[arch]
     folders = {p.parent.name for p in paths}
+    from replayssm.kernels.cute.launch import fp8_decode
+
+    with_pdl = ("fp8", "nvfp4") if fp8_decode() == "simt" else ("nvfp4",)  # the PDL variants
     assert folders == {f"{k}_{fmt}-h16g{g}" for k in ("decode", "flush") for fmt in ("fp8", "nvfp4") for g in (1, 2)} | {
-        f"decode_{fmt}-h16g{g}-pdl" for fmt in ("fp8", "nvfp4") for g in (1, 2)
+        f"decode_{fmt}-h16g{g}-pdl" for fmt in with_pdl for g in (1, 2)
     }
     for folder in folders:
         kinds = sorted(p.suffix for p in paths if p.parent.name == folder)
@@ -204,21 +207,30 @@ def test_only_the_pdl_variants_wait_for_the_prepare_kernel(compiled, arch):
             assert name.startswith("decode_"), name
             assert text.count("griddepcontrol.wait") == 1, name
             body = text[text.index(".entry"):]
-            assert body.index("griddepcontrol.wait") < body.index("ld.global"), name
+            first_access = min(body.index(op) for op in ("ld.global", "st.global", "cp.async", "atom.") if op in body)
+            assert body.index("griddepcontrol.wait") < first_access, name
         else:
             assert "griddepcontrol" not in text, name
-    assert seen == 4
+    from replayssm.kernels.cute.launch import fp8_decode
+
+    assert seen == (4 if fp8_decode() == "simt" else 2)  # FP8 and NVFP4 x 2 geometries
 
 
 def test_pdl_is_for_batch_1_and_can_be_turned_off(monkeypatch):
     from replayssm.kernels.cute import launch
 
     monkeypatch.delenv(launch.PDL_ENV, raising=False)
+    monkeypatch.delenv(launch.FP8_DECODE_ENV, raising=False)
     assert [launch.pdl_for(b) for b in (1, 2, 256)] == [True, False, False]
     assert launch.pdl_variants() == (False, True)
     obj = launch._kernel_object("decode_fp8", "sm_90a", 16, 2, "hw", True)
     assert obj.pdl is True and obj.launch_options() == {"use_pdl": True}
     assert launch._kernel_object("decode_fp8", "sm_90a", 16, 2, "hw").launch_options() == {}
+    assert launch.pdl_variants("decode_nvfp4") == (False, True) and launch.pdl_variants("flush_fp8") == (False,)
+    # The opt-in tensor-core FP8 kernel has no PDL variant.
+    monkeypatch.setenv(launch.FP8_DECODE_ENV, "mma")
+    assert launch.pdl_variants() == (False,)
+    monkeypatch.delenv(launch.FP8_DECODE_ENV)
     monkeypatch.setenv(launch.PDL_ENV, "0")
     assert launch.pdl_for(1) is False and launch.pdl_variants() == (False,)
     monkeypatch.setenv(launch.PDL_ENV, "2")

@@ -73,6 +73,9 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3, m
 
     many = {"live": MANY_LIVE, "num_slots": MANY_SLOTS} if sync == "many" else {"live": (5,)} if sync == "one" else {}
     w = World("fp8", heads, groups, sync=sync is True, wide=sync == "wide", **many)
+    if sync == "one":  # the PDL launch is what this case is for
+        monkeypatch.delenv(launch.PDL_ENV, raising=False)
+        assert w.batch == 1 and launch.pdl_for(w.batch)
     backend = triton_backend()
     cache, H, P, N = w.cache, heads, L.HEAD_DIM, L.STATE_DIM
     out = torch.empty(w.batch, H, P, dtype=torch.bfloat16, device=DEVICE)
@@ -136,10 +139,18 @@ def test_cuda_graph_replays_whole_periods():
     check_graph_replays_whole_periods("fp8")
 
 
-def test_cuda_graph_replays_whole_periods_at_batch_1():
+def test_cuda_graph_replays_whole_periods_at_batch_1(monkeypatch):
     """Batch 1: the non-flush kernel with programmatic dependent launch, captured."""
+    from replayssm.kernels.cute import launch
+
+    monkeypatch.delenv(launch.PDL_ENV, raising=False)
+    assert launch.pdl_for(1)
     check_graph_replays_whole_periods("fp8", live=(5,))
 
 
-def test_warmup_compiles_and_launches_both_kernels_without_changing_the_cache():
+def test_warmup_compiles_and_launches_both_kernels_without_changing_the_cache(monkeypatch):
+    from replayssm.kernels.cute import launch
+
+    monkeypatch.delenv(launch.PDL_ENV, raising=False)  # the PDL variant is expected too
+    monkeypatch.delenv(launch.FP8_DECODE_ENV, raising=False)
     check_warmup("fp8")

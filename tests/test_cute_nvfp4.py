@@ -278,13 +278,18 @@ def _step(w: World, out, state):
         pytest.param(16, 2, "one", id="nvfp4-h16-g2-one-row"),  # batch 1: PDL launch
     ],
 )
-def test_kernels_match_reference_over_three_periods(heads, groups, sync):
+def test_kernels_match_reference_over_three_periods(heads, groups, sync, monkeypatch):
     from replayssm import reference as ref
     from replayssm.quant.minifloat import to_fp16
     from replayssm.quant.rng import checkpoint_rbits
 
     many = {"live": MANY_LIVE, "num_slots": MANY_SLOTS} if sync == "many" else {"live": (5,)} if sync == "one" else {}
     w = World("nvfp4", heads, groups, sync=sync is True, **many)
+    if sync == "one":  # the PDL launch is what this case is for
+        from replayssm.kernels.cute import launch
+
+        monkeypatch.delenv(launch.PDL_ENV, raising=False)
+        assert w.batch == 1 and launch.pdl_for(w.batch)
     cache, H, P, N = w.cache, heads, 64, 128
     hpg = H // groups
     out = torch.empty(w.batch, H, P, dtype=torch.bfloat16, device=DEVICE)
@@ -371,12 +376,19 @@ def test_cuda_graph_replays_whole_periods():
 
 @pytest.mark.gpu
 @needs_dsl
-def test_cuda_graph_replays_whole_periods_at_batch_1():
+def test_cuda_graph_replays_whole_periods_at_batch_1(monkeypatch):
     """Batch 1: the non-flush kernel with programmatic dependent launch, captured."""
+    from replayssm.kernels.cute import launch
+
+    monkeypatch.delenv(launch.PDL_ENV, raising=False)
+    assert launch.pdl_for(1)
     check_graph_replays_whole_periods("nvfp4", live=(5,))
 
 
 @pytest.mark.gpu
 @needs_dsl
-def test_warmup_compiles_and_launches_both_kernels_without_changing_the_cache():
+def test_warmup_compiles_and_launches_both_kernels_without_changing_the_cache(monkeypatch):
+    from replayssm.kernels.cute import launch
+
+    monkeypatch.delenv(launch.PDL_ENV, raising=False)  # the PDL variant is expected too
     check_warmup("nvfp4")

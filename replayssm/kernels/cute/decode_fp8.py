@@ -43,9 +43,9 @@ class DecodeFp8:
     """Non-flush decode for one geometry (heads, groups); the same code for every arch."""
 
     name = "decode_fp8"
-    # Programmatic dependent launch (launch.py sets it): the kernel may start while the
-    # prepare kernel before it finishes, and waits for it (griddepcontrol.wait) before
-    # its first memory access.
+    # Programmatic dependent launch (launch.py sets it, batch 1): the kernel may start
+    # while the grid before it on the stream (the prepare kernel) finishes, and waits for
+    # that grid (griddepcontrol.wait) before its first memory access.
     pdl = False
 
     def __init__(self, heads: int, groups: int) -> None:

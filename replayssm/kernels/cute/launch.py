@@ -1,7 +1,8 @@
 """Compile cache and launchers of the CuTe DSL decode kernels (FP8 read copy).
 
-Compile keys hold static properties only: (kernel, arch, heads, groups, and for the FP8
-flush the sm_90a e4m3 encoder choice). Batch size, slot
+Compile keys hold static properties only: (kernel, arch, heads, groups, for the FP8
+flush the sm_90a e4m3 encoder choice, for the non-flush kernel its variant
+($REPLAYSSM_FP8_DECODE) and whether it is the PDL one). Batch size, slot
 count and every stride are runtime arguments (kernels take raw pointers plus slot strides
 in 16-byte units, so one compile serves every batch, cache size and slot padding, and the
 kernels still know their vector accesses are 16-byte aligned). Launches go to the current
@@ -68,11 +69,14 @@ def sm90_e4m3() -> str:
 # Programmatic dependent launch (PDL) of the non-flush kernel at batch 1: launched right
 # behind the prepare kernel on the current stream, it may start while that kernel
 # finishes and waits for it (griddepcontrol.wait) before its first memory access, which
-# hides a launch latency. The flush, forked onto the side stream by an event, is launched
-# as before. H200, project benchmark: batch 1 4.16 -> 3.96 us (FP8) and 4.35 -> 4.20
-# (NVFP4) at 16 heads / 2 groups; but at batch 32-1024 PDL made steps slower (NVFP4 at
-# batch 32 8.8 -> 16.0 us), hence batch 1 only (docs/perf-notes-cute.md, session 4).
-# Both variants are compiled; $REPLAYSSM_PDL=0 turns PDL off.
+# hides a launch latency. (The wait is for the grid just before it on the stream: the
+# prepare kernel, or a copy `_dense16` made after it, which started only once prepare
+# had finished.) The flush, forked onto the side stream by an event, is launched as
+# before. H200, project benchmark at batch 1, 16 heads / 2 groups, same-run A/B: FP8
+# 4.28 -> 3.47 us, NVFP4 4.52 -> 4.26 us; PDL at every batch made batch 32-1024 slower
+# (NVFP4 at batch 32 8.8 -> 16.0 us), hence batch 1 only (docs/perf-notes-cute.md,
+# session 4). Both variants are compiled; $REPLAYSSM_PDL=0 turns PDL off. Only the SIMT
+# FP8 kernel has a PDL variant (not the opt-in tensor-core one).
 PDL_ENV = "REPLAYSSM_PDL"
 PDL_MAX_BATCH = 1
 
@@ -89,9 +93,11 @@ def pdl_for(batch: int) -> bool:
     return batch <= PDL_MAX_BATCH and pdl()
 
 
-def pdl_variants() -> tuple[bool, ...]:
-    """The non-flush variants a step may launch (warmup compiles and loads each)."""
-    return (False, True) if pdl() else (False,)
+def pdl_variants(kind: str = "decode_fp8") -> tuple[bool, ...]:
+    """The variants of non-flush kernel `kind` a step may launch (warmup compiles and
+    loads each)."""
+    has_pdl = kind == "decode_nvfp4" or (kind == "decode_fp8" and fp8_decode() == "simt")
+    return (False, True) if pdl() and has_pdl else (False,)
 
 
 def _kernel_object(kind: str, arch: str, heads: int, groups: int, e4m3: str, pdl: bool = False):
@@ -206,7 +212,7 @@ def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
     paths: list[str] = []
     for heads, groups in COMPILE_ALL_GEOMETRIES:
         for kind in ("decode_fp8", "flush_fp8"):
-            for with_pdl in (False, True) if kind == "decode_fp8" else (False,):
+            for with_pdl in (False, True) if kind == "decode_fp8" and fp8_decode() == "simt" else (False,):
                 obj = _kernel_object(kind, arch, heads, groups, sm90_e4m3(), with_pdl)
                 sub = f"{kind}-h{heads}g{groups}" + ("-pdl" if with_pdl else "")
                 paths += compile_into(obj, _fake_args(kind), arch, root / sub)
@@ -217,26 +223,28 @@ def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
 
 
 def warmup(heads: int, groups: int, arch: str | None = None) -> list[str]:
-    """Compile both decode kernels for one geometry (before CUDA-graph capture)."""
+    """Compile the decode kernels for one geometry, the non-flush kernel's PDL variant
+    included (before CUDA-graph capture)."""
     arch = arch or arch_for()
     names = []
     for kind in ("decode_fp8", "flush_fp8"):
-        for with_pdl in pdl_variants() if kind == "decode_fp8" else (False,):
+        for with_pdl in pdl_variants(kind):
             compiled(kind, arch, heads, groups, pdl=with_pdl)
             names.append(f"cute.{kind}[{arch},h{heads},g{groups}{',pdl' if with_pdl else ''}]")
     return names
 
 
 def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, arch: str) -> None:
-    """Launch both kernels for a plan of padding rows only (they return at once and
-    write nothing): loads the compiled modules, e.g. before CUDA-graph capture."""
+    """Launch the decode kernels (each non-flush variant: `pdl_variants`) for a plan of
+    padding rows only (they return at once and write nothing): loads the compiled
+    modules, e.g. before CUDA-graph capture."""
     batch = plan.valid.shape[0]
     heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
     dev = out.device
     x = torch.zeros(batch, heads, L.HEAD_DIM, dtype=torch.bfloat16, device=dev)
     bc = torch.zeros(batch, groups, L.STATE_DIM, dtype=torch.bfloat16, device=dev)
     per_head = torch.zeros(heads, device=dev)
-    for with_pdl in pdl_variants():
+    for with_pdl in pdl_variants("decode_fp8"):
         decode_fp8(
             cache, x, torch.zeros(batch, heads, device=dev), per_head, bc, bc,
             torch.zeros(heads, L.HEAD_DIM, device=dev), per_head, plan, out, arch=arch, pdl=with_pdl,
@@ -292,7 +300,8 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 @contextmanager
 def flush_streams(device: torch.device):
     """(main, side) for one step: the flush goes on `side`, forked from the current
-    stream `main` on entry (the plan and the inputs are ready) and joined back into it on
+    stream `main` on entry (the plan and the inputs are ready for it; a PDL non-flush
+    kernel on `main` waits for them itself) and joined back into it on
     exit (everything after the step sees both kernels' writes); with OVERLAP off both are
     the current stream."""
     main = torch.cuda.current_stream(device)

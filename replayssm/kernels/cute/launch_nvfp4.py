@@ -1,7 +1,7 @@
 """Compile cache entries and launchers of the NVFP4 CuTe DSL decode kernels.
 
 The FP8 launcher's machinery (launch.py) serves both formats: the same compile cache
-(keys (kind, arch, heads, groups)), compile options, pointer typing and layout check;
+(keys (kind, arch, heads, groups, PDL variant)), compile options, pointer typing and layout check;
 this module adds the NVFP4 kinds and the per-step launcher. As for FP8, batch, slot count
 and strides are runtime arguments, so one compile serves every batch and slot padding.
 """
@@ -117,7 +117,7 @@ def warmup(heads: int, groups: int, arch: str | None = None) -> list[str]:
     arch = arch or arch_for()
     names = []
     for kind in ("decode_nvfp4", "flush_nvfp4"):
-        for with_pdl in _fp8.pdl_variants() if kind == "decode_nvfp4" else (False,):
+        for with_pdl in _fp8.pdl_variants(kind):
             compiled(kind, arch, heads, groups, pdl=with_pdl)
             names.append(f"cute.{kind}[{arch},h{heads},g{groups}{',pdl' if with_pdl else ''}]")
     return names
@@ -132,7 +132,7 @@ def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, arch:
     x = torch.zeros(batch, heads, L.HEAD_DIM, dtype=torch.bfloat16, device=dev)
     bc = torch.zeros(batch, groups, L.STATE_DIM, dtype=torch.bfloat16, device=dev)
     per_head = torch.zeros(heads, device=dev)
-    for with_pdl in _fp8.pdl_variants():
+    for with_pdl in _fp8.pdl_variants("decode_nvfp4"):
         decode_nvfp4(
             cache, x, torch.zeros(batch, heads, device=dev), per_head, bc, bc,
             torch.zeros(heads, L.HEAD_DIM, device=dev), per_head, plan, out, arch=arch, pdl=with_pdl,
