@@ -236,3 +236,33 @@ def test_pdl_is_for_batch_1_and_can_be_turned_off(monkeypatch):
     monkeypatch.setenv(launch.PDL_ENV, "2")
     with pytest.raises(ValueError, match="REPLAYSSM_PDL"):
         launch.pdl()
+
+
+def test_sass_stats_counts_the_kernels_structure(tmp_path):
+    """benchmarks/sass_stats.py (static SASS statistics, the offline proxy for the issue
+    bound) reads the cubins right: the flush holds its 16 tensor-core MMAs a thread and
+    4 barriers, the SIMT non-flush kernel no MMA and 2 barriers, and the PDL variant
+    differs from the plain one only by its wait."""
+    import sys
+
+    import cutlass.cute as cute
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks import sass_stats
+    from replayssm.kernels.cute import launch
+
+    stats = {}
+    for name, kind, pdl in (("flush", "flush_fp8", False), ("nonflush", "decode_fp8", False), ("pdl", "decode_fp8", True)):
+        sub = tmp_path / name
+        sub.mkdir()
+        obj = launch._kernel_object(kind, "sm_90a", 16, 2, "hw", pdl)
+        cute.compile(obj, *launch._fake_args(kind), options=launch._options("sm_90a", sub))
+        (cubin,) = [p for p in sub.iterdir() if p.suffix == ".cubin"]
+        stats[name] = sass_stats.cubin_stats(cubin, sass_stats.default_cuobjdump())
+    flush, nonflush, pdl = (sass_stats.classify(stats[k]["ops"]) for k in ("flush", "nonflush", "pdl"))
+    assert flush["MMA"] == FOLD_MMAS and flush["BAR"] == 4
+    assert nonflush["MMA"] == 0 and nonflush["BAR"] == 2
+    assert stats["flush"]["regs"] <= 64 and stats["nonflush"]["regs"] <= 64
+    extra = stats["pdl"]["ops"] - stats["nonflush"]["ops"]
+    assert sum(extra.values()) == stats["pdl"]["total"] - stats["nonflush"]["total"] == 1, extra
+    assert pdl == nonflush
