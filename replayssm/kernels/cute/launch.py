@@ -93,11 +93,15 @@ def pdl_for(batch: int) -> bool:
     return batch <= PDL_MAX_BATCH and pdl()
 
 
+def has_pdl_variant(kind: str) -> bool:
+    """Whether kernel `kind` has a PDL variant: the non-flush kernels (FP8: the SIMT one)."""
+    return kind == "decode_nvfp4" or (kind == "decode_fp8" and fp8_decode() == "simt")
+
+
 def pdl_variants(kind: str = "decode_fp8") -> tuple[bool, ...]:
     """The variants of non-flush kernel `kind` a step may launch (warmup compiles and
     loads each)."""
-    has_pdl = kind == "decode_nvfp4" or (kind == "decode_fp8" and fp8_decode() == "simt")
-    return (False, True) if pdl() and has_pdl else (False,)
+    return (False, True) if pdl() and has_pdl_variant(kind) else (False,)
 
 
 def _kernel_object(kind: str, arch: str, heads: int, groups: int, e4m3: str, pdl: bool = False):
@@ -180,7 +184,7 @@ def compiled(kind: str, arch: str, heads: int, groups: int, e4m3: str | None = N
     (`e4m3`: the sm_90a read-copy encode, default `sm90_e4m3()`; `pdl`: the non-flush
     variant launched with programmatic dependent launch)."""
     e4m3 = "hw" if arch in HAS_CVT_RS or kind == "decode_fp8" else (e4m3 or sm90_e4m3())
-    pdl = pdl and kind == "decode_fp8" and fp8_decode() == "simt"
+    pdl = pdl and has_pdl_variant(kind)
     key = (kind, arch, heads, groups, e4m3, fp8_decode() if kind == "decode_fp8" else None, pdl)
     fn = _COMPILED.get(key)
     if fn is None:
@@ -212,7 +216,7 @@ def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
     paths: list[str] = []
     for heads, groups in COMPILE_ALL_GEOMETRIES:
         for kind in ("decode_fp8", "flush_fp8"):
-            for with_pdl in (False, True) if kind == "decode_fp8" and fp8_decode() == "simt" else (False,):
+            for with_pdl in (False, True) if has_pdl_variant(kind) else (False,):
                 obj = _kernel_object(kind, arch, heads, groups, sm90_e4m3(), with_pdl)
                 sub = f"{kind}-h{heads}g{groups}" + ("-pdl" if with_pdl else "")
                 paths += compile_into(obj, _fake_args(kind), arch, root / sub)

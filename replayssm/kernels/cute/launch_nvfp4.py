@@ -86,7 +86,7 @@ def _fake_args(kind: str) -> list:
 def compiled(kind: str, arch: str, heads: int, groups: int, pdl: bool = False):
     """The compiled launcher for (kind, arch, heads, groups), compiling it on first use
     (entries live in launch.py's compile cache; `pdl` as in launch.compiled)."""
-    pdl = pdl and kind == "decode_nvfp4"
+    pdl = pdl and _fp8.has_pdl_variant(kind)
     key = (kind, arch, heads, groups, pdl)
     fn = _fp8._COMPILED.get(key)
     if fn is None:
@@ -105,7 +105,7 @@ def compile_variants(arch: str, dump_dir: str | os.PathLike, geometries) -> list
     paths: list[str] = []
     for heads, groups in geometries:
         for kind in ("decode_nvfp4", "flush_nvfp4"):
-            for with_pdl in (False, True) if kind == "decode_nvfp4" else (False,):
+            for with_pdl in (False, True) if _fp8.has_pdl_variant(kind) else (False,):
                 obj = _kernel_object(kind, arch, heads, groups, with_pdl)
                 sub = f"{kind}-h{heads}g{groups}" + ("-pdl" if with_pdl else "")
                 paths += _fp8.compile_into(obj, _fake_args(kind), arch, root / sub)
