@@ -79,8 +79,10 @@ def kernel_us(fn, steps: int, fmt: str) -> dict[str, float]:
     out = {"nonflush": 0.0, "flush": 0.0}
     for evt in prof.key_averages():
         total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
-        for tag, key in (("nonflush", f"decode_{fmt}"), ("flush", f"flush_{fmt}")):
-            if key in evt.key.lower():
+        name = evt.key.lower()
+        # Non-flush: decode_<fmt>.py (SIMT) or decode_warp.py's Decode<Fmt>Warp.
+        for tag, keys in (("nonflush", (f"decode_{fmt}", f"decode{fmt}warp")), ("flush", (f"flush_{fmt}",))):
+            if any(key in name for key in keys):
                 out[tag] += total / steps
     return out
 

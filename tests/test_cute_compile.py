@@ -48,7 +48,7 @@ def test_every_variant_compiles(compiled, arch):
     folders = {p.parent.name for p in paths}
     from replayssm.kernels.cute.launch import fp8_decode
 
-    with_pdl = ("fp8", "nvfp4") if fp8_decode() == "simt" else ("nvfp4",)  # the PDL variants
+    with_pdl = ("nvfp4",) if fp8_decode() == "mma" else ("fp8", "nvfp4")  # the PDL variants
     assert folders == {f"{k}_{fmt}-h16g{g}" for k in ("decode", "flush") for fmt in ("fp8", "nvfp4") for g in (1, 2)} | {
         f"decode_{fmt}-h16g{g}-pdl" for fmt in with_pdl for g in (1, 2)
     }
@@ -84,13 +84,29 @@ def test_sm90_flush_is_software(compiled):
         assert "2146121005" in text, name  # 0x7FEB352D
 
 
+# Warp-per-head non-flush kernel (decode_warp.py), per lane: 8 state rows x 2 chunks of
+# 16 codes, decoded by 2 e4m3x2 -> f16x2 cvts a word; 4 m-tiles x 8 k-steps of the f16
+# MMA; 8 k-steps of B_j . C and 4 m-tiles of the ring replay as bf16 MMAs.
+WARP_CVTS, WARP_F16_MMAS, WARP_BF16_MMAS = 8 * 2 * 4 * 2, 4 * 8, 8 + 4
+F16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+BF16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_decode_reads_the_fp8_copy_with_vector_loads(compiled, arch):
+    from replayssm.kernels.cute.launch import fp8_decode
+
     for name, text in _ptx(compiled[arch], "decode").items():
-        # 4 x 16-byte read-copy loads per thread, decoded by the e4m3x2 -> f16x2 cvt.
-        assert text.count("cvt.rn.f16x2.e4m3x2") == 32, name
         assert "ld.global.v4" in text, name
         assert "cvt.rs" not in text, name
+        if name.endswith("-pdl") or fp8_decode() == "simt":
+            # SIMT: 4 x 16-byte read-copy loads per thread, decoded by the e4m3x2 -> f16x2 cvt.
+            assert text.count("cvt.rn.f16x2.e4m3x2") == 32, name
+            assert "mma.sync" not in text, name
+        else:
+            assert text.count("cvt.rn.f16x2.e4m3x2") == WARP_CVTS, name
+            assert text.count(F16_MMA) == WARP_F16_MMAS and text.count(BF16_MMA) == WARP_BF16_MMAS, name
+            assert "bar.sync" not in text and "barrier" not in text, name
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
@@ -213,7 +229,7 @@ def test_only_the_pdl_variants_wait_for_the_prepare_kernel(compiled, arch):
             assert "griddepcontrol" not in text, name
     from replayssm.kernels.cute.launch import fp8_decode
 
-    assert seen == (4 if fp8_decode() == "simt" else 2)  # FP8 and NVFP4 x 2 geometries
+    assert seen == (2 if fp8_decode() == "mma" else 4)  # FP8 and NVFP4 x 2 geometries
 
 
 def test_pdl_is_for_batch_1_and_can_be_turned_off(monkeypatch):
@@ -223,9 +239,20 @@ def test_pdl_is_for_batch_1_and_can_be_turned_off(monkeypatch):
     monkeypatch.delenv(launch.FP8_DECODE_ENV, raising=False)
     assert [launch.pdl_for(b) for b in (1, 2, 256)] == [True, False, False]
     assert launch.pdl_variants() == (False, True)
+    # The PDL variant is the SIMT kernel; the default one the warp-per-head kernel.
+    from replayssm.kernels.cute.decode_fp8 import DecodeFp8
+    from replayssm.kernels.cute.decode_warp import DecodeFp8Warp
+
     obj = launch._kernel_object("decode_fp8", "sm_90a", 16, 2, "hw", True)
-    assert obj.pdl is True and obj.launch_options() == {"use_pdl": True}
+    assert type(obj) is DecodeFp8 and obj.pdl is True and obj.launch_options() == {"use_pdl": True}
+    obj = launch._kernel_object("decode_fp8", "sm_90a", 16, 2, "hw")
+    assert type(obj) is DecodeFp8Warp and "use_pdl" not in obj.launch_options()
+    monkeypatch.setenv(launch.FP8_DECODE_ENV, "simt")
     assert launch._kernel_object("decode_fp8", "sm_90a", 16, 2, "hw").launch_options() == {}
+    monkeypatch.setenv(launch.FP8_DECODE_ENV, "fast")
+    with pytest.raises(ValueError, match="REPLAYSSM_FP8_DECODE"):
+        launch.fp8_decode()
+    monkeypatch.delenv(launch.FP8_DECODE_ENV)
     assert launch.pdl_variants("decode_nvfp4") == (False, True) and launch.pdl_variants("flush_fp8") == (False,)
     # The opt-in tensor-core FP8 kernel has no PDL variant.
     monkeypatch.setenv(launch.FP8_DECODE_ENV, "mma")
@@ -238,11 +265,12 @@ def test_pdl_is_for_batch_1_and_can_be_turned_off(monkeypatch):
         launch.pdl()
 
 
-def test_sass_stats_counts_the_kernels_structure(tmp_path):
+def test_sass_stats_counts_the_kernels_structure(tmp_path, monkeypatch):
     """benchmarks/sass_stats.py (static SASS statistics, the offline proxy for the issue
     bound) reads the cubins right: the flush holds its 16 tensor-core MMAs a thread and
-    4 barriers, the SIMT non-flush kernel no MMA and 2 barriers, and the PDL variant
-    differs from the plain one only by its wait."""
+    4 barriers, the SIMT non-flush kernel no MMA and 2 barriers, the PDL variant differs
+    from the plain SIMT one only by its wait, and the warp-per-head kernel has its 44 MMAs
+    and no barrier."""
     import sys
 
     import cutlass.cute as cute
@@ -252,15 +280,21 @@ def test_sass_stats_counts_the_kernels_structure(tmp_path):
     from replayssm.kernels.cute import launch
 
     stats = {}
-    for name, kind, pdl in (("flush", "flush_fp8", False), ("nonflush", "decode_fp8", False), ("pdl", "decode_fp8", True)):
+    runs = (
+        ("flush", "flush_fp8", False, "warp"), ("nonflush", "decode_fp8", False, "simt"), ("pdl", "decode_fp8", True, "simt"),
+        ("warp", "decode_fp8", False, "warp"),
+    )
+    for name, kind, pdl, mode in runs:
         sub = tmp_path / name
         sub.mkdir()
+        monkeypatch.setenv(launch.FP8_DECODE_ENV, mode)
         obj = launch._kernel_object(kind, "sm_90a", 16, 2, "hw", pdl)
         cute.compile(obj, *launch._fake_args(kind), options=launch._options("sm_90a", sub))
         (cubin,) = [p for p in sub.iterdir() if p.suffix == ".cubin"]
         stats[name] = sass_stats.cubin_stats(cubin, sass_stats.default_cuobjdump())
-    flush, nonflush, pdl = (sass_stats.classify(stats[k]["ops"]) for k in ("flush", "nonflush", "pdl"))
+    flush, nonflush, pdl, warp = (sass_stats.classify(stats[k]["ops"]) for k in ("flush", "nonflush", "pdl", "warp"))
     assert flush["MMA"] == FOLD_MMAS and flush["BAR"] == 4
+    assert warp["MMA"] == WARP_F16_MMAS + WARP_BF16_MMAS and warp["BAR"] == 0
     assert nonflush["MMA"] == 0 and nonflush["BAR"] == 2
     assert stats["flush"]["regs"] <= 64 and stats["nonflush"]["regs"] <= 64
     extra = stats["pdl"]["ops"] - stats["nonflush"]["ops"]

@@ -50,6 +50,9 @@ pytestmark = [
         # The opt-in tensor-core non-flush kernel ($REPLAYSSM_FP8_DECODE=mma).
         pytest.param(16, 2, False, "hw-mma", id="fp8-h16-g2-mixed-mma-decode"),
         pytest.param(16, 1, False, "hw-mma", id="fp8-h16-g1-mixed-mma-decode"),
+        # The SIMT non-flush kernel at every batch ($REPLAYSSM_FP8_DECODE=simt; the
+        # default is the warp-per-head kernel, decode_warp.py).
+        pytest.param(16, 2, False, "hw-simt", id="fp8-h16-g2-mixed-simt-decode"),
         pytest.param(16, 1, False, "hw", id="fp8-h16-g1-mixed"),
         pytest.param(16, 2, True, "hw", id="fp8-h16-g2-sync"),
         # sm_90a only: the software e4m3 encode instead of the e4m3x2 cvt.
@@ -67,9 +70,9 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3, m
     from replayssm.kernels import triton_backend
     from replayssm.kernels.cute import launch
 
-    if e4m3.endswith("-mma"):
-        monkeypatch.setenv(launch.FP8_DECODE_ENV, "mma")
-        e4m3 = e4m3.removesuffix("-mma")
+    if "-" in e4m3:  # a non-flush kernel other than the default
+        e4m3, mode = e4m3.split("-")
+        monkeypatch.setenv(launch.FP8_DECODE_ENV, mode)
 
     many = {"live": MANY_LIVE, "num_slots": MANY_SLOTS} if sync == "many" else {"live": (5,)} if sync == "one" else {}
     w = World("fp8", heads, groups, sync=sync is True, wide=sync == "wide", **many)

@@ -198,8 +198,10 @@ def test_every_variant_compiles(compiled, arch):
 @pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
 def test_sm100_uses_hardware_e2m1_conversions(compiled, arch):
     for name, text in _ptx(compiled[arch], "decode").items():
-        # 4 rows x 16 codes per thread, two codes per cvt.
-        assert text.count("cvt.rn.f16x2.e2m1x2") == ROWS_DECODE * 8, name
+        # Two codes per cvt. SIMT kernel (the PDL variant): 4 rows x 16 codes per thread;
+        # warp-per-head kernel: 8 rows x 32 codes per lane.
+        simt = name.endswith("-pdl")
+        assert text.count("cvt.rn.f16x2.e2m1x2") == (ROWS_DECODE * 8 if simt else 8 * 16), name
         assert "cvt.rs" not in text, name
     for name, text in _ptx(compiled[arch], "flush").items():
         # Per row: 8 values = 4 e2m1x2 conversions and 4 FP16 pairs.
@@ -275,7 +277,10 @@ def _step(w: World, out, state):
         pytest.param(64, 4, False, id="nvfp4-h64-g4-mixed"),
         # A batch of 45 rows: three CTA rows of the flush kernel, the last one partial.
         pytest.param(16, 2, "many", id="nvfp4-h16-g2-many-rows"),
-        pytest.param(16, 2, "one", id="nvfp4-h16-g2-one-row"),  # batch 1: PDL launch
+        pytest.param(16, 2, "one", id="nvfp4-h16-g2-one-row"),  # batch 1: PDL launch (SIMT kernel)
+        # The SIMT non-flush kernel at every batch ($REPLAYSSM_NVFP4_DECODE=simt; the
+        # default is the warp-per-head kernel).
+        pytest.param(16, 2, "simt", id="nvfp4-h16-g2-mixed-simt-decode"),
     ],
 )
 def test_kernels_match_reference_over_three_periods(heads, groups, sync, monkeypatch):
@@ -283,6 +288,10 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync, monkeyp
     from replayssm.quant.minifloat import to_fp16
     from replayssm.quant.rng import checkpoint_rbits
 
+    from replayssm.kernels.cute import launch_nvfp4
+
+    if sync == "simt":
+        monkeypatch.setenv(launch_nvfp4.NVFP4_DECODE_ENV, "simt")
     many = {"live": MANY_LIVE, "num_slots": MANY_SLOTS} if sync == "many" else {"live": (5,)} if sync == "one" else {}
     w = World("nvfp4", heads, groups, sync=sync is True, **many)
     if sync == "one":  # the PDL launch is what this case is for

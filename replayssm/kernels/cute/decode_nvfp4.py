@@ -60,6 +60,16 @@ class DecodeNvfp4:
     def e2m1x8_f16x2(self, w: Uint32) -> list:
         raise NotImplementedError
 
+    # Launch shape (the warp-per-head variant, decode_warp.py, overrides these and
+    # `kernel`, and shares this signature).
+    threads = THREADS
+
+    def grid(self, batch):
+        return [self.heads, batch, 1]
+
+    def launch_options(self) -> dict:
+        return {"use_pdl": self.pdl}
+
     @cute.jit
     def __call__(
         self,
@@ -104,7 +114,7 @@ class DecodeNvfp4:
             read_stride16, scale_stride, meta_stride, parity_stride,
             x_ring_stride16, dt_ring_stride, b_ring_stride16,
             dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
-        ).launch(grid=[self.heads, batch, 1], block=[THREADS, 1, 1], use_pdl=self.pdl, stream=stream)
+        ).launch(grid=self.grid(batch), block=[self.threads, 1, 1], stream=stream, **self.launch_options())
 
     @cute.kernel
     def kernel(

@@ -30,6 +30,7 @@ from ... import layout as L
 from .arch import HAS_CVT_RS, arch_for, check_arch
 from .decode_fp8 import DecodeFp8
 from .decode_fp8_mma import DecodeFp8Mma
+from .decode_warp import DecodeFp8Warp
 from .flush_fp8 import FlushFp8Sm90, FlushFp8Sm100
 
 KINDS = ("decode_fp8", "flush_fp8", "flush_fp8_debug")
@@ -46,16 +47,19 @@ SM90_E4M3_DEFAULT = "hw"
 _COMPILED: dict[tuple, object] = {}
 
 
-# The FP8 non-flush kernel: "simt" (decode_fp8.py, the default: fastest measured) or
-# "mma" (decode_fp8_mma.py: tensor-core row dots, 8-20 % slower per step on an H200, kept for the
-# pipelined design it is a step towards; docs/perf-notes-cute.md).
+# The FP8 non-flush kernel: "warp" (decode_warp.py, the default: one warp per (row,
+# head), tensor-core dots; H200 at batch 256 / 1024, 16 heads / 2 groups: steps 6-8 %
+# faster than "simt"), "simt" (decode_fp8.py) or "mma" (decode_fp8_mma.py, session 2's
+# tensor-core kernel, slower; docs/perf-notes-cute.md). The PDL variant (batch 1, see
+# PDL_ENV) is the SIMT kernel whatever the mode but "mma" (it was measured that way).
 FP8_DECODE_ENV = "REPLAYSSM_FP8_DECODE"
+FP8_DECODE_MODES = ("warp", "simt", "mma")
 
 
 def fp8_decode() -> str:
-    mode = os.environ.get(FP8_DECODE_ENV, "simt")
-    if mode not in ("simt", "mma"):
-        raise ValueError(f"${FP8_DECODE_ENV} must be 'simt' or 'mma'; got {mode!r}")
+    mode = os.environ.get(FP8_DECODE_ENV, FP8_DECODE_MODES[0])
+    if mode not in FP8_DECODE_MODES:
+        raise ValueError(f"${FP8_DECODE_ENV} must be one of {FP8_DECODE_MODES}; got {mode!r}")
     return mode
 
 
@@ -94,8 +98,9 @@ def pdl_for(batch: int) -> bool:
 
 
 def has_pdl_variant(kind: str) -> bool:
-    """Whether kernel `kind` has a PDL variant: the non-flush kernels (FP8: the SIMT one)."""
-    return kind == "decode_nvfp4" or (kind == "decode_fp8" and fp8_decode() == "simt")
+    """Whether kernel `kind` has a PDL variant: the non-flush kernels (FP8: unless "mma");
+    it is the SIMT kernel (decode_fp8.py, decode_nvfp4.py) with PDL."""
+    return kind == "decode_nvfp4" or (kind == "decode_fp8" and fp8_decode() in ("simt", "warp"))
 
 
 def pdl_variants(kind: str = "decode_fp8") -> tuple[bool, ...]:
@@ -106,8 +111,11 @@ def pdl_variants(kind: str = "decode_fp8") -> tuple[bool, ...]:
 
 def _kernel_object(kind: str, arch: str, heads: int, groups: int, e4m3: str, pdl: bool = False):
     if kind == "decode_fp8":
-        if fp8_decode() == "mma":
+        mode = fp8_decode()
+        if mode == "mma":
             return DecodeFp8Mma(heads, groups)
+        if mode == "warp" and not pdl:
+            return DecodeFp8Warp(heads, groups)
         obj = DecodeFp8(heads, groups)
         obj.pdl = pdl
         return obj

@@ -1,0 +1,530 @@
+"""Non-flush decode kernels, one warp per (row, head): registers only, tensor-core dots
+(CuTe DSL). Both formats: `DecodeFp8Warp` (FP8 read copy) and `DecodeNvfp4Warp` (NVFP4),
+sharing everything but the read-copy part.
+
+The formula of decode_fp8.py / decode_nvfp4.py:
+
+    y[p] = exp(A pre_r) R[p] + sum_{j <= r} dt_j exp(A (pre_r - pre_j)) (B_j . C) x_j[p] + D[p] x[p]
+
+with R[p] the read-copy row dot (FP8: scale[p] sum_n e4m3(code[p, n]) C[n]; NVFP4:
+g sum_n e4m3(s[p, n // 16]) e2m1(code[p, n]) C[n]).
+
+Why this shape: the SIMT kernels (a CTA of 4 warps per (row, head)) issue ~2,100 (FP8)
+and ~3,300 (NVFP4) warp-instructions per (row, head), and a step is bound by issue and
+latency together (docs/perf-notes-cute.md, session 4). Here one warp does a whole head
+with ~800: no shared memory, no barrier, every load lands in the registers an MMA
+consumes. A CTA holds `heads_per_cta` warps of one row and one group (their C, B ring
+and plan loads meet in L1).
+
+Per warp, lane (g, q) = (lane // 4, lane % 4) (fragment layouts in mma.py):
+
+1. Read-copy row dots, `mma.m16n8k16` f16 x f16 -> f32: four m-tiles of 16 state rows,
+   eight k-steps. Lane (g, q) holds rows p = 8 g + i (i = 0..7); m-tile mt takes rows
+   i = 2 mt (MMA row g) and 2 mt + 1 (MMA row g + 8). Its k values are a permutation of
+   n that A and B share, within the n-set of lane q (the 32 values of n that its loads
+   hold; the four lanes q cover all 128): FP8 [16 q, 16 q + 16) and [64 + 16 q, + 16),
+   NVFP4 [32 q, 32 q + 32) (two whole blocks). C enters as C' = C 2**-e in f16, 2**e
+   putting max |C| in [2**14, 2**15) (bf16's 8 significant bits fit f16's 11 for
+   |C'| >= 2**-17, i.e. within 2**-31 of max |C|; below that, the f16 rounding error is
+   < 2**-25 of a C' unit). Every column of B is C', so every output column is the dot.
+   - FP8: the e4m3 codes become f16 pairs exactly (`cvt.rn.f16x2.e4m3x2`).
+   - NVFP4: a code pair becomes an f16 pair (sm_90a: from the code bits, value * 2**-14;
+     sm_100a: `cvt.rn.f16x2.e2m1x2`, the value), then times its block scale in f16
+     (s 2**7, resp. s 2**-7): the product v s 2**-7 has at most 6 significant bits and
+     lies in [2**-17, 21], so f16 holds it exactly.
+2. B_j . C for the 16 ring entries (entries beyond r zero, never read; the step's B at
+   r), `mma.m16n8k16` bf16 x bf16 (exact products) over the same n-sets: A rows g and
+   g + 8 are entries g and g + 8, B is C.
+3. The scan over the entries (lane k % 16 = entry k): coef_k = dt_k exp(A (pre_r - pre_k))
+   (B_k . C), decay = exp(A pre_r), as in the SIMT kernels.
+4. Ring replay sum_j coef_j x_j[p], `mma.m16n8k16` bf16: A rows as in 1, k = entries
+   (lane (g, q) loads entries 2 q, 2 q + 1, 2 q + 8, 2 q + 9 at p = 8 g .. + 7 and pairs
+   them by byte permutes); B's even columns coef in bf16, its odd columns the bf16
+   remainder coef - bf16(coef) (16 significant bits): c0 + c1 is row g, c2 + c3 row g + 8.
+5. Lane (g, q) writes rows p0 = 8 g + 2 q and p0 + 1 (m-tile q): the warp's 64 outputs.
+
+The tensor cores add the FP32 products in their own order and precision (not the SIMT
+kernels'); the GPU tests bound the outputs against the reference.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass.cute.typing import Pointer
+
+from . import bits, bits_nvfp4
+from .bits import bf16x2_to_f32x2, e4m3x4_to_f16x2x2, f32x2_to_bf16x2, f32x2_to_f16x2, inline_ptx, prmt, sel, softplus
+from .decode_fp8 import RING, DecodeFp8, N, P
+from .decode_nvfp4 import BLOCKS, DecodeNvfp4
+from .mma import mma_bf16_16x8x16, mma_f16_16x8x16
+
+# 2**-e brings max |C| to [2**14, 2**15).
+C_TARGET_EXP = 14
+HEADS_PER_CTA = 4
+# CTAs an SM should hold (caps the registers at 65536 / (32 x heads_per_cta x this)).
+# H200, 16 heads / 2 groups, batch 256 / 1024 (us per step, non-flush kernel in
+# parentheses; docs/perf-notes-cute.md, session 5): 3 -> FP8 27.18 (16.11) / 87.92
+# (54.48), NVFP4 28.10 (15.61) / 97.16 (52.20); 4 -> 26.32 (16.16) / 84.94 (53.60),
+# 26.57 (14.00) / 90.27 (45.96); 5 -> 29.91 (19.08) / 94.30 (62.61), 28.69 (16.12) /
+# 94.57 (50.03). With 4 the FP8 kernel spills 40 bytes a lane (measured that way).
+CTAS_PER_SM = 4
+K_STEPS = N // 16  # k-steps of 16 over the state dimension
+
+
+def heads_per_cta(hpg: int, limit: int = HEADS_PER_CTA) -> int:
+    """Heads per CTA: the largest of 8, 4, 2, 1 up to `limit` that divides the heads per
+    group (a CTA's heads share one group)."""
+    return max(d for d in (1, 2, 4, 8) if d <= limit and hpg % d == 0)
+
+
+@cutlass.cutlass_dsl.dsl_user_op
+def _f16x2_mul(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
+    """`mul.rn.f16x2`."""
+    return inline_ptx("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [Uint32(a), Uint32(b)], [Uint32], loc=loc, ip=ip)
+
+
+@cutlass.cutlass_dsl.dsl_user_op
+def _e4m3x2_to_f16x2(word: Uint32, *, loc=None, ip=None) -> Uint32:
+    """The e4m3 codes in bits [7:0] and [15:8] of `word` as an f16 pair (exact)."""
+    return inline_ptx(
+        "{\n\t.reg .b16 l;\n\tcvt.u16.u32 l, $1;\n\tcvt.rn.f16x2.e4m3x2 $0, l;\n\t}",
+        "=r,r", [Uint32(word)], [Uint32], loc=loc, ip=ip,
+    )
+
+
+class _WarpHead:
+    """What the two formats' warp kernels share: launch shape, the plan, the per-head
+    loads, B_j . C, the scan, the ring replay, the outputs and the ring writes."""
+
+    def _init_warp(self, heads_per_cta_limit: int, ctas_per_sm: int) -> None:
+        self.hpc = heads_per_cta(self.hpg, heads_per_cta_limit)
+        self.ctas_per_sm = ctas_per_sm
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.hpc
+
+    def grid(self, batch):
+        return [self.heads // self.hpc, batch, 1]
+
+    def launch_options(self) -> dict:
+        # No PDL variant (launch.py launches the SIMT kernel's at batch 1);
+        # preferred_smem_carveout -1: the driver's choice (no device query at compile time).
+        return {"min_blocks_per_mp": self.ctas_per_sm, "preferred_smem_carveout": -1}
+
+    def c_word(self, c: int, q):
+        """Word (bf16 pair) offset of chunk c (8 words) of lane q's n-set in a row of 128."""
+        raise NotImplementedError
+
+    @cute.jit
+    def plan_row(self, plan_valid, plan_slot, plan_ring, plan_flush, bb):
+        """(live, slot, r) of batch row bb, all four loads issued before the branch on
+        live (one memory latency): live is 1 exactly for valid rows that do not flush."""
+        live = Int32(plan_valid[bb]) - Int32(plan_flush[bb])
+        slot_w = bits.ld_global_v2_u32_if((plan_slot + bb).toint(), Int32(1))
+        r = Int32(bits.ld_global_u32_if((plan_ring + bb).toint(), Int32(1)))
+        return live, Int64(slot_w[0]) | (Int64(slot_w[1]) << 32), r
+
+    @cute.jit
+    def group_loads(self, C, B, b_ring, bb, g, gq, q, r, slot, b_ring_stride16):
+        """C (cw[c][v], chunk c of lane q's n-set) and ring entries gq, gq + 8 at the same
+        n (bw[e][c][v]; the step's B at r, zeros beyond r)."""
+        G = self.groups
+        c_w = cute.recast_ptr(C, dtype=Uint32)
+        c_row = (bb * G + g) * (N // 2)
+        cw = []
+        for c in cutlass.range_constexpr(2):
+            base = (c_w + (c_row + Int64(self.c_word(c, q)))).toint()
+            cw.append(bits.ld_global_v4_u32(base) + bits.ld_global_v4_u32(base + 16))
+        br_w = cute.recast_ptr(b_ring, dtype=Uint32)
+        b_w = cute.recast_ptr(B, dtype=Uint32)
+        br_row0 = slot * b_ring_stride16 * 4 + g * (RING * N // 2)
+        b_row = (bb * G + g) * (N // 2)
+        bw = []
+        for e in cutlass.range_constexpr(2):
+            j = gq + 8 * e
+            on = sel(j <= r, Int32(1), Int32(0))
+            row = []
+            for c in cutlass.range_constexpr(2):
+                wo = Int64(self.c_word(c, q))
+                src = sel(j < r, (br_w + (br_row0 + Int64(j * (N // 2)) + wo)).toint(), (b_w + (b_row + wo)).toint())
+                row.append(bits.ld_global_v4_u32_if(src, on) + bits.ld_global_v4_u32_if(src + 16, on))
+            bw.append(row)
+        return cw, bw
+
+    @cute.jit
+    def head_loads(
+        self, x, x_ring, dt_ring, dt, A, D, dt_bias, bb, hh, gq, q, lane, r, slot,
+        x_ring_stride16, dt_ring_stride, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
+    ):
+        """Ring x (xw[u]: entry 2 q + u % 2 + 8 (u // 2) at p = 8 gq .. + 7, the step's x
+        at r, zeros beyond) and the scalars: dt of entry lane % 16 (zero beyond r), the
+        step's raw dt, dt_bias, A, D and x at the lane's output rows p0, p0 + 1."""
+        H = self.heads
+        one = Int32(1)
+        xr_w = cute.recast_ptr(x_ring, dtype=Uint32)
+        x_w = cute.recast_ptr(x, dtype=Uint32)
+        x_row = (bb * H + hh) * (P // 2)
+        x_cur = (x_w + (x_row + Int64(4 * gq))).toint()
+        xr_row = slot * x_ring_stride16 * 4 + hh * (RING * P // 2) + Int64(4 * gq)
+        xw = []
+        for u in cutlass.range_constexpr(4):
+            j = 2 * q + (u % 2) + 8 * (u // 2)
+            src = sel(j < r, (xr_w + (xr_row + Int64(j * (P // 2)))).toint(), x_cur)
+            xw.append(bits.ld_global_v4_u32_if(src, sel(j <= r, one, Int32(0))))
+        k = lane % 16
+        dtr = slot * dt_ring_stride + hh * RING
+        dt_k = bits.ld_global_u32_if((dt_ring + (dtr + Int64(k))).toint(), sel(k < r, one, Int32(0))).bitcast(Float32)
+        dt_raw = dt[bb * dt_stride_b + hh * dt_stride_h]
+        bias = dt_bias[hh * dt_bias_stride]
+        a_h = A[hh * a_stride]
+        p0 = 8 * gq + 2 * q
+        d0 = D[hh * d_stride_h + Int64(p0) * d_stride_p]
+        d1 = D[hh * d_stride_h + Int64(p0 + 1) * d_stride_p]
+        xo = bf16x2_to_f32x2(x_w[x_row + Int64(p0 // 2)])
+        return xw, dt_k, dt_raw, bias, a_h, d0, d1, xo
+
+    @cute.jit
+    def c_prime(self, cw):
+        """(down, up): C' = C down in f16 has max |C'| in [2**14, 2**15) and up = 1 / down
+        (0 when max |C| < 2**-112); max |C| over the lane's four lanes q, which hold all 128."""
+        m = Uint32(0)
+        for c in cutlass.range_constexpr(2):
+            for v in cutlass.range_constexpr(8):
+                m = bits.max_u16x2(m, cw[c][v] & Uint32(0x7FFF7FFF))
+        amax = Int32(cutlass.max(m >> 16, m & Uint32(0xFFFF)) << 16)  # FP32 bits of max |C|
+        amax = bits.xor_reduce(amax, 4, cutlass.max)
+        ef = amax >> 23  # biased exponent (255: Inf / NaN)
+        down = (cutlass.min(Int32(127 + 127 + C_TARGET_EXP) - ef, Int32(254)) << 23).bitcast(Float32)
+        up_field = ef - Int32(C_TARGET_EXP)
+        up = sel(up_field >= Int32(1), up_field << 23, Int32(0)).bitcast(Float32)
+        return down, up
+
+    @cute.jit
+    def finish(
+        self, cw, bw, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, bb, hh, gq, q, lane, r, slot,
+        out, x_ring, dt_ring, b_ring, x_ring_stride16, dt_ring_stride, b_ring_stride16,
+    ):
+        """B_j . C, the scan, the ring replay, the outputs (rd[mt]: the read-copy term of
+        m-tile mt's rows 8 gq + 2 mt and + 1, scaled, before the decay) and the ring writes."""
+        H, HPG = self.heads, self.hpg
+        g = hh // HPG
+        # B_j . C (bf16 MMA): entries gq (acc[0]) and gq + 8 (acc[2]).
+        acc_bc = [Float32(0.0)] * 4
+        for s in cutlass.range_constexpr(K_STEPS):
+            c, v = s // 4, 2 * (s % 4)
+            a = [bw[0][c][v], bw[1][c][v], bw[0][c][v + 1], bw[1][c][v + 1]]
+            acc_bc = mma_bf16_16x8x16(a, [cw[c][v], cw[c][v + 1]], acc_bc)
+
+        # Scan: lane k % 16 = entry k.
+        k = lane % 16
+        src_lane = 4 * (k % 8)
+        bc0 = cute.arch.shuffle_sync(acc_bc[0], src_lane)
+        bc2 = cute.arch.shuffle_sync(acc_bc[2], src_lane)
+        bc_k = sel(k < 8, bc0, bc2)
+        dt_k = sel(k == r, softplus(dt_raw + bias), dt_k)
+        pre = dt_k
+        off = 1
+        while off < RING:
+            prev = cute.arch.shuffle_sync_up(pre, off)
+            pre = sel(k >= off, pre + prev, pre)
+            off *= 2
+        pre_r = cute.arch.shuffle_sync(pre, r)
+        coef = dt_k * cute.math.exp(a_h * (pre_r - pre)) * bc_k
+        decay = cute.math.exp(a_h * pre_r)
+
+        # Ring replay (bf16 MMA): B column n = coef (n even) or its remainder (n odd).
+        odd = (gq % 2) == 1
+        bfr = []
+        for hlf in cutlass.range_constexpr(2):
+            c_lo = cute.arch.shuffle_sync(coef, 2 * q + 8 * hlf)
+            c_hi = cute.arch.shuffle_sync(coef, 2 * q + 8 * hlf + 1)
+            w_hi = f32x2_to_bf16x2(c_lo, c_hi)
+            back = bf16x2_to_f32x2(w_hi)
+            w_lo = f32x2_to_bf16x2(c_lo - back[0], c_hi - back[1])
+            bfr.append(sel(odd, w_lo, w_hi))
+        acc_x = []
+        for mt in cutlass.range_constexpr(4):
+            a = [
+                prmt(xw[0][mt], xw[1][mt], 0x5410),
+                prmt(xw[0][mt], xw[1][mt], 0x7632),
+                prmt(xw[2][mt], xw[3][mt], 0x5410),
+                prmt(xw[2][mt], xw[3][mt], 0x7632),
+            ]
+            acc_x.append(mma_bf16_16x8x16(a, bfr, [Float32(0.0)] * 4))
+
+        # Outputs p0 = 8 gq + 2 q, p0 + 1: m-tile q.
+        rd0, rd1 = rd[0]
+        rs0, rs1 = acc_x[0][0] + acc_x[0][1], acc_x[0][2] + acc_x[0][3]
+        for mt in cutlass.range_constexpr(1, 4):
+            rd0 = sel(q == mt, rd[mt][0], rd0)
+            rd1 = sel(q == mt, rd[mt][1], rd1)
+            rs0 = sel(q == mt, acc_x[mt][0] + acc_x[mt][1], rs0)
+            rs1 = sel(q == mt, acc_x[mt][2] + acc_x[mt][3], rs1)
+        p0 = 8 * gq + 2 * q
+        y0 = decay * rd0 + rs0 + d0 * xo[0]
+        y1 = decay * rd1 + rs1 + d1 * xo[1]
+        o = (bb * H + hh) * P + Int64(p0)
+        out[o] = BFloat16(y0)
+        out[o + 1] = BFloat16(y1)
+
+        # The step's token into the ring: x (lanes with q = (r % 8) // 2), its processed
+        # dt (lane r), B (the group's first head, lanes with gq = r % 8).
+        if q == (r % 8) // 2:
+            u = r % 2 + 2 * (r // 8)
+            xs = xw[0]
+            for uu in cutlass.range_constexpr(1, 4):
+                xs = [sel(u == uu, xw[uu][i], xs[i]) for i in range(4)]
+            xr_w = cute.recast_ptr(x_ring, dtype=Uint32)
+            xr_row = slot * x_ring_stride16 * 4 + hh * (RING * P // 2) + Int64(4 * gq)
+            bits.st_global_v4_u32((xr_w + (xr_row + Int64(r * (P // 2)))).toint(), xs)
+        if lane == r:
+            dt_ring[slot * dt_ring_stride + hh * RING + Int64(r)] = dt_k
+        if hh % HPG == 0:
+            if gq == r % 8:
+                br_w = cute.recast_ptr(b_ring, dtype=Uint32)
+                dst_row = slot * b_ring_stride16 * 4 + g * (RING * N // 2) + Int64(r * (N // 2))
+                for c in cutlass.range_constexpr(2):
+                    dst = (br_w + (dst_row + Int64(self.c_word(c, q)))).toint()
+                    for hlf in cutlass.range_constexpr(2):
+                        ws = [sel(r >= 8, bw[1][c][4 * hlf + i], bw[0][c][4 * hlf + i]) for i in range(4)]
+                        bits.st_global_v4_u32(dst + 16 * hlf, ws)
+
+
+class DecodeFp8Warp(_WarpHead, DecodeFp8):
+    """FP8 non-flush decode, one warp per (row, head); DecodeFp8's launcher and arguments."""
+
+    name = "decode_fp8_warp"
+
+    def __init__(self, heads: int, groups: int, *, heads_per_cta_limit: int = HEADS_PER_CTA, ctas_per_sm: int = CTAS_PER_SM) -> None:
+        DecodeFp8.__init__(self, heads, groups)
+        self._init_warp(heads_per_cta_limit, ctas_per_sm)
+
+    def c_word(self, c: int, q):
+        return 32 * c + 8 * q  # n = 64 c + 16 q .. + 15
+
+    @cute.kernel
+    def kernel(
+        self,
+        read: Pointer,
+        scales: Pointer,
+        x_ring: Pointer,
+        dt_ring: Pointer,
+        b_ring: Pointer,
+        x: Pointer,
+        dt: Pointer,
+        A: Pointer,
+        B: Pointer,
+        C: Pointer,
+        D: Pointer,
+        dt_bias: Pointer,
+        out: Pointer,
+        plan_valid: Pointer,
+        plan_slot: Pointer,
+        plan_ring: Pointer,
+        plan_flush: Pointer,
+        read_stride16: Int64,
+        scale_stride: Int64,
+        x_ring_stride16: Int64,
+        dt_ring_stride: Int64,
+        b_ring_stride16: Int64,
+        dt_stride_b: Int64,
+        dt_stride_h: Int64,
+        a_stride: Int64,
+        dt_bias_stride: Int64,
+        d_stride_h: Int64,
+        d_stride_p: Int64,
+    ):
+        t, _, _ = cute.arch.thread_idx()
+        bx, b, _ = cute.arch.block_idx()
+        bb = Int64(b)
+        live, slot, r = self.plan_row(plan_valid, plan_slot, plan_ring, plan_flush, bb)
+        if live == Int32(1):  # the same for the whole CTA (one row)
+            lane = t % 32
+            gq = lane // 4
+            q = lane % 4
+            hh = Int64(bx * self.hpc + t // 32)
+            g = hh // self.hpg
+            cw, bw = self.group_loads(C, B, b_ring, bb, g, gq, q, r, slot, b_ring_stride16)
+            # Read copy: rc[i][c] = row 8 gq + i, bytes 64 c + 16 q .. + 15 (four words).
+            read_w = cute.recast_ptr(read, dtype=Uint32)
+            rc_base = (read_w + (slot * read_stride16 * 4 + hh * (P * N // 4) + Int64(gq * (8 * N // 4) + 4 * q))).toint()
+            rc = []
+            for i in cutlass.range_constexpr(8):
+                rc.append([bits.ld_global_v4_u32(rc_base + N * i + 64 * c) for c in range(2)])
+            xw, dt_k, dt_raw, bias, a_h, d0, d1, xo = self.head_loads(
+                x, x_ring, dt_ring, dt, A, D, dt_bias, bb, hh, gq, q, lane, r, slot,
+                x_ring_stride16, dt_ring_stride, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
+            )
+            sc_off = slot * scale_stride + hh * P + Int64(8 * gq + 2 * q)
+            sc0 = scales[sc_off]
+            sc1 = scales[sc_off + 1]
+
+            # Row dots (f16 MMA) with C' in natural pairs: k-step s takes word s % 4 of
+            # chunk s // 4 of rows 2 mt, 2 mt + 1; its codes 0, 1 are k = 2 q, 2 q + 1.
+            down, up = self.c_prime(cw)
+            ch = []
+            for c in cutlass.range_constexpr(2):
+                row = []
+                for v in cutlass.range_constexpr(8):
+                    pair = bf16x2_to_f32x2(cw[c][v])
+                    row.append(f32x2_to_f16x2(pair[0] * down, pair[1] * down))
+                ch.append(row)
+            rd = []
+            for mt in cutlass.range_constexpr(4):
+                acc = [Float32(0.0)] * 4
+                for s in cutlass.range_constexpr(K_STEPS):
+                    c, v = s // 4, s % 4
+                    lo = e4m3x4_to_f16x2x2(rc[2 * mt][c][v])
+                    hi = e4m3x4_to_f16x2x2(rc[2 * mt + 1][c][v])
+                    acc = mma_f16_16x8x16([lo[0], hi[0], lo[1], hi[1]], [ch[c][2 * v], ch[c][2 * v + 1]], acc)
+                rd.append([acc[0], acc[2]])
+            su0, su1 = sc0 * up, sc1 * up
+            rd = [[su0 * rd[mt][0], su1 * rd[mt][1]] for mt in range(4)]
+            self.finish(
+                cw, bw, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, bb, hh, gq, q, lane, r, slot,
+                out, x_ring, dt_ring, b_ring, x_ring_stride16, dt_ring_stride, b_ring_stride16,
+            )
+
+
+class DecodeNvfp4Warp(_WarpHead, DecodeNvfp4):
+    """NVFP4 non-flush decode, one warp per (row, head); DecodeNvfp4's launcher and
+    arguments. `hw`: the e2m1 pairs by `cvt.rn.f16x2.e2m1x2` (sm_100a / sm_103a), else
+    from the code bits (sm_90a)."""
+
+    name = "decode_nvfp4_warp"
+
+    def __init__(self, heads: int, groups: int, *, hw: bool, heads_per_cta_limit: int = HEADS_PER_CTA, ctas_per_sm: int = CTAS_PER_SM) -> None:
+        DecodeNvfp4.__init__(self, heads, groups)
+        self._init_warp(heads_per_cta_limit, ctas_per_sm)
+        self.hw = hw
+        self.arch = "sm_100a" if hw else "sm_90a"
+        self.decode_order = bits_nvfp4.HW_DECODE_ORDER if hw else bits_nvfp4.SOFT_DECODE_ORDER
+        # Block-scale factor that makes (decoded value) * (scale * factor) = v s 2**-7.
+        self.bs_factor = 2.0**-7 if hw else 2.0**-7 * bits_nvfp4.SOFT_DECODE_FACTOR
+
+    def c_word(self, c: int, q):
+        return 16 * q + 8 * c  # n = 32 q + 16 c .. + 15
+
+    def e2m1x8_f16x2(self, w):
+        return bits_nvfp4.e2m1x8_f16x2_hw(w) if self.hw else bits_nvfp4.e2m1x8_f16x2_sw(w)
+
+    @cute.kernel
+    def kernel(
+        self,
+        read: Pointer,
+        scales: Pointer,
+        meta: Pointer,
+        parity: Pointer,
+        x_ring: Pointer,
+        dt_ring: Pointer,
+        b_ring: Pointer,
+        x: Pointer,
+        dt: Pointer,
+        A: Pointer,
+        B: Pointer,
+        C: Pointer,
+        D: Pointer,
+        dt_bias: Pointer,
+        out: Pointer,
+        plan_valid: Pointer,
+        plan_slot: Pointer,
+        plan_ring: Pointer,
+        plan_flush: Pointer,
+        read_stride16: Int64,
+        scale_stride: Int64,
+        meta_stride: Int64,
+        parity_stride: Int64,
+        x_ring_stride16: Int64,
+        dt_ring_stride: Int64,
+        b_ring_stride16: Int64,
+        dt_stride_b: Int64,
+        dt_stride_h: Int64,
+        a_stride: Int64,
+        dt_bias_stride: Int64,
+        d_stride_h: Int64,
+        d_stride_p: Int64,
+    ):
+        t, _, _ = cute.arch.thread_idx()
+        bx, b, _ = cute.arch.block_idx()
+        bb = Int64(b)
+        live, slot, r = self.plan_row(plan_valid, plan_slot, plan_ring, plan_flush, bb)
+        if live == Int32(1):  # the same for the whole CTA (one row)
+            lane = t % 32
+            gq = lane // 4
+            q = lane % 4
+            hh = Int64(bx * self.hpc + t // 32)
+            g = hh // self.hpg
+            cw, bw = self.group_loads(C, B, b_ring, bb, g, gq, q, r, slot, b_ring_stride16)
+            # Codes: rc[i] = row 8 gq + i, elements 32 q .. + 31 (bytes 16 q .. + 15);
+            # block scales of blocks 2 q, 2 q + 1 of the same rows (two bytes).
+            read_w = cute.recast_ptr(read, dtype=Uint32)
+            rc_base = (read_w + (slot * read_stride16 * 4 + hh * (P * N // 8) + Int64(gq * (8 * N // 8) + 4 * q))).toint()
+            rc = []
+            for i in cutlass.range_constexpr(8):
+                rc.append(bits.ld_global_v4_u32(rc_base + (N // 2) * i))
+            s_base = slot * scale_stride + hh * (P * BLOCKS) + Int64(gq * (8 * BLOCKS) + 2 * q)
+            bs2 = []
+            for i in cutlass.range_constexpr(8):
+                lo = Uint32(scales[s_base + BLOCKS * i])
+                hi = Uint32(scales[s_base + BLOCKS * i + 1])
+                bs2.append(lo | (hi << 8))
+            # The live second-level scale g = 2**E of this slot and group (format.md 4);
+            # `& 1` keeps a corrupt parity word inside the slot's meta.
+            par = Int64(parity[slot * parity_stride] & Int32(1))
+            a_live = meta[slot * meta_stride + g * 2 + par].bitcast(Int32) & Int32(0x7FFFFFFF)
+            g_scale = bits.exp2_int(bits.pow2_exponent_above(a_live, bits_nvfp4.NVFP4_MANT_LIMIT, bits_nvfp4.NVFP4_E_OFF))
+            xw, dt_k, dt_raw, bias, a_h, d0, d1, xo = self.head_loads(
+                x, x_ring, dt_ring, dt, A, D, dt_bias, bb, hh, gq, q, lane, r, slot,
+                x_ring_stride16, dt_ring_stride, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
+            )
+
+            # C' pairs in the decoded order: code word wd (elements n = 32 q + 8 wd + e)
+            # decodes to f16 words j = (element order[2 j], order[2 j + 1]).
+            down, up = self.c_prime(cw)
+            cf = []  # C[32 q + m] * down, m = 0..31 (FP32)
+            for c in cutlass.range_constexpr(2):
+                for v in cutlass.range_constexpr(8):
+                    pair = bf16x2_to_f32x2(cw[c][v])
+                    cf += [pair[0] * down, pair[1] * down]
+            order = self.decode_order
+            chp = []  # chp[wd][j]
+            for wd in cutlass.range_constexpr(4):
+                chp.append([f32x2_to_f16x2(cf[8 * wd + order[2 * j]], cf[8 * wd + order[2 * j + 1]]) for j in range(4)])
+            # Block scales as f16 pairs (s f, s f), f = bs_factor: bsp[i][blk].
+            fbits = Float32(self.bs_factor)
+            f2 = f32x2_to_f16x2(fbits, fbits)
+            bsp = []
+            for i in cutlass.range_constexpr(8):
+                pair = _f16x2_mul(_e4m3x2_to_f16x2(bs2[i]), f2)
+                bsp.append([prmt(pair, pair, 0x1010), prmt(pair, pair, 0x3232)])
+            # Row dots: the k-steps of code word wd take its decoded words j0 (k = 2 q,
+            # 2 q + 1) and j0 + 1 (k = 2 q + 8, + 9), j0 = 0, 2; block wd // 2.
+            rd = []
+            for mt in cutlass.range_constexpr(4):
+                acc = [Float32(0.0)] * 4
+                for wd in cutlass.range_constexpr(4):
+                    lo = self.e2m1x8_f16x2(rc[2 * mt][wd])
+                    hi = self.e2m1x8_f16x2(rc[2 * mt + 1][wd])
+                    blk = wd // 2
+                    for j0 in cutlass.range_constexpr(0, 4, 2):
+                        a = [
+                            _f16x2_mul(lo[j0], bsp[2 * mt][blk]),
+                            _f16x2_mul(hi[j0], bsp[2 * mt + 1][blk]),
+                            _f16x2_mul(lo[j0 + 1], bsp[2 * mt][blk]),
+                            _f16x2_mul(hi[j0 + 1], bsp[2 * mt + 1][blk]),
+                        ]
+                        acc = mma_f16_16x8x16(a, [chp[wd][j0], chp[wd][j0 + 1]], acc)
+                rd.append([acc[0], acc[2]])
+            # dot = dot' 2**7 up; the term is g dot.
+            gu = g_scale * up * Float32(2.0**7)
+            rd = [[gu * rd[mt][0], gu * rd[mt][1]] for mt in range(4)]
+            self.finish(
+                cw, bw, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, bb, hh, gq, q, lane, r, slot,
+                out, x_ring, dt_ring, b_ring, x_ring_stride16, dt_ring_stride, b_ring_stride16,
+            )
+
+
+__all__ = ["DecodeFp8Warp", "DecodeNvfp4Warp", "heads_per_cta"]
