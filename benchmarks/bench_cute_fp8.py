@@ -111,10 +111,11 @@ def kernel_us(fn, steps: int) -> dict[str, float]:
         torch.cuda.synchronize()
     out = {"prepare": 0.0, "nonflush": 0.0, "flush": 0.0}
     for evt in prof.key_averages():
-        name = evt.key
+        name = evt.key.lower()
         total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
-        for tag, key in (("prepare", "prepare"), ("nonflush", "decode_fp8"), ("flush", "flush_fp8")):
-            if key in name:
+        # Non-flush: decode_fp8.py (SIMT) or decode_warp.py's DecodeFp8Warp.
+        for tag, keys in (("prepare", ("prepare",)), ("nonflush", ("decode_fp8", "decodefp8warp")), ("flush", ("flush_fp8",))):
+            if any(key in name for key in keys):
                 out[tag] += total / steps
     return out
 

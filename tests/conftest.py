@@ -24,3 +24,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _default_kernels():
+    """Tests expect the default CuTe non-flush kernels (the warp-per-head ones, and the
+    SIMT ones as the batch-1 PDL variant) whatever the shell exports; a test that wants
+    another sets $REPLAYSSM_FP8_DECODE / $REPLAYSSM_NVFP4_DECODE itself (monkeypatch)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("REPLAYSSM_FP8_DECODE", raising=False)
+        mp.delenv("REPLAYSSM_NVFP4_DECODE", raising=False)
+        yield

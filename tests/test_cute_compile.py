@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(
 ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 
 
+
 # Per flush thread: 2 state rows x 8 columns = 8 FP16 pairs and 8 e4m3 pairs;
 # 4 n-tiles x 2 k-steps x 2 tf32 terms = 16 MMAs.
 PAIRS = 8
@@ -46,9 +47,7 @@ def _ptx(paths, kind):
 def test_every_variant_compiles(compiled, arch):
     paths = compiled[arch]
     folders = {p.parent.name for p in paths}
-    from replayssm.kernels.cute.launch import fp8_decode
-
-    with_pdl = ("nvfp4",) if fp8_decode() == "mma" else ("fp8", "nvfp4")  # the PDL variants
+    with_pdl = ("fp8", "nvfp4")  # the PDL variants (SIMT kernels)
     assert folders == {f"{k}_{fmt}-h16g{g}" for k in ("decode", "flush") for fmt in ("fp8", "nvfp4") for g in (1, 2)} | {
         f"decode_{fmt}-h16g{g}-pdl" for fmt in with_pdl for g in (1, 2)
     }
@@ -94,12 +93,10 @@ BF16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_decode_reads_the_fp8_copy_with_vector_loads(compiled, arch):
-    from replayssm.kernels.cute.launch import fp8_decode
-
     for name, text in _ptx(compiled[arch], "decode").items():
         assert "ld.global.v4" in text, name
         assert "cvt.rs" not in text, name
-        if name.endswith("-pdl") or fp8_decode() == "simt":
+        if name.endswith("-pdl"):
             # SIMT: 4 x 16-byte read-copy loads per thread, decoded by the e4m3x2 -> f16x2 cvt.
             assert text.count("cvt.rn.f16x2.e4m3x2") == 32, name
             assert "mma.sync" not in text, name
@@ -227,9 +224,7 @@ def test_only_the_pdl_variants_wait_for_the_prepare_kernel(compiled, arch):
             assert body.index("griddepcontrol.wait") < first_access, name
         else:
             assert "griddepcontrol" not in text, name
-    from replayssm.kernels.cute.launch import fp8_decode
-
-    assert seen == (2 if fp8_decode() == "mma" else 4)  # FP8 and NVFP4 x 2 geometries
+    assert seen == 4  # FP8 and NVFP4 x 2 geometries
 
 
 def test_pdl_is_for_batch_1_and_can_be_turned_off(monkeypatch):

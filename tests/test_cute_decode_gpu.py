@@ -43,6 +43,7 @@ pytestmark = [
     ),
 ]
 
+
 @pytest.mark.parametrize(
     "heads,groups,sync,e4m3",
     [

@@ -282,41 +282,33 @@ def e4m3x2_rn_hw(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
     )
 
 
-# `ordered` loads are `ld.volatile.global`: ptxas keeps volatile accesses in program
-# order, which a kernel uses to issue a batch of loads before the first instruction that
-# waits for one of them (ptxas otherwise moves loads whose results are needed late
-# below such waits, one more memory latency). Their data is read from L2 (not L1).
-def _ld(ordered: bool) -> str:
-    return "ld.volatile.global" if ordered else "ld.global"
-
-
 @dsl_user_op
-def ld_global_u32_if(addr, pred, *, ordered: bool = False, loc=None, ip=None) -> Uint32:
+def ld_global_u32_if(addr, pred, *, loc=None, ip=None) -> Uint32:
     """The 32-bit word at global address `addr` (Int64) if `pred` (Int32) is nonzero,
     else 0: a predicated load, so a run of them issues back to back instead of one
     branch (and one memory latency) after another. Marked as having side effects so
     the compiler keeps it where the kernel put it (before the waits that follow) rather
-    than sinking it next to its first use. `ordered`: `ld.volatile` (see ORDERED)."""
+    than sinking it next to its first use."""
     return inline_ptx(
-        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\tmov.b32 $0, 0;\n\t@p " + _ld(ordered) + ".b32 $0, [$1];\n\t}",
+        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\tmov.b32 $0, 0;\n\t@p ld.global.b32 $0, [$1];\n\t}",
         "=r,l,r", [Int64(addr), Int32(pred)], [Uint32], side_effects=True, loc=loc, ip=ip,
     )
 
 
 @dsl_user_op
-def ld_global_v4_u32(addr, *, ordered: bool = False, loc=None, ip=None) -> list:
+def ld_global_v4_u32(addr, *, loc=None, ip=None) -> list:
     """The 16 bytes at global address `addr` (Int64, 16-byte aligned) as four words,
     issued where it stands (see ld_global_u32_if)."""
-    return ld_global_v4_u32_if(addr, Int32(1), ordered=ordered, loc=loc, ip=ip)
+    return ld_global_v4_u32_if(addr, Int32(1), loc=loc, ip=ip)
 
 
 @dsl_user_op
-def ld_global_v4_u32_if(addr, pred, *, ordered: bool = False, loc=None, ip=None) -> list:
+def ld_global_v4_u32_if(addr, pred, *, loc=None, ip=None) -> list:
     """The 16 bytes at global address `addr` (Int64, 16-byte aligned) as four words if
     `pred` (Int32) is nonzero, else zeros (a predicated vector load)."""
     return inline_ptx(
         "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $5, 0;\n\tmov.b32 $0, 0;\n\tmov.b32 $1, 0;\n\t"
-        "mov.b32 $2, 0;\n\tmov.b32 $3, 0;\n\t@p " + _ld(ordered) + ".v4.b32 {$0, $1, $2, $3}, [$4];\n\t}",
+        "mov.b32 $2, 0;\n\tmov.b32 $3, 0;\n\t@p ld.global.v4.b32 {$0, $1, $2, $3}, [$4];\n\t}",
         "=r,=r,=r,=r,l,r", [Int64(addr), Int32(pred)], [Uint32] * 4, side_effects=True, loc=loc, ip=ip,
     )
 
@@ -327,29 +319,6 @@ def cp_async_16(smem_addr, gmem_addr, *, loc=None, ip=None) -> None:
     addresses are a shared-window Int32 and a global Int64, both 16-byte aligned."""
     inline_ptx(
         "cp.async.cg.shared.global [$0], [$1], 16;", "r,l", [Int32(smem_addr), Int64(gmem_addr)],
-        side_effects=True, loc=loc, ip=ip,
-    )
-
-
-@dsl_user_op
-def cp_async_16_if(smem_addr, gmem_addr, pred, *, loc=None, ip=None) -> None:
-    """Asynchronous copy of 16 bytes global -> shared if `pred` (Int32) is nonzero, else
-    16 zero bytes written and nothing read (the ignore-src form, src-size 0)."""
-    size = Int32(cutlass.select_(Int32(pred) != Int32(0), Int32(16), Int32(0)))
-    inline_ptx(
-        "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r", [Int32(smem_addr), Int64(gmem_addr), size],
-        side_effects=True, loc=loc, ip=ip,
-    )
-
-
-@dsl_user_op
-def cp_async_if(smem_addr, gmem_addr, nbytes: int, pred, *, loc=None, ip=None) -> None:
-    """Asynchronous copy of `nbytes` (4, 8 or 16) global -> shared, both aligned to it,
-    if `pred` (Int32) is nonzero, else `nbytes` zero bytes written and nothing read."""
-    size = Int32(cutlass.select_(Int32(pred) != Int32(0), Int32(nbytes), Int32(0)))
-    level = "cg" if nbytes == 16 else "ca"  # .cg (L2 only) exists for 16 bytes only
-    inline_ptx(
-        f"cp.async.{level}.shared.global [$0], [$1], {nbytes}, $2;", "r,l,r", [Int32(smem_addr), Int64(gmem_addr), size],
         side_effects=True, loc=loc, ip=ip,
     )
 
@@ -440,12 +409,12 @@ def st_global_v4_u32(addr, words, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def ld_global_v2_u32_if(addr, pred, *, ordered: bool = False, loc=None, ip=None) -> list:
+def ld_global_v2_u32_if(addr, pred, *, loc=None, ip=None) -> list:
     """The 8 bytes at global address `addr` (Int64, 8-byte aligned) as two words if
     `pred` (Int32) is nonzero, else zeros."""
     return inline_ptx(
         "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $3, 0;\n\tmov.b32 $0, 0;\n\tmov.b32 $1, 0;\n\t"
-        "@p " + _ld(ordered) + ".v2.b32 {$0, $1}, [$2];\n\t}",
+        "@p ld.global.v2.b32 {$0, $1}, [$2];\n\t}",
         "=r,=r,l,r", [Int64(addr), Int32(pred)], [Uint32] * 2, side_effects=True, loc=loc, ip=ip,
     )
 
@@ -460,8 +429,6 @@ __all__ = [
     "ld_global_u32_if",
     "cp_async_16",
     "cp_async_4_if",
-    "cp_async_16_if",
-    "cp_async_if",
     "cp_async_wait_all",
     "ld_global_v4_u32_if",
     "ld_global_v4_u32",

@@ -93,8 +93,8 @@ class DecodeFp8:
             dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
         ).launch(grid=self.grid(batch), block=[self.threads, 1, 1], stream=stream, **self.launch_options())
 
-    # Launch shape (the tensor-core variant, decode_fp8_mma.py, overrides these and
-    # `kernel`, and shares this signature).
+    # Launch shape (the tensor-core variants, decode_fp8_mma.py and decode_warp.py,
+    # override these and `kernel`, and share this signature).
     threads = THREADS
 
     def grid(self, batch):

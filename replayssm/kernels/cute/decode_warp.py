@@ -12,7 +12,8 @@ g sum_n e4m3(s[p, n // 16]) e2m1(code[p, n]) C[n]).
 Why this shape: the SIMT kernels (a CTA of 4 warps per (row, head)) issue ~2,100 (FP8)
 and ~3,300 (NVFP4) warp-instructions per (row, head), and a step is bound by issue and
 latency together (docs/perf-notes-cute.md, session 4). Here one warp does a whole head
-with ~800: no shared memory, no barrier, every load lands in the registers an MMA
+with ~900 (FP8) or ~1,500 (NVFP4; its software e2m1 decode is most of the
+difference): no shared memory, no barrier, every load lands in the registers an MMA
 consumes. A CTA holds `heads_per_cta` warps of one row and one group (their C, B ring
 and plan loads meet in L1).
 
@@ -119,6 +120,13 @@ class _WarpHead:
         raise NotImplementedError
 
     @cute.jit
+    def warp_coords(self, t, bx):
+        """(lane, gq, q, head, group) of thread t in CTA bx."""
+        lane = t % 32
+        hh = Int64(bx * self.hpc + t // 32)
+        return lane, lane // 4, lane % 4, hh, hh // self.hpg
+
+    @cute.jit
     def plan_row(self, plan_valid, plan_slot, plan_ring, plan_flush, bb):
         """(live, slot, r) of batch row bb, all four loads issued before the branch on
         live (one memory latency): live is 1 exactly for valid rows that do not flush."""
@@ -204,11 +212,13 @@ class _WarpHead:
 
     @cute.jit
     def finish(
-        self, cw, bw, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, bb, hh, gq, q, lane, r, slot,
+        self, cw, bw, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, inner, outer, bb, hh, gq, q, lane, r, slot,
         out, x_ring, dt_ring, b_ring, x_ring_stride16, dt_ring_stride, b_ring_stride16,
     ):
-        """B_j . C, the scan, the ring replay, the outputs (rd[mt]: the read-copy term of
-        m-tile mt's rows 8 gq + 2 mt and + 1, scaled, before the decay) and the ring writes."""
+        """B_j . C, the scan, the ring replay, the outputs and the ring writes. rd[mt]: the
+        MMA row dots of m-tile mt (rows 8 gq + 2 mt, + 1); the read-copy term of output
+        row p0 + i is outer[i] * (inner * dot), in that order (no intermediate overflow
+        where the term itself is finite)."""
         H, HPG = self.heads, self.hpg
         g = hh // HPG
         # B_j . C (bf16 MMA): entries gq (acc[0]) and gq + 8 (acc[2]).
@@ -264,8 +274,8 @@ class _WarpHead:
             rs0 = sel(q == mt, acc_x[mt][0] + acc_x[mt][1], rs0)
             rs1 = sel(q == mt, acc_x[mt][2] + acc_x[mt][3], rs1)
         p0 = 8 * gq + 2 * q
-        y0 = decay * rd0 + rs0 + d0 * xo[0]
-        y1 = decay * rd1 + rs1 + d1 * xo[1]
+        y0 = decay * (outer[0] * (inner * rd0)) + rs0 + d0 * xo[0]
+        y1 = decay * (outer[1] * (inner * rd1)) + rs1 + d1 * xo[1]
         o = (bb * H + hh) * P + Int64(p0)
         out[o] = BFloat16(y0)
         out[o + 1] = BFloat16(y1)
@@ -342,11 +352,7 @@ class DecodeFp8Warp(_WarpHead, DecodeFp8):
         bb = Int64(b)
         live, slot, r = self.plan_row(plan_valid, plan_slot, plan_ring, plan_flush, bb)
         if live == Int32(1):  # the same for the whole CTA (one row)
-            lane = t % 32
-            gq = lane // 4
-            q = lane % 4
-            hh = Int64(bx * self.hpc + t // 32)
-            g = hh // self.hpg
+            lane, gq, q, hh, g = self.warp_coords(t, bx)
             cw, bw = self.group_loads(C, B, b_ring, bb, g, gq, q, r, slot, b_ring_stride16)
             # Read copy: rc[i][c] = row 8 gq + i, bytes 64 c + 16 q .. + 15 (four words).
             read_w = cute.recast_ptr(read, dtype=Uint32)
@@ -381,10 +387,9 @@ class DecodeFp8Warp(_WarpHead, DecodeFp8):
                     hi = e4m3x4_to_f16x2x2(rc[2 * mt + 1][c][v])
                     acc = mma_f16_16x8x16([lo[0], hi[0], lo[1], hi[1]], [ch[c][2 * v], ch[c][2 * v + 1]], acc)
                 rd.append([acc[0], acc[2]])
-            su0, su1 = sc0 * up, sc1 * up
-            rd = [[su0 * rd[mt][0], su1 * rd[mt][1]] for mt in range(4)]
+            # R[p] = scale[p] (dot 2**e).
             self.finish(
-                cw, bw, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, bb, hh, gq, q, lane, r, slot,
+                cw, bw, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, up, [sc0, sc1], bb, hh, gq, q, lane, r, slot,
                 out, x_ring, dt_ring, b_ring, x_ring_stride16, dt_ring_stride, b_ring_stride16,
             )
 
@@ -400,7 +405,6 @@ class DecodeNvfp4Warp(_WarpHead, DecodeNvfp4):
         DecodeNvfp4.__init__(self, heads, groups)
         self._init_warp(heads_per_cta_limit, ctas_per_sm)
         self.hw = hw
-        self.arch = "sm_100a" if hw else "sm_90a"
         self.decode_order = bits_nvfp4.HW_DECODE_ORDER if hw else bits_nvfp4.SOFT_DECODE_ORDER
         # Block-scale factor that makes (decoded value) * (scale * factor) = v s 2**-7.
         self.bs_factor = 2.0**-7 if hw else 2.0**-7 * bits_nvfp4.SOFT_DECODE_FACTOR
@@ -452,11 +456,7 @@ class DecodeNvfp4Warp(_WarpHead, DecodeNvfp4):
         bb = Int64(b)
         live, slot, r = self.plan_row(plan_valid, plan_slot, plan_ring, plan_flush, bb)
         if live == Int32(1):  # the same for the whole CTA (one row)
-            lane = t % 32
-            gq = lane // 4
-            q = lane % 4
-            hh = Int64(bx * self.hpc + t // 32)
-            g = hh // self.hpg
+            lane, gq, q, hh, g = self.warp_coords(t, bx)
             cw, bw = self.group_loads(C, B, b_ring, bb, g, gq, q, r, slot, b_ring_stride16)
             # Codes: rc[i] = row 8 gq + i, elements 32 q .. + 31 (bytes 16 q .. + 15);
             # block scales of blocks 2 q, 2 q + 1 of the same rows (two bytes).
@@ -518,11 +518,10 @@ class DecodeNvfp4Warp(_WarpHead, DecodeNvfp4):
                         ]
                         acc = mma_f16_16x8x16(a, [chp[wd][j0], chp[wd][j0 + 1]], acc)
                 rd.append([acc[0], acc[2]])
-            # dot = dot' 2**7 up; the term is g dot.
-            gu = g_scale * up * Float32(2.0**7)
-            rd = [[gu * rd[mt][0], gu * rd[mt][1]] for mt in range(4)]
+            # R[p] = g (dot' 2**7 2**e).
             self.finish(
-                cw, bw, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, bb, hh, gq, q, lane, r, slot,
+                cw, bw, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, up * Float32(2.0**7), [g_scale, g_scale],
+                bb, hh, gq, q, lane, r, slot,
                 out, x_ring, dt_ring, b_ring, x_ring_stride16, dt_ring_stride, b_ring_stride16,
             )
 

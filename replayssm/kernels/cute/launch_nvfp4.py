@@ -1,7 +1,7 @@
 """Compile cache entries and launchers of the NVFP4 CuTe DSL decode kernels.
 
 The FP8 launcher's machinery (launch.py) serves both formats: the same compile cache
-(keys (kind, arch, heads, groups, PDL variant)), compile options, pointer typing and layout check;
+(keys (kind, arch, heads, groups, PDL variant, non-flush mode)), compile options, pointer typing and layout check;
 this module adds the NVFP4 kinds and the per-step launcher. As for FP8, batch, slot count
 and strides are runtime arguments, so one compile serves every batch and slot padding.
 """

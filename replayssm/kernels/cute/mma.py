@@ -10,7 +10,7 @@ Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k*"), with lane = 4 g 
 - m16n8k16, f16 x f16 or bf16 x bf16 -> f32 (sm_80+): A (16 x 16) in four words of two
   values (low half the lower k): a0 (row g, k 2q, 2q + 1), a1 (row g + 8, same k), a2
   (row g, k 2q + 8, 2q + 9), a3 (row g + 8, same k); B (16 x 8) in two words: b0 (k 2q,
-  2q + 1, col g), b1 (k 2q + 8, 2q + 9, col g); C/D as below. Products are exact in FP32.
+  2q + 1, col g), b1 (k 2q + 8, 2q + 9, col g); C/D as above. Products are exact in FP32.
 - m16n8k8, tf32 x tf32 -> f32 (sm_80+): a0 (row g, k q), a1 (row g + 8, k q), a2 (row g,
   k q + 4), a3 (row g + 8, k q + 4); b0 (k q, col g), b1 (k q + 4, col g); C/D as above.
   The tensor core reads the top 19 bits of each f32 operand (tf32); bf16 values are
