@@ -56,18 +56,21 @@ FP8_DECODE_ENV = "REPLAYSSM_FP8_DECODE"
 FP8_DECODE_MODES = ("warp", "simt", "mma")
 
 
+def env_choice(var: str, choices: tuple[str, ...], default: str) -> str:
+    """The value of environment variable `var` (`default` when unset), one of `choices`;
+    anything else is a ValueError naming the variable, the choices and the value."""
+    value = os.environ.get(var, default)
+    if value not in choices:
+        raise ValueError(f"${var} must be one of {choices}; got {value!r}")
+    return value
+
+
 def fp8_decode() -> str:
-    mode = os.environ.get(FP8_DECODE_ENV, FP8_DECODE_MODES[0])
-    if mode not in FP8_DECODE_MODES:
-        raise ValueError(f"${FP8_DECODE_ENV} must be one of {FP8_DECODE_MODES}; got {mode!r}")
-    return mode
+    return env_choice(FP8_DECODE_ENV, FP8_DECODE_MODES, FP8_DECODE_MODES[0])
 
 
 def sm90_e4m3() -> str:
-    mode = os.environ.get(SM90_E4M3_ENV, SM90_E4M3_DEFAULT)
-    if mode not in ("soft", "hw"):
-        raise ValueError(f"${SM90_E4M3_ENV} must be 'soft' or 'hw'; got {mode!r}")
-    return mode
+    return env_choice(SM90_E4M3_ENV, ("soft", "hw"), SM90_E4M3_DEFAULT)
 
 
 # Programmatic dependent launch (PDL) of the non-flush kernel at batch 1: launched right
@@ -86,10 +89,7 @@ PDL_MAX_BATCH = 1
 
 
 def pdl() -> bool:
-    mode = os.environ.get(PDL_ENV, "1")
-    if mode not in ("0", "1"):
-        raise ValueError(f"${PDL_ENV} must be '0' or '1'; got {mode!r}")
-    return mode == "1"
+    return env_choice(PDL_ENV, ("0", "1"), "1") == "1"
 
 
 def pdl_for(batch: int) -> bool:
@@ -100,7 +100,7 @@ def pdl_for(batch: int) -> bool:
 def has_pdl_variant(kind: str) -> bool:
     """Whether kernel `kind` has a PDL variant: the non-flush kernels (FP8: unless "mma");
     it is the SIMT kernel (decode_fp8.py, decode_nvfp4.py) with PDL."""
-    return kind == "decode_nvfp4" or (kind == "decode_fp8" and fp8_decode() in ("simt", "warp"))
+    return kind == "decode_nvfp4" or (kind == "decode_fp8" and fp8_decode() != "mma")
 
 
 def pdl_variants(kind: str = "decode_fp8") -> tuple[bool, ...]:

@@ -37,10 +37,7 @@ NVFP4_DECODE_MODES = ("warp", "simt")
 
 
 def nvfp4_decode() -> str:
-    mode = os.environ.get(NVFP4_DECODE_ENV, NVFP4_DECODE_MODES[0])
-    if mode not in NVFP4_DECODE_MODES:
-        raise ValueError(f"${NVFP4_DECODE_ENV} must be one of {NVFP4_DECODE_MODES}; got {mode!r}")
-    return mode
+    return _fp8.env_choice(NVFP4_DECODE_ENV, NVFP4_DECODE_MODES, NVFP4_DECODE_MODES[0])
 
 
 def _kernel_object(kind: str, arch: str, heads: int, groups: int, pdl: bool = False):
