@@ -266,6 +266,11 @@ PREP_CASES = [
     pytest.param("fp8", [3, 0, 4, -1, 12, 0, 5, 7], torch.int64, 0, id="fp8-i64-pad"),
     pytest.param("nvfp4", [3, 0, 4, -1, 12, 0, 5, 7], torch.int32, 64, id="nvfp4-i32-pad-slotstride"),
     pytest.param("nvfp4", [2**32 + 3, 6, 8, 9, 1, 2], torch.int64, 0, id="nvfp4-i64-big"),
+    # About 40 rows, a few live ones scattered among padding rows (a flush row among them).
+    pytest.param("nvfp4", [3 if i == 1 else 4 if i == 17 else 12 if i == 20 else -1 if i == 33 else 5 if i == 35
+                           else 7 if i == 39 else 0 for i in range(40)], torch.int32, 0, id="nvfp4-i32-40-rows"),
+    pytest.param("fp8", [6 if i == 15 else 9 if i == 16 else 2 if i == 38 else 0 for i in range(39)], torch.int64, 0,
+                 id="fp8-i64-39-rows"),
 ]
 
 
@@ -284,7 +289,7 @@ def test_prepare_matches_reference(fmt, ids, id_dtype, slot_padding):
     ids = torch.tensor(ids, dtype=id_dtype, device=DEV)
     out_got = torch.randn(ids.numel(), H, 64, generator=gen).to(DEV, torch.bfloat16)
     out_want = out_got.clone()
-    scratch = PlanScratch(16, DEV)
+    scratch = PlanScratch(max(16, ids.numel()), DEV)
     plan = prepare_decode(got, ids, out_got, scratch, nvfp4=nvfp4, seed=2**40 + 3)
     plan_want = ref.prepare_decode(want, ids, out_want, nvfp4=nvfp4, seed=2**40 + 3)
     assert_same_plan(plan, plan_want)
