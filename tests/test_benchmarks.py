@@ -170,3 +170,21 @@ def test_gpu_smoke_run(tmp_path):
         assert "error" not in c, c
         # one bf16 ulp of the largest output, plus FP32 summation-order noise
         assert c["max_abs_err_y"] <= 2 ** -7 * c["max_abs_y"] + 1e-3, c
+
+
+def test_step_timeline_statistics():
+    """benchmarks/step_timeline.py's per-step figures from kernel records: two steps,
+    hand-computed durations, gaps and flush offsets (medians of the two)."""
+    from benchmarks.step_timeline import kernel_tag, step_stats
+
+    assert [kernel_tag(n) for n in ("_prepare_kernel", "kernel_FlushFp8Sm90_x", "kernel_DecodeFp8Warp_y", "memcpy")] == [
+        "prepare", "flush", "nonflush", "other",
+    ]  # fmt: skip
+    events = [
+        ("prepare", 0.0, 2.0), ("flush", 2.5, 10.0), ("nonflush", 3.0, 20.0),
+        ("prepare", 20.5, 22.5), ("flush", 23.0, 33.0), ("other", 24.0, 25.0), ("nonflush", 23.5, 41.0),
+    ]  # fmt: skip
+    got = step_stats(events)
+    assert got["prepare"] == 2.0 and got["flush"] == (7.5 + 10.0) / 2 and got["nonflush"] == (17.0 + 17.5) / 2
+    assert got["gap"] == 0.5 and got["next"] == 0.5
+    assert got["flush_start"] == -0.5 and got["flush_end"] == (-10.0 - 8.0) / 2

@@ -1,0 +1,127 @@
+"""Where a captured decode step spends its time (GPU only): the kernels of 16 tokens x
+`--layers` layers captured in one CUDA graph (token-major, rows desynchronized, as
+bench_cute_nvfp4.py builds them), one replay traced by the torch profiler, and per step
+the median of: each kernel's duration, the gap from the prepare kernel's end to the
+first decode kernel's start, the gap to the next step's prepare, and when the flush
+starts and ends relative to the non-flush kernel.
+
+    python benchmarks/step_timeline.py --formats fp8 nvfp4 --batch 256 1024
+
+H200, 16 heads / 2 groups, session 5's kernels, `--batch 256 1024` (docs/perf-notes-cute.md,
+session 6), us: the flush (on its side stream) gets the SMs first and the non-flush
+kernel starts only as the flush's last CTAs are handed out, so a step is about prepare +
+flush + non-flush less the tail the two share:
+
+     fmt batch  us/step prepare  flush nonflush  gap  next  flush-start  flush-end
+     fp8   256    25.12    2.02  11.34    22.75 0.42  0.29        -0.22     -11.58
+     fp8  1024    83.14    2.53  35.58    56.78 0.42  0.26       -24.22     -45.31
+   nvfp4   256    26.72    2.26  13.95    23.86 0.42  0.42        -0.22     -10.13
+   nvfp4  1024    90.70    2.67  46.62    53.57 0.42  0.29       -34.69     -41.62
+
+(flush-start / flush-end: the flush's start / end minus the non-flush kernel's.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:  # run as a script from a source checkout
+    sys.path.insert(0, str(_ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks.bench_cute_nvfp4 import make_layer  # noqa: E402
+from replayssm.api import selective_state_update_replayssm  # noqa: E402
+from replayssm.synthetic import layer_params, token  # noqa: E402
+
+RING = 16
+COLUMNS = ("prepare", "flush", "nonflush")
+
+
+def kernel_tag(name: str) -> str:
+    n = name.lower()
+    return "flush" if "flush" in n else "nonflush" if "decode" in n else "prepare" if "prepare" in n else "other"
+
+
+def step_stats(events: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Median per-step figures from (tag, start, end) kernel records in time order (us);
+    a step starts at each prepare kernel."""
+    steps: list[dict] = []
+    for tag, start, end in events:
+        if tag == "prepare":
+            steps.append({})
+        if steps and tag in COLUMNS:
+            steps[-1][tag] = (start, end)
+    full = [s for s in steps if all(k in s for k in COLUMNS)]
+    med = lambda v: statistics.median(v) if v else float("nan")  # noqa: E731
+    out = {k: med([s[k][1] - s[k][0] for s in full]) for k in COLUMNS}
+    out["gap"] = med([min(s["flush"][0], s["nonflush"][0]) - s["prepare"][1] for s in full])
+    out["next"] = med([b["prepare"][0] - max(a["flush"][1], a["nonflush"][1]) for a, b in zip(full, full[1:])])
+    out["flush_start"] = med([s["flush"][0] - s["nonflush"][0] for s in full])
+    out["flush_end"] = med([s["flush"][1] - s["nonflush"][1] for s in full])
+    return out
+
+
+def run(fmt: str, batch: int, layers: int, heads: int, groups: int) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    p = layer_params(heads, generator=torch.Generator().manual_seed(0), device="cuda")
+    gen = torch.Generator("cuda").manual_seed(0)
+    caches = [make_layer(fmt, batch, heads, groups, 128, gen) for _ in range(layers)]
+    out = torch.empty(batch, heads, 64, dtype=torch.bfloat16, device="cuda")
+    toks = [token(batch, heads, groups, generator=torch.Generator().manual_seed(1), device="cuda") for _ in range(4)]
+
+    def period():
+        for i in range(RING):
+            t = toks[i % 4]
+            for cache, ids in caches:
+                selective_state_update_replayssm(cache, t.x, t.dt, p.A, t.B, t.C, p.D, p.dt_bias, ids, out, state_dtype=fmt, seed=0)
+
+    period()  # compiles every variant
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        period()
+    for _ in range(3):
+        g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    us_step = start.elapsed_time(end) * 1000 / 10 / (RING * layers)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        g.replay()
+        torch.cuda.synchronize()
+    events = sorted(
+        (kernel_tag(e.name), e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type.name == "CUDA"
+    )  # fmt: skip
+    events.sort(key=lambda e: e[1])
+    return {"us_step": us_step, **step_stats(events)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--formats", nargs="+", default=["fp8", "nvfp4"], choices=["fp8", "nvfp4"])
+    ap.add_argument("--batch", nargs="+", type=int, default=[256, 1024])
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--groups", type=int, default=2)
+    a = ap.parse_args(argv)
+    print("   fmt batch  us/step prepare  flush nonflush  gap  next  flush-start  flush-end")
+    for fmt in a.formats:
+        for batch in a.batch:
+            r = run(fmt, batch, a.layers, a.heads, a.groups)
+            print(f"{fmt:>6} {batch:5d} {r['us_step']:8.2f} {r['prepare']:7.2f} {r['flush']:6.2f} {r['nonflush']:8.2f} "
+                  f"{r['gap']:4.2f} {r['next']:5.2f} {r['flush_start']:12.2f} {r['flush_end']:10.2f}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
