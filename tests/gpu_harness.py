@@ -35,8 +35,8 @@ class World:
     (valid ring entries below the position, NaN at and above it) and a batch that mixes
     them with padding rows (slot 0, negative, >= S).
 
-    `sync`: every live row at ring index 13 (all flush on the same steps). `wide` (FP8):
-    the first live slot's state spans 10**-12 .. 1 within every row and its tokens have
+    `sync`: every live row at ring index 13 (all flush on the same steps). `wide`: the
+    first live slot's state spans 10**-12 .. 1 within every row and its tokens have
     x = 0, so its flushes meet FP16-subnormal and e4m3-subnormal results. NVFP4: garbage
     codes (0xFF) in every uninitialized slot, and the live amax the first flush encodes
     with is off by 1/64, 64 and 0 for the first three live slots (saturating, subnormal

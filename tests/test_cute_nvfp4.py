@@ -216,6 +216,11 @@ def test_sm90_is_software(compiled):
     for name, text in _ptx(compiled["sm_90a"], "").items():
         assert "e2m1" not in text, name
         assert "cvt.rs" not in text, name
+    for name, text in _ptx(compiled["sm_90a"], "flush").items():
+        # The checkpoint's rounding (bits.fp16x2_sr_voted): per row one warp vote, the
+        # normal-range path's 4 truncating pair conversions and the general path's 4.
+        assert text.count("vote.sync.all.pred") == ROWS_FLUSH, name
+        assert text.count("cvt.rz.f16x2.f32") == 2 * ROWS_FLUSH * 4, name
 
 
 @needs_dsl
@@ -287,6 +292,9 @@ def _step(w: World, out, state):
         # A batch of 45 rows: three CTA rows of the flush kernel, the last one partial.
         pytest.param(16, 2, "many", id="nvfp4-h16-g2-many-rows"),
         pytest.param(16, 2, "one", id="nvfp4-h16-g2-one-row"),  # batch 1: PDL launch (SIMT kernel)
+        # One slot's state spans 10**-12 .. 1 (FP16-subnormal checkpoint values): the
+        # sm_90a flush's general rounding path (bits.fp16x2_sr_voted), beside the normal one.
+        pytest.param(16, 2, "wide", id="nvfp4-h16-g2-wide-range"),
         # The SIMT non-flush kernel at every batch ($REPLAYSSM_NVFP4_DECODE=simt; the
         # default is the warp-per-head kernel).
         pytest.param(16, 2, "simt", id="nvfp4-h16-g2-mixed-simt-decode"),
@@ -302,7 +310,7 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync, monkeyp
     if sync == "simt":
         monkeypatch.setenv(launch_nvfp4.NVFP4_DECODE_ENV, "simt")
     many = {"live": MANY_LIVE, "num_slots": MANY_SLOTS} if sync == "many" else {"live": (5,)} if sync == "one" else {}
-    w = World("nvfp4", heads, groups, sync=sync is True, **many)
+    w = World("nvfp4", heads, groups, sync=sync is True, wide=sync == "wide", **many)
     if sync == "one":  # the PDL launch is what this case is for
         from replayssm.kernels.cute import launch
 

@@ -126,3 +126,40 @@ def test_fast_stochastic_rounding_matches_the_encoder_bit_for_bit():
     bad = [(hex(b), r, hex(g), hex(e)) for b, r, g, e in zip(xs, rs, got, expect) if g != e]
     assert not bad, f"{len(bad)} of {len(xs)} differ, e.g. {bad[:5]}"
     assert len(xs) > 40000
+
+
+def sr_normal_emulated(bits: int, r: int) -> int | None:
+    """bits.fp16x2_sr_normal for one element, or None when bits.sr_normal_range says the
+    kernel takes the general path for it (the warp vote then sends the warp there)."""
+    a = bits & 0x7FFFFFFF
+    if (a - FP16_MIN_NORMAL_F32_BITS) & 0xFFFFFFFF >= FP16_OVERFLOW_F32_BITS - FP16_MIN_NORMAL_F32_BITS:
+        return None
+    return _cvt_rz_f16((bits + r) & 0xFFFFFFFF)
+
+
+def test_normal_range_path_matches_the_encoder_bit_for_bit():
+    """The sm_90a flush's warp-voted fast path (bits.fp16x2_sr_voted): wherever its range
+    test passes, the integer add and truncation alone give the encoder's code; and the
+    test fails exactly for FP16-subnormal results, |x| >= 65536, infinities and NaN."""
+    gen = torch.Generator().manual_seed(1)
+    cases = _cases(gen)
+    words = torch.randint(0, 1 << 13, (len(cases), 2), generator=gen).tolist()
+    xs, rs, got = [], [], []
+    general = 0
+    for bits, ws in zip(cases, words):
+        a = bits & 0x7FFFFFFF
+        for r in (0, 0x1FFF, *ws):
+            code = sr_normal_emulated(bits, r)
+            in_range = FP16_MIN_NORMAL_F32_BITS <= a < FP16_OVERFLOW_F32_BITS
+            assert (code is not None) == in_range, hex(bits)
+            if code is None:
+                general += 1
+                continue
+            xs.append(bits)
+            rs.append(r)
+            got.append(code)
+    x = torch.tensor(xs, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    expect = encode(x, FP16, torch.tensor(rs, dtype=torch.int64)).tolist()
+    bad = [(hex(b), r, hex(g), hex(e)) for b, r, g, e in zip(xs, rs, got, expect) if g != e]
+    assert not bad, f"{len(bad)} of {len(xs)} differ, e.g. {bad[:5]}"
+    assert len(xs) > 20000 and general > 10000

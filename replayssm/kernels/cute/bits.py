@@ -247,6 +247,50 @@ def fp16x2_sr_fast(lo: Float32, hi: Float32, word: Uint32) -> Uint32:
     return f16x2_rz(_sr_pick(lo, word & Uint32(0x1FFF)), _sr_pick(hi, (word >> 16) & Uint32(0x1FFF)))
 
 
+def sr_normal_range(x: Float32):
+    """True when FP16 stochastic rounding of x has a normal, finite result for every
+    random value: 2**-14 <= |x| < 65536 (one unsigned compare; NaN and infinities fail)."""
+    a = x.bitcast(Uint32) & Uint32(0x7FFFFFFF)
+    return (a - Uint32(F16_MIN_NORMAL_BITS)) < Uint32(F16_OVERFLOW_BITS - F16_MIN_NORMAL_BITS)
+
+
+def fp16x2_sr_normal(lo: Float32, hi: Float32, word: Uint32) -> Uint32:
+    """fp16x2_sr_fast for two values that pass `sr_normal_range`: its normal-result path
+    alone, the random bits added to the FP32 bits, then the truncating conversion (a
+    carry up to 65536 truncates to 65504, as the encoder saturates)."""
+    vlo = (lo.bitcast(Uint32) + (word & Uint32(0x1FFF))).bitcast(Float32)
+    vhi = (hi.bitcast(Uint32) + ((word >> 16) & Uint32(0x1FFF))).bitcast(Float32)
+    return f16x2_rz(vlo, vhi)
+
+
+@dsl_user_op
+def opaque_u32(v: Int32, *, loc=None, ip=None) -> Int32:
+    """v through an inline-PTX move: the compiler cannot reason about the result (a loop
+    over it stays a loop)."""
+    return inline_ptx("mov.b32 $0, $1;", "=r,r", [Int32(v)], [Int32], side_effects=True, loc=loc, ip=ip)
+
+
+@cute.jit
+def fp16x2_sr_voted(pairs, words) -> list:
+    """fp16x2_sr_fast of each (lo, hi) of `pairs` with its word, for a whole warp: when
+    every value of every lane passes `sr_normal_range` (vote.all) only the normal path
+    runs (about 4 instructions a value instead of 13); else the general one. The general
+    path sits in a loop of 0 or 1 trips whose count the compilers cannot see (an if-else,
+    or a visible 0-or-1-trip loop, was turned into predicated code, so both paths ran:
+    docs/perf-notes-cute.md, sessions 4 and 6)."""
+    ok = Int32(1)
+    for lo, hi in pairs:
+        ok = ok & Int32(sr_normal_range(lo)) & Int32(sr_normal_range(hi))
+    out = [fp16x2_sr_normal(lo, hi, w) for (lo, hi), w in zip(pairs, words)]
+    general = opaque_u32(Int32(1) - Int32(cute.arch.vote_all_sync(ok != Int32(0))))
+    # Each trip reads the previous one's results through a mask the compilers cannot see
+    # is 0: a body that only overwrites would be folded into one conditional pass.
+    zero = Uint32(opaque_u32(Int32(0)))
+    for _ in range(general):
+        out = [fp16x2_sr_fast(lo, hi, w ^ (o & zero)) for (lo, hi), w, o in zip(pairs, words, out)]
+    return out
+
+
 def fp16x2_sr_soft(lo: Float32, hi: Float32, word: Uint32) -> Uint32:
     """Elements n (lo, bits [12:0] of `word`) and n + 1 (hi, bits [28:16]) -> packed
     FP16 pair, lo in bits [15:0]."""

@@ -118,6 +118,12 @@ class FlushFp8:
 
     name = "flush_fp8"
     arch = ""
+    # The checkpoint's stochastic rounding through bits.fp16x2_sr_voted (a warp-uniform
+    # branch to the normal-range path) instead of fp16x2_sr for every pair. On for the
+    # sm_90a NVFP4 flush only: there it made steps 2.7% (batch 256) and 4.1% (1024)
+    # faster; the FP8 flush, at 64 registers, spilled 56 bytes with it and got slower
+    # (H200, docs/perf-notes-cute.md, session 6). sm_100a rounds in hardware.
+    sr_voted = False
 
     def __init__(self, heads: int, groups: int, *, debug: bool = False) -> None:
         self.heads, self.groups = heads, groups
@@ -474,9 +480,15 @@ class FlushFp8:
         pair, word index ((h * 64 + p) * 128 + n) / 2."""
         r_ck_out = cute.make_rmem_tensor(cute.make_layout(4), Uint32)
         w0 = Uint32((hh * P + pp) * (N // 2)) + Uint32(col0 // 2)
-        for nt in cutlass.range_constexpr(NT):
-            word = bits.random_word(key, w0 + Uint32(nt))
-            r_ck_out[nt] = self.fp16x2_sr(acc[nt][2 * i], acc[nt][2 * i + 1], word)
+        if cutlass.const_expr(self.sr_voted):
+            words = [bits.random_word(key, w0 + Uint32(nt)) for nt in range(NT)]
+            codes = bits.fp16x2_sr_voted([(acc[nt][2 * i], acc[nt][2 * i + 1]) for nt in range(NT)], words)
+            for nt in cutlass.range_constexpr(NT):
+                r_ck_out[nt] = codes[nt]
+        else:
+            for nt in cutlass.range_constexpr(NT):
+                word = bits.random_word(key, w0 + Uint32(nt))
+                r_ck_out[nt] = self.fp16x2_sr(acc[nt][2 * i], acc[nt][2 * i + 1], word)
         _vec_a(ck_w, ck_head + pp * (N // 2) + Int64(col0 // 2), 4).store(r_ck_out.load())
 
 

@@ -252,10 +252,12 @@ class FlushNvfp4(FlushFp8):
 
 
 class FlushNvfp4Sm90(FlushNvfp4):
-    """sm_90a: the FP8 flush's fast stochastic rounding (bits.fp16x2_sr_fast), software
-    e4m3 (block scales) and e2m1 encodes (integer steps of quant/minifloat.py)."""
+    """sm_90a: the FP8 flush's fast stochastic rounding (bits.fp16x2_sr_fast), behind a
+    warp-voted branch to its normal-range path (bits.fp16x2_sr_voted), software e4m3
+    (block scales) and e2m1 encodes (integer steps of quant/minifloat.py)."""
 
     arch = "sm_90a"
+    sr_voted = True
 
     def fp16x2_sr(self, lo, hi, word):
         return bits.fp16x2_sr_fast(lo, hi, word)
