@@ -99,11 +99,9 @@ def run(fmt: str, batch: int, layers: int, heads: int, groups: int) -> dict[str,
         g.replay()
         torch.cuda.synchronize()
     events = sorted(
-        (kernel_tag(e.name), e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type.name == "CUDA"
-    )  # fmt: skip
-    events.sort(key=lambda e: e[1])
+        ((kernel_tag(e.name), e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"),
+        key=lambda e: e[1],
+    )
     return {"us_step": us_step, **step_stats(events)}
 
 
