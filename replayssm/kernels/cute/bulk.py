@@ -56,6 +56,26 @@ def bulk_g2s(dst, src, nbytes, bar, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def mbar_arrive_expect_tx(bar, nbytes, *, loc=None, ip=None) -> None:
+    """One arrival on `bar` that also expects `nbytes` more bytes (the bulk copies that
+    follow complete them)."""
+    inline_ptx(
+        "{\n\t.reg .b64 st;\n\tmbarrier.arrive.expect_tx.shared::cta.b64 st, [$0], $1;\n\t}",
+        "r,r", [Int32(bar), Int32(nbytes)], side_effects=True, loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
+def bulk_copy(dst, src, nbytes, bar, *, loc=None, ip=None) -> None:
+    """Bulk copy of `nbytes` (a multiple of 16) from global `src` (Int64, 16-byte aligned)
+    to shared `dst` (Int32, 16-byte aligned), completing that many bytes on `bar`."""
+    inline_ptx(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+        "r,l,r,r", [Int32(dst), Int64(src), Int32(nbytes), Int32(bar)], side_effects=True, loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
 def bulk_prefetch_l2(src, nbytes, *, loc=None, ip=None) -> None:
     """Prefetch `nbytes` (a multiple of 16, > 0) from global `src` (16-byte aligned) into L2."""
     inline_ptx(
@@ -83,4 +103,23 @@ def ld_shared_v4_u32(addr, *, loc=None, ip=None) -> list:
     )
 
 
-__all__ = ["mbar_init", "mbar_init_fence", "fence_proxy_async", "mbar_arrive", "bulk_g2s", "bulk_prefetch_l2", "mbar_wait", "ld_shared_v4_u32"]
+@dsl_user_op
+def ld_shared_v4_u32_if(addr, pred, *, loc=None, ip=None) -> list:
+    """ld_shared_v4_u32 if `pred` (Int32) is nonzero, else four zeros."""
+    return inline_ptx(
+        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $5, 0;\n\tmov.b32 $0, 0;\n\tmov.b32 $1, 0;\n\t"
+        "mov.b32 $2, 0;\n\tmov.b32 $3, 0;\n\t@p ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];\n\t}",
+        "=r,=r,=r,=r,r,r", [Int32(addr), Int32(pred)], [Uint32] * 4, side_effects=True, loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
+def ld_shared_u32(addr, *, loc=None, ip=None) -> Uint32:
+    """The word at shared address `addr` (Int32), kept after the waits before it."""
+    return inline_ptx("ld.shared.b32 $0, [$1];", "=r,r", [Int32(addr)], [Uint32], side_effects=True, loc=loc, ip=ip)
+
+
+__all__ = [
+    "mbar_init", "mbar_init_fence", "fence_proxy_async", "mbar_arrive", "bulk_g2s", "mbar_arrive_expect_tx", "bulk_copy",
+    "bulk_prefetch_l2", "mbar_wait", "ld_shared_v4_u32", "ld_shared_v4_u32_if", "ld_shared_u32",
+]

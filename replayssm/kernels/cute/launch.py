@@ -118,10 +118,9 @@ def _kernel_object(kind: str, arch: str, heads: int, groups: int, e4m3: str, pdl
         if mode == "warp" and not pdl:
             return DecodeFp8Warp(heads, groups)
         if mode == "pipe" and not pdl:
-            tune = os.environ.get("REPLAYSSM_PIPE_TUNE")  # TEMP: chunk,ctas_per_sm,prefetch
+            tune = os.environ.get("REPLAYSSM_PIPE_TUNE")  # TEMP: chunk
             if tune:
-                ch, cps, pf = (int(v) for v in tune.split(","))
-                return DecodeFp8Pipe(heads, groups, chunk=ch, ctas_per_sm=cps, prefetch=bool(pf))
+                return DecodeFp8Pipe(heads, groups, chunk=int(tune))
             return DecodeFp8Pipe(heads, groups)
         obj = DecodeFp8(heads, groups)
         obj.pdl = pdl
