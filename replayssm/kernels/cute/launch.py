@@ -325,7 +325,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     side = _SIDE.get(device)
     if side is None:
         # High priority: the flush CTAs are the latency-critical part of a step.
-        side = torch.cuda.Stream(device=device, priority=-1)
+        side = torch.cuda.Stream(device=device, priority=int(os.environ.get("REPLAYSSM_OVERLAP_TUNE", "-1,0").split(",")[0]))  # TEMP
         _SIDE[device] = side
     return side
 
@@ -383,21 +383,27 @@ def decode_fp8(
     kind = "flush_fp8" if state_out is None else "flush_fp8_debug"
     flush = compiled(kind, arch, heads, groups, e4m3)
     with flush_streams(x.device) as (main, side):
-        ptrs = [ckpt, read, scales, x_ring, dt_ring, b_ring, *inputs, plan.slot, plan.flush, plan.key]
-        addresses = [t.data_ptr() for t in ptrs] + [0 if state_out is None else state_out.data_ptr()]
-        flush(
-            *_pointers(kind, addresses),
-            _stride16(ckpt), _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
-            *input_strides,
-            batch, cuda_driver.CUstream(side.cuda_stream),
-        )
-        ptrs = [read, scales, x_ring, dt_ring, b_ring, *inputs, plan.valid, plan.slot, plan.ring_index, plan.flush]
-        nonflush(
-            *_pointers("decode_fp8", [t.data_ptr() for t in ptrs]),
-            _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
-            *input_strides,
-            batch, *_persistent_args(getattr(nonflush, "kernel_object", None), batch), cuda_driver.CUstream(main.cuda_stream),
-        )
+        order = os.environ.get("REPLAYSSM_OVERLAP_TUNE", "-1,0").split(",")[1]  # TEMP
+        def _flush():
+            ptrs = [ckpt, read, scales, x_ring, dt_ring, b_ring, *inputs, plan.slot, plan.flush, plan.key]
+            addresses = [t.data_ptr() for t in ptrs] + [0 if state_out is None else state_out.data_ptr()]
+            flush(
+                *_pointers(kind, addresses),
+                _stride16(ckpt), _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
+                *input_strides,
+                batch, cuda_driver.CUstream(side.cuda_stream),
+            )
 
+        def _nonflush():
+            ptrs = [read, scales, x_ring, dt_ring, b_ring, *inputs, plan.valid, plan.slot, plan.ring_index, plan.flush]
+            nonflush(
+                *_pointers("decode_fp8", [t.data_ptr() for t in ptrs]),
+                _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
+                *input_strides,
+                batch, *_persistent_args(getattr(nonflush, "kernel_object", None), batch), cuda_driver.CUstream(main.cuda_stream),
+            )
+
+        for fn in ((_flush, _nonflush) if order == "0" else (_nonflush, _flush)):
+            fn()
 
 __all__ = ["KINDS", "COMPILE_ALL_GEOMETRIES", "compiled", "compile_all", "warmup", "launch_padding", "layout_ok", "decode_fp8"]
