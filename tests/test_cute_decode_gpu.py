@@ -54,11 +54,6 @@ pytestmark = [
         # The SIMT non-flush kernel at every batch ($REPLAYSSM_FP8_DECODE=simt; the
         # default is the warp-per-head kernel, decode_warp.py).
         pytest.param(16, 2, False, "hw-simt", id="fp8-h16-g2-mixed-simt-decode"),
-        # The pipelined non-flush kernel ($REPLAYSSM_FP8_DECODE=pipe): each CTA walks
-        # several units of work through its two shared-memory stages.
-        pytest.param(16, 2, False, "hw-pipe", id="fp8-h16-g2-mixed-pipe-decode"),
-        pytest.param(16, 1, False, "hw-pipe", id="fp8-h16-g1-mixed-pipe-decode"),
-        pytest.param(16, 2, "many", "hw-pipe", id="fp8-h16-g2-many-rows-pipe-decode"),
         pytest.param(16, 1, False, "hw", id="fp8-h16-g1-mixed"),
         pytest.param(16, 2, True, "hw", id="fp8-h16-g2-sync"),
         # sm_90a only: the software e4m3 encode instead of the e4m3x2 cvt.
@@ -155,14 +150,6 @@ def test_cuda_graph_replays_whole_periods_at_batch_1(monkeypatch):
     monkeypatch.delenv(launch.PDL_ENV, raising=False)
     assert launch.pdl_for(1)
     check_graph_replays_whole_periods("fp8", live=(5,))
-
-
-def test_cuda_graph_replays_whole_periods_pipe(monkeypatch):
-    """The pipelined non-flush kernel ($REPLAYSSM_FP8_DECODE=pipe), captured."""
-    from replayssm.kernels.cute import launch
-
-    monkeypatch.setenv(launch.FP8_DECODE_ENV, "pipe")
-    check_graph_replays_whole_periods("fp8")
 
 
 def test_warmup_compiles_and_launches_both_kernels_without_changing_the_cache(monkeypatch):

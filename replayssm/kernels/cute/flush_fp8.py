@@ -124,7 +124,6 @@ class FlushFp8:
     # faster; the FP8 flush, at 64 registers, spilled 56 bytes with it and got slower
     # (H200, docs/perf-notes-cute.md, session 6). sm_100a rounds in hardware.
     sr_voted = False
-    min_ctas_per_sm = MIN_CTAS_PER_SM
 
     def __init__(self, heads: int, groups: int, *, debug: bool = False) -> None:
         self.heads, self.groups = heads, groups
@@ -183,7 +182,7 @@ class FlushFp8:
         ).launch(
             grid=[self.heads * M_SPLIT, (batch + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1],
             block=[THREADS, 1, 1],
-            min_blocks_per_mp=self.min_ctas_per_sm,
+            min_blocks_per_mp=MIN_CTAS_PER_SM,
             preferred_smem_carveout=-1,  # the driver's choice (and no device query at compile time)
             stream=stream,
         )
@@ -504,11 +503,6 @@ class FlushFp8Sm90(FlushFp8):
     def __init__(self, heads: int, groups: int, *, debug: bool = False, hw_e4m3: bool = False) -> None:
         super().__init__(heads, groups, debug=debug)
         self.hw_e4m3 = hw_e4m3
-        import os  # TEMP tuning knob
-        tune = os.environ.get("REPLAYSSM_FLUSH_TUNE")
-        if tune:
-            v, m = (int(t) for t in tune.split(","))
-            self.sr_voted, self.min_ctas_per_sm = bool(v), m
 
     def fp16x2_sr(self, lo, hi, word):
         return bits.fp16x2_sr_fast(lo, hi, word)

@@ -30,7 +30,6 @@ from ... import layout as L
 from .arch import HAS_CVT_RS, arch_for, check_arch
 from .decode_fp8 import DecodeFp8
 from .decode_fp8_mma import DecodeFp8Mma
-from .decode_pipe import DecodeFp8Pipe
 from .decode_warp import DecodeFp8Warp
 from .flush_fp8 import FlushFp8Sm90, FlushFp8Sm100
 
@@ -54,7 +53,7 @@ _COMPILED: dict[tuple, object] = {}
 # tensor-core kernel, slower; docs/perf-notes-cute.md). The PDL variant (batch 1, see
 # PDL_ENV) is the SIMT kernel whatever the mode but "mma" (it was measured that way).
 FP8_DECODE_ENV = "REPLAYSSM_FP8_DECODE"
-FP8_DECODE_MODES = ("warp", "simt", "mma", "pipe")
+FP8_DECODE_MODES = ("warp", "simt", "mma")
 
 
 def env_choice(var: str, choices: tuple[str, ...], default: str) -> str:
@@ -117,11 +116,6 @@ def _kernel_object(kind: str, arch: str, heads: int, groups: int, e4m3: str, pdl
             return DecodeFp8Mma(heads, groups)
         if mode == "warp" and not pdl:
             return DecodeFp8Warp(heads, groups)
-        if mode == "pipe" and not pdl:
-            tune = os.environ.get("REPLAYSSM_PIPE_TUNE")  # TEMP: chunk
-            if tune:
-                return DecodeFp8Pipe(heads, groups, chunk=int(tune))
-            return DecodeFp8Pipe(heads, groups)
         obj = DecodeFp8(heads, groups)
         obj.pdl = pdl
         return obj
@@ -186,20 +180,6 @@ def _fake_args(kind: str, table: dict = POINTERS, scalars: dict = SCALARS) -> li
     return [*ptrs, *([Int64(0)] * scalars[kind]), Int32(0), make_fake_stream()]
 
 
-def _object_fake_args(obj, kind: str, table: dict = POINTERS, scalars: dict = SCALARS) -> list:
-    """`_fake_args` for kernel object `obj`: a persistent kernel takes its grid size
-    (`ctas`, Int32) after `batch`."""
-    args = _fake_args(kind, table, scalars)
-    if getattr(obj, "persistent", False):
-        args.insert(-1, Int32(0))
-    return args
-
-
-def _persistent_args(fn_obj, batch: int) -> list:
-    """The trailing grid-size argument of a persistent kernel (none for the others)."""
-    return [fn_obj.ctas(batch)] if getattr(fn_obj, "persistent", False) else []
-
-
 def _options(arch: str, dump_dir: str | os.PathLike | None) -> str:
     opts = f"--gpu-arch {arch}"
     if dump_dir is not None:
@@ -217,8 +197,7 @@ def compiled(kind: str, arch: str, heads: int, groups: int, e4m3: str | None = N
     fn = _COMPILED.get(key)
     if fn is None:
         obj = _kernel_object(kind, arch, heads, groups, e4m3, pdl)
-        fn = cute.compile(obj, *_object_fake_args(obj, kind), options=_options(arch, None))
-        fn.kernel_object = obj
+        fn = cute.compile(obj, *_fake_args(kind), options=_options(arch, None))
         _COMPILED[key] = fn
     return fn
 
@@ -248,7 +227,7 @@ def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
             for with_pdl in (False, True) if has_pdl_variant(kind) else (False,):
                 obj = _kernel_object(kind, arch, heads, groups, sm90_e4m3(), with_pdl)
                 sub = f"{kind}-h{heads}g{groups}" + ("-pdl" if with_pdl else "")
-                paths += compile_into(obj, _object_fake_args(obj, kind), arch, root / sub)
+                paths += compile_into(obj, _fake_args(kind), arch, root / sub)
     from .launch_nvfp4 import compile_variants  # the NVFP4 kinds (that module imports this one)
 
     paths += compile_variants(arch, root, COMPILE_ALL_GEOMETRIES)
@@ -325,7 +304,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     side = _SIDE.get(device)
     if side is None:
         # High priority: the flush CTAs are the latency-critical part of a step.
-        side = torch.cuda.Stream(device=device, priority=int(os.environ.get("REPLAYSSM_OVERLAP_TUNE", "-1,0").split(",")[0]))  # TEMP
+        side = torch.cuda.Stream(device=device, priority=-1)
         _SIDE[device] = side
     return side
 
@@ -383,27 +362,21 @@ def decode_fp8(
     kind = "flush_fp8" if state_out is None else "flush_fp8_debug"
     flush = compiled(kind, arch, heads, groups, e4m3)
     with flush_streams(x.device) as (main, side):
-        order = os.environ.get("REPLAYSSM_OVERLAP_TUNE", "-1,0").split(",")[1]  # TEMP
-        def _flush():
-            ptrs = [ckpt, read, scales, x_ring, dt_ring, b_ring, *inputs, plan.slot, plan.flush, plan.key]
-            addresses = [t.data_ptr() for t in ptrs] + [0 if state_out is None else state_out.data_ptr()]
-            flush(
-                *_pointers(kind, addresses),
-                _stride16(ckpt), _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
-                *input_strides,
-                batch, cuda_driver.CUstream(side.cuda_stream),
-            )
+        ptrs = [ckpt, read, scales, x_ring, dt_ring, b_ring, *inputs, plan.slot, plan.flush, plan.key]
+        addresses = [t.data_ptr() for t in ptrs] + [0 if state_out is None else state_out.data_ptr()]
+        flush(
+            *_pointers(kind, addresses),
+            _stride16(ckpt), _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
+            *input_strides,
+            batch, cuda_driver.CUstream(side.cuda_stream),
+        )
+        ptrs = [read, scales, x_ring, dt_ring, b_ring, *inputs, plan.valid, plan.slot, plan.ring_index, plan.flush]
+        nonflush(
+            *_pointers("decode_fp8", [t.data_ptr() for t in ptrs]),
+            _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
+            *input_strides,
+            batch, cuda_driver.CUstream(main.cuda_stream),
+        )
 
-        def _nonflush():
-            ptrs = [read, scales, x_ring, dt_ring, b_ring, *inputs, plan.valid, plan.slot, plan.ring_index, plan.flush]
-            nonflush(
-                *_pointers("decode_fp8", [t.data_ptr() for t in ptrs]),
-                _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
-                *input_strides,
-                batch, *_persistent_args(getattr(nonflush, "kernel_object", None), batch), cuda_driver.CUstream(main.cuda_stream),
-            )
-
-        for fn in ((_flush, _nonflush) if order == "0" else (_nonflush, _flush)):
-            fn()
 
 __all__ = ["KINDS", "COMPILE_ALL_GEOMETRIES", "compiled", "compile_all", "warmup", "launch_padding", "layout_ok", "decode_fp8"]
