@@ -74,9 +74,12 @@ def test_sm90_flush_is_software(compiled):
 
     for name, text in _ptx(compiled["sm_90a"], "flush").items():
         assert "cvt.rs" not in text, name
-        # Stochastic rounding by bits.fp16x2_sr_fast: one truncating pair conversion each
-        # (no warp-voted fast path: FlushFp8.sr_voted is off for FP8).
+        # Stochastic rounding by bits.fp16x2_sr_fma: per value one clamp and one fma.rz,
+        # per pair one truncating conversion (no warp-voted fast path: FlushFp8.sr_voted
+        # is off for FP8).
         assert text.count("cvt.rz.f16x2.f32") == PAIRS, name
+        assert text.count("fma.rz.f32") == 2 * PAIRS, name
+        assert text.count("min.NaN.xorsign.abs.f32") == 2 * PAIRS, name
         assert "vote.sync.all" not in text, name
         assert text.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == FOLD_MMAS, name
         # The read-copy encode: software by default, the e4m3x2 cvt on request.

@@ -163,3 +163,48 @@ def test_normal_range_path_matches_the_encoder_bit_for_bit():
     bad = [(hex(b), r, hex(g), hex(e)) for b, r, g, e in zip(xs, rs, got, expect) if g != e]
     assert not bad, f"{len(bad)} of {len(xs)} differ, e.g. {bad[:5]}"
     assert len(xs) > 20000 and general > 10000
+
+
+def sr_fma_emulated(bits: int, r: int) -> int:
+    """bits._sr_fma_pick then the truncating conversion, step by step, for one element."""
+    a = bits & 0x7FFFFFFF
+    # min.NaN.xorsign.abs.f32 against FP32 max: NaN -> canonical NaN, +-inf -> +-max.
+    if a > 0x7F800000:
+        xc = 0x7FFFFFFF
+    elif a == 0x7F800000:
+        xc = (bits & 0x80000000) | 0x7F7FFFFF
+    else:
+        xc = bits
+    em = max(xc & 0x7F800000, 113 << 23)
+    s = em | (xc & 0x80000000)
+    rf = Fraction(_f32(r | 0x3F800000)) - 1
+    assert rf == Fraction(r, 2**23)  # the FP32 subtraction is exact
+    if (xc & 0x7FFFFFFF) > 0x7F800000:
+        return _cvt_rz_f16(0x7FFFFFFF)  # NaN in, NaN out
+    assert em < 0x7F800000, "s is finite for every non-NaN input"
+    exact = rf * Fraction(_f32(s)) + Fraction(_f32(xc))
+    v = _rz(exact, 23, -126)
+    fmax = Fraction(_f32(0x7F7FFFFF))
+    if abs(v) > fmax:  # IEEE: an overflow rounded toward zero gives the largest finite value
+        v = fmax if v > 0 else -fmax
+    vb = _bits(float(v)) | ((xc & 0x80000000) if v == 0 else 0)
+    return _cvt_rz_f16(vb)
+
+
+def test_fma_stochastic_rounding_matches_the_encoder_bit_for_bit():
+    """bits.fp16x2_sr_fma (one clamp, one fma.rz, a few integer steps a value; the sm_90a
+    FP8 flush's rounding) against the encoder over the same cases as the fast path."""
+    gen = torch.Generator().manual_seed(2)
+    cases = _cases(gen)
+    words = torch.randint(0, 1 << 13, (len(cases), 3), generator=gen).tolist()
+    xs, rs, got = [], [], []
+    for bits, ws in zip(cases, words):
+        for r in (0, 0x1FFF, *ws):
+            xs.append(bits)
+            rs.append(r)
+            got.append(sr_fma_emulated(bits, r))
+    x = torch.tensor(xs, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    expect = encode(x, FP16, torch.tensor(rs, dtype=torch.int64)).tolist()
+    bad = [(hex(b), r, hex(g), hex(e)) for b, r, g, e in zip(xs, rs, got, expect) if g != e]
+    assert not bad, f"{len(bad)} of {len(xs)} differ, e.g. {bad[:5]}"
+    assert len(xs) > 40000

@@ -27,11 +27,12 @@ index is permuted so that lane q's accumulators are the 8 consecutive columns
 hash words and the e4m3x2 conversions. Row dots and amaxes are reduced over the four
 lanes of a row and the four column quarters (shared memory). Each lane holds 16 values,
 so four CTAs fit an SM at 64 registers a thread (the sm_90a variants then spill a few
-words: 16 bytes a thread for FP8, 40 with the software e4m3 encode, 8 for NVFP4; sm_100a
+words: 0-8 bytes a thread for FP8, 32 with the software e4m3 encode, 0 for NVFP4; sm_100a
 does not spill).
 
 Only the two conversions differ between targets: `FlushFp8Sm90` (stochastic rounding by
-bits.fp16x2_sr_fast, integer and round-toward-zero steps with the encoder's bits; e4m3
+bits.fp16x2_sr_fma, a clamp, one `fma.rz.f32` and a few integer steps a value with the
+encoder's bits, then `cvt.rz.f16x2.f32`; e4m3
 by the `cvt.rn.satfinite.e4m3x2.f32` Hopper also has, or in software with
 REPLAYSSM_SM90_E4M3=soft) and `FlushFp8Sm100` (`cvt.rs.satfinite.f16x2.f32` fed the same
 hash words, `cvt.rn.satfinite.e4m3x2.f32`).
@@ -493,7 +494,9 @@ class FlushFp8:
 
 
 class FlushFp8Sm90(FlushFp8):
-    """sm_90a: stochastic rounding by bits.fp16x2_sr_fast (Hopper has no cvt.rs). The
+    """sm_90a: stochastic rounding by bits.fp16x2_sr_fma (Hopper has no cvt.rs; about 8
+    instructions a value against bits.fp16x2_sr_fast's 13: H200, FP8 steps 1.7% / 1.9%
+    faster at batch 256 / 1024, docs/perf-notes-cute.md, session 7). The
     read copy's e4m3 encode is software, or with `hw_e4m3=True` the
     `cvt.rn.satfinite.e4m3x2.f32` the sm_100a kernels use (Hopper has it: sm_89+), which
     lets an H200 check that instruction against the reference bit for bit."""
@@ -505,7 +508,7 @@ class FlushFp8Sm90(FlushFp8):
         self.hw_e4m3 = hw_e4m3
 
     def fp16x2_sr(self, lo, hi, word):
-        return bits.fp16x2_sr_fast(lo, hi, word)
+        return bits.fp16x2_sr_fma(lo, hi, word)
 
     def e4m3x2_rn(self, lo, hi):
         if self.hw_e4m3:
