@@ -111,8 +111,10 @@ def _cases(gen: torch.Generator) -> list[int]:
     return (mags | signs).tolist() + big.tolist() + (big | (1 << 31)).tolist()
 
 
-def test_fast_stochastic_rounding_matches_the_encoder_bit_for_bit():
-    gen = torch.Generator().manual_seed(0)
+def _check_against_encoder(emulated, seed: int) -> None:
+    """`emulated(bits, r)` (an FP16 code) equals `minifloat.encode` on every case of
+    `_cases`, each with r = 0, 0x1FFF and three random words."""
+    gen = torch.Generator().manual_seed(seed)
     cases = _cases(gen)
     words = torch.randint(0, 1 << 13, (len(cases), 3), generator=gen).tolist()
     xs, rs, got = [], [], []
@@ -120,12 +122,16 @@ def test_fast_stochastic_rounding_matches_the_encoder_bit_for_bit():
         for r in (0, 0x1FFF, *ws):
             xs.append(bits)
             rs.append(r)
-            got.append(sr_fast_emulated(bits, r))
+            got.append(emulated(bits, r))
     x = torch.tensor(xs, dtype=torch.int64).to(torch.int32).view(torch.float32)
     expect = encode(x, FP16, torch.tensor(rs, dtype=torch.int64)).tolist()
     bad = [(hex(b), r, hex(g), hex(e)) for b, r, g, e in zip(xs, rs, got, expect) if g != e]
     assert not bad, f"{len(bad)} of {len(xs)} differ, e.g. {bad[:5]}"
     assert len(xs) > 40000
+
+
+def test_fast_stochastic_rounding_matches_the_encoder_bit_for_bit():
+    _check_against_encoder(sr_fast_emulated, 0)
 
 
 def sr_normal_emulated(bits: int, r: int) -> int | None:
@@ -194,17 +200,4 @@ def sr_fma_emulated(bits: int, r: int) -> int:
 def test_fma_stochastic_rounding_matches_the_encoder_bit_for_bit():
     """bits.fp16x2_sr_fma (one clamp, one fma.rz, a few integer steps a value; the sm_90a
     FP8 flush's rounding) against the encoder over the same cases as the fast path."""
-    gen = torch.Generator().manual_seed(2)
-    cases = _cases(gen)
-    words = torch.randint(0, 1 << 13, (len(cases), 3), generator=gen).tolist()
-    xs, rs, got = [], [], []
-    for bits, ws in zip(cases, words):
-        for r in (0, 0x1FFF, *ws):
-            xs.append(bits)
-            rs.append(r)
-            got.append(sr_fma_emulated(bits, r))
-    x = torch.tensor(xs, dtype=torch.int64).to(torch.int32).view(torch.float32)
-    expect = encode(x, FP16, torch.tensor(rs, dtype=torch.int64)).tolist()
-    bad = [(hex(b), r, hex(g), hex(e)) for b, r, g, e in zip(xs, rs, got, expect) if g != e]
-    assert not bad, f"{len(bad)} of {len(xs)} differ, e.g. {bad[:5]}"
-    assert len(xs) > 40000
+    _check_against_encoder(sr_fma_emulated, 2)
