@@ -57,18 +57,6 @@ DEFAULT_SHAPES = ("16x2", "64x8")
 BATCH_PRIORITY = (256, 32, 1024, 128, 512, 8, 1)
 
 
-# At batch 1 a ReplaySSM row's time depends on what the process did before it (H200,
-# docs/perf-notes.md, session 7): the first ReplaySSM row timed in a process is the
-# fastest (FP8 3.35-3.47 us per step, NVFP4 3.58-3.79), later ones are 0.4-0.7 us slower
-# (FP8 3.87-4.04, NVFP4 4.02-4.26) with the SM clock at 1980 MHz throughout; the cause is
-# not known (the allocation history, through the address layout of the 64 layers'
-# caches, is a guess). So main() first times one untimed "settle" row (the first
-# ReplaySSM provider, batch 1): with it the reported rows no longer depend on the
-# provider order (FP8 3.87 / 3.89 us, NVFP4 4.02 / 4.06 us with either provider first).
-# --no-settle skips it. Larger batches were not seen to move this way.
-SETTLE = True
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="results", help="results folder (results.json, decode.png)")
@@ -93,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--replot", metavar="RESULTS_JSON", default=None,
                    help="only redraw the table and decode.png (in --out) from a results.json")
     p.add_argument("--no-check", action="store_true", help="skip the correctness checks before timing")
-    p.add_argument("--no-settle", action="store_true", help="skip the untimed settle row (see SETTLE)")
+    p.add_argument("--no-settle", action="store_true", help="skip the untimed settle row (see settle_row)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     if a.batches is None:
@@ -372,6 +360,23 @@ def layers_for(provider, shape, batch, args, eager: bool) -> tuple[int, int]:
     cap = args.eager_max_layers if eager else args.max_layers
     layers = max(1, min(cap, math.ceil(max(target - inputs, 0) / per_layer)))
     return layers, layers * per_layer + inputs
+
+
+def settle_row(ctx) -> dict:
+    """Time one untimed row (the first ReplaySSM provider, batch 1) before the timed ones.
+
+    At batch 1 a ReplaySSM row's time depends on what the process did before it (H200,
+    docs/perf-notes.md, session 7): the first ReplaySSM row timed in a process is the
+    fastest (FP8 3.35-3.47 us per step, NVFP4 3.58-3.79), later ones are 0.4-0.7 us slower
+    (FP8 3.87-4.04, NVFP4 4.02-4.26) with the SM clock at 1980 MHz throughout; the cause is
+    not known (the allocation history, through the address layout of the 64 layers'
+    caches, is a guess). After this row the reported rows no longer depend on the provider
+    order (FP8 3.87 / 3.89 us, NVFP4 4.02 / 4.06 us with either provider first). Larger
+    batches were not seen to move this way. Returns what `meta.settle_row` records."""
+    args = ctx["args"]
+    row = run_row(next(p for p in args.providers if p in REPLAY), args.shapes[0], 1, "desync", ctx)
+    print(f"settle row (untimed): {row['provider']} b=1 {row['us_per_step']} us/step", flush=True)
+    return {k: row[k] for k in ("provider", "batch", "us_per_step", "error")}
 
 
 def run_row(provider, shape, batch, sync_mode, ctx) -> dict:
@@ -667,10 +672,8 @@ def main(argv=None) -> dict:
         for c in result["checks"]:
             print("check:", json.dumps(c), flush=True)
 
-    if SETTLE and not args.no_settle and device.type == "cuda" and any(p in REPLAY for p in args.providers):
-        settle = run_row(next(p for p in args.providers if p in REPLAY), args.shapes[0], 1, "desync", ctx)
-        meta["settle_row"] = {k: settle[k] for k in ("provider", "batch", "us_per_step", "error")}
-        print(f"settle row (untimed, SETTLE): {settle['provider']} b=1 {settle['us_per_step']} us/step", flush=True)
+    if not args.no_settle and device.type == "cuda" and any(p in REPLAY for p in args.providers):
+        meta["settle_row"] = settle_row(ctx)
 
     # The most telling batch sizes first, so a --time-budget cut loses the least; the
     # table and JSON are sorted afterwards.
