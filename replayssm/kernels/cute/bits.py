@@ -248,6 +248,21 @@ def fp16x2_sr_fast(lo: Float32, hi: Float32, word: Uint32) -> Uint32:
 
 
 @dsl_user_op
+def popc(v: Int32, *, loc=None, ip=None) -> Int32:
+    """The number of set bits of v (`popc.b32`)."""
+    return inline_ptx("popc.b32 $0, $1;", "=r,r", [Int32(v)], [Int32], loc=loc, ip=ip)
+
+
+@dsl_user_op
+def lowest_set_bit(v: Int32, *, loc=None, ip=None) -> Int32:
+    """The index of v's lowest set bit (v != 0): `bfind` of v & -v."""
+    return inline_ptx(
+        "{\n\t.reg .b32 t;\n\tneg.s32 t, $1;\n\tand.b32 t, t, $1;\n\tbfind.u32 $0, t;\n\t}",
+        "=r,r", [Int32(v)], [Int32], loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
 def clamp_finite(x: Float32, *, loc=None, ip=None) -> Float32:
     """x with +-infinity replaced by +-FP32 max (`min.NaN.xorsign.abs.f32` against FP32
     max: min(|x|, max) with x's sign; NaN stays NaN, signed zeros keep their sign)."""
