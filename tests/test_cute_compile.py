@@ -59,6 +59,17 @@ def test_every_variant_compiles(compiled, arch):
         assert ".entry kernel_" in text, name
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_flush_loops_over_the_flushing_rows_only(compiled, arch):
+    """Both formats' flushes take one trip per set bit of the CTA's flush mask (a
+    `popc` trip count, the lowest set bit by `bfind`), not one per batch row of the CTA
+    (the 16-row scan cost ~144 instructions a warp; docs/perf-notes-cute.md, session 8)."""
+    flushes = {p.parent.name: p.read_text() for p in compiled[arch] if p.suffix == ".ptx" and p.parent.name.startswith("flush_")}
+    assert len(flushes) == 4
+    for name, text in flushes.items():
+        assert text.count("popc.b32") == 1 and text.count("bfind.u32") == 1, name
+
+
 @pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
 def test_sm100_flush_uses_hardware_conversions(compiled, arch):
     for name, text in _ptx(compiled[arch], "flush").items():
