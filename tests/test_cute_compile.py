@@ -180,6 +180,31 @@ def test_flush_fragment_maps_are_bijections():
         assert len(groups) == 8, a
 
 
+@pytest.mark.parametrize("heads", [16, 64, 256])
+@pytest.mark.parametrize("batch", [1, 45, 256, 1024, 1031])
+def test_flush_grid_visits_every_row_group_once(heads, batch):
+    """The persistent flush grid (flush_fp8.flush_columns), walked as the kernels walk it:
+    every (head half, 16-row group) once, and a CTA's successive groups alternate between
+    the two flag words (flush_mask's `buf`, (by // step) & 1)."""
+    from replayssm.kernels.cute.flush_fp8 import M_SPLIT, ROWS_PER_CTA, FlushFp8, flush_columns
+    from replayssm.kernels.cute.flush_nvfp4 import FlushNvfp4
+
+    hm = heads * M_SPLIT
+    n_by = -(-batch // ROWS_PER_CTA)
+    for ctas_per_sm in (FlushFp8.ctas_per_sm, FlushNvfp4.ctas_per_sm, 0.0, 100.0):
+        for sms in (132, 148, 1):
+            columns = flush_columns(heads, ctas_per_sm, sms)
+            assert columns >= 1
+            n_ctas = hm * min(n_by, columns)
+            seen = []
+            for bid in range(n_ctas):
+                step = n_ctas // hm
+                groups = list(range(bid // hm, n_by, step))
+                assert [(by // step) & 1 for by in groups] == [i % 2 for i in range(len(groups))]
+                seen += [(bid % hm, by) for by in groups]
+            assert sorted(seen) == [(h, by) for h in range(hm) for by in range(n_by)], (ctas_per_sm, sms)
+
+
 def test_flush_lane_map_covers_each_state_row_half_once():
     """The two CTAs of a (row, head) and their 256 threads cover the 64 x 128 state once:
     lane_geometry's two rows x 8 columns per thread, over both halves."""

@@ -63,6 +63,9 @@ pytestmark = [
         pytest.param(16, 2, "wide", "soft", id="fp8-h16-g2-wide-range-soft-e4m3"),
         # A batch of 45 rows: three CTA rows of the flush kernel, the last one partial.
         pytest.param(16, 2, "many", "hw", id="fp8-h16-g2-many-rows"),
+        # The same with the flush grid cut to 2 CTA columns: a CTA flushes row groups
+        # 0 and 2 in turn (flush_fp8.flush_columns), its flag words alternating.
+        pytest.param(16, 2, "many-2col", "hw", id="fp8-h16-g2-many-rows-2-columns"),
         # A batch of one row: the non-flush kernel launched with PDL (launch.pdl_for).
         pytest.param(16, 2, "one", "hw", id="fp8-h16-g2-one-row"),
     ],
@@ -75,6 +78,9 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3, m
         e4m3, mode = e4m3.split("-")
         monkeypatch.setenv(launch.FP8_DECODE_ENV, mode)
 
+    if sync == "many-2col":
+        monkeypatch.setattr(launch, "flush_grid_columns", lambda *args: 2)
+        sync = "many"
     many = {"live": MANY_LIVE, "num_slots": MANY_SLOTS} if sync == "many" else {"live": (5,)} if sync == "one" else {}
     w = World("fp8", heads, groups, sync=sync is True, wide=sync == "wide", **many)
     if sync == "one":  # the PDL launch is what this case is for

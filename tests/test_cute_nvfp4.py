@@ -291,6 +291,8 @@ def _step(w: World, out, state):
         pytest.param(64, 4, False, id="nvfp4-h64-g4-mixed"),
         # A batch of 45 rows: three CTA rows of the flush kernel, the last one partial.
         pytest.param(16, 2, "many", id="nvfp4-h16-g2-many-rows"),
+        # The flush grid cut to 2 CTA columns: a CTA flushes row groups 0 and 2 in turn.
+        pytest.param(16, 2, "many-2col", id="nvfp4-h16-g2-many-rows-2-columns"),
         pytest.param(16, 2, "one", id="nvfp4-h16-g2-one-row"),  # batch 1: PDL launch (SIMT kernel)
         # One slot's state spans 10**-12 .. 1 (FP16-subnormal checkpoint values): the
         # sm_90a flush's general rounding path (bits.fp16x2_sr_voted), beside the normal one.
@@ -309,6 +311,11 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync, monkeyp
 
     if sync == "simt":
         monkeypatch.setenv(launch_nvfp4.NVFP4_DECODE_ENV, "simt")
+    if sync == "many-2col":
+        from replayssm.kernels.cute import launch
+
+        monkeypatch.setattr(launch, "flush_grid_columns", lambda *args: 2)
+        sync = "many"
     many = {"live": MANY_LIVE, "num_slots": MANY_SLOTS} if sync == "many" else {"live": (5,)} if sync == "one" else {}
     w = World("nvfp4", heads, groups, sync=sync is True, wide=sync == "wide", **many)
     if sync == "one":  # the PDL launch is what this case is for

@@ -59,11 +59,11 @@ M_SPLIT = 2
 ROWS_HALF = P // M_SPLIT
 QUARTERS = 4  # column quarters of 32 (one per warp pair)
 NT = 4  # n-tiles of 8 per warp; a lane holds 2 rows x 8 columns
-# Batch rows per CTA: the grid is (heads * M_SPLIT, ceil(batch / ROWS_PER_CTA)); a CTA
-# reads its rows' flush flags at once (one ballot) and flushes the marked rows one after
-# another. With 1/16 of the rows flushing per step (desynchronized rows) a CTA gets one
-# row on average, instead of batch x heads CTAs of which 15/16 would exit at once
-# (H200, batch 256, one run: the FP8 flush 12.41 us with 8 rows a CTA, 9.72 us with 16).
+# Batch rows per group: a CTA reads a group's flush flags at once (one ballot) and
+# flushes the marked rows one after another. With 1/16 of the rows flushing per step
+# (desynchronized rows) a group holds one row on average, instead of batch x heads CTAs
+# of which 15/16 would exit at once (H200, batch 256, one run: the FP8 flush 12.41 us
+# with 8 rows a group, 9.72 us with 16).
 ROWS_PER_CTA = 16
 # Shared-memory rows (floats): a staged B_j is 128 values in fragment order plus 8 (rows
 # 8 banks apart: the eight lanes of a 16-byte load phase hit distinct banks); a staged
@@ -74,6 +74,21 @@ X_ROW = P + 8
 MIN_CTAS_PER_SM = 4
 # amax <= 448 * scale: E = ceil(log2(amax / 448)), 448 = 1.75 * 2**8 (formats.fp8_row_scale).
 FP8_MANT_LIMIT, FP8_E_OFF = 0x600000, 8
+
+
+def flush_columns(heads: int, ctas_per_sm: float, sm_count: int) -> int:
+    """CTA columns of the flush grid: it launches heads * M_SPLIT * min(row groups,
+    columns) CTAs, CTA i taking head half i % (heads * M_SPLIT) of the row groups
+    i // (heads * M_SPLIT), + columns, ... in turn; about `ctas_per_sm` CTAs an SM.
+
+    Why persistent: the flush runs beside the non-flush kernel (launch.flush_streams) on a
+    high-priority stream. Launched with one CTA per (head half, row group), its pending
+    CTAs held back the non-flush kernel, which started only when the last of them was
+    handed out (~21 us into an FP8 step at batch 1024, the SMs' registers all taken by an
+    issue-bound flush). With a fixed ~1.5-2 CTAs an SM the non-flush CTAs take the rest of
+    every SM from the start, and the memory-bound and the issue-bound kernel overlap.
+    H200, 16 heads / 2 groups (docs/perf-notes-cute.md, session 8)."""
+    return max(1, round(ctas_per_sm * sm_count / (heads * M_SPLIT)))
 
 
 def _b_slot(n: int) -> int:
@@ -87,9 +102,12 @@ def _b_slot(n: int) -> int:
 
 
 @cute.jit
-def flush_mask(t, by, plan_flush, batch, s_mask):
+def flush_mask(t, by, plan_flush, batch, s_mask, buf):
     """Bit rr set when batch row by * ROWS_PER_CTA + rr flushes: one load per lane of
-    warp 0 and one ballot, shared through `s_mask` (one Int32) with the whole CTA."""
+    warp 0 and one ballot, shared with the whole CTA through `s_mask[buf]` (two Int32
+    words, used in turn by a CTA's successive row groups: warp 0 rewrites a word only
+    after every thread has passed the barrier that followed the other word's write, so
+    after every thread has read this word; no second barrier a group)."""
     if t < 32:
         b_t = by * ROWS_PER_CTA + t
         f = Int32(0)
@@ -98,9 +116,9 @@ def flush_mask(t, by, plan_flush, batch, s_mask):
                 f = Int32(plan_flush[Int64(b_t)])
         m = cute.arch.vote_ballot_sync(f != Int32(0))
         if t == 0:
-            s_mask[0] = Int32(m)
+            s_mask[buf] = Int32(m)
     cute.arch.sync_threads()
-    return s_mask[0]
+    return s_mask[buf]
 
 
 def _b_stage_base(ch):
@@ -119,6 +137,12 @@ class FlushFp8:
 
     name = "flush_fp8"
     arch = ""
+    # About this many flush CTAs an SM (flush_columns). H200, 16 heads / 2 groups, us per
+    # step at batch 256 / 1024 by CTA columns (6 = 192 CTAs, 8 = 256, 10 = 320, 12 = 384):
+    # FP8 22.66 / 69.94, 22.93 / 71.87, 23.03 / 72.87, 23.54 / 74.21 (one CTA per group:
+    # 24.09 / 78.43); NVFP4 26.04 / 81.63, 25.65 / 81.95, 25.22 / 82.09, 25.34 / 82.30
+    # (25.77 / 84.47). The NVFP4 flush issues ~1.7x the FP8 flush's instructions.
+    ctas_per_sm = 1.5
     # The checkpoint's stochastic rounding through bits.fp16x2_sr_voted (a warp-uniform
     # branch to the normal-range path) instead of fp16x2_sr for every pair. On for the
     # sm_90a NVFP4 flush only: there it made steps 2.7% (batch 256) and 4.1% (1024)
@@ -171,6 +195,7 @@ class FlushFp8:
         dt_bias_stride: Int64,
         d_stride_h: Int64,
         d_stride_p: Int64,
+        columns: Int64,  # CTA columns of the grid (flush_columns)
         batch: Int32,
         stream: cuda_driver.CUstream,
     ):
@@ -181,7 +206,7 @@ class FlushFp8:
             dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
             batch,
         ).launch(
-            grid=[self.heads * M_SPLIT, (batch + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1],
+            grid=[self.heads * M_SPLIT * cutlass.min((batch + ROWS_PER_CTA - 1) // ROWS_PER_CTA, Int32(columns)), 1, 1],
             block=[THREADS, 1, 1],
             min_blocks_per_mp=MIN_CTAS_PER_SM,
             preferred_smem_carveout=-1,  # the driver's choice (and no device query at compile time)
@@ -224,29 +249,35 @@ class FlushFp8:
         batch: Int32,
     ):
         t, _, _ = cute.arch.thread_idx()
-        bx, by, _ = cute.arch.block_idx()
-        mh = bx % M_SPLIT
+        bid, _, _ = cute.arch.block_idx()
+        n_ctas, _, _ = cute.arch.grid_dim()
         smem = SmemAllocator()
         s_x, s_b, s_dt, s_dot, s_amax = self.shared_buffers(smem)
-        s_mask = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+        s_mask = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=4)
 
-        mask = flush_mask(t, by, plan_flush, batch, s_mask)
+        # Persistent over the 16-row groups: CTA bid takes head half bx of groups
+        # bid // hm, + n_ctas // hm, ... (flush_columns says why).
+        hm = Int32(self.heads * M_SPLIT)
+        bx = Int32(bid) % hm
+        mh = bx % M_SPLIT
+        for by in range(Int32(bid) // hm, (batch + Int32(ROWS_PER_CTA - 1)) // Int32(ROWS_PER_CTA), Int32(n_ctas) // hm):
+            mask = flush_mask(t, by, plan_flush, batch, s_mask, (by // (Int32(n_ctas) // hm)) & Int32(1))
 
-        # One trip per flushing row (usually one), not one per row of the CTA: the
-        # 16-trip scan cost ~9 instructions a trip in every warp.
-        rows = mask
-        for _ in range(bits.popc(mask)):
-            rr = bits.lowest_set_bit(rows)
-            rows = rows & (rows - Int32(1))
-            if rr < Int32(ROWS_PER_CTA):  # always true; keeps the body conditional (no hoisting out of the loop)
-                bb = Int64(by * ROWS_PER_CTA + rr)
-                self.flush_row(
-                    t, Int64(bx // M_SPLIT), mh, bb, s_x, s_b, s_dt, s_dot, s_amax,
-                    ckpt, read, scales, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
-                    plan_slot, plan_key, state_out,
-                    ckpt_stride16, read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
-                    dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
-                )
+            # One trip per flushing row (usually one), not one per row of the CTA: the
+            # 16-trip scan cost ~9 instructions a trip in every warp.
+            rows = mask
+            for _ in range(bits.popc(mask)):
+                rr = bits.lowest_set_bit(rows)
+                rows = rows & (rows - Int32(1))
+                if rr < Int32(ROWS_PER_CTA):  # always true; keeps the body conditional (no hoisting out of the loop)
+                    bb = Int64(by * ROWS_PER_CTA + rr)
+                    self.flush_row(
+                        t, Int64(bx // M_SPLIT), mh, bb, s_x, s_b, s_dt, s_dot, s_amax,
+                        ckpt, read, scales, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
+                        plan_slot, plan_key, state_out,
+                        ckpt_stride16, read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
+                        dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
+                    )
 
     @staticmethod
     def shared_buffers(smem):
@@ -534,4 +565,4 @@ class FlushFp8Sm100(FlushFp8):
         return bits.e4m3x2_rn_hw(lo, hi)
 
 
-__all__ = ["FlushFp8", "FlushFp8Sm90", "FlushFp8Sm100", "flush_mask", "ROWS_PER_CTA", "M_SPLIT", "N", "P", "RING", "_vec", "_vec_a", "_xor_reduce", "_b_slot"]
+__all__ = ["FlushFp8", "FlushFp8Sm90", "FlushFp8Sm100", "flush_mask", "flush_columns", "ROWS_PER_CTA", "M_SPLIT", "N", "P", "RING", "_vec", "_vec_a", "_xor_reduce", "_b_slot"]

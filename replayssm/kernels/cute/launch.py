@@ -15,6 +15,7 @@ compiled code makes (`layout_ok`).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -31,7 +32,7 @@ from .arch import HAS_CVT_RS, arch_for, check_arch
 from .decode_fp8 import DecodeFp8
 from .decode_fp8_mma import DecodeFp8Mma
 from .decode_warp import DecodeFp8Warp
-from .flush_fp8 import FlushFp8Sm90, FlushFp8Sm100
+from .flush_fp8 import FlushFp8, FlushFp8Sm90, FlushFp8Sm100, flush_columns
 
 KINDS = ("decode_fp8", "flush_fp8", "flush_fp8_debug")
 # Geometries `compile_all` builds: 16 heads in 2 groups (8 heads per group, the serving
@@ -166,7 +167,7 @@ POINTERS = {
 }
 POINTERS["flush_fp8_debug"] = POINTERS["flush_fp8"]
 # Int64 scalars (slot strides, input strides) after the pointers.
-SCALARS = {"decode_fp8": 11, "flush_fp8": 12, "flush_fp8_debug": 12}
+SCALARS = {"decode_fp8": 11, "flush_fp8": 13, "flush_fp8_debug": 13}
 
 
 def _pointers(kind: str, addresses, table: dict = POINTERS) -> list:
@@ -280,6 +281,17 @@ def layout_ok(cache: Sequence[torch.Tensor]) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def flush_grid_columns(ctas_per_sm: float, heads: int, device: torch.device) -> int:
+    """The flush launch's CTA columns (flush_fp8.flush_columns) on `device`'s SM count."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return flush_columns(heads, ctas_per_sm, _sm_count(index))
+
+
 def _stride16(t: torch.Tensor) -> int:
     return t.stride(0) * t.element_size() // 16
 
@@ -367,7 +379,7 @@ def decode_fp8(
         flush(
             *_pointers(kind, addresses),
             _stride16(ckpt), _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
-            *input_strides,
+            *input_strides, flush_grid_columns(FlushFp8.ctas_per_sm, heads, x.device),
             batch, cuda_driver.CUstream(side.cuda_stream),
         )
         ptrs = [read, scales, x_ring, dt_ring, b_ring, *inputs, plan.valid, plan.slot, plan.ring_index, plan.flush]

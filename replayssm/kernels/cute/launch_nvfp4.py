@@ -22,7 +22,7 @@ from . import launch as _fp8
 from .arch import HAS_CVT_RS, arch_for, check_arch
 from .decode_nvfp4 import DecodeNvfp4Sm90, DecodeNvfp4Sm100
 from .decode_warp import DecodeNvfp4Warp
-from .flush_nvfp4 import FlushNvfp4Sm90, FlushNvfp4Sm100
+from .flush_nvfp4 import FlushNvfp4, FlushNvfp4Sm90, FlushNvfp4Sm100
 
 KINDS = ("decode_nvfp4", "flush_nvfp4", "flush_nvfp4_debug")
 
@@ -88,7 +88,7 @@ POINTERS = {
 }
 POINTERS["flush_nvfp4_debug"] = POINTERS["flush_nvfp4"]
 # Int64 scalars (slot strides, input strides) after the pointers.
-SCALARS = {"decode_nvfp4": 13, "flush_nvfp4": 13, "flush_nvfp4_debug": 13}
+SCALARS = {"decode_nvfp4": 13, "flush_nvfp4": 14, "flush_nvfp4_debug": 14}
 
 
 def _pointers(kind: str, addresses) -> list:
@@ -198,7 +198,7 @@ def decode_nvfp4(
             *_pointers(kind, addresses),
             _fp8._stride16(ckpt), _fp8._stride16(read), scales.stride(0), meta.stride(0),
             _fp8._stride16(x_ring), dt_ring.stride(0), _fp8._stride16(b_ring),
-            *input_strides,
+            *input_strides, _fp8.flush_grid_columns(FlushNvfp4.ctas_per_sm, heads, x.device),
             batch, cuda_driver.CUstream(side.cuda_stream),
         )
         ptrs = [read, scales, meta, parity, x_ring, dt_ring, b_ring, *inputs, plan.valid, plan.slot, plan.ring_index, plan.flush]
