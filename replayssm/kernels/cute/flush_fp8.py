@@ -10,9 +10,13 @@ bits of format.md section 6) and the read copy and its per-row power-of-two scal
 re-derived from S (format.md section 3, nearest-even e4m3, satfinite). Rows that do not
 flush return at once. The ring is not written: the next step starts a period at entry 0.
 
-Grid (heads * M_SPLIT, ceil(batch / ROWS_PER_CTA)), 8 warps: a CTA reads the flush flags
-of its ROWS_PER_CTA batch rows with one ballot and folds its half of the state rows
-(32 of 64) of each flushing row in turn. Two CTAs per (row, head) need no communication:
+Work item (head half, row group): half mh of the state rows (32 of 64) of one head, for
+the ROWS_PER_CTA batch rows of one group. A persistent grid of heads * M_SPLIT * columns
+CTAs of 8 warps (`flush_columns`: about 1.5 CTAs an SM for FP8, 2.5 for NVFP4, so that
+the non-flush kernel shares every SM from the start) walks the items: CTA i keeps head
+half i % (heads * M_SPLIT) and takes row groups i // (heads * M_SPLIT), + columns, ...;
+per group it reads the flush flags with one ballot and folds each flushing row in turn,
+visiting only the set bits of the mask. Two CTAs per (row, head) need no communication:
 every output y[p], FP8 row scale and NVFP4 block depends on state row p alone.
 
 The fold is a K = 16 matrix product, S = decay ckpt + X' B with X'[p, j] = w_j x_j[p]
