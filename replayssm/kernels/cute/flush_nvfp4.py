@@ -155,38 +155,23 @@ class FlushNvfp4(FlushFp8):
         batch: Int32,
     ):
         t, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        n_ctas, _, _ = cute.arch.grid_dim()
         smem = SmemAllocator()
         s_x, s_b, s_dt, s_dot, s_amax = self.shared_buffers(smem)
         s_gmax = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
         s_mask = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=4)
-
         meta_bits = cute.recast_ptr(meta, dtype=Int32)  # the atomic max works on the bits
-        # Persistent over the 16-row groups: CTA bid takes head half bx of groups
-        # bid // hm, + n_ctas // hm, ... (flush_columns says why).
-        hm = Int32(self.heads * M_SPLIT)
-        bx = Int32(bid) % hm
-        mh = bx % M_SPLIT
-        for by in range(Int32(bid) // hm, (batch + Int32(ROWS_PER_CTA - 1)) // Int32(ROWS_PER_CTA), Int32(n_ctas) // hm):
-            # Which of this CTA's batch rows flush (one ballot, as the FP8 flush).
-            mask = flush_mask(t, by, plan_flush, batch, s_mask, (by // (Int32(n_ctas) // hm)) & Int32(1))
-            # One trip per flushing row (usually one), not one per row of the CTA: the
-            # 16-trip scan cost ~9 instructions a trip in every warp.
-            rows = mask
-            for _ in range(bits.popc(mask)):
-                rr = bits.lowest_set_bit(rows)
-                rows = rows & (rows - Int32(1))
-                if rr < Int32(ROWS_PER_CTA):  # always true; keeps the body conditional (no hoisting out of the loop)
-                    bb = Int64(by * ROWS_PER_CTA + rr)
-                    self.flush_row_nvfp4(
-                        t, Int64(bx // M_SPLIT), mh, bb, s_x, s_b, s_dt, s_dot, s_amax, s_gmax, meta_bits,
-                        ckpt, read, scales, meta, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
-                        plan_slot, plan_key, plan_old, state_out,
-                        ckpt_stride16, read_stride16, scale_stride, meta_stride,
-                        x_ring_stride16, dt_ring_stride, b_ring_stride16,
-                        dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
-                    )
+
+        def row(hh, mh, bb):
+            self.flush_row_nvfp4(
+                t, hh, mh, bb, s_x, s_b, s_dt, s_dot, s_amax, s_gmax, meta_bits,
+                ckpt, read, scales, meta, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
+                plan_slot, plan_key, plan_old, state_out,
+                ckpt_stride16, read_stride16, scale_stride, meta_stride,
+                x_ring_stride16, dt_ring_stride, b_ring_stride16,
+                dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
+            )
+
+        self.for_each_flush_row(t, plan_flush, batch, s_mask, row)  # FlushFp8's walk
 
     @cute.jit
     def flush_row_nvfp4(
