@@ -89,7 +89,7 @@ def flush_columns(heads: int, ctas_per_sm: float, sm_count: int) -> int:
     high-priority stream. Launched with one CTA per (head half, row group), its pending
     CTAs held back the non-flush kernel, which started only when the last of them was
     handed out (~21 us into an FP8 step at batch 1024, the SMs' registers all taken by an
-    issue-bound flush). With a fixed ~1.5-2 CTAs an SM the non-flush CTAs take the rest of
+    issue-bound flush). With a fixed 1.5-2.5 CTAs an SM the non-flush CTAs take the rest of
     every SM from the start, and the memory-bound and the issue-bound kernel overlap.
     H200, 16 heads / 2 groups (docs/perf-notes-cute.md, session 8)."""
     return max(1, round(ctas_per_sm * sm_count / (heads * M_SPLIT)))
@@ -142,7 +142,8 @@ class FlushFp8:
     name = "flush_fp8"
     arch = ""
     # About this many flush CTAs an SM (flush_columns). H200, 16 heads / 2 groups, us per
-    # step at batch 256 / 1024 by CTA columns (6 = 192 CTAs, 8 = 256, 10 = 320, 12 = 384):
+    # step at batch 256 / 1024 by CTA columns (6 = 192 CTAs, 8 = 256, 10 = 320, 12 = 384;
+    # session 8's sweep, before the flag words were double-buffered):
     # FP8 22.66 / 69.94, 22.93 / 71.87, 23.03 / 72.87, 23.54 / 74.21 (one CTA per group:
     # 24.09 / 78.43); NVFP4 26.04 / 81.63, 25.65 / 81.95, 25.22 / 82.09, 25.34 / 82.30
     # (25.77 / 84.47). The NVFP4 flush issues ~1.7x the FP8 flush's instructions.

@@ -40,7 +40,7 @@ from cutlass.memory import SmemAllocator
 
 from . import bits, bits_nvfp4
 from .bits_nvfp4 import DSL_OPS
-from .flush_fp8 import M_SPLIT, ROWS_PER_CTA, THREADS, WARPS, FlushFp8, N, P, _xor_reduce, flush_mask
+from .flush_fp8 import M_SPLIT, ROWS_PER_CTA, THREADS, WARPS, FlushFp8, N, P, _xor_reduce
 
 ROWS = 2  # state rows per thread
 WORDS_PER_ROW = N // 8  # packed e2m1 codes of one state row, in 32-bit words
