@@ -102,7 +102,7 @@ def test_sm90_flush_is_software(compiled):
 # Warp-per-head non-flush kernel (decode_warp.py), per lane: 8 state rows x 2 chunks of
 # 16 codes, decoded by 2 e4m3x2 -> f16x2 cvts a word; 4 m-tiles x 8 k-steps of the f16
 # MMA; 8 k-steps of B_j . C and 4 m-tiles of the ring replay as bf16 MMAs.
-WARP_CVTS, WARP_F16_MMAS, WARP_BF16_MMAS = 8 * 2 * 4 * 2, 4 * 8, 8 + 4
+WARP_CVTS, WARP_F16_MMAS, WARP_BF16_MMAS = 8 * 2 * 4 * 2, 4 * 8, 8 // 4 + 4  # B_j . C split over the 4 warps of a CTA
 F16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
 BF16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
@@ -119,7 +119,7 @@ def test_decode_reads_the_fp8_copy_with_vector_loads(compiled, arch):
         else:
             assert text.count("cvt.rn.f16x2.e4m3x2") == WARP_CVTS, name
             assert text.count(F16_MMA) == WARP_F16_MMAS and text.count(BF16_MMA) == WARP_BF16_MMAS, name
-            assert "bar.sync" not in text and "barrier" not in text, name
+            assert text.count("bar.sync") == 1, name  # the B_j . C partial sums
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
@@ -330,7 +330,7 @@ def test_sass_stats_counts_the_kernels_structure(tmp_path, monkeypatch):
         stats[name] = sass_stats.cubin_stats(cubin, sass_stats.default_cuobjdump())
     flush, nonflush, pdl, warp = (sass_stats.classify(stats[k]["ops"]) for k in ("flush", "nonflush", "pdl", "warp"))
     assert flush["MMA"] == FOLD_MMAS and flush["BAR"] == 4
-    assert warp["MMA"] == WARP_F16_MMAS + WARP_BF16_MMAS and warp["BAR"] == 0
+    assert warp["MMA"] == WARP_F16_MMAS + WARP_BF16_MMAS and warp["BAR"] == 1  # the B_j . C partial sums
     assert nonflush["MMA"] == 0 and nonflush["BAR"] == 2
     assert stats["flush"]["regs"] <= 64 and stats["nonflush"]["regs"] <= 64
     extra = stats["pdl"]["ops"] - stats["nonflush"]["ops"]

@@ -54,6 +54,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.cute.typing import Pointer
+from cutlass.memory import SmemAllocator
 
 from . import bits, bits_nvfp4
 from .bits import bf16x2_to_f32x2, e4m3x4_to_f16x2x2, f32x2_to_bf16x2, f32x2_to_f16x2, inline_ptx, prmt, sel, softplus
@@ -136,9 +137,11 @@ class _WarpHead:
         return live, Int64(slot_w[0]) | (Int64(slot_w[1]) << 32), r
 
     @cute.jit
-    def group_loads(self, C, B, b_ring, bb, g, gq, q, r, slot, b_ring_stride16):
-        """C (cw[c][v], chunk c of lane q's n-set) and ring entries gq, gq + 8 at the same
-        n (bw[e][c][v]; the step's B at r, zeros beyond r)."""
+    def group_loads(self, C, B, b_ring, bb, g, gq, q, r, slot, b_ring_stride16, w):
+        """C (cw[c][v], chunk c of lane q's n-set) and, of ring entries gq, gq + 8 at the
+        same n, this warp's share (bq[e][i]: vector half vh = w * VH + i, VH = 4 //
+        heads_per_cta, i.e. words 4 (vh % 2) .. + 3 of chunk vh // 2; the step's B at r,
+        zeros beyond r): the CTA's warps split B_j . C over k (`finish`)."""
         G = self.groups
         c_w = cute.recast_ptr(C, dtype=Uint32)
         c_row = (bb * G + g) * (N // 2)
@@ -150,17 +153,28 @@ class _WarpHead:
         b_w = cute.recast_ptr(B, dtype=Uint32)
         br_row0 = slot * b_ring_stride16 * 4 + g * (RING * N // 2)
         b_row = (bb * G + g) * (N // 2)
-        bw = []
+        bq = []
         for e in cutlass.range_constexpr(2):
             j = gq + 8 * e
             on = sel(j <= r, Int32(1), Int32(0))
             row = []
-            for c in cutlass.range_constexpr(2):
-                wo = Int64(self.c_word(c, q))
+            for i in cutlass.range_constexpr(self.vh_per_warp):
+                wo = Int64(self.vh_word(w * self.vh_per_warp + i, q))
                 src = sel(j < r, (br_w + (br_row0 + Int64(j * (N // 2)) + wo)).toint(), (b_w + (b_row + wo)).toint())
-                row.append(bits.ld_global_v4_u32_if(src, on) + bits.ld_global_v4_u32_if(src + 16, on))
-            bw.append(row)
-        return cw, bw
+                row.append(bits.ld_global_v4_u32_if(src, on))
+            bq.append(row)
+        return cw, bq
+
+    @property
+    def vh_per_warp(self) -> int:
+        """Vector halves (4 words, 2 k-steps of B_j . C) of the ring entries per warp."""
+        if 4 % self.hpc:
+            raise ValueError(f"heads per CTA must divide 4 (the ring entries' 4 vector halves); got {self.hpc}")
+        return 4 // self.hpc
+
+    def vh_word(self, vh, q):
+        """Word offset of vector half vh (runtime) of lane q's n-set in a row of 128."""
+        return self.c_word(vh // 2, q) + 4 * (vh % 2)
 
     @cute.jit
     def head_loads(
@@ -212,7 +226,7 @@ class _WarpHead:
 
     @cute.jit
     def finish(
-        self, cw, bw, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, inner, outer, bb, hh, gq, q, lane, r, slot,
+        self, cw, bq, w, s_bc, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, inner, outer, bb, hh, gq, q, lane, r, slot,
         out, x_ring, dt_ring, b_ring, x_ring_stride16, dt_ring_stride, b_ring_stride16,
     ):
         """B_j . C, the scan, the ring replay, the outputs and the ring writes. rd[mt]: the
@@ -221,19 +235,31 @@ class _WarpHead:
         where the term itself is finite)."""
         H, HPG = self.heads, self.hpg
         g = hh // HPG
-        # B_j . C (bf16 MMA): entries gq (acc[0]) and gq + 8 (acc[2]).
+        # B_j . C (bf16 MMA), split over k between the CTA's warps: this warp's k-steps
+        # (two per vector half of bq), entries gq (acc[0]) and gq + 8 (acc[2]); the
+        # partial sums meet in shared memory.
         acc_bc = [Float32(0.0)] * 4
-        for s in cutlass.range_constexpr(K_STEPS):
-            c, v = s // 4, 2 * (s % 4)
-            a = [bw[0][c][v], bw[1][c][v], bw[0][c][v + 1], bw[1][c][v + 1]]
-            acc_bc = mma_bf16_16x8x16(a, [cw[c][v], cw[c][v + 1]], acc_bc)
+        for i in cutlass.range_constexpr(self.vh_per_warp):
+            vh = w * self.vh_per_warp + i
+            for hs in cutlass.range_constexpr(2):
+                a = [bq[0][i][2 * hs], bq[1][i][2 * hs], bq[0][i][2 * hs + 1], bq[1][i][2 * hs + 1]]
+                # C words 4 (vh % 2) + 2 hs, + 1 of chunk vh // 2 (vh is per warp: a select).
+                b0, b1 = cw[0][2 * hs], cw[0][2 * hs + 1]
+                for cand in cutlass.range_constexpr(1, 4):
+                    v = 4 * (cand % 2) + 2 * hs
+                    b0 = sel(vh == cand, cw[cand // 2][v], b0)
+                    b1 = sel(vh == cand, cw[cand // 2][v + 1], b1)
+                acc_bc = mma_bf16_16x8x16(a, [b0, b1], acc_bc)
+        if q == 0:
+            s_bc[w * RING + gq] = acc_bc[0]
+            s_bc[w * RING + gq + 8] = acc_bc[2]
+        cute.arch.sync_threads()
 
         # Scan: lane k % 16 = entry k.
         k = lane % 16
-        src_lane = 4 * (k % 8)
-        bc0 = cute.arch.shuffle_sync(acc_bc[0], src_lane)
-        bc2 = cute.arch.shuffle_sync(acc_bc[2], src_lane)
-        bc_k = sel(k < 8, bc0, bc2)
+        bc_k = s_bc[k]
+        for ww in cutlass.range_constexpr(1, self.hpc):
+            bc_k = bc_k + s_bc[ww * RING + k]
         dt_k = sel(k == r, softplus(dt_raw + bias), dt_k)
         pre = dt_k
         off = 1
@@ -292,15 +318,13 @@ class _WarpHead:
             bits.st_global_v4_u32((xr_w + (xr_row + Int64(r * (P // 2)))).toint(), xs)
         if lane == r:
             dt_ring[slot * dt_ring_stride + hh * RING + Int64(r)] = dt_k
-        if hh % HPG == 0:
+        if (hh - Int64(w)) % HPG == 0:  # the CTA that holds the group's first head: each warp its share
             if gq == r % 8:
                 br_w = cute.recast_ptr(b_ring, dtype=Uint32)
                 dst_row = slot * b_ring_stride16 * 4 + g * (RING * N // 2) + Int64(r * (N // 2))
-                for c in cutlass.range_constexpr(2):
-                    dst = (br_w + (dst_row + Int64(self.c_word(c, q)))).toint()
-                    for hlf in cutlass.range_constexpr(2):
-                        ws = [sel(r >= 8, bw[1][c][4 * hlf + i], bw[0][c][4 * hlf + i]) for i in range(4)]
-                        bits.st_global_v4_u32(dst + 16 * hlf, ws)
+                for i in cutlass.range_constexpr(self.vh_per_warp):
+                    dst = (br_w + (dst_row + Int64(self.vh_word(w * self.vh_per_warp + i, q)))).toint()
+                    bits.st_global_v4_u32(dst, [sel(r >= 8, bq[1][i][u], bq[0][i][u]) for u in range(4)])
 
 
 class DecodeFp8Warp(_WarpHead, DecodeFp8):
@@ -353,7 +377,9 @@ class DecodeFp8Warp(_WarpHead, DecodeFp8):
         live, slot, r = self.plan_row(plan_valid, plan_slot, plan_ring, plan_flush, bb)
         if live == Int32(1):  # the same for the whole CTA (one row)
             lane, gq, q, hh, g = self.warp_coords(t, bx)
-            cw, bw = self.group_loads(C, B, b_ring, bb, g, gq, q, r, slot, b_ring_stride16)
+            w = Int32(t // 32)
+            s_bc = SmemAllocator().allocate_tensor(Float32, cute.make_layout(RING * self.hpc), byte_alignment=16)
+            cw, bq = self.group_loads(C, B, b_ring, bb, g, gq, q, r, slot, b_ring_stride16, w)
             # Read copy: rc[i][c] = row 8 gq + i, bytes 64 c + 16 q .. + 15 (four words).
             read_w = cute.recast_ptr(read, dtype=Uint32)
             rc_base = (read_w + (slot * read_stride16 * 4 + hh * (P * N // 4) + Int64(gq * (8 * N // 4) + 4 * q))).toint()
@@ -389,7 +415,7 @@ class DecodeFp8Warp(_WarpHead, DecodeFp8):
                 rd.append([acc[0], acc[2]])
             # R[p] = scale[p] (dot 2**e).
             self.finish(
-                cw, bw, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, up, [sc0, sc1], bb, hh, gq, q, lane, r, slot,
+                cw, bq, w, s_bc, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, up, [sc0, sc1], bb, hh, gq, q, lane, r, slot,
                 out, x_ring, dt_ring, b_ring, x_ring_stride16, dt_ring_stride, b_ring_stride16,
             )
 
@@ -457,7 +483,9 @@ class DecodeNvfp4Warp(_WarpHead, DecodeNvfp4):
         live, slot, r = self.plan_row(plan_valid, plan_slot, plan_ring, plan_flush, bb)
         if live == Int32(1):  # the same for the whole CTA (one row)
             lane, gq, q, hh, g = self.warp_coords(t, bx)
-            cw, bw = self.group_loads(C, B, b_ring, bb, g, gq, q, r, slot, b_ring_stride16)
+            w = Int32(t // 32)
+            s_bc = SmemAllocator().allocate_tensor(Float32, cute.make_layout(RING * self.hpc), byte_alignment=16)
+            cw, bq = self.group_loads(C, B, b_ring, bb, g, gq, q, r, slot, b_ring_stride16, w)
             # Codes: rc[i] = row 8 gq + i, elements 32 q .. + 31 (bytes 16 q .. + 15);
             # block scales of blocks 2 q, 2 q + 1 of the same rows (two bytes).
             read_w = cute.recast_ptr(read, dtype=Uint32)
@@ -520,7 +548,7 @@ class DecodeNvfp4Warp(_WarpHead, DecodeNvfp4):
                 rd.append([acc[0], acc[2]])
             # R[p] = g (dot' 2**7 2**e).
             self.finish(
-                cw, bw, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, up * Float32(2.0**7), [g_scale, g_scale],
+                cw, bq, w, s_bc, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, up * Float32(2.0**7), [g_scale, g_scale],
                 bb, hh, gq, q, lane, r, slot,
                 out, x_ring, dt_ring, b_ring, x_ring_stride16, dt_ring_stride, b_ring_stride16,
             )
