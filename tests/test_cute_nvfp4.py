@@ -60,10 +60,15 @@ def _all_fp16_and_random(n: int = 100_000, seed: int = 0) -> torch.Tensor:
 # CPU twins (the kernels' own routines on numpy)
 
 
-def test_e2m1_nearest_twin_is_bit_exact():
+@pytest.mark.parametrize("name", ["e2m1_code", "e2m1_code_rn"])
+def test_e2m1_nearest_twin_is_bit_exact(name):
+    """Both nearest encoders (the integer one, and the one-addition one the sm_90a flush
+    uses) against the reference: every FP16 value, random FP32, and every 37th FP32 bit
+    pattern of [0.125, 18) with both signs (all e2m1 ties and binade edges)."""
     bn = _bn()
-    x = _all_fp16_and_random()
-    got = bn.e2m1_code(_u32(x), bn.NUMPY_OPS)
+    band = torch.arange(0x3E000000, 0x41900000, 37, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.cat([_all_fp16_and_random(), band, -band])
+    got = getattr(bn, name)(_u32(x), bn.NUMPY_OPS)
     want = (encode(x, E2M1) & 0xF).numpy().astype(np.uint32)
     bad = np.nonzero(got != want)[0]
     assert bad.size == 0, f"{bad.size} mismatches, first x={x[bad[0]].item()!r}: {got[bad[0]]:#x} != {want[bad[0]]:#x}"
@@ -221,6 +226,9 @@ def test_sm90_is_software(compiled):
         # normal-range path's 4 truncating pair conversions and the general path's 4.
         assert text.count("vote.sync.all.pred") == ROWS_FLUSH, name
         assert text.count("cvt.rz.f16x2.f32") == 2 * ROWS_FLUSH * 4, name
+        # The read copy's e2m1 codes (bits_nvfp4.e2m1_code_rn): one rounding add.rn a
+        # value, 8 values per state row of a thread.
+        assert text.count("add.rn.f32") == ROWS_FLUSH * 8, name
 
 
 @needs_dsl

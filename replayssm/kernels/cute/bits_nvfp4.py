@@ -66,12 +66,32 @@ def e2m1_code(x_bits, ops, rbits=None):
     return sel(a > u(0x7F800000), u(7), code)
 
 
+def e2m1_code_rn(x_bits, ops):
+    """FP32 bits -> e2m1 code, nearest-even, satfinite, NaN -> 0x7: `e2m1_code` without
+    rbits, by one FP32 addition instead of its integer rounding.
+
+    Where |x| < 2**(k + 1) for k = min(max(E, 0), 3), E the exponent of |x|, the e2m1 grid
+    is the multiples of 2**(k - 1) (k = 0: 0, 0.5, 1, 1.5 and 2; k = 1: 2, 3, 4; k = 2:
+    4, 6, 8), and so is the FP32 grid of M + |x| for M = 2**(22 + k), in [M, 2 M). One
+    round-to-nearest-even addition rounds |x| onto it, ties to the even multiple, which
+    is the even code; its bits minus M's count the multiples: the code is that count plus
+    2 k (k = 1: 2 -> 4, k = 2: 2 -> 6). 8 and beyond (k = 3, |x| >= 8, infinities, and
+    sums that leave [M, 2 M)) give 8 or more: satfinite to 7."""
+    u, sel = ops.u, ops.sel
+    a = x_bits & u(0x7FFFFFFF)
+    k = ops.umin(ops.umax(a >> u(23), u(127)), u(130)) - u(127)
+    m = (k + u(127 + 22)) << u(23)
+    count = ops.bits(ops.fadd(ops.f32(a), ops.f32(m))) - m
+    code = ops.umin(count + (k << u(1)), u(7)) | ((x_bits >> u(28)) & u(8))
+    return sel(a > u(0x7F800000), u(7), code)
+
+
 def e2m1x8_rn_soft_words(vals, ops):
     """Eight FP32 values (elements 0..7 of a word) -> packed word, element k in nibble k."""
     u = ops.u
-    word = e2m1_code(ops.bits(vals[0]), ops)
+    word = e2m1_code_rn(ops.bits(vals[0]), ops)
     for k in range(1, 8):
-        word = word | (e2m1_code(ops.bits(vals[k]), ops) << u(4 * k))
+        word = word | (e2m1_code_rn(ops.bits(vals[k]), ops) << u(4 * k))
     return word
 
 
@@ -134,6 +154,10 @@ def _numpy_ops():
         with np.errstate(divide="ignore"):  # d == 0 is selected away (r = 0)
             return np.float32(1.0) / d
 
+    def _fadd(x, y):
+        with np.errstate(invalid="ignore"):  # NaN inputs (selected away by the caller)
+            return np.add(np.float32(x), np.float32(y), dtype=np.float32)
+
     return SimpleNamespace(
         u=u,
         f=np.float32,
@@ -142,6 +166,7 @@ def _numpy_ops():
         umax=np.maximum,
         bits=lambda f: np.asarray(f, dtype=np.float32).view(np.uint32),
         f32=lambda b: np.asarray(b, dtype=np.uint32).view(np.float32),
+        fadd=_fadd,
         rcp=_rcp,
     )
 
@@ -184,6 +209,12 @@ if _HAVE_DSL:
         # the compile tests): never the approximate forms.
         return Float32(1.0) / d
 
+    @dsl_user_op
+    def _fadd_rn(x, y, *, loc=None, ip=None) -> Float32:
+        # `add.rn.f32`: the explicit rounding keeps ptxas from contracting it with the
+        # product that made x into one fma (the encoders round that product first).
+        return _inline_ptx("add.rn.f32 $0, $1, $2;", "=f,f,f", [Float32(x), Float32(y)], [Float32], loc=loc, ip=ip)
+
     DSL_OPS = SimpleNamespace(
         u=Uint32,
         f=Float32,
@@ -192,6 +223,7 @@ if _HAVE_DSL:
         umax=cutlass.max,
         bits=lambda f: Float32(f).bitcast(Uint32),
         f32=lambda b: Uint32(b).bitcast(Float32),
+        fadd=_fadd_rn,
         rcp=_rcp_rn,
     )
 
@@ -253,6 +285,7 @@ __all__ = [
     "SOFT_DECODE_ORDER",
     "HW_DECODE_ORDER",
     "e2m1_code",
+    "e2m1_code_rn",
     "e2m1x8_rn_soft_words",
     "e2m1x8_f16x2_soft",
     "e4m3_value",
