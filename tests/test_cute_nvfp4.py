@@ -102,8 +102,8 @@ def test_e2m1_known_codes_and_nibble_order():
 
 
 def test_e2m1_software_decode_is_exact():
-    """All 2**16 half-words: the four f16x2 words of the sm_90a decode, times 2**14, are
-    the e2m1 values in SOFT_DECODE_ORDER."""
+    """All 2**16 half-words: the four f16x2 words of the sm_90a decode, times
+    SOFT_DECODE_FACTOR, are the e2m1 values in SOFT_DECODE_ORDER."""
     bn = _bn()
     half = np.arange(65536, dtype=np.uint32)
     w = half | (half[::-1] << np.uint32(16))

@@ -29,11 +29,11 @@ from types import SimpleNamespace
 ONE_SIXTH = 1.0 / 6.0
 # Second-level scale: amax_live / g <= 168 = 1.3125 * 2**7 (formats.nvfp4_global_scale).
 NVFP4_MANT_LIMIT, NVFP4_E_OFF = 0x280000, 7
-# The software e2m1 -> f16 decode writes e2m1 value * 2**-14 (see e2m1x8_f16x2_soft).
-SOFT_DECODE_FACTOR = 2.0**14
-# Element order of the f16 halves the software decode returns for one word:
-# word j = (element j in bits [15:0], element j + 4 in bits [31:16]).
-SOFT_DECODE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+# The software e2m1 -> f16 decode writes e2m1 value * 2**-6 (see e2m1x8_f16x2_soft).
+SOFT_DECODE_FACTOR = 2.0**6
+# Element order of the f16 halves the software decode returns for one word: words
+# (0, 2), (4, 6), (1, 3), (5, 7), the first element of each pair in bits [15:0].
+SOFT_DECODE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 HW_DECODE_ORDER = (0, 1, 2, 3, 4, 5, 6, 7)
 
 
@@ -96,20 +96,20 @@ def e2m1x8_rn_soft_words(vals, ops):
 
 
 def e2m1x8_f16x2_soft(w, ops):
-    """Packed word (8 e2m1 codes) -> four f16x2 words; word j holds element j (bits
-    [15:0]) and element j + 4 (bits [31:16]), each equal to its e2m1 value * 2**-14.
+    """Packed word (8 e2m1 codes) -> four f16x2 words in SOFT_DECODE_ORDER, each half
+    equal to its e2m1 value * 2**-6.
 
-    The 3 magnitude bits of a code, put at f16 bits [11:9], are the low exponent bits
-    and the top mantissa bit: f16 exponent bias 15 against e2m1's 1, and the single
-    e2m1 subnormal (0.5) lands on the f16 subnormal with the same ratio, so every code
-    decodes to value * 2**-14 exactly. The sign bit (nibble bit 3, at bit 12 after the
-    shift by 9) moves to bit 15 by adding (2**12 - 2**9) times it."""
+    A code's 3 magnitude bits put at bits [4:2] of a byte, its sign at bit 7, make the
+    e4m3 code of value * 2**-6: e4m3's exponent bias 7 against e2m1's 1, and the single
+    e2m1 subnormal (0.5) lands on the e4m3 subnormal with the same ratio. The even
+    elements (low nibbles) move there by shifts of 2 and 4, the odd ones (high nibbles,
+    sign already at bit 7) by a shift of 2, so a word costs 3 shifts and 4 logic ops for
+    its two words of four e4m3 codes; `ops.e4m3x2_f16x2` (`cvt.rn.f16x2.e4m3x2`, exact)
+    turns each half-word into an f16 pair. The codes are never 0x7F / 0xFF (NaN)."""
     u = ops.u
-    words = []
-    for j in range(4):
-        t = (w >> u(4 * j)) & u(0x000F000F) if j else w & u(0x000F000F)
-        words.append((t << u(9)) + (t & u(0x00080008)) * u(0xE00))
-    return words
+    even = ((w << u(2)) & u(0x1C1C1C1C)) | ((w << u(4)) & u(0x80808080))
+    odd = ((w >> u(2)) & u(0x1C1C1C1C)) | (w & u(0x80808080))
+    return [ops.e4m3x2_f16x2(even, 0), ops.e4m3x2_f16x2(even, 1), ops.e4m3x2_f16x2(odd, 0), ops.e4m3x2_f16x2(odd, 1)]
 
 
 def e4m3_value(code, ops):
@@ -158,7 +158,16 @@ def _numpy_ops():
         with np.errstate(invalid="ignore"):  # NaN inputs (selected away by the caller)
             return np.add(np.float32(x), np.float32(y), dtype=np.float32)
 
-    return SimpleNamespace(
+    def _e4m3x2_f16x2(w, half):
+        # cvt.rn.f16x2.e4m3x2 of half-word `half` of w: both e4m3 codes exactly as f16.
+        w = np.asarray(w, dtype=np.uint32) >> np.uint32(16 * half)
+        out = []
+        for k in range(2):
+            v = e4m3_value((w >> np.uint32(8 * k)) & np.uint32(0xFF), ops)
+            out.append(np.asarray(v, dtype=np.float32).astype(np.float16).view(np.uint16).astype(np.uint32))
+        return out[0] | (out[1] << np.uint32(16))
+
+    ops = SimpleNamespace(
         u=u,
         f=np.float32,
         sel=np.where,
@@ -168,7 +177,9 @@ def _numpy_ops():
         f32=lambda b: np.asarray(b, dtype=np.uint32).view(np.float32),
         fadd=_fadd,
         rcp=_rcp,
+        e4m3x2_f16x2=_e4m3x2_f16x2,
     )
+    return ops
 
 
 class _LazyNumpyOps:
@@ -215,6 +226,21 @@ if _HAVE_DSL:
         # product that made x into one fma (the encoders round that product first).
         return _inline_ptx("add.rn.f32 $0, $1, $2;", "=f,f,f", [Float32(x), Float32(y)], [Float32], loc=loc, ip=ip)
 
+    @dsl_user_op
+    def _e4m3x2_f16x2(w, half: int, *, loc=None, ip=None) -> Uint32:
+        """Half-word `half` of w (two e4m3 codes, the first in the low byte) -> f16x2:
+        `cvt.rn.f16x2.e4m3x2` (sm_89+), exact."""
+        return _inline_ptx(
+            "{\n\t.reg .b16 l, h;\n\t"
+            "mov.b32 {l, h}, $1;\n\t"
+            f"cvt.rn.f16x2.e4m3x2 $0, {'lh'[half]};\n\t}}",
+            "=r,r",
+            [Uint32(w)],
+            [Uint32],
+            loc=loc,
+            ip=ip,
+        )
+
     DSL_OPS = SimpleNamespace(
         u=Uint32,
         f=Float32,
@@ -225,6 +251,7 @@ if _HAVE_DSL:
         f32=lambda b: Uint32(b).bitcast(Float32),
         fadd=_fadd_rn,
         rcp=_rcp_rn,
+        e4m3x2_f16x2=_e4m3x2_f16x2,
     )
 
     def e2m1x8_rn_soft(vals) -> Uint32:
@@ -273,7 +300,7 @@ if _HAVE_DSL:
         return [_e2m1x2_f16x2_hw(w, j) for j in range(4)]
 
     def e2m1x8_f16x2_sw(w) -> list:
-        """sm_90a: packed word -> four f16x2 words, SOFT_DECODE_ORDER, values * 2**-14."""
+        """sm_90a: packed word -> four f16x2 words, SOFT_DECODE_ORDER, values * 2**-6."""
         return e2m1x8_f16x2_soft(w, DSL_OPS)
 
 

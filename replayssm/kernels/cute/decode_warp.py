@@ -29,9 +29,10 @@ Per warp, lane (g, q) = (lane // 4, lane % 4) (fragment layouts in mma.py):
    |C'| >= 2**-17, i.e. within 2**-31 of max |C|; below that, the f16 rounding error is
    < 2**-25 of a C' unit). Every column of B is C', so every output column is the dot.
    - FP8: the e4m3 codes become f16 pairs exactly (`cvt.rn.f16x2.e4m3x2`).
-   - NVFP4: a code pair becomes an f16 pair (sm_90a: from the code bits, value * 2**-14;
-     sm_100a: `cvt.rn.f16x2.e2m1x2`, the value), then times its block scale in f16
-     (s 2**7, resp. s 2**-7): the product v s 2**-7 has at most 6 significant bits and
+   - NVFP4: a code pair becomes an f16 pair (sm_90a: the codes moved to e4m3 codes of
+     value * 2**-6 by shifts and masks, then `cvt.rn.f16x2.e4m3x2`; sm_100a:
+     `cvt.rn.f16x2.e2m1x2`, the value), then times its block scale in f16 (s 2**-1,
+     resp. s 2**-7): the product v s 2**-7 has at most 6 significant bits and
      lies in [2**-17, 21], so f16 holds it exactly.
 2. B_j . C for the 16 ring entries (entries beyond r zero, never read; the step's B at
    r), `mma.m16n8k16` bf16 x bf16 (exact products) over the same n-sets: A rows g and
