@@ -72,7 +72,13 @@ HEADS_PER_CTA = 4
 # (54.48), NVFP4 28.10 (15.61) / 97.16 (52.20); 4 -> 26.32 (16.16) / 84.94 (53.60),
 # 26.57 (14.00) / 90.27 (45.96); 5 -> 29.91 (19.08) / 94.30 (62.61), 28.69 (16.12) /
 # 94.57 (50.03). With 4 the FP8 kernel spills 40 bytes a lane (measured that way).
+# Session 9, beside the persistent flush (step_timeline, us per step at 256 / 1024): with
+# the cheaper sm_90a e2m1 decode (1,301 instructions, 124 registers) NVFP4 is faster at 5:
+# 23.05 / 72.35 at 4, 22.62 / 70.38 at 5 (96 registers, no spills); FP8 is not (22.44 /
+# 65.46 at 4, 23.07 / 65.90 at 5). The sm_100a NVFP4 kernel (hardware decode) keeps 4:
+# at 5 it spills 48 bytes, and no B200 here can weigh that.
 CTAS_PER_SM = 4
+CTAS_PER_SM_NVFP4_SM90 = 5
 K_STEPS = N // 16  # k-steps of 16 over the state dimension
 
 
@@ -428,8 +434,10 @@ class DecodeNvfp4Warp(_WarpHead, DecodeNvfp4):
 
     name = "decode_nvfp4_warp"
 
-    def __init__(self, heads: int, groups: int, *, hw: bool, heads_per_cta_limit: int = HEADS_PER_CTA, ctas_per_sm: int = CTAS_PER_SM) -> None:
+    def __init__(self, heads: int, groups: int, *, hw: bool, heads_per_cta_limit: int = HEADS_PER_CTA, ctas_per_sm: int | None = None) -> None:
         DecodeNvfp4.__init__(self, heads, groups)
+        if ctas_per_sm is None:
+            ctas_per_sm = CTAS_PER_SM if hw else CTAS_PER_SM_NVFP4_SM90
         self._init_warp(heads_per_cta_limit, ctas_per_sm)
         self.hw = hw
         self.decode_order = bits_nvfp4.HW_DECODE_ORDER if hw else bits_nvfp4.SOFT_DECODE_ORDER
