@@ -27,13 +27,16 @@ Per warp, lane (g, q) = (lane // 4, lane % 4) (fragment layouts in mma.py):
    NVFP4 [32 q, 32 q + 32) (two whole blocks). C enters as C' = C 2**-e in f16, 2**e
    putting max |C| in [2**14, 2**15) (bf16's 8 significant bits fit f16's 11 for
    |C'| >= 2**-17, i.e. within 2**-31 of max |C|; below that, the f16 rounding error is
-   < 2**-25 of a C' unit). Every column of B is C', so every output column is the dot.
-   - FP8: the e4m3 codes become f16 pairs exactly (`cvt.rn.f16x2.e4m3x2`).
-   - NVFP4: a code pair becomes an f16 pair (sm_90a: the codes moved to e4m3 codes of
-     value * 2**-6 by shifts and masks, then `cvt.rn.f16x2.e4m3x2`; sm_100a:
-     `cvt.rn.f16x2.e2m1x2`, the value), then times its block scale in f16 (s 2**-1,
-     resp. s 2**-7): the product v s 2**-7 has at most 6 significant bits and
-     lies in [2**-17, 21], so f16 holds it exactly.
+   < 2**-25 of a C' unit).
+   - FP8: the e4m3 codes become f16 pairs exactly (`cvt.rn.f16x2.e4m3x2`). Every column
+     of B is C', so every output column is the dot.
+   - NVFP4: a code pair becomes an f16 pair exactly (sm_90a: the codes moved to e4m3
+     codes of value * 2**-6 by shifts and masks, then `cvt.rn.f16x2.e4m3x2`; sm_100a:
+     `cvt.rn.f16x2.e2m1x2`, the value). B's column j is C' on the k values of block j
+     and zero elsewhere (lane (g, q) holds blocks 2 q, 2 q + 1; it supplies column g for
+     its k values, C' where g = 2 q + c for its chunk c, else zeros), so output column j
+     is the dot over block j. Lane (g, q) multiplies its blocks 2 q, 2 q + 1 by their
+     block scales in FP32, and a butterfly over the quad's lanes sums the 8 blocks.
 2. B_j . C for the 16 ring entries (entries beyond r zero, never read; the step's B at
    r), `mma.m16n8k16` bf16 x bf16 (exact products) over the same n-sets: A rows g and
    g + 8 are entries g and g + 8, B is C.
@@ -72,13 +75,13 @@ HEADS_PER_CTA = 4
 # (54.48), NVFP4 28.10 (15.61) / 97.16 (52.20); 4 -> 26.32 (16.16) / 84.94 (53.60),
 # 26.57 (14.00) / 90.27 (45.96); 5 -> 29.91 (19.08) / 94.30 (62.61), 28.69 (16.12) /
 # 94.57 (50.03). With 4 the FP8 kernel spills 40 bytes a lane (measured that way).
-# Session 9, beside the persistent flush (step_timeline, us per step at 256 / 1024): with
-# the cheaper sm_90a e2m1 decode (1,301 instructions, 124 registers) NVFP4 is faster at 5:
-# 23.05 / 72.35 at 4, 22.62 / 70.38 at 5 (96 registers, no spills); FP8 is not (22.44 /
-# 65.46 at 4, 23.07 / 65.90 at 5). The sm_100a NVFP4 kernel (hardware decode) keeps 4:
-# at 5 it spills 48 bytes, and no B200 here can weigh that.
+# Session 9, beside the persistent flush (step_timeline, us per step at 256 / 1024): the
+# sm_90a NVFP4 kernel with its e2m1 decode through e4m3 (1,301 instructions, 124
+# registers) was faster at 5 (23.05 / 72.35 at 4, 22.62 / 70.38 at 5); with the row dots
+# by block as well (1,229 instructions) 5 spills 8 bytes and 4 is faster (22.52 / 70.69
+# for the previous kernel at 5, 22.71 / 71.47 for this one at 5, 22.25 / 70.36 at 4). FP8
+# stays at 4 (22.44 / 65.46 at 4, 23.07 / 65.90 at 5).
 CTAS_PER_SM = 4
-CTAS_PER_SM_NVFP4_SM90 = 5
 K_STEPS = N // 16  # k-steps of 16 over the state dimension
 
 
@@ -86,21 +89,6 @@ def heads_per_cta(hpg: int, limit: int = HEADS_PER_CTA) -> int:
     """Heads per CTA: the largest of 8, 4, 2, 1 up to `limit` that divides the heads per
     group (a CTA's heads share one group)."""
     return max(d for d in (1, 2, 4, 8) if d <= limit and hpg % d == 0)
-
-
-@cutlass.cutlass_dsl.dsl_user_op
-def _f16x2_mul(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
-    """`mul.rn.f16x2`."""
-    return inline_ptx("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [Uint32(a), Uint32(b)], [Uint32], loc=loc, ip=ip)
-
-
-@cutlass.cutlass_dsl.dsl_user_op
-def _e4m3x2_to_f16x2(word: Uint32, *, loc=None, ip=None) -> Uint32:
-    """The e4m3 codes in bits [7:0] and [15:8] of `word` as an f16 pair (exact)."""
-    return inline_ptx(
-        "{\n\t.reg .b16 l;\n\tcvt.u16.u32 l, $1;\n\tcvt.rn.f16x2.e4m3x2 $0, l;\n\t}",
-        "=r,r", [Uint32(word)], [Uint32], loc=loc, ip=ip,
-    )
 
 
 class _WarpHead:
@@ -434,15 +422,13 @@ class DecodeNvfp4Warp(_WarpHead, DecodeNvfp4):
 
     name = "decode_nvfp4_warp"
 
-    def __init__(self, heads: int, groups: int, *, hw: bool, heads_per_cta_limit: int = HEADS_PER_CTA, ctas_per_sm: int | None = None) -> None:
+    def __init__(self, heads: int, groups: int, *, hw: bool, heads_per_cta_limit: int = HEADS_PER_CTA, ctas_per_sm: int = CTAS_PER_SM) -> None:
         DecodeNvfp4.__init__(self, heads, groups)
-        if ctas_per_sm is None:
-            ctas_per_sm = CTAS_PER_SM if hw else CTAS_PER_SM_NVFP4_SM90
         self._init_warp(heads_per_cta_limit, ctas_per_sm)
         self.hw = hw
         self.decode_order = bits_nvfp4.HW_DECODE_ORDER if hw else bits_nvfp4.SOFT_DECODE_ORDER
-        # Block-scale factor that makes (decoded value) * (scale * factor) = v s 2**-7.
-        self.bs_factor = 2.0**-7 if hw else 2.0**-7 * bits_nvfp4.SOFT_DECODE_FACTOR
+        # The decoded f16 values are v / decode_factor.
+        self.decode_factor = 1.0 if hw else bits_nvfp4.SOFT_DECODE_FACTOR
 
     def c_word(self, c: int, q):
         return 16 * q + 8 * c  # n = 32 q + 16 c .. + 15
@@ -503,11 +489,10 @@ class DecodeNvfp4Warp(_WarpHead, DecodeNvfp4):
             for i in cutlass.range_constexpr(8):
                 rc.append(bits.ld_global_v4_u32(rc_base + (N // 2) * i))
             s_base = slot * scale_stride + hh * (P * BLOCKS) + Int64(gq * (8 * BLOCKS) + 2 * q)
-            bs2 = []
-            for i in cutlass.range_constexpr(8):
-                lo = Uint32(scales[s_base + BLOCKS * i])
-                hi = Uint32(scales[s_base + BLOCKS * i + 1])
-                bs2.append(lo | (hi << 8))
+            bs4 = []  # rows 8 gq + 2 mt (bits [15:0]) and + 1 ([31:16]), blocks 2 q, 2 q + 1
+            for mt in cutlass.range_constexpr(4):
+                sb = [Uint32(scales[s_base + BLOCKS * (2 * mt + i // 2) + i % 2]) for i in range(4)]
+                bs4.append(sb[0] | (sb[1] << 8) | (sb[2] << 16) | (sb[3] << 24))
             # The live second-level scale g = 2**E of this slot and group (format.md 4);
             # `& 1` keeps a corrupt parity word inside the slot's meta.
             par = Int64(parity[slot * parity_stride] & Int32(1))
@@ -518,46 +503,62 @@ class DecodeNvfp4Warp(_WarpHead, DecodeNvfp4):
                 x_ring_stride16, dt_ring_stride, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
             )
 
+            # Row dots by block: B column j holds C' on block j's k-values and zeros
+            # elsewhere, so accumulator column j is the dot of an A row with C' over block
+            # j, and no A value is scaled. Lane (gq, q) supplies column gq for its k-values
+            # of chunk c (code words 2 c, 2 c + 1: block 2 q + c): C' where gq = 2 q + c,
+            # else C times a zero factor (an infinite C gives NaN there; the dot is not
+            # finite then anyway).
             # C' pairs in the decoded order: code word wd (elements n = 32 q + 8 wd + e)
             # decodes to f16 words j = (element order[2 j], order[2 j + 1]).
             down, up = self.c_prime(cw)
-            cf = []  # C[32 q + m] * down, m = 0..31 (FP32)
+            cf = []  # C[32 q + m] * down or * 0, m = 0..31 (FP32)
             for c in cutlass.range_constexpr(2):
+                down_c = sel(gq == 2 * q + c, down, Float32(0.0))
                 for v in cutlass.range_constexpr(8):
                     pair = bf16x2_to_f32x2(cw[c][v])
-                    cf += [pair[0] * down, pair[1] * down]
+                    cf += [pair[0] * down_c, pair[1] * down_c]
             order = self.decode_order
-            chp = []  # chp[wd][j]
+            chm = []  # chm[wd][j]
             for wd in cutlass.range_constexpr(4):
-                chp.append([f32x2_to_f16x2(cf[8 * wd + order[2 * j]], cf[8 * wd + order[2 * j + 1]]) for j in range(4)])
-            # Block scales as f16 pairs (s f, s f), f = bs_factor: bsp[i][blk].
-            fbits = Float32(self.bs_factor)
-            f2 = f32x2_to_f16x2(fbits, fbits)
-            bsp = []
-            for i in cutlass.range_constexpr(8):
-                pair = _f16x2_mul(_e4m3x2_to_f16x2(bs2[i]), f2)
-                bsp.append([prmt(pair, pair, 0x1010), prmt(pair, pair, 0x3232)])
-            # Row dots: the k-steps of code word wd take its decoded words j0 (k = 2 q,
-            # 2 q + 1) and j0 + 1 (k = 2 q + 8, + 9), j0 = 0, 2; block wd // 2.
-            rd = []
-            for mt in cutlass.range_constexpr(4):
-                acc = [Float32(0.0)] * 4
-                for wd in cutlass.range_constexpr(4):
-                    lo = self.e2m1x8_f16x2(rc[2 * mt][wd])
-                    hi = self.e2m1x8_f16x2(rc[2 * mt + 1][wd])
-                    blk = wd // 2
-                    for j0 in cutlass.range_constexpr(0, 4, 2):
-                        a = [
-                            _f16x2_mul(lo[j0], bsp[2 * mt][blk]),
-                            _f16x2_mul(hi[j0], bsp[2 * mt + 1][blk]),
-                            _f16x2_mul(lo[j0 + 1], bsp[2 * mt][blk]),
-                            _f16x2_mul(hi[j0 + 1], bsp[2 * mt + 1][blk]),
-                        ]
-                        acc = mma_f16_16x8x16(a, [chp[wd][j0], chp[wd][j0 + 1]], acc)
-                rd.append([acc[0], acc[2]])
-            # R[p] = g (dot' 2**7 2**e).
+                chm.append([f32x2_to_f16x2(cf[8 * wd + order[2 * j]], cf[8 * wd + order[2 * j + 1]]) for j in range(4)])
+            # The k-steps of code word wd take its decoded words j0 (k = 2 q, 2 q + 1) and
+            # j0 + 1 (k = 2 q + 8, + 9), j0 = 0, 2. acc = (rows 8 gq + 2 mt, + 1) x
+            # (blocks 2 q, 2 q + 1): times this lane's own block scales (bs4[mt]), then
+            # summed over the quad's four lanes.
+            b0 = (q % 2) == 1
+            half = []  # m-tiles 2 h, 2 h + 1 summed over lane pairs -> m-tile 2 h + q % 2
+            for h in cutlass.range_constexpr(2):
+                part = []
+                for mt in cutlass.range_constexpr(2 * h, 2 * h + 2):
+                    acc = [Float32(0.0)] * 4
+                    for wd in cutlass.range_constexpr(4):
+                        lo = self.e2m1x8_f16x2(rc[2 * mt][wd])
+                        hi = self.e2m1x8_f16x2(rc[2 * mt + 1][wd])
+                        for j0 in cutlass.range_constexpr(0, 4, 2):
+                            a = [lo[j0], hi[j0], lo[j0 + 1], hi[j0 + 1]]
+                            acc = mma_f16_16x8x16(a, [chm[wd][j0], chm[wd][j0 + 1]], acc)
+                    s0 = bits.f16x2_to_f32x2(bits_nvfp4.DSL_OPS.e4m3x2_f16x2(bs4[mt], 0))
+                    s1 = bits.f16x2_to_f32x2(bits_nvfp4.DSL_OPS.e4m3x2_f16x2(bs4[mt], 1))
+                    part.append([acc[0] * s0[0] + acc[1] * s0[1], acc[2] * s1[0] + acc[3] * s1[1]])
+                # Quad sum, butterfly: lane q ends with m-tile q's two rows (finish's selects).
+                row = []
+                for i in cutlass.range_constexpr(2):
+                    mine = sel(b0, part[1][i], part[0][i])
+                    other = sel(b0, part[0][i], part[1][i])
+                    row.append(mine + cute.arch.shuffle_sync_bfly(other, 1))
+                half.append(row)
+            b1 = (q // 2) == 1
+            dots = []
+            for i in cutlass.range_constexpr(2):
+                mine = sel(b1, half[1][i], half[0][i])
+                other = sel(b1, half[0][i], half[1][i])
+                dots.append(mine + cute.arch.shuffle_sync_bfly(other, 2))
+            rd = [dots] * 4
+            # R[p] = g (dot' 2**7 2**e), dot' = sum v s 2**-7 C'; the dots here are
+            # sum v s C' / DECODE_FACTOR (decoded values v / factor, soft or hardware).
             self.finish(
-                cw, bq, w, s_bc, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, up * Float32(2.0**7), [g_scale, g_scale],
+                cw, bq, w, s_bc, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, up * Float32(self.decode_factor), [g_scale, g_scale],
                 bb, hh, gq, q, lane, r, slot,
                 out, x_ring, dt_ring, b_ring, x_ring_stride16, dt_ring_stride, b_ring_stride16,
             )
