@@ -208,6 +208,8 @@ def test_sm100_uses_hardware_e2m1_conversions(compiled, arch):
         simt = name.endswith("-pdl")
         assert text.count("cvt.rn.f16x2.e2m1x2") == (ROWS_DECODE * 8 if simt else 8 * 16), name
         assert "cvt.rs" not in text, name
+        # The warp kernel's block scales: one e4m3 pair (two blocks of a row) per row.
+        assert text.count("cvt.rn.f16x2.e4m3x2") == (0 if simt else 8), name
     for name, text in _ptx(compiled[arch], "flush").items():
         # Per row: 8 values = 4 e2m1x2 conversions and 4 FP16 pairs.
         assert text.count("cvt.rn.satfinite.e2m1x2.f32") == ROWS_FLUSH * 4, name
@@ -221,6 +223,12 @@ def test_sm90_is_software(compiled):
     for name, text in _ptx(compiled["sm_90a"], "").items():
         assert "e2m1" not in text, name
         assert "cvt.rs" not in text, name
+    for name, text in _ptx(compiled["sm_90a"], "decode").items():
+        # The codes are moved to e4m3 codes and converted two at a time
+        # (bits_nvfp4.e2m1x8_f16x2_soft): SIMT 4 rows x 16 codes per thread; the warp
+        # kernel 8 rows x 32 codes per lane, plus one pair of block scales per row.
+        simt = name.endswith("-pdl")
+        assert text.count("cvt.rn.f16x2.e4m3x2") == (ROWS_DECODE * 8 if simt else 8 * 16 + 8), name
     for name, text in _ptx(compiled["sm_90a"], "flush").items():
         # The checkpoint's rounding (bits.fp16x2_sr_voted): per row one warp vote, the
         # normal-range path's 4 truncating pair conversions and the general path's 4.
@@ -256,6 +264,9 @@ def test_flush_reciprocal_is_ieee_and_amax_is_one_atomic(compiled, arch):
             assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 32, name
             assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 6, name
             assert text.count("bar.sync") == 1, name
+            # Row dots by block: the block scales multiply FP32 accumulators, no f16 A value;
+            # 2 butterfly shuffles for max |C|, 6 for the quad sum of the blocks.
+            assert "mul.rn.f16x2" not in text and text.count("shfl.sync.bfly") == 8, name
 
 
 # ---------------------------------------------------------------------------------------
