@@ -227,19 +227,25 @@ if _HAVE_DSL:
         return _inline_ptx("add.rn.f32 $0, $1, $2;", "=f,f,f", [Float32(x), Float32(y)], [Float32], loc=loc, ip=ip)
 
     @dsl_user_op
-    def _e4m3x2_f16x2(w, half: int, *, loc=None, ip=None) -> Uint32:
-        """Half-word `half` of w (two e4m3 codes, the first in the low byte) -> f16x2:
-        `cvt.rn.f16x2.e4m3x2` (sm_89+), exact."""
+    def _cvt_part_f16x2(w, cvt: str, width: int, part: int, *, loc=None, ip=None) -> Uint32:
+        """`cvt` (a conversion to f16x2) of part `part` of w, w split into 32 // width
+        parts of `width` bits, part 0 the lowest."""
+        names = ", ".join(f"p{i}" for i in range(32 // width))
         return _inline_ptx(
-            "{\n\t.reg .b16 l, h;\n\t"
-            "mov.b32 {l, h}, $1;\n\t"
-            f"cvt.rn.f16x2.e4m3x2 $0, {'lh'[half]};\n\t}}",
+            f"{{\n\t.reg .b{width} {names};\n\t"
+            f"mov.b32 {{{names}}}, $1;\n\t"
+            f"{cvt} $0, p{part};\n\t}}",
             "=r,r",
             [Uint32(w)],
             [Uint32],
             loc=loc,
             ip=ip,
         )
+
+    def _e4m3x2_f16x2(w, half: int) -> Uint32:
+        """Half-word `half` of w (two e4m3 codes, the first in the low byte) -> f16x2:
+        `cvt.rn.f16x2.e4m3x2` (sm_89+), exact."""
+        return _cvt_part_f16x2(w, "cvt.rn.f16x2.e4m3x2", 16, half)
 
     DSL_OPS = SimpleNamespace(
         u=Uint32,
@@ -280,20 +286,10 @@ if _HAVE_DSL:
         b = element 2j (low nibble); operands are passed as (v1, v0, v3, v2, ...)."""
         return _e2m1x8_rn_hw(list(vals))
 
-    @dsl_user_op
-    def _e2m1x2_f16x2_hw(w, byte: int, *, loc=None, ip=None) -> Uint32:
+    def _e2m1x2_f16x2_hw(w, byte: int) -> Uint32:
         """Byte `byte` of w (elements 2 byte, 2 byte + 1) -> f16x2, low nibble in the low
         half: `cvt.rn.f16x2.e2m1x2`."""
-        return _inline_ptx(
-            "{\n\t.reg .b8 q0, q1, q2, q3;\n\t"
-            "mov.b32 {q0, q1, q2, q3}, $1;\n\t"
-            f"cvt.rn.f16x2.e2m1x2 $0, q{byte};\n\t}}",
-            "=r,r",
-            [Uint32(w)],
-            [Uint32],
-            loc=loc,
-            ip=ip,
-        )
+        return _cvt_part_f16x2(w, "cvt.rn.f16x2.e2m1x2", 8, byte)
 
     def e2m1x8_f16x2_hw(w) -> list:
         """sm_100a / sm_103a: packed word -> four f16x2 words in element order (true values)."""
