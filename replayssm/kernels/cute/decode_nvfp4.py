@@ -17,8 +17,9 @@ a row are exactly one NVFP4 block: 8 bytes of codes (one 8-byte load; a warp loa
 
 Only the e2m1 decode differs between targets: `DecodeNvfp4Sm90` builds f16 halves from
 the code bits (bits_nvfp4.e2m1x8_f16x2_soft: each code moved to an e4m3 code of value *
-2**-6, then `cvt.rn.f16x2.e4m3x2`; the factor folded into the block scale), `DecodeNvfp4Sm100` uses `cvt.rn.f16x2.e2m1x2`. Both decode exactly, so the
-two differ at most in the FP32 summation order of a row's 16 products.
+2**-6, then `cvt.rn.f16x2.e4m3x2`; the factor folded into the block scale),
+`DecodeNvfp4Sm100` uses `cvt.rn.f16x2.e2m1x2`. Both decode exactly, so the two differ at
+most in the FP32 summation order of a row's 16 products.
 """
 
 from __future__ import annotations
