@@ -48,7 +48,11 @@ def e2m1_code(x_bits, ops, rbits=None):
     Integer steps of quant/minifloat.py `encode` for e2m1 (bias 1, 1 mantissa bit: a
     normal result, |x| >= 1, discards 22 bits) with the 32-bit rewrites of bits.py:
     nearest clamps the subnormal shift at 25 (v < 2**24 rounds to 0 beyond), stochastic
-    shifts by s - 8 first (exact, since the random bits are added at bit s - 8)."""
+    shifts by s - 8 first (exact, since the random bits are added at bit s - 8).
+
+    No kernel calls it (the sm_90a flush encodes by `e2m1_code_rn`, and the read copy is
+    never rounded stochastically); the tests keep it as the integer twin of the reference
+    encoder, nearest and stochastic."""
     u, sel = ops.u, ops.sel
     a = x_bits & u(0x7FFFFFFF)
     ef = a >> u(23)
