@@ -268,6 +268,45 @@ def test_only_the_pdl_variants_wait_for_the_prepare_kernel(compiled, arch):
     assert seen == 4  # FP8 and NVFP4 x 2 geometries
 
 
+@pytest.mark.parametrize("kind", ["decode_fp8", "decode_nvfp4"])
+def test_warp_kernel_as_the_pdl_variant(monkeypatch, tmp_path, kind):
+    """$REPLAYSSM_PDL_KERNEL=warp: the PDL variant of each non-flush kernel is the warp
+    kernel, launched with PDL and waiting for the prepare kernel before its first global
+    access; the default is the SIMT kernel, and a bad value is refused by name."""
+    import cutlass.cute as cute
+
+    from replayssm.kernels.cute import launch, launch_nvfp4
+    from replayssm.kernels.cute.decode_fp8 import DecodeFp8
+    from replayssm.kernels.cute.decode_nvfp4 import DecodeNvfp4
+    from replayssm.kernels.cute.decode_warp import DecodeFp8Warp, DecodeNvfp4Warp
+
+    fp8 = kind == "decode_fp8"
+    mod = launch if fp8 else launch_nvfp4
+    args = ("hw",) if fp8 else ()
+    monkeypatch.delenv(launch.FP8_DECODE_ENV, raising=False)
+    monkeypatch.delenv(launch_nvfp4.NVFP4_DECODE_ENV, raising=False)
+    monkeypatch.delenv(launch.PDL_KERNEL_ENV, raising=False)
+    simt = mod._kernel_object(kind, "sm_90a", 16, 2, *args, True)
+    assert isinstance(simt, DecodeFp8 if fp8 else DecodeNvfp4)
+    assert not isinstance(simt, (DecodeFp8Warp, DecodeNvfp4Warp))
+    monkeypatch.setenv(launch.PDL_KERNEL_ENV, "warp")
+    warp = mod._kernel_object(kind, "sm_90a", 16, 2, *args, True)
+    assert type(warp) is (DecodeFp8Warp if fp8 else DecodeNvfp4Warp) and warp.pdl is True
+    assert warp.launch_options() == {"min_blocks_per_mp": warp.ctas_per_sm, "preferred_smem_carveout": -1, "use_pdl": True}
+    plain = mod._kernel_object(kind, "sm_90a", 16, 2, *args)
+    assert type(plain) is type(warp) and "use_pdl" not in plain.launch_options()
+    cute.compile(warp, *mod._fake_args(kind), options=launch._options("sm_90a", tmp_path))
+    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    body = ptx[ptx.index(".entry"):]
+    assert body.count("griddepcontrol.wait") == 1
+    first_access = min(body.index(op) for op in ("ld.global", "st.global", "atom.") if op in body)
+    assert body.index("griddepcontrol.wait") < first_access
+    assert body.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 32  # the row dots
+    monkeypatch.setenv(launch.PDL_KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match="REPLAYSSM_PDL_KERNEL"):
+        launch.pdl_kernel()
+
+
 def test_pdl_is_for_batch_1_and_can_be_turned_off(monkeypatch):
     from replayssm.kernels.cute import launch
 

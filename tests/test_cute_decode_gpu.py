@@ -68,6 +68,8 @@ pytestmark = [
         pytest.param(16, 2, "many-2col", "hw", id="fp8-h16-g2-many-rows-2-columns"),
         # A batch of one row: the non-flush kernel launched with PDL (launch.pdl_for).
         pytest.param(16, 2, "one", "hw", id="fp8-h16-g2-one-row"),
+        # The same with the warp kernel as the PDL variant ($REPLAYSSM_PDL_KERNEL=warp).
+        pytest.param(16, 2, "one-warp", "hw", id="fp8-h16-g2-one-row-warp-pdl"),
     ],
 )
 def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3, monkeypatch):
@@ -81,6 +83,9 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3, m
     if sync == "many-2col":
         monkeypatch.setattr(launch, "flush_grid_columns", lambda *args: 2)
         sync = "many"
+    if sync == "one-warp":
+        monkeypatch.setenv(launch.PDL_KERNEL_ENV, "warp")
+        sync = "one"
     many = {"live": MANY_LIVE, "num_slots": MANY_SLOTS} if sync == "many" else {"live": (5,)} if sync == "one" else {}
     w = World("fp8", heads, groups, sync=sync is True, wide=sync == "wide", **many)
     if sync == "one":  # the PDL launch is what this case is for
@@ -149,11 +154,13 @@ def test_cuda_graph_replays_whole_periods():
     check_graph_replays_whole_periods("fp8")
 
 
-def test_cuda_graph_replays_whole_periods_at_batch_1(monkeypatch):
+@pytest.mark.parametrize("pdl_kernel", ["simt", "warp"])
+def test_cuda_graph_replays_whole_periods_at_batch_1(monkeypatch, pdl_kernel):
     """Batch 1: the non-flush kernel with programmatic dependent launch, captured."""
     from replayssm.kernels.cute import launch
 
     monkeypatch.delenv(launch.PDL_ENV, raising=False)
+    monkeypatch.setenv(launch.PDL_KERNEL_ENV, pdl_kernel)
     assert launch.pdl_for(1)
     check_graph_replays_whole_periods("fp8", live=(5,))
 

@@ -314,6 +314,7 @@ def _step(w: World, out, state):
         # The flush grid cut to 2 CTA columns: a CTA flushes row groups 0 and 2 in turn.
         pytest.param(16, 2, "many-2col", id="nvfp4-h16-g2-many-rows-2-columns"),
         pytest.param(16, 2, "one", id="nvfp4-h16-g2-one-row"),  # batch 1: PDL launch (SIMT kernel)
+        pytest.param(16, 2, "one-warp", id="nvfp4-h16-g2-one-row-warp-pdl"),  # the warp kernel with PDL
         # One slot's state spans 10**-12 .. 1 (FP16-subnormal checkpoint values): the
         # sm_90a flush's general rounding path (bits.fp16x2_sr_voted), beside the normal one.
         pytest.param(16, 2, "wide", id="nvfp4-h16-g2-wide-range"),
@@ -331,6 +332,11 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync, monkeyp
 
     if sync == "simt":
         monkeypatch.setenv(launch_nvfp4.NVFP4_DECODE_ENV, "simt")
+    if sync == "one-warp":
+        from replayssm.kernels.cute import launch
+
+        monkeypatch.setenv(launch.PDL_KERNEL_ENV, "warp")
+        sync = "one"
     if sync == "many-2col":
         from replayssm.kernels.cute import launch
 
@@ -429,11 +435,13 @@ def test_cuda_graph_replays_whole_periods():
 
 @pytest.mark.gpu
 @needs_dsl
-def test_cuda_graph_replays_whole_periods_at_batch_1(monkeypatch):
+@pytest.mark.parametrize("pdl_kernel", ["simt", "warp"])
+def test_cuda_graph_replays_whole_periods_at_batch_1(monkeypatch, pdl_kernel):
     """Batch 1: the non-flush kernel with programmatic dependent launch, captured."""
     from replayssm.kernels.cute import launch
 
     monkeypatch.delenv(launch.PDL_ENV, raising=False)
+    monkeypatch.setenv(launch.PDL_KERNEL_ENV, pdl_kernel)
     assert launch.pdl_for(1)
     check_graph_replays_whole_periods("nvfp4", live=(5,))
 

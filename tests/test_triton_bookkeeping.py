@@ -298,6 +298,44 @@ def test_prepare_matches_reference(fmt, ids, id_dtype, slot_padding):
     assert plan.key.data_ptr() == scratch.key.data_ptr()  # views into the caller's scratch
 
 
+def test_prepare_trigger_is_one_launch_dependents_on_the_gpu_only(monkeypatch):
+    """$REPLAYSSM_PREPARE_TRIGGER=1 compiles the prepare kernel with one
+    griddepcontrol.launch_dependents at its start (sm_90 PTX, compiled on the CPU in a
+    process without the interpreter); the interpreter never gets it (it has no
+    griddepcontrol); a bad value is refused."""
+    import os
+    import subprocess
+    import sys
+
+    from replayssm.kernels.triton import prepare as P
+
+    code = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from replayssm.kernels.triton import prepare as P
+sig = {n: "*i64" for n in ("p_ids", "p_pos", "p_parity", "p_meta", "p_out", "p_valid", "p_slot", "p_ring", "p_flush", "p_key", "p_old")}
+sig.update({n: "i32" for n in ("stride_ids", "stride_pos", "stride_parity", "stride_meta", "num_slots", "seed_key")})
+consts = {"G": 2, "BLOCK_G": 2, "OUT_ROW": 1024, "BLOCK_OUT": 1024, "NVFP4": True}
+sig.update({n: "constexpr" for n in (*consts, "TRIGGER")})
+for trigger in (False, True):
+    src = ASTSource(fn=P._prepare_kernel, signature=sig, constexprs={**consts, "TRIGGER": trigger})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    body = ptx[ptx.index(".entry"):]
+    first = body.index("griddepcontrol.launch_dependents") < body.index("ld.global") if trigger else True
+    print(int(trigger), body.count("griddepcontrol.launch_dependents"), int(first))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["0", "0", "1", "1", "1", "1"], out.stdout
+    monkeypatch.setenv(P.PREPARE_TRIGGER_ENV, "1")
+    assert P.prepare_trigger() is False  # the tests run in the interpreter
+    monkeypatch.setenv(P.PREPARE_TRIGGER_ENV, "yes")
+    with pytest.raises(ValueError, match="REPLAYSSM_PREPARE_TRIGGER"):
+        P.prepare_trigger()
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_prepare_period_sequence(fmt):
     """17 steps of rows in phase (every row flushes at steps 0 and 16, none in between)

@@ -107,9 +107,11 @@ class _WarpHead:
         return [self.heads // self.hpc, batch, 1]
 
     def launch_options(self) -> dict:
-        # No PDL variant (launch.py launches the SIMT kernel's at batch 1);
+        # PDL (`pdl`, batch 1, launch.PDL_KERNEL_ENV = "warp"): the kernel waits for the
+        # prepare kernel (griddepcontrol.wait) before its first memory access.
         # preferred_smem_carveout -1: the driver's choice (no device query at compile time).
-        return {"min_blocks_per_mp": self.ctas_per_sm, "preferred_smem_carveout": -1}
+        opts = {"min_blocks_per_mp": self.ctas_per_sm, "preferred_smem_carveout": -1}
+        return {**opts, "use_pdl": True} if self.pdl else opts
 
     def c_word(self, c: int, q):
         """Word (bf16 pair) offset of chunk c (8 words) of lane q's n-set in a row of 128."""
@@ -368,6 +370,8 @@ class DecodeFp8Warp(_WarpHead, DecodeFp8):
     ):
         t, _, _ = cute.arch.thread_idx()
         bx, b, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
         bb = Int64(b)
         live, slot, r = self.plan_row(plan_valid, plan_slot, plan_ring, plan_flush, bb)
         if live == Int32(1):  # the same for the whole CTA (one row)
@@ -474,6 +478,8 @@ class DecodeNvfp4Warp(_WarpHead, DecodeNvfp4):
     ):
         t, _, _ = cute.arch.thread_idx()
         bx, b, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
         bb = Int64(b)
         live, slot, r = self.plan_row(plan_valid, plan_slot, plan_ring, plan_flush, bb)
         if live == Int32(1):  # the same for the whole CTA (one row)

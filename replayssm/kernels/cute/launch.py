@@ -83,14 +83,27 @@ def sm90_e4m3() -> str:
 # before. H200, project benchmark at batch 1, 16 heads / 2 groups, same-run A/B: FP8
 # 4.28 -> 3.47 us, NVFP4 4.52 -> 4.26 us; PDL at every batch made batch 32-1024 slower
 # (NVFP4 at batch 32 8.8 -> 16.0 us), hence batch 1 only (docs/perf-notes-cute.md,
-# session 4). Both variants are compiled; $REPLAYSSM_PDL=0 turns PDL off. Only the SIMT
-# FP8 kernel has a PDL variant (not the opt-in tensor-core one).
+# session 4). Both variants are compiled; $REPLAYSSM_PDL=0 turns PDL off. The opt-in
+# tensor-core FP8 kernel has no PDL variant.
 PDL_ENV = "REPLAYSSM_PDL"
 PDL_MAX_BATCH = 1
 
 
 def pdl() -> bool:
     return env_choice(PDL_ENV, ("0", "1"), "1") == "1"
+
+
+# Which non-flush kernel the PDL variant (batch 1) is: "simt" (decode_fp8.py /
+# decode_nvfp4.py, the default) or "warp" (decode_warp.py with griddepcontrol.wait).
+# Session 5 measured the warp kernels without PDL against the SIMT ones with it (FP8
+# 3.48 / 3.46, NVFP4 4.39 / 4.15 us a step at batch 1); the warp kernels have since lost
+# 5-21% of their instructions and had no PDL variant. Not yet measured on a GPU.
+PDL_KERNEL_ENV = "REPLAYSSM_PDL_KERNEL"
+PDL_KERNELS = ("simt", "warp")
+
+
+def pdl_kernel() -> str:
+    return env_choice(PDL_KERNEL_ENV, PDL_KERNELS, PDL_KERNELS[0])
 
 
 def pdl_for(batch: int) -> bool:
@@ -100,7 +113,8 @@ def pdl_for(batch: int) -> bool:
 
 def has_pdl_variant(kind: str) -> bool:
     """Whether kernel `kind` has a PDL variant: the non-flush kernels (FP8: unless "mma");
-    it is the SIMT kernel (decode_fp8.py, decode_nvfp4.py) with PDL."""
+    it is the SIMT kernel (decode_fp8.py, decode_nvfp4.py) with PDL, or the warp kernel
+    (decode_warp.py) when pdl_kernel() is "warp"."""
     return kind == "decode_nvfp4" or (kind == "decode_fp8" and fp8_decode() != "mma")
 
 
@@ -115,8 +129,10 @@ def _kernel_object(kind: str, arch: str, heads: int, groups: int, e4m3: str, pdl
         mode = fp8_decode()
         if mode == "mma":
             return DecodeFp8Mma(heads, groups)
-        if mode == "warp" and not pdl:
-            return DecodeFp8Warp(heads, groups)
+        if mode == "warp" and (not pdl or pdl_kernel() == "warp"):
+            obj = DecodeFp8Warp(heads, groups)
+            obj.pdl = pdl
+            return obj
         obj = DecodeFp8(heads, groups)
         obj.pdl = pdl
         return obj
@@ -194,7 +210,7 @@ def compiled(kind: str, arch: str, heads: int, groups: int, e4m3: str | None = N
     variant launched with programmatic dependent launch)."""
     e4m3 = "hw" if arch in HAS_CVT_RS or kind == "decode_fp8" else (e4m3 or sm90_e4m3())
     pdl = pdl and has_pdl_variant(kind)
-    key = (kind, arch, heads, groups, e4m3, fp8_decode() if kind == "decode_fp8" else None, pdl)
+    key = (kind, arch, heads, groups, e4m3, fp8_decode() if kind == "decode_fp8" else None, pdl and pdl_kernel())
     fn = _COMPILED.get(key)
     if fn is None:
         obj = _kernel_object(kind, arch, heads, groups, e4m3, pdl)

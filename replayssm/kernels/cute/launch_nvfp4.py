@@ -31,7 +31,8 @@ KINDS = ("decode_nvfp4", "flush_nvfp4", "flush_nvfp4_debug")
 # head), tensor-core dots; H200 at batch 256 / 1024, 16 heads / 2 groups: the kernel
 # 23-28 % and steps 14-16 % faster than "simt") or "simt" (decode_nvfp4.py). The PDL
 # variant (batch 1, launch.PDL_ENV) is the SIMT kernel in both modes (at batch 1 it was
-# 4.15 against the warp kernel's 4.39 us per step).
+# 4.15 against the warp kernel's 4.39 us per step, the warp kernel without PDL) unless
+# launch.PDL_KERNEL_ENV says "warp".
 NVFP4_DECODE_ENV = "REPLAYSSM_NVFP4_DECODE"
 NVFP4_DECODE_MODES = ("warp", "simt")
 
@@ -43,8 +44,10 @@ def nvfp4_decode() -> str:
 def _kernel_object(kind: str, arch: str, heads: int, groups: int, pdl: bool = False):
     hw = arch in HAS_CVT_RS  # the e2m1 conversions come with the same targets as cvt.rs
     if kind == "decode_nvfp4":
-        if nvfp4_decode() == "warp" and not pdl:
-            return DecodeNvfp4Warp(heads, groups, hw=hw)
+        if nvfp4_decode() == "warp" and (not pdl or _fp8.pdl_kernel() == "warp"):
+            obj = DecodeNvfp4Warp(heads, groups, hw=hw)
+            obj.pdl = pdl
+            return obj
         obj = (DecodeNvfp4Sm100 if hw else DecodeNvfp4Sm90)(heads, groups)
         obj.pdl = pdl  # programmatic dependent launch, as the FP8 non-flush (launch.pdl_for)
         return obj
@@ -103,7 +106,7 @@ def compiled(kind: str, arch: str, heads: int, groups: int, pdl: bool = False):
     """The compiled launcher for (kind, arch, heads, groups), compiling it on first use
     (entries live in launch.py's compile cache; `pdl` as in launch.compiled)."""
     pdl = pdl and _fp8.has_pdl_variant(kind)
-    key = (kind, arch, heads, groups, pdl, nvfp4_decode() if kind == "decode_nvfp4" else None)
+    key = (kind, arch, heads, groups, pdl and _fp8.pdl_kernel(), nvfp4_decode() if kind == "decode_nvfp4" else None)
     fn = _fp8._COMPILED.get(key)
     if fn is None:
         obj = _kernel_object(kind, arch, heads, groups, pdl)

@@ -18,6 +18,8 @@ from the device-resident positions.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -26,7 +28,7 @@ from ... import layout as L
 from ...quant.rng import seed_key
 from ...reference import Plan
 from .bits import stream_key
-from .launch import int32_pattern
+from .launch import int32_pattern, interpreting
 
 
 @triton.jit(do_not_specialize=["num_slots", "seed_key"])
@@ -53,7 +55,12 @@ def _prepare_kernel(
     OUT_ROW: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
     NVFP4: tl.constexpr,
+    TRIGGER: tl.constexpr = False,
 ):
+    if TRIGGER:
+        # Programmatic dependent launch: a PDL-launched non-flush kernel behind this one
+        # may start now; it still waits (griddepcontrol.wait) for this grid to complete.
+        tl.extra.cuda.gdc_launch_dependents()
     i_b = tl.program_id(0)
     raw = tl.load(p_ids + i_b.to(tl.int64) * stride_ids)
     valid = (raw > 0) & (raw < num_slots)
@@ -80,6 +87,21 @@ def _prepare_kernel(
     tl.store(p_flush + i_b, flush.to(tl.int8))
     tl.store(p_key + i_b, key.to(tl.int64))
     tl.store(p_old + i_b, old.to(tl.int64))
+
+
+# The prepare kernel signals programmatic dependent launch (griddepcontrol.launch_dependents)
+# as it starts ("1"), or only implicitly, as it completes ("0", the default). Only a
+# PDL-launched kernel right behind it (the batch-1 non-flush kernel) can start earlier;
+# that kernel waits for the whole prepare grid either way. GPU only (the interpreter has
+# no griddepcontrol). Not yet measured on a GPU.
+PREPARE_TRIGGER_ENV = "REPLAYSSM_PREPARE_TRIGGER"
+
+
+def prepare_trigger() -> bool:
+    value = os.environ.get(PREPARE_TRIGGER_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"${PREPARE_TRIGGER_ENV} must be one of ('0', '1'); got {value!r}")
+    return value == "1" and not interpreting()
 
 
 class PlanScratch:
@@ -156,6 +178,7 @@ def prepare_decode(
         OUT_ROW=out_row,
         BLOCK_OUT=triton.next_power_of_2(out_row),
         NVFP4=nvfp4,
+        TRIGGER=prepare_trigger(),
         num_warps=4,
     )
     return plan
