@@ -47,7 +47,7 @@ def _ptx(paths, kind):
 def test_every_variant_compiles(compiled, arch):
     paths = compiled[arch]
     folders = {p.parent.name for p in paths}
-    with_pdl = ("fp8", "nvfp4")  # the PDL variants (SIMT kernels)
+    with_pdl = ("fp8", "nvfp4")  # the PDL variants (warp kernels)
     assert folders == {f"{k}_{fmt}-h16g{g}" for k in ("decode", "flush") for fmt in ("fp8", "nvfp4") for g in (1, 2)} | {
         f"decode_{fmt}-h16g{g}-pdl" for fmt in with_pdl for g in (1, 2)
     }
@@ -108,18 +108,23 @@ BF16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_decode_reads_the_fp8_copy_with_vector_loads(compiled, arch):
-    for name, text in _ptx(compiled[arch], "decode").items():
+def test_decode_reads_the_fp8_copy_with_vector_loads(compiled, simt_pdl_ptx, arch):
+    decode = _ptx(compiled[arch], "decode")
+    assert len(decode) == 4  # 2 geometries, each plain and PDL (both the warp kernel)
+    for name, text in decode.items():
         assert "ld.global.v4" in text, name
         assert "cvt.rs" not in text, name
-        if name.endswith("-pdl"):
-            # SIMT: 4 x 16-byte read-copy loads per thread, decoded by the e4m3x2 -> f16x2 cvt.
-            assert text.count("cvt.rn.f16x2.e4m3x2") == 32, name
-            assert "mma.sync" not in text, name
-        else:
-            assert text.count("cvt.rn.f16x2.e4m3x2") == WARP_CVTS, name
-            assert text.count(F16_MMA) == WARP_F16_MMAS and text.count(BF16_MMA) == WARP_BF16_MMAS, name
-            assert text.count("bar.sync") == 1, name  # the B_j . C partial sums
+        assert text.count("cvt.rn.f16x2.e4m3x2") == WARP_CVTS, name
+        assert text.count(F16_MMA) == WARP_F16_MMAS and text.count(BF16_MMA) == WARP_BF16_MMAS, name
+        assert text.count("bar.sync") == 1, name  # the B_j . C partial sums
+    simt = {k: v for k, v in simt_pdl_ptx[arch].items() if k.startswith("decode_fp8")}
+    assert len(simt) == 2
+    for name, text in simt.items():
+        # SIMT ($REPLAYSSM_PDL_KERNEL=simt): 4 x 16-byte read-copy loads per thread,
+        # decoded by the e4m3x2 -> f16x2 cvt.
+        assert "ld.global.v4" in text and "cvt.rs" not in text, name
+        assert text.count("cvt.rn.f16x2.e4m3x2") == 32, name
+        assert "mma.sync" not in text, name
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
@@ -246,16 +251,14 @@ def test_flush_streams_fork_and_join(monkeypatch, overlap):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_only_the_pdl_variants_wait_for_the_prepare_kernel(compiled, arch):
+def test_only_the_pdl_variants_wait_for_the_prepare_kernel(compiled, simt_pdl_ptx, arch):
     """Programmatic dependent launch (batch 1): the PDL variant of each non-flush kernel
-    (FP8 and NVFP4) starts with one griddepcontrol.wait, before its first global load;
-    the other variants and the flushes have none."""
+    (FP8 and NVFP4; the warp kernels, or the SIMT ones on request) starts with one
+    griddepcontrol.wait, before its first global load; the other variants and the
+    flushes have none."""
     seen = 0
-    for path in compiled[arch]:
-        if path.suffix != ".ptx":
-            continue
-        text = path.read_text()
-        name = path.parent.name
+    texts = [(p.parent.name, p.read_text()) for p in compiled[arch] if p.suffix == ".ptx"]
+    for name, text in texts + list(simt_pdl_ptx[arch].items()):
         if name.endswith("-pdl"):
             seen += 1
             assert name.startswith("decode_"), name
@@ -265,14 +268,15 @@ def test_only_the_pdl_variants_wait_for_the_prepare_kernel(compiled, arch):
             assert body.index("griddepcontrol.wait") < first_access, name
         else:
             assert "griddepcontrol" not in text, name
-    assert seen == 4  # FP8 and NVFP4 x 2 geometries
+    assert seen == 8  # FP8 and NVFP4 x 2 geometries x warp and SIMT
 
 
 @pytest.mark.parametrize("kind", ["decode_fp8", "decode_nvfp4"])
 def test_warp_kernel_as_the_pdl_variant(monkeypatch, tmp_path, kind):
-    """$REPLAYSSM_PDL_KERNEL=warp: the PDL variant of each non-flush kernel is the warp
-    kernel, launched with PDL and waiting for the prepare kernel before its first global
-    access; the default is the SIMT kernel, and a bad value is refused by name."""
+    """The PDL variant of each non-flush kernel is by default the warp kernel, launched
+    with PDL and waiting for the prepare kernel before its first global access;
+    $REPLAYSSM_PDL_KERNEL=simt makes it the SIMT kernel, and a bad value is refused by
+    name."""
     import cutlass.cute as cute
 
     from replayssm.kernels.cute import launch, launch_nvfp4
@@ -285,11 +289,11 @@ def test_warp_kernel_as_the_pdl_variant(monkeypatch, tmp_path, kind):
     args = ("hw",) if fp8 else ()
     monkeypatch.delenv(launch.FP8_DECODE_ENV, raising=False)
     monkeypatch.delenv(launch_nvfp4.NVFP4_DECODE_ENV, raising=False)
-    monkeypatch.delenv(launch.PDL_KERNEL_ENV, raising=False)
+    monkeypatch.setenv(launch.PDL_KERNEL_ENV, "simt")
     simt = mod._kernel_object(kind, "sm_90a", 16, 2, *args, True)
-    assert isinstance(simt, DecodeFp8 if fp8 else DecodeNvfp4)
+    assert isinstance(simt, DecodeFp8 if fp8 else DecodeNvfp4) and simt.pdl is True
     assert not isinstance(simt, (DecodeFp8Warp, DecodeNvfp4Warp))
-    monkeypatch.setenv(launch.PDL_KERNEL_ENV, "warp")
+    monkeypatch.delenv(launch.PDL_KERNEL_ENV, raising=False)
     warp = mod._kernel_object(kind, "sm_90a", 16, 2, *args, True)
     assert type(warp) is (DecodeFp8Warp if fp8 else DecodeNvfp4Warp) and warp.pdl is True
     assert warp.launch_options() == {"min_blocks_per_mp": warp.ctas_per_sm, "preferred_smem_carveout": -1, "use_pdl": True}
@@ -314,16 +318,19 @@ def test_pdl_is_for_batch_1_and_can_be_turned_off(monkeypatch):
     monkeypatch.delenv(launch.FP8_DECODE_ENV, raising=False)
     assert [launch.pdl_for(b) for b in (1, 2, 256)] == [True, False, False]
     assert launch.pdl_variants() == (False, True)
-    # The PDL variant is the SIMT kernel; the default one the warp-per-head kernel.
+    # Both variants are the warp-per-head kernel, the PDL one launched with PDL.
     from replayssm.kernels.cute.decode_fp8 import DecodeFp8
     from replayssm.kernels.cute.decode_warp import DecodeFp8Warp
 
     obj = launch._kernel_object("decode_fp8", "sm_90a", 16, 2, "hw", True)
-    assert type(obj) is DecodeFp8 and obj.pdl is True and obj.launch_options() == {"use_pdl": True}
+    assert type(obj) is DecodeFp8Warp and obj.pdl is True and obj.launch_options()["use_pdl"] is True
     obj = launch._kernel_object("decode_fp8", "sm_90a", 16, 2, "hw")
     assert type(obj) is DecodeFp8Warp and "use_pdl" not in obj.launch_options()
+    # In "simt" mode both are the SIMT kernel, whatever $REPLAYSSM_PDL_KERNEL says.
     monkeypatch.setenv(launch.FP8_DECODE_ENV, "simt")
     assert launch._kernel_object("decode_fp8", "sm_90a", 16, 2, "hw").launch_options() == {}
+    obj = launch._kernel_object("decode_fp8", "sm_90a", 16, 2, "hw", True)
+    assert type(obj) is DecodeFp8 and obj.pdl is True and obj.launch_options() == {"use_pdl": True}
     monkeypatch.setenv(launch.FP8_DECODE_ENV, "fast")
     with pytest.raises(ValueError, match="REPLAYSSM_FP8_DECODE"):
         launch.fp8_decode()

@@ -66,10 +66,11 @@ pytestmark = [
         # The same with the flush grid cut to 2 CTA columns: a CTA flushes row groups
         # 0 and 2 in turn (flush_fp8.flush_columns), its flag words alternating.
         pytest.param(16, 2, "many-2col", "hw", id="fp8-h16-g2-many-rows-2-columns"),
-        # A batch of one row: the non-flush kernel launched with PDL (launch.pdl_for).
+        # A batch of one row: the non-flush kernel launched with PDL (launch.pdl_for), the
+        # warp kernel by default.
         pytest.param(16, 2, "one", "hw", id="fp8-h16-g2-one-row"),
-        # The same with the warp kernel as the PDL variant ($REPLAYSSM_PDL_KERNEL=warp).
-        pytest.param(16, 2, "one-warp", "hw", id="fp8-h16-g2-one-row-warp-pdl"),
+        # The same with the SIMT kernel as the PDL variant ($REPLAYSSM_PDL_KERNEL=simt).
+        pytest.param(16, 2, "one-simt", "hw", id="fp8-h16-g2-one-row-simt-pdl"),
     ],
 )
 def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3, monkeypatch):
@@ -83,8 +84,8 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3, m
     if sync == "many-2col":
         monkeypatch.setattr(launch, "flush_grid_columns", lambda *args: 2)
         sync = "many"
-    if sync == "one-warp":
-        monkeypatch.setenv(launch.PDL_KERNEL_ENV, "warp")
+    if sync == "one-simt":
+        monkeypatch.setenv(launch.PDL_KERNEL_ENV, "simt")
         sync = "one"
     many = {"live": MANY_LIVE, "num_slots": MANY_SLOTS} if sync == "many" else {"live": (5,)} if sync == "one" else {}
     w = World("fp8", heads, groups, sync=sync is True, wide=sync == "wide", **many)

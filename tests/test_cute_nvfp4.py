@@ -199,13 +199,21 @@ def test_every_variant_compiles(compiled, arch):
         assert ".entry kernel_" in text, name
 
 
+def _decode_ptx(compiled, simt_pdl_ptx, arch):
+    """The non-flush kernels' PTX: compile_all's (the warp kernel, plain and PDL) and the
+    SIMT kernel's PDL variant ($REPLAYSSM_PDL_KERNEL=simt), with whether it is SIMT."""
+    warp = _ptx(compiled[arch], "decode")
+    simt = {k: v for k, v in simt_pdl_ptx[arch].items() if k.startswith("decode_nvfp4")}
+    assert len(warp) == 4 and len(simt) == 2
+    return [(name, text, False) for name, text in warp.items()] + [(name, text, True) for name, text in simt.items()]
+
+
 @needs_dsl
 @pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
-def test_sm100_uses_hardware_e2m1_conversions(compiled, arch):
-    for name, text in _ptx(compiled[arch], "decode").items():
-        # Two codes per cvt. SIMT kernel (the PDL variant): 4 rows x 16 codes per thread;
-        # warp-per-head kernel: 8 rows x 32 codes per lane.
-        simt = name.endswith("-pdl")
+def test_sm100_uses_hardware_e2m1_conversions(compiled, simt_pdl_ptx, arch):
+    for name, text, simt in _decode_ptx(compiled, simt_pdl_ptx, arch):
+        # Two codes per cvt. SIMT kernel: 4 rows x 16 codes per thread; warp-per-head
+        # kernel: 8 rows x 32 codes per lane.
         assert text.count("cvt.rn.f16x2.e2m1x2") == (ROWS_DECODE * 8 if simt else 8 * 16), name
         assert "cvt.rs" not in text, name
         # The warp kernel's block scales: one e4m3 pair (two blocks of a row) per row.
@@ -219,15 +227,15 @@ def test_sm100_uses_hardware_e2m1_conversions(compiled, arch):
 
 
 @needs_dsl
-def test_sm90_is_software(compiled):
+def test_sm90_is_software(compiled, simt_pdl_ptx):
     for name, text in _ptx(compiled["sm_90a"], "").items():
         assert "e2m1" not in text, name
         assert "cvt.rs" not in text, name
-    for name, text in _ptx(compiled["sm_90a"], "decode").items():
+    for name, text, simt in _decode_ptx(compiled, simt_pdl_ptx, "sm_90a"):
+        assert "e2m1" not in text and "cvt.rs" not in text, name
         # The codes are moved to e4m3 codes and converted two at a time
         # (bits_nvfp4.e2m1x8_f16x2_soft): SIMT 4 rows x 16 codes per thread; the warp
         # kernel 8 rows x 32 codes per lane, plus one pair of block scales per row.
-        simt = name.endswith("-pdl")
         assert text.count("cvt.rn.f16x2.e4m3x2") == (ROWS_DECODE * 8 if simt else 8 * 16 + 8), name
     for name, text in _ptx(compiled["sm_90a"], "flush").items():
         # The checkpoint's rounding (bits.fp16x2_sr_voted): per row one warp vote, the
@@ -241,7 +249,7 @@ def test_sm90_is_software(compiled):
 
 @needs_dsl
 @pytest.mark.parametrize("arch", ARCHS)
-def test_flush_reciprocal_is_ieee_and_amax_is_one_atomic(compiled, arch):
+def test_flush_reciprocal_is_ieee_and_amax_is_one_atomic(compiled, simt_pdl_ptx, arch):
     for name, text in _ptx(compiled[arch], "flush").items():
         ieee = len(re.findall(r"\b(rcp|div)\.rn\.f32\b", text))
         assert ieee == ROWS_FLUSH, (name, ieee)
@@ -251,9 +259,9 @@ def test_flush_reciprocal_is_ieee_and_amax_is_one_atomic(compiled, arch):
         assert text.count("st.global.b32") == ROWS_FLUSH, name
         assert text.count("st.global.b8") == ROWS_FLUSH, name
         assert text.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 16, name  # the FP8 flush's fold
-    for name, text in _ptx(compiled[arch], "decode").items():
+    for name, text, simt in _decode_ptx(compiled, simt_pdl_ptx, arch):
         assert not re.search(r"\b(atom|red)\.", text), name  # the non-flush kernel writes no meta
-        if name.endswith("-pdl"):  # SIMT: 8 bytes of codes per row and thread
+        if simt:  # 8 bytes of codes per row and thread
             assert "ld.global.v2.b32" in text and "mma.sync" not in text, name
         else:
             # Warp per (row, head), per lane: 16 bytes of codes for each of 8 rows, C in
@@ -313,8 +321,8 @@ def _step(w: World, out, state):
         pytest.param(16, 2, "many", id="nvfp4-h16-g2-many-rows"),
         # The flush grid cut to 2 CTA columns: a CTA flushes row groups 0 and 2 in turn.
         pytest.param(16, 2, "many-2col", id="nvfp4-h16-g2-many-rows-2-columns"),
-        pytest.param(16, 2, "one", id="nvfp4-h16-g2-one-row"),  # batch 1: PDL launch (SIMT kernel)
-        pytest.param(16, 2, "one-warp", id="nvfp4-h16-g2-one-row-warp-pdl"),  # the warp kernel with PDL
+        pytest.param(16, 2, "one", id="nvfp4-h16-g2-one-row"),  # batch 1: PDL launch (warp kernel)
+        pytest.param(16, 2, "one-simt", id="nvfp4-h16-g2-one-row-simt-pdl"),  # the SIMT kernel with PDL
         # One slot's state spans 10**-12 .. 1 (FP16-subnormal checkpoint values): the
         # sm_90a flush's general rounding path (bits.fp16x2_sr_voted), beside the normal one.
         pytest.param(16, 2, "wide", id="nvfp4-h16-g2-wide-range"),
@@ -332,10 +340,10 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync, monkeyp
 
     if sync == "simt":
         monkeypatch.setenv(launch_nvfp4.NVFP4_DECODE_ENV, "simt")
-    if sync == "one-warp":
+    if sync == "one-simt":
         from replayssm.kernels.cute import launch
 
-        monkeypatch.setenv(launch.PDL_KERNEL_ENV, "warp")
+        monkeypatch.setenv(launch.PDL_KERNEL_ENV, "simt")
         sync = "one"
     if sync == "many-2col":
         from replayssm.kernels.cute import launch

@@ -299,10 +299,10 @@ def test_prepare_matches_reference(fmt, ids, id_dtype, slot_padding):
 
 
 def test_prepare_trigger_is_one_launch_dependents_on_the_gpu_only(monkeypatch):
-    """$REPLAYSSM_PREPARE_TRIGGER=1 compiles the prepare kernel with one
+    """$REPLAYSSM_PREPARE_TRIGGER=1 (the default) compiles the prepare kernel with one
     griddepcontrol.launch_dependents at its start (sm_90 PTX, compiled on the CPU in a
-    process without the interpreter); the interpreter never gets it (it has no
-    griddepcontrol); a bad value is refused."""
+    process without the interpreter); the interpreter, CPU tensors and GPUs before
+    compute capability 9.0 never get it; "0" turns it off; a bad value is refused."""
     import os
     import subprocess
     import sys
@@ -329,11 +329,18 @@ for trigger in (False, True):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["0", "0", "1", "1", "1", "1"], out.stdout
-    monkeypatch.setenv(P.PREPARE_TRIGGER_ENV, "1")
-    assert P.prepare_trigger() is False  # the tests run in the interpreter
+    monkeypatch.delenv(P.PREPARE_TRIGGER_ENV, raising=False)  # the default: "1"
+    assert P.prepare_trigger(torch.device("cpu")) is False  # the tests run in the interpreter
+    monkeypatch.setattr(P, "interpreting", lambda: False)
+    assert P.prepare_trigger(torch.device("cpu")) is False  # not a CUDA device
+    monkeypatch.setattr(P, "_has_griddepcontrol", lambda index: index == 1)
+    assert P.prepare_trigger(torch.device("cuda", 1)) is True
+    assert P.prepare_trigger(torch.device("cuda", 0)) is False  # compute capability < 9.0
+    monkeypatch.setenv(P.PREPARE_TRIGGER_ENV, "0")
+    assert P.prepare_trigger(torch.device("cuda", 1)) is False
     monkeypatch.setenv(P.PREPARE_TRIGGER_ENV, "yes")
     with pytest.raises(ValueError, match="REPLAYSSM_PREPARE_TRIGGER"):
-        P.prepare_trigger()
+        P.prepare_trigger(torch.device("cuda", 1))
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])

@@ -107,7 +107,7 @@ class _WarpHead:
         return [self.heads // self.hpc, batch, 1]
 
     def launch_options(self) -> dict:
-        # PDL (`pdl`, batch 1, launch.PDL_KERNEL_ENV = "warp"): the kernel waits for the
+        # PDL (`pdl`, batch 1, launch.PDL_KERNEL_ENV "warp"): the kernel waits for the
         # prepare kernel (griddepcontrol.wait) before its first memory access.
         # preferred_smem_carveout -1: the driver's choice (no device query at compile time).
         opts = {"min_blocks_per_mp": self.ctas_per_sm, "preferred_smem_carveout": -1}

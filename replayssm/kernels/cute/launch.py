@@ -52,7 +52,8 @@ _COMPILED: dict[tuple, object] = {}
 # head), tensor-core dots; H200 at batch 256 / 1024, 16 heads / 2 groups: steps 6-8 %
 # faster than "simt"), "simt" (decode_fp8.py) or "mma" (decode_fp8_mma.py, session 2's
 # tensor-core kernel, slower; docs/perf-notes-cute.md). The PDL variant (batch 1, see
-# PDL_ENV) is the SIMT kernel whatever the mode but "mma" (it was measured that way).
+# PDL_ENV) is the warp kernel ("warp") or the SIMT one ("simt"; PDL_KERNEL_ENV chooses
+# between them in "warp" mode); "mma" has none.
 FP8_DECODE_ENV = "REPLAYSSM_FP8_DECODE"
 FP8_DECODE_MODES = ("warp", "simt", "mma")
 
@@ -93,13 +94,14 @@ def pdl() -> bool:
     return env_choice(PDL_ENV, ("0", "1"), "1") == "1"
 
 
-# Which non-flush kernel the PDL variant (batch 1) is: "simt" (decode_fp8.py /
-# decode_nvfp4.py, the default) or "warp" (decode_warp.py with griddepcontrol.wait).
-# Session 5 measured the warp kernels without PDL against the SIMT ones with it (FP8
-# 3.48 / 3.46, NVFP4 4.39 / 4.15 us a step at batch 1); the warp kernels have since lost
-# 5-21% of their instructions and had no PDL variant. Not yet measured on a GPU.
+# Which non-flush kernel the PDL variant (batch 1) is: "warp" (decode_warp.py with
+# griddepcontrol.wait before its first global access, the default) or "simt"
+# (decode_fp8.py / decode_nvfp4.py with PDL). H200, project benchmark at batch 1, 16 heads
+# / 2 groups, same call, alternated twice, with the prepare kernel's early trigger
+# (triton/prepare.py): FP8 3.66 -> 3.48, NVFP4 3.87 -> 3.76 us a step (without the
+# trigger 4.01 -> 3.90, 4.18 -> 4.18; docs/perf-notes-cute.md, session 10).
 PDL_KERNEL_ENV = "REPLAYSSM_PDL_KERNEL"
-PDL_KERNELS = ("simt", "warp")
+PDL_KERNELS = ("warp", "simt")
 
 
 def pdl_kernel() -> str:
@@ -113,8 +115,8 @@ def pdl_for(batch: int) -> bool:
 
 def has_pdl_variant(kind: str) -> bool:
     """Whether kernel `kind` has a PDL variant: the non-flush kernels (FP8: unless "mma");
-    it is the SIMT kernel (decode_fp8.py, decode_nvfp4.py) with PDL, or the warp kernel
-    (decode_warp.py) when pdl_kernel() is "warp"."""
+    it is the warp kernel (decode_warp.py) with PDL, or the SIMT kernel (decode_fp8.py,
+    decode_nvfp4.py) when pdl_kernel() or the decode mode is "simt"."""
     return kind == "decode_nvfp4" or (kind == "decode_fp8" and fp8_decode() != "mma")
 
 

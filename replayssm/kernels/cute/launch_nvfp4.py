@@ -30,9 +30,8 @@ KINDS = ("decode_nvfp4", "flush_nvfp4", "flush_nvfp4_debug")
 # The NVFP4 non-flush kernel: "warp" (decode_warp.py, the default: one warp per (row,
 # head), tensor-core dots; H200 at batch 256 / 1024, 16 heads / 2 groups: the kernel
 # 23-28 % and steps 14-16 % faster than "simt") or "simt" (decode_nvfp4.py). The PDL
-# variant (batch 1, launch.PDL_ENV) is the SIMT kernel in both modes (at batch 1 it was
-# 4.15 against the warp kernel's 4.39 us per step, the warp kernel without PDL) unless
-# launch.PDL_KERNEL_ENV says "warp".
+# variant (batch 1, launch.PDL_ENV) is the kernel of the mode, except that
+# launch.PDL_KERNEL_ENV = "simt" makes it the SIMT kernel in "warp" mode too.
 NVFP4_DECODE_ENV = "REPLAYSSM_NVFP4_DECODE"
 NVFP4_DECODE_MODES = ("warp", "simt")
 

@@ -18,6 +18,7 @@ from the device-resident positions.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -90,18 +91,30 @@ def _prepare_kernel(
 
 
 # The prepare kernel signals programmatic dependent launch (griddepcontrol.launch_dependents)
-# as it starts ("1"), or only implicitly, as it completes ("0", the default). Only a
-# PDL-launched kernel right behind it (the batch-1 non-flush kernel) can start earlier;
-# that kernel waits for the whole prepare grid either way. GPU only (the interpreter has
-# no griddepcontrol). Not yet measured on a GPU.
+# as it starts ("1", the default), or only implicitly, as it completes ("0"). Only a
+# PDL-launched kernel right behind it (the batch-1 non-flush kernel, cute/launch.py) can
+# start earlier, and it waits for the whole prepare grid either way; any other kernel
+# behind it is launched as before. H200, project benchmark at batch 1, 16 heads / 2
+# groups, same call, alternated twice: FP8 3.90 -> 3.48, NVFP4 4.18 -> 3.76 us a step with
+# the warp PDL variant (4.01 -> 3.66, 4.18 -> 3.87 with the SIMT one;
+# docs/perf-notes-cute.md, session 10). GPUs of compute capability 9.0 and up only
+# (griddepcontrol is sm_90 PTX), never in the interpreter.
 PREPARE_TRIGGER_ENV = "REPLAYSSM_PREPARE_TRIGGER"
 
 
-def prepare_trigger() -> bool:
-    value = os.environ.get(PREPARE_TRIGGER_ENV, "0")
+@functools.cache
+def _has_griddepcontrol(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def prepare_trigger(device: torch.device) -> bool:
+    """Whether the prepare kernel for `device` is compiled with the early trigger."""
+    value = os.environ.get(PREPARE_TRIGGER_ENV, "1")
     if value not in ("0", "1"):
         raise ValueError(f"${PREPARE_TRIGGER_ENV} must be one of ('0', '1'); got {value!r}")
-    return value == "1" and not interpreting()
+    if value == "0" or interpreting() or device.type != "cuda":
+        return False
+    return _has_griddepcontrol(device.index if device.index is not None else torch.cuda.current_device())
 
 
 class PlanScratch:
@@ -178,7 +191,7 @@ def prepare_decode(
         OUT_ROW=out_row,
         BLOCK_OUT=triton.next_power_of_2(out_row),
         NVFP4=nvfp4,
-        TRIGGER=prepare_trigger(),
+        TRIGGER=prepare_trigger(ids.device),
         num_warps=4,
     )
     return plan
