@@ -4,7 +4,8 @@
   replay, ring append), one warp per (row, head) on the tensor cores (the default, and
   the batch-1 PDL variant); `decode_fp8.DecodeFp8` / `decode_nvfp4.DecodeNvfp4Sm90`,
   `Sm100`: the same as SIMT kernels ($REPLAYSSM_FP8_DECODE / $REPLAYSSM_NVFP4_DECODE =
-  simt, or $REPLAYSSM_PDL_KERNEL=simt for the PDL variant alone); `decode_fp8_mma.DecodeFp8Mma` session 2's tensor-core FP8 kernel (opt-in,
+  simt, or $REPLAYSSM_PDL_KERNEL=simt for the PDL variant alone);
+  `decode_fp8_mma.DecodeFp8Mma` session 2's tensor-core FP8 kernel (opt-in,
   $REPLAYSSM_FP8_DECODE=mma: slower, docs/perf-notes-cute.md).
 - `flush_fp8.FlushFp8Sm90` / `FlushFp8Sm100`: the flush (fold 16 tokens into the FP16
   checkpoint on the tensor cores, stochastic rounding, re-derive the read copy); they

@@ -97,14 +97,14 @@ def _prepare_kernel(
 # behind it is launched as before. H200, project benchmark at batch 1, 16 heads / 2
 # groups, same call, alternated twice: FP8 3.90 -> 3.48, NVFP4 4.18 -> 3.76 us a step with
 # the warp PDL variant (4.01 -> 3.66, 4.18 -> 3.87 with the SIMT one;
-# docs/perf-notes-cute.md, session 10). GPUs of compute capability 9.0 and up only
+# docs/perf-notes-cute.md, session 10). NVIDIA GPUs of compute capability 9.0 and up only
 # (griddepcontrol is sm_90 PTX), never in the interpreter.
 PREPARE_TRIGGER_ENV = "REPLAYSSM_PREPARE_TRIGGER"
 
 
 @functools.cache
 def _has_griddepcontrol(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def prepare_trigger(device: torch.device) -> bool:
