@@ -86,8 +86,9 @@ def sm90_e4m3() -> str:
 # (NVFP4 at batch 32 8.8 -> 16.0 us), hence batch 1 only (docs/perf-notes-cute.md,
 # session 4; again in session 10 with the warp kernels and prepare's early trigger, FP8
 # at batch 256 / 1024 22.0 / 64.7 -> 30.3 / 85.0 us: the non-flush CTAs take the SMs
-# before the flush, forked when prepare completes, can start). Both variants are compiled; $REPLAYSSM_PDL=0 turns PDL off. The opt-in
-# tensor-core FP8 kernel has no PDL variant.
+# before the flush, forked when prepare completes, can start). Both variants are
+# compiled; $REPLAYSSM_PDL=0 turns PDL off. The opt-in tensor-core FP8 kernel has no PDL
+# variant.
 PDL_ENV = "REPLAYSSM_PDL"
 PDL_MAX_BATCH = 1
 
