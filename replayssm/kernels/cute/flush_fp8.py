@@ -320,6 +320,7 @@ class FlushFp8:
             ckpt_stride16, x_ring_stride16, dt_ring_stride, b_ring_stride16, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride,
         )
         self.row_partials(t, mh, acc, r_c, s_dot, s_amax)
+        d_p = self.d_rows(t, mh, hh, D, d_stride_h, d_stride_p)
         cute.arch.sync_threads()
 
         rc_w = cute.recast_ptr(read, dtype=Uint32)
@@ -329,7 +330,7 @@ class FlushFp8:
             p = rows[i]
             pp = Int64(p)
             amax = cutlass.max(cutlass.max(s_amax[p], s_amax[P + p]), cutlass.max(s_amax[2 * P + p], s_amax[3 * P + p]))
-            self.row_output(t, mh, hh, bb, p, s_x, s_dot, D, out, d_stride_h, d_stride_p)
+            self.row_output(t, mh, hh, bb, p, s_x, s_dot, d_p[i], out)
             self.store_state(hh, bb, pp, col0, acc, i, state_out)
 
             # Read copy: codes of S * 2**-E, scale 2**E (exact power-of-two products).
@@ -383,6 +384,16 @@ class FlushFp8:
         ck_w = cute.recast_ptr(ckpt, dtype=Uint32)
         ck_head = slot * ckpt_stride16 * 4 + hh * (P * N // 2)
         r_ck = [_vec_a(ck_w, ck_head + Int64(rows[i] * (N // 2) + col0 // 2), 4).load() for i in range(2)]
+        # dt_j (threads 0..14: the ring; thread 15: the step's raw dt and dt_bias) and A,
+        # as predicated loads in straight-line code: ptxas issues them with the others
+        # here. Loaded inside the `t < RING` branch below, they were issued only after
+        # the x_j / B_j stores to shared memory, a memory round trip of their own before
+        # the barrier.
+        ring_dt = bits.ld_global_u32_if((dt_ring + (slot * dt_ring_stride + hh * RING + Int64(t))).toint(), sel(t < RING - 1, Int32(1), Int32(0)))
+        last = sel(t == RING - 1, Int32(1), Int32(0))
+        raw_dt = bits.ld_global_u32_if((dt + (bb * dt_stride_b + hh * dt_stride_h)).toint(), last)
+        bias_dt = bits.ld_global_u32_if((dt_bias + hh * dt_bias_stride).toint(), last)
+        a_h = bits.ld_global_u32_if((A + hh * a_stride).toint(), Int32(1)).bitcast(Float32)
         c_w = cute.recast_ptr(C, dtype=Uint32)
         r_c = _vec_a(c_w, (bb * G + g) * (N // 2) + Int64(col0 // 2), 4).load()
 
@@ -417,13 +428,10 @@ class FlushFp8:
         for k in cutlass.range_constexpr(2):
             _vec_a(s_b.iterator, b_base + 4 * k, 4).store(_vec(r_bs.iterator, 4 * k, 4).load())
         if t < RING:
-            dt_t = Float32(0.0)
-            if t < RING - 1:
-                dt_t = dt_ring[slot * dt_ring_stride + hh * RING + Int64(t)]
-            else:
-                dt_t = softplus(dt[bb * dt_stride_b + hh * dt_stride_h] + dt_bias[hh * dt_bias_stride])
+            dt_t = ring_dt.bitcast(Float32)
+            if t == RING - 1:
+                dt_t = softplus(raw_dt.bitcast(Float32) + bias_dt.bitcast(Float32))
             s_dt[t] = dt_t
-        a_h = A[hh * a_stride]
         cute.arch.sync_threads()
 
         # pre_k = dt_0 + .. + dt_k (in order, the reference's sum), w_j = dt_j
@@ -502,15 +510,25 @@ class FlushFp8:
                 if cutlass.const_expr(row_amax):
                     s_amax[nq * P + rows[i]] = amax
 
+    @staticmethod
+    def d_rows(t, mh, hh, D, d_stride_h, d_stride_p):
+        """D[p] of this lane's two state rows, for row_output. Load it before the barrier
+        that precedes the outputs: ptxas keeps a load on its side of a barrier, and
+        loaded in row_output itself it was a memory round trip inside every flushed
+        row's chain."""
+        _, _, rows, _ = FlushFp8.lane_geometry(t, mh)
+        return [D[hh * d_stride_h + Int64(rows[i]) * d_stride_p] for i in range(2)]
+
     @cute.jit
-    def row_output(self, t, mh, hh, bb, p, s_x, s_dot, D, out, d_stride_h, d_stride_p):
-        """y[p] = S[p] . C + D[p] x[p] from the four quarters' dots (one lane writes it)."""
+    def row_output(self, t, mh, hh, bb, p, s_x, s_dot, d_p, out):
+        """y[p] = S[p] . C + D[p] x[p] from the four quarters' dots and D[p] (`d_p`, from
+        d_rows); one lane writes it."""
         q, nq, rows, col0 = self.lane_geometry(t, mh)
         pp = Int64(p)
         if nq == 0:
             if q == 0:
                 dot = (s_dot[p] + s_dot[P + p]) + (s_dot[2 * P + p] + s_dot[3 * P + p])
-                y = dot + D[hh * d_stride_h + pp * d_stride_p] * s_x[(RING - 1) * X_ROW + p]
+                y = dot + d_p * s_x[(RING - 1) * X_ROW + p]
                 out[(bb * self.heads + hh) * P + pp] = BFloat16(y)
 
     @cute.jit

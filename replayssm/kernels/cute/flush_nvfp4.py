@@ -213,6 +213,7 @@ class FlushNvfp4(FlushFp8):
             for c in cutlass.range_constexpr(8):
                 amax = cutlass.max(amax, acc[c // 2][2 * i + c % 2].bitcast(Int32) & Int32(0x7FFFFFFF))
             bamax.append(_xor_reduce(amax, 2, cutlass.max))
+        d_p = self.d_rows(t, mh, hh, D, d_stride_h, d_stride_p)
         cute.arch.sync_threads()
 
         # Block scales of both rows in one e4m3x2 conversion (nearest, satfinite):
@@ -229,7 +230,7 @@ class FlushNvfp4(FlushFp8):
         for i in cutlass.range_constexpr(ROWS):
             p = rows[i]
             pp = Int64(p)
-            self.row_output(t, mh, hh, bb, p, s_x, s_dot, D, out, d_stride_h, d_stride_p)
+            self.row_output(t, mh, hh, bb, p, s_x, s_dot, d_p[i], out)
             self.store_state(hh, bb, pp, col0, acc, i, state_out)
             # Read copy: e2m1(x * r), this lane's 8 codes = one word; the block's scale byte
             # from the even lane of the pair.
