@@ -382,25 +382,3 @@ def test_sass_stats_counts_the_kernels_structure(tmp_path, monkeypatch):
     extra = stats["pdl"]["ops"] - stats["nonflush"]["ops"]
     assert sum(extra.values()) == stats["pdl"]["total"] - stats["nonflush"]["total"] == 1, extra
     assert pdl == nonflush
-
-
-@pytest.mark.parametrize("kind", ["decode_fp8", "decode_nvfp4"])
-def test_warp_kernels_issue_both_plan_loads_before_the_exit(compiled, kind):
-    """The warp non-flush kernels (sm_90a SASS, every geometry and the PDL variant) load a
-    row's plan record as the 4-byte flags and the 16-byte slot / ring index, both before
-    the exit of non-live rows: ptxas sinks a load used only past the branch, and the slot
-    then cost a memory round trip of its own before the data loads (decode_warp.plan_row)."""
-    import subprocess
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmarks import sass_stats
-
-    cubins = [p for p in compiled["sm_90a"] if p.suffix == ".cubin" and re.fullmatch(rf"{kind}-h\d+g\d+(-pdl)?", p.parent.name)]
-    assert len(cubins) == 4, [p.parent.name for p in cubins]  # 8 and 16 heads a group, with and without PDL
-    for cubin in cubins:
-        sass = subprocess.run([sass_stats.default_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-        ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
-        before = ops[: ops.index("EXIT")]
-        loads = [op for op in before if op.startswith("LDG")]
-        assert len(loads) == 2 and "LDG.E.128" in loads, (cubin.parent.name, before)
