@@ -130,15 +130,11 @@ class _WarpHead:
         """(live, slot, r) of batch row bb from its plan record (kernels/plan.py; the
         four pointers are its fields' addresses in row 0): the slot and the ring index
         in one 16-byte load (words 0 and 1), the valid and flush bytes in one 4-byte
-        load (bytes 32 and 33). live is 1 exactly for valid rows that do not flush.
-
-        live also adds the ring index's high word, which is 0 (the index is in [0, 16)),
-        so that the branch on live waits for both loads: ptxas otherwise sinks a load
-        used only inside the branch below it, and the slot took a round trip of its own
-        between the flags and the data."""
+        load (bytes 32 and 33), both issued before the branch on live (one memory
+        latency). live is 1 exactly for valid rows that do not flush."""
         w = bits.ld_global_v4_u32_if((plan_slot + bb * PLAN_WORDS).toint(), Int32(1))
         flags = bits.ld_global_u32_if((plan_valid + bb * PLAN_BYTES).toint(), Int32(1))
-        live = Int32(flags & Uint32(0xFF)) - Int32((flags >> Uint32(8)) & Uint32(0xFF)) + Int32(w[3])
+        live = Int32(flags & Uint32(0xFF)) - Int32((flags >> Uint32(8)) & Uint32(0xFF))
         return live, Int64(w[0]) | (Int64(w[1]) << 32), Int32(w[2])
 
     @cute.jit
