@@ -130,8 +130,12 @@ class _WarpHead:
         """(live, slot, r) of batch row bb from its plan record (kernels/plan.py; the
         four pointers are its fields' addresses in row 0): the slot and the ring index
         in one 16-byte load (words 0 and 1), the valid and flush bytes in one 4-byte
-        load (bytes 32 and 33), both issued before the branch on live (one memory
-        latency). live is 1 exactly for valid rows that do not flush."""
+        load (bytes 32 and 33). live is 1 exactly for valid rows that do not flush.
+
+        ptxas issues the slot load after the branch on live, where it is used. Making
+        the branch wait for it too (so both loads go out together) made steps slower
+        on the H200: FP8 22.33 -> 22.85 / 64.76 -> 66.12 us, NVFP4 21.71 -> 21.87 /
+        69.10 -> 69.44 at batch 256 / 1024 (docs/perf-notes-cute.md, session 11)."""
         w = bits.ld_global_v4_u32_if((plan_slot + bb * PLAN_WORDS).toint(), Int32(1))
         flags = bits.ld_global_u32_if((plan_valid + bb * PLAN_BYTES).toint(), Int32(1))
         live = Int32(flags & Uint32(0xFF)) - Int32((flags >> Uint32(8)) & Uint32(0xFF))
