@@ -133,9 +133,11 @@ class _WarpHead:
         load (bytes 32 and 33). live is 1 exactly for valid rows that do not flush.
 
         ptxas issues the slot load after the branch on live, where it is used. Making
-        the branch wait for it too (so both loads go out together) made steps slower
-        on the H200: FP8 22.33 -> 22.85 / 64.76 -> 66.12 us, NVFP4 21.71 -> 21.87 /
-        69.10 -> 69.44 at batch 256 / 1024 (docs/perf-notes-cute.md, session 11)."""
+        the branch wait for it too, so that both loads go out together, made FP8 steps
+        slower on the H200 (us at batch 256 / 1024, each against the previous plan
+        layout in the same call: this version 22.33 / 64.76 against 22.13 / 64.64; with
+        the slot load before the branch 22.85 / 66.12 against 22.03 / 64.50;
+        docs/perf-notes-cute.md, session 11)."""
         w = bits.ld_global_v4_u32_if((plan_slot + bb * PLAN_WORDS).toint(), Int32(1))
         flags = bits.ld_global_u32_if((plan_valid + bb * PLAN_BYTES).toint(), Int32(1))
         live = Int32(flags & Uint32(0xFF)) - Int32((flags >> Uint32(8)) & Uint32(0xFF))
