@@ -294,11 +294,12 @@ class FlushFp8:
 
     @staticmethod
     def shared_buffers(smem):
-        """Staged x_j (FP32, X_ROW a row), B_j (FP32, fragment order, B_ROW a row), dt_j,
-        and per (column quarter, state row) the partial dots and amax bits."""
+        """Staged x_j (FP32, X_ROW a row), B_j (FP32, fragment order, B_ROW a row), dt_j
+        followed by D[p] of the CTA's 32 state rows, and per (column quarter, state row)
+        the partial dots and amax bits."""
         s_x = smem.allocate_tensor(Float32, cute.make_layout(RING * X_ROW), byte_alignment=16)
         s_b = smem.allocate_tensor(Float32, cute.make_layout(RING * B_ROW), byte_alignment=16)
-        s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING), byte_alignment=16)
+        s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING + ROWS_HALF), byte_alignment=16)
         s_dot = smem.allocate_tensor(Float32, cute.make_layout(QUARTERS * P), byte_alignment=16)
         s_amax = smem.allocate_tensor(Int32, cute.make_layout(QUARTERS * P), byte_alignment=16)
         return s_x, s_b, s_dt, s_dot, s_amax
@@ -316,11 +317,11 @@ class FlushFp8:
         slot = plan_slot[bb * PLAN_WORDS]
         key = Uint32(plan_key[bb * PLAN_WORDS])
         acc, r_c, ck_w, ck_head = self.fold(
-            t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, x_ring, dt_ring, b_ring, x, dt, A, B, C, dt_bias,
+            t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias,
             ckpt_stride16, x_ring_stride16, dt_ring_stride, b_ring_stride16, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride,
+            d_stride_h, d_stride_p,
         )
         self.row_partials(t, mh, acc, r_c, s_dot, s_amax)
-        d_p = self.d_rows(t, mh, hh, D, d_stride_h, d_stride_p)
         cute.arch.sync_threads()
 
         rc_w = cute.recast_ptr(read, dtype=Uint32)
@@ -330,7 +331,7 @@ class FlushFp8:
             p = rows[i]
             pp = Int64(p)
             amax = cutlass.max(cutlass.max(s_amax[p], s_amax[P + p]), cutlass.max(s_amax[2 * P + p], s_amax[3 * P + p]))
-            self.row_output(t, mh, hh, bb, p, s_x, s_dot, d_p[i], out)
+            self.row_output(t, mh, hh, bb, p, s_x, s_dot, s_dt, out)
             self.store_state(hh, bb, pp, col0, acc, i, state_out)
 
             # Read copy: codes of S * 2**-E, scale 2**E (exact power-of-two products).
@@ -365,8 +366,9 @@ class FlushFp8:
 
     @cute.jit
     def fold(
-        self, t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, x_ring, dt_ring, b_ring, x, dt, A, B, C, dt_bias,
+        self, t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias,
         ckpt_stride16, x_ring_stride16, dt_ring_stride, b_ring_stride16, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride,
+        d_stride_h, d_stride_p,
     ):
         """S of this lane's 16 elements, from the checkpoint and the 16 ring entries (the
         current token as entry 15), on the tensor cores. Returns (acc, this lane's C words,
@@ -394,6 +396,10 @@ class FlushFp8:
         raw_dt = bits.ld_global_u32_if((dt + (bb * dt_stride_b + hh * dt_stride_h)).toint(), last)
         bias_dt = bits.ld_global_u32_if((dt_bias + hh * dt_bias_stride).toint(), last)
         a_h = bits.ld_global_u32_if((A + hh * a_stride).toint(), Int32(1)).bitcast(Float32)
+        # D[p] of the CTA's state rows (threads 0..31), staged for the outputs: loaded
+        # where they are used, after the barrier before them, it was a round trip inside
+        # every flushed row's chain.
+        d_row = bits.ld_global_u32_if((D + (hh * d_stride_h + Int64(mh * ROWS_HALF + t % ROWS_HALF) * d_stride_p)).toint(), sel(t < ROWS_HALF, Int32(1), Int32(0)))
         c_w = cute.recast_ptr(C, dtype=Uint32)
         r_c = _vec_a(c_w, (bb * G + g) * (N // 2) + Int64(col0 // 2), 4).load()
 
@@ -432,6 +438,8 @@ class FlushFp8:
             if t == RING - 1:
                 dt_t = softplus(raw_dt.bitcast(Float32) + bias_dt.bitcast(Float32))
             s_dt[t] = dt_t
+        if t < ROWS_HALF:
+            s_dt[RING + t] = d_row.bitcast(Float32)
         cute.arch.sync_threads()
 
         # pre_k = dt_0 + .. + dt_k (in order, the reference's sum), w_j = dt_j
@@ -510,25 +518,16 @@ class FlushFp8:
                 if cutlass.const_expr(row_amax):
                     s_amax[nq * P + rows[i]] = amax
 
-    @staticmethod
-    def d_rows(t, mh, hh, D, d_stride_h, d_stride_p):
-        """D[p] of this lane's two state rows, for row_output. Load it before the barrier
-        that precedes the outputs: ptxas keeps a load on its side of a barrier, and
-        loaded in row_output itself it was a memory round trip inside every flushed
-        row's chain."""
-        _, _, rows, _ = FlushFp8.lane_geometry(t, mh)
-        return [D[hh * d_stride_h + Int64(rows[i]) * d_stride_p] for i in range(2)]
-
     @cute.jit
-    def row_output(self, t, mh, hh, bb, p, s_x, s_dot, d_p, out):
-        """y[p] = S[p] . C + D[p] x[p] from the four quarters' dots and D[p] (`d_p`, from
-        d_rows); one lane writes it."""
+    def row_output(self, t, mh, hh, bb, p, s_x, s_dot, s_dt, out):
+        """y[p] = S[p] . C + D[p] x[p] from the four quarters' dots and the staged D[p]
+        (s_dt[RING + p % 32], written by `fold`); one lane writes it."""
         q, nq, rows, col0 = self.lane_geometry(t, mh)
         pp = Int64(p)
         if nq == 0:
             if q == 0:
                 dot = (s_dot[p] + s_dot[P + p]) + (s_dot[2 * P + p] + s_dot[3 * P + p])
-                y = dot + d_p * s_x[(RING - 1) * X_ROW + p]
+                y = dot + s_dt[RING + p % ROWS_HALF] * s_x[(RING - 1) * X_ROW + p]
                 out[(bb * self.heads + hh) * P + pp] = BFloat16(y)
 
     @cute.jit

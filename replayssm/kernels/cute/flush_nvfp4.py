@@ -201,8 +201,9 @@ class FlushNvfp4(FlushFp8):
         ig_scale = bits.exp2_int(-e)
 
         acc, r_c, ck_w, ck_head = self.fold(
-            t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, x_ring, dt_ring, b_ring, x, dt, A, B, C, dt_bias,
+            t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias,
             ckpt_stride16, x_ring_stride16, dt_ring_stride, b_ring_stride16, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride,
+            d_stride_h, d_stride_p,
         )
         self.row_partials(t, mh, acc, r_c, s_dot, s_amax, row_amax=False)
         # Block amax of row i: this lane's 8 values and its partner's (lane ^ 1), from the
@@ -213,7 +214,6 @@ class FlushNvfp4(FlushFp8):
             for c in cutlass.range_constexpr(8):
                 amax = cutlass.max(amax, acc[c // 2][2 * i + c % 2].bitcast(Int32) & Int32(0x7FFFFFFF))
             bamax.append(_xor_reduce(amax, 2, cutlass.max))
-        d_p = self.d_rows(t, mh, hh, D, d_stride_h, d_stride_p)
         cute.arch.sync_threads()
 
         # Block scales of both rows in one e4m3x2 conversion (nearest, satfinite):
@@ -230,7 +230,7 @@ class FlushNvfp4(FlushFp8):
         for i in cutlass.range_constexpr(ROWS):
             p = rows[i]
             pp = Int64(p)
-            self.row_output(t, mh, hh, bb, p, s_x, s_dot, d_p[i], out)
+            self.row_output(t, mh, hh, bb, p, s_x, s_dot, s_dt, out)
             self.store_state(hh, bb, pp, col0, acc, i, state_out)
             # Read copy: e2m1(x * r), this lane's 8 codes = one word; the block's scale byte
             # from the even lane of the pair.
