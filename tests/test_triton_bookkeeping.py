@@ -18,7 +18,6 @@ from replayssm.kernels import REFERENCE, TritonBackend, backend_for
 from replayssm.kernels.triton import bits as K
 from replayssm.kernels.triton.clear import clear
 from replayssm.kernels.triton.initialize import initialize
-from replayssm.kernels import plan as plan_record
 from replayssm.kernels.triton.prepare import PlanScratch, prepare_decode
 from replayssm.quant import minifloat as M
 from replayssm.quant import rng
@@ -296,10 +295,7 @@ def test_prepare_matches_reference(fmt, ids, id_dtype, slot_padding):
     assert_same_plan(plan, plan_want)
     assert torch.equal(out_got.view(torch.int16), out_want.view(torch.int16))
     assert_same_cache(got, want)
-    # Views into the caller's scratch, laid out as the decode kernels read them: the
-    # record rows equal, bit for bit, the reference plan packed (padding words zero).
-    assert plan_record.base_address(plan) == scratch.record.data_ptr()
-    assert torch.equal(scratch.record[: ids.numel()], plan_record.pack(plan_want))
+    assert plan.key.data_ptr() == scratch.key.data_ptr()  # views into the caller's scratch
 
 
 def test_prepare_trigger_is_one_launch_dependents_on_the_gpu_only(monkeypatch):
@@ -318,11 +314,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from replayssm.kernels.triton import prepare as P
-from replayssm.kernels import plan as R
-sig = {n: "*i64" for n in ("p_ids", "p_pos", "p_parity", "p_meta", "p_out", "p_rec")}
+sig = {n: "*i64" for n in ("p_ids", "p_pos", "p_parity", "p_meta", "p_out", "p_valid", "p_slot", "p_ring", "p_flush", "p_key", "p_old")}
 sig.update({n: "i32" for n in ("stride_ids", "stride_pos", "stride_parity", "stride_meta", "num_slots", "seed_key")})
-consts = {"G": 2, "BLOCK_G": 2, "OUT_ROW": 1024, "BLOCK_OUT": 1024, "NVFP4": True, "REC_WORDS": R.ROW_WORDS, "REC_SLOT": R.SLOT,
-          "REC_RING": R.RING_INDEX, "REC_KEY": R.KEY, "REC_OLD": R.OLD_PARITY, "REC_FLAGS": R.FLAGS}
+consts = {"G": 2, "BLOCK_G": 2, "OUT_ROW": 1024, "BLOCK_OUT": 1024, "NVFP4": True}
 sig.update({n: "constexpr" for n in (*consts, "TRIGGER")})
 for trigger in (False, True):
     src = ASTSource(fn=P._prepare_kernel, signature=sig, constexprs={**consts, "TRIGGER": trigger})
@@ -595,7 +589,6 @@ import importlib, json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from replayssm.kernels import plan as R
 
 names = ("initialize", "head_amax", "clear", "prepare")
 mods = {m: importlib.import_module("replayssm.kernels.triton." + m) for m in names}
@@ -614,11 +607,11 @@ for nv in (False, True):
                            "stride_read", "stride_scales", "stride_meta", "stride_parity", "num_slots", "seed_key"))
         out[f"initialize-{'nvfp4' if nv else 'fp8'}-{ids}"] = build(
             mods["initialize"]._initialize_kernel, sig, dict(H=64, HPG=8, NVFP4=nv, BLOCK_R=16), enable_fp_fusion=False)
-        sig = dict(p_ids=ids, p_pos="*i32", p_parity="*i32", p_meta="*fp32", p_out="*i16", p_rec="*i64")
+        sig = dict(p_ids=ids, p_pos="*i32", p_parity="*i32", p_meta="*fp32", p_out="*i16", p_valid="*i8",
+                   p_slot="*i64", p_ring="*i64", p_flush="*i8", p_key="*i64", p_old="*i64")
         sig.update(strides("stride_ids", "stride_pos", "stride_parity", "stride_meta", "num_slots", "seed_key"))
-        rec = dict(REC_WORDS=R.ROW_WORDS, REC_SLOT=R.SLOT, REC_RING=R.RING_INDEX, REC_KEY=R.KEY, REC_OLD=R.OLD_PARITY, REC_FLAGS=R.FLAGS)
         out[f"prepare-{'nvfp4' if nv else 'fp8'}-{ids}"] = build(
-            mods["prepare"]._prepare_kernel, sig, dict(G=4, BLOCK_G=4, OUT_ROW=4096, BLOCK_OUT=4096, NVFP4=nv, **rec))
+            mods["prepare"]._prepare_kernel, sig, dict(G=4, BLOCK_G=4, OUT_ROW=4096, BLOCK_OUT=4096, NVFP4=nv))
 sig = dict(p_states="*fp32", p_ids="*i32", p_hmax="*i32")
 sig.update(strides("stride_ids", "stride_sb", "stride_sh", "stride_sp", "stride_sn", "num_slots"))
 out["head_amax"] = build(mods["head_amax"]._head_amax_kernel, sig, dict(H=64, BLOCK_H=1, BLOCK_P=16))

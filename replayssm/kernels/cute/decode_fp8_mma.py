@@ -54,7 +54,6 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.cute.typing import Pointer
 from cutlass.memory import SmemAllocator
 
-from ..plan import ROW_BYTES as PLAN_BYTES, ROW_WORDS as PLAN_WORDS
 from . import bits
 from .bits import bf16x2_to_f32x2 as _bf16x2, sel, softplus, vec as _vec, xor_sum as _xor_sum
 from .decode_fp8 import DecodeFp8
@@ -159,9 +158,9 @@ class DecodeFp8Mma(DecodeFp8):
         bb = Int64(b)
         # The whole plan row at once (one memory latency): 1 exactly for valid rows that
         # do not flush (flush implies valid).
-        live = Int32(plan_valid[bb * PLAN_BYTES]) - Int32(plan_flush[bb * PLAN_BYTES])
-        slot = plan_slot[bb * PLAN_WORDS]
-        r = Int32(plan_ring[bb * PLAN_WORDS])
+        live = Int32(plan_valid[bb]) - Int32(plan_flush[bb])
+        slot = plan_slot[bb]
+        r = Int32(plan_ring[bb])
         if live == Int32(1):
             g = Int64(bx // self.splits)
             split = bx % self.splits  # which WARPS heads of the group this CTA takes

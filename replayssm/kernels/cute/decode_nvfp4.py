@@ -31,7 +31,6 @@ from cuda.bindings import driver as cuda_driver
 from cutlass.cute.typing import Pointer
 from cutlass.memory import SmemAllocator
 
-from ..plan import ROW_BYTES as PLAN_BYTES, ROW_WORDS as PLAN_WORDS
 from . import bits, bits_nvfp4
 from .bits import sel, softplus
 from .decode_fp8 import N, P, RING, _vec, _xor_sum
@@ -90,10 +89,10 @@ class DecodeNvfp4:
         D: Pointer,  # f32 [H, 64], strided
         dt_bias: Pointer,  # f32 [H], strided
         out: Pointer,  # bf16 [batch, H, 64] contiguous
-        plan_valid: Pointer,  # int8, plan record (kernels/plan.py)
-        plan_slot: Pointer,  # int64, plan record (kernels/plan.py)
-        plan_ring: Pointer,  # int64, plan record (kernels/plan.py)
-        plan_flush: Pointer,  # int8, plan record (kernels/plan.py)
+        plan_valid: Pointer,  # int8 [batch]
+        plan_slot: Pointer,  # int64 [batch]
+        plan_ring: Pointer,  # int64 [batch]
+        plan_flush: Pointer,  # int8 [batch]
         read_stride16: Int64,  # slot strides: of the 16-byte-aligned tensors in 16-byte units
         scale_stride: Int64,
         meta_stride: Int64,
@@ -167,9 +166,9 @@ class DecodeNvfp4:
         bb = Int64(b)
         # The whole plan row at once (one memory latency, as the FP8 kernel): 1 exactly
         # for valid rows that do not flush (flush implies valid).
-        live = Int32(plan_valid[bb * PLAN_BYTES]) - Int32(plan_flush[bb * PLAN_BYTES])
-        slot = plan_slot[bb * PLAN_WORDS]
-        r = Int32(plan_ring[bb * PLAN_WORDS])
+        live = Int32(plan_valid[bb]) - Int32(plan_flush[bb])
+        slot = plan_slot[bb]
+        r = Int32(plan_ring[bb])
         if live == Int32(1):
             hh = Int64(h)
             g = hh // HPG

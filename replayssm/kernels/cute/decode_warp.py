@@ -60,7 +60,6 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.cute.typing import Pointer
 from cutlass.memory import SmemAllocator
 
-from ..plan import ROW_BYTES as PLAN_BYTES, ROW_WORDS as PLAN_WORDS
 from . import bits, bits_nvfp4
 from .bits import bf16x2_to_f32x2, e4m3x4_to_f16x2x2, f32x2_to_bf16x2, f32x2_to_f16x2, inline_ptx, prmt, sel, softplus
 from .decode_fp8 import RING, DecodeFp8, N, P
@@ -127,21 +126,12 @@ class _WarpHead:
 
     @cute.jit
     def plan_row(self, plan_valid, plan_slot, plan_ring, plan_flush, bb):
-        """(live, slot, r) of batch row bb from its plan record (kernels/plan.py; the
-        four pointers are its fields' addresses in row 0): the slot and the ring index
-        in one 16-byte load (words 0 and 1), the valid and flush bytes in one 4-byte
-        load (bytes 32 and 33). live is 1 exactly for valid rows that do not flush.
-
-        ptxas issues the slot load after the branch on live, where it is used. Making
-        the branch wait for it too, so that both loads go out together, made FP8 steps
-        slower on the H200 (us at batch 256 / 1024, each against the previous plan
-        layout in the same call: this version 22.33 / 64.76 against 22.13 / 64.64; with
-        the slot load before the branch 22.85 / 66.12 against 22.03 / 64.50;
-        docs/perf-notes-cute.md, session 11)."""
-        w = bits.ld_global_v4_u32_if((plan_slot + bb * PLAN_WORDS).toint(), Int32(1))
-        flags = bits.ld_global_u32_if((plan_valid + bb * PLAN_BYTES).toint(), Int32(1))
-        live = Int32(flags & Uint32(0xFF)) - Int32((flags >> Uint32(8)) & Uint32(0xFF))
-        return live, Int64(w[0]) | (Int64(w[1]) << 32), Int32(w[2])
+        """(live, slot, r) of batch row bb, all four loads issued before the branch on
+        live (one memory latency): live is 1 exactly for valid rows that do not flush."""
+        live = Int32(plan_valid[bb]) - Int32(plan_flush[bb])
+        slot_w = bits.ld_global_v2_u32_if((plan_slot + bb).toint(), Int32(1))
+        r = Int32(bits.ld_global_u32_if((plan_ring + bb).toint(), Int32(1)))
+        return live, Int64(slot_w[0]) | (Int64(slot_w[1]) << 32), r
 
     @cute.jit
     def group_loads(self, C, B, b_ring, bb, g, gq, q, r, slot, b_ring_stride16, w):

@@ -51,7 +51,6 @@ from cuda.bindings import driver as cuda_driver
 from cutlass.cute.typing import Pointer
 from cutlass.memory import SmemAllocator
 
-from ..plan import ROW_BYTES as PLAN_BYTES, ROW_WORDS as PLAN_WORDS
 from . import bits
 from .bits import bf16x2_to_f32x2 as _bf16x2, sel, softplus, vec as _vec, vec_aligned as _vec_a, xor_reduce as _xor_reduce
 from .mma import mma_tf32_16x8x8
@@ -118,7 +117,7 @@ def flush_mask(t, by, plan_flush, batch, s_mask, buf):
         f = Int32(0)
         if t < ROWS_PER_CTA:
             if b_t < batch:
-                f = Int32(plan_flush[Int64(b_t) * PLAN_BYTES])
+                f = Int32(plan_flush[Int64(b_t)])
         m = cute.arch.vote_ballot_sync(f != Int32(0))
         if t == 0:
             s_mask[buf] = Int32(m)
@@ -185,9 +184,9 @@ class FlushFp8:
         D: Pointer,
         dt_bias: Pointer,
         out: Pointer,  # bf16 [batch, H, 64] contiguous
-        plan_slot: Pointer,  # int64, plan record (kernels/plan.py)
-        plan_flush: Pointer,  # int8, plan record (kernels/plan.py)
-        plan_key: Pointer,  # int64, plan record (kernels/plan.py) (uint32 stream tags)
+        plan_slot: Pointer,  # int64 [batch]
+        plan_flush: Pointer,  # int8 [batch]
+        plan_key: Pointer,  # int64 [batch] (uint32 stream tags)
         state_out: Pointer,  # f32 [batch, H, 64, 128] (debug variant only), 16-byte aligned
         ckpt_stride16: Int64,
         read_stride16: Int64,
@@ -314,8 +313,8 @@ class FlushFp8:
     ):
         """State rows 32 mh .. + 31 of one flushing batch row of head hh (the whole CTA)."""
         q, nq, rows, col0 = self.lane_geometry(t, mh)
-        slot = plan_slot[bb * PLAN_WORDS]
-        key = Uint32(plan_key[bb * PLAN_WORDS])
+        slot = plan_slot[bb]
+        key = Uint32(plan_key[bb])
         acc, r_c, ck_w, ck_head = self.fold(
             t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias,
             ckpt_stride16, x_ring_stride16, dt_ring_stride, b_ring_stride16, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride,

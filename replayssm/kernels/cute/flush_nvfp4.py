@@ -38,7 +38,6 @@ from cuda.bindings import driver as cuda_driver
 from cutlass.cute.typing import Pointer
 from cutlass.memory import SmemAllocator
 
-from ..plan import ROW_WORDS as PLAN_WORDS
 from . import bits, bits_nvfp4
 from .bits_nvfp4 import DSL_OPS
 from .flush_fp8 import M_SPLIT, ROWS_PER_CTA, THREADS, WARPS, FlushFp8, N, P, _xor_reduce
@@ -85,10 +84,10 @@ class FlushNvfp4(FlushFp8):
         D: Pointer,
         dt_bias: Pointer,
         out: Pointer,  # bf16 [batch, H, 64] contiguous
-        plan_slot: Pointer,  # int64, plan record (kernels/plan.py)
-        plan_flush: Pointer,  # int8, plan record (kernels/plan.py)
-        plan_key: Pointer,  # int64, plan record (kernels/plan.py) (uint32 stream tags)
-        plan_old: Pointer,  # int64, plan record (kernels/plan.py): parity before the step
+        plan_slot: Pointer,  # int64 [batch]
+        plan_flush: Pointer,  # int8 [batch]
+        plan_key: Pointer,  # int64 [batch] (uint32 stream tags)
+        plan_old: Pointer,  # int64 [batch]: parity before the step
         state_out: Pointer,  # f32 [batch, H, 64, 128] (debug variant only), 16-byte aligned
         ckpt_stride16: Int64,
         read_stride16: Int64,
@@ -190,9 +189,9 @@ class FlushNvfp4(FlushFp8):
         """State rows 32 mh .. + 31 of one flushing batch row of head hh (the whole CTA)."""
         q, _, rows, col0 = self.lane_geometry(t, mh)
         g = hh // self.hpg
-        slot = plan_slot[bb * PLAN_WORDS]
-        key = Uint32(plan_key[bb * PLAN_WORDS])
-        old = Int64(Int32(plan_old[bb * PLAN_WORDS]) & Int32(1))  # `& 1`: stay inside the slot's meta
+        slot = plan_slot[bb]
+        key = Uint32(plan_key[bb])
+        old = Int64(Int32(plan_old[bb]) & Int32(1))  # `& 1`: stay inside the slot's meta
         # The live amax (the half the prepare kernel did not reset) -> g = 2**E.
         meta_row = slot * meta_stride + g * 2
         a_live = meta[meta_row + 1 - old].bitcast(Int32) & Int32(0x7FFFFFFF)

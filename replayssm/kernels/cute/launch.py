@@ -28,7 +28,6 @@ from cutlass import BFloat16, Float16, Float32, Int8, Int32, Int64, Uint32
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 
 from ... import layout as L
-from ..plan import as_record
 from .arch import HAS_CVT_RS, arch_for, check_arch
 from .decode_fp8 import DecodeFp8
 from .decode_fp8_mma import DecodeFp8Mma
@@ -379,8 +378,7 @@ def decode_fp8(
     """Launch the non-flush and the flush kernel for one step (after `prepare`).
 
     Inputs as `reference.decode_nonflush` takes them (normalized by `replayssm.api`);
-    `plan` is the prepare kernel's `reference.Plan` (views of its plan records; any
-    other plan is packed into records first, kernels/plan.py). `state_out`
+    `plan` is the prepare kernel's `reference.Plan` (device buffers). `state_out`
     (float32 [batch, H, 64, 128], contiguous) selects the debug flush, which also writes
     the FP32 state of every flushed row there (tests only); `e4m3` picks the sm_90a
     read-copy encode ("hw" / "soft", default $REPLAYSSM_SM90_E4M3 or "hw"); `pdl` the
@@ -389,7 +387,6 @@ def decode_fp8(
     groups = cache[L.B_RING].shape[1]
     arch = arch or arch_for(x.device)
     x, B, C = _dense16(x), _dense16(B), _dense16(C)
-    plan = as_record(plan)  # the kernels read the plan as records (kernels/plan.py)
     ckpt, x_ring, dt_ring, b_ring = cache[L.CHECKPOINT], cache[L.X_RING], cache[L.DT_RING], cache[L.B_RING]
     read, scales = cache[L.READ_COPY], cache[L.SCALES]
     inputs = [x, dt, A, B, C, D, dt_bias, out]

@@ -18,7 +18,6 @@ from cuda.bindings import driver as cuda_driver
 from cutlass import BFloat16, Float16, Float32, Int8, Int32, Int64, Uint8, Uint32
 
 from ... import layout as L
-from ..plan import as_record
 from . import launch as _fp8
 from .arch import HAS_CVT_RS, arch_for, check_arch
 from .decode_nvfp4 import DecodeNvfp4Sm90, DecodeNvfp4Sm100
@@ -184,7 +183,6 @@ def decode_nvfp4(
     groups = cache[L.B_RING].shape[1]
     arch = arch or arch_for(x.device)
     x, B, C = _fp8._dense16(x), _fp8._dense16(B), _fp8._dense16(C)
-    plan = as_record(plan)  # the kernels read the plan as records (kernels/plan.py)
     ckpt, x_ring, dt_ring, b_ring = cache[L.CHECKPOINT], cache[L.X_RING], cache[L.DT_RING], cache[L.B_RING]
     read, scales, meta, parity = cache[L.READ_COPY], cache[L.SCALES], cache[L.META], cache[L.PARITY]
     inputs = [x, dt, A, B, C, D, dt_bias, out]

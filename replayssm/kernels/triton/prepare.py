@@ -2,11 +2,10 @@
 `reference.prepare_decode`, written into caller-owned scratch.
 
 Grid (batch,): program i_b reads row i_b's slot id and
-- writes the plan row, one record (kernels/plan.py) in one vector store: valid, slot (0
-  for padding rows), ring_index = positions[slot] mod 16, flush = valid and
-  ring_index == 15, key = stream tag of (seed, slot, position) and old_parity (NVFP4
-  flush rows: parity[slot] before the step; 0 otherwise). Padding rows get the
-  reference's values too (slot 0, position 0, key of slot 0 at position 0);
+- writes the plan row: valid, slot (0 for padding rows), ring_index = positions[slot] mod
+  16, flush = valid and ring_index == 15, key = stream tag of (seed, slot, position) and
+  old_parity (NVFP4 flush rows: parity[slot] before the step; 0 otherwise). Padding rows
+  get the reference's values too (slot 0, position 0, key of slot 0 at position 0);
 - zeroes output row i_b when it is padding;
 - advances positions[slot] by one (valid rows);
 - NVFP4 flush rows: flips parity[slot] and zeroes meta[slot, g, old_parity] for every
@@ -29,7 +28,6 @@ import triton.language as tl
 from ... import layout as L
 from ...quant.rng import seed_key
 from ...reference import Plan
-from .. import plan as P
 from .bits import stream_key
 from .launch import int32_pattern, interpreting
 
@@ -41,7 +39,12 @@ def _prepare_kernel(
     p_parity,
     p_meta,
     p_out,
-    p_rec,
+    p_valid,
+    p_slot,
+    p_ring,
+    p_flush,
+    p_key,
+    p_old,
     stride_ids,
     stride_pos,
     stride_parity,
@@ -53,12 +56,6 @@ def _prepare_kernel(
     OUT_ROW: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
     NVFP4: tl.constexpr,
-    REC_WORDS: tl.constexpr,
-    REC_SLOT: tl.constexpr,
-    REC_RING: tl.constexpr,
-    REC_KEY: tl.constexpr,
-    REC_OLD: tl.constexpr,
-    REC_FLAGS: tl.constexpr,
     TRIGGER: tl.constexpr = False,
 ):
     if TRIGGER:
@@ -85,15 +82,12 @@ def _prepare_kernel(
     o_out = tl.arange(0, BLOCK_OUT)
     p_o = p_out + i_b.to(tl.int64) * OUT_ROW + o_out
     tl.store(p_o, tl.zeros([BLOCK_OUT], tl.int16), mask=(o_out < OUT_ROW) & ~valid)
-    # The plan record (kernels/plan.py): one vector store of the row's 8 words.
-    o_w = tl.arange(0, REC_WORDS)
-    flags = valid.to(tl.int64) | (flush.to(tl.int64) << 8)
-    rec = tl.where(o_w == REC_SLOT, slot, 0)
-    rec = tl.where(o_w == REC_RING, ring.to(tl.int64), rec)
-    rec = tl.where(o_w == REC_KEY, key.to(tl.int64), rec)
-    rec = tl.where(o_w == REC_OLD, old.to(tl.int64), rec)
-    rec = tl.where(o_w == REC_FLAGS, flags, rec)
-    tl.store(p_rec + i_b.to(tl.int64) * REC_WORDS + o_w, rec)
+    tl.store(p_valid + i_b, valid.to(tl.int8))
+    tl.store(p_slot + i_b, slot)
+    tl.store(p_ring + i_b, ring.to(tl.int64))
+    tl.store(p_flush + i_b, flush.to(tl.int8))
+    tl.store(p_key + i_b, key.to(tl.int64))
+    tl.store(p_old + i_b, old.to(tl.int64))
 
 
 # The prepare kernel signals programmatic dependent launch (griddepcontrol.launch_dependents)
@@ -124,10 +118,9 @@ def prepare_trigger(device: torch.device) -> bool:
 
 
 class PlanScratch:
-    """Device buffer for the plan of up to `rows` batch rows: one plan record a row
-    (kernels/plan.py), whose strided views are `reference.Plan`'s fields in its dtypes
-    (valid / flush bool, slot / ring_index / old_parity int64, key int64 holding the uint32
-    stream tag, 0 .. 2**32 - 1, as quant/rng.py `stream_key` returns it).
+    """Device buffers for the plan of up to `rows` batch rows, in `reference.Plan`'s dtypes:
+    valid / flush bool, slot / ring_index / old_parity int64, key int64 holding the uint32
+    stream tag (0 .. 2**32 - 1, as quant/rng.py `stream_key` returns it).
 
     `plan(batch)` returns views of the first `batch` rows, so a decode step allocates no
     device memory. A later `prepare_decode` into the same scratch overwrites them: consume
@@ -137,10 +130,22 @@ class PlanScratch:
     def __init__(self, rows: int, device: torch.device | str) -> None:
         self.rows = rows
         self.device = torch.device(device)
-        self.record = P.new_record(rows, device)
+        self.valid = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.slot = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.ring_index = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.flush = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.key = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.old_parity = torch.zeros(rows, dtype=torch.int64, device=device)
 
     def plan(self, batch: int) -> Plan:
-        return P.views(self.record[:batch])
+        return Plan(
+            self.valid[:batch],
+            self.slot[:batch],
+            self.ring_index[:batch],
+            self.flush[:batch],
+            self.key[:batch],
+            self.old_parity[:batch],
+        )
 
 
 def prepare_decode(
@@ -169,7 +174,12 @@ def prepare_decode(
         parity,
         meta,
         out.view(torch.int16),
-        scratch.record,
+        scratch.valid.view(torch.int8),
+        scratch.slot,
+        scratch.ring_index,
+        scratch.flush.view(torch.int8),
+        scratch.key,
+        scratch.old_parity,
         ids.stride(0),
         pos.stride(0),
         parity.stride(0),
@@ -181,12 +191,6 @@ def prepare_decode(
         OUT_ROW=out_row,
         BLOCK_OUT=triton.next_power_of_2(out_row),
         NVFP4=nvfp4,
-        REC_WORDS=P.ROW_WORDS,
-        REC_SLOT=P.SLOT,
-        REC_RING=P.RING_INDEX,
-        REC_KEY=P.KEY,
-        REC_OLD=P.OLD_PARITY,
-        REC_FLAGS=P.FLAGS,
         TRIGGER=prepare_trigger(ids.device),
         num_warps=4,
     )
