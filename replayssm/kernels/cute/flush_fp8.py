@@ -30,9 +30,11 @@ index is permuted so that lane q's accumulators are the 8 consecutive columns
 16-byte store of the checkpoint per row, and adjacent (even, odd) pairs for the FP16x2
 hash words and the e4m3x2 conversions. Row dots and amaxes are reduced over the four
 lanes of a row and the four column quarters (shared memory). Each lane holds 16 values,
-so four CTAs fit an SM at 64 registers a thread (the sm_90a variants then spill a few
-words: 0-8 bytes a thread for FP8, 32 with the software e4m3 encode, 0 for NVFP4; sm_100a
-does not spill).
+so four CTAs fit an SM at 64 registers a thread. Some variants then spill a few words a
+thread, with 16 / 8 heads a group (16 heads; since session 11's early loads in `fold`):
+- sm_90a FP8: 8 / 0 bytes, or 40 / 40 with the software e4m3 encode;
+- sm_90a NVFP4: 0 / 0;
+- sm_100a: FP8 16 / 16, NVFP4 32 / 24 (none before; no B200 here to time it).
 
 Only the two conversions differ between targets: `FlushFp8Sm90` (stochastic rounding by
 bits.fp16x2_sr_fma, a clamp, one `fma.rz.f32` and a few integer steps a value with the
@@ -373,7 +375,7 @@ class FlushFp8:
         current token as entry 15), on the tensor cores. Returns (acc, this lane's C words,
         the checkpoint as words, the head's first checkpoint word); acc[nt][2 i + e] is
         row i at lane column 2 nt + e. Leaves s_x (x_j of this CTA's state rows, FP32)
-        staged for the outputs."""
+        and s_dt[RING:] (their D[p]) staged for the outputs."""
         H, G, HPG = self.heads, self.groups, self.hpg
         g = hh // HPG
         lane = t % 32
@@ -395,9 +397,9 @@ class FlushFp8:
         raw_dt = bits.ld_global_u32_if((dt + (bb * dt_stride_b + hh * dt_stride_h)).toint(), last)
         bias_dt = bits.ld_global_u32_if((dt_bias + hh * dt_bias_stride).toint(), last)
         a_h = bits.ld_global_u32_if((A + hh * a_stride).toint(), Int32(1)).bitcast(Float32)
-        # D[p] of the CTA's state rows (threads 0..31), staged for the outputs: loaded
-        # where they are used, after the barrier before them, it was a round trip inside
-        # every flushed row's chain.
+        # D[p] of the CTA's state rows (threads 0..31), staged for the outputs. Loaded in
+        # row_output, after the barrier that precedes it, D was a round trip inside every
+        # flushed row's chain.
         d_row = bits.ld_global_u32_if((D + (hh * d_stride_h + Int64(mh * ROWS_HALF + t % ROWS_HALF) * d_stride_p)).toint(), sel(t < ROWS_HALF, Int32(1), Int32(0)))
         c_w = cute.recast_ptr(C, dtype=Uint32)
         r_c = _vec_a(c_w, (bb * G + g) * (N // 2) + Int64(col0 // 2), 4).load()
