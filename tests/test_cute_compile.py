@@ -382,3 +382,32 @@ def test_sass_stats_counts_the_kernels_structure(tmp_path, monkeypatch):
     extra = stats["pdl"]["ops"] - stats["nonflush"]["ops"]
     assert sum(extra.values()) == stats["pdl"]["total"] - stats["nonflush"]["total"] == 1, extra
     assert pdl == nonflush
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])  # Triton's cuobjdump has no sm_103a (same code as sm_100a)
+def test_flush_issues_a_rows_loads_before_its_staging(compiled, arch):
+    """Every flush variant's SASS (both formats, every geometry) issues a flushed row's
+    small loads (dt_j, dt, dt_bias, A, D: the 4-byte LDG.E) before its first shared
+    store, and no global load after the row's staging barrier. Loaded in the `t < 16`
+    branch, dt_j went out only after the x_j / B_j shared stores had waited for their
+    data, and D was loaded after the barrier that precedes the outputs: two round trips
+    of their own in every flushed row's chain (docs/perf-notes-cute.md, session 11)."""
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks import sass_stats
+
+    cubins = [p for p in compiled[arch] if p.suffix == ".cubin" and p.parent.name.startswith("flush")]
+    assert len(cubins) == 4, [p.parent.name for p in cubins]  # 2 formats x 2 geometries
+    for cubin in cubins:
+        sass = subprocess.run([sass_stats.default_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+        bars = [i for i, op in enumerate(ops) if op.startswith("BAR")]
+        # bars[0]: the flag ballot of a row group; bars[1]: a flushed row's staging barrier.
+        row = ops[bars[0] + 1 : bars[1]]
+        small = [i for i, op in enumerate(row) if op == "LDG.E"]
+        stores = [i for i, op in enumerate(row) if op.startswith("STS")]
+        name = cubin.parent.name
+        assert small and stores and max(small) < min(stores), (name, row)
+        assert not [op for op in ops[bars[1] :] if op.startswith("LDG")], name
