@@ -126,8 +126,14 @@ class _WarpHead:
 
     @cute.jit
     def plan_row(self, plan_valid, plan_slot, plan_ring, plan_flush, bb):
-        """(live, slot, r) of batch row bb, all four loads issued before the branch on
-        live (one memory latency): live is 1 exactly for valid rows that do not flush."""
+        """(live, slot, r) of batch row bb: live is 1 exactly for valid rows that do not
+        flush.
+
+        The source issues all four loads before the branch on live, but ptxas sinks the
+        slot and ring-index loads below it, where they are used (sm_90a SASS): the flags
+        and then the slot each take a round trip before the data loads. Making the branch
+        wait for the slot load too (checked in the SASS: both before the exit) made steps
+        slower on the H200 (docs/perf-notes-cute.md, session 11), so it stays this way."""
         live = Int32(plan_valid[bb]) - Int32(plan_flush[bb])
         slot_w = bits.ld_global_v2_u32_if((plan_slot + bb).toint(), Int32(1))
         r = Int32(bits.ld_global_u32_if((plan_ring + bb).toint(), Int32(1)))
