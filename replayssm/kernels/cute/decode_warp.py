@@ -133,7 +133,7 @@ class _WarpHead:
         slot and ring-index loads below it, where they are used (sm_90a SASS): the flags
         and then the slot each take a round trip before the data loads. Making the branch
         wait for the slot load too (checked in the SASS: both before the exit) made steps
-        slower on the H200, measured with session 11's plan record (FP8 0.8 / 1.5 us at
+        slower on the H200, measured with session 11's plan record (FP8 about 0.6 / 1.5 us at
         batch 256 / 1024; docs/perf-notes-cute.md, session 11), so it stays this way."""
         live = Int32(plan_valid[bb]) - Int32(plan_flush[bb])
         slot_w = bits.ld_global_v2_u32_if((plan_slot + bb).toint(), Int32(1))
