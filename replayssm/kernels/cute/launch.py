@@ -28,6 +28,7 @@ from cutlass import BFloat16, Float16, Float32, Int8, Int32, Int64, Uint32
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 
 from ... import layout as L
+from ..env import env_choice
 from .arch import HAS_CVT_RS, arch_for, check_arch
 from .decode_fp8 import DecodeFp8
 from .decode_fp8_mma import DecodeFp8Mma
@@ -56,15 +57,6 @@ _COMPILED: dict[tuple, object] = {}
 # between them in "warp" mode); "mma" has none.
 FP8_DECODE_ENV = "REPLAYSSM_FP8_DECODE"
 FP8_DECODE_MODES = ("warp", "simt", "mma")
-
-
-def env_choice(var: str, choices: tuple[str, ...], default: str) -> str:
-    """The value of environment variable `var` (`default` when unset), one of `choices`;
-    anything else is a ValueError naming the variable, the choices and the value."""
-    value = os.environ.get(var, default)
-    if value not in choices:
-        raise ValueError(f"${var} must be one of {choices}; got {value!r}")
-    return value
 
 
 def fp8_decode() -> str:

@@ -19,7 +19,6 @@ from the device-resident positions.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -28,6 +27,7 @@ import triton.language as tl
 from ... import layout as L
 from ...quant.rng import seed_key
 from ...reference import Plan
+from ..env import env_choice
 from .bits import stream_key
 from .launch import int32_pattern, interpreting
 
@@ -109,10 +109,7 @@ def _has_griddepcontrol(device_index: int) -> bool:
 
 def prepare_trigger(device: torch.device) -> bool:
     """Whether the prepare kernel for `device` is compiled with the early trigger."""
-    value = os.environ.get(PREPARE_TRIGGER_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"${PREPARE_TRIGGER_ENV} must be one of ('0', '1'); got {value!r}")
-    if value == "0" or interpreting() or device.type != "cuda":
+    if env_choice(PREPARE_TRIGGER_ENV, ("0", "1"), "1") == "0" or interpreting() or device.type != "cuda":
         return False
     return _has_griddepcontrol(device.index if device.index is not None else torch.cuda.current_device())
 
