@@ -156,6 +156,15 @@ class FlushFp8:
     # faster; the FP8 flush, at 64 registers, spilled 56 bytes with it and got slower
     # (H200, docs/perf-notes-cute.md, session 6). sm_100a rounds in hardware.
     sr_voted = False
+    # The x_j / B_j staging in `fold`: one predicated load a staging thread and source (ring
+    # or the step's input) in straight-line code (True), or both sources loaded by every
+    # staging thread and picked by a select (False). True for NVFP4, whose sm_90a schedule
+    # otherwise issues the B_j loads only after the x_j shared stores: H200, project
+    # benchmark, same call, alternated twice, NVFP4 16h/2g 21.47 -> 20.91 us at batch 256
+    # (68.5 -> 68.0 at 1024, 64h/8g 67.2 -> 66.6 / 244.7 -> 243.4); FP8 got 0.3-0.5% slower
+    # with it (8 bytes of sm_90a spills), so it keeps the select (docs/perf-notes-cute.md,
+    # session 12).
+    stage_one_source = False
 
     def __init__(self, heads: int, groups: int, *, debug: bool = False) -> None:
         self.heads, self.groups = heads, groups
@@ -366,6 +375,17 @@ class FlushFp8:
         return q, nq, [mt * 16 + gq, mt * 16 + gq + 8], nq * 32 + q * 8
 
     @cute.jit
+    def stage_x(self, s_x, jx, xs, words):
+        """x_j of entry jx, state rows xs .. xs + 7 (4 bf16x2 words), to s_x as FP32."""
+        r_xs = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+        for k in cutlass.range_constexpr(4):
+            v = _bf16x2(words[k])
+            r_xs[2 * k] = v[0]
+            r_xs[2 * k + 1] = v[1]
+        for k in cutlass.range_constexpr(2):
+            _vec_a(s_x.iterator, jx * X_ROW + xs + 4 * k, 4).store(_vec(r_xs.iterator, 4 * k, 4).load())
+
+    @cute.jit
     def fold(
         self, t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias,
         ckpt_stride16, x_ring_stride16, dt_ring_stride, b_ring_stride16, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride,
@@ -408,29 +428,45 @@ class FlushFp8:
         # entries 0..15: 15 from the rings, the current token as entry 15; and dt_j.
         xw = cute.recast_ptr(x_ring, dtype=Uint32)
         xcur = cute.recast_ptr(x, dtype=Uint32)
-        if t < RING * ROWS_HALF // 8:
-            jx = t // (ROWS_HALF // 8)
-            xs = mh * ROWS_HALF + (t % (ROWS_HALF // 8)) * 8
-            ring = _vec_a(xw, slot * x_ring_stride16 * 4 + (hh * RING + Int64(jx)) * (P // 2) + Int64(xs // 2), 4).load()
-            cur = _vec_a(xcur, (bb * H + hh) * (P // 2) + Int64(xs // 2), 4).load()
-            r_xs = cute.make_rmem_tensor(cute.make_layout(8), Float32)
-            for k in cutlass.range_constexpr(4):
-                v = _bf16x2(sel(jx == RING - 1, cur[k], ring[k]))
-                r_xs[2 * k] = v[0]
-                r_xs[2 * k + 1] = v[1]
-            for k in cutlass.range_constexpr(2):
-                _vec_a(s_x.iterator, jx * X_ROW + xs + 4 * k, 4).store(_vec(r_xs.iterator, 4 * k, 4).load())
         bw = cute.recast_ptr(b_ring, dtype=Uint32)
         bcur = cute.recast_ptr(B, dtype=Uint32)
         jb = t // 16
         ch = t % 16  # columns 8 ch .. 8 ch + 7
-        ring = _vec_a(bw, slot * b_ring_stride16 * 4 + (g * RING + Int64(jb)) * (N // 2) + Int64(ch * 4), 4).load()
-        cur = _vec_a(bcur, (bb * G + g) * (N // 2) + Int64(ch * 4), 4).load()
         r_bs = cute.make_rmem_tensor(cute.make_layout(8), Float32)
-        for k in cutlass.range_constexpr(4):
-            v = _bf16x2(sel(jb == RING - 1, cur[k], ring[k]))
-            r_bs[k] = v[0]  # column 8 ch + 2 k
-            r_bs[4 + k] = v[1]  # column 8 ch + 2 k + 1
+        if cutlass.const_expr(self.stage_one_source):
+            # One predicated 16-byte load a staging thread and source (the ring for entries
+            # 0..14, the step's input for entry 15; the other load gives zeros), in
+            # straight-line code, so that ptxas issues the x_j and B_j loads together.
+            tx = t % (RING * ROWS_HALF // 8)
+            jx = tx // (ROWS_HALF // 8)
+            xs = mh * ROWS_HALF + (tx % (ROWS_HALF // 8)) * 8
+            x_on = sel(t < RING * ROWS_HALF // 8, Int32(1), Int32(0))
+            x_ring_on = sel(jx < RING - 1, x_on, Int32(0))
+            x_ring_w = bits.ld_global_v4_u32_if((xw + (slot * x_ring_stride16 * 4 + (hh * RING + Int64(jx)) * (P // 2) + Int64(xs // 2))).toint(), x_ring_on)
+            x_cur_w = bits.ld_global_v4_u32_if((xcur + ((bb * H + hh) * (P // 2) + Int64(xs // 2))).toint(), x_on - x_ring_on)
+            b_ring_on = sel(jb < RING - 1, Int32(1), Int32(0))
+            b_ring_w = bits.ld_global_v4_u32_if((bw + (slot * b_ring_stride16 * 4 + (g * RING + Int64(jb)) * (N // 2) + Int64(ch * 4))).toint(), b_ring_on)
+            b_cur_w = bits.ld_global_v4_u32_if((bcur + ((bb * G + g) * (N // 2) + Int64(ch * 4))).toint(), Int32(1) - b_ring_on)
+            if t < RING * ROWS_HALF // 8:
+                self.stage_x(s_x, jx, xs, [x_ring_w[k] | x_cur_w[k] for k in range(4)])
+            for k in cutlass.range_constexpr(4):
+                v = _bf16x2(b_ring_w[k] | b_cur_w[k])
+                r_bs[k] = v[0]  # column 8 ch + 2 k
+                r_bs[4 + k] = v[1]  # column 8 ch + 2 k + 1
+        else:
+            # Both sources loaded by every staging thread, the entry picked by a select.
+            if t < RING * ROWS_HALF // 8:
+                jx = t // (ROWS_HALF // 8)
+                xs = mh * ROWS_HALF + (t % (ROWS_HALF // 8)) * 8
+                ring = _vec_a(xw, slot * x_ring_stride16 * 4 + (hh * RING + Int64(jx)) * (P // 2) + Int64(xs // 2), 4).load()
+                cur = _vec_a(xcur, (bb * H + hh) * (P // 2) + Int64(xs // 2), 4).load()
+                self.stage_x(s_x, jx, xs, [sel(jx == RING - 1, cur[k], ring[k]) for k in range(4)])
+            ring = _vec_a(bw, slot * b_ring_stride16 * 4 + (g * RING + Int64(jb)) * (N // 2) + Int64(ch * 4), 4).load()
+            cur = _vec_a(bcur, (bb * G + g) * (N // 2) + Int64(ch * 4), 4).load()
+            for k in cutlass.range_constexpr(4):
+                v = _bf16x2(sel(jb == RING - 1, cur[k], ring[k]))
+                r_bs[k] = v[0]  # column 8 ch + 2 k
+                r_bs[4 + k] = v[1]  # column 8 ch + 2 k + 1
         b_base = jb * B_ROW + _b_stage_base(ch)
         for k in cutlass.range_constexpr(2):
             _vec_a(s_b.iterator, b_base + 4 * k, 4).store(_vec(r_bs.iterator, 4 * k, 4).load())

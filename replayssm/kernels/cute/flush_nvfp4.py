@@ -61,6 +61,7 @@ class FlushNvfp4(FlushFp8):
     # 8 columns 23.13 / 70.68, 23.11 / 70.57; 10: 22.62 / 70.60, 22.62 / 70.41; 12: 22.39 /
     # 70.37, 22.38 / 70.42.
     ctas_per_sm = 3.0
+    stage_one_source = True  # FlushFp8.stage_one_source
     arch = ""
 
     def e2m1x8_rn(self, vals) -> Uint32:
