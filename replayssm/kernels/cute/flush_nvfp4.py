@@ -56,11 +56,14 @@ class FlushNvfp4(FlushFp8):
     [batch, H, 64, 128] buffer, as the FP8 debug variant does."""
 
     name = "flush_nvfp4"
-    # flush_columns: 12 CTA columns on the H200 (FlushFp8.ctas_per_sm). Session 9, with the
-    # non-flush kernel at 5 CTAs an SM, us per step at batch 256 / 1024, two runs each:
-    # 8 columns 23.13 / 70.68, 23.11 / 70.57; 10: 22.62 / 70.60, 22.62 / 70.41; 12: 22.39 /
-    # 70.37, 22.38 / 70.42.
-    ctas_per_sm = 3.0
+    # flush_columns: 10 CTA columns on the H200 at 16 heads (FlushFp8.ctas_per_sm), 3 at
+    # 64 heads. Session 9, with the non-flush kernel at 5 CTAs an SM, us per step at batch
+    # 256 / 1024, two runs each: 8 columns 23.13 / 70.68, 23.11 / 70.57; 10: 22.62 / 70.60,
+    # 22.62 / 70.41; 12: 22.39 / 70.37, 22.38 / 70.42. Session 12, project benchmark, 16
+    # heads / 2 groups, alternated twice: 10 columns (2.5) 20.66 / 67.69, 20.65 / 67.69;
+    # 12 (3.0) 21.00 / 68.08, 20.97 / 68.22; 14 (3.5) 20.51 / 68.16, 20.56 / 68.36
+    # (docs/perf-notes-cute.md). At 64 heads 2.5 and 3.0 give the same 3 columns.
+    ctas_per_sm = 2.5
     stage_one_source = True  # FlushFp8.stage_one_source
     arch = ""
 
