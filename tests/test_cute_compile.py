@@ -413,3 +413,27 @@ def test_flush_issues_a_rows_loads_before_its_staging(compiled, arch):
         stores = [i for i, op in enumerate(row) if op.startswith("STS")]
         assert loads and stores and max(loads) < min(stores), (name, row)
         assert not [op for op in ops[bars[1] :] if op.startswith("LDG")], name
+
+
+def test_traced_variants_read_the_clocks_and_the_others_do_not(compiled, monkeypatch, tmp_path):
+    """benchmarks/cta_trace.py's traced variants (a trace buffer address baked in) read
+    %globaltimer / %clock64 and store their records; the shipped variants (compile_all,
+    address 0) contain none of it."""
+    from replayssm.kernels.cute import decode_warp, flush_fp8, launch, launch_nvfp4
+
+    for text in {**_ptx(compiled["sm_90a"], "decode"), **_ptx(compiled["sm_90a"], "flush")}.values():
+        assert "%globaltimer" not in text and "%clock64" not in text
+    monkeypatch.setattr(decode_warp._WarpHead, "trace_addr", 1 << 20)
+    monkeypatch.setattr(flush_fp8.FlushFp8, "trace_addr", 1 << 21)
+    paths = []
+    for kind in ("decode_fp8", "flush_fp8"):
+        obj = launch._kernel_object(kind, "sm_90a", 16, 2, "hw")
+        paths += launch.compile_into(obj, launch._fake_args(kind), "sm_90a", tmp_path / kind)
+    for kind in ("decode_nvfp4", "flush_nvfp4"):
+        obj = launch_nvfp4._kernel_object(kind, "sm_90a", 16, 2)
+        paths += launch.compile_into(obj, launch_nvfp4._fake_args(kind), "sm_90a", tmp_path / kind)
+    texts = {p: Path(p).read_text() for p in paths if p.endswith(".ptx")}
+    assert len(texts) == 4
+    for p, text in texts.items():
+        assert "%globaltimer" in text and "%clock64" in text and "%smid" in text, p
+        assert "st.global.b64" in text, p

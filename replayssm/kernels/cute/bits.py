@@ -505,6 +505,35 @@ def st_global_v4_u32(addr, words, *, loc=None, ip=None) -> None:
     )
 
 
+# ---------------------------------------------------------------------------------------
+# Timestamps (benchmarks/cta_trace.py; compiled only into the traced variants)
+
+
+@dsl_user_op
+def globaltimer_after(dep, *, loc=None, ip=None) -> Int64:
+    """%globaltimer (ns, one clock for the whole GPU), read once `dep` (a 32-bit DSL
+    scalar) is available: the read waits for the value it names."""
+    return inline_ptx("mov.u64 $0, %globaltimer;", "=l,r", [Uint32(dep)], [Int64], side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def clock_after(dep, *, loc=None, ip=None) -> Int64:
+    """%clock64 (this SM's cycles), read once `dep` (a 32-bit DSL scalar) is available."""
+    return inline_ptx("mov.u64 $0, %clock64;", "=l,r", [Uint32(dep)], [Int64], side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def sm_id(*, loc=None, ip=None) -> Int32:
+    """%smid: the SM this thread runs on."""
+    return inline_ptx("mov.u32 $0, %smid;", "=r", [], [Int32], side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_global_u64(addr, value, *, loc=None, ip=None) -> None:
+    """Store the 64-bit `value` at global address `addr` (Int64, 8-byte aligned)."""
+    inline_ptx("st.global.b64 [$0], $1;", "l,l", [Int64(addr), Int64(value)], side_effects=True, loc=loc, ip=ip)
+
+
 @dsl_user_op
 def ld_global_v2_u32_if(addr, pred, *, loc=None, ip=None) -> list:
     """The 8 bytes at global address `addr` (Int64, 8-byte aligned) as two words if

@@ -91,9 +91,28 @@ def heads_per_cta(hpg: int, limit: int = HEADS_PER_CTA) -> int:
     return max(d for d in (1, 2, 4, 8) if d <= limit and hpg % d == 0)
 
 
+# benchmarks/cta_trace.py: int64 words a CTA's trace record holds.
+TRACE_WORDS = 8
+
+
 class _WarpHead:
     """What the two formats' warp kernels share: launch shape, the plan, the per-head
     loads, B_j . C, the scan, the ring replay, the outputs and the ring writes."""
+
+    # benchmarks/cta_trace.py: the global address of a zeroed int64 [CTAs, TRACE_WORDS]
+    # buffer compiles a traced variant, whose thread 0 writes per CTA (grid order) its
+    # %globaltimer at entry and exit, %clock64 at entry, when the row's slot is back,
+    # after the row dots, after `finish`, at exit, and smid + (live << 32). 0: no trace.
+    trace_addr = 0
+
+    @cute.jit
+    def trace_record(self, t, bx, b, words):
+        """Thread 0 writes `words` (Int64) to this CTA's trace record."""
+        if t == 0:
+            nbx, _, _ = cute.arch.grid_dim()
+            rec = Int64(self.trace_addr) + (Int64(b) * Int64(nbx) + Int64(bx)) * (8 * TRACE_WORDS)
+            for i in cutlass.range_constexpr(len(words)):
+                bits.st_global_u64(rec + 8 * i, words[i])
 
     def _init_warp(self, heads_per_cta_limit: int, ctas_per_sm: int) -> None:
         self.hpc = heads_per_cta(self.hpg, heads_per_cta_limit)
@@ -380,8 +399,16 @@ class DecodeFp8Warp(_WarpHead, DecodeFp8):
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
         bb = Int64(b)
+        if cutlass.const_expr(self.trace_addr):
+            gt0 = bits.globaltimer_after(Int32(b))
+            c0 = bits.clock_after(Int32(b))
         live, slot, r = self.plan_row(plan_valid, plan_slot, plan_ring, plan_flush, bb)
+        if cutlass.const_expr(self.trace_addr):
+            if live != Int32(1):
+                self.trace_record(t, bx, b, [gt0, bits.globaltimer_after(live), c0, Int64(0), Int64(0), Int64(0), bits.clock_after(live), Int64(bits.sm_id())])
         if live == Int32(1):  # the same for the whole CTA (one row)
+            if cutlass.const_expr(self.trace_addr):
+                c1 = bits.clock_after(Int32(slot))
             lane, gq, q, hh, g = self.warp_coords(t, bx)
             w = Int32(t // 32)
             s_bc = SmemAllocator().allocate_tensor(Float32, cute.make_layout(RING * self.hpc), byte_alignment=16)
@@ -419,11 +446,19 @@ class DecodeFp8Warp(_WarpHead, DecodeFp8):
                     hi = e4m3x4_to_f16x2x2(rc[2 * mt + 1][c][v])
                     acc = mma_f16_16x8x16([lo[0], hi[0], lo[1], hi[1]], [ch[c][2 * v], ch[c][2 * v + 1]], acc)
                 rd.append([acc[0], acc[2]])
+            if cutlass.const_expr(self.trace_addr):
+                c2 = bits.clock_after(rd[3][1].bitcast(Int32))
             # R[p] = scale[p] (dot 2**e).
             self.finish(
                 cw, bq, w, s_bc, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, up, [sc0, sc1], bb, hh, gq, q, lane, r, slot,
                 out, x_ring, dt_ring, b_ring, x_ring_stride16, dt_ring_stride, b_ring_stride16,
             )
+            if cutlass.const_expr(self.trace_addr):
+                c3 = bits.clock_after(t)
+                self.trace_record(
+                    t, bx, b,
+                    [gt0, bits.globaltimer_after(t), c0, c1, c2, c3, bits.clock_after(t), Int64(bits.sm_id()) | (Int64(1) << 32)],
+                )
 
 
 class DecodeNvfp4Warp(_WarpHead, DecodeNvfp4):
@@ -488,8 +523,16 @@ class DecodeNvfp4Warp(_WarpHead, DecodeNvfp4):
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
         bb = Int64(b)
+        if cutlass.const_expr(self.trace_addr):
+            gt0 = bits.globaltimer_after(Int32(b))
+            c0 = bits.clock_after(Int32(b))
         live, slot, r = self.plan_row(plan_valid, plan_slot, plan_ring, plan_flush, bb)
+        if cutlass.const_expr(self.trace_addr):
+            if live != Int32(1):
+                self.trace_record(t, bx, b, [gt0, bits.globaltimer_after(live), c0, Int64(0), Int64(0), Int64(0), bits.clock_after(live), Int64(bits.sm_id())])
         if live == Int32(1):  # the same for the whole CTA (one row)
+            if cutlass.const_expr(self.trace_addr):
+                c1 = bits.clock_after(Int32(slot))
             lane, gq, q, hh, g = self.warp_coords(t, bx)
             w = Int32(t // 32)
             s_bc = SmemAllocator().allocate_tensor(Float32, cute.make_layout(RING * self.hpc), byte_alignment=16)
@@ -568,6 +611,8 @@ class DecodeNvfp4Warp(_WarpHead, DecodeNvfp4):
                 other = sel(b1, half[0][i], half[1][i])
                 dots.append(mine + cute.arch.shuffle_sync_bfly(other, 2))
             rd = [dots] * 4
+            if cutlass.const_expr(self.trace_addr):
+                c2 = bits.clock_after(dots[1].bitcast(Int32))
             # R[p] = g (dot' 2**7 2**e), dot' = sum v s 2**-7 C'; the dots here are
             # sum v s C' / DECODE_FACTOR (decoded values v / factor, soft or hardware).
             self.finish(
@@ -575,6 +620,12 @@ class DecodeNvfp4Warp(_WarpHead, DecodeNvfp4):
                 bb, hh, gq, q, lane, r, slot,
                 out, x_ring, dt_ring, b_ring, x_ring_stride16, dt_ring_stride, b_ring_stride16,
             )
+            if cutlass.const_expr(self.trace_addr):
+                c3 = bits.clock_after(t)
+                self.trace_record(
+                    t, bx, b,
+                    [gt0, bits.globaltimer_after(t), c0, c1, c2, c3, bits.clock_after(t), Int64(bits.sm_id()) | (Int64(1) << 32)],
+                )
 
 
 __all__ = ["DecodeFp8Warp", "DecodeNvfp4Warp", "heads_per_cta"]

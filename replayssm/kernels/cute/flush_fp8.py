@@ -82,6 +82,12 @@ MIN_CTAS_PER_SM = 4
 FP8_MANT_LIMIT, FP8_E_OFF = 0x600000, 8
 
 
+# benchmarks/cta_trace.py: outer trips of the flush walk a trace records, and the int64
+# words of a CTA's record.
+TRACE_TRIPS = 16
+FLUSH_TRACE_WORDS = 8 + 5 * 16 * TRACE_TRIPS
+
+
 def flush_columns(heads: int, ctas_per_sm: float, sm_count: int) -> int:
     """CTA columns of the flush grid: it launches heads * M_SPLIT * min(row groups,
     columns) CTAs, CTA i taking head half i % (heads * M_SPLIT) of the row groups
@@ -165,6 +171,12 @@ class FlushFp8:
     # with it (8 bytes of sm_90a spills), so it keeps the select (docs/perf-notes-cute.md,
     # session 12).
     stage_one_source = False
+    # benchmarks/cta_trace.py: the global address of a zeroed int64 [CTAs,
+    # FLUSH_TRACE_WORDS] buffer compiles a traced variant (0: none). Per CTA: %globaltimer
+    # at entry and exit, smid; per flushed row (outer trip it < TRACE_TRIPS, row rr of the
+    # group) at 8 + 5 (16 it + rr): %globaltimer at its start, %clock64 at its start, after
+    # `fold`, after the partials' barrier and at its end.
+    trace_addr = 0
 
     def __init__(self, heads: int, groups: int, *, debug: bool = False) -> None:
         self.heads, self.groups = heads, groups
@@ -269,9 +281,9 @@ class FlushFp8:
         s_x, s_b, s_dt, s_dot, s_amax = self.shared_buffers(smem)
         s_mask = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=4)
 
-        def row(hh, mh, bb):
+        def row(hh, mh, bb, unit=None):
             self.flush_row(
-                t, hh, mh, bb, s_x, s_b, s_dt, s_dot, s_amax,
+                t, hh, mh, bb, unit, s_x, s_b, s_dt, s_dot, s_amax,
                 ckpt, read, scales, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
                 plan_slot, plan_key, state_out,
                 ckpt_stride16, read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
@@ -293,6 +305,8 @@ class FlushFp8:
         hm = Int32(self.heads * M_SPLIT)
         bx = Int32(bid) % hm
         mh = bx % M_SPLIT
+        if cutlass.const_expr(self.trace_addr):
+            gt0 = bits.globaltimer_after(Int32(bid))
         for by in range(Int32(bid) // hm, (batch + Int32(ROWS_PER_CTA - 1)) // Int32(ROWS_PER_CTA), Int32(n_ctas) // hm):
             mask = flush_mask(t, by, plan_flush, batch, s_mask, (by // (Int32(n_ctas) // hm)) & Int32(1))
             rows = mask
@@ -300,7 +314,34 @@ class FlushFp8:
                 rr = bits.lowest_set_bit(rows)
                 rows = rows & (rows - Int32(1))
                 if rr < Int32(ROWS_PER_CTA):  # always true; keeps the body conditional (no hoisting out of the loop)
-                    row(Int64(bx // M_SPLIT), mh, Int64(by * ROWS_PER_CTA + rr))
+                    if cutlass.const_expr(self.trace_addr):
+                        trip = (by - Int32(bid) // hm) // (Int32(n_ctas) // hm)
+                        row(Int64(bx // M_SPLIT), mh, Int64(by * ROWS_PER_CTA + rr), sel(trip < Int32(TRACE_TRIPS), trip * Int32(ROWS_PER_CTA) + rr, Int32(-1)))
+                    else:
+                        row(Int64(bx // M_SPLIT), mh, Int64(by * ROWS_PER_CTA + rr))
+        if cutlass.const_expr(self.trace_addr):
+            if t == 0:
+                rec = Int64(self.trace_addr) + Int64(bid) * (8 * FLUSH_TRACE_WORDS)
+                bits.st_global_u64(rec, gt0)
+                bits.st_global_u64(rec + 8, bits.globaltimer_after(t))
+                bits.st_global_u64(rec + 16, Int64(bits.sm_id()))
+
+    def trace_begin(self, bb) -> list:
+        """Stamps at a flushed row's start (traced variant): [%globaltimer, %clock64]."""
+        return [bits.globaltimer_after(Int32(bb)), bits.clock_after(Int32(bb))]
+
+    @cute.jit
+    def trace_end(self, t, stamps, unit):
+        """Thread 0 writes a flushed row's stamps (and %clock64 now) to unit record `unit`
+        of its CTA (none when unit < 0)."""
+        end = bits.clock_after(t)
+        bid, _, _ = cute.arch.block_idx()
+        if t == 0:
+            if unit >= Int32(0):
+                rec = Int64(self.trace_addr) + Int64(bid) * (8 * FLUSH_TRACE_WORDS) + Int64(8 * 8) + Int64(unit) * (8 * 5)
+                for i in cutlass.range_constexpr(len(stamps)):
+                    bits.st_global_u64(rec + 8 * i, stamps[i])
+                bits.st_global_u64(rec + 8 * len(stamps), end)
 
     @staticmethod
     def shared_buffers(smem):
@@ -316,7 +357,7 @@ class FlushFp8:
 
     @cute.jit
     def flush_row(
-        self, t, hh, mh, bb, s_x, s_b, s_dt, s_dot, s_amax,
+        self, t, hh, mh, bb, unit, s_x, s_b, s_dt, s_dot, s_amax,
         ckpt, read, scales, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
         plan_slot, plan_key, state_out,
         ckpt_stride16, read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
@@ -324,6 +365,8 @@ class FlushFp8:
     ):
         """State rows 32 mh .. + 31 of one flushing batch row of head hh (the whole CTA)."""
         q, nq, rows, col0 = self.lane_geometry(t, mh)
+        if cutlass.const_expr(self.trace_addr):
+            stamps = self.trace_begin(bb)
         slot = plan_slot[bb]
         key = Uint32(plan_key[bb])
         acc, r_c, ck_w, ck_head = self.fold(
@@ -331,8 +374,12 @@ class FlushFp8:
             ckpt_stride16, x_ring_stride16, dt_ring_stride, b_ring_stride16, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride,
             d_stride_h, d_stride_p,
         )
+        if cutlass.const_expr(self.trace_addr):
+            stamps.append(bits.clock_after(acc[0][0].bitcast(Int32)))
         self.row_partials(t, mh, acc, r_c, s_dot, s_amax)
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.trace_addr):
+            stamps.append(bits.clock_after(t))
 
         rc_w = cute.recast_ptr(read, dtype=Uint32)
         rc_head = slot * read_stride16 * 4 + hh * (P * N // 4)
@@ -359,6 +406,8 @@ class FlushFp8:
             self.store_checkpoint(hh, pp, col0, key, acc, i, ck_w, ck_head)
         # The next flushing row of this CTA restages the shared buffers.
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.trace_addr):
+            self.trace_end(t, stamps, unit)
 
     # -- shared with the NVFP4 flush (flush_nvfp4.py) --------------------------------------
     @staticmethod
@@ -632,4 +681,4 @@ class FlushFp8Sm100(FlushFp8):
         return bits.e4m3x2_rn_hw(lo, hi)
 
 
-__all__ = ["FlushFp8", "FlushFp8Sm90", "FlushFp8Sm100", "flush_mask", "flush_columns", "ROWS_PER_CTA", "M_SPLIT", "N", "P", "RING", "_vec", "_vec_a", "_xor_reduce", "_b_slot"]
+__all__ = ["FlushFp8", "FlushFp8Sm90", "FlushFp8Sm100", "flush_mask", "flush_columns", "FLUSH_TRACE_WORDS", "TRACE_TRIPS", "ROWS_PER_CTA", "M_SPLIT", "N", "P", "RING", "_vec", "_vec_a", "_xor_reduce", "_b_slot"]

@@ -169,9 +169,9 @@ class FlushNvfp4(FlushFp8):
         s_mask = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=4)
         meta_bits = cute.recast_ptr(meta, dtype=Int32)  # the atomic max works on the bits
 
-        def row(hh, mh, bb):
+        def row(hh, mh, bb, unit=None):
             self.flush_row_nvfp4(
-                t, hh, mh, bb, s_x, s_b, s_dt, s_dot, s_amax, s_gmax, meta_bits,
+                t, hh, mh, bb, unit, s_x, s_b, s_dt, s_dot, s_amax, s_gmax, meta_bits,
                 ckpt, read, scales, meta, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
                 plan_slot, plan_key, plan_old, state_out,
                 ckpt_stride16, read_stride16, scale_stride, meta_stride,
@@ -183,7 +183,7 @@ class FlushNvfp4(FlushFp8):
 
     @cute.jit
     def flush_row_nvfp4(
-        self, t, hh, mh, bb, s_x, s_b, s_dt, s_dot, s_amax, s_gmax, meta_bits,
+        self, t, hh, mh, bb, unit, s_x, s_b, s_dt, s_dot, s_amax, s_gmax, meta_bits,
         ckpt, read, scales, meta, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
         plan_slot, plan_key, plan_old, state_out,
         ckpt_stride16, read_stride16, scale_stride, meta_stride,
@@ -193,6 +193,8 @@ class FlushNvfp4(FlushFp8):
         """State rows 32 mh .. + 31 of one flushing batch row of head hh (the whole CTA)."""
         q, _, rows, col0 = self.lane_geometry(t, mh)
         g = hh // self.hpg
+        if cutlass.const_expr(self.trace_addr):
+            stamps = self.trace_begin(bb)
         slot = plan_slot[bb]
         key = Uint32(plan_key[bb])
         old = Int64(Int32(plan_old[bb]) & Int32(1))  # `& 1`: stay inside the slot's meta
@@ -208,6 +210,8 @@ class FlushNvfp4(FlushFp8):
             ckpt_stride16, x_ring_stride16, dt_ring_stride, b_ring_stride16, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride,
             d_stride_h, d_stride_p,
         )
+        if cutlass.const_expr(self.trace_addr):
+            stamps.append(bits.clock_after(acc[0][0].bitcast(Int32)))
         self.row_partials(t, mh, acc, r_c, s_dot, s_amax, row_amax=False)
         # Block amax of row i: this lane's 8 values and its partner's (lane ^ 1), from the
         # bits.
@@ -218,6 +222,8 @@ class FlushNvfp4(FlushFp8):
                 amax = cutlass.max(amax, acc[c // 2][2 * i + c % 2].bitcast(Int32) & Int32(0x7FFFFFFF))
             bamax.append(_xor_reduce(amax, 2, cutlass.max))
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.trace_addr):
+            stamps.append(bits.clock_after(t))
 
         # Block scales of both rows in one e4m3x2 conversion (nearest, satfinite):
         # s = e4m3((bamax * 2**-E) * fp32(1/6)), then r = 1 / (e4m3(s) * 2**E).
@@ -256,6 +262,8 @@ class FlushNvfp4(FlushFp8):
             for w in cutlass.range_constexpr(1, WARPS):
                 cta_max = cutlass.max(cta_max, s_gmax[w])
             cute.arch.atomic_max(meta_bits + (meta_row + old), cta_max, sem="relaxed", scope="gpu")
+        if cutlass.const_expr(self.trace_addr):
+            self.trace_end(t, stamps, unit)
 
 
 class FlushNvfp4Sm90(FlushNvfp4):
