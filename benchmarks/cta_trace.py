@@ -47,11 +47,18 @@ def summary(v: list[float]) -> str:
     return f"{statistics.median(v):6.2f} [{pct(v, 0.1):5.2f}, {pct(v, 0.9):5.2f}]" if v else "     -"
 
 
-def step_graph(fmt: str, batch: int, heads: int, groups: int, layers: int):
-    """(graph of one 16-token period over `layers` layer caches, us a step)."""
+def step_graph(fmt: str, batch: int, heads: int, groups: int, layers: int, sync: bool = False):
+    """(graph of one 16-token period over `layers` layer caches, us a step). `sync`: every
+    row at ring position 1 before the period, so all rows flush at its 15th token and
+    none at its last (the traced one)."""
+    from replayssm import layout as L
+
     p = layer_params(heads, generator=torch.Generator().manual_seed(0), device="cuda")
     gen = torch.Generator("cuda").manual_seed(0)
     caches = [make_layer(fmt, batch, heads, groups, 128, gen) for _ in range(layers)]
+    if sync:
+        for cache, ids in caches:
+            cache[L.POSITIONS][ids.long()] = 1
     out = torch.empty(batch, heads, 64, dtype=torch.bfloat16, device="cuda")
     toks = [token(batch, heads, groups, generator=torch.Generator().manual_seed(1), device="cuda") for _ in range(4)]
 
@@ -134,6 +141,7 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--groups", type=int, default=2)
+    ap.add_argument("--sync", action="store_true", help="trace a step no row flushes in (the non-flush kernel alone)")
     a = ap.parse_args(argv)
 
     from replayssm.kernels.cute import decode_warp, flush_fp8, launch
@@ -145,11 +153,11 @@ def main(argv=None) -> None:
         for batch in a.batch:
             decode_warp._WarpHead.trace_addr = flush_fp8.FlushFp8.trace_addr = 0
             launch._COMPILED.clear()
-            _, plain = step_graph(fmt, batch, a.heads, a.groups, a.layers)
+            _, plain = step_graph(fmt, batch, a.heads, a.groups, a.layers, a.sync)
             decode_warp._WarpHead.trace_addr = nf.data_ptr()
             flush_fp8.FlushFp8.trace_addr = fl.data_ptr()
             launch._COMPILED.clear()
-            g, traced = step_graph(fmt, batch, a.heads, a.groups, a.layers)
+            g, traced = step_graph(fmt, batch, a.heads, a.groups, a.layers, a.sync)
             nf.zero_()
             fl.zero_()
             g.replay()
