@@ -31,10 +31,11 @@ index is permuted so that lane q's accumulators are the 8 consecutive columns
 hash words and the e4m3x2 conversions. Row dots and amaxes are reduced over the four
 lanes of a row and the four column quarters (shared memory). Each lane holds 16 values,
 so four CTAs fit an SM at 64 registers a thread. Some variants then spill a few words a
-thread, with 16 / 8 heads a group (16 heads; since session 11's early loads in `fold`):
+thread, with 16 / 8 heads a group (16 heads; since session 11's early loads in `fold`,
+and session 12's one-source staging for NVFP4, `stage_one_source`):
 - sm_90a FP8: 8 / 0 bytes, or 40 / 40 with the software e4m3 encode;
 - sm_90a NVFP4: 0 / 0;
-- sm_100a: FP8 16 / 16, NVFP4 32 / 24 (none before; no B200 here to time it).
+- sm_100a: FP8 16 / 16 (none before session 11; no B200 here to time it), NVFP4 0 / 0.
 
 Only the two conversions differ between targets: `FlushFp8Sm90` (stochastic rounding by
 bits.fp16x2_sr_fma, a clamp, one `fma.rz.f32` and a few integer steps a value with the
