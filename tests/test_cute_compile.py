@@ -387,11 +387,12 @@ def test_sass_stats_counts_the_kernels_structure(tmp_path, monkeypatch):
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])  # Triton's cuobjdump has no sm_103a (same code as sm_100a)
 def test_flush_issues_a_rows_loads_before_its_staging(compiled, arch):
     """Every flush variant's SASS (both formats, every geometry) issues a flushed row's
-    small loads (dt_j, dt, dt_bias, A, D: the 4-byte LDG.E; NVFP4: every load) before its
-    first shared store, and no global load after the row's staging barrier. Loaded in the `t < 16`
-    branch, dt_j went out only after the x_j / B_j shared stores had waited for their
-    data, and D was loaded after the barrier that precedes the outputs: two round trips
-    of their own in every flushed row's chain (docs/perf-notes-cute.md, session 11)."""
+    small loads (dt_j, dt, dt_bias, A, D: the 4-byte LDG.E; NVFP4: every load) before
+    its first shared store, and no global load after the row's staging barrier. Loaded
+    in the `t < 16` branch, dt_j went out only after the x_j / B_j shared stores had
+    waited for their data, and D was loaded after the barrier that precedes the outputs:
+    two round trips of their own in every flushed row's chain (docs/perf-notes-cute.md,
+    session 11)."""
     import subprocess
     import sys
 
