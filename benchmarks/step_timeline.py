@@ -75,12 +75,18 @@ def step_stats(events: list[tuple[str, float, float]]) -> dict[str, float]:
     return out
 
 
-def run(fmt: str, batch: int, layers: int, heads: int, groups: int) -> dict[str, float]:
-    from torch.profiler import ProfilerActivity, profile
+def capture_period(fmt: str, batch: int, layers: int, heads: int, groups: int, sync: bool = False):
+    """(CUDA graph of one 16-token period over `layers` layer caches, us a step from 10
+    replays). `sync`: every row at ring position 1 before the period, so that all rows
+    flush at its 15th token and none at its last (cta_trace.py --sync)."""
+    from replayssm import layout as L
 
     p = layer_params(heads, generator=torch.Generator().manual_seed(0), device="cuda")
     gen = torch.Generator("cuda").manual_seed(0)
     caches = [make_layer(fmt, batch, heads, groups, 128, gen) for _ in range(layers)]
+    if sync:
+        for cache, ids in caches:
+            cache[L.POSITIONS][ids.long()] = 1
     out = torch.empty(batch, heads, 64, dtype=torch.bfloat16, device="cuda")
     toks = [token(batch, heads, groups, generator=torch.Generator().manual_seed(1), device="cuda") for _ in range(4)]
 
@@ -103,7 +109,13 @@ def run(fmt: str, batch: int, layers: int, heads: int, groups: int) -> dict[str,
         g.replay()
     end.record()
     torch.cuda.synchronize()
-    us_step = start.elapsed_time(end) * 1000 / 10 / (RING * layers)
+    return g, start.elapsed_time(end) * 1000 / 10 / (RING * layers)
+
+
+def run(fmt: str, batch: int, layers: int, heads: int, groups: int) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    g, us_step = capture_period(fmt, batch, layers, heads, groups)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         g.replay()
         torch.cuda.synchronize()
@@ -114,14 +126,19 @@ def run(fmt: str, batch: int, layers: int, heads: int, groups: int) -> dict[str,
     return {"us_step": us_step, **step_stats(events)}
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def step_args(description: str) -> argparse.ArgumentParser:
+    """The options of the captured-period tools (this one and cta_trace.py)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--formats", nargs="+", default=["fp8", "nvfp4"], choices=["fp8", "nvfp4"])
     ap.add_argument("--batch", nargs="+", type=int, default=[256, 1024])
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--groups", type=int, default=2)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> None:
+    a = step_args(__doc__.split("\n\n")[0]).parse_args(argv)
     print("   fmt batch  us/step prepare  flush nonflush  gap  next  flush-start  flush-end")
     for fmt in a.formats:
         for batch in a.batch:
