@@ -12,6 +12,10 @@ stores issued) -> exit. Flush, per flushed (row, head half) (`FlushFp8.trace_add
 start -> `fold` done (plan, loads, staging, scan, fold MMAs) -> the partials' barrier ->
 end (outputs, checkpoint and read copy written, the last barrier).
 
+A flush CTA records the rows of the first `flush_fp8.TRACE_TRIPS` (16) trips of its walk:
+above 16 trips x 16 rows x the flush's columns (at 16 heads on an H200, batch 1,536 for
+FP8, 2,560 for NVFP4) later rows are left out of the flush's counts.
+
 The traced variants issue ~10% more instructions (the FP8 ones spill a few words), so
 the step time of the traced graph is printed beside the untraced one: read the phases as
 shares, not as exact times. %clock64 counts cycles of the SM's clock; they are turned
