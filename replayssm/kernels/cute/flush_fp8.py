@@ -169,8 +169,8 @@ class FlushFp8:
     # otherwise issues the B_j loads only after the x_j shared stores: H200, project
     # benchmark, same call, alternated twice, NVFP4 16h/2g 21.47 -> 20.91 us at batch 256
     # (68.5 -> 68.0 at 1024, 64h/8g 67.2 -> 66.6 / 244.7 -> 243.4); FP8 got 0.3-0.5% slower
-    # with it (8 bytes of sm_90a spills), so it keeps the select (docs/perf-notes-cute.md,
-    # session 12).
+    # with it except at 64h/8g batch 1024 (0.3% faster; 8 bytes of sm_90a spills), so it
+    # keeps the select (docs/perf-notes-cute.md, session 12).
     stage_one_source = False
     # benchmarks/cta_trace.py: the global address of a zeroed int64 [CTAs,
     # FLUSH_TRACE_WORDS] buffer compiles a traced variant (0: none). Per CTA: %globaltimer
