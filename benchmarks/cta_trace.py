@@ -59,7 +59,7 @@ def analyse(nf: torch.Tensor, fl: torch.Tensor, trips: int) -> dict:
     seen = [r for r in nf if r[0]]
     live = [r for r in seen if r[7] >> 32 == 1]
     t0 = min(r[0] for r in seen)
-    ghz = statistics.median((r[6] - r[2]) / max(1, r[1] - r[0]) for r in live)  # cycles per ns
+    ghz = statistics.median((r[6] - r[2]) / max(1, r[1] - r[0]) for r in seen)  # cycles per ns (every record has both)
     us = lambda c: c / ghz / 1000  # noqa: E731
     span = (max(r[1] for r in seen) - t0) / 1000
     n_sm = len({r[7] & 0xFFFFFFFF for r in seen})
