@@ -12,7 +12,7 @@ flush return at once. The ring is not written: the next step starts a period at 
 
 Work item (head half, row group): half mh of the state rows (32 of 64) of one head, for
 the ROWS_PER_CTA batch rows of one group. A persistent grid of heads * M_SPLIT * columns
-CTAs of 8 warps (`flush_columns`: about 1.5 CTAs an SM for FP8, 3 for NVFP4, so that
+CTAs of 8 warps (`flush_columns`: about 1.5 CTAs an SM for FP8, 2.5 for NVFP4, so that
 the non-flush kernel shares every SM from the start) walks the items: CTA i keeps head
 half i % (heads * M_SPLIT) and takes row groups i // (heads * M_SPLIT), + columns, ...;
 per group it reads the flush flags with one ballot and folds each flushing row in turn,
@@ -98,7 +98,7 @@ def flush_columns(heads: int, ctas_per_sm: float, sm_count: int) -> int:
     high-priority stream. Launched with one CTA per (head half, row group), its pending
     CTAs held back the non-flush kernel, which started only when the last of them was
     handed out (~21 us into an FP8 step at batch 1024, the SMs' registers all taken by an
-    issue-bound flush). With a fixed 1.5-3 CTAs an SM the non-flush CTAs take the rest of
+    issue-bound flush). With a fixed 1.5-2.5 CTAs an SM the non-flush CTAs take the rest of
     every SM from the start, and the memory-bound and the issue-bound kernel overlap.
     H200, 16 heads / 2 groups (docs/perf-notes-cute.md, session 8)."""
     return max(1, round(ctas_per_sm * sm_count / (heads * M_SPLIT)))
