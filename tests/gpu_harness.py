@@ -153,9 +153,9 @@ def check_graph_replays_whole_periods(fmt: str, **world) -> None:
     assert w.gaps_untouched()
 
 
-def check_warmup(fmt: str) -> None:
+def check_warmup(fmt: str) -> list[str]:
     """ReplaySSMCache.warmup() compiles and launches both CuTe kernels of `fmt` and leaves
-    the cache's bits as they were."""
+    the cache's bits as they were; returns the names warmup gave."""
     from replayssm import ReplaySSMCache
 
     cache = ReplaySSMCache(num_slots=6, num_heads=16, num_groups=2, state_dtype=fmt, device=DEVICE, slot_padding=64)
@@ -169,3 +169,4 @@ def check_warmup(fmt: str) -> None:
     assert any(n.startswith(f"cute.flush_{fmt}[") for n in names), names
     for i, (a, b) in enumerate(zip(before, cache.tensors)):
         assert same_bits(a, b), f"warmup changed cache[{i}]"
+    return names

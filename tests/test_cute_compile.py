@@ -48,9 +48,11 @@ def test_every_variant_compiles(compiled, arch):
     paths = compiled[arch]
     folders = {p.parent.name for p in paths}
     with_pdl = ("fp8", "nvfp4")  # the PDL variants (warp kernels)
+    # sm_90a: the FP8 flush's warp-voted variant too (launch.fp8_sr_voted).
+    voted = {f"flush_fp8-h16g{g}-voted" for g in (1, 2)} if arch == "sm_90a" else set()
     assert folders == {f"{k}_{fmt}-h16g{g}" for k in ("decode", "flush") for fmt in ("fp8", "nvfp4") for g in (1, 2)} | {
         f"decode_{fmt}-h16g{g}-pdl" for fmt in with_pdl for g in (1, 2)
-    }
+    } | voted
     for folder in folders:
         kinds = sorted(p.suffix for p in paths if p.parent.name == folder)
         assert kinds == [".cubin", ".ptx"], folder
@@ -65,7 +67,7 @@ def test_flush_loops_over_the_flushing_rows_only(compiled, arch):
     `popc` trip count, the lowest set bit by `bfind`), not one per batch row of the CTA
     (the 16-row scan cost ~144 instructions a warp; docs/perf-notes-cute.md, session 8)."""
     flushes = {p.parent.name: p.read_text() for p in compiled[arch] if p.suffix == ".ptx" and p.parent.name.startswith("flush_")}
-    assert len(flushes) == 4
+    assert len(flushes) == (6 if arch == "sm_90a" else 4)  # sm_90a: the FP8 flush's voted variant
     for name, text in flushes.items():
         assert text.count("popc.b32") == 1 and text.count("bfind.u32") == 1, name
 
@@ -83,15 +85,24 @@ def test_sm100_flush_uses_hardware_conversions(compiled, arch):
 def test_sm90_flush_is_software(compiled):
     from replayssm.kernels.cute.launch import sm90_e4m3
 
-    for name, text in _ptx(compiled["sm_90a"], "flush").items():
+    flushes = _ptx(compiled["sm_90a"], "flush")
+    assert sorted(flushes) == ["flush_fp8-h16g1", "flush_fp8-h16g1-voted", "flush_fp8-h16g2", "flush_fp8-h16g2-voted"]
+    for name, text in flushes.items():
         assert "cvt.rs" not in text, name
-        # Stochastic rounding by bits.fp16x2_sr_fma: per value one clamp and one fma.rz,
-        # per pair one truncating conversion (no warp-voted fast path: FlushFp8.sr_voted
-        # is off for FP8).
-        assert text.count("cvt.rz.f16x2.f32") == PAIRS, name
-        assert text.count("fma.rz.f32") == 2 * PAIRS, name
-        assert text.count("min.NaN.xorsign.abs.f32") == 2 * PAIRS, name
-        assert "vote.sync.all" not in text, name
+        if name.endswith("-voted"):
+            # bits.fp16x2_sr_voted: one warp vote a state row (2 a thread), then its
+            # normal-range path or its general one, each with a truncating conversion a
+            # pair; no fma.rz (that is bits.fp16x2_sr_fma, the plain variant's).
+            assert text.count("vote.sync.all") == 2, name
+            assert text.count("cvt.rz.f16x2.f32") == 2 * PAIRS, name
+            assert "fma.rz.f32" not in text, name
+        else:
+            # Stochastic rounding by bits.fp16x2_sr_fma: per value one clamp and one
+            # fma.rz, per pair one truncating conversion, no warp vote.
+            assert text.count("cvt.rz.f16x2.f32") == PAIRS, name
+            assert text.count("fma.rz.f32") == 2 * PAIRS, name
+            assert text.count("min.NaN.xorsign.abs.f32") == 2 * PAIRS, name
+            assert "vote.sync.all" not in text, name
         assert text.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == FOLD_MMAS, name
         # The read-copy encode: software by default, the e4m3x2 cvt on request.
         assert ("cvt.rn.satfinite.e4m3x2.f32" in text) == (sm90_e4m3() == "hw"), name
@@ -311,6 +322,33 @@ def test_warp_kernel_as_the_pdl_variant(monkeypatch, tmp_path, kind):
         launch.pdl_kernel()
 
 
+def test_fp8_flush_voted_rounding_is_chosen_by_rows_times_heads(monkeypatch):
+    """launch.fp8_sr_voted: the sm_90a FP8 flush is the warp-voted variant when batch x
+    heads reaches VOTED_MIN_ROW_HEADS (16 heads: batch 512; 64 heads: batch 128), never on
+    sm_100a / sm_103a (hardware rounding); $REPLAYSSM_SM90_FP8_SR forces either; the
+    kernel object carries the choice."""
+    from replayssm.kernels.cute import launch
+    from replayssm.kernels.cute.flush_fp8 import FlushFp8Sm90, FlushFp8Sm100
+
+    monkeypatch.delenv(launch.SM90_FP8_SR_ENV, raising=False)
+    assert launch.VOTED_MIN_ROW_HEADS == 8192
+    assert [launch.fp8_sr_voted("sm_90a", b, 16) for b in (1, 256, 511, 512, 1024)] == [False, False, False, True, True]
+    assert [launch.fp8_sr_voted("sm_90a", b, 64) for b in (64, 127, 128, 256)] == [False, False, True, True]
+    assert not any(launch.fp8_sr_voted(a, 4096, 64) for a in ("sm_100a", "sm_103a"))
+    assert launch.fp8_sr_variants("sm_90a") == (False, True) and launch.fp8_sr_variants("sm_100a") == (False,)
+    for mode, voted in (("plain", False), ("voted", True)):
+        monkeypatch.setenv(launch.SM90_FP8_SR_ENV, mode)
+        assert [launch.fp8_sr_voted("sm_90a", b, 16) for b in (1, 4096)] == [voted, voted]
+        assert launch.fp8_sr_variants("sm_90a") == (voted,) and launch.fp8_sr_variants("sm_103a") == (False,)
+    monkeypatch.setenv(launch.SM90_FP8_SR_ENV, "fast")
+    with pytest.raises(ValueError, match="REPLAYSSM_SM90_FP8_SR"):
+        launch.fp8_sr_voted("sm_90a", 1, 16)
+    obj = launch._kernel_object("flush_fp8", "sm_90a", 16, 2, "hw", False, True)
+    assert type(obj) is FlushFp8Sm90 and obj.sr_voted is True
+    assert launch._kernel_object("flush_fp8", "sm_90a", 16, 2, "hw").sr_voted is False
+    assert type(launch._kernel_object("flush_fp8", "sm_100a", 16, 2, "hw", False, True)) is FlushFp8Sm100
+
+
 def test_pdl_is_for_batch_1_and_can_be_turned_off(monkeypatch):
     from replayssm.kernels.cute import launch
 
@@ -400,7 +438,8 @@ def test_flush_issues_a_rows_loads_before_its_staging(compiled, arch):
     from benchmarks import sass_stats
 
     cubins = [p for p in compiled[arch] if p.suffix == ".cubin" and p.parent.name.startswith("flush")]
-    assert len(cubins) == 4, [p.parent.name for p in cubins]  # 2 formats x 2 geometries
+    # 2 formats x 2 geometries, and on sm_90a the FP8 flush's voted variant
+    assert len(cubins) == (6 if arch == "sm_90a" else 4), [p.parent.name for p in cubins]
     for cubin in cubins:
         sass = subprocess.run([sass_stats.default_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
         ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)

@@ -158,10 +158,11 @@ class FlushFp8:
     # (25.77 / 84.47). The NVFP4 flush issues ~1.7x the FP8 flush's instructions.
     ctas_per_sm = 1.5
     # The checkpoint's stochastic rounding through bits.fp16x2_sr_voted (a warp-uniform
-    # branch to the normal-range path) instead of fp16x2_sr for every pair. On for the
-    # sm_90a NVFP4 flush only: there it made steps 2.7% (batch 256) and 4.1% (1024)
-    # faster; the FP8 flush, at 64 registers, spilled 56 bytes with it and got slower
-    # (H200, docs/perf-notes-cute.md, session 6). sm_100a rounds in hardware.
+    # branch to the normal-range path) instead of fp16x2_sr for every pair. Always on for
+    # the sm_90a NVFP4 flush: there it made steps 2.7% (batch 256) and 4.1% (1024) faster
+    # (H200, session 6). The sm_90a FP8 flush has both variants (`FlushFp8Sm90`'s
+    # `sr_voted`; launch.fp8_sr_voted picks one by batch and heads). sm_100a rounds in
+    # hardware.
     sr_voted = False
     # The x_j / B_j staging in `fold`: one predicated load a staging thread and source (ring
     # or the step's input) in straight-line code (True), or both sources loaded by every
@@ -656,9 +657,15 @@ class FlushFp8Sm90(FlushFp8):
 
     arch = "sm_90a"
 
-    def __init__(self, heads: int, groups: int, *, debug: bool = False, hw_e4m3: bool = False) -> None:
+    def __init__(self, heads: int, groups: int, *, debug: bool = False, hw_e4m3: bool = False, sr_voted: bool = False) -> None:
         super().__init__(heads, groups, debug=debug)
         self.hw_e4m3 = hw_e4m3
+        # The warp-voted rounding (bits.fp16x2_sr_voted): 1,231 static instructions a
+        # thread with both paths against 1,041, about 940 executed a row when a warp's
+        # values are all in FP16's normal range; 8 bytes of spills (session 6: 56).
+        # Faster where the flush has many rows to fold, slower where few CTAs each fold
+        # 2-3 rows in a chain (launch.fp8_sr_voted; docs/perf-notes-cute.md, session 13).
+        self.sr_voted = sr_voted
 
     def fp16x2_sr(self, lo, hi, word):
         return bits.fp16x2_sr_fma(lo, hi, word)

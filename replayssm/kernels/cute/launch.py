@@ -67,6 +67,42 @@ def sm90_e4m3() -> str:
     return env_choice(SM90_E4M3_ENV, ("soft", "hw"), SM90_E4M3_DEFAULT)
 
 
+# The sm_90a FP8 flush's checkpoint rounding: "plain" (bits.fp16x2_sr_fma for every pair),
+# "voted" (bits.fp16x2_sr_voted, a warp-uniform branch to the normal-range path: ~10%
+# fewer instructions executed a flushed row, 8 bytes of spills) or "auto": voted when
+# batch x heads >= VOTED_MIN_ROW_HEADS (a step flushes batch x heads / 16 (row, head)s).
+# Both give the same bits (GPU-tested). H200, project benchmark, FP8, us per step, plain
+# -> voted, same call, alternated twice (docs/perf-notes-cute.md, session 13): 16 heads /
+# 2 groups, batch 256 20.13 -> 20.81, 384 27.64 -> 27.82, 512 34.75 -> 34.77, 768 49.76
+# -> 49.14, 1024 64.20 -> 62.91; 64 heads / 8 groups, batch 64 19.91 -> 20.26, 128 36.26
+# -> 35.42, 256 65.88 -> 63.94, 1024 242.60 -> 234.19. Where few flush CTAs each fold a
+# chain of 2-3 rows (16 heads, batch 256), the voted flush is slower; where the flush
+# has many rows to fold, its fewer instructions win. sm_100a / sm_103a round in hardware.
+SM90_FP8_SR_ENV = "REPLAYSSM_SM90_FP8_SR"
+SM90_FP8_SR_MODES = ("auto", "plain", "voted")
+VOTED_MIN_ROW_HEADS = 8192
+
+
+def sm90_fp8_sr() -> str:
+    return env_choice(SM90_FP8_SR_ENV, SM90_FP8_SR_MODES, SM90_FP8_SR_MODES[0])
+
+
+def fp8_sr_voted(arch: str, batch: int, heads: int) -> bool:
+    """Whether a `batch`-row step's FP8 flush on `arch` is the warp-voted variant."""
+    if arch in HAS_CVT_RS:
+        return False
+    mode = sm90_fp8_sr()
+    return mode == "voted" or (mode == "auto" and batch * heads >= VOTED_MIN_ROW_HEADS)
+
+
+def fp8_sr_variants(arch: str) -> tuple[bool, ...]:
+    """The FP8 flush variants (voted or not) a step on `arch` may launch."""
+    if arch in HAS_CVT_RS:
+        return (False,)
+    mode = sm90_fp8_sr()
+    return (False, True) if mode == "auto" else (mode == "voted",)
+
+
 # Programmatic dependent launch (PDL) of the non-flush kernel at batch 1: launched right
 # behind the prepare kernel on the current stream, it may start while that kernel
 # finishes and waits for it (griddepcontrol.wait) before its first memory access, which
@@ -121,7 +157,7 @@ def pdl_variants(kind: str = "decode_fp8") -> tuple[bool, ...]:
     return (False, True) if pdl() and has_pdl_variant(kind) else (False,)
 
 
-def _kernel_object(kind: str, arch: str, heads: int, groups: int, e4m3: str, pdl: bool = False):
+def _kernel_object(kind: str, arch: str, heads: int, groups: int, e4m3: str, pdl: bool = False, voted: bool = False):
     if kind == "decode_fp8":
         mode = fp8_decode()
         if mode == "mma":
@@ -136,7 +172,7 @@ def _kernel_object(kind: str, arch: str, heads: int, groups: int, e4m3: str, pdl
     debug = kind == "flush_fp8_debug"
     if arch in HAS_CVT_RS:
         return FlushFp8Sm100(heads, groups, debug=debug)
-    return FlushFp8Sm90(heads, groups, debug=debug, hw_e4m3=e4m3 == "hw")
+    return FlushFp8Sm90(heads, groups, debug=debug, hw_e4m3=e4m3 == "hw", sr_voted=voted)
 
 
 # Pointer arguments of each launcher, in order: (dtype, alignment in bytes). The same
@@ -201,16 +237,18 @@ def _options(arch: str, dump_dir: str | os.PathLike | None) -> str:
     return opts
 
 
-def compiled(kind: str, arch: str, heads: int, groups: int, e4m3: str | None = None, pdl: bool = False):
+def compiled(kind: str, arch: str, heads: int, groups: int, e4m3: str | None = None, pdl: bool = False, voted: bool = False):
     """The compiled launcher for (kind, arch, heads, groups), compiling it on first use
     (`e4m3`: the sm_90a read-copy encode, default `sm90_e4m3()`; `pdl`: the non-flush
-    variant launched with programmatic dependent launch)."""
+    variant launched with programmatic dependent launch; `voted`: the sm_90a flush with
+    the warp-voted rounding, see fp8_sr_voted)."""
     e4m3 = "hw" if arch in HAS_CVT_RS or kind == "decode_fp8" else (e4m3 or sm90_e4m3())
     pdl = pdl and has_pdl_variant(kind)
-    key = (kind, arch, heads, groups, e4m3, fp8_decode() if kind == "decode_fp8" else None, pdl and pdl_kernel())
+    voted = voted and kind != "decode_fp8" and arch not in HAS_CVT_RS
+    key = (kind, arch, heads, groups, e4m3, fp8_decode() if kind == "decode_fp8" else None, pdl and pdl_kernel(), voted)
     fn = _COMPILED.get(key)
     if fn is None:
-        obj = _kernel_object(kind, arch, heads, groups, e4m3, pdl)
+        obj = _kernel_object(kind, arch, heads, groups, e4m3, pdl, voted)
         fn = cute.compile(obj, *_fake_args(kind), options=_options(arch, None))
         _COMPILED[key] = fn
     return fn
@@ -231,16 +269,21 @@ def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
     """Compile every FP8 and NVFP4 decode variant for `arch` (no GPU needed) into `dump_dir`.
 
     Each variant gets its own folder `dump_dir/<kind>-h<H>g<G>`, the non-flush kernel's
-    PDL variant (batch 1, `pdl_for`) `dump_dir/<kind>-h<H>g<G>-pdl` (the DSL names its
-    dumps after the launcher, which all variants share). Returns the PTX and cubin paths."""
+    PDL variant (batch 1, `pdl_for`) `dump_dir/<kind>-h<H>g<G>-pdl`, the sm_90a FP8
+    flush's warp-voted variant (`fp8_sr_voted`) `dump_dir/flush_fp8-h<H>g<G>-voted` (the
+    DSL names its dumps after the launcher, which all variants share). Returns the PTX
+    and cubin paths."""
     arch = check_arch(arch)
     root = Path(dump_dir)
     paths: list[str] = []
     for heads, groups in COMPILE_ALL_GEOMETRIES:
         for kind in ("decode_fp8", "flush_fp8"):
-            for with_pdl in (False, True) if has_pdl_variant(kind) else (False,):
-                obj = _kernel_object(kind, arch, heads, groups, sm90_e4m3(), with_pdl)
-                sub = f"{kind}-h{heads}g{groups}" + ("-pdl" if with_pdl else "")
+            variants = [(p, False) for p in ((False, True) if has_pdl_variant(kind) else (False,))]
+            if kind == "flush_fp8" and arch not in HAS_CVT_RS:
+                variants.append((False, True))
+            for with_pdl, voted in variants:
+                obj = _kernel_object(kind, arch, heads, groups, sm90_e4m3(), with_pdl, voted)
+                sub = f"{kind}-h{heads}g{groups}" + ("-pdl" if with_pdl else "") + ("-voted" if voted else "")
                 paths += compile_into(obj, _fake_args(kind), arch, root / sub)
     from .launch_nvfp4 import compile_variants  # the NVFP4 kinds (that module imports this one)
 
@@ -250,30 +293,34 @@ def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
 
 def warmup(heads: int, groups: int, arch: str | None = None) -> list[str]:
     """Compile the decode kernels for one geometry, the non-flush kernel's PDL variant
-    included (before CUDA-graph capture)."""
+    and the FP8 flush's voted variant included (before CUDA-graph capture)."""
     arch = arch or arch_for()
     names = []
-    for kind in ("decode_fp8", "flush_fp8"):
-        for with_pdl in pdl_variants(kind):
-            compiled(kind, arch, heads, groups, pdl=with_pdl)
-            names.append(f"cute.{kind}[{arch},h{heads},g{groups}{',pdl' if with_pdl else ''}]")
+    for with_pdl in pdl_variants("decode_fp8"):
+        compiled("decode_fp8", arch, heads, groups, pdl=with_pdl)
+        names.append(f"cute.decode_fp8[{arch},h{heads},g{groups}{',pdl' if with_pdl else ''}]")
+    for voted in fp8_sr_variants(arch):
+        compiled("flush_fp8", arch, heads, groups, voted=voted)
+        names.append(f"cute.flush_fp8[{arch},h{heads},g{groups}{',voted' if voted else ''}]")
     return names
 
 
 def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, arch: str) -> None:
-    """Launch the decode kernels (each non-flush variant: `pdl_variants`) for a plan of
-    padding rows only (they return at once and write nothing): loads the compiled
-    modules, e.g. before CUDA-graph capture."""
+    """Launch the decode kernels (each non-flush variant: `pdl_variants`; each flush
+    variant: `fp8_sr_variants`) for a plan of padding rows only (they return at once and
+    write nothing): loads the compiled modules, e.g. before CUDA-graph capture."""
     batch = plan.valid.shape[0]
     heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
     dev = out.device
     x = torch.zeros(batch, heads, L.HEAD_DIM, dtype=torch.bfloat16, device=dev)
     bc = torch.zeros(batch, groups, L.STATE_DIM, dtype=torch.bfloat16, device=dev)
     per_head = torch.zeros(heads, device=dev)
-    for with_pdl in pdl_variants("decode_fp8"):
+    pdls, voteds = pdl_variants("decode_fp8"), fp8_sr_variants(arch)
+    for i in range(max(len(pdls), len(voteds))):  # every variant of both kernels at least once
         decode_fp8(
             cache, x, torch.zeros(batch, heads, device=dev), per_head, bc, bc,
-            torch.zeros(heads, L.HEAD_DIM, device=dev), per_head, plan, out, arch=arch, pdl=with_pdl,
+            torch.zeros(heads, L.HEAD_DIM, device=dev), per_head, plan, out, arch=arch,
+            pdl=pdls[min(i, len(pdls) - 1)], voted=voteds[min(i, len(voteds) - 1)],
         )
 
 
@@ -366,6 +413,7 @@ def decode_fp8(
     state_out: torch.Tensor | None = None,
     e4m3: str | None = None,
     pdl: bool | None = None,
+    voted: bool | None = None,
 ) -> None:
     """Launch the non-flush and the flush kernel for one step (after `prepare`).
 
@@ -374,7 +422,8 @@ def decode_fp8(
     (float32 [batch, H, 64, 128], contiguous) selects the debug flush, which also writes
     the FP32 state of every flushed row there (tests only); `e4m3` picks the sm_90a
     read-copy encode ("hw" / "soft", default $REPLAYSSM_SM90_E4M3 or "hw"); `pdl` the
-    non-flush variant (default `pdl_for(batch)`)."""
+    non-flush variant (default `pdl_for(batch)`); `voted` the flush variant (default
+    `fp8_sr_voted(arch, batch, heads)`)."""
     batch, heads = x.shape[0], x.shape[1]
     groups = cache[L.B_RING].shape[1]
     arch = arch or arch_for(x.device)
@@ -385,7 +434,7 @@ def decode_fp8(
     input_strides = [dt.stride(0), dt.stride(1), A.stride(0), dt_bias.stride(0), D.stride(0), D.stride(1)]
     nonflush = compiled("decode_fp8", arch, heads, groups, pdl=pdl_for(batch) if pdl is None else pdl)
     kind = "flush_fp8" if state_out is None else "flush_fp8_debug"
-    flush = compiled(kind, arch, heads, groups, e4m3)
+    flush = compiled(kind, arch, heads, groups, e4m3, voted=fp8_sr_voted(arch, batch, heads) if voted is None else voted)
     with flush_streams(x.device) as (main, side):
         ptrs = [ckpt, read, scales, x_ring, dt_ring, b_ring, *inputs, plan.slot, plan.flush, plan.key]
         addresses = [t.data_ptr() for t in ptrs] + [0 if state_out is None else state_out.data_ptr()]
@@ -404,4 +453,4 @@ def decode_fp8(
         )
 
 
-__all__ = ["KINDS", "COMPILE_ALL_GEOMETRIES", "compiled", "compile_all", "warmup", "launch_padding", "layout_ok", "decode_fp8"]
+__all__ = ["KINDS", "COMPILE_ALL_GEOMETRIES", "fp8_sr_voted", "fp8_sr_variants", "compiled", "compile_all", "warmup", "launch_padding", "layout_ok", "decode_fp8"]
