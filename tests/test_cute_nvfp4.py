@@ -237,7 +237,12 @@ def test_sm90_is_software(compiled, simt_pdl_ptx):
         # (bits_nvfp4.e2m1x8_f16x2_soft): SIMT 4 rows x 16 codes per thread; the warp
         # kernel 8 rows x 32 codes per lane, plus one pair of block scales per row.
         assert text.count("cvt.rn.f16x2.e4m3x2") == (ROWS_DECODE * 8 if simt else 8 * 16 + 8), name
+    from replayssm.kernels.cute.launch import sm90_e4m3
+
     for name, text in _ptx(compiled["sm_90a"], "flush").items():
+        # The block scales' e4m3 encode: one cvt pair for both rows' scales by default
+        # (as sm_100a), integer steps with $REPLAYSSM_SM90_E4M3=soft.
+        assert text.count("cvt.rn.satfinite.e4m3x2.f32") == (1 if sm90_e4m3() == "hw" else 0), name
         # The checkpoint's rounding (bits.fp16x2_sr_voted): per row one warp vote, the
         # normal-range path's 4 truncating pair conversions and the general path's 4.
         assert text.count("vote.sync.all.pred") == ROWS_FLUSH, name
@@ -329,6 +334,10 @@ def _step(w: World, out, state):
         # The SIMT non-flush kernel at every batch ($REPLAYSSM_NVFP4_DECODE=simt; the
         # default is the warp-per-head kernel).
         pytest.param(16, 2, "simt", id="nvfp4-h16-g2-mixed-simt-decode"),
+        # sm_90a: the block scales' software e4m3 encode ($REPLAYSSM_SM90_E4M3=soft)
+        # instead of the e4m3x2 cvt, in the normal and the wide range.
+        pytest.param(16, 2, "soft", id="nvfp4-h16-g2-mixed-soft-e4m3"),
+        pytest.param(16, 2, "wide-soft", id="nvfp4-h16-g2-wide-range-soft-e4m3"),
     ],
 )
 def test_kernels_match_reference_over_three_periods(heads, groups, sync, monkeypatch):
@@ -340,6 +349,11 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync, monkeyp
 
     if sync == "simt":
         monkeypatch.setenv(launch_nvfp4.NVFP4_DECODE_ENV, "simt")
+    if sync in ("soft", "wide-soft"):
+        from replayssm.kernels.cute import launch
+
+        monkeypatch.setenv(launch.SM90_E4M3_ENV, "soft")
+        sync = "wide" if sync == "wide-soft" else False
     if sync == "one-simt":
         from replayssm.kernels.cute import launch
 

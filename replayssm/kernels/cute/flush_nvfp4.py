@@ -268,16 +268,28 @@ class FlushNvfp4(FlushFp8):
 
 class FlushNvfp4Sm90(FlushNvfp4):
     """sm_90a: the FP8 flush's fast stochastic rounding (bits.fp16x2_sr_fast), behind a
-    warp-voted branch to its normal-range path (bits.fp16x2_sr_voted), software e4m3
-    (block scales) and e2m1 encodes (integer steps of quant/minifloat.py)."""
+    warp-voted branch to its normal-range path (bits.fp16x2_sr_voted), and software e2m1
+    encodes (integer steps of quant/minifloat.py; Hopper has no e2m1 conversion). The
+    block scales' e4m3 encode is the `cvt.rn.satfinite.e4m3x2.f32` the sm_100a kernels
+    use (Hopper has it: sm_89+), or software with `hw_e4m3=False` ($REPLAYSSM_SM90_E4M3,
+    as for the FP8 flush). H200, project benchmark, same call, alternated twice, software
+    -> cvt: 16 heads / 2 groups 20.74 -> 20.53 us at batch 256, 68.23 -> 67.26 at 1024;
+    64 heads / 8 groups 67.12 -> 66.13 and 245.6 -> 241.7 (1,719 -> 1,675 static
+    instructions; docs/perf-notes-cute.md, session 13)."""
 
     arch = "sm_90a"
     sr_voted = True
+
+    def __init__(self, heads: int, groups: int, *, debug: bool = False, hw_e4m3: bool = True) -> None:
+        super().__init__(heads, groups, debug=debug)
+        self.hw_e4m3 = hw_e4m3
 
     def fp16x2_sr(self, lo, hi, word):
         return bits.fp16x2_sr_fast(lo, hi, word)
 
     def e4m3x2_rn(self, lo, hi):
+        if self.hw_e4m3:
+            return bits.e4m3x2_rn_hw(lo, hi)
         return bits.e4m3x2_rn_soft(lo, hi)
 
     def e2m1x8_rn(self, vals):

@@ -50,8 +50,9 @@ def _kernel_object(kind: str, arch: str, heads: int, groups: int, pdl: bool = Fa
         obj = (DecodeNvfp4Sm100 if hw else DecodeNvfp4Sm90)(heads, groups)
         obj.pdl = pdl  # programmatic dependent launch, as the FP8 non-flush (launch.pdl_for)
         return obj
-    cls = FlushNvfp4Sm100 if hw else FlushNvfp4Sm90
-    return cls(heads, groups, debug=kind == "flush_nvfp4_debug")
+    if hw:
+        return FlushNvfp4Sm100(heads, groups, debug=kind == "flush_nvfp4_debug")
+    return FlushNvfp4Sm90(heads, groups, debug=kind == "flush_nvfp4_debug", hw_e4m3=_fp8.sm90_e4m3() == "hw")
 
 
 # Pointer arguments of each launcher, in order: (dtype, alignment in bytes); the inputs
@@ -105,7 +106,8 @@ def compiled(kind: str, arch: str, heads: int, groups: int, pdl: bool = False):
     """The compiled launcher for (kind, arch, heads, groups), compiling it on first use
     (entries live in launch.py's compile cache; `pdl` as in launch.compiled)."""
     pdl = pdl and _fp8.has_pdl_variant(kind)
-    key = (kind, arch, heads, groups, pdl and _fp8.pdl_kernel(), nvfp4_decode() if kind == "decode_nvfp4" else None)
+    e4m3 = _fp8.sm90_e4m3() if kind != "decode_nvfp4" and arch not in HAS_CVT_RS else None  # the sm_90a block-scale encode
+    key = (kind, arch, heads, groups, pdl and _fp8.pdl_kernel(), nvfp4_decode() if kind == "decode_nvfp4" else None, e4m3)
     fn = _fp8._COMPILED.get(key)
     if fn is None:
         obj = _kernel_object(kind, arch, heads, groups, pdl)
