@@ -33,13 +33,15 @@ lanes of a row and the four column quarters (shared memory). Each lane holds 16 
 so four CTAs fit an SM at 64 registers a thread. Some variants then spill a few words a
 thread, with 16 / 8 heads a group (16 heads; since session 11's early loads in `fold`,
 and session 12's one-source staging for NVFP4, `stage_one_source`):
-- sm_90a FP8: 8 / 0 bytes, or 40 / 40 with the software e4m3 encode;
+- sm_90a FP8: 8 / 0 bytes, or 40 / 40 with the software e4m3 encode, 8 / 8 with the
+  warp-voted rounding;
 - sm_90a NVFP4: 0 / 0;
 - sm_100a: FP8 16 / 16 (none before session 11; no B200 here to time it), NVFP4 0 / 0.
 
 Only the two conversions differ between targets: `FlushFp8Sm90` (stochastic rounding by
 bits.fp16x2_sr_fma, a clamp, one `fma.rz.f32` and a few integer steps a value with the
-encoder's bits, then `cvt.rz.f16x2.f32`; e4m3
+encoder's bits, then `cvt.rz.f16x2.f32`; or, when a step flushes many rows, through
+bits.fp16x2_sr_voted's warp-voted normal-range path, launch.fp8_sr_voted; e4m3
 by the `cvt.rn.satfinite.e4m3x2.f32` Hopper also has, or in software with
 REPLAYSSM_SM90_E4M3=soft) and `FlushFp8Sm100` (`cvt.rs.satfinite.f16x2.f32` fed the same
 hash words, `cvt.rn.satfinite.e4m3x2.f32`).

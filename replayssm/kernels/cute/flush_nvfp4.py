@@ -24,7 +24,8 @@ shuffle), each lane's 8 codes are one word (one 4-byte store), and the even lane
 the block's scale byte. The two rows' block scales go through one e4m3x2 conversion.
 
 Targets differ in three conversions: the two of the FP8 flush (FP16 stochastic rounding;
-the e4m3 encode, here of the block scales, software on sm_90a) and the e2m1 encode
+the e4m3 encode, here of the block scales, the e4m3x2 `cvt` on every target unless
+$REPLAYSSM_SM90_E4M3=soft asks sm_90a for integer steps) and the e2m1 encode
 (software integer steps on sm_90a, `cvt.rn.satfinite.e2m1x2.f32` on sm_100a / sm_103a):
 identical codes for identical inputs.
 """
