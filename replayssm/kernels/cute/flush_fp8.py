@@ -665,8 +665,8 @@ class FlushFp8Sm90(FlushFp8):
         # The warp-voted rounding (bits.fp16x2_sr_voted): 1,231 static instructions a
         # thread with both paths against 1,041, about 940 executed a row when a warp's
         # values are all in FP16's normal range; 8 bytes of spills (session 6: 56).
-        # Faster where the flush has many rows to fold, slower where few CTAs each fold
-        # 2-3 rows in a chain (launch.fp8_sr_voted; docs/perf-notes-cute.md, session 13).
+        # Faster where a step flushes many (row, head) units, slower where it flushes
+        # few (launch.fp8_sr_voted; docs/perf-notes-cute.md, session 13).
         self.sr_voted = sr_voted
 
     def fp16x2_sr(self, lo, hi, word):

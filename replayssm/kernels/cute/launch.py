@@ -75,9 +75,10 @@ def sm90_e4m3() -> str:
 # -> voted, same call, alternated twice (docs/perf-notes-cute.md, session 13): 16 heads /
 # 2 groups, batch 256 20.13 -> 20.81, 384 27.64 -> 27.82, 512 34.75 -> 34.77, 768 49.76
 # -> 49.14, 1024 64.20 -> 62.91; 64 heads / 8 groups, batch 64 19.91 -> 20.26, 128 36.26
-# -> 35.42, 256 65.88 -> 63.94, 1024 242.60 -> 234.19. Where few flush CTAs each fold a
-# chain of 2-3 rows (16 heads, batch 256), the voted flush is slower; where the flush
-# has many rows to fold, its fewer instructions win. sm_100a / sm_103a round in hardware.
+# -> 35.42, 256 65.88 -> 63.94, 1024 242.60 -> 234.19. Below ~1,000 flushed (row, head
+# half) units a step (batch x heads / 8) the voted flush is slower, from there its fewer
+# instructions win (not the length of a flush CTA's chain of rows: 4 rows at both 16
+# heads / batch 384 and 64 heads / batch 128). sm_100a / sm_103a round in hardware.
 SM90_FP8_SR_ENV = "REPLAYSSM_SM90_FP8_SR"
 SM90_FP8_SR_MODES = ("auto", "plain", "voted")
 VOTED_MIN_ROW_HEADS = 8192
