@@ -41,7 +41,7 @@ from cutlass.memory import SmemAllocator
 
 from . import bits, bits_nvfp4
 from .bits_nvfp4 import DSL_OPS
-from .flush_fp8 import M_SPLIT, ROWS_PER_CTA, THREADS, WARPS, FlushFp8, N, P, _xor_reduce
+from .flush_fp8 import M_SPLIT, ROWS_PER_CTA, THREADS, WARPS, FlushFp8, FlushFp8Sm90, N, P, _xor_reduce
 
 ROWS = 2  # state rows per thread
 WORDS_PER_ROW = N // 8  # packed e2m1 codes of one state row, in 32-bit words
@@ -288,10 +288,7 @@ class FlushNvfp4Sm90(FlushNvfp4):
     def fp16x2_sr(self, lo, hi, word):
         return bits.fp16x2_sr_fast(lo, hi, word)
 
-    def e4m3x2_rn(self, lo, hi):
-        if self.hw_e4m3:
-            return bits.e4m3x2_rn_hw(lo, hi)
-        return bits.e4m3x2_rn_soft(lo, hi)
+    e4m3x2_rn = FlushFp8Sm90.e4m3x2_rn  # the same `hw_e4m3` switch
 
     def e2m1x8_rn(self, vals):
         return bits_nvfp4.e2m1x8_rn_soft(vals)
