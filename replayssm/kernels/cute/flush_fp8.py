@@ -106,14 +106,19 @@ def flush_columns(heads: int, ctas_per_sm: float, sm_count: int) -> int:
     return max(1, round(ctas_per_sm * sm_count / (heads * M_SPLIT)))
 
 
-def _b_slot(n: int) -> int:
-    """Position of state column n in a staged B row: within quarter n // 32, lane column
-    c = 2 (n % 32 // 8) + n % 2 of n-tile n % 8 // 2 sits at 32 (n // 32) + 4 c + nt, so
-    lane gq reads its four n-tiles with one 16-byte load at 32 quarter + 4 gq."""
-    quarter, within = divmod(n, 32)
-    c = 2 * (within // 8) + within % 2
-    nt = within % 8 // 2
-    return 32 * quarter + 4 * c + nt
+def _b_slot(n: int, col_parts: int = 4) -> int:
+    """Position of state column n in a staged B row when a row's columns are split into
+    `col_parts` parts of W = 128 / col_parts (one per warp pair; a lane holds L = W / 4
+    consecutive columns, L / 2 n-tiles): within part n // W, lane column
+    c = 2 (n % W // L) + n % 2 of n-tile nt = n % L // 2 sits at
+    W part + 32 (nt // 4) + 4 c + nt % 4, so lane gq reads four n-tiles with one 16-byte
+    load at W part + 32 k + 4 gq (k = 0 .. L / 8 - 1)."""
+    width = N // col_parts
+    lane_cols = width // 4
+    part, within = divmod(n, width)
+    c = 2 * (within // lane_cols) + within % 2
+    nt = within % lane_cols // 2
+    return width * part + 32 * (nt // 4) + 4 * c + nt % 4
 
 
 @cute.jit
@@ -136,10 +141,12 @@ def flush_mask(t, by, plan_flush, batch, s_mask, buf):
     return s_mask[buf]
 
 
-def _b_stage_base(ch):
-    """Staged position of column 8 ch (a staging thread's first column): columns
-    8 ch + i sit at 8 ch + 4 (i % 2) + i // 2 (= _b_slot(8 ch + i)), so a staging thread
-    writes 8 consecutive floats (even columns, then odd)."""
+def _b_stage_base(ch, wide: bool):
+    """Staged position of column 8 ch (a staging thread's first column, ch runtime):
+    columns 8 ch + i sit there + 4 (i % 2) + i // 2 (= _b_slot(8 ch + i, 4 or 2 parts)),
+    so a staging thread writes 8 consecutive floats (even columns, then odd)."""
+    if wide:
+        return 64 * (ch // 8) + 32 * (ch % 2) + 8 * ((ch % 8) // 2)
     return 8 * ch
 
 
@@ -181,11 +188,35 @@ class FlushFp8:
     # group) at 8 + 5 (16 it + rr): %globaltimer at its start, %clock64 at its start, after
     # `fold`, after the partials' barrier and at its end.
     trace_addr = 0
+    # The thread map: False, CTAs of 8 warps, a lane holding 2 state rows x 8 columns (64
+    # registers a thread); True, CTAs of 4 warps, a lane holding 2 rows x 16 columns (128
+    # registers a thread: the same registers a CTA, half the warps a flushed row, so the
+    # per-row work every warp repeats (staging share, scan, A fragments, plan, addresses)
+    # is paid half as often).
+    wide = False
 
     def __init__(self, heads: int, groups: int, *, debug: bool = False) -> None:
         self.heads, self.groups = heads, groups
         self.hpg = heads // groups
         self.debug = debug
+
+    @property
+    def warps(self) -> int:
+        return 4 if self.wide else WARPS
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def nt(self) -> int:
+        """n-tiles of 8 a warp: a lane holds 2 rows x 2 nt consecutive columns."""
+        return 8 if self.wide else NT
+
+    @property
+    def col_parts(self) -> int:
+        """Parts a state row's 128 columns are split into, one per warp pair."""
+        return 2 if self.wide else QUARTERS
 
     # -- the per-target conversions -------------------------------------------------------
     def fp16x2_sr(self, lo: Float32, hi: Float32, word: Uint32) -> Uint32:
@@ -239,7 +270,7 @@ class FlushFp8:
             batch,
         ).launch(
             grid=[self.heads * M_SPLIT * cutlass.min((batch + ROWS_PER_CTA - 1) // ROWS_PER_CTA, Int32(columns)), 1, 1],
-            block=[THREADS, 1, 1],
+            block=[self.threads, 1, 1],
             min_blocks_per_mp=MIN_CTAS_PER_SM,
             preferred_smem_carveout=-1,  # the driver's choice (and no device query at compile time)
             stream=stream,
@@ -387,11 +418,11 @@ class FlushFp8:
 
         rc_w = cute.recast_ptr(read, dtype=Uint32)
         rc_head = slot * read_stride16 * 4 + hh * (P * N // 4)
-        r_rc = cute.make_rmem_tensor(cute.make_layout(2), Uint32)
+        r_rc = cute.make_rmem_tensor(cute.make_layout(self.nt // 2), Uint32)
         for i in cutlass.range_constexpr(2):
             p = rows[i]
             pp = Int64(p)
-            amax = cutlass.max(cutlass.max(s_amax[p], s_amax[P + p]), cutlass.max(s_amax[2 * P + p], s_amax[3 * P + p]))
+            amax = self.parts_max(s_amax, p)
             self.row_output(t, mh, hh, bb, p, s_x, s_dot, s_dt, out)
             self.store_state(hh, bb, pp, col0, acc, i, state_out)
 
@@ -401,11 +432,11 @@ class FlushFp8:
             if nq == 0:
                 if q == 0:
                     scales[slot * scale_stride + hh * P + pp] = bits.exp2_int(e)
-            for m in cutlass.range_constexpr(2):  # columns 4 m .. 4 m + 3 = n-tiles 2 m, 2 m + 1
+            for m in cutlass.range_constexpr(self.nt // 2):  # columns 4 m .. 4 m + 3 = n-tiles 2 m, 2 m + 1
                 lo = self.e4m3x2_rn(acc[2 * m][2 * i] * inv, acc[2 * m][2 * i + 1] * inv)
                 hi = self.e4m3x2_rn(acc[2 * m + 1][2 * i] * inv, acc[2 * m + 1][2 * i + 1] * inv)
                 r_rc[m] = lo | (hi << 16)
-            _vec_a(rc_w, rc_head + pp * (N // 4) + Int64(col0 // 4), 2).store(r_rc.load())
+            _vec_a(rc_w, rc_head + pp * (N // 4) + Int64(col0 // 4), self.nt // 2).store(r_rc.load())
 
             self.store_checkpoint(hh, pp, col0, key, acc, i, ck_w, ck_head)
         # The next flushing row of this CTA restages the shared buffers.
@@ -414,18 +445,42 @@ class FlushFp8:
             self.trace_end(t, stamps, unit)
 
     # -- shared with the NVFP4 flush (flush_nvfp4.py) --------------------------------------
-    @staticmethod
-    def lane_geometry(t, mh):
-        """(q, column quarter, [row 0, row 1], first column) of thread t in the CTA of
-        state-row half mh: warp w takes m-tile 2 mh + w % 2 and column quarter w // 2;
-        lane 4 gq + q holds rows 16 mt + gq (+ 8) at columns 32 (w // 2) + 8 q .. + 7."""
+    def lane_geometry(self, t, mh):
+        """(q, column part, [row 0, row 1], first column) of thread t in the CTA of
+        state-row half mh: warp w takes m-tile 2 mh + w % 2 and column part w // 2 (of
+        W = 128 / col_parts columns); lane 4 gq + q holds rows 16 mt + gq (+ 8) at columns
+        W (w // 2) + 2 nt q .. + 2 nt - 1."""
         lane = t % 32
         w = t // 32
         gq = lane // 4
         q = lane % 4
         mt = mh * 2 + w % 2
         nq = w // 2
-        return q, nq, [mt * 16 + gq, mt * 16 + gq + 8], nq * 32 + q * 8
+        return q, nq, [mt * 16 + gq, mt * 16 + gq + 8], nq * (N // self.col_parts) + q * (2 * self.nt)
+
+    @cute.jit
+    def parts_max(self, s_amax, p):
+        """Max over the column parts' s_amax entries of row p."""
+        if cutlass.const_expr(self.col_parts == 4):
+            return cutlass.max(cutlass.max(s_amax[p], s_amax[P + p]), cutlass.max(s_amax[2 * P + p], s_amax[3 * P + p]))
+        return cutlass.max(s_amax[p], s_amax[P + p])
+
+    @cute.jit
+    def parts_sum(self, s_dot, p):
+        """Sum of the column parts' s_dot entries of row p (pairs, then their sum)."""
+        if cutlass.const_expr(self.col_parts == 4):
+            return (s_dot[p] + s_dot[P + p]) + (s_dot[2 * P + p] + s_dot[3 * P + p])
+        return s_dot[p] + s_dot[P + p]
+
+    @staticmethod
+    def words(ptr, off, n: int) -> list:
+        """n (a multiple of 4) 32-bit words at word offset `off` (16-byte aligned), by
+        16-byte loads, as a list."""
+        out = []
+        for k in range(n // 4):
+            v = _vec_a(ptr, off + 4 * k, 4).load()
+            out += [v[u] for u in range(4)]
+        return out
 
     @cute.jit
     def stage_x(self, s_x, jx, xs, words):
@@ -456,10 +511,10 @@ class FlushFp8:
         q, nq, rows, col0 = self.lane_geometry(t, mh)
 
         # Checkpoint first (the largest read), in flight during the staging below: per
-        # row 8 FP16 values = 4 words, one 16-byte load.
+        # row 2 nt FP16 values = nt words, 16-byte loads.
         ck_w = cute.recast_ptr(ckpt, dtype=Uint32)
         ck_head = slot * ckpt_stride16 * 4 + hh * (P * N // 2)
-        r_ck = [_vec_a(ck_w, ck_head + Int64(rows[i] * (N // 2) + col0 // 2), 4).load() for i in range(2)]
+        r_ck = [self.words(ck_w, ck_head + Int64(rows[i] * (N // 2) + col0 // 2), self.nt) for i in range(2)]
         # dt_j (threads 0..14: the ring; thread 15: the step's raw dt and dt_bias) and A,
         # as predicated loads in straight-line code: ptxas issues them with the others
         # here. Loaded inside the `t < RING` branch below, they were issued only after
@@ -475,7 +530,7 @@ class FlushFp8:
         # flushed row's chain.
         d_row = bits.ld_global_u32_if((D + (hh * d_stride_h + Int64(mh * ROWS_HALF + t % ROWS_HALF) * d_stride_p)).toint(), sel(t < ROWS_HALF, Int32(1), Int32(0)))
         c_w = cute.recast_ptr(C, dtype=Uint32)
-        r_c = _vec_a(c_w, (bb * G + g) * (N // 2) + Int64(col0 // 2), 4).load()
+        r_c = self.words(c_w, (bb * G + g) * (N // 2) + Int64(col0 // 2), self.nt)
 
         # Stage x_j (FP32) of this CTA's 32 state rows and B_j (FP32, fragment order) of
         # entries 0..15: 15 from the rings, the current token as entry 15; and dt_j.
@@ -483,46 +538,69 @@ class FlushFp8:
         xcur = cute.recast_ptr(x, dtype=Uint32)
         bw = cute.recast_ptr(b_ring, dtype=Uint32)
         bcur = cute.recast_ptr(B, dtype=Uint32)
-        jb = t // 16
         ch = t % 16  # columns 8 ch .. 8 ch + 7
-        r_bs = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+        # B_j staging: 16 entries x 16 chunks of 8 columns, `reps` a thread (entry jb of
+        # rep: t // 16 + rep * threads // 16; only the last rep holds entry 15).
+        reps = RING * (N // 8) // self.threads
+        tx = t % (RING * ROWS_HALF // 8)
+        jx = tx // (ROWS_HALF // 8)
+        xs = mh * ROWS_HALF + (tx % (ROWS_HALF // 8)) * 8
+        r_bs = []
         if cutlass.const_expr(self.stage_one_source):
             # One predicated 16-byte load a staging thread and source (the ring for entries
             # 0..14, the step's input for entry 15; the other load gives zeros), in
             # straight-line code, so that ptxas issues the x_j and B_j loads together.
-            tx = t % (RING * ROWS_HALF // 8)
-            jx = tx // (ROWS_HALF // 8)
-            xs = mh * ROWS_HALF + (tx % (ROWS_HALF // 8)) * 8
             x_on = sel(t < RING * ROWS_HALF // 8, Int32(1), Int32(0))
             x_ring_on = sel(jx < RING - 1, x_on, Int32(0))
             x_ring_w = bits.ld_global_v4_u32_if((xw + (slot * x_ring_stride16 * 4 + (hh * RING + Int64(jx)) * (P // 2) + Int64(xs // 2))).toint(), x_ring_on)
             x_cur_w = bits.ld_global_v4_u32_if((xcur + ((bb * H + hh) * (P // 2) + Int64(xs // 2))).toint(), x_on - x_ring_on)
-            b_ring_on = sel(jb < RING - 1, Int32(1), Int32(0))
-            b_ring_w = bits.ld_global_v4_u32_if((bw + (slot * b_ring_stride16 * 4 + (g * RING + Int64(jb)) * (N // 2) + Int64(ch * 4))).toint(), b_ring_on)
-            b_cur_w = bits.ld_global_v4_u32_if((bcur + ((bb * G + g) * (N // 2) + Int64(ch * 4))).toint(), Int32(1) - b_ring_on)
+            b_words = []
+            for rep in cutlass.range_constexpr(reps):
+                jb = t // 16 + rep * (self.threads // 16)
+                b_src = (bw + (slot * b_ring_stride16 * 4 + (g * RING + Int64(jb)) * (N // 2) + Int64(ch * 4))).toint()
+                if cutlass.const_expr(rep == reps - 1):
+                    b_ring_on = sel(jb < RING - 1, Int32(1), Int32(0))
+                    b_ring_w = bits.ld_global_v4_u32_if(b_src, b_ring_on)
+                    b_cur_w = bits.ld_global_v4_u32_if((bcur + ((bb * G + g) * (N // 2) + Int64(ch * 4))).toint(), Int32(1) - b_ring_on)
+                    b_words.append([b_ring_w[k] | b_cur_w[k] for k in range(4)])
+                else:
+                    b_words.append(bits.ld_global_v4_u32_if(b_src, Int32(1)))
             if t < RING * ROWS_HALF // 8:
                 self.stage_x(s_x, jx, xs, [x_ring_w[k] | x_cur_w[k] for k in range(4)])
-            for k in cutlass.range_constexpr(4):
-                v = _bf16x2(b_ring_w[k] | b_cur_w[k])
-                r_bs[k] = v[0]  # column 8 ch + 2 k
-                r_bs[4 + k] = v[1]  # column 8 ch + 2 k + 1
+            for rep in cutlass.range_constexpr(reps):
+                r_rep = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+                for k in cutlass.range_constexpr(4):
+                    v = _bf16x2(b_words[rep][k])
+                    r_rep[k] = v[0]  # column 8 ch + 2 k
+                    r_rep[4 + k] = v[1]  # column 8 ch + 2 k + 1
+                r_bs.append(r_rep)
         else:
             # Both sources loaded by every staging thread, the entry picked by a select.
             if t < RING * ROWS_HALF // 8:
-                jx = t // (ROWS_HALF // 8)
-                xs = mh * ROWS_HALF + (t % (ROWS_HALF // 8)) * 8
                 ring = _vec_a(xw, slot * x_ring_stride16 * 4 + (hh * RING + Int64(jx)) * (P // 2) + Int64(xs // 2), 4).load()
                 cur = _vec_a(xcur, (bb * H + hh) * (P // 2) + Int64(xs // 2), 4).load()
                 self.stage_x(s_x, jx, xs, [sel(jx == RING - 1, cur[k], ring[k]) for k in range(4)])
-            ring = _vec_a(bw, slot * b_ring_stride16 * 4 + (g * RING + Int64(jb)) * (N // 2) + Int64(ch * 4), 4).load()
-            cur = _vec_a(bcur, (bb * G + g) * (N // 2) + Int64(ch * 4), 4).load()
-            for k in cutlass.range_constexpr(4):
-                v = _bf16x2(sel(jb == RING - 1, cur[k], ring[k]))
-                r_bs[k] = v[0]  # column 8 ch + 2 k
-                r_bs[4 + k] = v[1]  # column 8 ch + 2 k + 1
-        b_base = jb * B_ROW + _b_stage_base(ch)
-        for k in cutlass.range_constexpr(2):
-            _vec_a(s_b.iterator, b_base + 4 * k, 4).store(_vec(r_bs.iterator, 4 * k, 4).load())
+            for rep in cutlass.range_constexpr(reps):
+                jb = t // 16 + rep * (self.threads // 16)
+                ring = _vec_a(bw, slot * b_ring_stride16 * 4 + (g * RING + Int64(jb)) * (N // 2) + Int64(ch * 4), 4).load()
+                r_rep = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+                if cutlass.const_expr(rep == reps - 1):
+                    cur = _vec_a(bcur, (bb * G + g) * (N // 2) + Int64(ch * 4), 4).load()
+                    for k in cutlass.range_constexpr(4):
+                        v = _bf16x2(sel(jb == RING - 1, cur[k], ring[k]))
+                        r_rep[k] = v[0]  # column 8 ch + 2 k
+                        r_rep[4 + k] = v[1]  # column 8 ch + 2 k + 1
+                else:
+                    for k in cutlass.range_constexpr(4):
+                        v = _bf16x2(ring[k])
+                        r_rep[k] = v[0]
+                        r_rep[4 + k] = v[1]
+                r_bs.append(r_rep)
+        for rep in cutlass.range_constexpr(reps):
+            jb = t // 16 + rep * (self.threads // 16)
+            b_base = jb * B_ROW + _b_stage_base(ch, self.wide)
+            for k in cutlass.range_constexpr(2):
+                _vec_a(s_b.iterator, b_base + 4 * k, 4).store(_vec(r_bs[rep].iterator, 4 * k, 4).load())
         if t < RING:
             dt_t = ring_dt.bitcast(Float32)
             if t == RING - 1:
@@ -558,19 +636,22 @@ class FlushFp8:
             a_hi.append(hi_k)
             a_lo.append(lo_k)
         # B fragments: b0 = B_{8 ks + q}, b1 = B_{8 ks + q + 4} at lane column gq of the
-        # quarter's four n-tiles: one 16-byte load each.
+        # part's n-tiles: one 16-byte load each four (_b_slot).
         b_frag = []
         for ks in cutlass.range_constexpr(2):
             pair = []
             for jj in cutlass.range_constexpr(2):
-                off = (ks * 8 + jj * 4 + q) * B_ROW + nq * 32 + gq * 4
-                v = _vec_a(s_b.iterator, off, 4).load()
-                pair.append([v[nt].bitcast(Uint32) for nt in range(NT)])
+                off = (ks * 8 + jj * 4 + q) * B_ROW + nq * (N // self.col_parts) + gq * 4
+                frag = []
+                for k in cutlass.range_constexpr(self.nt // 4):
+                    v = _vec_a(s_b.iterator, off + 32 * k, 4).load()
+                    frag += [v[u].bitcast(Uint32) for u in range(4)]
+                pair.append(frag)
             b_frag.append(pair)
 
         # S: acc[nt] = (row 0 at lane columns 2 nt, 2 nt + 1, row 1 at the same).
         acc = []
-        for nt in cutlass.range_constexpr(NT):
+        for nt in cutlass.range_constexpr(self.nt):
             c4 = []
             for i in cutlass.range_constexpr(2):
                 pair = bits.f16x2_to_f32x2(r_ck[i][nt])
@@ -594,7 +675,7 @@ class FlushFp8:
         for i in cutlass.range_constexpr(2):
             dot = Float32(0.0)
             amax = Int32(0)
-            for nt in cutlass.range_constexpr(NT):
+            for nt in cutlass.range_constexpr(self.nt):
                 cv = _bf16x2(r_c[nt])
                 for e in cutlass.range_constexpr(2):
                     v = acc[nt][2 * i + e]
@@ -616,16 +697,16 @@ class FlushFp8:
         pp = Int64(p)
         if nq == 0:
             if q == 0:
-                dot = (s_dot[p] + s_dot[P + p]) + (s_dot[2 * P + p] + s_dot[3 * P + p])
+                dot = self.parts_sum(s_dot, p)
                 y = dot + s_dt[RING + p % ROWS_HALF] * s_x[(RING - 1) * X_ROW + p]
                 out[(bb * self.heads + hh) * P + pp] = BFloat16(y)
 
     @cute.jit
     def store_state(self, hh, bb, pp, col0, acc, i, state_out):
-        """Debug variant: this lane's 8 FP32 values of row i to state_out."""
+        """Debug variant: this lane's 2 nt FP32 values of row i to state_out."""
         if cutlass.const_expr(self.debug):
             r_state = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-            for k4 in cutlass.range_constexpr(2):
+            for k4 in cutlass.range_constexpr(self.nt // 2):
                 for k in cutlass.range_constexpr(4):
                     c = 4 * k4 + k  # column col0 + c = 2 nt + e
                     r_state[k] = acc[c // 2][2 * i + c % 2]
@@ -633,20 +714,22 @@ class FlushFp8:
 
     @cute.jit
     def store_checkpoint(self, hh, pp, col0, key, acc, i, ck_w, ck_head):
-        """Row i's 8 values as FP16 pairs with stochastic rounding; one hash word per
+        """Row i's 2 nt values as FP16 pairs with stochastic rounding; one hash word per
         pair, word index ((h * 64 + p) * 128 + n) / 2."""
-        r_ck_out = cute.make_rmem_tensor(cute.make_layout(4), Uint32)
+        NTL = self.nt
+        r_ck_out = cute.make_rmem_tensor(cute.make_layout(NTL), Uint32)
         w0 = Uint32((hh * P + pp) * (N // 2)) + Uint32(col0 // 2)
         if cutlass.const_expr(self.sr_voted):
-            words = [bits.random_word(key, w0 + Uint32(nt)) for nt in range(NT)]
-            codes = bits.fp16x2_sr_voted([(acc[nt][2 * i], acc[nt][2 * i + 1]) for nt in range(NT)], words)
-            for nt in cutlass.range_constexpr(NT):
+            words = [bits.random_word(key, w0 + Uint32(nt)) for nt in range(NTL)]
+            codes = bits.fp16x2_sr_voted([(acc[nt][2 * i], acc[nt][2 * i + 1]) for nt in range(NTL)], words)
+            for nt in cutlass.range_constexpr(NTL):
                 r_ck_out[nt] = codes[nt]
         else:
-            for nt in cutlass.range_constexpr(NT):
+            for nt in cutlass.range_constexpr(NTL):
                 word = bits.random_word(key, w0 + Uint32(nt))
                 r_ck_out[nt] = self.fp16x2_sr(acc[nt][2 * i], acc[nt][2 * i + 1], word)
-        _vec_a(ck_w, ck_head + pp * (N // 2) + Int64(col0 // 2), 4).store(r_ck_out.load())
+        for k in cutlass.range_constexpr(NTL // 4):
+            _vec_a(ck_w, ck_head + pp * (N // 2) + Int64(col0 // 2 + 4 * k), 4).store(_vec(r_ck_out.iterator, 4 * k, 4).load())
 
 
 class FlushFp8Sm90(FlushFp8):

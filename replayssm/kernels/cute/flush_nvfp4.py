@@ -41,7 +41,7 @@ from cutlass.memory import SmemAllocator
 
 from . import bits, bits_nvfp4
 from .bits_nvfp4 import DSL_OPS
-from .flush_fp8 import M_SPLIT, ROWS_PER_CTA, THREADS, WARPS, FlushFp8, FlushFp8Sm90, N, P, _xor_reduce
+from .flush_fp8 import M_SPLIT, ROWS_PER_CTA, FlushFp8, FlushFp8Sm90, N, P, _vec_a, _xor_reduce
 
 ROWS = 2  # state rows per thread
 WORDS_PER_ROW = N // 8  # packed e2m1 codes of one state row, in 32-bit words
@@ -119,7 +119,7 @@ class FlushNvfp4(FlushFp8):
             batch,
         ).launch(
             grid=[self.heads * M_SPLIT * cutlass.min((batch + ROWS_PER_CTA - 1) // ROWS_PER_CTA, Int32(columns)), 1, 1],
-            block=[THREADS, 1, 1],
+            block=[self.threads, 1, 1],
             min_blocks_per_mp=MIN_CTAS_PER_SM,
             preferred_smem_carveout=-1,  # the driver's choice (and no device query at compile time)
             stream=stream,
@@ -166,7 +166,7 @@ class FlushNvfp4(FlushFp8):
         t, _, _ = cute.arch.thread_idx()
         smem = SmemAllocator()
         s_x, s_b, s_dt, s_dot, s_amax = self.shared_buffers(smem)
-        s_gmax = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
+        s_gmax = smem.allocate_tensor(Int32, cute.make_layout(self.warps), byte_alignment=16)
         s_mask = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=4)
         meta_bits = cute.recast_ptr(meta, dtype=Int32)  # the atomic max works on the bits
 
@@ -214,14 +214,14 @@ class FlushNvfp4(FlushFp8):
         if cutlass.const_expr(self.trace_addr):
             stamps.append(bits.clock_after(acc[0][0].bitcast(Int32)))
         self.row_partials(t, mh, acc, r_c, s_dot, s_amax, row_amax=False)
-        # Block amax of row i: this lane's 8 values and its partner's (lane ^ 1), from the
-        # bits.
+        # Block amax of row i, from the bits: this lane's 8 values and its partner's (lane
+        # ^ 1), or (wide) this lane's 16, a whole block.
         bamax = []
         for i in cutlass.range_constexpr(ROWS):
             amax = Int32(0)
-            for c in cutlass.range_constexpr(8):
+            for c in cutlass.range_constexpr(2 * self.nt):
                 amax = cutlass.max(amax, acc[c // 2][2 * i + c % 2].bitcast(Int32) & Int32(0x7FFFFFFF))
-            bamax.append(_xor_reduce(amax, 2, cutlass.max))
+            bamax.append(_xor_reduce(amax, 16 // (2 * self.nt), cutlass.max))
         cute.arch.sync_threads()
         if cutlass.const_expr(self.trace_addr):
             stamps.append(bits.clock_after(t))
@@ -242,13 +242,20 @@ class FlushNvfp4(FlushFp8):
             pp = Int64(p)
             self.row_output(t, mh, hh, bb, p, s_x, s_dot, s_dt, out)
             self.store_state(hh, bb, pp, col0, acc, i, state_out)
-            # Read copy: e2m1(x * r), this lane's 8 codes = one word; the block's scale byte
-            # from the even lane of the pair.
+            # Read copy: e2m1(x * r), this lane's 2 nt codes = nt / 4 words; the block's
+            # scale byte from the even lane of the pair (wide: every lane, its own block).
             r = bits_nvfp4.block_recip(s_codes[i], g_scale, DSL_OPS)
-            scaled = [acc[c // 2][2 * i + c % 2] * r for c in range(8)]
-            rc_w[rc_head + pp * WORDS_PER_ROW + Int64(col0 // 8)] = self.e2m1x8_rn(scaled)
-            if q % 2 == 0:
+            scaled = [acc[c // 2][2 * i + c % 2] * r for c in range(2 * self.nt)]
+            if cutlass.const_expr(self.wide):
+                r_codes = cute.make_rmem_tensor(cute.make_layout(2), Uint32)
+                for k in cutlass.range_constexpr(2):
+                    r_codes[k] = self.e2m1x8_rn(scaled[8 * k:8 * k + 8])
+                _vec_a(rc_w, rc_head + pp * WORDS_PER_ROW + Int64(col0 // 8), 2).store(r_codes.load())
                 scales[sc_head + pp * BLOCKS + Int64(blk)] = Uint8(s_codes[i])
+            else:
+                rc_w[rc_head + pp * WORDS_PER_ROW + Int64(col0 // 8)] = self.e2m1x8_rn(scaled)
+                if q % 2 == 0:
+                    scales[sc_head + pp * BLOCKS + Int64(blk)] = Uint8(s_codes[i])
             self.store_checkpoint(hh, pp, col0, key, acc, i, ck_w, ck_head)
 
         # Group amax: this lane's two blocks, the warp, then the CTA's warps in shared
@@ -260,7 +267,7 @@ class FlushNvfp4(FlushFp8):
         cute.arch.sync_threads()
         if t == 0:
             cta_max = s_gmax[0]
-            for w in cutlass.range_constexpr(1, WARPS):
+            for w in cutlass.range_constexpr(1, self.warps):
                 cta_max = cutlass.max(cta_max, s_gmax[w])
             cute.arch.atomic_max(meta_bits + (meta_row + old), cta_max, sem="relaxed", scope="gpu")
         if cutlass.const_expr(self.trace_addr):
