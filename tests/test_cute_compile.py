@@ -25,10 +25,11 @@ ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 
 
 
-# Per flush thread: 2 state rows x 8 columns = 8 FP16 pairs and 8 e4m3 pairs;
-# 4 n-tiles x 2 k-steps x 2 tf32 terms = 16 MMAs.
-PAIRS = 8
-FOLD_MMAS = 16
+# Per flush thread (the default 4-warp thread map, FlushFp8.wide): 2 state rows x 16
+# columns = 16 FP16 pairs and 16 e4m3 pairs; 8 n-tiles x 2 k-steps x 2 tf32 terms = 32
+# MMAs (test_flush_fragment_maps_are_bijections checks the map's n-tiles).
+PAIRS = 16
+FOLD_MMAS = 32
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def test_flush_loops_over_the_flushing_rows_only(compiled, arch):
 def test_sm100_flush_uses_hardware_conversions(compiled, arch):
     for name, text in _ptx(compiled[arch], "flush").items():
         # Every checkpoint pair goes through cvt.rs and every read-copy pair through the
-        # e4m3x2 cvt: 4 of each per state row a thread owns.
+        # e4m3x2 cvt: 8 of each per state row a thread owns.
         assert text.count("cvt.rs.satfinite.f16x2.f32") == PAIRS, name
         assert text.count("cvt.rn.satfinite.e4m3x2.f32") == PAIRS, name
         assert text.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == FOLD_MMAS, name
@@ -166,29 +167,41 @@ def test_unknown_arch_is_rejected(tmp_path):
         compile_all("sm_80", tmp_path)
 
 
-def test_flush_fragment_maps_are_bijections():
-    """The flush's permuted column maps (flush_fp8.py): the staging positions the kernel
-    writes (`_b_stage_base`, + 4 (i % 2) + i // 2 for column 8 ch + i) equal `_b_slot`,
-    `_b_slot` is a permutation of the 128 columns, and lane (gq, q)'s B fragment (its four
-    n-tiles, read as 4 consecutive staged floats at 32 quarter + 4 gq) holds exactly the
-    columns its accumulators are stored to (8 q + 2 nt + {0, 1} of the quarter)."""
-    from replayssm.kernels.cute.flush_fp8 import B_ROW, N, NT, QUARTERS, _b_slot, _b_stage_base
+@pytest.mark.parametrize("wide", [True, False])
+def test_flush_fragment_maps_are_bijections(wide):
+    """The flush's permuted column maps (flush_fp8.py), for both thread maps (`wide`: a
+    lane holds 16 columns, 2 column parts; else 8 columns, 4 parts): the staging
+    positions the kernel writes (`_b_stage_base`, + 4 (i % 2) + i // 2 for column
+    8 ch + i) equal `_b_slot`, `_b_slot` is a permutation of the 128 columns, and lane
+    (gq, q)'s B fragment (its n-tiles, read 4 at a time as consecutive staged floats at
+    W part + 32 k + 4 gq) holds exactly the columns its accumulators are stored to
+    (W part + 2 nt q + 2 nt' + {0, 1}, the lane's consecutive columns)."""
+    from replayssm.kernels.cute.flush_fp8 import B_ROW, N, FlushFp8, _b_slot, _b_stage_base
 
-    slots = [_b_slot(n) for n in range(N)]
+    flush = FlushFp8(16, 2)
+    flush.wide = wide
+    parts, nts = flush.col_parts, flush.nt
+    width, lane_cols = N // parts, 2 * nts
+    assert (parts, nts) == ((2, 8) if wide else (4, 4))
+    slots = [_b_slot(n, parts) for n in range(N)]
     assert sorted(slots) == list(range(N))
     for ch in range(16):  # staging thread: columns 8 ch .. 8 ch + 7
-        base = _b_stage_base(ch)
+        base = _b_stage_base(ch, wide)
         for i in range(8):
-            assert base + 4 * (i % 2) + i // 2 == _b_slot(8 * ch + i), (ch, i)
-    for nq in range(QUARTERS):
+            assert base + 4 * (i % 2) + i // 2 == _b_slot(8 * ch + i, parts), (ch, i)
+    for part in range(parts):
         for g in range(8):  # MMA column g of n-tile nt is state column phys(nt, g)
-            for nt in range(NT):
-                phys = nq * 32 + (g // 2) * 8 + 2 * nt + g % 2
-                assert _b_slot(phys) == nq * 32 + 4 * g + nt
-        # Accumulator columns 2 q, 2 q + 1 of n-tile nt: lane q's 8 consecutive columns.
+            for nt in range(nts):
+                phys = part * width + (g // 2) * lane_cols + 2 * nt + g % 2
+                assert _b_slot(phys, parts) == part * width + 32 * (nt // 4) + 4 * g + nt % 4
+        # Accumulator columns 2 q, 2 q + 1 of n-tile nt: lane q's consecutive columns,
+        # those of lane_geometry.
         for q in range(4):
-            cols = sorted(nq * 32 + (c // 2) * 8 + 2 * nt + c % 2 for nt in range(NT) for c in (2 * q, 2 * q + 1))
-            assert cols == list(range(nq * 32 + 8 * q, nq * 32 + 8 * q + 8))
+            cols = sorted(part * width + (c // 2) * lane_cols + 2 * nt + c % 2 for nt in range(nts) for c in (2 * q, 2 * q + 1))
+            first = part * width + lane_cols * q
+            assert cols == list(range(first, first + lane_cols))
+            for w in (2 * part, 2 * part + 1):
+                assert flush.lane_geometry(32 * w + q, 0)[3] == first
     # Bank-conflict-free B fragment loads: the 8 lanes of each 16-byte load phase
     # (gq in {2 a, 2 a + 1}, q = 0..3) read distinct 4-bank groups.
     for a in range(4):
@@ -221,18 +234,22 @@ def test_flush_grid_visits_every_row_group_once(heads, batch):
             assert sorted(seen) == [(h, by) for h in range(hm) for by in range(n_by)], (ctas_per_sm, sms)
 
 
-def test_flush_lane_map_covers_each_state_row_half_once():
-    """The two CTAs of a (row, head) and their 256 threads cover the 64 x 128 state once:
-    lane_geometry's two rows x 8 columns per thread, over both halves."""
-    from replayssm.kernels.cute.flush_fp8 import M_SPLIT, N, P, THREADS, FlushFp8
+@pytest.mark.parametrize("wide", [True, False])
+def test_flush_lane_map_covers_each_state_row_half_once(wide):
+    """The two CTAs of a (row, head) and their threads (4 or 8 warps) cover the 64 x 128
+    state once: lane_geometry's two rows x 2 nt columns per thread, over both halves."""
+    from replayssm.kernels.cute.flush_fp8 import M_SPLIT, N, P, FlushFp8
 
-    seen = set()
+    flush = FlushFp8(16, 2)
+    flush.wide = wide
+    assert flush.threads == (128 if wide else 256) and FlushFp8.wide is True
+    seen = []
     for mh in range(M_SPLIT):
-        for t in range(THREADS):
-            _, _, rows, col0 = FlushFp8.lane_geometry(t, mh)
+        for t in range(flush.threads):
+            _, _, rows, col0 = flush.lane_geometry(t, mh)
             assert all(32 * mh <= r < 32 * mh + 32 for r in rows)
-            seen.update((r, col0 + c) for r in rows for c in range(8))
-    assert seen == {(p, n) for p in range(P) for n in range(N)}
+            seen += [(r, col0 + c) for r in rows for c in range(2 * flush.nt)]
+    assert sorted(seen) == [(p, n) for p in range(P) for n in range(N)]
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -322,27 +339,24 @@ def test_warp_kernel_as_the_pdl_variant(monkeypatch, tmp_path, kind):
         launch.pdl_kernel()
 
 
-def test_fp8_flush_voted_rounding_is_chosen_by_rows_times_heads(monkeypatch):
-    """launch.fp8_sr_voted: the sm_90a FP8 flush is the warp-voted variant when batch x
-    heads reaches VOTED_MIN_ROW_HEADS (16 heads: batch 512; 64 heads: batch 128), never on
-    sm_100a / sm_103a (hardware rounding); $REPLAYSSM_SM90_FP8_SR forces either; the
-    kernel object carries the choice."""
+def test_fp8_flush_voted_rounding_is_an_opt_in(monkeypatch):
+    """launch.fp8_sr_voted: the sm_90a FP8 flush is the warp-voted variant only with
+    $REPLAYSSM_SM90_FP8_SR=voted ("auto" and "plain": plain), never on sm_100a / sm_103a
+    (hardware rounding); the kernel object carries the choice."""
     from replayssm.kernels.cute import launch
     from replayssm.kernels.cute.flush_fp8 import FlushFp8Sm90, FlushFp8Sm100
 
-    monkeypatch.delenv(launch.SM90_FP8_SR_ENV, raising=False)
-    assert launch.VOTED_MIN_ROW_HEADS == 8192
-    assert [launch.fp8_sr_voted("sm_90a", b, 16) for b in (1, 256, 511, 512, 1024)] == [False, False, False, True, True]
-    assert [launch.fp8_sr_voted("sm_90a", b, 64) for b in (64, 127, 128, 256)] == [False, False, True, True]
-    assert not any(launch.fp8_sr_voted(a, 4096, 64) for a in ("sm_100a", "sm_103a"))
-    assert launch.fp8_sr_variants("sm_90a") == (False, True) and launch.fp8_sr_variants("sm_100a") == (False,)
-    for mode, voted in (("plain", False), ("voted", True)):
-        monkeypatch.setenv(launch.SM90_FP8_SR_ENV, mode)
-        assert [launch.fp8_sr_voted("sm_90a", b, 16) for b in (1, 4096)] == [voted, voted]
-        assert launch.fp8_sr_variants("sm_90a") == (voted,) and launch.fp8_sr_variants("sm_103a") == (False,)
+    for mode, voted in ((None, False), ("auto", False), ("plain", False), ("voted", True)):
+        if mode is None:
+            monkeypatch.delenv(launch.SM90_FP8_SR_ENV, raising=False)
+        else:
+            monkeypatch.setenv(launch.SM90_FP8_SR_ENV, mode)
+        assert launch.fp8_sr_voted("sm_90a") is voted, mode
+        assert launch.fp8_sr_variants("sm_90a") == (voted,)
+        assert not launch.fp8_sr_voted("sm_100a") and launch.fp8_sr_variants("sm_103a") == (False,)
     monkeypatch.setenv(launch.SM90_FP8_SR_ENV, "fast")
     with pytest.raises(ValueError, match="REPLAYSSM_SM90_FP8_SR"):
-        launch.fp8_sr_voted("sm_90a", 1, 16)
+        launch.fp8_sr_voted("sm_90a")
     obj = launch._kernel_object("flush_fp8", "sm_90a", 16, 2, "hw", False, True)
     assert type(obj) is FlushFp8Sm90 and obj.sr_voted is True
     assert launch._kernel_object("flush_fp8", "sm_90a", 16, 2, "hw").sr_voted is False
@@ -416,7 +430,7 @@ def test_sass_stats_counts_the_kernels_structure(tmp_path, monkeypatch):
     assert flush["MMA"] == FOLD_MMAS and flush["BAR"] == 4
     assert warp["MMA"] == WARP_F16_MMAS + WARP_BF16_MMAS and warp["BAR"] == 1  # the B_j . C partial sums
     assert nonflush["MMA"] == 0 and nonflush["BAR"] == 2
-    assert stats["flush"]["regs"] <= 64 and stats["nonflush"]["regs"] <= 64
+    assert stats["flush"]["regs"] <= 128 and stats["nonflush"]["regs"] <= 64  # 4 CTAs of 128 / 256 threads
     extra = stats["pdl"]["ops"] - stats["nonflush"]["ops"]
     assert sum(extra.values()) == stats["pdl"]["total"] - stats["nonflush"]["total"] == 1, extra
     assert pdl == nonflush

@@ -66,9 +66,9 @@ pytestmark = [
         # The same with the flush grid cut to 2 CTA columns: a CTA flushes row groups
         # 0 and 2 in turn (flush_fp8.flush_columns), its flag words alternating.
         pytest.param(16, 2, "many-2col", "hw", id="fp8-h16-g2-many-rows-2-columns"),
-        # The sm_90a flush's warp-voted rounding ($REPLAYSSM_SM90_FP8_SR=voted; by default
-        # only at batch x heads >= 8192, launch.fp8_sr_voted): its normal-range path, its
-        # general one (wide range: subnormal FP16 results), and many rows.
+        # The sm_90a flush's warp-voted rounding ($REPLAYSSM_SM90_FP8_SR=voted; off by
+        # default, launch.fp8_sr_voted): its normal-range path, its general one (wide
+        # range: subnormal FP16 results), and many rows.
         pytest.param(16, 2, False, "hw+voted", id="fp8-h16-g2-mixed-voted"),
         pytest.param(16, 2, "wide", "hw+voted", id="fp8-h16-g2-wide-range-voted"),
         pytest.param(16, 2, "many", "hw+voted", id="fp8-h16-g2-many-rows-voted"),
@@ -166,7 +166,7 @@ def test_cuda_graph_replays_whole_periods():
 
 
 def test_cuda_graph_replays_whole_periods_with_the_voted_flush(monkeypatch):
-    """The sm_90a flush's warp-voted variant (chosen at large batches), captured."""
+    """The sm_90a flush's warp-voted variant ($REPLAYSSM_SM90_FP8_SR=voted), captured."""
     from replayssm.kernels.cute import launch
 
     monkeypatch.setenv(launch.SM90_FP8_SR_ENV, "voted")
@@ -189,7 +189,7 @@ def test_warmup_compiles_and_launches_both_kernels_without_changing_the_cache(mo
 
     monkeypatch.delenv(launch.PDL_ENV, raising=False)  # the PDL variant is expected too
     monkeypatch.delenv(launch.FP8_DECODE_ENV, raising=False)
-    monkeypatch.delenv(launch.SM90_FP8_SR_ENV, raising=False)  # both flush variants on sm_90a
+    monkeypatch.setenv(launch.SM90_FP8_SR_ENV, "voted")  # the voted flush on sm_90a
     names = check_warmup("fp8")
     voted = [n for n in names if n.startswith("cute.flush_fp8[") and n.endswith(",voted]")]
     assert len(voted) == (1 if launch.arch_for() == "sm_90a" else 0), names

@@ -165,7 +165,7 @@ def test_block_pipeline_twin_matches_nvfp4_encode():
 # ---------------------------------------------------------------------------------------
 # Compile-only (no GPU)
 
-ROWS_FLUSH = 2  # flush_nvfp4.ROWS: state rows per flush thread (8 values, half a block, each)
+ROWS_FLUSH = 2  # flush_nvfp4.ROWS: state rows per flush thread (16 values, a whole block, each)
 ROWS_DECODE = 4  # decode_nvfp4.ROWS
 
 
@@ -219,9 +219,9 @@ def test_sm100_uses_hardware_e2m1_conversions(compiled, simt_pdl_ptx, arch):
         # The warp kernel's block scales: one e4m3 pair (two blocks of a row) per row.
         assert text.count("cvt.rn.f16x2.e4m3x2") == (0 if simt else 8), name
     for name, text in _ptx(compiled[arch], "flush").items():
-        # Per row: 8 values = 4 e2m1x2 conversions and 4 FP16 pairs.
-        assert text.count("cvt.rn.satfinite.e2m1x2.f32") == ROWS_FLUSH * 4, name
-        assert text.count("cvt.rs.satfinite.f16x2.f32") == ROWS_FLUSH * 4, name
+        # Per row: 16 values = 8 e2m1x2 conversions and 8 FP16 pairs.
+        assert text.count("cvt.rn.satfinite.e2m1x2.f32") == ROWS_FLUSH * 8, name
+        assert text.count("cvt.rs.satfinite.f16x2.f32") == ROWS_FLUSH * 8, name
         assert text.count("cvt.rn.satfinite.e4m3x2.f32") == 1, name  # both rows' block scales
         assert "cvt.rs.satfinite.e2m1" not in text, name  # the read copy is rounded to nearest
 
@@ -244,12 +244,12 @@ def test_sm90_is_software(compiled, simt_pdl_ptx):
         # (as sm_100a), integer steps with $REPLAYSSM_SM90_E4M3=soft.
         assert text.count("cvt.rn.satfinite.e4m3x2.f32") == (1 if sm90_e4m3() == "hw" else 0), name
         # The checkpoint's rounding (bits.fp16x2_sr_voted): per row one warp vote, the
-        # normal-range path's 4 truncating pair conversions and the general path's 4.
+        # normal-range path's 8 truncating pair conversions and the general path's 8.
         assert text.count("vote.sync.all.pred") == ROWS_FLUSH, name
-        assert text.count("cvt.rz.f16x2.f32") == 2 * ROWS_FLUSH * 4, name
+        assert text.count("cvt.rz.f16x2.f32") == 2 * ROWS_FLUSH * 8, name
         # The read copy's e2m1 codes (bits_nvfp4.e2m1_code_rn): one rounding add.rn a
-        # value, 8 values per state row of a thread.
-        assert text.count("add.rn.f32") == ROWS_FLUSH * 8, name
+        # value, 16 values per state row of a thread.
+        assert text.count("add.rn.f32") == ROWS_FLUSH * 16, name
 
 
 @needs_dsl
@@ -260,10 +260,11 @@ def test_flush_reciprocal_is_ieee_and_amax_is_one_atomic(compiled, simt_pdl_ptx,
         assert ieee == ROWS_FLUSH, (name, ieee)
         assert not re.search(r"\b(div|rcp)\.(approx|full)", text), name
         assert len(re.findall(r"\b(atom|red)(\.\w+)*\.global(\.\w+)*\.max\.s32\b", text)) == 1, name
-        # Per row a lane's 8 codes (half a block) are one 4-byte store, the block scale one byte.
-        assert text.count("st.global.b32") == ROWS_FLUSH, name
+        # Per row a lane's 16 codes (a whole block) are one 8-byte store, the block scale
+        # one byte.
+        assert text.count("st.global.v2.b32") == ROWS_FLUSH, name
         assert text.count("st.global.b8") == ROWS_FLUSH, name
-        assert text.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 16, name  # the FP8 flush's fold
+        assert text.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 32, name  # the FP8 flush's fold
     for name, text, simt in _decode_ptx(compiled, simt_pdl_ptx, arch):
         assert not re.search(r"\b(atom|red)\.", text), name  # the non-flush kernel writes no meta
         if simt:  # 8 bytes of codes per row and thread

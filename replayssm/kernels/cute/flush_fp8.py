@@ -12,7 +12,7 @@ flush return at once. The ring is not written: the next step starts a period at 
 
 Work item (head half, row group): half mh of the state rows (32 of 64) of one head, for
 the ROWS_PER_CTA batch rows of one group. A persistent grid of heads * M_SPLIT * columns
-CTAs of 8 warps (`flush_columns`: about 1.5 CTAs an SM for FP8, 2.5 for NVFP4, so that
+CTAs of 4 warps (`flush_columns`: about 1.5 CTAs an SM for FP8, 3.5 for NVFP4, so that
 the non-flush kernel shares every SM from the start) walks the items: CTA i keeps head
 half i % (heads * M_SPLIT) and takes row groups i // (heads * M_SPLIT), + columns, ...;
 per group it reads the flush flags with one ballot and folds each flushing row in turn,
@@ -24,19 +24,24 @@ The fold is a K = 16 matrix product, S = decay ckpt + X' B with X'[p, j] = w_j x
 X' split into two tf32 terms (hi = X' with its low 13 bits cleared, lo = X' - hi, exact),
 B exact in tf32 (bf16), the accumulator initialized with decay * ckpt; the result equals
 the FP32 fold to ~2**-21 relative per term. Warp w takes m-tile 2 (CTA half) + w % 2
-(state rows 16 mt + gq and + 8 for lane 4 gq + q) and column quarter w // 2; the MMA's n
-index is permuted so that lane q's accumulators are the 8 consecutive columns
-32 (w // 2) + 8 q .. + 7 of its two rows: one 16-byte load of the checkpoint and one
-16-byte store of the checkpoint per row, and adjacent (even, odd) pairs for the FP16x2
-hash words and the e4m3x2 conversions. Row dots and amaxes are reduced over the four
-lanes of a row and the four column quarters (shared memory). Each lane holds 16 values,
-so four CTAs fit an SM at 64 registers a thread. Some variants then spill a few words a
-thread, with 16 / 8 heads a group (16 heads; since session 11's early loads in `fold`,
-and session 12's one-source staging for NVFP4, `stage_one_source`):
-- sm_90a FP8: 8 / 0 bytes, or 40 / 40 with the software e4m3 encode, 8 / 8 with the
-  warp-voted rounding;
-- sm_90a NVFP4: 0 / 0;
-- sm_100a: FP8 16 / 16 (none before session 11; no B200 here to time it), NVFP4 0 / 0.
+(state rows 16 mt + gq and + 8 for lane 4 gq + q) and column half w // 2; the MMA's n
+index is permuted so that lane q's accumulators are the 16 consecutive columns
+64 (w // 2) + 16 q .. + 15 of its two rows: two 16-byte loads of the checkpoint and two
+16-byte stores of it per row, one 16-byte store of the FP8 read copy (NVFP4: a whole
+block a lane), and adjacent (even, odd) pairs for the FP16x2 hash words and the e4m3x2
+conversions. Row dots and amaxes are reduced over the four lanes of a row and the two
+column halves (shared memory). Each lane holds 32 values; four CTAs of 128 threads fit
+an SM at 128 registers a thread, none of the variants spills (sm_90a FP8 128 registers,
+114 with the warp-voted rounding; NVFP4 116).
+
+`wide = False` keeps the thread map of sessions 3-13 (CTAs of 8 warps, a lane holding 2
+rows x 8 columns of one column quarter, 64 registers a thread): the same registers a
+CTA, but 16 warps a flushed (row, head) instead of 8, each repeating the per-row work
+(its staging share, the scan, the A fragments, plan loads and addresses). The 4-warp map
+issues a third fewer instructions a flushed row (sm_90a FP8: 8 warps x 1,389 static
+instructions against 16 x 1,041; NVFP4 8 x 2,374 against 16 x 1,675); H200, project
+benchmark, same call, 16 heads / 2 groups FP8 62.8 -> 61.5 us at batch 1024, 64 heads /
+8 groups NVFP4 241.8 -> 229.7 (docs/perf-notes-cute.md, session 14).
 
 Only the two conversions differ between targets: `FlushFp8Sm90` (stochastic rounding by
 bits.fp16x2_sr_fma, a clamp, one `fma.rz.f32` and a few integer steps a value with the
@@ -60,14 +65,13 @@ from . import bits
 from .bits import bf16x2_to_f32x2 as _bf16x2, sel, softplus, vec as _vec, vec_aligned as _vec_a, xor_reduce as _xor_reduce
 from .mma import mma_tf32_16x8x8
 
-WARPS = 8
-THREADS = 32 * WARPS
+WARPS = 8  # CTA warps of the 8-warp thread map (FlushFp8.wide = False; else 4)
 P, N, RING = 64, 128, 16
 # CTAs per (batch row, head): each folds 32 of the 64 state rows (two m-tiles).
 M_SPLIT = 2
 ROWS_HALF = P // M_SPLIT
-QUARTERS = 4  # column quarters of 32 (one per warp pair)
-NT = 4  # n-tiles of 8 per warp; a lane holds 2 rows x 8 columns
+QUARTERS = 4  # column parts of the 8-warp map (quarters of 32, one per warp pair; wide: 2 halves)
+NT = 4  # n-tiles of 8 per warp of the 8-warp map, a lane holding 2 rows x 8 columns (wide: 8)
 # Batch rows per group: a CTA reads a group's flush flags at once (one ballot) and
 # flushes the marked rows one after another. With 1/16 of the rows flushing per step
 # (desynchronized rows) a group holds one row on average, instead of batch x heads CTAs
@@ -79,7 +83,7 @@ ROWS_PER_CTA = 16
 # x_j is 64 values plus 8 (the four entries a warp's A fragment reads 8 banks apart).
 B_ROW = N + 8
 X_ROW = P + 8
-# Four CTAs of 256 threads per SM: at most 64 registers a thread (small spills on sm_90a).
+# Four CTAs per SM: at most 128 registers a thread with 4-warp CTAs (64 with 8 warps).
 MIN_CTAS_PER_SM = 4
 # amax <= 448 * scale: E = ceil(log2(amax / 448)), 448 = 1.75 * 2**8 (formats.fp8_row_scale).
 FP8_MANT_LIMIT, FP8_E_OFF = 0x600000, 8
@@ -165,13 +169,15 @@ class FlushFp8:
     # FP8 22.66 / 69.94, 22.93 / 71.87, 23.03 / 72.87, 23.54 / 74.21 (one CTA per group:
     # 24.09 / 78.43); NVFP4 26.04 / 81.63, 25.65 / 81.95, 25.22 / 82.09, 25.34 / 82.30
     # (25.77 / 84.47). The NVFP4 flush issues ~1.7x the FP8 flush's instructions.
+    # Session 14, the 4-warp CTAs (`wide`), project benchmark, 16 heads / 2 groups, 256 /
+    # 1024: 1.0 21.86 / 78.41, 1.5 20.00 / 62.23, 2.0 20.13 / 64.55, 2.5 20.33 / 66.30.
     ctas_per_sm = 1.5
     # The checkpoint's stochastic rounding through bits.fp16x2_sr_voted (a warp-uniform
     # branch to the normal-range path) instead of fp16x2_sr for every pair. Always on for
     # the sm_90a NVFP4 flush: there it made steps 2.7% (batch 256) and 4.1% (1024) faster
     # (H200, session 6). The sm_90a FP8 flush has both variants (`FlushFp8Sm90`'s
-    # `sr_voted`; launch.fp8_sr_voted picks one by batch and heads). sm_100a rounds in
-    # hardware.
+    # `sr_voted`; launch.fp8_sr_voted: plain unless $REPLAYSSM_SM90_FP8_SR=voted). sm_100a
+    # rounds in hardware.
     sr_voted = False
     # The x_j / B_j staging in `fold`: one predicated load a staging thread and source (ring
     # or the step's input) in straight-line code (True), or both sources loaded by every
@@ -188,12 +194,11 @@ class FlushFp8:
     # group) at 8 + 5 (16 it + rr): %globaltimer at its start, %clock64 at its start, after
     # `fold`, after the partials' barrier and at its end.
     trace_addr = 0
-    # The thread map: False, CTAs of 8 warps, a lane holding 2 state rows x 8 columns (64
-    # registers a thread); True, CTAs of 4 warps, a lane holding 2 rows x 16 columns (128
-    # registers a thread: the same registers a CTA, half the warps a flushed row, so the
-    # per-row work every warp repeats (staging share, scan, A fragments, plan, addresses)
-    # is paid half as often).
-    wide = False
+    # The thread map (module docstring): True, CTAs of 4 warps, a lane holding 2 state
+    # rows x 16 columns (128 registers a thread); False, session 3-13's CTAs of 8 warps, a
+    # lane holding 2 rows x 8 columns (64 registers): the same registers a CTA, twice the
+    # warps a flushed row, each repeating the per-row work.
+    wide = True
 
     def __init__(self, heads: int, groups: int, *, debug: bool = False) -> None:
         self.heads, self.groups = heads, groups
@@ -381,7 +386,7 @@ class FlushFp8:
     @staticmethod
     def shared_buffers(smem):
         """Staged x_j (FP32, X_ROW a row), B_j (FP32, fragment order, B_ROW a row), dt_j
-        followed by D[p] of the CTA's 32 state rows, and per (column quarter, state row)
+        followed by D[p] of the CTA's 32 state rows, and per (column part, state row)
         the partial dots and amax bits."""
         s_x = smem.allocate_tensor(Float32, cute.make_layout(RING * X_ROW), byte_alignment=16)
         s_b = smem.allocate_tensor(Float32, cute.make_layout(RING * B_ROW), byte_alignment=16)
@@ -499,7 +504,7 @@ class FlushFp8:
         ckpt_stride16, x_ring_stride16, dt_ring_stride, b_ring_stride16, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride,
         d_stride_h, d_stride_p,
     ):
-        """S of this lane's 16 elements, from the checkpoint and the 16 ring entries (the
+        """S of this lane's 4 nt elements, from the checkpoint and the 16 ring entries (the
         current token as entry 15), on the tensor cores. Returns (acc, this lane's C words,
         the checkpoint as words, the head's first checkpoint word); acc[nt][2 i + e] is
         row i at lane column 2 nt + e. Leaves s_x (x_j of this CTA's state rows, FP32)
@@ -668,7 +673,7 @@ class FlushFp8:
 
     @cute.jit
     def row_partials(self, t, mh, acc, r_c, s_dot, s_amax, row_amax: cutlass.Constexpr = True):
-        """Row dots with C and (`row_amax`) amaxes of this column quarter: over the 4
+        """Row dots with C and (`row_amax`) amaxes of this column part: over the 4
         lanes of a row, into s_dot / s_amax[quarter * 64 + row] (a barrier must follow
         before they are read)."""
         q, nq, rows, col0 = self.lane_geometry(t, mh)
@@ -691,7 +696,7 @@ class FlushFp8:
 
     @cute.jit
     def row_output(self, t, mh, hh, bb, p, s_x, s_dot, s_dt, out):
-        """y[p] = S[p] . C + D[p] x[p] from the four quarters' dots and the staged D[p]
+        """y[p] = S[p] . C + D[p] x[p] from the column parts' dots and the staged D[p]
         (s_dt[RING + p % 32], written by `fold`); one lane writes it."""
         q, nq, rows, col0 = self.lane_geometry(t, mh)
         pp = Int64(p)
@@ -745,11 +750,11 @@ class FlushFp8Sm90(FlushFp8):
     def __init__(self, heads: int, groups: int, *, debug: bool = False, hw_e4m3: bool = False, sr_voted: bool = False) -> None:
         super().__init__(heads, groups, debug=debug)
         self.hw_e4m3 = hw_e4m3
-        # The warp-voted rounding (bits.fp16x2_sr_voted): 1,231 static instructions a
-        # thread with both paths against 1,041, about 940 executed a row when a warp's
-        # values are all in FP16's normal range; 8 bytes of spills (session 6: 56).
-        # Faster where a step flushes many (row, head) units, slower where it flushes
-        # few (launch.fp8_sr_voted; docs/perf-notes-cute.md, session 13).
+        # The warp-voted rounding (bits.fp16x2_sr_voted): 1,715 static instructions a
+        # thread with both paths against 1,389 (16 heads / 2 groups, the 4-warp map).
+        # With the 8-warp map it was faster where a step flushes many (row, head) units
+        # (session 13); with the 4-warp map plain is as fast or faster
+        # (launch.fp8_sr_voted; docs/perf-notes-cute.md, session 14).
         self.sr_voted = sr_voted
 
     def fp16x2_sr(self, lo, hi, word):

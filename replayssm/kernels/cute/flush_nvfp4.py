@@ -17,11 +17,13 @@ read only the half 1 - old and write only the half old; the reset of `old` and t
 flip happened in the prepare launch before this one on the same stream, and the non-flush
 launch of the step touches only non-flushing slots.
 
-Thread map: the FP8 flush's (two CTAs of 8 warps per (row, head); lane q of a row quad
-holds 8 consecutive columns 32 (w // 2) + 8 q .. + 7 of two rows), so lanes q and q ^ 1
-hold one NVFP4 block between them: its amax is the max of the two lanes' (one xor
-shuffle), each lane's 8 codes are one word (one 4-byte store), and the even lane writes
-the block's scale byte. The two rows' block scales go through one e4m3x2 conversion.
+Thread map: the FP8 flush's (two CTAs of 4 warps per (row, head); lane q of a row quad
+holds 16 consecutive columns 64 (w // 2) + 16 q .. + 15 of two rows), so a lane holds
+one whole NVFP4 block of each row: its amax needs no shuffle, its 16 codes are two words
+(one 8-byte store) and the lane writes the block's scale byte. (With FlushFp8.wide =
+False, 8 columns a lane, lanes q and q ^ 1 share a block: one xor shuffle for its amax,
+one word of codes a lane, the even lane writes the scale.) The two rows' block scales
+go through one e4m3x2 conversion.
 
 Targets differ in three conversions: the two of the FP8 flush (FP16 stochastic rounding;
 the e4m3 encode, here of the block scales, the e4m3x2 `cvt` on every target unless
@@ -46,7 +48,7 @@ from .flush_fp8 import M_SPLIT, ROWS_PER_CTA, FlushFp8, FlushFp8Sm90, N, P, _vec
 ROWS = 2  # state rows per thread
 WORDS_PER_ROW = N // 8  # packed e2m1 codes of one state row, in 32-bit words
 BLOCKS = N // 16  # block scales per state row
-# Four CTAs of 256 threads per SM (at most 64 registers a thread), as the FP8 flush.
+# Four CTAs per SM (at most 128 registers a thread), as the FP8 flush.
 MIN_CTAS_PER_SM = 4
 
 
@@ -64,7 +66,11 @@ class FlushNvfp4(FlushFp8):
     # heads / 2 groups, alternated twice: 10 columns (2.5) 20.66 / 67.69, 20.65 / 67.69;
     # 12 (3.0) 21.00 / 68.08, 20.97 / 68.22; 14 (3.5) 20.51 / 68.16, 20.56 / 68.36
     # (docs/perf-notes-cute.md). At 64 heads 2.5 and 3.0 give the same 3 columns.
-    ctas_per_sm = 2.5
+    # Session 14, the 4-warp CTAs (FlushFp8.wide), project benchmark, alternated twice,
+    # 16 heads / 2 groups at 256 / 1024, then 64 heads / 8 groups at 256 / 1024: 2.0 (8 /
+    # 2 columns) 20.90 / 65.33, 63.75 / 233.5; 2.5 (10 / 3) 20.68 / 66.65, 64.8 / 236.1;
+    # 3.0 (12 / 3) 20.15 / 66.46, 64.85 / 236.1; 3.5 (14 / 4) 20.21 / 65.86, 63.04 / 229.7.
+    ctas_per_sm = 3.5
     stage_one_source = True  # FlushFp8.stage_one_source
     arch = ""
 

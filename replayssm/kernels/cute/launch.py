@@ -68,40 +68,30 @@ def sm90_e4m3() -> str:
 
 
 # The sm_90a FP8 flush's checkpoint rounding: "plain" (bits.fp16x2_sr_fma for every pair),
-# "voted" (bits.fp16x2_sr_voted, a warp-uniform branch to the normal-range path: ~10%
-# fewer instructions executed a flushed row, 8 bytes of spills) or "auto": voted when
-# batch x heads >= VOTED_MIN_ROW_HEADS (a step flushes batch x heads / 16 (row, head)s).
-# Both give the same bits (GPU-tested). H200, project benchmark, FP8, us per step, plain
-# -> voted, same call, alternated twice (docs/perf-notes-cute.md, session 13): 16 heads /
-# 2 groups, batch 256 20.13 -> 20.81, 384 27.64 -> 27.82, 512 34.75 -> 34.77, 768 49.76
-# -> 49.14, 1024 64.20 -> 62.91; 64 heads / 8 groups, batch 64 19.91 -> 20.26, 128 36.26
-# -> 35.42, 256 65.88 -> 63.94, 1024 242.60 -> 234.19. Below ~1,000 flushed (row, head
-# half) units a step (batch x heads / 8) the voted flush is slower, from there its fewer
-# instructions win (not the length of a flush CTA's chain of rows: 4 rows at both 16
-# heads / batch 384 and 64 heads / batch 128). sm_100a / sm_103a round in hardware.
+# "voted" (bits.fp16x2_sr_voted, a warp-uniform branch to the normal-range path) or
+# "auto", which is plain. Both give the same bits (GPU-tested). Session 13 chose voted at
+# batch x heads >= 8192 for the 8-warp flush (16 heads / 2 groups at 1024: 64.20 -> 62.91
+# us a step); with the 4-warp flush (FlushFp8.wide, session 14) plain is as fast or
+# faster wherever that rule picked voted: H200, project benchmark, same call, four runs
+# each, auto (voted there) -> plain, 16 heads / 2 groups batch 1024 61.98 -> 61.46 us,
+# 64 heads / 8 groups 1024 228.58 -> 228.17, 256 62.63 -> 62.79 (docs/perf-notes-cute.md,
+# session 14). sm_100a / sm_103a round in hardware.
 SM90_FP8_SR_ENV = "REPLAYSSM_SM90_FP8_SR"
 SM90_FP8_SR_MODES = ("auto", "plain", "voted")
-VOTED_MIN_ROW_HEADS = 8192
 
 
 def sm90_fp8_sr() -> str:
     return env_choice(SM90_FP8_SR_ENV, SM90_FP8_SR_MODES, SM90_FP8_SR_MODES[0])
 
 
-def fp8_sr_voted(arch: str, batch: int, heads: int) -> bool:
-    """Whether a `batch`-row step's FP8 flush on `arch` is the warp-voted variant."""
-    if arch in HAS_CVT_RS:
-        return False
-    mode = sm90_fp8_sr()
-    return mode == "voted" or (mode == "auto" and batch * heads >= VOTED_MIN_ROW_HEADS)
+def fp8_sr_voted(arch: str) -> bool:
+    """Whether the FP8 flush on `arch` is the warp-voted variant ($REPLAYSSM_SM90_FP8_SR)."""
+    return arch not in HAS_CVT_RS and sm90_fp8_sr() == "voted"
 
 
 def fp8_sr_variants(arch: str) -> tuple[bool, ...]:
-    """The FP8 flush variants (voted or not) a step on `arch` may launch."""
-    if arch in HAS_CVT_RS:
-        return (False,)
-    mode = sm90_fp8_sr()
-    return (False, True) if mode == "auto" else (mode == "voted",)
+    """The FP8 flush variants (voted or not) a step on `arch` launches."""
+    return (fp8_sr_voted(arch),)
 
 
 # Programmatic dependent launch (PDL) of the non-flush kernel at batch 1: launched right
@@ -271,7 +261,7 @@ def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
 
     Each variant gets its own folder `dump_dir/<kind>-h<H>g<G>`, the non-flush kernel's
     PDL variant (batch 1, `pdl_for`) `dump_dir/<kind>-h<H>g<G>-pdl`, the sm_90a FP8
-    flush's warp-voted variant (`fp8_sr_voted`) `dump_dir/flush_fp8-h<H>g<G>-voted` (the
+    flush's warp-voted variant ($REPLAYSSM_SM90_FP8_SR=voted) `dump_dir/flush_fp8-h<H>g<G>-voted` (the
     DSL names its dumps after the launcher, which all variants share). Returns the PTX
     and cubin paths."""
     arch = check_arch(arch)
@@ -294,7 +284,7 @@ def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
 
 def warmup(heads: int, groups: int, arch: str | None = None) -> list[str]:
     """Compile the decode kernels for one geometry, the non-flush kernel's PDL variant
-    and the FP8 flush's voted variant included (before CUDA-graph capture)."""
+    included (before CUDA-graph capture)."""
     arch = arch or arch_for()
     names = []
     for with_pdl in pdl_variants("decode_fp8"):
@@ -424,7 +414,7 @@ def decode_fp8(
     the FP32 state of every flushed row there (tests only); `e4m3` picks the sm_90a
     read-copy encode ("hw" / "soft", default $REPLAYSSM_SM90_E4M3 or "hw"); `pdl` the
     non-flush variant (default `pdl_for(batch)`); `voted` the flush variant (default
-    `fp8_sr_voted(arch, batch, heads)`)."""
+    `fp8_sr_voted(arch)`)."""
     batch, heads = x.shape[0], x.shape[1]
     groups = cache[L.B_RING].shape[1]
     arch = arch or arch_for(x.device)
@@ -435,7 +425,7 @@ def decode_fp8(
     input_strides = [dt.stride(0), dt.stride(1), A.stride(0), dt_bias.stride(0), D.stride(0), D.stride(1)]
     nonflush = compiled("decode_fp8", arch, heads, groups, pdl=pdl_for(batch) if pdl is None else pdl)
     kind = "flush_fp8" if state_out is None else "flush_fp8_debug"
-    flush = compiled(kind, arch, heads, groups, e4m3, voted=fp8_sr_voted(arch, batch, heads) if voted is None else voted)
+    flush = compiled(kind, arch, heads, groups, e4m3, voted=fp8_sr_voted(arch) if voted is None else voted)
     with flush_streams(x.device) as (main, side):
         ptrs = [ckpt, read, scales, x_ring, dt_ring, b_ring, *inputs, plan.slot, plan.flush, plan.key]
         addresses = [t.data_ptr() for t in ptrs] + [0 if state_out is None else state_out.data_ptr()]
