@@ -167,41 +167,35 @@ def test_unknown_arch_is_rejected(tmp_path):
         compile_all("sm_80", tmp_path)
 
 
-@pytest.mark.parametrize("wide", [True, False])
-def test_flush_fragment_maps_are_bijections(wide):
-    """The flush's permuted column maps (flush_fp8.py), for both thread maps (`wide`: a
-    lane holds 16 columns, 2 column parts; else 8 columns, 4 parts): the staging
-    positions the kernel writes (`_b_stage_base`, + 4 (i % 2) + i // 2 for column
-    8 ch + i) equal `_b_slot`, `_b_slot` is a permutation of the 128 columns, and lane
-    (gq, q)'s B fragment (its n-tiles, read 4 at a time as consecutive staged floats at
-    W part + 32 k + 4 gq) holds exactly the columns its accumulators are stored to
-    (W part + 2 nt q + 2 nt' + {0, 1}, the lane's consecutive columns)."""
-    from replayssm.kernels.cute.flush_fp8 import B_ROW, N, FlushFp8, _b_slot, _b_stage_base
+def test_flush_fragment_maps_are_bijections():
+    """The flush's permuted column maps (flush_fp8.py): the staging positions the kernel
+    writes (`_b_stage_base`, + 4 (i % 2) + i // 2 for column 8 ch + i) equal `_b_slot`,
+    `_b_slot` is a permutation of the 128 columns, and lane (gq, q)'s B fragment (its 8
+    n-tiles, read 4 at a time as consecutive staged floats at 64 half + 32 k + 4 gq)
+    holds exactly the columns its accumulators are stored to (64 half + 16 q + 2 nt +
+    {0, 1}, the lane's 16 consecutive columns, those of lane_geometry)."""
+    from replayssm.kernels.cute.flush_fp8 import B_ROW, COL_PARTS, N, NT, FlushFp8, _b_slot, _b_stage_base
 
-    flush = FlushFp8(16, 2)
-    flush.wide = wide
-    parts, nts = flush.col_parts, flush.nt
-    width, lane_cols = N // parts, 2 * nts
-    assert (parts, nts) == ((2, 8) if wide else (4, 4))
-    slots = [_b_slot(n, parts) for n in range(N)]
+    width, lane_cols = N // COL_PARTS, 2 * NT
+    assert (COL_PARTS, NT) == (2, 8)
+    slots = [_b_slot(n) for n in range(N)]
     assert sorted(slots) == list(range(N))
     for ch in range(16):  # staging thread: columns 8 ch .. 8 ch + 7
-        base = _b_stage_base(ch, wide)
+        base = _b_stage_base(ch)
         for i in range(8):
-            assert base + 4 * (i % 2) + i // 2 == _b_slot(8 * ch + i, parts), (ch, i)
-    for part in range(parts):
+            assert base + 4 * (i % 2) + i // 2 == _b_slot(8 * ch + i), (ch, i)
+    for half in range(COL_PARTS):
         for g in range(8):  # MMA column g of n-tile nt is state column phys(nt, g)
-            for nt in range(nts):
-                phys = part * width + (g // 2) * lane_cols + 2 * nt + g % 2
-                assert _b_slot(phys, parts) == part * width + 32 * (nt // 4) + 4 * g + nt % 4
-        # Accumulator columns 2 q, 2 q + 1 of n-tile nt: lane q's consecutive columns,
-        # those of lane_geometry.
+            for nt in range(NT):
+                phys = half * width + (g // 2) * lane_cols + 2 * nt + g % 2
+                assert _b_slot(phys) == half * width + 32 * (nt // 4) + 4 * g + nt % 4
+        # Accumulator columns 2 q, 2 q + 1 of n-tile nt: lane q's consecutive columns.
         for q in range(4):
-            cols = sorted(part * width + (c // 2) * lane_cols + 2 * nt + c % 2 for nt in range(nts) for c in (2 * q, 2 * q + 1))
-            first = part * width + lane_cols * q
+            cols = sorted(half * width + (c // 2) * lane_cols + 2 * nt + c % 2 for nt in range(NT) for c in (2 * q, 2 * q + 1))
+            first = half * width + lane_cols * q
             assert cols == list(range(first, first + lane_cols))
-            for w in (2 * part, 2 * part + 1):
-                assert flush.lane_geometry(32 * w + q, 0)[3] == first
+            for w in (2 * half, 2 * half + 1):
+                assert FlushFp8.lane_geometry(32 * w + q, 0)[3] == first
     # Bank-conflict-free B fragment loads: the 8 lanes of each 16-byte load phase
     # (gq in {2 a, 2 a + 1}, q = 0..3) read distinct 4-bank groups.
     for a in range(4):
@@ -234,21 +228,18 @@ def test_flush_grid_visits_every_row_group_once(heads, batch):
             assert sorted(seen) == [(h, by) for h in range(hm) for by in range(n_by)], (ctas_per_sm, sms)
 
 
-@pytest.mark.parametrize("wide", [True, False])
-def test_flush_lane_map_covers_each_state_row_half_once(wide):
-    """The two CTAs of a (row, head) and their threads (4 or 8 warps) cover the 64 x 128
-    state once: lane_geometry's two rows x 2 nt columns per thread, over both halves."""
-    from replayssm.kernels.cute.flush_fp8 import M_SPLIT, N, P, FlushFp8
+def test_flush_lane_map_covers_each_state_row_half_once():
+    """The two CTAs of a (row, head) and their 128 threads cover the 64 x 128 state once:
+    lane_geometry's two rows x 16 columns per thread, over both halves."""
+    from replayssm.kernels.cute.flush_fp8 import M_SPLIT, N, NT, P, THREADS, FlushFp8
 
-    flush = FlushFp8(16, 2)
-    flush.wide = wide
-    assert flush.threads == (128 if wide else 256) and FlushFp8.wide is True
+    assert THREADS == 128
     seen = []
     for mh in range(M_SPLIT):
-        for t in range(flush.threads):
-            _, _, rows, col0 = flush.lane_geometry(t, mh)
+        for t in range(THREADS):
+            _, _, rows, col0 = FlushFp8.lane_geometry(t, mh)
             assert all(32 * mh <= r < 32 * mh + 32 for r in rows)
-            seen += [(r, col0 + c) for r in rows for c in range(2 * flush.nt)]
+            seen += [(r, col0 + c) for r in rows for c in range(2 * NT)]
     assert sorted(seen) == [(p, n) for p in range(P) for n in range(N)]
 
 

@@ -34,14 +34,14 @@ column halves (shared memory). Each lane holds 32 values; four CTAs of 128 threa
 an SM at 128 registers a thread, none of the variants spills (sm_90a FP8 128 registers,
 114 with the warp-voted rounding; NVFP4 116).
 
-`wide = False` keeps the thread map of sessions 3-13 (CTAs of 8 warps, a lane holding 2
-rows x 8 columns of one column quarter, 64 registers a thread): the same registers a
-CTA, but 16 warps a flushed (row, head) instead of 8, each repeating the per-row work
-(its staging share, the scan, the A fragments, plan loads and addresses). The 4-warp map
-issues a third fewer instructions a flushed row (sm_90a FP8: 8 warps x 1,389 static
-instructions against 16 x 1,041; NVFP4 8 x 2,374 against 16 x 1,675); H200, project
-benchmark, same call, 16 heads / 2 groups FP8 62.8 -> 61.5 us at batch 1024, 64 heads /
-8 groups NVFP4 241.8 -> 229.7 (docs/perf-notes-cute.md, session 14).
+Sessions 3-13 ran CTAs of 8 warps, a lane holding 2 rows x 8 columns of one column
+quarter at 64 registers a thread: the same registers a CTA, but 16 warps a flushed (row,
+head) instead of 8, each repeating the per-row work (its staging share, the scan, the A
+fragments, plan loads and addresses). The 4-warp map issues a third fewer instructions
+a flushed row (sm_90a FP8: 8 warps x 1,389 static instructions against 16 x 1,041;
+NVFP4 8 x 2,374 against 16 x 1,675); H200, project benchmark, same call, 16 heads / 2
+groups FP8 62.8 -> 62.2 us at batch 1024, 64 heads / 8 groups NVFP4 241.0 -> 235.8
+(docs/perf-notes-cute.md, session 14; commit 81546e3 has the 8-warp map).
 
 Only the two conversions differ between targets: `FlushFp8Sm90` (stochastic rounding by
 bits.fp16x2_sr_fma, a clamp, one `fma.rz.f32` and a few integer steps a value with the
@@ -65,13 +65,14 @@ from . import bits
 from .bits import bf16x2_to_f32x2 as _bf16x2, sel, softplus, vec as _vec, vec_aligned as _vec_a, xor_reduce as _xor_reduce
 from .mma import mma_tf32_16x8x8
 
-WARPS = 8  # CTA warps of the 8-warp thread map (FlushFp8.wide = False; else 4)
+WARPS = 4
+THREADS = 32 * WARPS
 P, N, RING = 64, 128, 16
 # CTAs per (batch row, head): each folds 32 of the 64 state rows (two m-tiles).
 M_SPLIT = 2
 ROWS_HALF = P // M_SPLIT
-QUARTERS = 4  # column parts of the 8-warp map (quarters of 32, one per warp pair; wide: 2 halves)
-NT = 4  # n-tiles of 8 per warp of the 8-warp map, a lane holding 2 rows x 8 columns (wide: 8)
+COL_PARTS = 2  # column halves of 64 (one per warp pair)
+NT = 8  # n-tiles of 8 per warp; a lane holds 2 rows x 16 columns
 # Batch rows per group: a CTA reads a group's flush flags at once (one ballot) and
 # flushes the marked rows one after another. With 1/16 of the rows flushing per step
 # (desynchronized rows) a group holds one row on average, instead of batch x heads CTAs
@@ -110,19 +111,15 @@ def flush_columns(heads: int, ctas_per_sm: float, sm_count: int) -> int:
     return max(1, round(ctas_per_sm * sm_count / (heads * M_SPLIT)))
 
 
-def _b_slot(n: int, col_parts: int = 4) -> int:
-    """Position of state column n in a staged B row when a row's columns are split into
-    `col_parts` parts of W = 128 / col_parts (one per warp pair; a lane holds L = W / 4
-    consecutive columns, L / 2 n-tiles): within part n // W, lane column
-    c = 2 (n % W // L) + n % 2 of n-tile nt = n % L // 2 sits at
-    W part + 32 (nt // 4) + 4 c + nt % 4, so lane gq reads four n-tiles with one 16-byte
-    load at W part + 32 k + 4 gq (k = 0 .. L / 8 - 1)."""
-    width = N // col_parts
-    lane_cols = width // 4
-    part, within = divmod(n, width)
-    c = 2 * (within // lane_cols) + within % 2
-    nt = within % lane_cols // 2
-    return width * part + 32 * (nt // 4) + 4 * c + nt % 4
+def _b_slot(n: int) -> int:
+    """Position of state column n in a staged B row: within column half n // 64, lane
+    column c = 2 (n % 64 // 16) + n % 2 of n-tile nt = n % 16 // 2 sits at
+    64 half + 32 (nt // 4) + 4 c + nt % 4, so lane gq reads n-tiles 4 k .. 4 k + 3 with
+    one 16-byte load at 64 half + 32 k + 4 gq (k = 0, 1)."""
+    half, within = divmod(n, N // COL_PARTS)
+    c = 2 * (within // (2 * NT)) + within % 2
+    nt = within % (2 * NT) // 2
+    return (N // COL_PARTS) * half + 32 * (nt // 4) + 4 * c + nt % 4
 
 
 @cute.jit
@@ -145,13 +142,11 @@ def flush_mask(t, by, plan_flush, batch, s_mask, buf):
     return s_mask[buf]
 
 
-def _b_stage_base(ch, wide: bool):
+def _b_stage_base(ch):
     """Staged position of column 8 ch (a staging thread's first column, ch runtime):
-    columns 8 ch + i sit there + 4 (i % 2) + i // 2 (= _b_slot(8 ch + i, 4 or 2 parts)),
-    so a staging thread writes 8 consecutive floats (even columns, then odd)."""
-    if wide:
-        return 64 * (ch // 8) + 32 * (ch % 2) + 8 * ((ch % 8) // 2)
-    return 8 * ch
+    columns 8 ch + i sit there + 4 (i % 2) + i // 2 (= _b_slot(8 ch + i)), so a staging
+    thread writes 8 consecutive floats (even columns, then odd)."""
+    return 64 * (ch // 8) + 32 * (ch % 2) + 8 * ((ch % 8) // 2)
 
 
 class FlushFp8:
@@ -169,7 +164,7 @@ class FlushFp8:
     # FP8 22.66 / 69.94, 22.93 / 71.87, 23.03 / 72.87, 23.54 / 74.21 (one CTA per group:
     # 24.09 / 78.43); NVFP4 26.04 / 81.63, 25.65 / 81.95, 25.22 / 82.09, 25.34 / 82.30
     # (25.77 / 84.47). The NVFP4 flush issues ~1.7x the FP8 flush's instructions.
-    # Session 14, the 4-warp CTAs (`wide`), project benchmark, 16 heads / 2 groups, 256 /
+    # Session 14, the 4-warp CTAs, project benchmark, 16 heads / 2 groups, 256 /
     # 1024: 1.0 21.86 / 78.41, 1.5 20.00 / 62.23, 2.0 20.13 / 64.55, 2.5 20.33 / 66.30.
     ctas_per_sm = 1.5
     # The checkpoint's stochastic rounding through bits.fp16x2_sr_voted (a warp-uniform
@@ -194,34 +189,11 @@ class FlushFp8:
     # group) at 8 + 5 (16 it + rr): %globaltimer at its start, %clock64 at its start, after
     # `fold`, after the partials' barrier and at its end.
     trace_addr = 0
-    # The thread map (module docstring): True, CTAs of 4 warps, a lane holding 2 state
-    # rows x 16 columns (128 registers a thread); False, session 3-13's CTAs of 8 warps, a
-    # lane holding 2 rows x 8 columns (64 registers): the same registers a CTA, twice the
-    # warps a flushed row, each repeating the per-row work.
-    wide = True
 
     def __init__(self, heads: int, groups: int, *, debug: bool = False) -> None:
         self.heads, self.groups = heads, groups
         self.hpg = heads // groups
         self.debug = debug
-
-    @property
-    def warps(self) -> int:
-        return 4 if self.wide else WARPS
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
-
-    @property
-    def nt(self) -> int:
-        """n-tiles of 8 a warp: a lane holds 2 rows x 2 nt consecutive columns."""
-        return 8 if self.wide else NT
-
-    @property
-    def col_parts(self) -> int:
-        """Parts a state row's 128 columns are split into, one per warp pair."""
-        return 2 if self.wide else QUARTERS
 
     # -- the per-target conversions -------------------------------------------------------
     def fp16x2_sr(self, lo: Float32, hi: Float32, word: Uint32) -> Uint32:
@@ -275,7 +247,7 @@ class FlushFp8:
             batch,
         ).launch(
             grid=[self.heads * M_SPLIT * cutlass.min((batch + ROWS_PER_CTA - 1) // ROWS_PER_CTA, Int32(columns)), 1, 1],
-            block=[self.threads, 1, 1],
+            block=[THREADS, 1, 1],
             min_blocks_per_mp=MIN_CTAS_PER_SM,
             preferred_smem_carveout=-1,  # the driver's choice (and no device query at compile time)
             stream=stream,
@@ -391,8 +363,8 @@ class FlushFp8:
         s_x = smem.allocate_tensor(Float32, cute.make_layout(RING * X_ROW), byte_alignment=16)
         s_b = smem.allocate_tensor(Float32, cute.make_layout(RING * B_ROW), byte_alignment=16)
         s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING + ROWS_HALF), byte_alignment=16)
-        s_dot = smem.allocate_tensor(Float32, cute.make_layout(QUARTERS * P), byte_alignment=16)
-        s_amax = smem.allocate_tensor(Int32, cute.make_layout(QUARTERS * P), byte_alignment=16)
+        s_dot = smem.allocate_tensor(Float32, cute.make_layout(COL_PARTS * P), byte_alignment=16)
+        s_amax = smem.allocate_tensor(Int32, cute.make_layout(COL_PARTS * P), byte_alignment=16)
         return s_x, s_b, s_dt, s_dot, s_amax
 
     @cute.jit
@@ -423,11 +395,11 @@ class FlushFp8:
 
         rc_w = cute.recast_ptr(read, dtype=Uint32)
         rc_head = slot * read_stride16 * 4 + hh * (P * N // 4)
-        r_rc = cute.make_rmem_tensor(cute.make_layout(self.nt // 2), Uint32)
+        r_rc = cute.make_rmem_tensor(cute.make_layout(NT // 2), Uint32)
         for i in cutlass.range_constexpr(2):
             p = rows[i]
             pp = Int64(p)
-            amax = self.parts_max(s_amax, p)
+            amax = cutlass.max(s_amax[p], s_amax[P + p])
             self.row_output(t, mh, hh, bb, p, s_x, s_dot, s_dt, out)
             self.store_state(hh, bb, pp, col0, acc, i, state_out)
 
@@ -437,11 +409,11 @@ class FlushFp8:
             if nq == 0:
                 if q == 0:
                     scales[slot * scale_stride + hh * P + pp] = bits.exp2_int(e)
-            for m in cutlass.range_constexpr(self.nt // 2):  # columns 4 m .. 4 m + 3 = n-tiles 2 m, 2 m + 1
+            for m in cutlass.range_constexpr(NT // 2):  # columns 4 m .. 4 m + 3 = n-tiles 2 m, 2 m + 1
                 lo = self.e4m3x2_rn(acc[2 * m][2 * i] * inv, acc[2 * m][2 * i + 1] * inv)
                 hi = self.e4m3x2_rn(acc[2 * m + 1][2 * i] * inv, acc[2 * m + 1][2 * i + 1] * inv)
                 r_rc[m] = lo | (hi << 16)
-            _vec_a(rc_w, rc_head + pp * (N // 4) + Int64(col0 // 4), self.nt // 2).store(r_rc.load())
+            _vec_a(rc_w, rc_head + pp * (N // 4) + Int64(col0 // 4), NT // 2).store(r_rc.load())
 
             self.store_checkpoint(hh, pp, col0, key, acc, i, ck_w, ck_head)
         # The next flushing row of this CTA restages the shared buffers.
@@ -450,32 +422,18 @@ class FlushFp8:
             self.trace_end(t, stamps, unit)
 
     # -- shared with the NVFP4 flush (flush_nvfp4.py) --------------------------------------
-    def lane_geometry(self, t, mh):
-        """(q, column part, [row 0, row 1], first column) of thread t in the CTA of
-        state-row half mh: warp w takes m-tile 2 mh + w % 2 and column part w // 2 (of
-        W = 128 / col_parts columns); lane 4 gq + q holds rows 16 mt + gq (+ 8) at columns
-        W (w // 2) + 2 nt q .. + 2 nt - 1."""
+    @staticmethod
+    def lane_geometry(t, mh):
+        """(q, column half, [row 0, row 1], first column) of thread t in the CTA of
+        state-row half mh: warp w takes m-tile 2 mh + w % 2 and column half w // 2; lane
+        4 gq + q holds rows 16 mt + gq (+ 8) at columns 64 (w // 2) + 16 q .. + 15."""
         lane = t % 32
         w = t // 32
         gq = lane // 4
         q = lane % 4
         mt = mh * 2 + w % 2
         nq = w // 2
-        return q, nq, [mt * 16 + gq, mt * 16 + gq + 8], nq * (N // self.col_parts) + q * (2 * self.nt)
-
-    @cute.jit
-    def parts_max(self, s_amax, p):
-        """Max over the column parts' s_amax entries of row p."""
-        if cutlass.const_expr(self.col_parts == 4):
-            return cutlass.max(cutlass.max(s_amax[p], s_amax[P + p]), cutlass.max(s_amax[2 * P + p], s_amax[3 * P + p]))
-        return cutlass.max(s_amax[p], s_amax[P + p])
-
-    @cute.jit
-    def parts_sum(self, s_dot, p):
-        """Sum of the column parts' s_dot entries of row p (pairs, then their sum)."""
-        if cutlass.const_expr(self.col_parts == 4):
-            return (s_dot[p] + s_dot[P + p]) + (s_dot[2 * P + p] + s_dot[3 * P + p])
-        return s_dot[p] + s_dot[P + p]
+        return q, nq, [mt * 16 + gq, mt * 16 + gq + 8], nq * (N // COL_PARTS) + q * (2 * NT)
 
     @staticmethod
     def words(ptr, off, n: int) -> list:
@@ -519,7 +477,7 @@ class FlushFp8:
         # row 2 nt FP16 values = nt words, 16-byte loads.
         ck_w = cute.recast_ptr(ckpt, dtype=Uint32)
         ck_head = slot * ckpt_stride16 * 4 + hh * (P * N // 2)
-        r_ck = [self.words(ck_w, ck_head + Int64(rows[i] * (N // 2) + col0 // 2), self.nt) for i in range(2)]
+        r_ck = [self.words(ck_w, ck_head + Int64(rows[i] * (N // 2) + col0 // 2), NT) for i in range(2)]
         # dt_j (threads 0..14: the ring; thread 15: the step's raw dt and dt_bias) and A,
         # as predicated loads in straight-line code: ptxas issues them with the others
         # here. Loaded inside the `t < RING` branch below, they were issued only after
@@ -535,7 +493,7 @@ class FlushFp8:
         # flushed row's chain.
         d_row = bits.ld_global_u32_if((D + (hh * d_stride_h + Int64(mh * ROWS_HALF + t % ROWS_HALF) * d_stride_p)).toint(), sel(t < ROWS_HALF, Int32(1), Int32(0)))
         c_w = cute.recast_ptr(C, dtype=Uint32)
-        r_c = self.words(c_w, (bb * G + g) * (N // 2) + Int64(col0 // 2), self.nt)
+        r_c = self.words(c_w, (bb * G + g) * (N // 2) + Int64(col0 // 2), NT)
 
         # Stage x_j (FP32) of this CTA's 32 state rows and B_j (FP32, fragment order) of
         # entries 0..15: 15 from the rings, the current token as entry 15; and dt_j.
@@ -546,7 +504,7 @@ class FlushFp8:
         ch = t % 16  # columns 8 ch .. 8 ch + 7
         # B_j staging: 16 entries x 16 chunks of 8 columns, `reps` a thread (entry jb of
         # rep: t // 16 + rep * threads // 16; only the last rep holds entry 15).
-        reps = RING * (N // 8) // self.threads
+        reps = RING * (N // 8) // THREADS
         tx = t % (RING * ROWS_HALF // 8)
         jx = tx // (ROWS_HALF // 8)
         xs = mh * ROWS_HALF + (tx % (ROWS_HALF // 8)) * 8
@@ -561,7 +519,7 @@ class FlushFp8:
             x_cur_w = bits.ld_global_v4_u32_if((xcur + ((bb * H + hh) * (P // 2) + Int64(xs // 2))).toint(), x_on - x_ring_on)
             b_words = []
             for rep in cutlass.range_constexpr(reps):
-                jb = t // 16 + rep * (self.threads // 16)
+                jb = t // 16 + rep * (THREADS // 16)
                 b_src = (bw + (slot * b_ring_stride16 * 4 + (g * RING + Int64(jb)) * (N // 2) + Int64(ch * 4))).toint()
                 if cutlass.const_expr(rep == reps - 1):
                     b_ring_on = sel(jb < RING - 1, Int32(1), Int32(0))
@@ -586,7 +544,7 @@ class FlushFp8:
                 cur = _vec_a(xcur, (bb * H + hh) * (P // 2) + Int64(xs // 2), 4).load()
                 self.stage_x(s_x, jx, xs, [sel(jx == RING - 1, cur[k], ring[k]) for k in range(4)])
             for rep in cutlass.range_constexpr(reps):
-                jb = t // 16 + rep * (self.threads // 16)
+                jb = t // 16 + rep * (THREADS // 16)
                 ring = _vec_a(bw, slot * b_ring_stride16 * 4 + (g * RING + Int64(jb)) * (N // 2) + Int64(ch * 4), 4).load()
                 r_rep = cute.make_rmem_tensor(cute.make_layout(8), Float32)
                 if cutlass.const_expr(rep == reps - 1):
@@ -602,8 +560,8 @@ class FlushFp8:
                         r_rep[4 + k] = v[1]
                 r_bs.append(r_rep)
         for rep in cutlass.range_constexpr(reps):
-            jb = t // 16 + rep * (self.threads // 16)
-            b_base = jb * B_ROW + _b_stage_base(ch, self.wide)
+            jb = t // 16 + rep * (THREADS // 16)
+            b_base = jb * B_ROW + _b_stage_base(ch)
             for k in cutlass.range_constexpr(2):
                 _vec_a(s_b.iterator, b_base + 4 * k, 4).store(_vec(r_bs[rep].iterator, 4 * k, 4).load())
         if t < RING:
@@ -646,9 +604,9 @@ class FlushFp8:
         for ks in cutlass.range_constexpr(2):
             pair = []
             for jj in cutlass.range_constexpr(2):
-                off = (ks * 8 + jj * 4 + q) * B_ROW + nq * (N // self.col_parts) + gq * 4
+                off = (ks * 8 + jj * 4 + q) * B_ROW + nq * (N // COL_PARTS) + gq * 4
                 frag = []
-                for k in cutlass.range_constexpr(self.nt // 4):
+                for k in cutlass.range_constexpr(NT // 4):
                     v = _vec_a(s_b.iterator, off + 32 * k, 4).load()
                     frag += [v[u].bitcast(Uint32) for u in range(4)]
                 pair.append(frag)
@@ -656,7 +614,7 @@ class FlushFp8:
 
         # S: acc[nt] = (row 0 at lane columns 2 nt, 2 nt + 1, row 1 at the same).
         acc = []
-        for nt in cutlass.range_constexpr(self.nt):
+        for nt in cutlass.range_constexpr(NT):
             c4 = []
             for i in cutlass.range_constexpr(2):
                 pair = bits.f16x2_to_f32x2(r_ck[i][nt])
@@ -680,7 +638,7 @@ class FlushFp8:
         for i in cutlass.range_constexpr(2):
             dot = Float32(0.0)
             amax = Int32(0)
-            for nt in cutlass.range_constexpr(self.nt):
+            for nt in cutlass.range_constexpr(NT):
                 cv = _bf16x2(r_c[nt])
                 for e in cutlass.range_constexpr(2):
                     v = acc[nt][2 * i + e]
@@ -702,7 +660,7 @@ class FlushFp8:
         pp = Int64(p)
         if nq == 0:
             if q == 0:
-                dot = self.parts_sum(s_dot, p)
+                dot = s_dot[p] + s_dot[P + p]
                 y = dot + s_dt[RING + p % ROWS_HALF] * s_x[(RING - 1) * X_ROW + p]
                 out[(bb * self.heads + hh) * P + pp] = BFloat16(y)
 
@@ -711,7 +669,7 @@ class FlushFp8:
         """Debug variant: this lane's 2 nt FP32 values of row i to state_out."""
         if cutlass.const_expr(self.debug):
             r_state = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-            for k4 in cutlass.range_constexpr(self.nt // 2):
+            for k4 in cutlass.range_constexpr(NT // 2):
                 for k in cutlass.range_constexpr(4):
                     c = 4 * k4 + k  # column col0 + c = 2 nt + e
                     r_state[k] = acc[c // 2][2 * i + c % 2]
@@ -721,7 +679,7 @@ class FlushFp8:
     def store_checkpoint(self, hh, pp, col0, key, acc, i, ck_w, ck_head):
         """Row i's 2 nt values as FP16 pairs with stochastic rounding; one hash word per
         pair, word index ((h * 64 + p) * 128 + n) / 2."""
-        NTL = self.nt
+        NTL = NT
         r_ck_out = cute.make_rmem_tensor(cute.make_layout(NTL), Uint32)
         w0 = Uint32((hh * P + pp) * (N // 2)) + Uint32(col0 // 2)
         if cutlass.const_expr(self.sr_voted):

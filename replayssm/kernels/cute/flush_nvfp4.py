@@ -20,10 +20,9 @@ launch of the step touches only non-flushing slots.
 Thread map: the FP8 flush's (two CTAs of 4 warps per (row, head); lane q of a row quad
 holds 16 consecutive columns 64 (w // 2) + 16 q .. + 15 of two rows), so a lane holds
 one whole NVFP4 block of each row: its amax needs no shuffle, its 16 codes are two words
-(one 8-byte store) and the lane writes the block's scale byte. (With FlushFp8.wide =
-False, 8 columns a lane, lanes q and q ^ 1 share a block: one xor shuffle for its amax,
-one word of codes a lane, the even lane writes the scale.) The two rows' block scales
-go through one e4m3x2 conversion.
+(one 8-byte store) and the lane writes the block's scale byte. (Sessions 3-13's 8-warp
+map gave a lane 8 columns, half a block: one xor shuffle for its amax, the even lane
+wrote the scale.) The two rows' block scales go through one e4m3x2 conversion.
 
 Targets differ in three conversions: the two of the FP8 flush (FP16 stochastic rounding;
 the e4m3 encode, here of the block scales, the e4m3x2 `cvt` on every target unless
@@ -43,7 +42,7 @@ from cutlass.memory import SmemAllocator
 
 from . import bits, bits_nvfp4
 from .bits_nvfp4 import DSL_OPS
-from .flush_fp8 import M_SPLIT, ROWS_PER_CTA, FlushFp8, FlushFp8Sm90, N, P, _vec_a, _xor_reduce
+from .flush_fp8 import M_SPLIT, NT, ROWS_PER_CTA, THREADS, WARPS, FlushFp8, FlushFp8Sm90, N, P, _vec_a, _xor_reduce
 
 ROWS = 2  # state rows per thread
 WORDS_PER_ROW = N // 8  # packed e2m1 codes of one state row, in 32-bit words
@@ -66,7 +65,7 @@ class FlushNvfp4(FlushFp8):
     # heads / 2 groups, alternated twice: 10 columns (2.5) 20.66 / 67.69, 20.65 / 67.69;
     # 12 (3.0) 21.00 / 68.08, 20.97 / 68.22; 14 (3.5) 20.51 / 68.16, 20.56 / 68.36
     # (docs/perf-notes-cute.md). At 64 heads 2.5 and 3.0 give the same 3 columns.
-    # Session 14, the 4-warp CTAs (FlushFp8.wide), project benchmark, alternated twice,
+    # Session 14, the 4-warp CTAs, project benchmark, alternated twice,
     # 16 heads / 2 groups at 256 / 1024, then 64 heads / 8 groups at 256 / 1024: 2.0 (8 /
     # 2 columns) 20.90 / 65.33, 63.75 / 233.5; 2.5 (10 / 3) 20.68 / 66.65, 64.8 / 236.1;
     # 3.0 (12 / 3) 20.15 / 66.46, 64.85 / 236.1; 3.5 (14 / 4) 20.21 / 65.86, 63.04 / 229.7.
@@ -125,7 +124,7 @@ class FlushNvfp4(FlushFp8):
             batch,
         ).launch(
             grid=[self.heads * M_SPLIT * cutlass.min((batch + ROWS_PER_CTA - 1) // ROWS_PER_CTA, Int32(columns)), 1, 1],
-            block=[self.threads, 1, 1],
+            block=[THREADS, 1, 1],
             min_blocks_per_mp=MIN_CTAS_PER_SM,
             preferred_smem_carveout=-1,  # the driver's choice (and no device query at compile time)
             stream=stream,
@@ -172,7 +171,7 @@ class FlushNvfp4(FlushFp8):
         t, _, _ = cute.arch.thread_idx()
         smem = SmemAllocator()
         s_x, s_b, s_dt, s_dot, s_amax = self.shared_buffers(smem)
-        s_gmax = smem.allocate_tensor(Int32, cute.make_layout(self.warps), byte_alignment=16)
+        s_gmax = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
         s_mask = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=4)
         meta_bits = cute.recast_ptr(meta, dtype=Int32)  # the atomic max works on the bits
 
@@ -198,7 +197,7 @@ class FlushNvfp4(FlushFp8):
         dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
     ):
         """State rows 32 mh .. + 31 of one flushing batch row of head hh (the whole CTA)."""
-        q, _, rows, col0 = self.lane_geometry(t, mh)
+        _, _, rows, col0 = self.lane_geometry(t, mh)
         g = hh // self.hpg
         if cutlass.const_expr(self.trace_addr):
             stamps = self.trace_begin(bb)
@@ -220,14 +219,13 @@ class FlushNvfp4(FlushFp8):
         if cutlass.const_expr(self.trace_addr):
             stamps.append(bits.clock_after(acc[0][0].bitcast(Int32)))
         self.row_partials(t, mh, acc, r_c, s_dot, s_amax, row_amax=False)
-        # Block amax of row i, from the bits: this lane's 8 values and its partner's (lane
-        # ^ 1), or (wide) this lane's 16, a whole block.
+        # Block amax of row i, from the bits: this lane's 16 values, a whole block.
         bamax = []
         for i in cutlass.range_constexpr(ROWS):
             amax = Int32(0)
-            for c in cutlass.range_constexpr(2 * self.nt):
+            for c in cutlass.range_constexpr(2 * NT):
                 amax = cutlass.max(amax, acc[c // 2][2 * i + c % 2].bitcast(Int32) & Int32(0x7FFFFFFF))
-            bamax.append(_xor_reduce(amax, 16 // (2 * self.nt), cutlass.max))
+            bamax.append(amax)
         cute.arch.sync_threads()
         if cutlass.const_expr(self.trace_addr):
             stamps.append(bits.clock_after(t))
@@ -248,20 +246,15 @@ class FlushNvfp4(FlushFp8):
             pp = Int64(p)
             self.row_output(t, mh, hh, bb, p, s_x, s_dot, s_dt, out)
             self.store_state(hh, bb, pp, col0, acc, i, state_out)
-            # Read copy: e2m1(x * r), this lane's 2 nt codes = nt / 4 words; the block's
-            # scale byte from the even lane of the pair (wide: every lane, its own block).
+            # Read copy: e2m1(x * r), this lane's 16 codes = two words; the block's scale
+            # byte.
             r = bits_nvfp4.block_recip(s_codes[i], g_scale, DSL_OPS)
-            scaled = [acc[c // 2][2 * i + c % 2] * r for c in range(2 * self.nt)]
-            if cutlass.const_expr(self.wide):
-                r_codes = cute.make_rmem_tensor(cute.make_layout(2), Uint32)
-                for k in cutlass.range_constexpr(2):
-                    r_codes[k] = self.e2m1x8_rn(scaled[8 * k:8 * k + 8])
-                _vec_a(rc_w, rc_head + pp * WORDS_PER_ROW + Int64(col0 // 8), 2).store(r_codes.load())
-                scales[sc_head + pp * BLOCKS + Int64(blk)] = Uint8(s_codes[i])
-            else:
-                rc_w[rc_head + pp * WORDS_PER_ROW + Int64(col0 // 8)] = self.e2m1x8_rn(scaled)
-                if q % 2 == 0:
-                    scales[sc_head + pp * BLOCKS + Int64(blk)] = Uint8(s_codes[i])
+            scaled = [acc[c // 2][2 * i + c % 2] * r for c in range(2 * NT)]
+            r_codes = cute.make_rmem_tensor(cute.make_layout(2), Uint32)
+            for k in cutlass.range_constexpr(2):
+                r_codes[k] = self.e2m1x8_rn(scaled[8 * k:8 * k + 8])
+            _vec_a(rc_w, rc_head + pp * WORDS_PER_ROW + Int64(col0 // 8), 2).store(r_codes.load())
+            scales[sc_head + pp * BLOCKS + Int64(blk)] = Uint8(s_codes[i])
             self.store_checkpoint(hh, pp, col0, key, acc, i, ck_w, ck_head)
 
         # Group amax: this lane's two blocks, the warp, then the CTA's warps in shared
@@ -273,7 +266,7 @@ class FlushNvfp4(FlushFp8):
         cute.arch.sync_threads()
         if t == 0:
             cta_max = s_gmax[0]
-            for w in cutlass.range_constexpr(1, self.warps):
+            for w in cutlass.range_constexpr(1, WARPS):
                 cta_max = cutlass.max(cta_max, s_gmax[w])
             cute.arch.atomic_max(meta_bits + (meta_row + old), cta_max, sem="relaxed", scope="gpu")
         if cutlass.const_expr(self.trace_addr):

@@ -71,11 +71,12 @@ def sm90_e4m3() -> str:
 # "voted" (bits.fp16x2_sr_voted, a warp-uniform branch to the normal-range path) or
 # "auto", which is plain. Both give the same bits (GPU-tested). Session 13 chose voted at
 # batch x heads >= 8192 for the 8-warp flush (16 heads / 2 groups at 1024: 64.20 -> 62.91
-# us a step); with the 4-warp flush (FlushFp8.wide, session 14) plain is as fast or
-# faster wherever that rule picked voted: H200, project benchmark, same call, four runs
-# each, auto (voted there) -> plain, 16 heads / 2 groups batch 1024 61.98 -> 61.46 us,
-# 64 heads / 8 groups 1024 228.58 -> 228.17, 256 62.63 -> 62.79 (docs/perf-notes-cute.md,
-# session 14). sm_100a / sm_103a round in hardware.
+# us a step). With the 4-warp flush (session 14), where that rule picked voted, plain is
+# faster at batch 1024 and 0.3% slower at 64 heads / 8 groups batch 256: H200, project
+# benchmark, same call, four runs each, voted -> plain, 16 heads / 2 groups batch 1024
+# 61.98 -> 61.46 us, 64 heads / 8 groups 1024 228.58 -> 228.17, 256 62.63 -> 62.79
+# (docs/perf-notes-cute.md, session 14); no rule on batch x heads separates those
+# (16,384 both). sm_100a / sm_103a round in hardware.
 SM90_FP8_SR_ENV = "REPLAYSSM_SM90_FP8_SR"
 SM90_FP8_SR_MODES = ("auto", "plain", "voted")
 
