@@ -84,7 +84,7 @@ ROWS_PER_CTA = 16
 # x_j is 64 values plus 8 (the four entries a warp's A fragment reads 8 banks apart).
 B_ROW = N + 8
 X_ROW = P + 8
-# Four CTAs per SM: at most 128 registers a thread with 4-warp CTAs (64 with 8 warps).
+# Four CTAs of 128 threads per SM: at most 128 registers a thread.
 MIN_CTAS_PER_SM = 4
 # amax <= 448 * scale: E = ceil(log2(amax / 448)), 448 = 1.75 * 2**8 (formats.fp8_row_scale).
 FP8_MANT_LIMIT, FP8_E_OFF = 0x600000, 8
@@ -462,7 +462,7 @@ class FlushFp8:
         ckpt_stride16, x_ring_stride16, dt_ring_stride, b_ring_stride16, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride,
         d_stride_h, d_stride_p,
     ):
-        """S of this lane's 4 nt elements, from the checkpoint and the 16 ring entries (the
+        """S of this lane's 32 elements, from the checkpoint and the 16 ring entries (the
         current token as entry 15), on the tensor cores. Returns (acc, this lane's C words,
         the checkpoint as words, the head's first checkpoint word); acc[nt][2 i + e] is
         row i at lane column 2 nt + e. Leaves s_x (x_j of this CTA's state rows, FP32)
@@ -474,7 +474,7 @@ class FlushFp8:
         q, nq, rows, col0 = self.lane_geometry(t, mh)
 
         # Checkpoint first (the largest read), in flight during the staging below: per
-        # row 2 nt FP16 values = nt words, 16-byte loads.
+        # row 16 FP16 values = 8 words, two 16-byte loads.
         ck_w = cute.recast_ptr(ckpt, dtype=Uint32)
         ck_head = slot * ckpt_stride16 * 4 + hh * (P * N // 2)
         r_ck = [self.words(ck_w, ck_head + Int64(rows[i] * (N // 2) + col0 // 2), NT) for i in range(2)]
@@ -599,7 +599,7 @@ class FlushFp8:
             a_hi.append(hi_k)
             a_lo.append(lo_k)
         # B fragments: b0 = B_{8 ks + q}, b1 = B_{8 ks + q + 4} at lane column gq of the
-        # part's n-tiles: one 16-byte load each four (_b_slot).
+        # column half's 8 n-tiles: two 16-byte loads (_b_slot).
         b_frag = []
         for ks in cutlass.range_constexpr(2):
             pair = []
@@ -632,7 +632,7 @@ class FlushFp8:
     @cute.jit
     def row_partials(self, t, mh, acc, r_c, s_dot, s_amax, row_amax: cutlass.Constexpr = True):
         """Row dots with C and (`row_amax`) amaxes of this column part: over the 4
-        lanes of a row, into s_dot / s_amax[quarter * 64 + row] (a barrier must follow
+        lanes of a row, into s_dot / s_amax[half * 64 + row] (a barrier must follow
         before they are read)."""
         q, nq, rows, col0 = self.lane_geometry(t, mh)
         for i in cutlass.range_constexpr(2):
@@ -666,7 +666,7 @@ class FlushFp8:
 
     @cute.jit
     def store_state(self, hh, bb, pp, col0, acc, i, state_out):
-        """Debug variant: this lane's 2 nt FP32 values of row i to state_out."""
+        """Debug variant: this lane's 16 FP32 values of row i to state_out."""
         if cutlass.const_expr(self.debug):
             r_state = cute.make_rmem_tensor(cute.make_layout(4), Float32)
             for k4 in cutlass.range_constexpr(NT // 2):
@@ -677,21 +677,20 @@ class FlushFp8:
 
     @cute.jit
     def store_checkpoint(self, hh, pp, col0, key, acc, i, ck_w, ck_head):
-        """Row i's 2 nt values as FP16 pairs with stochastic rounding; one hash word per
+        """Row i's 16 values as FP16 pairs with stochastic rounding; one hash word per
         pair, word index ((h * 64 + p) * 128 + n) / 2."""
-        NTL = NT
-        r_ck_out = cute.make_rmem_tensor(cute.make_layout(NTL), Uint32)
+        r_ck_out = cute.make_rmem_tensor(cute.make_layout(NT), Uint32)
         w0 = Uint32((hh * P + pp) * (N // 2)) + Uint32(col0 // 2)
         if cutlass.const_expr(self.sr_voted):
-            words = [bits.random_word(key, w0 + Uint32(nt)) for nt in range(NTL)]
-            codes = bits.fp16x2_sr_voted([(acc[nt][2 * i], acc[nt][2 * i + 1]) for nt in range(NTL)], words)
-            for nt in cutlass.range_constexpr(NTL):
+            words = [bits.random_word(key, w0 + Uint32(nt)) for nt in range(NT)]
+            codes = bits.fp16x2_sr_voted([(acc[nt][2 * i], acc[nt][2 * i + 1]) for nt in range(NT)], words)
+            for nt in cutlass.range_constexpr(NT):
                 r_ck_out[nt] = codes[nt]
         else:
-            for nt in cutlass.range_constexpr(NTL):
+            for nt in cutlass.range_constexpr(NT):
                 word = bits.random_word(key, w0 + Uint32(nt))
                 r_ck_out[nt] = self.fp16x2_sr(acc[nt][2 * i], acc[nt][2 * i + 1], word)
-        for k in cutlass.range_constexpr(NTL // 4):
+        for k in cutlass.range_constexpr(NT // 4):
             _vec_a(ck_w, ck_head + pp * (N // 2) + Int64(col0 // 2 + 4 * k), 4).store(_vec(r_ck_out.iterator, 4 * k, 4).load())
 
 
@@ -711,8 +710,8 @@ class FlushFp8Sm90(FlushFp8):
         # The warp-voted rounding (bits.fp16x2_sr_voted): 1,715 static instructions a
         # thread with both paths against 1,389 (16 heads / 2 groups, the 4-warp map).
         # With the 8-warp map it was faster where a step flushes many (row, head) units
-        # (session 13); with the 4-warp map plain is as fast or faster
-        # (launch.fp8_sr_voted; docs/perf-notes-cute.md, session 14).
+        # (session 13); with the 4-warp map plain is faster at batch 1024 and within 0.3%
+        # at 256 (launch.fp8_sr_voted; docs/perf-notes-cute.md, session 14).
         self.sr_voted = sr_voted
 
     def fp16x2_sr(self, lo, hi, word):
