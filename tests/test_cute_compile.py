@@ -25,7 +25,7 @@ ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 
 
 
-# Per flush thread (the default 4-warp thread map, FlushFp8.wide): 2 state rows x 16
+# Per flush thread (CTAs of 4 warps, flush_fp8.py): 2 state rows x 16
 # columns = 16 FP16 pairs and 16 e4m3 pairs; 8 n-tiles x 2 k-steps x 2 tf32 terms = 32
 # MMAs (test_flush_fragment_maps_are_bijections checks the map's n-tiles).
 PAIRS = 16
