@@ -42,13 +42,11 @@ from cutlass.memory import SmemAllocator
 
 from . import bits, bits_nvfp4
 from .bits_nvfp4 import DSL_OPS
-from .flush_fp8 import M_SPLIT, NT, ROWS_PER_CTA, THREADS, WARPS, FlushFp8, FlushFp8Sm90, N, P, _vec_a, _xor_reduce
+from .flush_fp8 import MIN_CTAS_PER_SM, M_SPLIT, NT, ROWS_PER_CTA, THREADS, WARPS, FlushFp8, FlushFp8Sm90, N, P, _vec_a, _xor_reduce
 
 ROWS = 2  # state rows per thread
 WORDS_PER_ROW = N // 8  # packed e2m1 codes of one state row, in 32-bit words
 BLOCKS = N // 16  # block scales per state row
-# Four CTAs per SM (at most 128 registers a thread), as the FP8 flush.
-MIN_CTAS_PER_SM = 4
 
 
 class FlushNvfp4(FlushFp8):
