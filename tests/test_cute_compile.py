@@ -48,12 +48,10 @@ def _ptx(paths, kind):
 def test_every_variant_compiles(compiled, arch):
     paths = compiled[arch]
     folders = {p.parent.name for p in paths}
-    with_pdl = ("fp8", "nvfp4")  # the PDL variants (warp kernels)
-    # sm_90a: the FP8 flush's warp-voted variant too (launch.fp8_sr_voted).
-    voted = {f"flush_fp8-h16g{g}-voted" for g in (1, 2)} if arch == "sm_90a" else set()
-    assert folders == {f"{k}_{fmt}-h16g{g}" for k in ("decode", "flush") for fmt in ("fp8", "nvfp4") for g in (1, 2)} | {
-        f"decode_{fmt}-h16g{g}-pdl" for fmt in with_pdl for g in (1, 2)
-    } | voted
+    # Every kernel has a PDL variant (the non-flush kernels' for batch 1, the flushes' above
+    # it); sm_90a: the FP8 flush's warp-voted variants too (launch.fp8_sr_voted).
+    voted = {f"flush_fp8-h16g{g}{p}-voted" for g in (1, 2) for p in ("", "-pdl")} if arch == "sm_90a" else set()
+    assert folders == {f"{k}_{fmt}-h16g{g}{p}" for k in ("decode", "flush") for fmt in ("fp8", "nvfp4") for g in (1, 2) for p in ("", "-pdl")} | voted
     for folder in folders:
         kinds = sorted(p.suffix for p in paths if p.parent.name == folder)
         assert kinds == [".cubin", ".ptx"], folder
@@ -68,7 +66,7 @@ def test_flush_loops_over_the_flushing_rows_only(compiled, arch):
     `popc` trip count, the lowest set bit by `bfind`), not one per batch row of the CTA
     (the 16-row scan cost ~144 instructions a warp; docs/perf-notes-cute.md, session 8)."""
     flushes = {p.parent.name: p.read_text() for p in compiled[arch] if p.suffix == ".ptx" and p.parent.name.startswith("flush_")}
-    assert len(flushes) == (6 if arch == "sm_90a" else 4)  # sm_90a: the FP8 flush's voted variant
+    assert len(flushes) == (12 if arch == "sm_90a" else 8)  # with and without PDL; sm_90a: the FP8 flush's voted variants
     for name, text in flushes.items():
         assert text.count("popc.b32") == 1 and text.count("bfind.u32") == 1, name
 
@@ -87,7 +85,7 @@ def test_sm90_flush_is_software(compiled):
     from replayssm.kernels.cute.launch import sm90_e4m3
 
     flushes = _ptx(compiled["sm_90a"], "flush")
-    assert sorted(flushes) == ["flush_fp8-h16g1", "flush_fp8-h16g1-voted", "flush_fp8-h16g2", "flush_fp8-h16g2-voted"]
+    assert sorted(flushes) == sorted(f"flush_fp8-h16g{g}{p}{v}" for g in (1, 2) for p in ("", "-pdl") for v in ("", "-voted"))
     for name, text in flushes.items():
         assert "cvt.rs" not in text, name
         if name.endswith("-voted"):
@@ -243,11 +241,13 @@ def test_flush_lane_map_covers_each_state_row_half_once():
     assert sorted(seen) == [(p, n) for p in range(P) for n in range(N)]
 
 
+@pytest.mark.parametrize("flush_pdl", [False, True])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_flush_streams_fork_and_join(monkeypatch, overlap):
+def test_flush_streams_fork_and_join(monkeypatch, overlap, flush_pdl):
     """The launchers' stream handling (no GPU: streams replaced by recorders): with
     OVERLAP the side stream waits for the current one before the kernels and the current
-    one waits for the side stream after them; without it both are the current stream."""
+    one waits for the side stream after them, the flush on the side stream unless it is
+    the PDL kernel (then the non-flush kernel); without it both are the current stream."""
     from replayssm.kernels.cute import launch
 
     calls = []
@@ -263,31 +263,36 @@ def test_flush_streams_fork_and_join(monkeypatch, overlap):
     monkeypatch.setattr(launch.torch.cuda, "current_stream", lambda device=None: main)
     monkeypatch.setattr(launch, "_side_stream", lambda device: side)
     monkeypatch.setattr(launch, "OVERLAP", overlap)
-    with launch.flush_streams("cuda") as (m, s):
+    with launch.flush_streams("cuda", flush_pdl) as (f, n):
         calls.append("kernels")
-    assert m is main and s is (side if overlap else main)
+    if not overlap:
+        assert f is main and n is main
+    else:
+        assert (f, n) == ((main, side) if flush_pdl else (side, main))
     assert calls == (["side waits main", "kernels", "main waits side"] if overlap else ["kernels"])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_only_the_pdl_variants_wait_for_the_prepare_kernel(compiled, simt_pdl_ptx, arch):
-    """Programmatic dependent launch (batch 1): the PDL variant of each non-flush kernel
-    (FP8 and NVFP4; the warp kernels, or the SIMT ones on request) starts with one
-    griddepcontrol.wait, before its first global load; the other variants and the
-    flushes have none."""
+    """Programmatic dependent launch: the PDL variant of each kernel (the non-flush
+    kernels at batch 1: FP8 and NVFP4, the warp kernels or the SIMT ones on request; the
+    flushes above batch 1: both formats, the sm_90a FP8 flush's voted variant too)
+    waits for the prepare kernel with one griddepcontrol.wait before its first global
+    access; the other variants have none."""
     seen = 0
     texts = [(p.parent.name, p.read_text()) for p in compiled[arch] if p.suffix == ".ptx"]
     for name, text in texts + list(simt_pdl_ptx[arch].items()):
-        if name.endswith("-pdl"):
+        if "-pdl" in name:
             seen += 1
-            assert name.startswith("decode_"), name
             assert text.count("griddepcontrol.wait") == 1, name
             body = text[text.index(".entry"):]
             first_access = min(body.index(op) for op in ("ld.global", "st.global", "cp.async", "atom.") if op in body)
             assert body.index("griddepcontrol.wait") < first_access, name
         else:
             assert "griddepcontrol" not in text, name
-    assert seen == 8  # FP8 and NVFP4 x 2 geometries x warp and SIMT
+    # Non-flush: FP8 and NVFP4 x 2 geometries x warp and SIMT; flush: FP8 and NVFP4 x 2
+    # geometries, and on sm_90a the voted FP8 flush x 2 geometries.
+    assert seen == 8 + 4 + (2 if arch == "sm_90a" else 0)
 
 
 @pytest.mark.parametrize("kind", ["decode_fp8", "decode_nvfp4"])
@@ -378,7 +383,7 @@ def test_pdl_is_for_batch_1_and_can_be_turned_off(monkeypatch):
     with pytest.raises(ValueError, match="REPLAYSSM_FP8_DECODE"):
         launch.fp8_decode()
     monkeypatch.delenv(launch.FP8_DECODE_ENV)
-    assert launch.pdl_variants("decode_nvfp4") == (False, True) and launch.pdl_variants("flush_fp8") == (False,)
+    assert launch.pdl_variants("decode_nvfp4") == (False, True)
     # The opt-in tensor-core FP8 kernel has no PDL variant.
     monkeypatch.setenv(launch.FP8_DECODE_ENV, "mma")
     assert launch.pdl_variants() == (False,)
@@ -390,12 +395,43 @@ def test_pdl_is_for_batch_1_and_can_be_turned_off(monkeypatch):
         launch.pdl()
 
 
+@pytest.mark.parametrize("kind", ["flush_fp8", "flush_nvfp4"])
+def test_the_flush_is_the_pdl_kernel_above_batch_1(monkeypatch, kind):
+    """Above batch 1 the flush is launched with PDL (the non-flush kernel at batch 1,
+    never both); $REPLAYSSM_FLUSH_PDL=0 or $REPLAYSSM_PDL=0 turns it off; the PDL flush
+    object is launched with use_pdl and waits for the prepare kernel."""
+    from replayssm.kernels.cute import launch, launch_nvfp4
+
+    for env in (launch.PDL_ENV, launch.FLUSH_PDL_ENV, launch.FP8_DECODE_ENV):
+        monkeypatch.delenv(env, raising=False)
+    assert [launch.flush_pdl_for(b) for b in (1, 2, 256)] == [False, True, True]
+    assert launch.pdl_variants(kind) == (False, True)
+    assert launch.step_variants() == ((False, True), (True, False))
+    assert [launch.pdl_pair(b, None, None) for b in (1, 2)] == [(True, False), (False, True)]
+    assert launch.pdl_pair(256, False, False) == (False, False)
+    with pytest.raises(ValueError, match="pdl and flush_pdl"):
+        launch.pdl_pair(256, True, None)
+    obj = (launch._kernel_object(kind, "sm_90a", 16, 2, "hw", True) if kind == "flush_fp8" else launch_nvfp4._kernel_object(kind, "sm_90a", 16, 2, True))
+    assert obj.pdl is True
+    monkeypatch.setenv(launch.FLUSH_PDL_ENV, "0")
+    assert launch.flush_pdl_for(256) is False and launch.pdl_variants(kind) == (False,)
+    assert launch.step_variants() == ((False, False), (True, False))
+    monkeypatch.setenv(launch.FLUSH_PDL_ENV, "1")
+    monkeypatch.setenv(launch.PDL_ENV, "0")
+    assert launch.flush_pdl_for(256) is False and launch.pdl_variants(kind) == (False,)
+    assert launch.step_variants() == ((False, False),)
+    monkeypatch.setenv(launch.PDL_ENV, "1")
+    monkeypatch.setenv(launch.FLUSH_PDL_ENV, "yes")
+    with pytest.raises(ValueError, match="REPLAYSSM_FLUSH_PDL"):
+        launch.flush_pdl()
+
+
 def test_sass_stats_counts_the_kernels_structure(tmp_path, monkeypatch):
     """benchmarks/sass_stats.py (static SASS statistics, the offline proxy for the issue
     bound) reads the cubins right: the flush holds its 16 tensor-core MMAs a thread and
     4 barriers, the SIMT non-flush kernel no MMA and 2 barriers, the PDL variant differs
-    from the plain SIMT one only by its wait, and the warp-per-head kernel has its 44 MMAs
-    and no barrier."""
+    from the plain SIMT one only by its wait (and so does the PDL flush from the plain
+    flush), and the warp-per-head kernel has its 44 MMAs and no barrier."""
     import sys
 
     import cutlass.cute as cute
@@ -407,7 +443,7 @@ def test_sass_stats_counts_the_kernels_structure(tmp_path, monkeypatch):
     stats = {}
     runs = (
         ("flush", "flush_fp8", False, "warp"), ("nonflush", "decode_fp8", False, "simt"), ("pdl", "decode_fp8", True, "simt"),
-        ("warp", "decode_fp8", False, "warp"),
+        ("warp", "decode_fp8", False, "warp"), ("flush-pdl", "flush_fp8", True, "warp"),
     )
     for name, kind, pdl, mode in runs:
         sub = tmp_path / name
@@ -422,9 +458,10 @@ def test_sass_stats_counts_the_kernels_structure(tmp_path, monkeypatch):
     assert warp["MMA"] == WARP_F16_MMAS + WARP_BF16_MMAS and warp["BAR"] == 1  # the B_j . C partial sums
     assert nonflush["MMA"] == 0 and nonflush["BAR"] == 2
     assert stats["flush"]["regs"] <= 128 and stats["nonflush"]["regs"] <= 64  # 4 CTAs of 128 / 256 threads
-    extra = stats["pdl"]["ops"] - stats["nonflush"]["ops"]
-    assert sum(extra.values()) == stats["pdl"]["total"] - stats["nonflush"]["total"] == 1, extra
-    assert pdl == nonflush
+    for a, b in (("pdl", "nonflush"), ("flush-pdl", "flush")):
+        extra = stats[a]["ops"] - stats[b]["ops"]
+        assert sum(extra.values()) == stats[a]["total"] - stats[b]["total"] == 1, (a, extra)
+        assert sass_stats.classify(stats[a]["ops"]) == sass_stats.classify(stats[b]["ops"]), a
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])  # Triton's cuobjdump has no sm_103a (same code as sm_100a)
@@ -443,8 +480,8 @@ def test_flush_issues_a_rows_loads_before_its_staging(compiled, arch):
     from benchmarks import sass_stats
 
     cubins = [p for p in compiled[arch] if p.suffix == ".cubin" and p.parent.name.startswith("flush")]
-    # 2 formats x 2 geometries, and on sm_90a the FP8 flush's voted variant
-    assert len(cubins) == (6 if arch == "sm_90a" else 4), [p.parent.name for p in cubins]
+    # 2 formats x 2 geometries x with and without PDL, and on sm_90a the FP8 flush's voted variants
+    assert len(cubins) == (12 if arch == "sm_90a" else 8), [p.parent.name for p in cubins]
     for cubin in cubins:
         sass = subprocess.run([sass_stats.default_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
         ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)

@@ -54,6 +54,9 @@ pytestmark = [
         # The SIMT non-flush kernel at every batch ($REPLAYSSM_FP8_DECODE=simt; the
         # default is the warp-per-head kernel, decode_warp.py).
         pytest.param(16, 2, False, "hw-simt", id="fp8-h16-g2-mixed-simt-decode"),
+        # The flush without PDL on the side stream at batch > 1 ($REPLAYSSM_FLUSH_PDL=0;
+        # the default launches it with PDL behind prepare, launch.flush_pdl_for).
+        pytest.param(16, 2, False, "hw+noflushpdl", id="fp8-h16-g2-mixed-flush-without-pdl"),
         pytest.param(16, 1, False, "hw", id="fp8-h16-g1-mixed"),
         pytest.param(16, 2, True, "hw", id="fp8-h16-g2-sync"),
         # sm_90a only: the software e4m3 encode instead of the e4m3x2 cvt.
@@ -84,6 +87,12 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3, m
     from replayssm.kernels.cute import launch
 
     monkeypatch.delenv(launch.SM90_FP8_SR_ENV, raising=False)
+    for env in (launch.PDL_ENV, launch.FLUSH_PDL_ENV):
+        monkeypatch.delenv(env, raising=False)
+    flush_pdl = not e4m3.endswith("+noflushpdl")
+    if not flush_pdl:
+        e4m3 = e4m3[: -len("+noflushpdl")]
+        monkeypatch.setenv(launch.FLUSH_PDL_ENV, "0")
     if e4m3.endswith("+voted"):  # the flush's warp-voted rounding at any batch
         e4m3 = e4m3[: -len("+voted")]
         monkeypatch.setenv(launch.SM90_FP8_SR_ENV, "voted")
@@ -100,8 +109,8 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3, m
     many = {"live": MANY_LIVE, "num_slots": MANY_SLOTS} if sync == "many" else {"live": (5,)} if sync == "one" else {}
     w = World("fp8", heads, groups, sync=sync is True, wide=sync == "wide", **many)
     if sync == "one":  # the PDL launch is what this case is for
-        monkeypatch.delenv(launch.PDL_ENV, raising=False)
         assert w.batch == 1 and launch.pdl_for(w.batch)
+    assert launch.flush_pdl_for(w.batch) is (flush_pdl and w.batch > 1)  # the PDL flush above batch 1
     backend = triton_backend()
     cache, H, P, N = w.cache, heads, L.HEAD_DIM, L.STATE_DIM
     out = torch.empty(w.batch, H, P, dtype=torch.bfloat16, device=DEVICE)
@@ -162,6 +171,15 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3, m
 
 
 def test_cuda_graph_replays_whole_periods():
+    check_graph_replays_whole_periods("fp8")
+
+
+def test_cuda_graph_replays_whole_periods_with_the_flush_without_pdl(monkeypatch):
+    """$REPLAYSSM_FLUSH_PDL=0: the flush on the side stream, the non-flush kernel on the
+    current one (the default captures the flush's PDL launch behind prepare)."""
+    from replayssm.kernels.cute import launch
+
+    monkeypatch.setenv(launch.FLUSH_PDL_ENV, "0")
     check_graph_replays_whole_periods("fp8")
 
 

@@ -190,7 +190,7 @@ def test_every_variant_compiles(compiled, arch):
     folders = {p.parent.name for p in paths}
     assert folders == {
         "decode_nvfp4-h16g2", "decode_nvfp4-h16g1", "flush_nvfp4-h16g2", "flush_nvfp4-h16g1",
-        "decode_nvfp4-h16g2-pdl", "decode_nvfp4-h16g1-pdl",
+        "decode_nvfp4-h16g2-pdl", "decode_nvfp4-h16g1-pdl", "flush_nvfp4-h16g2-pdl", "flush_nvfp4-h16g1-pdl",
     }
     for folder in folders:
         assert sorted(p.suffix for p in paths if p.parent.name == folder) == [".cubin", ".ptx"], folder
@@ -335,6 +335,9 @@ def _step(w: World, out, state):
         # The SIMT non-flush kernel at every batch ($REPLAYSSM_NVFP4_DECODE=simt; the
         # default is the warp-per-head kernel).
         pytest.param(16, 2, "simt", id="nvfp4-h16-g2-mixed-simt-decode"),
+        # The flush without PDL on the side stream ($REPLAYSSM_FLUSH_PDL=0; the default
+        # launches it with PDL behind prepare above batch 1, launch.flush_pdl_for).
+        pytest.param(16, 2, "noflushpdl", id="nvfp4-h16-g2-mixed-flush-without-pdl"),
         # sm_90a: the block scales' software e4m3 encode ($REPLAYSSM_SM90_E4M3=soft)
         # instead of the e4m3x2 cvt, in the normal and the wide range.
         pytest.param(16, 2, "soft", id="nvfp4-h16-g2-mixed-soft-e4m3"),
@@ -346,32 +349,30 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync, monkeyp
     from replayssm.quant.minifloat import to_fp16
     from replayssm.quant.rng import checkpoint_rbits
 
-    from replayssm.kernels.cute import launch_nvfp4
+    from replayssm.kernels.cute import launch, launch_nvfp4
 
+    for env in (launch.PDL_ENV, launch.FLUSH_PDL_ENV):
+        monkeypatch.delenv(env, raising=False)
+    flush_pdl = sync != "noflushpdl"
+    if sync == "noflushpdl":
+        monkeypatch.setenv(launch.FLUSH_PDL_ENV, "0")
+        sync = False
     if sync == "simt":
         monkeypatch.setenv(launch_nvfp4.NVFP4_DECODE_ENV, "simt")
     if sync in ("soft", "wide-soft"):
-        from replayssm.kernels.cute import launch
-
         monkeypatch.setenv(launch.SM90_E4M3_ENV, "soft")
         sync = "wide" if sync == "wide-soft" else False
     if sync == "one-simt":
-        from replayssm.kernels.cute import launch
-
         monkeypatch.setenv(launch.PDL_KERNEL_ENV, "simt")
         sync = "one"
     if sync == "many-2col":
-        from replayssm.kernels.cute import launch
-
         monkeypatch.setattr(launch, "flush_grid_columns", lambda *args: 2)
         sync = "many"
     many = {"live": MANY_LIVE, "num_slots": MANY_SLOTS} if sync == "many" else {"live": (5,)} if sync == "one" else {}
     w = World("nvfp4", heads, groups, sync=sync is True, wide=sync == "wide", **many)
     if sync == "one":  # the PDL launch is what this case is for
-        from replayssm.kernels.cute import launch
-
-        monkeypatch.delenv(launch.PDL_ENV, raising=False)
         assert w.batch == 1 and launch.pdl_for(w.batch)
+    assert launch.flush_pdl_for(w.batch) is (flush_pdl and w.batch > 1)  # the PDL flush above batch 1
     cache, H, P, N = w.cache, heads, 64, 128
     hpg = H // groups
     out = torch.empty(w.batch, H, P, dtype=torch.bfloat16, device=DEVICE)
@@ -453,6 +454,17 @@ def test_runs_are_bit_identical_with_many_ctas_per_group():
 @pytest.mark.gpu
 @needs_dsl
 def test_cuda_graph_replays_whole_periods():
+    check_graph_replays_whole_periods("nvfp4")
+
+
+@pytest.mark.gpu
+@needs_dsl
+def test_cuda_graph_replays_whole_periods_with_the_flush_without_pdl(monkeypatch):
+    """$REPLAYSSM_FLUSH_PDL=0: the flush on the side stream (the default captures the
+    flush's PDL launch behind prepare)."""
+    from replayssm.kernels.cute import launch
+
+    monkeypatch.setenv(launch.FLUSH_PDL_ENV, "0")
     check_graph_replays_whole_periods("nvfp4")
 
 

@@ -191,10 +191,10 @@ class TritonBackend:
             names += [f"triton.initialize[{dtype}]", f"triton.clear[{dtype}]", f"triton.prepare[{dtype}]"]
         cute = self.cute_for(tensors, nvfp4=nvfp4)
         if cute is not None:
-            # Compile the decode kernels (the non-flush one in each variant a step may
-            # launch: with PDL at batch 1, without otherwise), then launch them once on
-            # padding rows (which exit at once) so their modules are loaded before any
-            # graph capture.
+            # Compile the decode kernels in each variant a step may launch (the non-flush
+            # kernel with PDL at batch 1, the flush with PDL above it), then launch them
+            # once on padding rows (which exit at once) so their modules are loaded before
+            # any graph capture.
             launch, arch = cute
             names += launch.warmup(heads, tensors[L.B_RING].shape[1], arch)
             ids = torch.zeros(2, dtype=torch.int32, device=device)

@@ -189,6 +189,10 @@ class FlushFp8:
     # group) at 8 + 5 (16 it + rr): %globaltimer at its start, %clock64 at its start, after
     # `fold`, after the partials' barrier and at its end.
     trace_addr = 0
+    # Launched with programmatic dependent launch right behind the prepare kernel (batch >
+    # 1, launch.flush_pdl_for): the CTAs may become resident while prepare runs and wait
+    # for it (griddepcontrol.wait) before their first global access.
+    pdl = False
 
     def __init__(self, heads: int, groups: int, *, debug: bool = False) -> None:
         self.heads, self.groups = heads, groups
@@ -251,6 +255,7 @@ class FlushFp8:
             min_blocks_per_mp=MIN_CTAS_PER_SM,
             preferred_smem_carveout=-1,  # the driver's choice (and no device query at compile time)
             stream=stream,
+            **({"use_pdl": True} if self.pdl else {}),
         )
 
     @cute.kernel
@@ -289,6 +294,8 @@ class FlushFp8:
         batch: Int32,
     ):
         t, _, _ = cute.arch.thread_idx()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # before the first global access
         smem = SmemAllocator()
         s_x, s_b, s_dt, s_dot, s_amax = self.shared_buffers(smem)
         s_mask = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=4)

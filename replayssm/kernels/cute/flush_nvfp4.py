@@ -126,6 +126,7 @@ class FlushNvfp4(FlushFp8):
             min_blocks_per_mp=MIN_CTAS_PER_SM,
             preferred_smem_carveout=-1,  # the driver's choice (and no device query at compile time)
             stream=stream,
+            **({"use_pdl": True} if self.pdl else {}),
         )
 
     @cute.kernel
@@ -167,6 +168,8 @@ class FlushNvfp4(FlushFp8):
         batch: Int32,
     ):
         t, _, _ = cute.arch.thread_idx()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # before the first global access
         smem = SmemAllocator()
         s_x, s_b, s_dt, s_dot, s_amax = self.shared_buffers(smem)
         s_gmax = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)

@@ -2,13 +2,14 @@
 
 Compile keys hold static properties only: (kernel, arch, heads, groups, for the FP8
 flush the sm_90a e4m3 encoder choice, for the non-flush kernel its variant
-($REPLAYSSM_FP8_DECODE) and whether it is the PDL one). Batch size, slot
+($REPLAYSSM_FP8_DECODE), and whether the kernel is the PDL one). Batch size, slot
 count and every stride are runtime arguments (kernels take raw pointers plus slot strides
 in 16-byte units, so one compile serves every batch, cache size and slot padding, and the
 kernels still know their vector accesses are 16-byte aligned). Launches go to the current
-torch stream (the flush forked onto a side stream and joined back, see OVERLAP; at batch
-1 the non-flush kernel with programmatic dependent launch, see PDL_ENV), so a captured
-CUDA graph records them. Launchers map tensors to arguments;
+torch stream and a side stream forked from it and joined back (see OVERLAP), one of
+the two kernels launched with programmatic dependent launch behind the prepare kernel (at
+batch 1 the non-flush kernel, see PDL_ENV; above it the flush, see FLUSH_PDL_ENV), so a
+captured CUDA graph records them. Launchers map tensors to arguments;
 they do not validate user input (`replayssm.api` did), only the layout assumptions the
 compiled code makes (`layout_ok`).
 """
@@ -101,7 +102,8 @@ def fp8_sr_variants(arch: str) -> tuple[bool, ...]:
 # hides a launch latency. (The wait is for the grid just before it on the stream: the
 # prepare kernel, or a copy `_dense16` made after it, which started only once prepare
 # had finished.) The flush, forked onto the side stream by an event, is launched as
-# before. H200, project benchmark at batch 1, 16 heads / 2 groups, same-run A/B: FP8
+# before. (Above batch 1 the flush takes the PDL launch instead: FLUSH_PDL_ENV.) H200,
+# project benchmark at batch 1, 16 heads / 2 groups, same-run A/B: FP8
 # 4.28 -> 3.47 us, NVFP4 4.52 -> 4.26 us; PDL at every batch made batch 32-1024 slower
 # (NVFP4 at batch 32 8.8 -> 16.0 us), hence batch 1 only (docs/perf-notes-cute.md,
 # session 4; again in session 10 with the warp kernels and prepare's early trigger, FP8
@@ -136,17 +138,50 @@ def pdl_for(batch: int) -> bool:
     return batch <= PDL_MAX_BATCH and pdl()
 
 
+# Above batch 1 the flush is the kernel launched with PDL: on the current stream right
+# behind the prepare kernel (whose early trigger lets it launch at once), its persistent
+# CTAs become resident while prepare runs and wait for it (griddepcontrol.wait) before
+# their first global access, so they start work as prepare ends instead of a launch
+# latency later. The non-flush kernel goes on the side stream, forked after prepare (a
+# full dependency). H200, project benchmark, same call, alternated twice, us per step,
+# 16 heads / 2 groups at batch 256 / 1024: FP8 20.00 / 61.81 -> 19.21 / 61.10, NVFP4
+# 20.08 / 65.53 -> 19.67 / 65.00; 64 heads / 8 groups: FP8 63.20 / 230.27 -> 62.21 /
+# 229.82, NVFP4 62.73 / 228.75 -> 62.14 / 228.22 (docs/perf-notes-cute.md, session 15).
+# $REPLAYSSM_FLUSH_PDL=0 keeps the flush on the side stream without PDL (as at batch 1);
+# $REPLAYSSM_PDL=0 turns off both.
+FLUSH_PDL_ENV = "REPLAYSSM_FLUSH_PDL"
+
+
+def flush_pdl() -> bool:
+    return env_choice(FLUSH_PDL_ENV, ("0", "1"), "1") == "1"
+
+
+def flush_pdl_for(batch: int) -> bool:
+    """Whether the flush of a `batch`-row step is launched with PDL."""
+    return batch > PDL_MAX_BATCH and pdl() and flush_pdl()
+
+
+FLUSH_KINDS = ("flush_fp8", "flush_fp8_debug", "flush_nvfp4", "flush_nvfp4_debug")
+
+
 def has_pdl_variant(kind: str) -> bool:
-    """Whether kernel `kind` has a PDL variant: the non-flush kernels (FP8: unless "mma");
-    it is the warp kernel (decode_warp.py) with PDL, or the SIMT kernel (decode_fp8.py,
-    decode_nvfp4.py) when pdl_kernel() or the decode mode is "simt"."""
-    return kind == "decode_nvfp4" or (kind == "decode_fp8" and fp8_decode() != "mma")
+    """Whether kernel `kind` has a PDL variant: the flushes, and the non-flush kernels
+    (FP8: unless "mma"), whose PDL variant is the warp kernel (decode_warp.py) or the
+    SIMT kernel (decode_fp8.py, decode_nvfp4.py) when pdl_kernel() or the decode mode is
+    "simt"."""
+    return kind in FLUSH_KINDS or kind == "decode_nvfp4" or (kind == "decode_fp8" and fp8_decode() != "mma")
 
 
 def pdl_variants(kind: str = "decode_fp8") -> tuple[bool, ...]:
-    """The variants of non-flush kernel `kind` a step may launch (warmup compiles and
+    """The variants (PDL or not) of kernel `kind` a step may launch (warmup compiles and
     loads each)."""
-    return (False, True) if pdl() and has_pdl_variant(kind) else (False,)
+    on = pdl() and has_pdl_variant(kind) and (kind not in FLUSH_KINDS or flush_pdl())
+    return (False, True) if on else (False,)
+
+
+def step_variants() -> tuple[tuple[bool, bool], ...]:
+    """The (non-flush PDL, flush PDL) pairs a step may launch: above batch 1 and at it."""
+    return tuple(dict.fromkeys(((False, flush_pdl_for(2)), (pdl_for(1), False))))
 
 
 def _kernel_object(kind: str, arch: str, heads: int, groups: int, e4m3: str, pdl: bool = False, voted: bool = False):
@@ -163,8 +198,11 @@ def _kernel_object(kind: str, arch: str, heads: int, groups: int, e4m3: str, pdl
         return obj
     debug = kind == "flush_fp8_debug"
     if arch in HAS_CVT_RS:
-        return FlushFp8Sm100(heads, groups, debug=debug)
-    return FlushFp8Sm90(heads, groups, debug=debug, hw_e4m3=e4m3 == "hw", sr_voted=voted)
+        obj = FlushFp8Sm100(heads, groups, debug=debug)
+    else:
+        obj = FlushFp8Sm90(heads, groups, debug=debug, hw_e4m3=e4m3 == "hw", sr_voted=voted)
+    obj.pdl = pdl
+    return obj
 
 
 # Pointer arguments of each launcher, in order: (dtype, alignment in bytes). The same
@@ -231,8 +269,8 @@ def _options(arch: str, dump_dir: str | os.PathLike | None) -> str:
 
 def compiled(kind: str, arch: str, heads: int, groups: int, e4m3: str | None = None, pdl: bool = False, voted: bool = False):
     """The compiled launcher for (kind, arch, heads, groups), compiling it on first use
-    (`e4m3`: the sm_90a read-copy encode, default `sm90_e4m3()`; `pdl`: the non-flush
-    variant launched with programmatic dependent launch; `voted`: the sm_90a flush with
+    (`e4m3`: the sm_90a read-copy encode, default `sm90_e4m3()`; `pdl`: the variant
+    launched with programmatic dependent launch; `voted`: the sm_90a flush with
     the warp-voted rounding, see fp8_sr_voted)."""
     e4m3 = "hw" if arch in HAS_CVT_RS or kind == "decode_fp8" else (e4m3 or sm90_e4m3())
     pdl = pdl and has_pdl_variant(kind)
@@ -260,9 +298,10 @@ def compile_into(obj, fake_args: list, arch: str, sub: Path) -> list[str]:
 def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
     """Compile every FP8 and NVFP4 decode variant for `arch` (no GPU needed) into `dump_dir`.
 
-    Each variant gets its own folder `dump_dir/<kind>-h<H>g<G>`, the non-flush kernel's
-    PDL variant (batch 1, `pdl_for`) `dump_dir/<kind>-h<H>g<G>-pdl`, the sm_90a FP8
-    flush's warp-voted variant ($REPLAYSSM_SM90_FP8_SR=voted) `dump_dir/flush_fp8-h<H>g<G>-voted` (the
+    Each variant gets its own folder `dump_dir/<kind>-h<H>g<G>`, each kernel's PDL
+    variant (the non-flush kernel's at batch 1, `pdl_for`; the flush's above it,
+    `flush_pdl_for`) `dump_dir/<kind>-h<H>g<G>-pdl`, the sm_90a FP8 flush's warp-voted
+    variants ($REPLAYSSM_SM90_FP8_SR=voted) `dump_dir/flush_fp8-h<H>g<G>[-pdl]-voted` (the
     DSL names its dumps after the launcher, which all variants share). Returns the PTX
     and cubin paths."""
     arch = check_arch(arch)
@@ -270,9 +309,9 @@ def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
     paths: list[str] = []
     for heads, groups in COMPILE_ALL_GEOMETRIES:
         for kind in ("decode_fp8", "flush_fp8"):
-            variants = [(p, False) for p in ((False, True) if has_pdl_variant(kind) else (False,))]
-            if kind == "flush_fp8" and arch not in HAS_CVT_RS:
-                variants.append((False, True))
+            pdls = (False, True) if has_pdl_variant(kind) else (False,)
+            voteds = (False, True) if kind == "flush_fp8" and arch not in HAS_CVT_RS else (False,)
+            variants = [(p, v) for v in voteds for p in pdls]
             for with_pdl, voted in variants:
                 obj = _kernel_object(kind, arch, heads, groups, sm90_e4m3(), with_pdl, voted)
                 sub = f"{kind}-h{heads}g{groups}" + ("-pdl" if with_pdl else "") + ("-voted" if voted else "")
@@ -284,40 +323,52 @@ def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
 
 
 def warmup(heads: int, groups: int, arch: str | None = None) -> list[str]:
-    """Compile the decode kernels for one geometry, the non-flush kernel's PDL variant
-    included (before CUDA-graph capture)."""
+    """Compile the decode kernels for one geometry, every variant a step may launch
+    (`pdl_variants`, `fp8_sr_variants`) included (before CUDA-graph capture)."""
     arch = arch or arch_for()
     names = []
     for with_pdl in pdl_variants("decode_fp8"):
         compiled("decode_fp8", arch, heads, groups, pdl=with_pdl)
         names.append(f"cute.decode_fp8[{arch},h{heads},g{groups}{',pdl' if with_pdl else ''}]")
-    for voted in fp8_sr_variants(arch):
-        compiled("flush_fp8", arch, heads, groups, voted=voted)
-        names.append(f"cute.flush_fp8[{arch},h{heads},g{groups}{',voted' if voted else ''}]")
+    for with_pdl in pdl_variants("flush_fp8"):
+        for voted in fp8_sr_variants(arch):
+            compiled("flush_fp8", arch, heads, groups, pdl=with_pdl, voted=voted)
+            names.append(f"cute.flush_fp8[{arch},h{heads},g{groups}{',pdl' if with_pdl else ''}{',voted' if voted else ''}]")
     return names
 
 
 def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, arch: str) -> None:
-    """Launch the decode kernels (each non-flush variant: `pdl_variants`; each flush
-    variant: `fp8_sr_variants`) for a plan of padding rows only (they return at once and
-    write nothing): loads the compiled modules, e.g. before CUDA-graph capture."""
+    """Launch the decode kernels (each pair of `step_variants`, each flush variant of
+    `fp8_sr_variants`) for a plan of padding rows only (they return at once and write
+    nothing): loads the compiled modules, e.g. before CUDA-graph capture."""
     batch = plan.valid.shape[0]
     heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
     dev = out.device
     x = torch.zeros(batch, heads, L.HEAD_DIM, dtype=torch.bfloat16, device=dev)
     bc = torch.zeros(batch, groups, L.STATE_DIM, dtype=torch.bfloat16, device=dev)
     per_head = torch.zeros(heads, device=dev)
-    pdls, voteds = pdl_variants("decode_fp8"), fp8_sr_variants(arch)
-    for i in range(max(len(pdls), len(voteds))):  # every variant of both kernels at least once
-        decode_fp8(
-            cache, x, torch.zeros(batch, heads, device=dev), per_head, bc, bc,
-            torch.zeros(heads, L.HEAD_DIM, device=dev), per_head, plan, out, arch=arch,
-            pdl=pdls[min(i, len(pdls) - 1)], voted=voteds[min(i, len(voteds) - 1)],
-        )
+    for nonflush_pdl, flush_pdl in step_variants():
+        for voted in fp8_sr_variants(arch):
+            decode_fp8(
+                cache, x, torch.zeros(batch, heads, device=dev), per_head, bc, bc,
+                torch.zeros(heads, L.HEAD_DIM, device=dev), per_head, plan, out, arch=arch,
+                pdl=nonflush_pdl, flush_pdl=flush_pdl, voted=voted,
+            )
 
 
 # ---------------------------------------------------------------------------------------
 # Launch
+
+
+def pdl_pair(batch: int, pdl: bool | None, flush_pdl: bool | None) -> tuple[bool, bool]:
+    """(non-flush PDL, flush PDL) for a step: the given values, defaults `pdl_for(batch)`
+    and `flush_pdl_for(batch)`. Only the kernel on the current stream right behind
+    prepare can be the PDL one, so not both."""
+    pdl = pdl_for(batch) if pdl is None else pdl
+    flush_pdl = flush_pdl_for(batch) if flush_pdl is None else flush_pdl
+    if pdl and flush_pdl:
+        raise ValueError("pdl and flush_pdl: at most one of the two kernels is launched with PDL, got both")
+    return pdl, flush_pdl
 
 
 def _aligned16(t: torch.Tensor) -> bool:
@@ -355,11 +406,12 @@ def _dense16(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.data_ptr() % 16 else t
 
 
-# Run the flush kernel on a side stream, forked from and joined back into the current
-# stream, so that it overlaps the non-flush kernel: the two touch disjoint slots and
-# output rows (non-flush rows vs flush rows of one plan), the flush is compute-bound
-# (hash, stochastic rounding, encode) and the non-flush memory-bound. A captured CUDA
-# graph records the fork and the join as edges. False: both on the current stream.
+# Run one of the two kernels on a side stream, forked from and joined back into the
+# current stream, so that they overlap: the two touch disjoint slots and output rows
+# (non-flush rows vs flush rows of one plan). The kernel launched with PDL stays on the
+# current stream right behind the prepare kernel (the flush above batch 1, the non-flush
+# kernel at it); the other goes on the side stream. A captured CUDA graph records the
+# fork and the join as edges. False: both on the current stream.
 OVERLAP = True
 _SIDE: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -374,17 +426,18 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 @contextmanager
-def flush_streams(device: torch.device):
-    """(main, side) for one step: the flush goes on `side`, forked from the current
-    stream `main` on entry (the plan and the inputs are ready for it; a PDL non-flush
-    kernel on `main` waits for them itself) and joined back into it on
-    exit (everything after the step sees both kernels' writes); with OVERLAP off both are
-    the current stream."""
+def flush_streams(device: torch.device, flush_pdl: bool = False):
+    """(flush stream, non-flush stream) for one step: one is the current stream `main`,
+    the other the side stream, forked from `main` on entry (the plan and the inputs are
+    ready for it; a PDL kernel on `main` waits for them itself) and joined back into it
+    on exit (everything after the step sees both kernels' writes). `flush_pdl`: the
+    flush on `main` (launched with PDL), else the non-flush kernel. With OVERLAP off both
+    are `main`."""
     main = torch.cuda.current_stream(device)
     side = _side_stream(device) if OVERLAP else main
     if side is not main:
         side.wait_stream(main)
-    yield main, side
+    yield (main, side) if flush_pdl else (side, main)
     if side is not main:
         main.wait_stream(side)
 
@@ -405,6 +458,7 @@ def decode_fp8(
     state_out: torch.Tensor | None = None,
     e4m3: str | None = None,
     pdl: bool | None = None,
+    flush_pdl: bool | None = None,
     voted: bool | None = None,
 ) -> None:
     """Launch the non-flush and the flush kernel for one step (after `prepare`).
@@ -414,7 +468,8 @@ def decode_fp8(
     (float32 [batch, H, 64, 128], contiguous) selects the debug flush, which also writes
     the FP32 state of every flushed row there (tests only); `e4m3` picks the sm_90a
     read-copy encode ("hw" / "soft", default $REPLAYSSM_SM90_E4M3 or "hw"); `pdl` the
-    non-flush variant (default `pdl_for(batch)`); `voted` the flush variant (default
+    non-flush variant (default `pdl_for(batch)`), `flush_pdl` the flush's (default
+    `flush_pdl_for(batch)`; at most one of the two); `voted` the flush variant (default
     `fp8_sr_voted(arch)`)."""
     batch, heads = x.shape[0], x.shape[1]
     groups = cache[L.B_RING].shape[1]
@@ -424,25 +479,26 @@ def decode_fp8(
     read, scales = cache[L.READ_COPY], cache[L.SCALES]
     inputs = [x, dt, A, B, C, D, dt_bias, out]
     input_strides = [dt.stride(0), dt.stride(1), A.stride(0), dt_bias.stride(0), D.stride(0), D.stride(1)]
-    nonflush = compiled("decode_fp8", arch, heads, groups, pdl=pdl_for(batch) if pdl is None else pdl)
+    pdl, flush_pdl = pdl_pair(batch, pdl, flush_pdl)
+    nonflush = compiled("decode_fp8", arch, heads, groups, pdl=pdl)
     kind = "flush_fp8" if state_out is None else "flush_fp8_debug"
-    flush = compiled(kind, arch, heads, groups, e4m3, voted=fp8_sr_voted(arch) if voted is None else voted)
-    with flush_streams(x.device) as (main, side):
+    flush = compiled(kind, arch, heads, groups, e4m3, pdl=flush_pdl, voted=fp8_sr_voted(arch) if voted is None else voted)
+    with flush_streams(x.device, flush_pdl) as (flush_stream, nonflush_stream):
         ptrs = [ckpt, read, scales, x_ring, dt_ring, b_ring, *inputs, plan.slot, plan.flush, plan.key]
         addresses = [t.data_ptr() for t in ptrs] + [0 if state_out is None else state_out.data_ptr()]
         flush(
             *_pointers(kind, addresses),
             _stride16(ckpt), _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
             *input_strides, flush_grid_columns(FlushFp8.ctas_per_sm, heads, x.device),
-            batch, cuda_driver.CUstream(side.cuda_stream),
+            batch, cuda_driver.CUstream(flush_stream.cuda_stream),
         )
         ptrs = [read, scales, x_ring, dt_ring, b_ring, *inputs, plan.valid, plan.slot, plan.ring_index, plan.flush]
         nonflush(
             *_pointers("decode_fp8", [t.data_ptr() for t in ptrs]),
             _stride16(read), scales.stride(0), _stride16(x_ring), dt_ring.stride(0), _stride16(b_ring),
             *input_strides,
-            batch, cuda_driver.CUstream(main.cuda_stream),
+            batch, cuda_driver.CUstream(nonflush_stream.cuda_stream),
         )
 
 
-__all__ = ["KINDS", "COMPILE_ALL_GEOMETRIES", "fp8_sr_voted", "fp8_sr_variants", "compiled", "compile_all", "warmup", "launch_padding", "layout_ok", "decode_fp8"]
+__all__ = ["KINDS", "COMPILE_ALL_GEOMETRIES", "fp8_sr_voted", "flush_pdl_for", "step_variants", "fp8_sr_variants", "compiled", "compile_all", "warmup", "launch_padding", "layout_ok", "decode_fp8"]

@@ -51,8 +51,11 @@ def _kernel_object(kind: str, arch: str, heads: int, groups: int, pdl: bool = Fa
         obj.pdl = pdl  # programmatic dependent launch, as the FP8 non-flush (launch.pdl_for)
         return obj
     if hw:
-        return FlushNvfp4Sm100(heads, groups, debug=kind == "flush_nvfp4_debug")
-    return FlushNvfp4Sm90(heads, groups, debug=kind == "flush_nvfp4_debug", hw_e4m3=_fp8.sm90_e4m3() == "hw")
+        obj = FlushNvfp4Sm100(heads, groups, debug=kind == "flush_nvfp4_debug")
+    else:
+        obj = FlushNvfp4Sm90(heads, groups, debug=kind == "flush_nvfp4_debug", hw_e4m3=_fp8.sm90_e4m3() == "hw")
+    obj.pdl = pdl  # PDL above batch 1 (launch.flush_pdl_for)
+    return obj
 
 
 # Pointer arguments of each launcher, in order: (dtype, alignment in bytes); the inputs
@@ -118,8 +121,8 @@ def compiled(kind: str, arch: str, heads: int, groups: int, pdl: bool = False):
 
 def compile_variants(arch: str, dump_dir: str | os.PathLike, geometries) -> list[str]:
     """Compile the NVFP4 non-flush and flush kernels for `arch` and each (heads, groups)
-    into `dump_dir/<kind>-h<H>g<G>` (the non-flush kernel's PDL variant into `...-pdl`);
-    returns the PTX and cubin paths."""
+    into `dump_dir/<kind>-h<H>g<G>` (each kernel's PDL variant into `...-pdl`); returns
+    the PTX and cubin paths."""
     arch = check_arch(arch)
     root = Path(dump_dir)
     paths: list[str] = []
@@ -144,18 +147,20 @@ def warmup(heads: int, groups: int, arch: str | None = None) -> list[str]:
 
 
 def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, arch: str) -> None:
-    """Launch both kernels for a plan of padding rows only (they write nothing): loads
-    the compiled modules before CUDA-graph capture."""
+    """Launch both kernels (each pair of `launch.step_variants`) for a plan of padding
+    rows only (they write nothing): loads the compiled modules before CUDA-graph
+    capture."""
     batch = plan.valid.shape[0]
     heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
     dev = out.device
     x = torch.zeros(batch, heads, L.HEAD_DIM, dtype=torch.bfloat16, device=dev)
     bc = torch.zeros(batch, groups, L.STATE_DIM, dtype=torch.bfloat16, device=dev)
     per_head = torch.zeros(heads, device=dev)
-    for with_pdl in _fp8.pdl_variants("decode_nvfp4"):
+    for nonflush_pdl, flush_pdl in _fp8.step_variants():
         decode_nvfp4(
             cache, x, torch.zeros(batch, heads, device=dev), per_head, bc, bc,
-            torch.zeros(heads, L.HEAD_DIM, device=dev), per_head, plan, out, arch=arch, pdl=with_pdl,
+            torch.zeros(heads, L.HEAD_DIM, device=dev), per_head, plan, out, arch=arch,
+            pdl=nonflush_pdl, flush_pdl=flush_pdl,
         )
 
 
@@ -174,13 +179,15 @@ def decode_nvfp4(
     arch: str | None = None,
     state_out: torch.Tensor | None = None,
     pdl: bool | None = None,
+    flush_pdl: bool | None = None,
 ) -> None:
     """Launch the NVFP4 non-flush and flush kernels for one step (after `prepare`, which
     flipped the parity and zeroed the accumulator half of meta for flushing rows).
 
     Arguments as `launch.decode_fp8`; `state_out` selects the debug flush, which also
-    writes the FP32 state of every flushed row (tests only). `pdl`: the non-flush variant
-    (default `launch.pdl_for(batch)`)."""
+    writes the FP32 state of every flushed row (tests only). `pdl` / `flush_pdl`: the
+    kernels' PDL variants (defaults `launch.pdl_for(batch)` / `launch.flush_pdl_for(batch)`;
+    at most one of the two)."""
     batch, heads = x.shape[0], x.shape[1]
     groups = cache[L.B_RING].shape[1]
     arch = arch or arch_for(x.device)
@@ -189,13 +196,15 @@ def decode_nvfp4(
     read, scales, meta, parity = cache[L.READ_COPY], cache[L.SCALES], cache[L.META], cache[L.PARITY]
     inputs = [x, dt, A, B, C, D, dt_bias, out]
     input_strides = [dt.stride(0), dt.stride(1), A.stride(0), dt_bias.stride(0), D.stride(0), D.stride(1)]
-    nonflush = compiled("decode_nvfp4", arch, heads, groups, pdl=_fp8.pdl_for(batch) if pdl is None else pdl)
+    pdl, flush_pdl = _fp8.pdl_pair(batch, pdl, flush_pdl)
+    nonflush = compiled("decode_nvfp4", arch, heads, groups, pdl=pdl)
     kind = "flush_nvfp4" if state_out is None else "flush_nvfp4_debug"
-    flush = compiled(kind, arch, heads, groups)
-    # The flush on the FP8 launcher's side stream, overlapping the non-flush kernel: they
-    # touch disjoint slots (meta included: the non-flush kernel reads meta of
-    # non-flushing slots only) and disjoint output rows.
-    with _fp8.flush_streams(x.device) as (main, side):
+    flush = compiled(kind, arch, heads, groups, pdl=flush_pdl)
+    # The two kernels on the FP8 launcher's streams, overlapping: they touch disjoint slots
+    # (meta included: the non-flush kernel reads meta of non-flushing slots only) and
+    # disjoint output rows. The flush's atomics need prepare's zeroed meta: a PDL flush
+    # waits for prepare (griddepcontrol.wait) before its first global access.
+    with _fp8.flush_streams(x.device, flush_pdl) as (flush_stream, nonflush_stream):
         ptrs = [ckpt, read, scales, meta, x_ring, dt_ring, b_ring, *inputs, plan.slot, plan.flush, plan.key, plan.old_parity]
         addresses = [t.data_ptr() for t in ptrs] + [0 if state_out is None else state_out.data_ptr()]
         flush(
@@ -203,7 +212,7 @@ def decode_nvfp4(
             _fp8._stride16(ckpt), _fp8._stride16(read), scales.stride(0), meta.stride(0),
             _fp8._stride16(x_ring), dt_ring.stride(0), _fp8._stride16(b_ring),
             *input_strides, _fp8.flush_grid_columns(FlushNvfp4.ctas_per_sm, heads, x.device),
-            batch, cuda_driver.CUstream(side.cuda_stream),
+            batch, cuda_driver.CUstream(flush_stream.cuda_stream),
         )
         ptrs = [read, scales, meta, parity, x_ring, dt_ring, b_ring, *inputs, plan.valid, plan.slot, plan.ring_index, plan.flush]
         nonflush(
@@ -211,7 +220,7 @@ def decode_nvfp4(
             _fp8._stride16(read), scales.stride(0), meta.stride(0), parity.stride(0),
             _fp8._stride16(x_ring), dt_ring.stride(0), _fp8._stride16(b_ring),
             *input_strides,
-            batch, cuda_driver.CUstream(main.cuda_stream),
+            batch, cuda_driver.CUstream(nonflush_stream.cuda_stream),
         )
 
 __all__ = ["KINDS", "compiled", "compile_variants", "warmup", "launch_padding", "decode_nvfp4"]
