@@ -67,7 +67,9 @@ class FlushNvfp4(FlushFp8):
     # 16 heads / 2 groups at 256 / 1024, then 64 heads / 8 groups at 256 / 1024: 2.0 (8 /
     # 2 columns) 20.90 / 65.33, 63.75 / 233.5; 2.5 (10 / 3) 20.68 / 66.65, 64.8 / 236.1;
     # 3.0 (12 / 3) 20.15 / 66.46, 64.85 / 236.1; 3.5 (14 / 4) 20.21 / 65.86, 63.04 / 229.7.
-    ctas_per_sm = 3.5
+    # Session 15, the flush launched with PDL behind prepare (launch.flush_pdl_for), one
+    # run: 3.5 19.63 / 64.68, 61.85 / 228.35; 4.0 (16 / 4) 19.03 / 63.44, 61.88 / 228.31.
+    ctas_per_sm = 4.0
     stage_one_source = True  # FlushFp8.stage_one_source
     arch = ""
 
