@@ -398,8 +398,8 @@ def test_pdl_is_for_batch_1_and_can_be_turned_off(monkeypatch):
 @pytest.mark.parametrize("kind", ["flush_fp8", "flush_nvfp4"])
 def test_the_flush_is_the_pdl_kernel_above_batch_1(monkeypatch, kind):
     """Above batch 1 the flush is launched with PDL (the non-flush kernel at batch 1,
-    never both); $REPLAYSSM_FLUSH_PDL=0 or $REPLAYSSM_PDL=0 turns it off; the PDL flush
-    object is launched with use_pdl and waits for the prepare kernel."""
+    never both); $REPLAYSSM_FLUSH_PDL=0 or $REPLAYSSM_PDL=0 turns it off; the launchers
+    build the PDL flush object (its wait: test_only_the_pdl_variants_wait_for_the_prepare_kernel)."""
     from replayssm.kernels.cute import launch, launch_nvfp4
 
     for env in (launch.PDL_ENV, launch.FLUSH_PDL_ENV, launch.FP8_DECODE_ENV):

@@ -12,7 +12,7 @@ flush return at once. The ring is not written: the next step starts a period at 
 
 Work item (head half, row group): half mh of the state rows (32 of 64) of one head, for
 the ROWS_PER_CTA batch rows of one group. A persistent grid of heads * M_SPLIT * columns
-CTAs of 4 warps (`flush_columns`: about 1.5 CTAs an SM for FP8, 3.5 for NVFP4, so that
+CTAs of 4 warps (`flush_columns`: about 1.5 CTAs an SM for FP8, 4 for NVFP4, so that
 the non-flush kernel shares every SM from the start) walks the items: CTA i keeps head
 half i % (heads * M_SPLIT) and takes row groups i // (heads * M_SPLIT), + columns, ...;
 per group it reads the flush flags with one ballot and folds each flushing row in turn,
@@ -101,13 +101,14 @@ def flush_columns(heads: int, ctas_per_sm: float, sm_count: int) -> int:
     columns) CTAs, CTA i taking head half i % (heads * M_SPLIT) of the row groups
     i // (heads * M_SPLIT), + columns, ... in turn; about `ctas_per_sm` CTAs an SM.
 
-    Why persistent: the flush runs beside the non-flush kernel (launch.flush_streams) on a
-    high-priority stream. Launched with one CTA per (head half, row group), its pending
-    CTAs held back the non-flush kernel, which started only when the last of them was
-    handed out (~21 us into an FP8 step at batch 1024, the SMs' registers all taken by an
-    issue-bound flush). With a fixed 1.5-2.5 CTAs an SM the non-flush CTAs take the rest of
-    every SM from the start, and the memory-bound and the issue-bound kernel overlap.
-    H200, 16 heads / 2 groups (docs/perf-notes-cute.md, session 8)."""
+    Why persistent: the flush runs beside the non-flush kernel (launch.flush_streams).
+    Launched with one CTA per (head half, row group) on a high-priority stream (session
+    8), its pending CTAs held back the non-flush kernel, which started only when the last
+    of them was handed out (~21 us into an FP8 step at batch 1024, the SMs' registers all
+    taken by an issue-bound flush). With a fixed 1.5-2.5 CTAs an SM the non-flush CTAs
+    took the rest of every SM from the start, and the memory-bound and the issue-bound
+    kernel overlapped. H200, 16 heads / 2 groups (docs/perf-notes-cute.md, session 8).
+    (Session 15's NVFP4 flush takes all 4 slots an SM while it runs: measured faster.)"""
     return max(1, round(ctas_per_sm * sm_count / (heads * M_SPLIT)))
 
 

@@ -67,8 +67,11 @@ class FlushNvfp4(FlushFp8):
     # 16 heads / 2 groups at 256 / 1024, then 64 heads / 8 groups at 256 / 1024: 2.0 (8 /
     # 2 columns) 20.90 / 65.33, 63.75 / 233.5; 2.5 (10 / 3) 20.68 / 66.65, 64.8 / 236.1;
     # 3.0 (12 / 3) 20.15 / 66.46, 64.85 / 236.1; 3.5 (14 / 4) 20.21 / 65.86, 63.04 / 229.7.
-    # Session 15, the flush launched with PDL behind prepare (launch.flush_pdl_for), one
-    # run: 3.5 19.63 / 64.68, 61.85 / 228.35; 4.0 (16 / 4) 19.03 / 63.44, 61.88 / 228.31.
+    # Session 15, the flush launched with PDL behind prepare (launch.flush_pdl_for),
+    # alternated twice, 16 heads / 2 groups: 3.5 19.66 / 64.92, 19.67 / 64.85; 4.0 (16
+    # columns) 19.14 / 63.66, 19.10 / 63.65; 5.0 (one run) 19.08 / 72.91; at 64 heads 3.5
+    # and 4.0 give the same 4 columns. At 4.0 the flush takes every CTA slot while it
+    # runs, so the non-flush kernel mostly follows it (cta_trace.py).
     ctas_per_sm = 4.0
     stage_one_source = True  # FlushFp8.stage_one_source
     arch = ""

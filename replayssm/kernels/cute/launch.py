@@ -419,7 +419,9 @@ _SIDE: dict[torch.device, torch.cuda.Stream] = {}
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     side = _SIDE.get(device)
     if side is None:
-        # High priority: the flush CTAs are the latency-critical part of a step.
+        # High priority (for the flush, which was the latency-critical kernel when it went
+        # here at every batch; above batch 1 it now holds the non-flush kernel, for which
+        # high or normal priority measured the same: docs/perf-notes-cute.md, session 15).
         side = torch.cuda.Stream(device=device, priority=-1)
         _SIDE[device] = side
     return side
