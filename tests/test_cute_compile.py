@@ -205,13 +205,17 @@ def test_flush_fragment_maps_are_bijections():
 @pytest.mark.parametrize("batch", [1, 45, 256, 1024, 1031])
 def test_flush_grid_visits_every_row_group_once(heads, batch):
     """The persistent flush grid (flush_fp8.flush_columns), walked as the kernels walk it:
-    every (head half, 16-row group) once, and a CTA's successive groups alternate between
-    the two flag words (flush_mask's `buf`, (by // step) & 1)."""
-    from replayssm.kernels.cute.flush_fp8 import M_SPLIT, ROWS_PER_CTA, FlushFp8, flush_columns
+    every (head half, row group) once, and a CTA's successive groups alternate between
+    the two flag words (flush_mask's `buf`, (by // step) & 1). Groups are 16 rows, 32
+    from 64 heads on (rows_per_cta), and a flush object takes its geometry's."""
+    from replayssm.kernels.cute.flush_fp8 import M_SPLIT, FlushFp8, flush_columns, rows_per_cta
     from replayssm.kernels.cute.flush_nvfp4 import FlushNvfp4
 
+    rows = rows_per_cta(heads)
+    assert rows == (32 if heads >= 64 else 16)
+    assert FlushFp8(heads, 2).rows == FlushNvfp4(heads, 2).rows == rows
     hm = heads * M_SPLIT
-    n_by = -(-batch // ROWS_PER_CTA)
+    n_by = -(-batch // rows)
     for ctas_per_sm in (FlushFp8.ctas_per_sm, FlushNvfp4.ctas_per_sm, 0.0, 100.0):
         for sms in (132, 148, 1):
             columns = flush_columns(heads, ctas_per_sm, sms)

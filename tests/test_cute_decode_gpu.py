@@ -69,6 +69,10 @@ pytestmark = [
         # The same with the flush grid cut to 2 CTA columns: a CTA flushes row groups
         # 0 and 2 in turn (flush_fp8.flush_columns), its flag words alternating.
         pytest.param(16, 2, "many-2col", "hw", id="fp8-h16-g2-many-rows-2-columns"),
+        # 64 heads: row groups of 32 (flush_fp8.rows_per_cta), the second partial; then
+        # with one CTA column, which walks both groups, its flag words alternating.
+        pytest.param(64, 8, "many", "hw", id="fp8-h64-g8-many-rows"),
+        pytest.param(64, 8, "many-1col", "hw", id="fp8-h64-g8-many-rows-1-column"),
         # The sm_90a flush's warp-voted rounding ($REPLAYSSM_SM90_FP8_SR=voted; off by
         # default, launch.fp8_sr_voted): its normal-range path, its general one (wide
         # range: subnormal FP16 results), and many rows.
@@ -100,8 +104,9 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3, m
         e4m3, mode = e4m3.split("-")
         monkeypatch.setenv(launch.FP8_DECODE_ENV, mode)
 
-    if sync == "many-2col":
-        monkeypatch.setattr(launch, "flush_grid_columns", lambda *args: 2)
+    if sync in ("many-2col", "many-1col"):
+        columns = 2 if sync == "many-2col" else 1
+        monkeypatch.setattr(launch, "flush_grid_columns", lambda *args: columns)
         sync = "many"
     if sync == "one-simt":
         monkeypatch.setenv(launch.PDL_KERNEL_ENV, "simt")

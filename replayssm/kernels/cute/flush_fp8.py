@@ -11,8 +11,9 @@ re-derived from S (format.md section 3, nearest-even e4m3, satfinite). Rows that
 flush return at once. The ring is not written: the next step starts a period at entry 0.
 
 Work item (head half, row group): half mh of the state rows (32 of 64) of one head, for
-the ROWS_PER_CTA batch rows of one group. A persistent grid of heads * M_SPLIT * columns
-CTAs of 4 warps (`flush_columns`: about 1.5 CTAs an SM for FP8, 4 for NVFP4, so that
+the batch rows of one group (16, or 32 from 64 heads on: `rows_per_cta`). A persistent
+grid of heads * M_SPLIT * columns CTAs of 4 warps (`flush_columns`: about 1.5 CTAs an SM
+for FP8, 4 for NVFP4, so that
 the non-flush kernel shares every SM from the start) walks the items: CTA i keeps head
 half i % (heads * M_SPLIT) and takes row groups i // (heads * M_SPLIT), + columns, ...;
 per group it reads the flush flags with one ballot and folds each flushing row in turn,
@@ -77,8 +78,23 @@ NT = 8  # n-tiles of 8 per warp; a lane holds 2 rows x 16 columns
 # flushes the marked rows one after another. With 1/16 of the rows flushing per step
 # (desynchronized rows) a group holds one row on average, instead of batch x heads CTAs
 # of which 15/16 would exit at once (H200, batch 256, one run: the FP8 flush 12.41 us
-# with 8 rows a group, 9.72 us with 16).
+# with 8 rows a group, 9.72 us with 16). From WIDE_GROUP_HEADS heads on, groups of 32
+# rows (rows_per_cta).
 ROWS_PER_CTA = 16
+WIDE_GROUP_HEADS = 64
+
+
+def rows_per_cta(heads: int) -> int:
+    """Batch rows of a flush row group at `heads` heads: 32 from WIDE_GROUP_HEADS on, else
+    ROWS_PER_CTA. With many heads the grid has few CTA columns (2 for FP8, 4 for NVFP4 at
+    64 heads on an H200), so each CTA walks many groups, and a group of 32 rows halves
+    the walk's flag ballots and barriers. H200, project benchmark with the PDL flush,
+    alternated twice, 16 -> 32 rows, us per step at batch 256 / 1024: 64 heads / 8
+    groups FP8 62.14 -> 61.20, 229.79 -> 225.56, NVFP4 62.13 -> 62.28, 228.17 ->
+    226.76; 16 heads / 2 groups (8 groups of 32 rows over 6 / 16 columns at batch 256)
+    FP8 19.12 -> 20.43, NVFP4 19.07 -> 19.61, 1024 within 0.2% (docs/perf-notes-cute.md,
+    session 15). Between 16 and 64 heads unmeasured (16 rows)."""
+    return 2 * ROWS_PER_CTA if heads >= WIDE_GROUP_HEADS else ROWS_PER_CTA
 # Shared-memory rows (floats): a staged B_j is 128 values in fragment order plus 8 (rows
 # 8 banks apart: the eight lanes of a 16-byte load phase hit distinct banks); a staged
 # x_j is 64 values plus 8 (the four entries a warp's A fragment reads 8 banks apart).
@@ -124,16 +140,16 @@ def _b_slot(n: int) -> int:
 
 
 @cute.jit
-def flush_mask(t, by, plan_flush, batch, s_mask, buf):
-    """Bit rr set when batch row by * ROWS_PER_CTA + rr flushes: one load per lane of
+def flush_mask(t, by, plan_flush, batch, s_mask, buf, rows: cutlass.Constexpr = ROWS_PER_CTA):
+    """Bit rr set when batch row by * rows + rr flushes (rows <= 32): one load per lane of
     warp 0 and one ballot, shared with the whole CTA through `s_mask[buf]` (two Int32
     words, used in turn by a CTA's successive row groups: warp 0 rewrites a word only
     after every thread has passed the barrier that followed the other word's write, so
     after every thread has read this word; no second barrier a group)."""
     if t < 32:
-        b_t = by * ROWS_PER_CTA + t
+        b_t = by * rows + t
         f = Int32(0)
-        if t < ROWS_PER_CTA:
+        if t < rows:
             if b_t < batch:
                 f = Int32(plan_flush[Int64(b_t)])
         m = cute.arch.vote_ballot_sync(f != Int32(0))
@@ -186,9 +202,10 @@ class FlushFp8:
     stage_one_source = False
     # benchmarks/cta_trace.py: the global address of a zeroed int64 [CTAs,
     # FLUSH_TRACE_WORDS] buffer compiles a traced variant (0: none). Per CTA: %globaltimer
-    # at entry and exit, smid; per flushed row (outer trip it < TRACE_TRIPS, row rr of the
-    # group) at 8 + 5 (16 it + rr): %globaltimer at its start, %clock64 at its start, after
-    # `fold`, after the partials' barrier and at its end.
+    # at entry and exit, smid; per flushed row (trip it of the walk, row rr of its group of
+    # `rows`; record k = it * rows + rr while k < 16 TRACE_TRIPS) at 8 + 5 k: %globaltimer
+    # at its start, %clock64 at its start, after `fold`, after the partials' barrier and
+    # at its end.
     trace_addr = 0
     # Launched with programmatic dependent launch right behind the prepare kernel (batch >
     # 1, launch.flush_pdl_for): the CTAs may become resident while prepare runs and wait
@@ -199,6 +216,7 @@ class FlushFp8:
         self.heads, self.groups = heads, groups
         self.hpg = heads // groups
         self.debug = debug
+        self.rows = rows_per_cta(heads)
 
     # -- the per-target conversions -------------------------------------------------------
     def fp16x2_sr(self, lo: Float32, hi: Float32, word: Uint32) -> Uint32:
@@ -251,7 +269,7 @@ class FlushFp8:
             dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
             batch,
         ).launch(
-            grid=[self.heads * M_SPLIT * cutlass.min((batch + ROWS_PER_CTA - 1) // ROWS_PER_CTA, Int32(columns)), 1, 1],
+            grid=[self.heads * M_SPLIT * cutlass.min((batch + self.rows - 1) // self.rows, Int32(columns)), 1, 1],
             block=[THREADS, 1, 1],
             min_blocks_per_mp=MIN_CTAS_PER_SM,
             preferred_smem_carveout=-1,  # the driver's choice (and no device query at compile time)
@@ -315,7 +333,7 @@ class FlushFp8:
     @cute.jit
     def for_each_flush_row(self, t, plan_flush, batch, s_mask, row):
         """Call row(head, state-row half, batch row) for every flushing row of this CTA's
-        work items, in turn. Persistent over the 16-row groups: CTA bid keeps head half
+        work items, in turn. Persistent over the row groups (self.rows rows): CTA bid keeps head half
         bid % hm (hm = heads * M_SPLIT) and takes groups bid // hm, + n_ctas // hm, ...
         (flush_columns says why); per group one ballot of the flags (flush_mask), then one
         trip per flushing row (usually one), not one per row of the group: the 16-trip
@@ -327,18 +345,18 @@ class FlushFp8:
         mh = bx % M_SPLIT
         if cutlass.const_expr(self.trace_addr):
             gt0 = bits.globaltimer_after(Int32(bid))
-        for by in range(Int32(bid) // hm, (batch + Int32(ROWS_PER_CTA - 1)) // Int32(ROWS_PER_CTA), Int32(n_ctas) // hm):
-            mask = flush_mask(t, by, plan_flush, batch, s_mask, (by // (Int32(n_ctas) // hm)) & Int32(1))
+        for by in range(Int32(bid) // hm, (batch + Int32(self.rows - 1)) // Int32(self.rows), Int32(n_ctas) // hm):
+            mask = flush_mask(t, by, plan_flush, batch, s_mask, (by // (Int32(n_ctas) // hm)) & Int32(1), self.rows)
             rows = mask
             for _ in range(bits.popc(mask)):
                 rr = bits.lowest_set_bit(rows)
                 rows = rows & (rows - Int32(1))
-                if rr < Int32(ROWS_PER_CTA):  # always true; keeps the body conditional (no hoisting out of the loop)
+                if rr < Int32(self.rows):  # always true; keeps the body conditional (no hoisting out of the loop)
                     if cutlass.const_expr(self.trace_addr):
                         trip = (by - Int32(bid) // hm) // (Int32(n_ctas) // hm)
-                        row(Int64(bx // M_SPLIT), mh, Int64(by * ROWS_PER_CTA + rr), sel(trip < Int32(TRACE_TRIPS), trip * Int32(ROWS_PER_CTA) + rr, Int32(-1)))
+                        row(Int64(bx // M_SPLIT), mh, Int64(by * self.rows + rr), sel(trip * Int32(self.rows) + rr < Int32(ROWS_PER_CTA * TRACE_TRIPS), trip * Int32(self.rows) + rr, Int32(-1)))
                     else:
-                        row(Int64(bx // M_SPLIT), mh, Int64(by * ROWS_PER_CTA + rr))
+                        row(Int64(bx // M_SPLIT), mh, Int64(by * self.rows + rr))
         if cutlass.const_expr(self.trace_addr):
             if t == 0:
                 rec = Int64(self.trace_addr) + Int64(bid) * (8 * FLUSH_TRACE_WORDS)
@@ -744,4 +762,4 @@ class FlushFp8Sm100(FlushFp8):
         return bits.e4m3x2_rn_hw(lo, hi)
 
 
-__all__ = ["FlushFp8", "FlushFp8Sm90", "FlushFp8Sm100", "flush_mask", "flush_columns", "FLUSH_TRACE_WORDS", "TRACE_TRIPS", "ROWS_PER_CTA", "M_SPLIT", "N", "P", "RING", "_vec", "_vec_a", "_xor_reduce", "_b_slot"]
+__all__ = ["FlushFp8", "FlushFp8Sm90", "FlushFp8Sm100", "flush_mask", "flush_columns", "FLUSH_TRACE_WORDS", "TRACE_TRIPS", "ROWS_PER_CTA", "rows_per_cta", "M_SPLIT", "N", "P", "RING", "_vec", "_vec_a", "_xor_reduce", "_b_slot"]

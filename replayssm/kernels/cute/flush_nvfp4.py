@@ -42,7 +42,7 @@ from cutlass.memory import SmemAllocator
 
 from . import bits, bits_nvfp4
 from .bits_nvfp4 import DSL_OPS
-from .flush_fp8 import MIN_CTAS_PER_SM, M_SPLIT, NT, ROWS_PER_CTA, THREADS, WARPS, FlushFp8, FlushFp8Sm90, N, P, _vec_a, _xor_reduce
+from .flush_fp8 import MIN_CTAS_PER_SM, M_SPLIT, NT, THREADS, WARPS, FlushFp8, FlushFp8Sm90, N, P, _vec_a, _xor_reduce
 
 ROWS = 2  # state rows per thread
 WORDS_PER_ROW = N // 8  # packed e2m1 codes of one state row, in 32-bit words
@@ -126,7 +126,7 @@ class FlushNvfp4(FlushFp8):
             dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
             batch,
         ).launch(
-            grid=[self.heads * M_SPLIT * cutlass.min((batch + ROWS_PER_CTA - 1) // ROWS_PER_CTA, Int32(columns)), 1, 1],
+            grid=[self.heads * M_SPLIT * cutlass.min((batch + self.rows - 1) // self.rows, Int32(columns)), 1, 1],
             block=[THREADS, 1, 1],
             min_blocks_per_mp=MIN_CTAS_PER_SM,
             preferred_smem_carveout=-1,  # the driver's choice (and no device query at compile time)
