@@ -206,17 +206,19 @@ def test_flush_fragment_maps_are_bijections():
 def test_flush_grid_visits_every_row_group_once(heads, batch):
     """The persistent flush grid (flush_fp8.flush_columns), walked as the kernels walk it:
     every (head half, row group) once, and a CTA's successive groups alternate between
-    the two flag words (flush_mask's `buf`, (by // step) & 1). Groups are 16 rows, 32
-    from 64 heads on (rows_per_cta), and a flush object takes its geometry's."""
-    from replayssm.kernels.cute.flush_fp8 import M_SPLIT, FlushFp8, flush_columns, rows_per_cta
+    the two flag words (flush_mask's `buf`, (by // step) & 1); groups of 16 rows, and of
+    32 (the FP8 flush at 64 heads from batch 128 on, launch.fp8_flush_rows)."""
+    from replayssm.kernels.cute.flush_fp8 import M_SPLIT, FlushFp8, flush_columns
     from replayssm.kernels.cute.flush_nvfp4 import FlushNvfp4
 
-    rows = rows_per_cta(heads)
-    assert rows == (32 if heads >= 64 else 16)
-    assert FlushFp8(heads, 2).rows == FlushNvfp4(heads, 2).rows == rows
+    for rows in (16, 32):
+        _walk_grid(heads, batch, rows, M_SPLIT, flush_columns, (FlushFp8.ctas_per_sm, FlushNvfp4.ctas_per_sm, 0.0, 100.0))
+
+
+def _walk_grid(heads, batch, rows, M_SPLIT, flush_columns, widths):
     hm = heads * M_SPLIT
     n_by = -(-batch // rows)
-    for ctas_per_sm in (FlushFp8.ctas_per_sm, FlushNvfp4.ctas_per_sm, 0.0, 100.0):
+    for ctas_per_sm in widths:
         for sms in (132, 148, 1):
             columns = flush_columns(heads, ctas_per_sm, sms)
             assert columns >= 1
@@ -397,6 +399,29 @@ def test_pdl_is_for_batch_1_and_can_be_turned_off(monkeypatch):
     monkeypatch.setenv(launch.PDL_ENV, "2")
     with pytest.raises(ValueError, match="REPLAYSSM_PDL"):
         launch.pdl()
+
+
+def test_fp8_flush_row_groups_of_32_at_64_heads_from_batch_128(monkeypatch):
+    """launch.fp8_flush_rows: 32-row groups for the FP8 flush at >= 64 heads and batch
+    >= 128, else 16; $REPLAYSSM_FLUSH_ROWS forces 16 or 32 and refuses anything else;
+    warmup / launch_padding cover both sizes where a step may use both, and the
+    launchers build the flush with its size (the NVFP4 flush keeps 16)."""
+    from replayssm.kernels.cute import launch, launch_nvfp4
+
+    monkeypatch.delenv(launch.FLUSH_ROWS_ENV, raising=False)
+    assert [launch.fp8_flush_rows(64, b) for b in (1, 127, 128, 1024)] == [16, 16, 32, 32]
+    assert [launch.fp8_flush_rows(h, 1024) for h in (16, 32, 64, 128)] == [16, 16, 32, 32]
+    assert launch.fp8_flush_rows_variants(16) == (16,) and launch.fp8_flush_rows_variants(64) == (16, 32)
+    assert launch._kernel_object("flush_fp8", "sm_90a", 64, 8, "hw", rows=32).rows == 32
+    assert launch._kernel_object("flush_fp8", "sm_100a", 64, 8, "hw").rows == 16
+    assert launch_nvfp4._kernel_object("flush_nvfp4", "sm_90a", 64, 8).rows == 16
+    monkeypatch.setenv(launch.FLUSH_ROWS_ENV, "32")
+    assert launch.fp8_flush_rows(16, 1) == 32 and launch.fp8_flush_rows_variants(16) == (32,)
+    monkeypatch.setenv(launch.FLUSH_ROWS_ENV, "16")
+    assert launch.fp8_flush_rows(64, 1024) == 16 and launch.fp8_flush_rows_variants(64) == (16,)
+    monkeypatch.setenv(launch.FLUSH_ROWS_ENV, "64")
+    with pytest.raises(ValueError, match="REPLAYSSM_FLUSH_ROWS"):
+        launch.fp8_flush_rows(64, 1024)
 
 
 @pytest.mark.parametrize("kind", ["flush_fp8", "flush_nvfp4"])

@@ -69,10 +69,11 @@ pytestmark = [
         # The same with the flush grid cut to 2 CTA columns: a CTA flushes row groups
         # 0 and 2 in turn (flush_fp8.flush_columns), its flag words alternating.
         pytest.param(16, 2, "many-2col", "hw", id="fp8-h16-g2-many-rows-2-columns"),
-        # 64 heads: row groups of 32 (flush_fp8.rows_per_cta), the second partial; then
-        # with one CTA column, which walks both groups, its flag words alternating.
-        pytest.param(64, 8, "many", "hw", id="fp8-h64-g8-many-rows"),
-        pytest.param(64, 8, "many-1col", "hw", id="fp8-h64-g8-many-rows-1-column"),
+        # 64 heads, flush row groups of 32 rows (launch.fp8_flush_rows: from batch 128 on,
+        # forced here by $REPLAYSSM_FLUSH_ROWS=32), the second group partial; then with
+        # one CTA column, which walks both groups, its flag words alternating.
+        pytest.param(64, 8, "many", "hw+rows32", id="fp8-h64-g8-many-rows-32-row-groups"),
+        pytest.param(64, 8, "many-1col", "hw+rows32", id="fp8-h64-g8-many-rows-32-row-groups-1-column"),
         # The sm_90a flush's warp-voted rounding ($REPLAYSSM_SM90_FP8_SR=voted; off by
         # default, launch.fp8_sr_voted): its normal-range path, its general one (wide
         # range: subnormal FP16 results), and many rows.
@@ -91,8 +92,11 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3, m
     from replayssm.kernels.cute import launch
 
     monkeypatch.delenv(launch.SM90_FP8_SR_ENV, raising=False)
-    for env in (launch.PDL_ENV, launch.FLUSH_PDL_ENV):
+    for env in (launch.PDL_ENV, launch.FLUSH_PDL_ENV, launch.FLUSH_ROWS_ENV):
         monkeypatch.delenv(env, raising=False)
+    if e4m3.endswith("+rows32"):
+        e4m3 = e4m3[: -len("+rows32")]
+        monkeypatch.setenv(launch.FLUSH_ROWS_ENV, "32")
     flush_pdl = not e4m3.endswith("+noflushpdl")
     if not flush_pdl:
         e4m3 = e4m3[: -len("+noflushpdl")]
@@ -185,6 +189,15 @@ def test_cuda_graph_replays_whole_periods_with_the_flush_without_pdl(monkeypatch
     from replayssm.kernels.cute import launch
 
     monkeypatch.setenv(launch.FLUSH_PDL_ENV, "0")
+    check_graph_replays_whole_periods("fp8")
+
+
+def test_cuda_graph_replays_whole_periods_with_32_row_groups(monkeypatch):
+    """The FP8 flush with row groups of 32 rows ($REPLAYSSM_FLUSH_ROWS=32; by default
+    at 64 heads from batch 128 on), captured."""
+    from replayssm.kernels.cute import launch
+
+    monkeypatch.setenv(launch.FLUSH_ROWS_ENV, "32")
     check_graph_replays_whole_periods("fp8")
 
 

@@ -11,10 +11,10 @@ re-derived from S (format.md section 3, nearest-even e4m3, satfinite). Rows that
 flush return at once. The ring is not written: the next step starts a period at entry 0.
 
 Work item (head half, row group): half mh of the state rows (32 of 64) of one head, for
-the batch rows of one group (16, or 32 from 64 heads on: `rows_per_cta`). A persistent
-grid of heads * M_SPLIT * columns CTAs of 4 warps (`flush_columns`: about 1.5 CTAs an SM
-for FP8, 4 for NVFP4, so that
-the non-flush kernel shares every SM from the start) walks the items: CTA i keeps head
+the batch rows of one group (`rows`: 16, or 32 for the FP8 flush at 64 heads and
+batch >= 128, launch.fp8_flush_rows). A persistent grid of heads * M_SPLIT * columns
+CTAs of 4 warps (`flush_columns`: about 1.5 CTAs an SM for FP8, 4 for NVFP4, so that the
+non-flush kernel shares every SM from the start) walks the items: CTA i keeps head
 half i % (heads * M_SPLIT) and takes row groups i // (heads * M_SPLIT), + columns, ...;
 per group it reads the flush flags with one ballot and folds each flushing row in turn,
 visiting only the set bits of the mask. Two CTAs per (row, head) need no communication:
@@ -78,23 +78,10 @@ NT = 8  # n-tiles of 8 per warp; a lane holds 2 rows x 16 columns
 # flushes the marked rows one after another. With 1/16 of the rows flushing per step
 # (desynchronized rows) a group holds one row on average, instead of batch x heads CTAs
 # of which 15/16 would exit at once (H200, batch 256, one run: the FP8 flush 12.41 us
-# with 8 rows a group, 9.72 us with 16). From WIDE_GROUP_HEADS heads on, groups of 32
-# rows (rows_per_cta).
+# with 8 rows a group, 9.72 us with 16). A flush object's `rows` (the 64-head FP8 flush
+# from batch 128 on: 32, launch.fp8_flush_rows).
 ROWS_PER_CTA = 16
-WIDE_GROUP_HEADS = 64
 
-
-def rows_per_cta(heads: int) -> int:
-    """Batch rows of a flush row group at `heads` heads: 32 from WIDE_GROUP_HEADS on, else
-    ROWS_PER_CTA. With many heads the grid has few CTA columns (2 for FP8, 4 for NVFP4 at
-    64 heads on an H200), so each CTA walks many groups, and a group of 32 rows halves
-    the walk's flag ballots and barriers. H200, project benchmark with the PDL flush,
-    alternated twice, 16 -> 32 rows, us per step at batch 256 / 1024: 64 heads / 8
-    groups FP8 62.14 -> 61.20, 229.79 -> 225.56, NVFP4 62.13 -> 62.28, 228.17 ->
-    226.76; 16 heads / 2 groups (8 groups of 32 rows over 6 / 16 columns at batch 256)
-    FP8 19.12 -> 20.43, NVFP4 19.07 -> 19.61, 1024 within 0.2% (docs/perf-notes-cute.md,
-    session 15). Between 16 and 64 heads unmeasured (16 rows)."""
-    return 2 * ROWS_PER_CTA if heads >= WIDE_GROUP_HEADS else ROWS_PER_CTA
 # Shared-memory rows (floats): a staged B_j is 128 values in fragment order plus 8 (rows
 # 8 banks apart: the eight lanes of a 16-byte load phase hit distinct banks); a staged
 # x_j is 64 values plus 8 (the four entries a warp's A fragment reads 8 banks apart).
@@ -216,7 +203,7 @@ class FlushFp8:
         self.heads, self.groups = heads, groups
         self.hpg = heads // groups
         self.debug = debug
-        self.rows = rows_per_cta(heads)
+        self.rows = ROWS_PER_CTA  # batch rows of a row group (<= 32: one ballot)
 
     # -- the per-target conversions -------------------------------------------------------
     def fp16x2_sr(self, lo: Float32, hi: Float32, word: Uint32) -> Uint32:
@@ -762,4 +749,4 @@ class FlushFp8Sm100(FlushFp8):
         return bits.e4m3x2_rn_hw(lo, hi)
 
 
-__all__ = ["FlushFp8", "FlushFp8Sm90", "FlushFp8Sm100", "flush_mask", "flush_columns", "FLUSH_TRACE_WORDS", "TRACE_TRIPS", "ROWS_PER_CTA", "rows_per_cta", "M_SPLIT", "N", "P", "RING", "_vec", "_vec_a", "_xor_reduce", "_b_slot"]
+__all__ = ["FlushFp8", "FlushFp8Sm90", "FlushFp8Sm100", "flush_mask", "flush_columns", "FLUSH_TRACE_WORDS", "TRACE_TRIPS", "ROWS_PER_CTA", "M_SPLIT", "N", "P", "RING", "_vec", "_vec_a", "_xor_reduce", "_b_slot"]

@@ -34,7 +34,7 @@ from .arch import HAS_CVT_RS, arch_for, check_arch
 from .decode_fp8 import DecodeFp8
 from .decode_fp8_mma import DecodeFp8Mma
 from .decode_warp import DecodeFp8Warp
-from .flush_fp8 import FlushFp8, FlushFp8Sm90, FlushFp8Sm100, flush_columns
+from .flush_fp8 import ROWS_PER_CTA, FlushFp8, FlushFp8Sm90, FlushFp8Sm100, flush_columns
 
 KINDS = ("decode_fp8", "flush_fp8", "flush_fp8_debug")
 # Geometries `compile_all` builds: 16 heads in 2 groups (8 heads per group, the serving
@@ -94,6 +94,32 @@ def fp8_sr_voted(arch: str) -> bool:
 def fp8_sr_variants(arch: str) -> tuple[bool, ...]:
     """The FP8 flush variants (voted or not) a step on `arch` launches."""
     return (fp8_sr_voted(arch),)
+
+
+# Batch rows of the FP8 flush's row groups: 32 at 64 heads and more from batch 128 on,
+# else 16 (flush_fp8.ROWS_PER_CTA); $REPLAYSSM_FLUSH_ROWS = 16 / 32 forces one. With many
+# heads the grid has few CTA columns (2 at 64 heads on an H200), each walking many row
+# groups, and groups of 32 halve the walk's flag ballots and barriers; at small batches
+# they leave columns idle. H200, project benchmark, 64 heads / 8 groups, alternated
+# twice, us per step, 16 -> 32 rows: batch 8 6.34 -> 6.35, 32 11.53 -> 12.28, 128 34.16
+# -> 33.60, 256 61.97 -> 60.94, 1024 230.43 -> 225.97; the NVFP4 flush gained nothing
+# (227.0 -> 227.5 at 1024) and 16 heads / 2 groups lost at batch 256 (FP8 19.12 ->
+# 20.43) (docs/perf-notes-cute.md, session 15). Between 16 and 64 heads unmeasured.
+FLUSH_ROWS_ENV = "REPLAYSSM_FLUSH_ROWS"
+WIDE_GROUP_HEADS, WIDE_GROUP_BATCH = 64, 128
+
+
+def fp8_flush_rows(heads: int, batch: int) -> int:
+    """Batch rows of the FP8 flush's row groups for a `batch`-row step at `heads` heads."""
+    mode = env_choice(FLUSH_ROWS_ENV, ("auto", "16", "32"), "auto")
+    if mode != "auto":
+        return int(mode)
+    return 32 if heads >= WIDE_GROUP_HEADS and batch >= WIDE_GROUP_BATCH else ROWS_PER_CTA
+
+
+def fp8_flush_rows_variants(heads: int) -> tuple[int, ...]:
+    """The row-group sizes the FP8 flush at `heads` heads may launch with."""
+    return tuple(dict.fromkeys((fp8_flush_rows(heads, 1), fp8_flush_rows(heads, WIDE_GROUP_BATCH))))
 
 
 # Programmatic dependent launch (PDL) of the non-flush kernel at batch 1: launched right
@@ -184,7 +210,7 @@ def step_variants() -> tuple[tuple[bool, bool], ...]:
     return tuple(dict.fromkeys(((False, flush_pdl_for(2)), (pdl_for(1), False))))
 
 
-def _kernel_object(kind: str, arch: str, heads: int, groups: int, e4m3: str, pdl: bool = False, voted: bool = False):
+def _kernel_object(kind: str, arch: str, heads: int, groups: int, e4m3: str, pdl: bool = False, voted: bool = False, rows: int = ROWS_PER_CTA):
     if kind == "decode_fp8":
         mode = fp8_decode()
         if mode == "mma":
@@ -202,6 +228,7 @@ def _kernel_object(kind: str, arch: str, heads: int, groups: int, e4m3: str, pdl
     else:
         obj = FlushFp8Sm90(heads, groups, debug=debug, hw_e4m3=e4m3 == "hw", sr_voted=voted)
     obj.pdl = pdl
+    obj.rows = rows
     return obj
 
 
@@ -267,18 +294,20 @@ def _options(arch: str, dump_dir: str | os.PathLike | None) -> str:
     return opts
 
 
-def compiled(kind: str, arch: str, heads: int, groups: int, e4m3: str | None = None, pdl: bool = False, voted: bool = False):
+def compiled(kind: str, arch: str, heads: int, groups: int, e4m3: str | None = None, pdl: bool = False, voted: bool = False, rows: int = ROWS_PER_CTA):
     """The compiled launcher for (kind, arch, heads, groups), compiling it on first use
     (`e4m3`: the sm_90a read-copy encode, default `sm90_e4m3()`; `pdl`: the variant
     launched with programmatic dependent launch; `voted`: the sm_90a flush with
-    the warp-voted rounding, see fp8_sr_voted)."""
+    the warp-voted rounding, see fp8_sr_voted; `rows`: the FP8 flush's row-group size,
+    see fp8_flush_rows)."""
     e4m3 = "hw" if arch in HAS_CVT_RS or kind == "decode_fp8" else (e4m3 or sm90_e4m3())
     pdl = pdl and has_pdl_variant(kind)
     voted = voted and kind != "decode_fp8" and arch not in HAS_CVT_RS
-    key = (kind, arch, heads, groups, e4m3, fp8_decode() if kind == "decode_fp8" else None, pdl and pdl_kernel(), voted)
+    rows = ROWS_PER_CTA if kind == "decode_fp8" else rows
+    key = (kind, arch, heads, groups, e4m3, fp8_decode() if kind == "decode_fp8" else None, pdl and pdl_kernel(), voted, rows)
     fn = _COMPILED.get(key)
     if fn is None:
-        obj = _kernel_object(kind, arch, heads, groups, e4m3, pdl, voted)
+        obj = _kernel_object(kind, arch, heads, groups, e4m3, pdl, voted, rows)
         fn = cute.compile(obj, *_fake_args(kind), options=_options(arch, None))
         _COMPILED[key] = fn
     return fn
@@ -332,15 +361,18 @@ def warmup(heads: int, groups: int, arch: str | None = None) -> list[str]:
         names.append(f"cute.decode_fp8[{arch},h{heads},g{groups}{',pdl' if with_pdl else ''}]")
     for with_pdl in pdl_variants("flush_fp8"):
         for voted in fp8_sr_variants(arch):
-            compiled("flush_fp8", arch, heads, groups, pdl=with_pdl, voted=voted)
-            names.append(f"cute.flush_fp8[{arch},h{heads},g{groups}{',pdl' if with_pdl else ''}{',voted' if voted else ''}]")
+            for rows in fp8_flush_rows_variants(heads):
+                compiled("flush_fp8", arch, heads, groups, pdl=with_pdl, voted=voted, rows=rows)
+                tags = (",pdl" if with_pdl else "") + (",voted" if voted else "") + (f",rows{rows}" if rows != ROWS_PER_CTA else "")
+                names.append(f"cute.flush_fp8[{arch},h{heads},g{groups}{tags}]")
     return names
 
 
 def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, arch: str) -> None:
     """Launch the decode kernels (each pair of `step_variants`, each flush variant of
-    `fp8_sr_variants`) for a plan of padding rows only (they return at once and write
-    nothing): loads the compiled modules, e.g. before CUDA-graph capture."""
+    `fp8_sr_variants` and `fp8_flush_rows_variants`) for a plan of padding rows only
+    (they return at once and write nothing): loads the compiled modules, e.g. before
+    CUDA-graph capture."""
     batch = plan.valid.shape[0]
     heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
     dev = out.device
@@ -349,11 +381,12 @@ def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, arch:
     per_head = torch.zeros(heads, device=dev)
     for nonflush_pdl, flush_pdl in step_variants():
         for voted in fp8_sr_variants(arch):
-            decode_fp8(
-                cache, x, torch.zeros(batch, heads, device=dev), per_head, bc, bc,
-                torch.zeros(heads, L.HEAD_DIM, device=dev), per_head, plan, out, arch=arch,
-                pdl=nonflush_pdl, flush_pdl=flush_pdl, voted=voted,
-            )
+            for rows in fp8_flush_rows_variants(heads):
+                decode_fp8(
+                    cache, x, torch.zeros(batch, heads, device=dev), per_head, bc, bc,
+                    torch.zeros(heads, L.HEAD_DIM, device=dev), per_head, plan, out, arch=arch,
+                    pdl=nonflush_pdl, flush_pdl=flush_pdl, voted=voted, flush_rows=rows,
+                )
 
 
 # ---------------------------------------------------------------------------------------
@@ -462,6 +495,7 @@ def decode_fp8(
     pdl: bool | None = None,
     flush_pdl: bool | None = None,
     voted: bool | None = None,
+    flush_rows: int | None = None,
 ) -> None:
     """Launch the non-flush and the flush kernel for one step (after `prepare`).
 
@@ -472,7 +506,8 @@ def decode_fp8(
     read-copy encode ("hw" / "soft", default $REPLAYSSM_SM90_E4M3 or "hw"); `pdl` the
     non-flush variant (default `pdl_for(batch)`), `flush_pdl` the flush's (default
     `flush_pdl_for(batch)`; at most one of the two); `voted` the flush variant (default
-    `fp8_sr_voted(arch)`)."""
+    `fp8_sr_voted(arch)`); `flush_rows` its row-group size (default
+    `fp8_flush_rows(heads, batch)`)."""
     batch, heads = x.shape[0], x.shape[1]
     groups = cache[L.B_RING].shape[1]
     arch = arch or arch_for(x.device)
@@ -484,7 +519,8 @@ def decode_fp8(
     pdl, flush_pdl = pdl_pair(batch, pdl, flush_pdl)
     nonflush = compiled("decode_fp8", arch, heads, groups, pdl=pdl)
     kind = "flush_fp8" if state_out is None else "flush_fp8_debug"
-    flush = compiled(kind, arch, heads, groups, e4m3, pdl=flush_pdl, voted=fp8_sr_voted(arch) if voted is None else voted)
+    rows = fp8_flush_rows(heads, batch) if flush_rows is None else flush_rows
+    flush = compiled(kind, arch, heads, groups, e4m3, pdl=flush_pdl, voted=fp8_sr_voted(arch) if voted is None else voted, rows=rows)
     with flush_streams(x.device, flush_pdl) as (flush_stream, nonflush_stream):
         ptrs = [ckpt, read, scales, x_ring, dt_ring, b_ring, *inputs, plan.slot, plan.flush, plan.key]
         addresses = [t.data_ptr() for t in ptrs] + [0 if state_out is None else state_out.data_ptr()]
@@ -503,4 +539,4 @@ def decode_fp8(
         )
 
 
-__all__ = ["KINDS", "COMPILE_ALL_GEOMETRIES", "fp8_sr_voted", "flush_pdl_for", "step_variants", "fp8_sr_variants", "compiled", "compile_all", "warmup", "launch_padding", "layout_ok", "decode_fp8"]
+__all__ = ["KINDS", "COMPILE_ALL_GEOMETRIES", "fp8_sr_voted", "fp8_flush_rows", "flush_pdl_for", "step_variants", "fp8_sr_variants", "compiled", "compile_all", "warmup", "launch_padding", "layout_ok", "decode_fp8"]
