@@ -91,11 +91,6 @@ def fp8_sr_voted(arch: str) -> bool:
     return arch not in HAS_CVT_RS and sm90_fp8_sr() == "voted"
 
 
-def fp8_sr_variants(arch: str) -> tuple[bool, ...]:
-    """The FP8 flush variants (voted or not) a step on `arch` launches."""
-    return (fp8_sr_voted(arch),)
-
-
 # Batch rows of the FP8 flush's row groups: 32 at 64 heads and more from batch 128 on,
 # else 16 (flush_fp8.ROWS_PER_CTA); $REPLAYSSM_FLUSH_ROWS = 16 / 32 forces one. With many
 # heads the grid has few CTA columns (2 at 64 heads on an H200), each walking many row
@@ -353,26 +348,26 @@ def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
 
 def warmup(heads: int, groups: int, arch: str | None = None) -> list[str]:
     """Compile the decode kernels for one geometry, every variant a step may launch
-    (`pdl_variants`, `fp8_sr_variants`) included (before CUDA-graph capture)."""
+    (`pdl_variants`, `fp8_flush_rows_variants`; the FP8 flush's rounding as
+    `fp8_sr_voted` chooses) included (before CUDA-graph capture)."""
     arch = arch or arch_for()
     names = []
     for with_pdl in pdl_variants("decode_fp8"):
         compiled("decode_fp8", arch, heads, groups, pdl=with_pdl)
         names.append(f"cute.decode_fp8[{arch},h{heads},g{groups}{',pdl' if with_pdl else ''}]")
+    voted = fp8_sr_voted(arch)
     for with_pdl in pdl_variants("flush_fp8"):
-        for voted in fp8_sr_variants(arch):
-            for rows in fp8_flush_rows_variants(heads):
-                compiled("flush_fp8", arch, heads, groups, pdl=with_pdl, voted=voted, rows=rows)
-                tags = (",pdl" if with_pdl else "") + (",voted" if voted else "") + (f",rows{rows}" if rows != ROWS_PER_CTA else "")
-                names.append(f"cute.flush_fp8[{arch},h{heads},g{groups}{tags}]")
+        for rows in fp8_flush_rows_variants(heads):
+            compiled("flush_fp8", arch, heads, groups, pdl=with_pdl, voted=voted, rows=rows)
+            tags = (",pdl" if with_pdl else "") + (",voted" if voted else "") + (f",rows{rows}" if rows != ROWS_PER_CTA else "")
+            names.append(f"cute.flush_fp8[{arch},h{heads},g{groups}{tags}]")
     return names
 
 
 def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, arch: str) -> None:
-    """Launch the decode kernels (each pair of `step_variants`, each flush variant of
-    `fp8_sr_variants` and `fp8_flush_rows_variants`) for a plan of padding rows only
-    (they return at once and write nothing): loads the compiled modules, e.g. before
-    CUDA-graph capture."""
+    """Launch the decode kernels (each pair of `step_variants`, each row-group size of
+    `fp8_flush_rows_variants`) for a plan of padding rows only (they return at once and
+    write nothing): loads the compiled modules, e.g. before CUDA-graph capture."""
     batch = plan.valid.shape[0]
     heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
     dev = out.device
@@ -380,13 +375,12 @@ def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, arch:
     bc = torch.zeros(batch, groups, L.STATE_DIM, dtype=torch.bfloat16, device=dev)
     per_head = torch.zeros(heads, device=dev)
     for nonflush_pdl, flush_pdl in step_variants():
-        for voted in fp8_sr_variants(arch):
-            for rows in fp8_flush_rows_variants(heads):
-                decode_fp8(
-                    cache, x, torch.zeros(batch, heads, device=dev), per_head, bc, bc,
-                    torch.zeros(heads, L.HEAD_DIM, device=dev), per_head, plan, out, arch=arch,
-                    pdl=nonflush_pdl, flush_pdl=flush_pdl, voted=voted, flush_rows=rows,
-                )
+        for rows in fp8_flush_rows_variants(heads):
+            decode_fp8(
+                cache, x, torch.zeros(batch, heads, device=dev), per_head, bc, bc,
+                torch.zeros(heads, L.HEAD_DIM, device=dev), per_head, plan, out, arch=arch,
+                pdl=nonflush_pdl, flush_pdl=flush_pdl, flush_rows=rows,
+            )
 
 
 # ---------------------------------------------------------------------------------------
@@ -539,4 +533,4 @@ def decode_fp8(
         )
 
 
-__all__ = ["KINDS", "COMPILE_ALL_GEOMETRIES", "fp8_sr_voted", "fp8_flush_rows", "flush_pdl_for", "step_variants", "fp8_sr_variants", "compiled", "compile_all", "warmup", "launch_padding", "layout_ok", "decode_fp8"]
+__all__ = ["KINDS", "COMPILE_ALL_GEOMETRIES", "fp8_sr_voted", "fp8_flush_rows", "flush_pdl_for", "step_variants", "compiled", "compile_all", "warmup", "launch_padding", "layout_ok", "decode_fp8"]
