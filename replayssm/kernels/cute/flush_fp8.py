@@ -127,18 +127,22 @@ def _b_slot(n: int) -> int:
 
 
 @cute.jit
-def flush_mask(t, by, plan_flush, batch, s_mask, buf, rows: cutlass.Constexpr = ROWS_PER_CTA):
+def flush_mask(t, by, plan_flush, plan_slot, batch, s_mask, s_slot, buf, rows: cutlass.Constexpr = ROWS_PER_CTA):
     """Bit rr set when batch row by * rows + rr flushes (rows <= 32): one load per lane of
     warp 0 and one ballot, shared with the whole CTA through `s_mask[buf]` (two Int32
     words, used in turn by a CTA's successive row groups: warp 0 rewrites a word only
     after every thread has passed the barrier that followed the other word's write, so
-    after every thread has read this word; no second barrier a group)."""
+    after every thread has read this word; no second barrier a group). The same lanes
+    load the rows' plan.slot with their flags into s_slot[32 buf + lane] (read after the
+    same barrier), so a flushed row's data loads need no round trip of their own for the
+    slot (H200, session 16: FP8 at batch 1024 -0.3 us a step at 16 heads, -1.3 us at 64)."""
     if t < 32:
         b_t = by * rows + t
         f = Int32(0)
         if t < rows:
             if b_t < batch:
                 f = Int32(plan_flush[Int64(b_t)])
+                s_slot[buf * 32 + t] = plan_slot[Int64(b_t)]
         m = cute.arch.vote_ballot_sync(f != Int32(0))
         if t == 0:
             s_mask[buf] = Int32(m)
@@ -305,21 +309,22 @@ class FlushFp8:
         smem = SmemAllocator()
         s_x, s_b, s_dt, s_dot, s_amax = self.shared_buffers(smem)
         s_mask = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=4)
+        s_slot = self.slot_buffer(smem)
 
-        def row(hh, mh, bb, unit=None):
+        def row(hh, mh, bb, slot, unit=None):
             self.flush_row(
-                t, hh, mh, bb, unit, s_x, s_b, s_dt, s_dot, s_amax,
+                t, hh, mh, bb, slot, unit, s_x, s_b, s_dt, s_dot, s_amax,
                 ckpt, read, scales, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
-                plan_slot, plan_key, state_out,
+                plan_key, state_out,
                 ckpt_stride16, read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
                 dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
             )
 
-        self.for_each_flush_row(t, plan_flush, batch, s_mask, row)
+        self.for_each_flush_row(t, plan_flush, plan_slot, batch, s_mask, s_slot, row)
 
     @cute.jit
-    def for_each_flush_row(self, t, plan_flush, batch, s_mask, row):
-        """Call row(head, state-row half, batch row) for every flushing row of this CTA's
+    def for_each_flush_row(self, t, plan_flush, plan_slot, batch, s_mask, s_slot, row):
+        """Call row(head, state-row half, batch row, slot) for every flushing row of this CTA's
         work items, in turn. Persistent over the row groups (self.rows rows): CTA bid keeps head half
         bid % hm (hm = heads * M_SPLIT) and takes groups bid // hm, + n_ctas // hm, ...
         (flush_columns says why); per group one ballot of the flags (flush_mask), then one
@@ -333,7 +338,8 @@ class FlushFp8:
         if cutlass.const_expr(self.trace_addr):
             gt0 = bits.globaltimer_after(Int32(bid))
         for by in range(Int32(bid) // hm, (batch + Int32(self.rows - 1)) // Int32(self.rows), Int32(n_ctas) // hm):
-            mask = flush_mask(t, by, plan_flush, batch, s_mask, (by // (Int32(n_ctas) // hm)) & Int32(1), self.rows)
+            buf = (by // (Int32(n_ctas) // hm)) & Int32(1)
+            mask = flush_mask(t, by, plan_flush, plan_slot, batch, s_mask, s_slot, buf, self.rows)
             rows = mask
             for _ in range(bits.popc(mask)):
                 rr = bits.lowest_set_bit(rows)
@@ -341,9 +347,9 @@ class FlushFp8:
                 if rr < Int32(self.rows):  # always true; keeps the body conditional (no hoisting out of the loop)
                     if cutlass.const_expr(self.trace_addr):
                         trip = (by - Int32(bid) // hm) // (Int32(n_ctas) // hm)
-                        row(Int64(bx // M_SPLIT), mh, Int64(by * self.rows + rr), sel(trip * Int32(self.rows) + rr < Int32(ROWS_PER_CTA * TRACE_TRIPS), trip * Int32(self.rows) + rr, Int32(-1)))
+                        row(Int64(bx // M_SPLIT), mh, Int64(by * self.rows + rr), s_slot[buf * 32 + rr], sel(trip * Int32(self.rows) + rr < Int32(ROWS_PER_CTA * TRACE_TRIPS), trip * Int32(self.rows) + rr, Int32(-1)))
                     else:
-                        row(Int64(bx // M_SPLIT), mh, Int64(by * self.rows + rr))
+                        row(Int64(bx // M_SPLIT), mh, Int64(by * self.rows + rr), s_slot[buf * 32 + rr])
         if cutlass.const_expr(self.trace_addr):
             if t == 0:
                 rec = Int64(self.trace_addr) + Int64(bid) * (8 * FLUSH_TRACE_WORDS)
@@ -380,11 +386,16 @@ class FlushFp8:
         s_amax = smem.allocate_tensor(Int32, cute.make_layout(COL_PARTS * P), byte_alignment=16)
         return s_x, s_b, s_dt, s_dot, s_amax
 
+    @staticmethod
+    def slot_buffer(smem):
+        """The slots of a row group's rows, two groups' worth (flush_mask)."""
+        return smem.allocate_tensor(Int64, cute.make_layout(64), byte_alignment=8)
+
     @cute.jit
     def flush_row(
-        self, t, hh, mh, bb, unit, s_x, s_b, s_dt, s_dot, s_amax,
+        self, t, hh, mh, bb, slot, unit, s_x, s_b, s_dt, s_dot, s_amax,
         ckpt, read, scales, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
-        plan_slot, plan_key, state_out,
+        plan_key, state_out,
         ckpt_stride16, read_stride16, scale_stride, x_ring_stride16, dt_ring_stride, b_ring_stride16,
         dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
     ):
@@ -392,7 +403,6 @@ class FlushFp8:
         q, nq, rows, col0 = self.lane_geometry(t, mh)
         if cutlass.const_expr(self.trace_addr):
             stamps = self.trace_begin(bb)
-        slot = plan_slot[bb]
         key = Uint32(plan_key[bb])
         acc, r_c, ck_w, ck_head = self.fold(
             t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias,

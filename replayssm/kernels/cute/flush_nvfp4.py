@@ -179,25 +179,26 @@ class FlushNvfp4(FlushFp8):
         s_x, s_b, s_dt, s_dot, s_amax = self.shared_buffers(smem)
         s_gmax = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
         s_mask = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=4)
+        s_slot = self.slot_buffer(smem)
         meta_bits = cute.recast_ptr(meta, dtype=Int32)  # the atomic max works on the bits
 
-        def row(hh, mh, bb, unit=None):
+        def row(hh, mh, bb, slot, unit=None):
             self.flush_row_nvfp4(
-                t, hh, mh, bb, unit, s_x, s_b, s_dt, s_dot, s_amax, s_gmax, meta_bits,
+                t, hh, mh, bb, slot, unit, s_x, s_b, s_dt, s_dot, s_amax, s_gmax, meta_bits,
                 ckpt, read, scales, meta, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
-                plan_slot, plan_key, plan_old, state_out,
+                plan_key, plan_old, state_out,
                 ckpt_stride16, read_stride16, scale_stride, meta_stride,
                 x_ring_stride16, dt_ring_stride, b_ring_stride16,
                 dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
             )
 
-        self.for_each_flush_row(t, plan_flush, batch, s_mask, row)  # FlushFp8's walk
+        self.for_each_flush_row(t, plan_flush, plan_slot, batch, s_mask, s_slot, row)  # FlushFp8's walk
 
     @cute.jit
     def flush_row_nvfp4(
-        self, t, hh, mh, bb, unit, s_x, s_b, s_dt, s_dot, s_amax, s_gmax, meta_bits,
+        self, t, hh, mh, bb, slot, unit, s_x, s_b, s_dt, s_dot, s_amax, s_gmax, meta_bits,
         ckpt, read, scales, meta, x_ring, dt_ring, b_ring, x, dt, A, B, C, D, dt_bias, out,
-        plan_slot, plan_key, plan_old, state_out,
+        plan_key, plan_old, state_out,
         ckpt_stride16, read_stride16, scale_stride, meta_stride,
         x_ring_stride16, dt_ring_stride, b_ring_stride16,
         dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
@@ -207,7 +208,6 @@ class FlushNvfp4(FlushFp8):
         g = hh // self.hpg
         if cutlass.const_expr(self.trace_addr):
             stamps = self.trace_begin(bb)
-        slot = plan_slot[bb]
         key = Uint32(plan_key[bb])
         old = Int64(Int32(plan_old[bb]) & Int32(1))  # `& 1`: stay inside the slot's meta
         # The live amax (the half the prepare kernel did not reset) -> g = 2**E.
