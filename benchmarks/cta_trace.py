@@ -10,7 +10,8 @@ is back (the plan's two round trips) -> row dots done (read-copy data, conversio
 MMAs) -> `finish` done (B_j . C, the barrier, the scan, the replay, the output and ring
 stores issued) -> exit. Flush, per flushed (row, head half) (`FlushFp8.trace_addr`):
 start -> `fold` done (plan, loads, staging, scan, fold MMAs) -> the partials' barrier ->
-end (outputs, checkpoint and read copy written, the last barrier).
+end (outputs, checkpoint and read copy written, the last barrier). Per flush CTA, its SM:
+how many flush CTAs each SM holds (the block scheduler packs them: session 16).
 
 A flush CTA records the rows of the first `flush_fp8.TRACE_TRIPS` (16) trips of its walk:
 above 16 trips x 16 rows x the flush's columns (at 16 heads on an H200, batch 1,536 for
@@ -24,6 +25,7 @@ into microseconds by the median ratio of clock to %globaltimer over the CTAs' li
 
 from __future__ import annotations
 
+import collections
 import statistics
 import sys
 from pathlib import Path
@@ -99,6 +101,8 @@ def analyse(nf: torch.Tensor, fl: torch.Tensor, trips: int) -> dict:
         flush_lifetime=[(r[1] - r[0]) / 1000 for r in ctas],
         flush_phases={name: [us(u[b] - u[a]) for u in units] for name, a, b in FLUSH_PHASES},
         flush_first_row=waits,
+        flush_per_sm=sorted(collections.Counter(collections.Counter(r[2] for r in ctas).values()).items()),
+        flush_sms=len({r[2] for r in ctas}),
     )
     return st
 
@@ -121,6 +125,7 @@ def report(st: dict) -> None:
     for name, v in st["flush_phases"].items():
         print(f"    {name:>28}: {summary(v)}")
     print(f"    CTA start -> its first row: {summary(st['flush_first_row'])}")
+    print(f"    flush CTAs on {st['flush_sms']} SMs; (CTAs an SM, SMs): {st['flush_per_sm']}")
 
 
 def main(argv=None) -> None:

@@ -192,8 +192,8 @@ def test_step_timeline_statistics():
 
 def test_cta_trace_phases_from_synthetic_records():
     """cta_trace.analyse on hand-made records: phases from %clock64 differences at the
-    clock ratio the records imply, CTA counts, starts per tenth, residency, and only the
-    flush rows recorded after their CTA started."""
+    clock ratio the records imply, CTA counts, starts per tenth, residency, the flush
+    CTAs' spread over SMs, and only the flush rows recorded after their CTA started."""
     from benchmarks.cta_trace import analyse
 
     from replayssm.kernels.cute.flush_fp8 import FLUSH_TRACE_WORDS, TRACE_TRIPS
@@ -206,8 +206,9 @@ def test_cta_trace_phases_from_synthetic_records():
         cyc = [c, c + 1_000, c + 6_000, c + 7_000, c + 8_000]  # 0.5 / 2.5 / 0.5 / 0.5 us
         nf[i] = torch.tensor([g0, g0 + 4_000, *cyc, (i % 2) | (1 << 32)])
     nf[4] = torch.tensor([1_000_000, 1_000_500, 50, 0, 0, 0, 1_050, 1])  # a flushing row's CTA
-    fl = torch.zeros(2, FLUSH_TRACE_WORDS, dtype=torch.int64)
+    fl = torch.zeros(4, FLUSH_TRACE_WORDS, dtype=torch.int64)
     fl[0, :3] = torch.tensor([1_000_000, 1_009_000, 0])
+    fl[2, :3] = fl[3, :3] = torch.tensor([1_000_000, 1_009_000, 5])  # two CTAs on SM 5, no rows
     fl[0, 8:13] = torch.tensor([1_001_000, 0, 4_000, 5_000, 9_000])  # unit 0: 2 / 0.5 / 2 us
     fl[0, 13:18] = torch.tensor([999_000, 0, 1, 2, 3])  # an older step's record: ignored
     st = analyse(nf, fl, TRACE_TRIPS)
@@ -219,7 +220,8 @@ def test_cta_trace_phases_from_synthetic_records():
     assert st["lifetime"] == [pytest.approx(4.0)] * 4
     assert st["started"] == [3, 0, 0, 0, 0, 2, 0, 0, 0, 0]  # tenths of 0.9 us
     assert st["resident"][0] == pytest.approx(1.5) and st["resident"][9] == pytest.approx(1.0)  # 3 / 2 SMs, then 2
-    assert (st["flush_ctas"], st["flush_rows"]) == (1, 1)
+    assert (st["flush_ctas"], st["flush_rows"]) == (3, 1)
+    assert (st["flush_sms"], st["flush_per_sm"]) == (2, [(1, 1), (2, 1)])  # SM 0 holds one, SM 5 two
     assert st["flush_phases"]["fold (loads, staging, MMAs)"] == [pytest.approx(2.0)]
     assert st["flush_phases"]["whole row"] == [pytest.approx(4.5)]
     assert st["flush_first_row"] == [pytest.approx(1.0)]
