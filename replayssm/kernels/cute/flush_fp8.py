@@ -134,8 +134,10 @@ def flush_mask(t, by, plan_flush, plan_slot, batch, s_mask, s_slot, buf, rows: c
     after every thread has passed the barrier that followed the other word's write, so
     after every thread has read this word; no second barrier a group). The same lanes
     load the rows' plan.slot with their flags into s_slot[32 buf + lane] (read after the
-    same barrier), so a flushed row's data loads need no round trip of their own for the
-    slot (H200, session 16: FP8 at batch 1024 -0.3 us a step at 16 heads, -1.3 us at 64)."""
+    same barrier; rewritten under the same rule as the flag words, and read only for rows
+    whose flag bit is set, all of which this call wrote), so a flushed row's data loads
+    need no round trip of their own for the slot (H200, session 16: FP8 at batch 1024
+    -0.3 us a step at 16 heads, -1.3 us at 64)."""
     if t < 32:
         b_t = by * rows + t
         f = Int32(0)
