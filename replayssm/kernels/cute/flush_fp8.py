@@ -32,8 +32,10 @@ index is permuted so that lane q's accumulators are the 16 consecutive columns
 block a lane), and adjacent (even, odd) pairs for the FP16x2 hash words and the e4m3x2
 conversions. Row dots and amaxes are reduced over the four lanes of a row and the two
 column halves (shared memory). Each lane holds 32 values; four CTAs of 128 threads fit
-an SM at 128 registers a thread, none of the variants spills (sm_90a FP8 128 registers,
-114 with the warp-voted rounding; NVFP4 116).
+an SM at 128 registers a thread (sm_90a FP8 128 registers, 112-114 with the warp-voted
+rounding; NVFP4 112). Since the row groups' slots moved to shared memory (session 16) the
+sm_90a FP8 flush at 8 heads a group spills 8 bytes a thread (2 words; 16 heads a group
+and the voted and NVFP4 variants none).
 
 Sessions 3-13 ran CTAs of 8 warps, a lane holding 2 rows x 8 columns of one column
 quarter at 64 registers a thread: the same registers a CTA, but 16 warps a flushed (row,
