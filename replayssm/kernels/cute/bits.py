@@ -393,19 +393,21 @@ def ld_global_u32_if(addr, pred, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
-def ld_global_v4_u32(addr, *, loc=None, ip=None) -> list:
+def ld_global_v4_u32(addr, hint: str = "", *, loc=None, ip=None) -> list:
     """The 16 bytes at global address `addr` (Int64, 16-byte aligned) as four words,
-    issued where it stands (see ld_global_u32_if)."""
-    return ld_global_v4_u32_if(addr, Int32(1), loc=loc, ip=ip)
+    issued where it stands (see ld_global_u32_if). `hint`: PTX qualifiers after
+    `ld.global` (e.g. ".L2::256B")."""
+    return ld_global_v4_u32_if(addr, Int32(1), hint, loc=loc, ip=ip)
 
 
 @dsl_user_op
-def ld_global_v4_u32_if(addr, pred, *, loc=None, ip=None) -> list:
+def ld_global_v4_u32_if(addr, pred, hint: str = "", *, loc=None, ip=None) -> list:
     """The 16 bytes at global address `addr` (Int64, 16-byte aligned) as four words if
-    `pred` (Int32) is nonzero, else zeros (a predicated vector load)."""
+    `pred` (Int32) is nonzero, else zeros (a predicated vector load; `hint` as in
+    ld_global_v4_u32)."""
     return inline_ptx(
         "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $5, 0;\n\tmov.b32 $0, 0;\n\tmov.b32 $1, 0;\n\t"
-        "mov.b32 $2, 0;\n\tmov.b32 $3, 0;\n\t@p ld.global.v4.b32 {$0, $1, $2, $3}, [$4];\n\t}",
+        f"mov.b32 $2, 0;\n\tmov.b32 $3, 0;\n\t@p ld.global{hint}.v4.b32 {{$0, $1, $2, $3}}, [$4];\n\t}}",
         "=r,=r,=r,=r,l,r", [Int64(addr), Int32(pred)], [Uint32] * 4, side_effects=True, loc=loc, ip=ip,
     )
 
@@ -497,10 +499,11 @@ def max_u16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
-def st_global_v4_u32(addr, words, *, loc=None, ip=None) -> None:
-    """Store four words at global address `addr` (Int64, 16-byte aligned)."""
+def st_global_v4_u32(addr, words, hint: str = "", *, loc=None, ip=None) -> None:
+    """Store four words at global address `addr` (Int64, 16-byte aligned); `hint`: PTX
+    qualifiers after `st.global` (e.g. ".cs")."""
     inline_ptx(
-        "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", [Int64(addr), *[Uint32(w) for w in words]],
+        f"st.global{hint}.v4.b32 [$0], {{$1, $2, $3, $4}};", "l,r,r,r,r", [Int64(addr), *[Uint32(w) for w in words]],
         side_effects=True, loc=loc, ip=ip,
     )
 

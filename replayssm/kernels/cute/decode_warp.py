@@ -104,6 +104,9 @@ class _WarpHead:
     # %globaltimer at entry and exit, %clock64 at entry, when the row's slot is back,
     # after the row dots, after `finish`, at exit, and smid + (live << 32). 0: no trace.
     trace_addr = 0
+    # Experiment (session 17, branch wip/cache-hints): PTX qualifiers of the read copy's
+    # loads (bits.ld_global_v4_u32), e.g. ".L2::256B".
+    rc_hint = ""
 
     @cute.jit
     def trace_record(self, t, bx, b, words):
@@ -418,7 +421,7 @@ class DecodeFp8Warp(_WarpHead, DecodeFp8):
             rc_base = (read_w + (slot * read_stride16 * 4 + hh * (P * N // 4) + Int64(gq * (8 * N // 4) + 4 * q))).toint()
             rc = []
             for i in cutlass.range_constexpr(8):
-                rc.append([bits.ld_global_v4_u32(rc_base + N * i + 64 * c) for c in range(2)])
+                rc.append([bits.ld_global_v4_u32(rc_base + N * i + 64 * c, self.rc_hint) for c in range(2)])
             xw, dt_k, dt_raw, bias, a_h, d0, d1, xo = self.head_loads(
                 x, x_ring, dt_ring, dt, A, D, dt_bias, bb, hh, gq, q, lane, r, slot,
                 x_ring_stride16, dt_ring_stride, dt_stride_b, dt_stride_h, a_stride, dt_bias_stride, d_stride_h, d_stride_p,
@@ -543,7 +546,7 @@ class DecodeNvfp4Warp(_WarpHead, DecodeNvfp4):
             rc_base = (read_w + (slot * read_stride16 * 4 + hh * (P * N // 8) + Int64(gq * (8 * N // 8) + 4 * q))).toint()
             rc = []
             for i in cutlass.range_constexpr(8):
-                rc.append(bits.ld_global_v4_u32(rc_base + (N // 2) * i))
+                rc.append(bits.ld_global_v4_u32(rc_base + (N // 2) * i, self.rc_hint))
             s_base = slot * scale_stride + hh * (P * BLOCKS) + Int64(gq * (8 * BLOCKS) + 2 * q)
             bs4 = []  # rows 8 gq + 2 mt (bits [15:0]) and + 1 ([31:16]), blocks 2 q, 2 q + 1
             for mt in cutlass.range_constexpr(4):
