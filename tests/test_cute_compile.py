@@ -49,9 +49,11 @@ def test_every_variant_compiles(compiled, arch):
     paths = compiled[arch]
     folders = {p.parent.name for p in paths}
     # Every kernel has a PDL variant (the non-flush kernels' for batch 1, the flushes' above
-    # it); sm_90a: the FP8 flush's warp-voted variants too (launch.fp8_sr_voted).
+    # it); sm_90a: the FP8 flush's warp-voted variants too (launch.fp8_sr_voted); the FP8
+    # non-flush kernel with its read hint (launch.fp8_read_hint).
     voted = {f"flush_fp8-h16g{g}{p}-voted" for g in (1, 2) for p in ("", "-pdl")} if arch == "sm_90a" else set()
-    assert folders == {f"{k}_{fmt}-h16g{g}{p}" for k in ("decode", "flush") for fmt in ("fp8", "nvfp4") for g in (1, 2) for p in ("", "-pdl")} | voted
+    hinted = {f"decode_fp8-h16g{g}-hint" for g in (1, 2)}
+    assert folders == {f"{k}_{fmt}-h16g{g}{p}" for k in ("decode", "flush") for fmt in ("fp8", "nvfp4") for g in (1, 2) for p in ("", "-pdl")} | voted | hinted
     for folder in folders:
         kinds = sorted(p.suffix for p in paths if p.parent.name == folder)
         assert kinds == [".cubin", ".ptx"], folder
@@ -120,7 +122,7 @@ BF16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 @pytest.mark.parametrize("arch", ARCHS)
 def test_decode_reads_the_fp8_copy_with_vector_loads(compiled, simt_pdl_ptx, arch):
     decode = _ptx(compiled[arch], "decode")
-    assert len(decode) == 4  # 2 geometries, each plain and PDL (both the warp kernel)
+    assert len(decode) == 6  # 2 geometries, each plain, PDL and with the read hint (all the warp kernel)
     for name, text in decode.items():
         assert "ld.global.v4" in text, name
         assert "cvt.rs" not in text, name
@@ -135,6 +137,24 @@ def test_decode_reads_the_fp8_copy_with_vector_loads(compiled, simt_pdl_ptx, arc
         assert "ld.global.v4" in text and "cvt.rs" not in text, name
         assert text.count("cvt.rn.f16x2.e4m3x2") == 32, name
         assert "mma.sync" not in text, name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_read_copy_loads_carry_their_cache_hints(compiled, arch):
+    """The FP8 warp kernel's 16 read-copy loads a lane carry launch.FP8_READ_HINT in its
+    `-hint` variant only; the NVFP4 warp kernel's 8 carry `.cs` in every variant
+    (decode_warp.DecodeNvfp4Warp.rc_hint)."""
+    from replayssm.kernels.cute.launch import FP8_READ_HINT
+
+    ptx = {p.parent.name: p.read_text() for p in compiled[arch] if p.suffix == ".ptx" and p.parent.name.startswith("decode_")}
+    fp8_hinted = f"ld.global{FP8_READ_HINT}.v4.b32"
+    for name, text in ptx.items():
+        if name.startswith("decode_fp8"):
+            assert text.count(fp8_hinted) == (16 if name.endswith("-hint") else 0), name
+            assert "ld.global.cs" not in text, name
+        else:
+            assert text.count("ld.global.cs.v4.b32") == 8, name
+            assert "L2::" not in text, name
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
@@ -423,6 +443,35 @@ def test_fp8_flush_row_groups_of_32_at_64_heads_from_batch_128(monkeypatch):
         launch.fp8_flush_rows(64, 1024)
 
 
+def test_fp8_read_hint_from_8192_row_heads(monkeypatch):
+    """launch.fp8_read_hint: the FP8 warp kernel's read-copy loads with FP8_READ_HINT from
+    heads x batch >= 8192 on; $REPLAYSSM_FP8_READ_HINT = 0 / 1 forces it and refuses
+    anything else; the variants warmup / launch_padding cover; only the warp kernel (not
+    the SIMT PDL variant) carries it, and the compile key tells the two apart."""
+    from replayssm.kernels.cute import launch
+
+    for env in (launch.FP8_READ_HINT_ENV, launch.FP8_DECODE_ENV, launch.PDL_KERNEL_ENV, launch.PDL_ENV):
+        monkeypatch.delenv(env, raising=False)
+    assert [launch.fp8_read_hint(16, b) for b in (1, 256, 511, 512, 1024)] == [False, False, False, True, True]
+    assert [launch.fp8_read_hint(64, b) for b in (64, 127, 128, 256)] == [False, False, True, True]
+    assert launch.fp8_read_hint_variants(16, False) == (False, True)
+    assert launch.fp8_read_hint_variants(16, True) == (False,)
+    assert launch.fp8_read_hint_variants(8192, False) == (True,)
+    hinted = launch._kernel_object("decode_fp8", "sm_90a", 16, 2, "hw", read_hint=True)
+    assert hinted.rc_hint == launch.FP8_READ_HINT
+    assert launch._kernel_object("decode_fp8", "sm_90a", 16, 2, "hw").rc_hint == ""
+    monkeypatch.setenv(launch.PDL_KERNEL_ENV, "simt")
+    assert not launch._warp_kernel("decode_fp8", True) and launch._warp_kernel("decode_fp8", False)
+    assert not hasattr(launch._kernel_object("decode_fp8", "sm_90a", 16, 2, "hw", pdl=True, read_hint=True), "rc_hint")
+    monkeypatch.setenv(launch.FP8_READ_HINT_ENV, "1")
+    assert launch.fp8_read_hint(16, 1) and launch.fp8_read_hint_variants(16, False) == (True,)
+    monkeypatch.setenv(launch.FP8_READ_HINT_ENV, "0")
+    assert not launch.fp8_read_hint(64, 1024) and launch.fp8_read_hint_variants(64, False) == (False,)
+    monkeypatch.setenv(launch.FP8_READ_HINT_ENV, "yes")
+    with pytest.raises(ValueError, match="REPLAYSSM_FP8_READ_HINT"):
+        launch.fp8_read_hint(16, 1024)
+
+
 @pytest.mark.parametrize("kind", ["flush_fp8", "flush_nvfp4"])
 def test_the_flush_is_the_pdl_kernel_above_batch_1(monkeypatch, kind):
     """Above batch 1 the flush is launched with PDL (the non-flush kernel at batch 1,
@@ -490,6 +539,24 @@ def test_sass_stats_counts_the_kernels_structure(tmp_path, monkeypatch):
         extra = stats[a]["ops"] - stats[b]["ops"]
         assert sum(extra.values()) == stats[a]["total"] - stats[b]["total"] == 1, (a, extra)
         assert sass_stats.classify(stats[a]["ops"]) == sass_stats.classify(stats[b]["ops"]), a
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_read_copy_loads_carry_their_cache_hints(compiled, arch):
+    """The FP8 warp kernel's 16 read-copy loads a lane carry launch.FP8_READ_HINT in its
+    `-hint` variant only; the NVFP4 warp kernel's 8 carry `.cs` in every variant
+    (decode_warp.DecodeNvfp4Warp.rc_hint)."""
+    from replayssm.kernels.cute.launch import FP8_READ_HINT
+
+    ptx = {p.parent.name: p.read_text() for p in compiled[arch] if p.suffix == ".ptx" and p.parent.name.startswith("decode_")}
+    fp8_hinted = f"ld.global{FP8_READ_HINT}.v4.b32"
+    for name, text in ptx.items():
+        if name.startswith("decode_fp8"):
+            assert text.count(fp8_hinted) == (16 if name.endswith("-hint") else 0), name
+            assert "ld.global.cs" not in text, name
+        else:
+            assert text.count("ld.global.cs.v4.b32") == 8, name
+            assert "L2::" not in text, name
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])  # Triton's cuobjdump has no sm_103a (same code as sm_100a)

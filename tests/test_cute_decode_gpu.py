@@ -80,6 +80,10 @@ pytestmark = [
         pytest.param(16, 2, False, "hw+voted", id="fp8-h16-g2-mixed-voted"),
         pytest.param(16, 2, "wide", "hw+voted", id="fp8-h16-g2-wide-range-voted"),
         pytest.param(16, 2, "many", "hw+voted", id="fp8-h16-g2-many-rows-voted"),
+        # The non-flush kernel's read-copy loads with the L2 prefetch-size hint
+        # ($REPLAYSSM_FP8_READ_HINT=1; by default from heads x batch >= 8192 on).
+        pytest.param(16, 2, False, "hw+hint", id="fp8-h16-g2-mixed-read-hint"),
+        pytest.param(16, 2, "many", "hw+hint", id="fp8-h16-g2-many-rows-read-hint"),
         # A batch of one row: the non-flush kernel launched with PDL (launch.pdl_for), the
         # warp kernel by default.
         pytest.param(16, 2, "one", "hw", id="fp8-h16-g2-one-row"),
@@ -92,8 +96,11 @@ def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3, m
     from replayssm.kernels.cute import launch
 
     monkeypatch.delenv(launch.SM90_FP8_SR_ENV, raising=False)
-    for env in (launch.PDL_ENV, launch.FLUSH_PDL_ENV, launch.FLUSH_ROWS_ENV):
+    for env in (launch.PDL_ENV, launch.FLUSH_PDL_ENV, launch.FLUSH_ROWS_ENV, launch.FP8_READ_HINT_ENV):
         monkeypatch.delenv(env, raising=False)
+    if e4m3.endswith("+hint"):
+        e4m3 = e4m3[: -len("+hint")]
+        monkeypatch.setenv(launch.FP8_READ_HINT_ENV, "1")
     if e4m3.endswith("+rows32"):
         e4m3 = e4m3[: -len("+rows32")]
         monkeypatch.setenv(launch.FLUSH_ROWS_ENV, "32")
@@ -201,6 +208,15 @@ def test_cuda_graph_replays_whole_periods_with_32_row_groups(monkeypatch):
     check_graph_replays_whole_periods("fp8")
 
 
+def test_cuda_graph_replays_whole_periods_with_the_read_hint(monkeypatch):
+    """The non-flush kernel with the read hint ($REPLAYSSM_FP8_READ_HINT=1; by default
+    from heads x batch >= 8192 on), captured."""
+    from replayssm.kernels.cute import launch
+
+    monkeypatch.setenv(launch.FP8_READ_HINT_ENV, "1")
+    check_graph_replays_whole_periods("fp8")
+
+
 def test_cuda_graph_replays_whole_periods_with_the_voted_flush(monkeypatch):
     """The sm_90a flush's warp-voted variant ($REPLAYSSM_SM90_FP8_SR=voted), captured."""
     from replayssm.kernels.cute import launch
@@ -226,7 +242,10 @@ def test_warmup_compiles_and_launches_both_kernels_without_changing_the_cache(mo
     monkeypatch.delenv(launch.PDL_ENV, raising=False)  # the PDL variant is expected too
     monkeypatch.delenv(launch.FP8_DECODE_ENV, raising=False)
     monkeypatch.setenv(launch.SM90_FP8_SR_ENV, "voted")  # the voted flush on sm_90a
+    monkeypatch.delenv(launch.FP8_READ_HINT_ENV, raising=False)
     names = check_warmup("fp8")
+    # 16 heads: the non-flush kernel with the read hint too (from batch 512 on).
+    assert any(n.startswith("cute.decode_fp8[") and n.endswith(",hint]") for n in names), names
     voted = [n for n in names if n.startswith("cute.flush_fp8[") and n.endswith(",voted]")]
     # sm_90a: the voted flush with PDL (above batch 1) and without (batch 1).
     assert len(voted) == (2 if launch.arch_for() == "sm_90a" else 0), names

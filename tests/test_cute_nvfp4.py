@@ -272,9 +272,11 @@ def test_flush_reciprocal_is_ieee_and_amax_is_one_atomic(compiled, simt_pdl_ptx,
         else:
             # Warp per (row, head), per lane: 16 bytes of codes for each of 8 rows, C in
             # 2 x 32 bytes, this warp's quarter of two ring entries of B (16 bytes each),
-            # 4 ring entries of x; 4 m-tiles x 8 k-steps of f16 MMAs, 2 + 4 bf16 MMAs
-            # (its quarter of B_j . C, the ring replay); one barrier (the partial sums).
-            assert text.count("ld.global.v4.b32") == 8 + 4 + 2 + 4, name
+            # 4 ring entries of x (the codes with the streaming operator,
+            # decode_warp.DecodeNvfp4Warp.rc_hint); 4 m-tiles x 8 k-steps of f16 MMAs,
+            # 2 + 4 bf16 MMAs (its quarter of B_j . C, the ring replay); one barrier (the
+            # partial sums).
+            assert text.count("ld.global.cs.v4.b32") == 8 and text.count("ld.global.v4.b32") == 4 + 2 + 4, name
             assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 32, name
             assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 6, name
             assert text.count("bar.sync") == 1, name

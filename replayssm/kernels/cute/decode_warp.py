@@ -104,8 +104,9 @@ class _WarpHead:
     # %globaltimer at entry and exit, %clock64 at entry, when the row's slot is back,
     # after the row dots, after `finish`, at exit, and smid + (live << 32). 0: no trace.
     trace_addr = 0
-    # Experiment (session 17, branch wip/cache-hints): PTX qualifiers of the read copy's
-    # loads (bits.ld_global_v4_u32), e.g. ".L2::256B".
+    # PTX qualifiers of the read copy's loads (bits.ld_global_v4_u32): "" (plain), or
+    # for the FP8 kernel launch.FP8_READ_HINT when launch.fp8_read_hint chooses it; the
+    # NVFP4 kernel's class sets its own.
     rc_hint = ""
 
     @cute.jit
@@ -470,6 +471,15 @@ class DecodeNvfp4Warp(_WarpHead, DecodeNvfp4):
     from the code bits (sm_90a)."""
 
     name = "decode_nvfp4_warp"
+    # Read-copy loads with the streaming cache operator (`ld.global.cs`: evict first in
+    # L1 and L2; the codes are read once a step). H200, project benchmark, same call, us
+    # per step, plain -> .cs, 16 heads / 2 groups: batch 64 8.63 -> 8.59, 128 12.29 ->
+    # 12.10, 256 19.06 -> 18.25, 512 34.73 -> 32.80, 1024 63.87 -> 62.23; 64 heads / 8
+    # groups 256 62.42 -> 61.18, 1024 228.68 -> 227.90; `.L1::no_allocate` (with or
+    # without `.nc`) measured about the same, `.nc` alone as plain (docs/perf-notes-cute.md,
+    # session 17; why L1 allocation costs this kernel was not profiled). The FP8 kernel
+    # got 5-25% slower with any L1 qualifier (launch.FP8_READ_HINT).
+    rc_hint = ".cs"
 
     def __init__(self, heads: int, groups: int, *, hw: bool, heads_per_cta_limit: int = HEADS_PER_CTA, ctas_per_sm: int = CTAS_PER_SM) -> None:
         DecodeNvfp4.__init__(self, heads, groups)

@@ -206,10 +206,6 @@ class FlushFp8:
     # 1, launch.flush_pdl_for): the CTAs may become resident while prepare runs and wait
     # for it (griddepcontrol.wait) before their first global access.
     pdl = False
-    # Experiment (session 17, branch wip/cache-hints): PTX qualifiers of the checkpoint's
-    # loads and of the checkpoint's and FP8 read copy's stores ("" = the plain ones).
-    ckpt_hint = ""
-    store_hint = ""
 
     def __init__(self, heads: int, groups: int, *, debug: bool = False) -> None:
         self.heads, self.groups = heads, groups
@@ -444,10 +440,7 @@ class FlushFp8:
                 lo = self.e4m3x2_rn(acc[2 * m][2 * i] * inv, acc[2 * m][2 * i + 1] * inv)
                 hi = self.e4m3x2_rn(acc[2 * m + 1][2 * i] * inv, acc[2 * m + 1][2 * i + 1] * inv)
                 r_rc[m] = lo | (hi << 16)
-            if cutlass.const_expr(self.store_hint):
-                bits.st_global_v4_u32((rc_w + (rc_head + pp * (N // 4) + Int64(col0 // 4))).toint(), [r_rc[m] for m in range(4)], self.store_hint)
-            else:
-                _vec_a(rc_w, rc_head + pp * (N // 4) + Int64(col0 // 4), NT // 2).store(r_rc.load())
+            _vec_a(rc_w, rc_head + pp * (N // 4) + Int64(col0 // 4), NT // 2).store(r_rc.load())
 
             self.store_checkpoint(hh, pp, col0, key, acc, i, ck_w, ck_head)
         # The next flushing row of this CTA restages the shared buffers.
@@ -477,16 +470,6 @@ class FlushFp8:
         for k in range(n // 4):
             v = _vec_a(ptr, off + 4 * k, 4).load()
             out += [v[u] for u in range(4)]
-        return out
-
-    def ckpt_words(self, ck_w, off) -> list:
-        """A lane's NT checkpoint words of one row at word offset `off` (16-byte loads
-        with `ckpt_hint`)."""
-        if not self.ckpt_hint:
-            return self.words(ck_w, off, NT)
-        out = []
-        for k in range(NT // 4):
-            out += bits.ld_global_v4_u32((ck_w + (off + 4 * k)).toint(), self.ckpt_hint)
         return out
 
     @cute.jit
@@ -521,7 +504,7 @@ class FlushFp8:
         # row 16 FP16 values = 8 words, two 16-byte loads.
         ck_w = cute.recast_ptr(ckpt, dtype=Uint32)
         ck_head = slot * ckpt_stride16 * 4 + hh * (P * N // 2)
-        r_ck = [self.ckpt_words(ck_w, ck_head + Int64(rows[i] * (N // 2) + col0 // 2)) for i in range(2)]
+        r_ck = [self.words(ck_w, ck_head + Int64(rows[i] * (N // 2) + col0 // 2), NT) for i in range(2)]
         # dt_j (threads 0..14: the ring; thread 15: the step's raw dt and dt_bias) and A,
         # as predicated loads in straight-line code: ptxas issues them with the others
         # here. Loaded inside the `t < RING` branch below, they were issued only after
@@ -735,12 +718,7 @@ class FlushFp8:
                 word = bits.random_word(key, w0 + Uint32(nt))
                 r_ck_out[nt] = self.fp16x2_sr(acc[nt][2 * i], acc[nt][2 * i + 1], word)
         for k in cutlass.range_constexpr(NT // 4):
-            if cutlass.const_expr(self.store_hint):
-                bits.st_global_v4_u32(
-                    (ck_w + (ck_head + pp * (N // 2) + Int64(col0 // 2 + 4 * k))).toint(), [r_ck_out[4 * k + u] for u in range(4)], self.store_hint
-                )
-            else:
-                _vec_a(ck_w, ck_head + pp * (N // 2) + Int64(col0 // 2 + 4 * k), 4).store(_vec(r_ck_out.iterator, 4 * k, 4).load())
+            _vec_a(ck_w, ck_head + pp * (N // 2) + Int64(col0 // 2 + 4 * k), 4).store(_vec(r_ck_out.iterator, 4 * k, 4).load())
 
 
 class FlushFp8Sm90(FlushFp8):

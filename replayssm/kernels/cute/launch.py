@@ -1,8 +1,8 @@
 """Compile cache and launchers of the CuTe DSL decode kernels (FP8 read copy).
 
 Compile keys hold static properties only: (kernel, arch, heads, groups, for the FP8
-flush the sm_90a e4m3 encoder choice, for the non-flush kernel its variant
-($REPLAYSSM_FP8_DECODE), and whether the kernel is the PDL one). Batch size, slot
+flush the sm_90a e4m3 encoder choice and row-group size, for the non-flush kernel its
+variant ($REPLAYSSM_FP8_DECODE) and read hint, and whether the kernel is the PDL one). Batch size, slot
 count and every stride are runtime arguments (kernels take raw pointers plus slot strides
 in 16-byte units, so one compile serves every batch, cache size and slot padding, and the
 kernels still know their vector accesses are 16-byte aligned). Launches go to the current
@@ -117,6 +117,32 @@ def fp8_flush_rows_variants(heads: int) -> tuple[int, ...]:
     return tuple(dict.fromkeys((fp8_flush_rows(heads, 1), fp8_flush_rows(heads, WIDE_GROUP_BATCH))))
 
 
+# The FP8 warp kernel's read-copy loads with the L2 prefetch-size qualifier
+# `.L2::128B` (decode_warp._WarpHead.rc_hint) from heads x batch >= READ_HINT_MIN_WORK
+# on; $REPLAYSSM_FP8_READ_HINT = 0 / 1 forces it off / on. A lane loads 16 bytes of a
+# 128-byte read-copy row, a warp instruction half of eight rows; with the qualifier a
+# miss fetches the whole line into L2. H200, project benchmark, same call, us per step,
+# plain -> `.L2::128B`, 16 heads / 2 groups: batch 64 8.00 -> 8.20 (`.L2::256B`), 128
+# 11.70 -> 12.02 (`.L2::256B`), 256 19.09 -> 19.28, 512 33.39 -> 33.36 (`.L2::256B`), 1024
+# 60.62 -> 59.08; 64 heads / 8 groups 256 60.93 -> 59.77, 1024 222.10 -> 213.47
+# (`.L2::256B` within 0.6 us of it everywhere; any L1 qualifier with it, `.cs`,
+# `.L1::evict_first`, `.L1::no_allocate`, made the kernel 5-25% slower;
+# docs/perf-notes-cute.md, session 17). Where the step is the flush's row chain (small
+# batches) the hint costs 1-3%; from about 8,192 (row, head) pairs on it gains.
+FP8_READ_HINT_ENV = "REPLAYSSM_FP8_READ_HINT"
+FP8_READ_HINT = ".L2::128B"
+READ_HINT_MIN_WORK = 8192
+
+
+def fp8_read_hint(heads: int, batch: int) -> bool:
+    """Whether the FP8 non-flush kernel of a `batch`-row step at `heads` heads loads its
+    read copy with FP8_READ_HINT."""
+    mode = env_choice(FP8_READ_HINT_ENV, ("auto", "0", "1"), "auto")
+    if mode != "auto":
+        return mode == "1"
+    return heads * batch >= READ_HINT_MIN_WORK
+
+
 # Programmatic dependent launch (PDL) of the non-flush kernel at batch 1: launched right
 # behind the prepare kernel on the current stream, it may start while that kernel
 # finishes and waits for it (griddepcontrol.wait) before its first memory access, which
@@ -205,14 +231,31 @@ def step_variants() -> tuple[tuple[bool, bool], ...]:
     return tuple(dict.fromkeys(((False, flush_pdl_for(2)), (pdl_for(1), False))))
 
 
-def _kernel_object(kind: str, arch: str, heads: int, groups: int, e4m3: str, pdl: bool = False, voted: bool = False, rows: int = ROWS_PER_CTA):
+def fp8_read_hint_variants(heads: int, nonflush_pdl: bool) -> tuple[bool, ...]:
+    """The read-hint choices (fp8_read_hint) of the FP8 non-flush kernel at `heads` heads
+    launched with PDL (batch 1) or without (above it)."""
+    batches = (1,) if nonflush_pdl else (PDL_MAX_BATCH + 1, max(PDL_MAX_BATCH + 1, -(-READ_HINT_MIN_WORK // heads)))
+    return tuple(dict.fromkeys(fp8_read_hint(heads, b) for b in batches))
+
+
+def _warp_kernel(kind: str, pdl: bool) -> bool:
+    """Whether kernel `kind` with this PDL choice is the FP8 warp kernel (decode_warp.py),
+    the one with the read hint (fp8_read_hint)."""
+    return kind == "decode_fp8" and fp8_decode() == "warp" and (not pdl or pdl_kernel() == "warp")
+
+
+def _kernel_object(
+    kind: str, arch: str, heads: int, groups: int, e4m3: str, pdl: bool = False, voted: bool = False, rows: int = ROWS_PER_CTA,
+    read_hint: bool = False,
+):
     if kind == "decode_fp8":
         mode = fp8_decode()
         if mode == "mma":
             return DecodeFp8Mma(heads, groups)
-        if mode == "warp" and (not pdl or pdl_kernel() == "warp"):
+        if _warp_kernel(kind, pdl):
             obj = DecodeFp8Warp(heads, groups)
             obj.pdl = pdl
+            obj.rc_hint = FP8_READ_HINT if read_hint else ""
             return obj
         obj = DecodeFp8(heads, groups)
         obj.pdl = pdl
@@ -289,20 +332,25 @@ def _options(arch: str, dump_dir: str | os.PathLike | None) -> str:
     return opts
 
 
-def compiled(kind: str, arch: str, heads: int, groups: int, e4m3: str | None = None, pdl: bool = False, voted: bool = False, rows: int = ROWS_PER_CTA):
+def compiled(
+    kind: str, arch: str, heads: int, groups: int, e4m3: str | None = None, pdl: bool = False, voted: bool = False, rows: int = ROWS_PER_CTA,
+    read_hint: bool = False,
+):
     """The compiled launcher for (kind, arch, heads, groups), compiling it on first use
     (`e4m3`: the sm_90a read-copy encode, default `sm90_e4m3()`; `pdl`: the variant
     launched with programmatic dependent launch; `voted`: the sm_90a flush with
     the warp-voted rounding, see fp8_sr_voted; `rows`: the FP8 flush's row-group size,
-    see fp8_flush_rows)."""
+    see fp8_flush_rows; `read_hint`: the FP8 warp kernel's read-copy loads with
+    FP8_READ_HINT, see fp8_read_hint)."""
     e4m3 = "hw" if arch in HAS_CVT_RS or kind == "decode_fp8" else (e4m3 or sm90_e4m3())
     pdl = pdl and has_pdl_variant(kind)
     voted = voted and kind != "decode_fp8" and arch not in HAS_CVT_RS
     rows = ROWS_PER_CTA if kind == "decode_fp8" else rows
-    key = (kind, arch, heads, groups, e4m3, fp8_decode() if kind == "decode_fp8" else None, pdl and pdl_kernel(), voted, rows)
+    read_hint = read_hint and _warp_kernel(kind, pdl)
+    key = (kind, arch, heads, groups, e4m3, fp8_decode() if kind == "decode_fp8" else None, pdl and pdl_kernel(), voted, rows, read_hint)
     fn = _COMPILED.get(key)
     if fn is None:
-        obj = _kernel_object(kind, arch, heads, groups, e4m3, pdl, voted, rows)
+        obj = _kernel_object(kind, arch, heads, groups, e4m3, pdl, voted, rows, read_hint)
         fn = cute.compile(obj, *_fake_args(kind), options=_options(arch, None))
         _COMPILED[key] = fn
     return fn
@@ -325,9 +373,10 @@ def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
     Each variant gets its own folder `dump_dir/<kind>-h<H>g<G>`, each kernel's PDL
     variant (the non-flush kernel's at batch 1, `pdl_for`; the flush's above it,
     `flush_pdl_for`) `dump_dir/<kind>-h<H>g<G>-pdl`, the sm_90a FP8 flush's warp-voted
-    variants ($REPLAYSSM_SM90_FP8_SR=voted) `dump_dir/flush_fp8-h<H>g<G>[-pdl]-voted` (the
-    DSL names its dumps after the launcher, which all variants share). Returns the PTX
-    and cubin paths."""
+    variants ($REPLAYSSM_SM90_FP8_SR=voted) `dump_dir/flush_fp8-h<H>g<G>[-pdl]-voted`, the
+    non-flush warp kernel with the read hint (fp8_read_hint)
+    `dump_dir/decode_fp8-h<H>g<G>-hint` (the DSL names its dumps after the launcher, which
+    all variants share). Returns the PTX and cubin paths."""
     arch = check_arch(arch)
     root = Path(dump_dir)
     paths: list[str] = []
@@ -335,10 +384,12 @@ def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
         for kind in ("decode_fp8", "flush_fp8"):
             pdls = (False, True) if has_pdl_variant(kind) else (False,)
             voteds = (False, True) if kind == "flush_fp8" and arch not in HAS_CVT_RS else (False,)
-            variants = [(p, v) for v in voteds for p in pdls]
-            for with_pdl, voted in variants:
-                obj = _kernel_object(kind, arch, heads, groups, sm90_e4m3(), with_pdl, voted)
-                sub = f"{kind}-h{heads}g{groups}" + ("-pdl" if with_pdl else "") + ("-voted" if voted else "")
+            variants = [(p, v, False) for v in voteds for p in pdls]
+            if _warp_kernel(kind, False):
+                variants.append((False, False, True))
+            for with_pdl, voted, hint in variants:
+                obj = _kernel_object(kind, arch, heads, groups, sm90_e4m3(), with_pdl, voted, read_hint=hint)
+                sub = f"{kind}-h{heads}g{groups}" + ("-pdl" if with_pdl else "") + ("-voted" if voted else "") + ("-hint" if hint else "")
                 paths += compile_into(obj, _fake_args(kind), arch, root / sub)
     from .launch_nvfp4 import compile_variants  # the NVFP4 kinds (that module imports this one)
 
@@ -353,8 +404,10 @@ def warmup(heads: int, groups: int, arch: str | None = None) -> list[str]:
     arch = arch or arch_for()
     names = []
     for with_pdl in pdl_variants("decode_fp8"):
-        compiled("decode_fp8", arch, heads, groups, pdl=with_pdl)
-        names.append(f"cute.decode_fp8[{arch},h{heads},g{groups}{',pdl' if with_pdl else ''}]")
+        for hint in fp8_read_hint_variants(heads, with_pdl):
+            compiled("decode_fp8", arch, heads, groups, pdl=with_pdl, read_hint=hint)
+            tags = (",pdl" if with_pdl else "") + (",hint" if hint and _warp_kernel("decode_fp8", with_pdl) else "")
+            names.append(f"cute.decode_fp8[{arch},h{heads},g{groups}{tags}]")
     voted = fp8_sr_voted(arch)
     for with_pdl in pdl_variants("flush_fp8"):
         for rows in fp8_flush_rows_variants(heads):
@@ -376,11 +429,12 @@ def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, arch:
     per_head = torch.zeros(heads, device=dev)
     for nonflush_pdl, flush_pdl in step_variants():
         for rows in fp8_flush_rows_variants(heads):
-            decode_fp8(
-                cache, x, torch.zeros(batch, heads, device=dev), per_head, bc, bc,
-                torch.zeros(heads, L.HEAD_DIM, device=dev), per_head, plan, out, arch=arch,
-                pdl=nonflush_pdl, flush_pdl=flush_pdl, flush_rows=rows,
-            )
+            for hint in fp8_read_hint_variants(heads, nonflush_pdl):
+                decode_fp8(
+                    cache, x, torch.zeros(batch, heads, device=dev), per_head, bc, bc,
+                    torch.zeros(heads, L.HEAD_DIM, device=dev), per_head, plan, out, arch=arch,
+                    pdl=nonflush_pdl, flush_pdl=flush_pdl, flush_rows=rows, read_hint=hint,
+                )
 
 
 # ---------------------------------------------------------------------------------------
@@ -490,6 +544,7 @@ def decode_fp8(
     flush_pdl: bool | None = None,
     voted: bool | None = None,
     flush_rows: int | None = None,
+    read_hint: bool | None = None,
 ) -> None:
     """Launch the non-flush and the flush kernel for one step (after `prepare`).
 
@@ -501,7 +556,8 @@ def decode_fp8(
     non-flush variant (default `pdl_for(batch)`), `flush_pdl` the flush's (default
     `flush_pdl_for(batch)`; at most one of the two); `voted` the flush variant (default
     `fp8_sr_voted(arch)`); `flush_rows` its row-group size (default
-    `fp8_flush_rows(heads, batch)`)."""
+    `fp8_flush_rows(heads, batch)`); `read_hint` the non-flush kernel's read-copy loads
+    (default `fp8_read_hint(heads, batch)`)."""
     batch, heads = x.shape[0], x.shape[1]
     groups = cache[L.B_RING].shape[1]
     arch = arch or arch_for(x.device)
@@ -511,7 +567,8 @@ def decode_fp8(
     inputs = [x, dt, A, B, C, D, dt_bias, out]
     input_strides = [dt.stride(0), dt.stride(1), A.stride(0), dt_bias.stride(0), D.stride(0), D.stride(1)]
     pdl, flush_pdl = pdl_pair(batch, pdl, flush_pdl)
-    nonflush = compiled("decode_fp8", arch, heads, groups, pdl=pdl)
+    hint = fp8_read_hint(heads, batch) if read_hint is None else read_hint
+    nonflush = compiled("decode_fp8", arch, heads, groups, pdl=pdl, read_hint=hint)
     kind = "flush_fp8" if state_out is None else "flush_fp8_debug"
     rows = fp8_flush_rows(heads, batch) if flush_rows is None else flush_rows
     flush = compiled(kind, arch, heads, groups, e4m3, pdl=flush_pdl, voted=fp8_sr_voted(arch) if voted is None else voted, rows=rows)
@@ -533,4 +590,4 @@ def decode_fp8(
         )
 
 
-__all__ = ["KINDS", "COMPILE_ALL_GEOMETRIES", "fp8_sr_voted", "fp8_flush_rows", "flush_pdl_for", "step_variants", "compiled", "compile_all", "warmup", "launch_padding", "layout_ok", "decode_fp8"]
+__all__ = ["KINDS", "COMPILE_ALL_GEOMETRIES", "fp8_sr_voted", "fp8_flush_rows", "fp8_read_hint", "flush_pdl_for", "step_variants", "compiled", "compile_all", "warmup", "launch_padding", "layout_ok", "decode_fp8"]
