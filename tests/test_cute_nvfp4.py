@@ -276,7 +276,8 @@ def test_flush_reciprocal_is_ieee_and_amax_is_one_atomic(compiled, simt_pdl_ptx,
             # decode_warp.DecodeNvfp4Warp.rc_hint); 4 m-tiles x 8 k-steps of f16 MMAs,
             # 2 + 4 bf16 MMAs (its quarter of B_j . C, the ring replay); one barrier (the
             # partial sums).
-            assert text.count("ld.global.cs.v4.b32") == 8 and text.count("ld.global.v4.b32") == 4 + 2 + 4, name
+            streamed = 0 if name.endswith("-pdl") else 8  # the PDL variant (batch 1) loads plainly
+            assert text.count("ld.global.cs.v4.b32") == streamed and text.count("ld.global.v4.b32") == 8 - streamed + 4 + 2 + 4, name
             assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 32, name
             assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 6, name
             assert text.count("bar.sync") == 1, name
