@@ -541,24 +541,6 @@ def test_sass_stats_counts_the_kernels_structure(tmp_path, monkeypatch):
         assert sass_stats.classify(stats[a]["ops"]) == sass_stats.classify(stats[b]["ops"]), a
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_read_copy_loads_carry_their_cache_hints(compiled, arch):
-    """The FP8 warp kernel's 16 read-copy loads a lane carry launch.FP8_READ_HINT in its
-    `-hint` variant only; the NVFP4 warp kernel's 8 carry `.cs` but in the PDL variant
-    (decode_warp.DecodeNvfp4Warp.rc_hint)."""
-    from replayssm.kernels.cute.launch import FP8_READ_HINT
-
-    ptx = {p.parent.name: p.read_text() for p in compiled[arch] if p.suffix == ".ptx" and p.parent.name.startswith("decode_")}
-    fp8_hinted = f"ld.global{FP8_READ_HINT}.v4.b32"
-    for name, text in ptx.items():
-        if name.startswith("decode_fp8"):
-            assert text.count(fp8_hinted) == (16 if name.endswith("-hint") else 0), name
-            assert "ld.global.cs" not in text, name
-        else:
-            assert text.count("ld.global.cs.v4.b32") == (0 if name.endswith("-pdl") else 8), name
-            assert "L2::" not in text, name
-
-
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])  # Triton's cuobjdump has no sm_103a (same code as sm_100a)
 def test_flush_issues_a_rows_loads_before_its_staging(compiled, arch):
     """Every flush variant's SASS (both formats, every geometry) issues a flushed row's

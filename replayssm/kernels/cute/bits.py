@@ -499,11 +499,10 @@ def max_u16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
-def st_global_v4_u32(addr, words, hint: str = "", *, loc=None, ip=None) -> None:
-    """Store four words at global address `addr` (Int64, 16-byte aligned); `hint`: PTX
-    qualifiers after `st.global` (e.g. ".cs")."""
+def st_global_v4_u32(addr, words, *, loc=None, ip=None) -> None:
+    """Store four words at global address `addr` (Int64, 16-byte aligned)."""
     inline_ptx(
-        f"st.global{hint}.v4.b32 [$0], {{$1, $2, $3, $4}};", "l,r,r,r,r", [Int64(addr), *[Uint32(w) for w in words]],
+        "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", [Int64(addr), *[Uint32(w) for w in words]],
         side_effects=True, loc=loc, ip=ip,
     )
 
