@@ -128,7 +128,11 @@ def fp8_flush_rows_variants(heads: int) -> tuple[int, ...]:
 # (`.L2::256B` within 0.6 us of it everywhere; any L1 qualifier with it, `.cs`,
 # `.L1::evict_first`, `.L1::no_allocate`, made the kernel 5-25% slower;
 # docs/perf-notes-cute.md, session 17). Where the step is the flush's row chain (small
-# batches) the hint costs 1-3%; from about 8,192 (row, head) pairs on it gains.
+# batches) the hint costs 1-3%; from about 8,192 (row, head) pairs on it gains. The rule
+# checked at other geometries (off -> on, two runs each): 32 heads / 4 groups batch 64
+# 11.50 -> 11.87, 128 19.53 -> 19.62, 256 33.31 -> 33.15, 512 60.20 -> 58.72; 64 heads /
+# 8 groups 64 19.04 -> 18.80 (the one point it misses), 128 33.62 -> 33.12, 256 61.95 ->
+# 60.87, 512 115.55 -> 111.87.
 FP8_READ_HINT_ENV = "REPLAYSSM_FP8_READ_HINT"
 FP8_READ_HINT = ".L2::128B"
 READ_HINT_MIN_WORK = 8192
