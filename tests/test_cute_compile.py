@@ -143,7 +143,7 @@ def test_decode_reads_the_fp8_copy_with_vector_loads(compiled, simt_pdl_ptx, arc
 def test_read_copy_loads_carry_their_cache_hints(compiled, arch):
     """The FP8 warp kernel's 16 read-copy loads a lane carry launch.FP8_READ_HINT in its
     `-hint` variant only; the NVFP4 warp kernel's 8 carry `.cs` but in the PDL variant
-    (decode_warp.DecodeNvfp4Warp.rc_hint)."""
+    (launch_nvfp4.NVFP4_READ_HINT)."""
     from replayssm.kernels.cute.launch import FP8_READ_HINT
 
     ptx = {p.parent.name: p.read_text() for p in compiled[arch] if p.suffix == ".ptx" and p.parent.name.startswith("decode_")}

@@ -273,7 +273,7 @@ def test_flush_reciprocal_is_ieee_and_amax_is_one_atomic(compiled, simt_pdl_ptx,
             # Warp per (row, head), per lane: 16 bytes of codes for each of 8 rows, C in
             # 2 x 32 bytes, this warp's quarter of two ring entries of B (16 bytes each),
             # 4 ring entries of x (the codes with the streaming operator,
-            # decode_warp.DecodeNvfp4Warp.rc_hint); 4 m-tiles x 8 k-steps of f16 MMAs,
+            # launch_nvfp4.NVFP4_READ_HINT); 4 m-tiles x 8 k-steps of f16 MMAs,
             # 2 + 4 bf16 MMAs (its quarter of B_j . C, the ring replay); one barrier (the
             # partial sums).
             streamed = 0 if name.endswith("-pdl") else 8  # the PDL variant (batch 1) loads plainly

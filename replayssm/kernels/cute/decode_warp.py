@@ -104,9 +104,9 @@ class _WarpHead:
     # %globaltimer at entry and exit, %clock64 at entry, when the row's slot is back,
     # after the row dots, after `finish`, at exit, and smid + (live << 32). 0: no trace.
     trace_addr = 0
-    # PTX qualifiers of the read copy's loads (bits.ld_global_v4_u32): "" (plain), or
-    # for the FP8 kernel launch.FP8_READ_HINT when launch.fp8_read_hint chooses it; the
-    # NVFP4 kernel's class sets its own.
+    # PTX qualifiers of the read copy's loads (bits.ld_global_v4_u32): "" (plain); the
+    # launchers choose (FP8: launch.FP8_READ_HINT when launch.fp8_read_hint says so;
+    # NVFP4: launch_nvfp4.NVFP4_READ_HINT but at batch 1).
     rc_hint = ""
 
     @cute.jit
@@ -471,18 +471,6 @@ class DecodeNvfp4Warp(_WarpHead, DecodeNvfp4):
     from the code bits (sm_90a)."""
 
     name = "decode_nvfp4_warp"
-    # Read-copy loads with the streaming cache operator (`ld.global.cs`: evict first in
-    # L1 and L2; the codes are read once a step), but in the PDL variant (batch 1,
-    # launch_nvfp4._kernel_object). H200, project benchmark, same call, us per step, plain
-    # -> .cs, 16 heads / 2 groups: batch 1 3.71 -> 3.79 (twice; hence plain there), 64
-    # 8.57 -> 8.52, 128 12.19 -> 12.03, 256 18.99 / 18.91 -> 18.17 / 18.09, 512 34.43 ->
-    # 32.54, 1024 63.60 / 63.37 -> 61.88 / 61.58; 64 heads / 8 groups 256 62.16 / 61.80 ->
-    # 61.00 / 60.67, 1024 227.07 / 228.58 / 228.38 -> 227.76 / 229.08 / 229.09 (0.3%
-    # slower, kept: one variant). `.L1::no_allocate` (with or without `.nc`) measured about
-    # the same, `.nc` alone as plain (docs/perf-notes-cute.md, session 17; why L1
-    # allocation costs this kernel was not profiled). The FP8 kernel got 5-25% slower with
-    # any L1 qualifier (launch.FP8_READ_HINT).
-    rc_hint = ".cs"
 
     def __init__(self, heads: int, groups: int, *, hw: bool, heads_per_cta_limit: int = HEADS_PER_CTA, ctas_per_sm: int = CTAS_PER_SM) -> None:
         DecodeNvfp4.__init__(self, heads, groups)

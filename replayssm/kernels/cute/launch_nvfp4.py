@@ -40,14 +40,27 @@ def nvfp4_decode() -> str:
     return _fp8.env_choice(NVFP4_DECODE_ENV, NVFP4_DECODE_MODES, NVFP4_DECODE_MODES[0])
 
 
+# The NVFP4 warp kernel's read-copy loads with the streaming cache operator
+# (`ld.global.cs`: evict first in L1 and L2; the codes are read once a step), but in the
+# PDL variant (batch 1), which loads plainly. H200, project benchmark, same call, us per
+# step, plain -> .cs, 16 heads / 2 groups: batch 1 3.71 -> 3.79 (twice; hence plain
+# there), 64 8.57 -> 8.52, 128 12.19 -> 12.03, 256 18.99 / 18.91 -> 18.17 / 18.09, 512
+# 34.43 -> 32.54, 1024 63.60 / 63.37 -> 61.88 / 61.58; 64 heads / 8 groups 256 62.16 /
+# 61.80 -> 61.00 / 60.67, 1024 227.07 / 228.58 / 228.38 -> 227.76 / 229.08 / 229.09 (0.3%
+# slower, kept: one variant). `.L1::no_allocate` (with or without `.nc`) measured about
+# the same, `.nc` alone as plain (docs/perf-notes-cute.md, session 17; why L1 allocation
+# costs this kernel was not profiled). The FP8 kernel got 5-25% slower with any L1
+# qualifier (launch.FP8_READ_HINT).
+NVFP4_READ_HINT = ".cs"
+
+
 def _kernel_object(kind: str, arch: str, heads: int, groups: int, pdl: bool = False):
     hw = arch in HAS_CVT_RS  # the e2m1 conversions come with the same targets as cvt.rs
     if kind == "decode_nvfp4":
         if nvfp4_decode() == "warp" and (not pdl or _fp8.pdl_kernel() == "warp"):
             obj = DecodeNvfp4Warp(heads, groups, hw=hw)
             obj.pdl = pdl
-            if pdl:  # batch 1: plain loads (`.cs` measured 3.71 -> 3.79 us a step there)
-                obj.rc_hint = ""
+            obj.rc_hint = "" if pdl else NVFP4_READ_HINT
             return obj
         obj = (DecodeNvfp4Sm100 if hw else DecodeNvfp4Sm90)(heads, groups)
         obj.pdl = pdl  # programmatic dependent launch, as the FP8 non-flush (launch.pdl_for)
