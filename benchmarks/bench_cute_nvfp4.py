@@ -51,21 +51,21 @@ from replayssm.synthetic import layer_params, token  # noqa: E402
 RING = 16
 
 
-def make_layer(fmt: str, batch: int, heads: int, groups: int, padding: int, gen: torch.Generator):
+def make_layer(fmt: str, batch: int, heads: int, groups: int, padding: int, gen: torch.Generator, device: str = "cuda"):
     """A `fmt` cache with `batch` live slots (random states, full random rings) at ring
-    positions i mod 16, the slot ids shuffled."""
-    cache = L.allocate_cache(batch + 1, heads, groups, fmt, "cuda", slot_padding=padding)
-    ids = (torch.randperm(batch, generator=gen, device="cuda") + 1).to(torch.int32)
+    positions i mod 16, the slot ids shuffled (`gen` a generator on `device`)."""
+    cache = L.allocate_cache(batch + 1, heads, groups, fmt, device, slot_padding=padding)
+    ids = (torch.randperm(batch, generator=gen, device=device) + 1).to(torch.int32)
     for s in range(0, batch, 256):
         chunk = ids[s : s + 256]
-        states = torch.randn(chunk.numel(), heads, L.HEAD_DIM, L.STATE_DIM, generator=gen, device="cuda") * 0.5
+        states = torch.randn(chunk.numel(), heads, L.HEAD_DIM, L.STATE_DIM, generator=gen, device=device) * 0.5
         initialize_replayssm_state(cache, states, chunk, state_dtype=fmt, seed=0)
     slots = ids.long()
-    rand = dict(generator=gen, device="cuda")
+    rand = dict(generator=gen, device=device)
     cache[L.X_RING][slots] = torch.randn(batch, heads, RING, L.HEAD_DIM, **rand).to(torch.bfloat16)
     cache[L.DT_RING][slots] = 0.001 + 0.1 * torch.rand(batch, heads, RING, **rand)
     cache[L.B_RING][slots] = torch.randn(batch, groups, RING, L.STATE_DIM, **rand).to(torch.bfloat16)
-    cache[L.POSITIONS][slots] = torch.arange(batch, dtype=torch.int32, device="cuda") % RING
+    cache[L.POSITIONS][slots] = torch.arange(batch, dtype=torch.int32, device=device) % RING
     return cache, ids
 
 

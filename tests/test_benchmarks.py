@@ -225,3 +225,21 @@ def test_cta_trace_phases_from_synthetic_records():
     assert st["flush_phases"]["fold (loads, staging, MMAs)"] == [pytest.approx(2.0)]
     assert st["flush_phases"]["whole row"] == [pytest.approx(4.5)]
     assert st["flush_first_row"] == [pytest.approx(1.0)]
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_profile_steps_runs_the_layer_for_the_given_steps(fmt):
+    """benchmarks/profile_steps.py (the ncu driver) on the CPU reference: every live row's
+    position (tokens decoded) advances by the number of steps from its desynchronized start
+    (i mod 16, so rows 11 to 15 cross a flush in 5 steps), and a second run gives the same
+    outputs bit for bit."""
+    from benchmarks.bench_cute_nvfp4 import RING
+    from benchmarks.profile_steps import run_steps
+
+    batch, steps = 16, 5
+    cache, ids, out = run_steps(fmt, batch, steps, heads=8, groups=1, device="cpu")
+    start = torch.arange(batch, dtype=torch.int32) % RING
+    assert torch.equal(cache[L.POSITIONS][ids.long()], start + steps)
+    assert torch.isfinite(out.float()).all()
+    _, _, again = run_steps(fmt, batch, steps, heads=8, groups=1, device="cpu")
+    assert torch.equal(out.view(torch.int16), again.view(torch.int16))
