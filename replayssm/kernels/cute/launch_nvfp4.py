@@ -48,9 +48,10 @@ def nvfp4_decode() -> str:
 # 34.43 -> 32.54, 1024 63.60 / 63.37 -> 61.88 / 61.58; 64 heads / 8 groups 256 62.16 /
 # 61.80 -> 61.00 / 60.67, 1024 227.07 / 228.58 / 228.38 -> 227.76 / 229.08 / 229.09 (0.3%
 # slower, kept: one variant). `.L1::no_allocate` (with or without `.nc`) measured about
-# the same, `.nc` alone as plain (docs/perf-notes-cute.md, session 17; why L1 allocation
-# costs this kernel was not profiled). The FP8 kernel got 5-25% slower with any L1
-# qualifier (launch.FP8_READ_HINT).
+# the same, `.nc` alone as plain (docs/perf-notes-cute.md, session 17). ncu, the kernel
+# alone at batch 1024 (session 18): L1 / L2 hit rates unchanged (49% / 21.5%), the
+# long-scoreboard stalls 2.65 -> 2.28 warp-cycles an instruction, 37.0 -> 36.1 us. The
+# FP8 kernel got 5-25% slower with any L1 qualifier (launch.FP8_READ_HINT).
 NVFP4_READ_HINT = ".cs"
 
 
