@@ -76,7 +76,6 @@ class TritonBackend:
     def __init__(self) -> None:
         self._scratch: dict[tuple[torch.device, int], object] = {}
         self._cute_launch = None  # replayssm.kernels.cute.launch, False when unavailable
-        self._cute_nvfp4 = None  # replayssm.kernels.cute.launch_nvfp4, loaded with it
         self._cute_arch: dict[torch.device, str | None] = {}
         self._warned: set[str] = set()
 
@@ -124,8 +123,7 @@ class TritonBackend:
         cute = self.cute_for(cache, nvfp4=nvfp4)
         if cute is not None:
             launch, arch = cute
-            step = launch.decode_nvfp4 if nvfp4 else launch.decode_fp8
-            step(cache, x, dt, A, B, C, D, dt_bias, plan, out, arch=arch)
+            launch.decode_step(cache, x, dt, A, B, C, D, dt_bias, plan, out, state_dtype="nvfp4" if nvfp4 else "fp8", arch=arch)
             return
         ref.decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4)
         ref.decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4, seed=seed)
@@ -138,17 +136,15 @@ class TritonBackend:
     def cute_for(self, cache, nvfp4: bool = False):
         """(launch module, arch) when the CuTe decode kernels can run `cache` (CUDA
         tensors, the CuTe DSL importable, a GPU in the arch table, 16-byte-aligned
-        layout); None otherwise, with the reason logged once. The module is
-        `cute.launch` (FP8) or `cute.launch_nvfp4` (`nvfp4=True`)."""
+        layout); None otherwise, with the reason logged once."""
         device = cache[L.CHECKPOINT].device
         if device.type != "cuda":
             return None
         if self._cute_launch is None:
             try:
-                from .cute import launch, launch_nvfp4
+                from .cute import launch
 
                 self._cute_launch = launch
-                self._cute_nvfp4 = launch_nvfp4
             except Exception as exc:  # ImportError, or the DSL failing to initialize
                 self._cute_launch = False
                 self._warn_once(f"the CuTe DSL decode kernels are unavailable ({type(exc).__name__}: {exc})")
@@ -169,7 +165,7 @@ class TritonBackend:
         if reason is not None:
             self._warn_once(f"the CuTe decode kernels cannot address this cache: {reason}")
             return None
-        return (self._cute_nvfp4 if nvfp4 else self._cute_launch), arch
+        return self._cute_launch, arch
 
     def warmup(self, cache) -> list[str]:
         """Compile the bookkeeping kernels for a `ReplaySSMCache` and create its plan
@@ -196,10 +192,11 @@ class TritonBackend:
             # once on padding rows (which exit at once) so their modules are loaded before
             # any graph capture.
             launch, arch = cute
-            names += launch.warmup(heads, tensors[L.B_RING].shape[1], arch)
+            state_dtype = "nvfp4" if nvfp4 else "fp8"
+            names += launch.warmup(state_dtype, heads, tensors[L.B_RING].shape[1], arch)
             ids = torch.zeros(2, dtype=torch.int32, device=device)
             plan = self.prepare(tensors, ids, out, nvfp4=nvfp4, seed=cache.seed, scratch=scratch)
-            launch.launch_padding(tensors, plan, out, arch)
+            launch.launch_padding(tensors, plan, out, state_dtype, arch)
         return names
 
 

@@ -2,13 +2,9 @@
 needs, and the few float helpers both decode kernels share. Device-side only: every
 function here is traced inside a `cute.kernel`.
 
-The software encoders follow quant/minifloat.py step for step on the FP32 bits, with the
-two 32-bit rewrites the Triton twin (kernels/triton/bits.py) documents: a shift beyond the
-normal one happens only for subnormal results, whose significand v is below 2**24, so
-  nearest:    (v + 2**(s-1) - 1 + bit) >> s is 0 for s >= 25  -> s is clamped at 25;
-  stochastic: (v + (r << (s-k))) >> s == ((v >> (s-k)) + r) >> k, and v >> t == 0 for
-              t >= 24 -> t = s - k is clamped at 31.
-The hardware forms (sm_100a / sm_103a) are single PTX instructions fed the same inputs:
+The sm_90a stochastic rounding gives quant/minifloat.py `encode`'s bits through FP32
+additions rounded toward zero (fp16x2_sr_fast, fp16x2_sr_fma; tests/test_sr_fast.py
+emulates them against the encoder). The hardware forms (sm_100a / sm_103a) are single PTX instructions fed the same inputs:
 `cvt.rs.satfinite.f16x2.f32` consumes rbits[12:0] for the low half and rbits[28:16] for
 the high half, exactly the split of the software path (docs/format.md section 6).
 """
@@ -90,11 +86,6 @@ def xor_reduce(v, width: int, op):
     return v
 
 
-def xor_sum(v, width: int):
-    """Sum over `width` adjacent lanes (xor_reduce with +, in that order)."""
-    return xor_reduce(v, width, lambda a, c: a + c)
-
-
 # ---------------------------------------------------------------------------------------
 # Random hash
 
@@ -151,38 +142,7 @@ def exp2_int(e: Int32) -> Float32:
 
 
 # ---------------------------------------------------------------------------------------
-# Software encoders (sm_90a), integer steps of quant/minifloat.py `encode`
-
-
-def fp16_sr_soft(x: Float32, r: Uint32) -> Uint32:
-    """FP32 -> FP16 code (16 bits, in a uint32), stochastic with the 13 low bits of `r`,
-    satfinite; NaN -> 0x7FFF."""
-    bits = x.bitcast(Uint32)
-    a = bits & Uint32(0x7FFFFFFF)
-    ef = a >> 23
-    # Normal result (ef >= 113): rebias in place, the random bits sit at the top of the
-    # 13 discarded bits. Subnormal: explicit significand, t more bits discarded first.
-    normal = ef >= Uint32(113)
-    sub_v = (a & Uint32(0x7FFFFF)) | sel(ef > Uint32(0), Uint32(0x800000), Uint32(0))
-    v = sel(normal, a - Uint32(112 << 23), sub_v)
-    t = sel(normal, Uint32(0), cutlass.min(Uint32(113) - cutlass.max(ef, Uint32(1)), Uint32(31)))
-    code = ((v >> t) + (r & Uint32(0x1FFF))) >> 13
-    code = cutlass.min(code, Uint32(0x7BFF)) | ((bits >> 16) & Uint32(0x8000))
-    return sel(a > Uint32(0x7F800000), Uint32(0x7FFF), code)
-
-
-def e4m3_rn_soft(x: Float32) -> Uint32:
-    """FP32 -> e4m3fn code (8 bits, in a uint32), nearest-even, satfinite; NaN -> 0x7F."""
-    bits = x.bitcast(Uint32)
-    a = bits & Uint32(0x7FFFFFFF)
-    ef = a >> 23
-    normal = ef >= Uint32(121)
-    sub_v = (a & Uint32(0x7FFFFF)) | sel(ef > Uint32(0), Uint32(0x800000), Uint32(0))
-    v = sel(normal, a - Uint32(120 << 23), sub_v)
-    s = sel(normal, Uint32(20), cutlass.min(Uint32(141) - cutlass.max(ef, Uint32(1)), Uint32(25)))
-    code = (v + (Uint32(1) << (s - Uint32(1))) - Uint32(1) + ((v >> s) & Uint32(1))) >> s
-    code = cutlass.min(code, Uint32(0x7E)) | ((bits >> 24) & Uint32(0x80))
-    return sel(a > Uint32(0x7F800000), Uint32(0x7F), code)
+# FP16 stochastic rounding (sm_90a in integer and round-toward-zero steps)
 
 
 @dsl_user_op
@@ -205,7 +165,7 @@ F16_OVERFLOW_BITS = FP16_OVERFLOW_F32_BITS
 
 def _sr_pick(x: Float32, r: Uint32) -> Float32:
     """An FP32 value whose FP16 truncation (toward zero) is the stochastic rounding of
-    x with the 13 random bits r (fp16_sr_soft's result, see fp16x2_sr_fast)."""
+    x with the 13 random bits r (the reference encoder's result, see fp16x2_sr_fast)."""
     b = x.bitcast(Uint32)
     a = b & Uint32(0x7FFFFFFF)
     sign = b & Uint32(0x80000000)
@@ -229,7 +189,8 @@ def _sr_pick(x: Float32, r: Uint32) -> Float32:
 
 
 def fp16x2_sr_fast(lo: Float32, hi: Float32, word: Uint32) -> Uint32:
-    """fp16x2_sr_soft's bits with fewer integer steps (sm_90a flush).
+    """FP16 stochastic rounding of a pair in integer and round-toward-zero steps (sm_90a),
+    bit for bit quant/minifloat.py `encode`.
 
     With u = |x| and r the 13 random bits, the encoder computes
     floor((floor(u 2**(37 - s)) + r) / 2**13) codes above the sign, i.e. FP16 truncation
@@ -329,8 +290,7 @@ def fp16x2_sr_voted(pairs, words) -> list:
     every value of every lane passes `sr_normal_range` (vote.all) only the normal path
     runs (about 4 instructions a value instead of 13); else the general one. The general
     path sits in a loop of 0 or 1 trips whose count the compilers cannot see (an if-else,
-    or a visible 0-or-1-trip loop, was turned into predicated code, so both paths ran:
-    docs/perf-notes-cute.md, sessions 4 and 6)."""
+    or a visible 0-or-1-trip loop, was turned into predicated code, so both paths ran)."""
     ok = Int32(1)
     for lo, hi in pairs:
         ok = ok & Int32(sr_normal_range(lo)) & Int32(sr_normal_range(hi))
@@ -342,17 +302,6 @@ def fp16x2_sr_voted(pairs, words) -> list:
     for _ in range(general):
         out = [fp16x2_sr_fast(lo, hi, w ^ (o & zero)) for (lo, hi), w, o in zip(pairs, words, out)]
     return out
-
-
-def fp16x2_sr_soft(lo: Float32, hi: Float32, word: Uint32) -> Uint32:
-    """Elements n (lo, bits [12:0] of `word`) and n + 1 (hi, bits [28:16]) -> packed
-    FP16 pair, lo in bits [15:0]."""
-    return fp16_sr_soft(lo, word) | (fp16_sr_soft(hi, word >> 16) << 16)
-
-
-def e4m3x2_rn_soft(lo: Float32, hi: Float32) -> Uint32:
-    """Two e4m3 codes, lo in bits [7:0], hi in [15:8]."""
-    return e4m3_rn_soft(lo) | (e4m3_rn_soft(hi) << 8)
 
 
 # ---------------------------------------------------------------------------------------
@@ -413,49 +362,10 @@ def ld_global_v4_u32_if(addr, pred, hint: str = "", *, loc=None, ip=None) -> lis
 
 
 @dsl_user_op
-def cp_async_16(smem_addr, gmem_addr, *, loc=None, ip=None) -> None:
-    """Asynchronous copy of 16 bytes global -> shared (`cp.async.cg`, L2 only); the
-    addresses are a shared-window Int32 and a global Int64, both 16-byte aligned."""
-    inline_ptx(
-        "cp.async.cg.shared.global [$0], [$1], 16;", "r,l", [Int32(smem_addr), Int64(gmem_addr)],
-        side_effects=True, loc=loc, ip=ip,
-    )
-
-
-@dsl_user_op
-def cp_async_4_if(smem_addr, gmem_addr, pred, *, loc=None, ip=None) -> None:
-    """Asynchronous copy of 4 bytes global -> shared if `pred` (Int32) is nonzero, else
-    4 zero bytes written and nothing read (the ignore-src form, src-size 0)."""
-    size = Int32(cutlass.select_(Int32(pred) != Int32(0), Int32(4), Int32(0)))
-    inline_ptx(
-        "cp.async.ca.shared.global [$0], [$1], 4, $2;", "r,l,r", [Int32(smem_addr), Int64(gmem_addr), size],
-        side_effects=True, loc=loc, ip=ip,
-    )
-
-
-@dsl_user_op
-def cp_async_wait_all(*, loc=None, ip=None) -> None:
-    """Wait for this thread's cp.async copies (their data is then visible to it)."""
-    inline_ptx("cp.async.wait_all;", "", [], side_effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
 def f16x2_to_f32x2(word: Uint32, *, loc=None, ip=None) -> list:
     """The FP16 halves [15:0], [31:16] of `word` as FP32 (exact)."""
     return inline_ptx(
         "{\n\t.reg .b16 h0, h1;\n\tmov.b32 {h0, h1}, $2;\n\tcvt.f32.f16 $0, h0;\n\tcvt.f32.f16 $1, h1;\n\t}",
-        "=f,=f,r", [Uint32(word)], [Float32, Float32], loc=loc, ip=ip,
-    )
-
-
-@dsl_user_op
-def e4m3x2_to_f32x2(word: Uint32, *, loc=None, ip=None) -> list:
-    """The two e4m3 codes in bits [7:0] and [15:8] of `word` as FP32 (exact):
-    `cvt.rn.f16x2.e4m3x2` (sm_89+), then two exact f16 -> f32 conversions."""
-    return inline_ptx(
-        "{\n\t.reg .b16 q, h0, h1;\n\t.reg .b32 d;\n\tcvt.u16.u32 q, $2;\n\t"
-        "cvt.rn.f16x2.e4m3x2 d, q;\n\tmov.b32 {h0, h1}, d;\n\t"
-        "cvt.f32.f16 $0, h0;\n\tcvt.f32.f16 $1, h1;\n\t}",
         "=f,=f,r", [Uint32(word)], [Float32, Float32], loc=loc, ip=ip,
     )
 
@@ -507,35 +417,6 @@ def st_global_v4_u32(addr, words, *, loc=None, ip=None) -> None:
     )
 
 
-# ---------------------------------------------------------------------------------------
-# Timestamps (benchmarks/cta_trace.py; compiled only into the traced variants)
-
-
-@dsl_user_op
-def globaltimer_after(dep, *, loc=None, ip=None) -> Int64:
-    """%globaltimer (ns, one clock for the whole GPU), read once `dep` (a 32-bit DSL
-    scalar) is available: the read waits for the value it names."""
-    return inline_ptx("mov.u64 $0, %globaltimer;", "=l,r", [Uint32(dep)], [Int64], side_effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def clock_after(dep, *, loc=None, ip=None) -> Int64:
-    """%clock64 (this SM's cycles), read once `dep` (a 32-bit DSL scalar) is available."""
-    return inline_ptx("mov.u64 $0, %clock64;", "=l,r", [Uint32(dep)], [Int64], side_effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def sm_id(*, loc=None, ip=None) -> Int32:
-    """%smid: the SM this thread runs on."""
-    return inline_ptx("mov.u32 $0, %smid;", "=r", [], [Int32], side_effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def st_global_u64(addr, value, *, loc=None, ip=None) -> None:
-    """Store the 64-bit `value` at global address `addr` (Int64, 8-byte aligned)."""
-    inline_ptx("st.global.b64 [$0], $1;", "l,l", [Int64(addr), Int64(value)], side_effects=True, loc=loc, ip=ip)
-
-
 @dsl_user_op
 def ld_global_v2_u32_if(addr, pred, *, loc=None, ip=None) -> list:
     """The 8 bytes at global address `addr` (Int64, 8-byte aligned) as two words if
@@ -551,16 +432,11 @@ __all__ = [
     "vec",
     "vec_aligned",
     "xor_reduce",
-    "xor_sum",
     "inline_ptx",
     "bf16x2_to_f32x2",
     "ld_global_u32_if",
-    "cp_async_16",
-    "cp_async_4_if",
-    "cp_async_wait_all",
     "ld_global_v4_u32_if",
     "ld_global_v4_u32",
-    "e4m3x2_to_f32x2",
     "f16x2_to_f32x2",
     "e4m3x4_to_f16x2x2",
     "f32x2_to_f16x2",
@@ -576,13 +452,9 @@ __all__ = [
     "softplus",
     "pow2_exponent_above",
     "exp2_int",
-    "fp16_sr_soft",
-    "e4m3_rn_soft",
-    "fp16x2_sr_soft",
     "fp16x2_sr_fast",
     "add_rz",
     "f16x2_rz",
-    "e4m3x2_rn_soft",
     "fp16x2_sr_hw",
     "e4m3x2_rn_hw",
 ]

@@ -41,38 +41,9 @@ HW_DECODE_ORDER = (0, 1, 2, 3, 4, 5, 6, 7)
 # Format-generic software routines (ops = DSL_OPS or NUMPY_OPS)
 
 
-def e2m1_code(x_bits, ops, rbits=None):
-    """FP32 bits -> e2m1 code (4 bits, sign in bit 3), satfinite; NaN -> 0x7.
-
-    Nearest-even, or stochastic with the 8 low bits of `rbits` (format.md section 2).
-    Integer steps of quant/minifloat.py `encode` for e2m1 (bias 1, 1 mantissa bit: a
-    normal result, |x| >= 1, discards 22 bits) with the 32-bit rewrites of bits.py:
-    nearest clamps the subnormal shift at 25 (v < 2**24 rounds to 0 beyond), stochastic
-    shifts by s - 8 first (exact, since the random bits are added at bit s - 8).
-
-    No kernel calls it (the sm_90a flush encodes by `e2m1_code_rn`, and the read copy is
-    never rounded stochastically); the tests keep it as the integer twin of the reference
-    encoder, nearest and stochastic."""
-    u, sel = ops.u, ops.sel
-    a = x_bits & u(0x7FFFFFFF)
-    ef = a >> u(23)
-    normal = ef >= u(127)
-    sub_v = (a & u(0x7FFFFF)) | sel(ef > u(0), u(0x800000), u(0))
-    v = sel(normal, a - u(126 << 23), sub_v)
-    efc = ops.umax(ef, u(1))
-    if rbits is None:
-        s = sel(normal, u(22), ops.umin(u(149) - efc, u(25)))
-        code = (v + (u(1) << (s - u(1))) - u(1) + ((v >> s) & u(1))) >> s
-    else:
-        t = sel(normal, u(14), ops.umin(u(141) - efc, u(31)))
-        code = ((v >> t) + (rbits & u(0xFF))) >> u(8)
-    code = ops.umin(code, u(7)) | ((x_bits >> u(28)) & u(8))
-    return sel(a > u(0x7F800000), u(7), code)
-
-
 def e2m1_code_rn(x_bits, ops):
-    """FP32 bits -> e2m1 code, nearest-even, satfinite, NaN -> 0x7: `e2m1_code` without
-    rbits, by one FP32 addition instead of its integer rounding.
+    """FP32 bits -> e2m1 code, nearest-even, satfinite, NaN -> 0x7 (quant/minifloat.py
+    `encode` for e2m1), by one FP32 addition instead of integer rounding.
 
     Where |x| < 2**(k + 1) for k = min(max(E, 0), 3), E the exponent of |x|, the e2m1 grid
     is the multiples of 2**(k - 1) (k = 0: 0, 0.5, 1, 1.5 and 2; k = 1: 2, 3, 4; k = 2:
@@ -311,7 +282,6 @@ __all__ = [
     "SOFT_DECODE_FACTOR",
     "SOFT_DECODE_ORDER",
     "HW_DECODE_ORDER",
-    "e2m1_code",
     "e2m1_code_rn",
     "e2m1x8_rn_soft_words",
     "e2m1x8_f16x2_soft",

@@ -1,0 +1,157 @@
+"""Kernel arguments as a few structs, built from one spec.
+
+Every decode kernel takes the same structs: the cache's `Ring`, the read copy
+(`Fp8Copy` or `Nvfp4Copy`, from the format), the `Checkpoint` (flush only), the step's
+`Inputs` and the prepare kernel's `Plan`. A struct is a `typing.NamedTuple` of DSL values,
+which the CuTe DSL flattens field by field into kernel parameters. Each struct's spec
+lists its fields once: a pointer field as (dtype, alignment in bytes), a stride field as
+(tensor field, dim, unit), unit 16 meaning "in 16-byte units" (the kernels address the
+16-byte-aligned tensors by vector, and a 16-byte slot stride keeps every vector aligned).
+`fake(struct)` types the compile-time placeholders and `bind(struct, **tensors)` the
+launch-time values from the same spec, so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from cutlass import BFloat16, Float16, Float32, Int8, Int32, Int64, Uint8, Uint32
+from cutlass.cute.runtime import make_ptr
+from cutlass.cute.typing import Pointer
+
+
+class Ring(NamedTuple):
+    x: Pointer  # bf16 [S, H, 16, 64]
+    dt: Pointer  # f32 [S, H, 16] (processed dt)
+    b: Pointer  # bf16 [S, G, 16, 128]
+    x_stride16: Int64
+    dt_stride: Int64
+    b_stride16: Int64
+
+
+class Fp8Copy(NamedTuple):
+    codes: Pointer  # e4m3 [S, H, 64, 128], as 32-bit words
+    scales: Pointer  # f32 [S, H, 64]: one power-of-two scale a row
+    codes_stride16: Int64
+    scale_stride: Int64
+
+
+class Nvfp4Copy(NamedTuple):
+    codes: Pointer  # e2m1 pairs [S, H, 64, 64], as 32-bit words
+    scales: Pointer  # e4m3 [S, H, 64, 8]: one block scale per 16 values
+    meta: Pointer  # f32 [S, G, 2]: second-level amax, double-buffered
+    parity: Pointer  # int32 [S]: the live half of meta
+    codes_stride16: Int64
+    scale_stride: Int64
+    meta_stride: Int64
+    parity_stride: Int64
+
+
+class Checkpoint(NamedTuple):
+    state: Pointer  # f16 [S, H, 64, 128]
+    stride16: Int64
+
+
+class Inputs(NamedTuple):
+    """The step's inputs (x, B, C contiguous rows; the per-head values strided, so tied
+    stride-0 views need no copy) and its output."""
+
+    x: Pointer  # bf16 [batch, H, 64]
+    dt: Pointer  # f32 [batch, H] (raw dt)
+    A: Pointer  # f32 [H]
+    B: Pointer  # bf16 [batch, G, 128]
+    C: Pointer  # bf16 [batch, G, 128]
+    D: Pointer  # f32 [H, 64]
+    dt_bias: Pointer  # f32 [H]
+    out: Pointer  # bf16 [batch, H, 64]
+    dt_stride_b: Int64
+    dt_stride_h: Int64
+    a_stride: Int64
+    dt_bias_stride: Int64
+    d_stride_h: Int64
+    d_stride_p: Int64
+
+
+class Plan(NamedTuple):
+    """The prepare kernel's plan (`reference.Plan`), one entry a batch row."""
+
+    valid: Pointer  # bool
+    slot: Pointer  # int64
+    ring_index: Pointer  # int64
+    flush: Pointer  # bool
+    key: Pointer  # int64 (uint32 stream tag)
+    old_parity: Pointer  # int64
+
+
+class DebugPlan(NamedTuple):
+    """The plan of the flush's test variant: `Plan` and a buffer for the FP32 state of
+    every flushed row."""
+
+    valid: Pointer
+    slot: Pointer
+    ring_index: Pointer
+    flush: Pointer
+    key: Pointer
+    old_parity: Pointer
+    state: Pointer  # f32 [batch, H, 64, 128]
+
+
+SPECS: dict[type, dict[str, tuple]] = {
+    Ring: {
+        "x": (BFloat16, 16), "dt": (Float32, 4), "b": (BFloat16, 16),
+        "x_stride16": ("x", 0, 16), "dt_stride": ("dt", 0, 1), "b_stride16": ("b", 0, 16),
+    },
+    Fp8Copy: {
+        "codes": (Uint32, 16), "scales": (Float32, 4),
+        "codes_stride16": ("codes", 0, 16), "scale_stride": ("scales", 0, 1),
+    },
+    Nvfp4Copy: {
+        "codes": (Uint32, 16), "scales": (Uint8, 1), "meta": (Float32, 4), "parity": (Int32, 4),
+        "codes_stride16": ("codes", 0, 16), "scale_stride": ("scales", 0, 1),
+        "meta_stride": ("meta", 0, 1), "parity_stride": ("parity", 0, 1),
+    },
+    Checkpoint: {"state": (Float16, 16), "stride16": ("state", 0, 16)},
+    Inputs: {
+        "x": (BFloat16, 16), "dt": (Float32, 4), "A": (Float32, 4), "B": (BFloat16, 16), "C": (BFloat16, 16),
+        "D": (Float32, 4), "dt_bias": (Float32, 4), "out": (BFloat16, 2),
+        "dt_stride_b": ("dt", 0, 1), "dt_stride_h": ("dt", 1, 1), "a_stride": ("A", 0, 1),
+        "dt_bias_stride": ("dt_bias", 0, 1), "d_stride_h": ("D", 0, 1), "d_stride_p": ("D", 1, 1),
+    },
+    Plan: {
+        "valid": (Int8, 1), "slot": (Int64, 8), "ring_index": (Int64, 8), "flush": (Int8, 1),
+        "key": (Int64, 8), "old_parity": (Int64, 8),
+    },
+}
+SPECS[DebugPlan] = {**SPECS[Plan], "state": (Float32, 16)}
+
+
+def _is_stride(entry: tuple) -> bool:
+    return isinstance(entry[0], str)
+
+
+def fake(struct: type):
+    """Compile-time placeholders of `struct` (null pointers of the spec's types)."""
+    values = [Int64(0) if _is_stride(e) else make_ptr(e[0], 0, assumed_align=e[1]) for e in SPECS[struct].values()]
+    return struct(*values)
+
+
+def bind(struct: type, **tensors: torch.Tensor):
+    """`struct` for the given tensors (one a pointer field): their addresses and strides."""
+    values = []
+    for entry in SPECS[struct].values():
+        if _is_stride(entry):
+            source, dim, unit = entry
+            t = tensors[source]
+            values.append(t.stride(dim) * t.element_size() // 16 if unit == 16 else t.stride(dim))
+        else:
+            values.append(None)
+    fields = list(SPECS[struct])
+    for i, name in enumerate(fields):
+        if values[i] is None:
+            dtype, align = SPECS[struct][name]
+            values[i] = make_ptr(dtype, tensors[name].data_ptr(), assumed_align=align)
+    return struct(*values)
+
+
+__all__ = ["Ring", "Fp8Copy", "Nvfp4Copy", "Checkpoint", "Inputs", "Plan", "DebugPlan", "SPECS", "fake", "bind"]

@@ -1,0 +1,503 @@
+"""Flush kernel (CuTe DSL, tensor-core fold), both read-copy formats: the format
+(`read_copy.Fp8` / `read_copy.Nvfp4`) supplies the checkpoint's rounding conversion and
+the re-derivation of the read copy; everything else is shared.
+
+For every batch row whose plan says flush (ring index 15, docs/format.md section 5):
+
+    S = exp(A pre_15) float(checkpoint) + sum_{j=0..15} dt_j exp(A (pre_15 - pre_j)) x_j (x) B_j
+
+in FP32 (entries 0..14 from the rings, 15 the current token), y = S . C + D x from the
+unrounded S, then the checkpoint is rewritten as FP16 with stochastic rounding (the hash
+bits of format.md section 6) and the read copy is re-derived from S (format.md section
+3). Rows that do not flush return at once. The ring is not written: the next step starts
+a period at entry 0.
+
+Work item (head half, row group): half mh of the state rows (32 of 64) of one head, for
+the batch rows of one group (`rows`: 16, or 32 for the FP8 flush at 64 heads and batch
+>= 128, config.step_config). A persistent grid of heads * M_SPLIT * columns CTAs of 4
+warps (`flush_columns`: about `fmt.ctas_per_sm` CTAs an SM, so that the non-flush kernel
+shares every SM from the start) walks the items: CTA i keeps head half i % (heads *
+M_SPLIT) and takes row groups i // (heads * M_SPLIT), + columns, ...; per group it reads
+the flush flags with one ballot and folds each flushing row in turn, visiting only the
+set bits of the mask. Two CTAs per (row, head) need no communication: every output y[p],
+FP8 row scale and NVFP4 block depends on state row p alone (the NVFP4 group amax is an
+order-independent atomic max).
+
+The fold is a K = 16 matrix product, S = decay ckpt + X' B with X'[p, j] = w_j x_j[p]
+(64 x 16) and B[j, n] = B_j[n] (16 x 128), on the tensor cores: `mma.m16n8k8` tf32 with
+X' split into two tf32 terms (hi = X' with its low 13 bits cleared, lo = X' - hi, exact),
+B exact in tf32 (bf16), the accumulator initialized with decay * ckpt; the result equals
+the FP32 fold to ~2**-21 relative per term. Warp w takes m-tile 2 (CTA half) + w % 2
+(state rows 16 mt + gq and + 8 for lane 4 gq + q) and column half w // 2; the MMA's n
+index is permuted so that lane q's accumulators are the 16 consecutive columns
+64 (w // 2) + 16 q .. + 15 of its two rows: two 16-byte loads of the checkpoint and two
+16-byte stores of it per row, one 16-byte store of the FP8 read copy (NVFP4: a whole
+block a lane), and adjacent (even, odd) pairs for the FP16x2 hash words and the e4m3x2
+conversions. Row dots and amaxes are reduced over the four lanes of a row and the two
+column halves (shared memory). Each lane holds 32 values; four CTAs of 128 threads fit
+an SM at 128 registers a thread. docs/design.md gives the measurements behind the map.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cuda.bindings import driver as cuda_driver
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass.memory import SmemAllocator
+
+from ...layout import HEAD_DIM as P
+from ...layout import RING
+from ...layout import STATE_DIM as N
+from . import bits
+from .bits import bf16x2_to_f32x2 as _bf16x2
+from .bits import sel, softplus
+from .bits import vec as _vec
+from .bits import vec_aligned as _vec_a
+from .bits import xor_reduce as _xor_reduce
+from .mma import mma_tf32_16x8x8
+
+WARPS = 4
+THREADS = 32 * WARPS
+# CTAs per (batch row, head): each folds 32 of the 64 state rows (two m-tiles).
+M_SPLIT = 2
+ROWS_HALF = P // M_SPLIT
+COL_PARTS = 2  # column halves of 64 (one per warp pair)
+NT = 8  # n-tiles of 8 per warp; a lane holds 2 rows x 16 columns
+# Shared-memory rows (floats): a staged B_j is 128 values in fragment order plus 8 (rows
+# 8 banks apart: the eight lanes of a 16-byte load phase hit distinct banks); a staged
+# x_j is 64 values plus 8 (the four entries a warp's A fragment reads 8 banks apart).
+B_ROW = N + 8
+X_ROW = P + 8
+# Four CTAs of 128 threads per SM: at most 128 registers a thread.
+MIN_CTAS_PER_SM = 4
+
+
+def flush_columns(heads: int, ctas_per_sm: float, sm_count: int) -> int:
+    """CTA columns of the flush grid: it launches heads * M_SPLIT * min(row groups,
+    columns) CTAs, CTA i taking head half i % (heads * M_SPLIT) of the row groups
+    i // (heads * M_SPLIT), + columns, ... in turn; about `ctas_per_sm` CTAs an SM.
+
+    Persistent because the flush runs beside the non-flush kernel: with one CTA per
+    (head half, row group) its pending CTAs held back the non-flush kernel, which started
+    only when the last of them was handed out; with a fixed few CTAs an SM the non-flush
+    CTAs take the rest of every SM from the start (docs/design.md)."""
+    return max(1, round(ctas_per_sm * sm_count / (heads * M_SPLIT)))
+
+
+def _b_slot(n: int) -> int:
+    """Position of state column n in a staged B row: within column half n // 64, lane
+    column c = 2 (n % 64 // 16) + n % 2 of n-tile nt = n % 16 // 2 sits at
+    64 half + 32 (nt // 4) + 4 c + nt % 4, so lane gq reads n-tiles 4 k .. 4 k + 3 with
+    one 16-byte load at 64 half + 32 k + 4 gq (k = 0, 1)."""
+    half, within = divmod(n, N // COL_PARTS)
+    c = 2 * (within // (2 * NT)) + within % 2
+    nt = within % (2 * NT) // 2
+    return (N // COL_PARTS) * half + 32 * (nt // 4) + 4 * c + nt % 4
+
+
+@cute.jit
+def flush_mask(t, by, plan_flush, plan_slot, batch, s_mask, s_slot, buf, rows: cutlass.Constexpr):
+    """Bit rr set when batch row by * rows + rr flushes (rows <= 32): one load per lane of
+    warp 0 and one ballot, shared with the whole CTA through `s_mask[buf]` (two Int32
+    words, used in turn by a CTA's successive row groups: warp 0 rewrites a word only
+    after every thread has passed the barrier that followed the other word's write, so
+    after every thread has read this word; no second barrier a group). The same lanes
+    load the rows' plan.slot with their flags into s_slot[32 buf + lane] (read after the
+    same barrier; rewritten under the same rule as the flag words, and read only for rows
+    whose flag bit is set, all of which this call wrote), so a flushed row's data loads
+    need no round trip of their own for the slot."""
+    if t < 32:
+        b_t = by * rows + t
+        f = Int32(0)
+        if t < rows:
+            if b_t < batch:
+                f = Int32(plan_flush[Int64(b_t)])
+                s_slot[buf * 32 + t] = plan_slot[Int64(b_t)]
+        m = cute.arch.vote_ballot_sync(f != Int32(0))
+        if t == 0:
+            s_mask[buf] = Int32(m)
+    cute.arch.sync_threads()
+    return s_mask[buf]
+
+
+def _b_stage_base(ch):
+    """Staged position of column 8 ch (a staging thread's first column, ch runtime):
+    columns 8 ch + i sit there + 4 (i % 2) + i // 2 (= _b_slot(8 ch + i)), so a staging
+    thread writes 8 consecutive floats (even columns, then odd)."""
+    return 64 * (ch // 8) + 32 * (ch % 2) + 8 * ((ch % 8) // 2)
+
+
+class Flush:
+    """The flush for one (format, heads, groups) and launch variant: `pdl` (the CTAs may
+    become resident while the prepare kernel runs and wait for it by griddepcontrol
+    before their first global access), `rows` (batch rows of a row group, <= 32: one
+    ballot) and `debug` (the test variant: its plan is a `DebugPlan`, and it also writes
+    the FP32 state S of every flushed row, so tests can apply the reference quantizers
+    to the kernel's own S)."""
+
+    def __init__(self, fmt, heads: int, groups: int, *, pdl: bool = False, rows: int = 16, debug: bool = False) -> None:
+        self.fmt = fmt
+        self.heads, self.groups = heads, groups
+        self.hpg = heads // groups
+        self.pdl = pdl
+        self.rows = rows
+        self.debug = debug
+
+    @cute.jit
+    def __call__(self, ckpt, ring, copy, inputs, plan, columns: Int64, batch: Int32, stream: cuda_driver.CUstream):
+        self.kernel(ckpt, ring, copy, inputs, plan, batch).launch(
+            grid=[self.heads * M_SPLIT * cutlass.min((batch + self.rows - 1) // self.rows, Int32(columns)), 1, 1],
+            block=[THREADS, 1, 1],
+            min_blocks_per_mp=MIN_CTAS_PER_SM,
+            preferred_smem_carveout=-1,  # the driver's choice (and no device query at compile time)
+            stream=stream,
+            **({"use_pdl": True} if self.pdl else {}),
+        )
+
+    @cute.kernel
+    def kernel(self, ckpt, ring, copy, inputs, plan, batch: Int32):
+        t, _, _ = cute.arch.thread_idx()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # before the first global access
+        smem = SmemAllocator()
+        s_x, s_b, s_dt, s_dot, s_amax = self.shared_buffers(smem)
+        s_fmt = self.fmt.shared(smem, WARPS)
+        s_mask = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=4)
+        s_slot = smem.allocate_tensor(Int64, cute.make_layout(64), byte_alignment=8)
+
+        def row(hh, mh, bb, slot):
+            self.flush_row(t, hh, mh, bb, slot, s_x, s_b, s_dt, s_dot, s_amax, s_fmt, ckpt, ring, copy, inputs, plan)
+
+        self.for_each_flush_row(t, plan.flush, plan.slot, batch, s_mask, s_slot, row)
+
+    @cute.jit
+    def for_each_flush_row(self, t, plan_flush, plan_slot, batch, s_mask, s_slot, row):
+        """Call row(head, state-row half, batch row, slot) for every flushing row of this
+        CTA's work items, in turn. Persistent over the row groups (self.rows rows): CTA
+        bid keeps head half bid % hm (hm = heads * M_SPLIT) and takes groups bid // hm,
+        + n_ctas // hm, ... (flush_columns says why); per group one ballot of the flags
+        (flush_mask), then one trip per flushing row (usually one), not one per row of the
+        group: the 16-trip scan cost ~9 instructions a trip in every warp."""
+        bid, _, _ = cute.arch.block_idx()
+        n_ctas, _, _ = cute.arch.grid_dim()
+        hm = Int32(self.heads * M_SPLIT)
+        bx = Int32(bid) % hm
+        mh = bx % M_SPLIT
+        for by in range(Int32(bid) // hm, (batch + Int32(self.rows - 1)) // Int32(self.rows), Int32(n_ctas) // hm):
+            buf = (by // (Int32(n_ctas) // hm)) & Int32(1)
+            mask = flush_mask(t, by, plan_flush, plan_slot, batch, s_mask, s_slot, buf, self.rows)
+            rows = mask
+            for _ in range(bits.popc(mask)):
+                rr = bits.lowest_set_bit(rows)
+                rows = rows & (rows - Int32(1))
+                if rr < Int32(self.rows):  # always true; keeps the body conditional (no hoisting out of the loop)
+                    row(Int64(bx // M_SPLIT), mh, Int64(by * self.rows + rr), s_slot[buf * 32 + rr])
+
+    @staticmethod
+    def shared_buffers(smem):
+        """Staged x_j (FP32, X_ROW a row), B_j (FP32, fragment order, B_ROW a row), dt_j
+        followed by D[p] of the CTA's 32 state rows, and per (column part, state row)
+        the partial dots and amax bits."""
+        s_x = smem.allocate_tensor(Float32, cute.make_layout(RING * X_ROW), byte_alignment=16)
+        s_b = smem.allocate_tensor(Float32, cute.make_layout(RING * B_ROW), byte_alignment=16)
+        s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING + ROWS_HALF), byte_alignment=16)
+        s_dot = smem.allocate_tensor(Float32, cute.make_layout(COL_PARTS * P), byte_alignment=16)
+        s_amax = smem.allocate_tensor(Int32, cute.make_layout(COL_PARTS * P), byte_alignment=16)
+        return s_x, s_b, s_dt, s_dot, s_amax
+
+    @cute.jit
+    def flush_row(self, t, hh, mh, bb, slot, s_x, s_b, s_dt, s_dot, s_amax, s_fmt, ckpt, ring, copy, inputs, plan):
+        """State rows 32 mh .. + 31 of one flushing batch row of head hh (the whole CTA)."""
+        fmt = self.fmt
+        q, nq, rows, col0 = self.lane_geometry(t, mh)
+        key = Uint32(plan.key[bb])
+        ctx = fmt.begin_row(copy, plan, slot, bb, hh // self.hpg)
+        acc, r_c, ck_w, ck_head = self.fold(t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, ring, inputs)
+        self.row_partials(t, mh, acc, r_c, s_dot, s_amax, fmt.row_amax)
+        stats = fmt.lane_stats(acc, 2, NT)
+        cute.arch.sync_threads()
+        scodes = fmt.block_scales(stats, ctx)
+        for i in cutlass.range_constexpr(2):
+            p = rows[i]
+            pp = Int64(p)
+            self.row_output(t, mh, hh, bb, p, s_x, s_dot, s_dt, inputs.out)
+            if cutlass.const_expr(self.debug):
+                self.store_state(hh, bb, pp, col0, acc, i, plan)
+            fmt.store_row(copy, slot, hh, pp, col0, q, nq, acc, i, s_amax, ctx, scodes, NT)
+            self.store_checkpoint(hh, pp, col0, key, acc, i, ck_w, ck_head)
+        fmt.before_barrier(t, stats, s_fmt)
+        # Also: the next flushing row of this CTA restages the shared buffers.
+        cute.arch.sync_threads()
+        fmt.after_barrier(t, ctx, s_fmt, copy, WARPS)
+
+    # -- the shared parts of a flushed row ------------------------------------------------
+    @staticmethod
+    def lane_geometry(t, mh):
+        """(q, column half, [row 0, row 1], first column) of thread t in the CTA of
+        state-row half mh: warp w takes m-tile 2 mh + w % 2 and column half w // 2; lane
+        4 gq + q holds rows 16 mt + gq (+ 8) at columns 64 (w // 2) + 16 q .. + 15."""
+        lane = t % 32
+        w = t // 32
+        gq = lane // 4
+        q = lane % 4
+        mt = mh * 2 + w % 2
+        nq = w // 2
+        return q, nq, [mt * 16 + gq, mt * 16 + gq + 8], nq * (N // COL_PARTS) + q * (2 * NT)
+
+    @staticmethod
+    def words(ptr, off, n: int) -> list:
+        """n (a multiple of 4) 32-bit words at word offset `off` (16-byte aligned), by
+        16-byte loads, as a list."""
+        out = []
+        for k in range(n // 4):
+            v = _vec_a(ptr, off + 4 * k, 4).load()
+            out += [v[u] for u in range(4)]
+        return out
+
+    @cute.jit
+    def stage_x(self, s_x, jx, xs, words):
+        """x_j of entry jx, state rows xs .. xs + 7 (4 bf16x2 words), to s_x as FP32."""
+        r_xs = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+        for k in cutlass.range_constexpr(4):
+            v = _bf16x2(words[k])
+            r_xs[2 * k] = v[0]
+            r_xs[2 * k + 1] = v[1]
+        for k in cutlass.range_constexpr(2):
+            _vec_a(s_x.iterator, jx * X_ROW + xs + 4 * k, 4).store(_vec(r_xs.iterator, 4 * k, 4).load())
+
+    @cute.jit
+    def fold(self, t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, ring, inputs):
+        """S of this lane's 32 elements, from the checkpoint and the 16 ring entries (the
+        current token as entry 15), on the tensor cores. Returns (acc, this lane's C words,
+        the checkpoint as words, the head's first checkpoint word); acc[nt][2 i + e] is
+        row i at lane column 2 nt + e. Leaves s_x (x_j of this CTA's state rows, FP32)
+        and s_dt[RING:] (their D[p]) staged for the outputs."""
+        H, G, HPG = self.heads, self.groups, self.hpg
+        g = hh // HPG
+        lane = t % 32
+        gq = lane // 4
+        q, nq, rows, col0 = self.lane_geometry(t, mh)
+
+        # Checkpoint first (the largest read), in flight during the staging below: per
+        # row 16 FP16 values = 8 words, two 16-byte loads.
+        ck_w = cute.recast_ptr(ckpt.state, dtype=Uint32)
+        ck_head = slot * ckpt.stride16 * 4 + hh * (P * N // 2)
+        r_ck = [self.words(ck_w, ck_head + Int64(rows[i] * (N // 2) + col0 // 2), NT) for i in range(2)]
+        # dt_j (threads 0..14: the ring; thread 15: the step's raw dt and dt_bias) and A,
+        # as predicated loads in straight-line code: ptxas issues them with the others
+        # here. Loaded inside the `t < RING` branch below, they were issued only after
+        # the x_j / B_j stores to shared memory, a memory round trip of their own before
+        # the barrier.
+        ring_dt = bits.ld_global_u32_if((ring.dt + (slot * ring.dt_stride + hh * RING + Int64(t))).toint(), sel(t < RING - 1, Int32(1), Int32(0)))
+        last = sel(t == RING - 1, Int32(1), Int32(0))
+        raw_dt = bits.ld_global_u32_if((inputs.dt + (bb * inputs.dt_stride_b + hh * inputs.dt_stride_h)).toint(), last)
+        bias_dt = bits.ld_global_u32_if((inputs.dt_bias + hh * inputs.dt_bias_stride).toint(), last)
+        a_h = bits.ld_global_u32_if((inputs.A + hh * inputs.a_stride).toint(), Int32(1)).bitcast(Float32)
+        # D[p] of the CTA's state rows (threads 0..31), staged for the outputs. Loaded in
+        # row_output, after the barrier that precedes it, D was a round trip inside every
+        # flushed row's chain.
+        d_row = bits.ld_global_u32_if((inputs.D + (hh * inputs.d_stride_h + Int64(mh * ROWS_HALF + t % ROWS_HALF) * inputs.d_stride_p)).toint(), sel(t < ROWS_HALF, Int32(1), Int32(0)))
+        c_w = cute.recast_ptr(inputs.C, dtype=Uint32)
+        r_c = self.words(c_w, (bb * G + g) * (N // 2) + Int64(col0 // 2), NT)
+
+        # Stage x_j (FP32) of this CTA's 32 state rows and B_j (FP32, fragment order) of
+        # entries 0..15: 15 from the rings, the current token as entry 15; and dt_j.
+        xw = cute.recast_ptr(ring.x, dtype=Uint32)
+        xcur = cute.recast_ptr(inputs.x, dtype=Uint32)
+        bw = cute.recast_ptr(ring.b, dtype=Uint32)
+        bcur = cute.recast_ptr(inputs.B, dtype=Uint32)
+        ch = t % 16  # columns 8 ch .. 8 ch + 7
+        # B_j staging: 16 entries x 16 chunks of 8 columns, `reps` a thread (entry jb of
+        # rep: t // 16 + rep * threads // 16; only the last rep holds entry 15).
+        reps = RING * (N // 8) // THREADS
+        tx = t % (RING * ROWS_HALF // 8)
+        jx = tx // (ROWS_HALF // 8)
+        xs = mh * ROWS_HALF + (tx % (ROWS_HALF // 8)) * 8
+        r_bs = []
+        if cutlass.const_expr(self.fmt.stage_one_source):
+            # One predicated 16-byte load a staging thread and source (the ring for entries
+            # 0..14, the step's input for entry 15; the other load gives zeros), in
+            # straight-line code, so that ptxas issues the x_j and B_j loads together.
+            x_on = sel(t < RING * ROWS_HALF // 8, Int32(1), Int32(0))
+            x_ring_on = sel(jx < RING - 1, x_on, Int32(0))
+            x_ring_w = bits.ld_global_v4_u32_if((xw + (slot * ring.x_stride16 * 4 + (hh * RING + Int64(jx)) * (P // 2) + Int64(xs // 2))).toint(), x_ring_on)
+            x_cur_w = bits.ld_global_v4_u32_if((xcur + ((bb * H + hh) * (P // 2) + Int64(xs // 2))).toint(), x_on - x_ring_on)
+            b_words = []
+            for rep in cutlass.range_constexpr(reps):
+                jb = t // 16 + rep * (THREADS // 16)
+                b_src = (bw + (slot * ring.b_stride16 * 4 + (g * RING + Int64(jb)) * (N // 2) + Int64(ch * 4))).toint()
+                if cutlass.const_expr(rep == reps - 1):
+                    b_ring_on = sel(jb < RING - 1, Int32(1), Int32(0))
+                    b_ring_w = bits.ld_global_v4_u32_if(b_src, b_ring_on)
+                    b_cur_w = bits.ld_global_v4_u32_if((bcur + ((bb * G + g) * (N // 2) + Int64(ch * 4))).toint(), Int32(1) - b_ring_on)
+                    b_words.append([b_ring_w[k] | b_cur_w[k] for k in range(4)])
+                else:
+                    b_words.append(bits.ld_global_v4_u32_if(b_src, Int32(1)))
+            if t < RING * ROWS_HALF // 8:
+                self.stage_x(s_x, jx, xs, [x_ring_w[k] | x_cur_w[k] for k in range(4)])
+            for rep in cutlass.range_constexpr(reps):
+                r_rep = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+                for k in cutlass.range_constexpr(4):
+                    v = _bf16x2(b_words[rep][k])
+                    r_rep[k] = v[0]  # column 8 ch + 2 k
+                    r_rep[4 + k] = v[1]  # column 8 ch + 2 k + 1
+                r_bs.append(r_rep)
+        else:
+            # Both sources loaded by every staging thread, the entry picked by a select.
+            if t < RING * ROWS_HALF // 8:
+                from_ring = _vec_a(xw, slot * ring.x_stride16 * 4 + (hh * RING + Int64(jx)) * (P // 2) + Int64(xs // 2), 4).load()
+                cur = _vec_a(xcur, (bb * H + hh) * (P // 2) + Int64(xs // 2), 4).load()
+                self.stage_x(s_x, jx, xs, [sel(jx == RING - 1, cur[k], from_ring[k]) for k in range(4)])
+            for rep in cutlass.range_constexpr(reps):
+                jb = t // 16 + rep * (THREADS // 16)
+                from_ring = _vec_a(bw, slot * ring.b_stride16 * 4 + (g * RING + Int64(jb)) * (N // 2) + Int64(ch * 4), 4).load()
+                r_rep = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+                if cutlass.const_expr(rep == reps - 1):
+                    cur = _vec_a(bcur, (bb * G + g) * (N // 2) + Int64(ch * 4), 4).load()
+                    for k in cutlass.range_constexpr(4):
+                        v = _bf16x2(sel(jb == RING - 1, cur[k], from_ring[k]))
+                        r_rep[k] = v[0]  # column 8 ch + 2 k
+                        r_rep[4 + k] = v[1]  # column 8 ch + 2 k + 1
+                else:
+                    for k in cutlass.range_constexpr(4):
+                        v = _bf16x2(from_ring[k])
+                        r_rep[k] = v[0]
+                        r_rep[4 + k] = v[1]
+                r_bs.append(r_rep)
+        for rep in cutlass.range_constexpr(reps):
+            jb = t // 16 + rep * (THREADS // 16)
+            b_base = jb * B_ROW + _b_stage_base(ch)
+            for k in cutlass.range_constexpr(2):
+                _vec_a(s_b.iterator, b_base + 4 * k, 4).store(_vec(r_bs[rep].iterator, 4 * k, 4).load())
+        if t < RING:
+            dt_t = ring_dt.bitcast(Float32)
+            if t == RING - 1:
+                dt_t = softplus(raw_dt.bitcast(Float32) + bias_dt.bitcast(Float32))
+            s_dt[t] = dt_t
+        if t < ROWS_HALF:
+            s_dt[RING + t] = d_row.bitcast(Float32)
+        cute.arch.sync_threads()
+
+        # pre_k = dt_0 + .. + dt_k (in order, the reference's sum), w_j = dt_j
+        # exp(A (pre_15 - pre_j)), decay = exp(A pre_15); lane j % 16 holds entry j.
+        jl = lane % 16
+        dt_j = s_dt[jl]
+        pre = Float32(0.0)
+        for k in cutlass.range_constexpr(RING):
+            pre = pre + sel(Int32(k) <= jl, s_dt[k], Float32(0.0))
+        total = cute.arch.shuffle_sync(pre, RING - 1)
+        w_j = dt_j * cute.math.exp(a_h * (total - pre))
+        decay = cute.math.exp(a_h * total)
+
+        # A fragments (X' = w_j x_j[p], tf32 hi + lo) of k-steps 0 and 1.
+        a_hi, a_lo = [], []
+        for ks in cutlass.range_constexpr(2):
+            hi_k, lo_k = [], []
+            for jj in cutlass.range_constexpr(2):  # a0/a1: entry 8 ks + q, a2/a3: + 4
+                j = ks * 8 + jj * 4 + q
+                w_s = cute.arch.shuffle_sync(w_j, j)
+                for i in cutlass.range_constexpr(2):
+                    xp = w_s * s_x[j * X_ROW + rows[i]]
+                    hb = xp.bitcast(Uint32) & Uint32(0xFFFFE000)
+                    hi_k.append(hb)
+                    lo_k.append((xp - hb.bitcast(Float32)).bitcast(Uint32))
+            a_hi.append(hi_k)
+            a_lo.append(lo_k)
+        # B fragments: b0 = B_{8 ks + q}, b1 = B_{8 ks + q + 4} at lane column gq of the
+        # column half's 8 n-tiles: two 16-byte loads (_b_slot).
+        b_frag = []
+        for ks in cutlass.range_constexpr(2):
+            pair = []
+            for jj in cutlass.range_constexpr(2):
+                off = (ks * 8 + jj * 4 + q) * B_ROW + nq * (N // COL_PARTS) + gq * 4
+                frag = []
+                for k in cutlass.range_constexpr(NT // 4):
+                    v = _vec_a(s_b.iterator, off + 32 * k, 4).load()
+                    frag += [v[u].bitcast(Uint32) for u in range(4)]
+                pair.append(frag)
+            b_frag.append(pair)
+
+        # S: acc[nt] = (row 0 at lane columns 2 nt, 2 nt + 1, row 1 at the same).
+        acc = []
+        for nt in cutlass.range_constexpr(NT):
+            c4 = []
+            for i in cutlass.range_constexpr(2):
+                pair = bits.f16x2_to_f32x2(r_ck[i][nt])
+                c4.append(decay * pair[0])
+                c4.append(decay * pair[1])
+            a4 = [c4[0], c4[1], c4[2], c4[3]]
+            for ks in cutlass.range_constexpr(2):
+                bf = [b_frag[ks][0][nt], b_frag[ks][1][nt]]
+                a4 = mma_tf32_16x8x8(a_hi[ks], bf, a4)
+                a4 = mma_tf32_16x8x8(a_lo[ks], bf, a4)
+            acc.append(a4)
+        # Values of row i (0, 1) at this lane's column 2 nt + e: acc[nt][2 i + e].
+        return acc, r_c, ck_w, ck_head
+
+    @cute.jit
+    def row_partials(self, t, mh, acc, r_c, s_dot, s_amax, row_amax: cutlass.Constexpr = True):
+        """Row dots with C and (`row_amax`) amaxes of this column part: over the 4
+        lanes of a row, into s_dot / s_amax[half * 64 + row] (a barrier must follow
+        before they are read)."""
+        q, nq, rows, col0 = self.lane_geometry(t, mh)
+        for i in cutlass.range_constexpr(2):
+            dot = Float32(0.0)
+            amax = Int32(0)
+            for nt in cutlass.range_constexpr(NT):
+                cv = _bf16x2(r_c[nt])
+                for e in cutlass.range_constexpr(2):
+                    v = acc[nt][2 * i + e]
+                    dot = dot + v * cv[e]
+                    amax = cutlass.max(amax, v.bitcast(Int32) & Int32(0x7FFFFFFF))
+            dot = _xor_reduce(dot, 4, lambda a, c: a + c)
+            if cutlass.const_expr(row_amax):
+                amax = _xor_reduce(amax, 4, cutlass.max)
+            if q == 0:
+                s_dot[nq * P + rows[i]] = dot
+                if cutlass.const_expr(row_amax):
+                    s_amax[nq * P + rows[i]] = amax
+
+    @cute.jit
+    def row_output(self, t, mh, hh, bb, p, s_x, s_dot, s_dt, out):
+        """y[p] = S[p] . C + D[p] x[p] from the column parts' dots and the staged D[p]
+        (s_dt[RING + p % 32], written by `fold`); one lane writes it."""
+        q, nq, rows, col0 = self.lane_geometry(t, mh)
+        pp = Int64(p)
+        if nq == 0:
+            if q == 0:
+                dot = s_dot[p] + s_dot[P + p]
+                y = dot + s_dt[RING + p % ROWS_HALF] * s_x[(RING - 1) * X_ROW + p]
+                out[(bb * self.heads + hh) * P + pp] = BFloat16(y)
+
+    @cute.jit
+    def store_state(self, hh, bb, pp, col0, acc, i, plan):
+        """Test variant (a `DebugPlan`): this lane's 16 FP32 values of row i to plan.state."""
+        if cutlass.const_expr(self.debug):
+            r_state = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            for k4 in cutlass.range_constexpr(NT // 2):
+                for k in cutlass.range_constexpr(4):
+                    c = 4 * k4 + k  # column col0 + c = 2 nt + e
+                    r_state[k] = acc[c // 2][2 * i + c % 2]
+                _vec_a(plan.state, ((bb * self.heads + hh) * P + pp) * N + Int64(col0 + 4 * k4), 4).store(r_state.load())
+
+    @cute.jit
+    def store_checkpoint(self, hh, pp, col0, key, acc, i, ck_w, ck_head):
+        """Row i's 16 values as FP16 pairs with stochastic rounding; one hash word per
+        pair, word index ((h * 64 + p) * 128 + n) / 2."""
+        r_ck_out = cute.make_rmem_tensor(cute.make_layout(NT), Uint32)
+        w0 = Uint32((hh * P + pp) * (N // 2)) + Uint32(col0 // 2)
+        if cutlass.const_expr(self.fmt.sr_voted):
+            words = [bits.random_word(key, w0 + Uint32(nt)) for nt in range(NT)]
+            codes = bits.fp16x2_sr_voted([(acc[nt][2 * i], acc[nt][2 * i + 1]) for nt in range(NT)], words)
+            for nt in cutlass.range_constexpr(NT):
+                r_ck_out[nt] = codes[nt]
+        else:
+            for nt in cutlass.range_constexpr(NT):
+                word = bits.random_word(key, w0 + Uint32(nt))
+                r_ck_out[nt] = self.fmt.fp16x2_sr(acc[nt][2 * i], acc[nt][2 * i + 1], word)
+        for k in cutlass.range_constexpr(NT // 4):
+            _vec_a(ck_w, ck_head + pp * (N // 2) + Int64(col0 // 2 + 4 * k), 4).store(_vec(r_ck_out.iterator, 4 * k, 4).load())
+
+
+__all__ = ["Flush", "flush_columns", "flush_mask", "M_SPLIT"]

@@ -1,0 +1,356 @@
+"""The read-copy formats as strategy objects of the decode kernels (CuTe DSL).
+
+`Fp8(arch)` and `Nvfp4(arch)` supply what differs between the formats, and nothing else:
+- the argument struct of their cache tensors (`Args`, args.py) and its binding;
+- non-flush (decode.py): which n-set of a state row lane q holds (`c_word`), the loads of
+  a warp's read-copy rows and scales (`load_rows`), and the row dots R[p] on the tensor
+  cores (`row_dots`);
+- flush (flush.py): the FP16 stochastic rounding of the checkpoint (`fp16x2_sr`,
+  `sr_voted`), the staging and occupancy choices, and the re-derivation of the read
+  copy from the FP32 state (`begin_row`, `lane_stats`, `block_scales`, `store_row`,
+  `finish_row`).
+The arch picks the conversion instructions: sm_90a has no e2m1 or `cvt.rs` conversions
+and runs integer steps; sm_100a / sm_103a (`hw`) use the hardware forms. Both give the
+reference's bits (docs/format.md), so everything else is shared by every target.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint8, Uint32
+
+from ...layout import HEAD_DIM as P
+from ...layout import NVFP4_BLOCK
+from ...layout import STATE_DIM as N
+from .arch import HAS_CVT_RS, check_arch
+from . import args as A
+from . import bits, bits_nvfp4
+from .bits import bf16x2_to_f32x2, e4m3x4_to_f16x2x2, f32x2_to_f16x2, sel
+from .bits_nvfp4 import DSL_OPS
+from .mma import mma_f16_16x8x16
+
+K_STEPS = N // 16  # k-steps of 16 over the state dimension
+BLOCKS = N // NVFP4_BLOCK  # NVFP4 block scales per state row
+WORDS_PER_ROW = N // 8  # packed e2m1 codes of one state row, in 32-bit words
+# FP8 row scale 2**E with amax <= 448 * 2**E: E = ceil(log2(amax / 448)), 448 = 1.75 * 2**8
+# (quant/formats.py fp8_row_scale).
+FP8_MANT_LIMIT, FP8_E_OFF = 0x600000, 8
+
+
+class _Format:
+    name = ""
+    Args: type = tuple
+
+    def __init__(self, arch: str) -> None:
+        self.arch = check_arch(arch)
+        self.hw = arch in HAS_CVT_RS
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.arch!r})"
+
+    def e4m3x2_rn(self, lo, hi):
+        """Two e4m3 codes (nearest, satfinite), lo in bits [7:0]: `cvt.rn.satfinite.e4m3x2.f32`
+        on every target (Hopper has it too)."""
+        return bits.e4m3x2_rn_hw(lo, hi)
+
+
+class Fp8(_Format):
+    """e4m3 codes with one power-of-two FP32 scale a state row (format.md section 3)."""
+
+    name = "fp8"
+    Args = A.Fp8Copy
+    # Flush: CTAs an SM of the persistent grid, and the x_j / B_j staging with both
+    # sources loaded and picked by a select (flush.Flush.fold); docs/design.md.
+    ctas_per_sm = 1.5
+    stage_one_source = False
+    row_amax = True  # the flush reduces a row's amax across its column parts
+    sr_voted = False
+
+    def bind(self, cache, L) -> A.Fp8Copy:
+        return A.bind(A.Fp8Copy, codes=cache[L.READ_COPY], scales=cache[L.SCALES])
+
+    # -- non-flush ------------------------------------------------------------------------
+    def c_word(self, c: int, q):
+        """Word (bf16 pair) offset of chunk c of lane q's n-set: n = 64 c + 16 q .. + 15."""
+        return 32 * c + 8 * q
+
+    @cute.jit
+    def load_rows(self, copy, slot, hh, g, gq, q, hint: cutlass.Constexpr):
+        """rc[i][c]: row 8 gq + i, bytes 64 c + 16 q .. + 15 (four words); the scales of
+        the lane's output rows 8 gq + 2 q, + 1."""
+        read_w = cute.recast_ptr(copy.codes, dtype=Uint32)
+        rc_base = (read_w + (slot * copy.codes_stride16 * 4 + hh * (P * N // 4) + Int64(gq * (8 * N // 4) + 4 * q))).toint()
+        rc = []
+        for i in cutlass.range_constexpr(8):
+            rc.append([bits.ld_global_v4_u32(rc_base + N * i + 64 * c, hint) for c in range(2)])
+        sc_off = slot * copy.scale_stride + hh * P + Int64(8 * gq + 2 * q)
+        return rc, [copy.scales[sc_off], copy.scales[sc_off + 1]]
+
+    @cute.jit
+    def row_dots(self, loaded, cw, down, up, gq, q):
+        """(rd, inner, outer): rd[mt] the f16 MMA dots of m-tile mt with C' in natural
+        pairs (k-step s takes word s % 4 of chunk s // 4 of rows 2 mt, 2 mt + 1; its codes
+        0, 1 are k = 2 q, 2 q + 1); R[p] = scale[p] (dot 2**e)."""
+        rc, scales = loaded
+        ch = []
+        for c in cutlass.range_constexpr(2):
+            row = []
+            for v in cutlass.range_constexpr(8):
+                pair = bf16x2_to_f32x2(cw[c][v])
+                row.append(f32x2_to_f16x2(pair[0] * down, pair[1] * down))
+            ch.append(row)
+        rd = []
+        for mt in cutlass.range_constexpr(4):
+            acc = [Float32(0.0)] * 4
+            for s in cutlass.range_constexpr(K_STEPS):
+                c, v = s // 4, s % 4
+                lo = e4m3x4_to_f16x2x2(rc[2 * mt][c][v])
+                hi = e4m3x4_to_f16x2x2(rc[2 * mt + 1][c][v])
+                acc = mma_f16_16x8x16([lo[0], hi[0], lo[1], hi[1]], [ch[c][2 * v], ch[c][2 * v + 1]], acc)
+            rd.append([acc[0], acc[2]])
+        return rd, up, scales
+
+    # -- flush ----------------------------------------------------------------------------
+    def fp16x2_sr(self, lo, hi, word):
+        """sm_90a: bits.fp16x2_sr_fma (about 8 instructions a value); sm_100a: cvt.rs."""
+        return bits.fp16x2_sr_hw(lo, hi, word) if self.hw else bits.fp16x2_sr_fma(lo, hi, word)
+
+    def shared(self, smem, warps: int):
+        return None
+
+    def begin_row(self, copy, plan, slot, bb, g):
+        return None
+
+    def lane_stats(self, acc, rows: int, nt: int):
+        return None
+
+    def block_scales(self, stats, ctx):
+        return None
+
+    @cute.jit
+    def store_row(self, copy, slot, hh, pp, col0, q, nq, acc, i, s_amax, ctx, scodes, nt: cutlass.Constexpr):
+        """Row i: codes of S * 2**-E and the row scale 2**E (exact power-of-two products);
+        the row's amax is the larger of its two column parts'."""
+        amax = cutlass.max(s_amax[pp], s_amax[P + pp])
+        e = bits.pow2_exponent_above(amax, FP8_MANT_LIMIT, FP8_E_OFF)
+        inv = bits.exp2_int(-e)
+        if nq == 0:
+            if q == 0:
+                copy.scales[slot * copy.scale_stride + hh * P + pp] = bits.exp2_int(e)
+        r_rc = cute.make_rmem_tensor(cute.make_layout(nt // 2), Uint32)
+        for m in cutlass.range_constexpr(nt // 2):  # columns 4 m .. 4 m + 3 = n-tiles 2 m, 2 m + 1
+            lo = self.e4m3x2_rn(acc[2 * m][2 * i] * inv, acc[2 * m][2 * i + 1] * inv)
+            hi = self.e4m3x2_rn(acc[2 * m + 1][2 * i] * inv, acc[2 * m + 1][2 * i + 1] * inv)
+            r_rc[m] = lo | (hi << 16)
+        rc_w = cute.recast_ptr(copy.codes, dtype=Uint32)
+        rc_head = slot * copy.codes_stride16 * 4 + hh * (P * N // 4)
+        bits.vec_aligned(rc_w, rc_head + pp * (N // 4) + Int64(col0 // 4), nt // 2).store(r_rc.load())
+
+    def before_barrier(self, t, stats, shared):
+        return None
+
+    def after_barrier(self, t, ctx, shared, copy, warps: int):
+        return None
+
+
+class Nvfp4(_Format):
+    """e2m1 codes, an e4m3 scale per block of 16 and a power-of-two second-level scale
+    per (slot, group) from the delayed amax in meta (format.md sections 3-4)."""
+
+    name = "nvfp4"
+    Args = A.Nvfp4Copy
+    ctas_per_sm = 4.0
+    stage_one_source = True
+    row_amax = False
+
+    def __init__(self, arch: str) -> None:
+        super().__init__(arch)
+        # sm_90a: the checkpoint's rounding through a warp-voted branch to the normal-range
+        # path (bits.fp16x2_sr_voted); sm_100a rounds in hardware.
+        self.sr_voted = not self.hw
+        # The decoded f16 values are e2m1 value / decode_factor, in decode_order.
+        self.decode_order = bits_nvfp4.HW_DECODE_ORDER if self.hw else bits_nvfp4.SOFT_DECODE_ORDER
+        self.decode_factor = 1.0 if self.hw else bits_nvfp4.SOFT_DECODE_FACTOR
+
+    def bind(self, cache, L) -> A.Nvfp4Copy:
+        return A.bind(A.Nvfp4Copy, codes=cache[L.READ_COPY], scales=cache[L.SCALES], meta=cache[L.META], parity=cache[L.PARITY])
+
+    def e2m1x8_f16x2(self, w):
+        return bits_nvfp4.e2m1x8_f16x2_hw(w) if self.hw else bits_nvfp4.e2m1x8_f16x2_sw(w)
+
+    def e2m1x8_rn(self, vals):
+        return bits_nvfp4.e2m1x8_rn_hw(vals) if self.hw else bits_nvfp4.e2m1x8_rn_soft(vals)
+
+    # -- non-flush ------------------------------------------------------------------------
+    def c_word(self, c: int, q):
+        """Word offset of chunk c of lane q's n-set: n = 32 q + 16 c .. + 15 (two blocks)."""
+        return 16 * q + 8 * c
+
+    @cute.jit
+    def load_rows(self, copy, slot, hh, g, gq, q, hint: cutlass.Constexpr):
+        """rc[i]: codes of row 8 gq + i, elements 32 q .. + 31 (bytes 16 q .. + 15); the
+        block scales of blocks 2 q, 2 q + 1 of the same rows (two bytes); the live
+        second-level scale g = 2**E of this slot and group (`& 1` keeps a corrupt parity
+        word inside the slot's meta)."""
+        read_w = cute.recast_ptr(copy.codes, dtype=Uint32)
+        rc_base = (read_w + (slot * copy.codes_stride16 * 4 + hh * (P * N // 8) + Int64(gq * (8 * N // 8) + 4 * q))).toint()
+        rc = []
+        for i in cutlass.range_constexpr(8):
+            rc.append(bits.ld_global_v4_u32(rc_base + (N // 2) * i, hint))
+        s_base = slot * copy.scale_stride + hh * (P * BLOCKS) + Int64(gq * (8 * BLOCKS) + 2 * q)
+        bs4 = []  # rows 8 gq + 2 mt (bits [15:0]) and + 1 ([31:16]), blocks 2 q, 2 q + 1
+        for mt in cutlass.range_constexpr(4):
+            sb = [Uint32(copy.scales[s_base + BLOCKS * (2 * mt + i // 2) + i % 2]) for i in range(4)]
+            bs4.append(sb[0] | (sb[1] << 8) | (sb[2] << 16) | (sb[3] << 24))
+        par = Int64(copy.parity[slot * copy.parity_stride] & Int32(1))
+        a_live = copy.meta[slot * copy.meta_stride + g * 2 + par].bitcast(Int32) & Int32(0x7FFFFFFF)
+        g_scale = bits.exp2_int(bits.pow2_exponent_above(a_live, bits_nvfp4.NVFP4_MANT_LIMIT, bits_nvfp4.NVFP4_E_OFF))
+        return rc, bs4, g_scale
+
+    @cute.jit
+    def row_dots(self, loaded, cw, down, up, gq, q):
+        """Row dots by block: B column j holds C' on block j's k-values and zeros
+        elsewhere, so accumulator column j is the dot of an A row with C' over block j and
+        no A value is scaled. Lane (gq, q) supplies column gq for its k-values of chunk c
+        (code words 2 c, 2 c + 1: block 2 q + c): C' where gq = 2 q + c, else C times a
+        zero factor (an infinite C gives NaN there; the dot is not finite then anyway).
+        Each lane scales its blocks 2 q, 2 q + 1 by their block scales in FP32 and a
+        butterfly over the quad sums the 8 blocks. R[p] = g (dot' 2**e), the dots being
+        sum v s C' / decode_factor."""
+        rc, bs4, g_scale = loaded
+        cf = []  # C[32 q + m] * down or * 0, m = 0..31 (FP32)
+        for c in cutlass.range_constexpr(2):
+            down_c = sel(gq == 2 * q + c, down, Float32(0.0))
+            for v in cutlass.range_constexpr(8):
+                pair = bf16x2_to_f32x2(cw[c][v])
+                cf += [pair[0] * down_c, pair[1] * down_c]
+        # C' pairs in the decoded order: code word wd (elements n = 32 q + 8 wd + e)
+        # decodes to f16 words j = (element order[2 j], order[2 j + 1]).
+        order = self.decode_order
+        chm = []
+        for wd in cutlass.range_constexpr(4):
+            chm.append([f32x2_to_f16x2(cf[8 * wd + order[2 * j]], cf[8 * wd + order[2 * j + 1]]) for j in range(4)])
+        # The k-steps of code word wd take its decoded words j0 (k = 2 q, 2 q + 1) and
+        # j0 + 1 (k = 2 q + 8, + 9), j0 = 0, 2. acc = (rows 8 gq + 2 mt, + 1) x (blocks
+        # 2 q, 2 q + 1).
+        b0 = (q % 2) == 1
+        half = []  # m-tiles 2 h, 2 h + 1 summed over lane pairs -> m-tile 2 h + q % 2
+        for h in cutlass.range_constexpr(2):
+            part = []
+            for mt in cutlass.range_constexpr(2 * h, 2 * h + 2):
+                acc = [Float32(0.0)] * 4
+                for wd in cutlass.range_constexpr(4):
+                    lo = self.e2m1x8_f16x2(rc[2 * mt][wd])
+                    hi = self.e2m1x8_f16x2(rc[2 * mt + 1][wd])
+                    for j0 in cutlass.range_constexpr(0, 4, 2):
+                        a = [lo[j0], hi[j0], lo[j0 + 1], hi[j0 + 1]]
+                        acc = mma_f16_16x8x16(a, [chm[wd][j0], chm[wd][j0 + 1]], acc)
+                s0 = bits.f16x2_to_f32x2(DSL_OPS.e4m3x2_f16x2(bs4[mt], 0))
+                s1 = bits.f16x2_to_f32x2(DSL_OPS.e4m3x2_f16x2(bs4[mt], 1))
+                part.append([acc[0] * s0[0] + acc[1] * s0[1], acc[2] * s1[0] + acc[3] * s1[1]])
+            # Quad sum, butterfly: lane q ends with m-tile q's two rows (finish's selects).
+            row = []
+            for i in cutlass.range_constexpr(2):
+                mine = sel(b0, part[1][i], part[0][i])
+                other = sel(b0, part[0][i], part[1][i])
+                row.append(mine + cute.arch.shuffle_sync_bfly(other, 1))
+            half.append(row)
+        b1 = (q // 2) == 1
+        dots = []
+        for i in cutlass.range_constexpr(2):
+            mine = sel(b1, half[1][i], half[0][i])
+            other = sel(b1, half[0][i], half[1][i])
+            dots.append(mine + cute.arch.shuffle_sync_bfly(other, 2))
+        return [dots] * 4, up * Float32(self.decode_factor), [g_scale, g_scale]
+
+    # -- flush ----------------------------------------------------------------------------
+    # The flush writes the NVFP4 copy of S, exactly `formats.nvfp4_encode(S, A_live)`, with
+    # A_live = meta[slot, group, 1 - old_parity] (the prepare kernel has already set
+    # parity[slot] = 1 - old_parity and zeroed meta[slot, group, old_parity]), and
+    # max-accumulates the group amax of S into meta[slot, group, old_parity] with an atomic
+    # max on the FP32 bits as int32 (non-negative values order like their bits; max is
+    # order-independent, so every run writes the same bits). Race-free (format.md section
+    # 4): the CTAs of one (slot, group) read only the half 1 - old and write only the half
+    # old; the reset and the flip happened in the prepare launch before, on the same
+    # stream, and the non-flush launch of the step touches only non-flushing slots.
+    # A lane holds 16 consecutive columns of each of its rows: one whole block, so its
+    # amax needs no shuffle, its codes are two words and the lane writes the scale byte.
+    def fp16x2_sr(self, lo, hi, word):
+        """sm_90a: bits.fp16x2_sr_fast (the general path of the voted rounding); sm_100a: cvt.rs."""
+        return bits.fp16x2_sr_hw(lo, hi, word) if self.hw else bits.fp16x2_sr_fast(lo, hi, word)
+
+    def shared(self, smem, warps: int):
+        """Per-warp group amaxes, and meta as int32 bits for the atomic max."""
+        return smem.allocate_tensor(Int32, cute.make_layout(warps), byte_alignment=16)
+
+    @cute.jit
+    def begin_row(self, copy, plan, slot, bb, g):
+        """(old parity, meta row, g = 2**E, 1 / g) from the live amax: the half the prepare
+        kernel did not reset (`& 1`: stay inside the slot's meta)."""
+        old = Int64(Int32(plan.old_parity[bb]) & Int32(1))
+        meta_row = slot * copy.meta_stride + g * 2
+        a_live = copy.meta[meta_row + 1 - old].bitcast(Int32) & Int32(0x7FFFFFFF)
+        e = bits.pow2_exponent_above(a_live, bits_nvfp4.NVFP4_MANT_LIMIT, bits_nvfp4.NVFP4_E_OFF)
+        return old, meta_row, bits.exp2_int(e), bits.exp2_int(-e)
+
+    @cute.jit
+    def lane_stats(self, acc, rows: cutlass.Constexpr, nt: cutlass.Constexpr):
+        """Block amax (FP32 bits) of each of the lane's rows: its 16 values, a whole block."""
+        bamax = []
+        for i in cutlass.range_constexpr(rows):
+            amax = Int32(0)
+            for c in cutlass.range_constexpr(2 * nt):
+                amax = cutlass.max(amax, acc[c // 2][2 * i + c % 2].bitcast(Int32) & Int32(0x7FFFFFFF))
+            bamax.append(amax)
+        return bamax
+
+    def block_scales(self, bamax, ctx):
+        """Both rows' block scales in one e4m3x2 conversion (nearest, satfinite):
+        s = e4m3((bamax * 2**-E) * fp32(1/6))."""
+        ig_scale = ctx[3]
+        t0 = bits_nvfp4.block_scale_input(bamax[0].bitcast(Float32), ig_scale, DSL_OPS)
+        t1 = bits_nvfp4.block_scale_input(bamax[1].bitcast(Float32), ig_scale, DSL_OPS)
+        s_pair = self.e4m3x2_rn(t0, t1)
+        return [s_pair & Uint32(0xFF), (s_pair >> 8) & Uint32(0xFF)]
+
+    @cute.jit
+    def store_row(self, copy, slot, hh, pp, col0, q, nq, acc, i, s_amax, ctx, scodes, nt: cutlass.Constexpr):
+        """Row i: e2m1(x * r), r = 1 / (e4m3(s) * 2**E), this lane's 16 codes as two words;
+        the block's scale byte."""
+        g_scale = ctx[2]
+        r = bits_nvfp4.block_recip(scodes[i], g_scale, DSL_OPS)
+        scaled = [acc[c // 2][2 * i + c % 2] * r for c in range(2 * nt)]
+        r_codes = cute.make_rmem_tensor(cute.make_layout(2), Uint32)
+        for k in cutlass.range_constexpr(2):
+            r_codes[k] = self.e2m1x8_rn(scaled[8 * k:8 * k + 8])
+        rc_w = cute.recast_ptr(copy.codes, dtype=Uint32)
+        rc_head = slot * copy.codes_stride16 * 4 + hh * (P * WORDS_PER_ROW)
+        bits.vec_aligned(rc_w, rc_head + pp * WORDS_PER_ROW + Int64(col0 // 8), 2).store(r_codes.load())
+        copy.scales[slot * copy.scale_stride + hh * (P * BLOCKS) + pp * BLOCKS + Int64(col0 // 16)] = Uint8(scodes[i])
+
+    @cute.jit
+    def before_barrier(self, t, bamax, s_gmax):
+        """Group amax: this lane's two blocks, then the warp, into shared memory."""
+        tmax = bits.xor_reduce(cutlass.max(bamax[0], bamax[1]), 32, cutlass.max)
+        if t % 32 == 0:
+            s_gmax[t // 32] = tmax
+
+    @cute.jit
+    def after_barrier(self, t, ctx, s_gmax, copy, warps: cutlass.Constexpr):
+        """One atomic max per CTA into the accumulator half (old parity)."""
+        old, meta_row = ctx[0], ctx[1]
+        if t == 0:
+            cta_max = s_gmax[0]
+            for w in cutlass.range_constexpr(1, warps):
+                cta_max = cutlass.max(cta_max, s_gmax[w])
+            meta_bits = cute.recast_ptr(copy.meta, dtype=Int32)
+            cute.arch.atomic_max(meta_bits + (meta_row + old), cta_max, sem="relaxed", scope="gpu")
+
+
+def read_copy_format(state_dtype: str, arch: str) -> _Format:
+    """The strategy object of `state_dtype` ("fp8" / "nvfp4") on `arch`."""
+    return {"fp8": Fp8, "nvfp4": Nvfp4}[state_dtype](arch)
+
+
+__all__ = ["Fp8", "Nvfp4", "read_copy_format", "BLOCKS", "WORDS_PER_ROW"]
