@@ -1,4 +1,4 @@
-"""CuTe DSL FP8 decode kernels against the PyTorch reference, on the GPU.
+"""CuTe DSL decode kernels (both read-copy formats) against the PyTorch reference, on the GPU.
 
 Every step starts the reference from a copy of the kernels' cache, so both see the same
 state and errors never compound; over 48 steps (three periods) every live row flushes
@@ -9,18 +9,20 @@ between. Per step:
   GPU. Both compute in FP32 from the same quantized data; they differ only in summation
   order (relative error ~1e-6 of the summed magnitudes, far below a bf16 ulp of 2**-8),
   which can move the final bf16 rounding of an element by one ulp;
-- positions, x / dt / B rings: bit-exact (dt is processed with the libdevice expf/log1pf
-  PyTorch's CUDA softplus uses);
-- flush rows: the kernel's FP32 state S (debug variant) within FP32 summation noise of
-  the reference fold, and the FP16 checkpoint / FP8 read copy / scales bit-exact with the
-  reference quantizers (`to_fp16` with `checkpoint_rbits`, `fp8_encode`) applied to S;
+- positions, x / dt / B rings (and NVFP4 parity): bit-exact;
+- flush rows: the kernel's FP32 state S (the flush's test variant) within FP32 summation
+  noise of the reference fold, and the FP16 checkpoint and the read copy bit-exact with
+  the reference quantizers applied to S (`to_fp16` with `checkpoint_rbits`; `fp8_encode`;
+  `nvfp4_encode` with the live amax, and the group amax of S in meta's other half);
 - everything else (state of non-flushing and padding slots, the bytes between slots)
   untouched, with NaN-poisoned memory everywhere the kernels must not read.
-A captured CUDA graph of 32 steps replayed twice gives the same bits as eager steps.
+Launch variants beyond a step's default config (`config.step_config`) are forced with
+`dataclasses.replace`, as a tuning override would.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -28,7 +30,7 @@ import torch
 
 from replayssm import layout as L
 from replayssm import reference as ref
-from replayssm.quant.formats import fp8_encode
+from replayssm.quant import formats as Q
 from replayssm.quant.minifloat import to_fp16
 from replayssm.quant.rng import checkpoint_rbits
 
@@ -37,215 +39,178 @@ from .helpers import same_bits
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(
-        importlib.util.find_spec("cutlass") is None,
-        reason="nvidia-cutlass-dsl is not installed (pip install -e '.[cute]')",
-    ),
+    pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="needs nvidia-cutlass-dsl (pip install -e '.[cute]')"),
 ]
 
 
-@pytest.mark.parametrize(
-    "heads,groups,sync,e4m3",
-    [
-        pytest.param(16, 2, False, "hw", id="fp8-h16-g2-mixed"),
-        # The opt-in tensor-core non-flush kernel ($REPLAYSSM_FP8_DECODE=mma).
-        pytest.param(16, 2, False, "hw-mma", id="fp8-h16-g2-mixed-mma-decode"),
-        pytest.param(16, 1, False, "hw-mma", id="fp8-h16-g1-mixed-mma-decode"),
-        # The SIMT non-flush kernel at every batch ($REPLAYSSM_FP8_DECODE=simt; the
-        # default is the warp-per-head kernel, decode_warp.py).
-        pytest.param(16, 2, False, "hw-simt", id="fp8-h16-g2-mixed-simt-decode"),
-        # The flush without PDL on the side stream at batch > 1 ($REPLAYSSM_FLUSH_PDL=0;
-        # the default launches it with PDL behind prepare, launch.flush_pdl_for).
-        pytest.param(16, 2, False, "hw+noflushpdl", id="fp8-h16-g2-mixed-flush-without-pdl"),
-        pytest.param(16, 1, False, "hw", id="fp8-h16-g1-mixed"),
-        pytest.param(16, 2, True, "hw", id="fp8-h16-g2-sync"),
-        # sm_90a only: the software e4m3 encode instead of the e4m3x2 cvt.
-        pytest.param(16, 2, False, "soft", id="fp8-h16-g2-mixed-soft-e4m3"),
-        # Subnormal FP16 / e4m3 results: the encoders' general (warp-voted) path.
-        pytest.param(16, 2, "wide", "hw", id="fp8-h16-g2-wide-range"),
-        pytest.param(16, 2, "wide", "soft", id="fp8-h16-g2-wide-range-soft-e4m3"),
-        # A batch of 45 rows: three CTA rows of the flush kernel, the last one partial.
-        pytest.param(16, 2, "many", "hw", id="fp8-h16-g2-many-rows"),
-        # The same with the flush grid cut to 2 CTA columns: a CTA flushes row groups
-        # 0 and 2 in turn (flush_fp8.flush_columns), its flag words alternating.
-        pytest.param(16, 2, "many-2col", "hw", id="fp8-h16-g2-many-rows-2-columns"),
-        # 64 heads, flush row groups of 32 rows (launch.fp8_flush_rows: from batch 128 on,
-        # forced here by $REPLAYSSM_FLUSH_ROWS=32), the second group partial; then with
-        # one CTA column, which walks both groups, its flag words alternating.
-        pytest.param(64, 8, "many", "hw+rows32", id="fp8-h64-g8-many-rows-32-row-groups"),
-        pytest.param(64, 8, "many-1col", "hw+rows32", id="fp8-h64-g8-many-rows-32-row-groups-1-column"),
-        # The sm_90a flush's warp-voted rounding ($REPLAYSSM_SM90_FP8_SR=voted; off by
-        # default, launch.fp8_sr_voted): its normal-range path, its general one (wide
-        # range: subnormal FP16 results), and many rows.
-        pytest.param(16, 2, False, "hw+voted", id="fp8-h16-g2-mixed-voted"),
-        pytest.param(16, 2, "wide", "hw+voted", id="fp8-h16-g2-wide-range-voted"),
-        pytest.param(16, 2, "many", "hw+voted", id="fp8-h16-g2-many-rows-voted"),
-        # The non-flush kernel's read-copy loads with the L2 prefetch-size hint
-        # ($REPLAYSSM_FP8_READ_HINT=1; by default from heads x batch >= 8192 on).
-        pytest.param(16, 2, False, "hw+hint", id="fp8-h16-g2-mixed-read-hint"),
-        pytest.param(16, 2, "many", "hw+hint", id="fp8-h16-g2-many-rows-read-hint"),
-        # A batch of one row: the non-flush kernel launched with PDL (launch.pdl_for), the
-        # warp kernel by default.
-        pytest.param(16, 2, "one", "hw", id="fp8-h16-g2-one-row"),
-        # The same with the SIMT kernel as the PDL variant ($REPLAYSSM_PDL_KERNEL=simt).
-        pytest.param(16, 2, "one-simt", "hw", id="fp8-h16-g2-one-row-simt-pdl"),
-    ],
-)
-def test_kernels_match_reference_over_three_periods(heads, groups, sync, e4m3, monkeypatch):
+def _world(fmt, heads, groups, case, seed=0):
+    many = {"live": MANY_LIVE, "num_slots": MANY_SLOTS} if case.get("many") else {"live": (5,)} if case.get("one") else {}
+    return World(fmt, heads, groups, seed=seed, sync=case.get("sync", False), wide=case.get("wide", False), **many)
+
+
+def _config(w: World, case):
+    from replayssm.kernels.cute.arch import arch_for
+    from replayssm.kernels.cute.config import step_config
+
+    cfg = step_config(arch_for(), w.fmt, w.heads, w.groups, w.batch)
+    override = {k: case[k] for k in ("read_hint", "flush_rows", "flush_pdl") if k in case}
+    return dataclasses.replace(cfg, **override)
+
+
+def _step(w: World, out, state, cfg):
+    """prepare (Triton) + both CuTe kernels, the flush's test variant writing S."""
     from replayssm.kernels import triton_backend
     from replayssm.kernels.cute import launch
 
-    monkeypatch.delenv(launch.SM90_FP8_SR_ENV, raising=False)
-    for env in (launch.PDL_ENV, launch.FLUSH_PDL_ENV, launch.FLUSH_ROWS_ENV, launch.FP8_READ_HINT_ENV):
-        monkeypatch.delenv(env, raising=False)
-    if e4m3.endswith("+hint"):
-        e4m3 = e4m3[: -len("+hint")]
-        monkeypatch.setenv(launch.FP8_READ_HINT_ENV, "1")
-    if e4m3.endswith("+rows32"):
-        e4m3 = e4m3[: -len("+rows32")]
-        monkeypatch.setenv(launch.FLUSH_ROWS_ENV, "32")
-    flush_pdl = not e4m3.endswith("+noflushpdl")
-    if not flush_pdl:
-        e4m3 = e4m3[: -len("+noflushpdl")]
-        monkeypatch.setenv(launch.FLUSH_PDL_ENV, "0")
-    if e4m3.endswith("+voted"):  # the flush's warp-voted rounding at any batch
-        e4m3 = e4m3[: -len("+voted")]
-        monkeypatch.setenv(launch.SM90_FP8_SR_ENV, "voted")
-    if "-" in e4m3:  # a non-flush kernel other than the default
-        e4m3, mode = e4m3.split("-")
-        monkeypatch.setenv(launch.FP8_DECODE_ENV, mode)
+    x, dt, A, B, C, D, dt_bias = w.inputs(w.token())
+    out.fill_(NAN)
+    state.fill_(NAN)
+    plan = triton_backend().prepare(w.cache, w.ids, out, nvfp4=w.fmt == "nvfp4", seed=w.seed)
+    launch.decode_step(w.cache, x, dt, A, B, C, D, dt_bias, plan, out, state_dtype=w.fmt, config=cfg, state_out=state)
+    return (x, dt, A, B, C, D, dt_bias), plan
 
-    if sync in ("many-2col", "many-1col"):
-        columns = 2 if sync == "many-2col" else 1
-        monkeypatch.setattr(launch, "flush_grid_columns", lambda *args: columns)
-        sync = "many"
-    if sync == "one-simt":
-        monkeypatch.setenv(launch.PDL_KERNEL_ENV, "simt")
-        sync = "one"
-    many = {"live": MANY_LIVE, "num_slots": MANY_SLOTS} if sync == "many" else {"live": (5,)} if sync == "one" else {}
-    w = World("fp8", heads, groups, sync=sync is True, wide=sync == "wide", **many)
-    if sync == "one":  # the PDL launch is what this case is for
-        assert w.batch == 1 and launch.pdl_for(w.batch)
-    assert launch.flush_pdl_for(w.batch) is (flush_pdl and w.batch > 1)  # the PDL flush above batch 1
-    backend = triton_backend()
+
+CASES = [
+    pytest.param("fp8", 16, 2, {}, id="fp8-h16-g2-mixed"),
+    pytest.param("fp8", 16, 1, {}, id="fp8-h16-g1-mixed"),
+    pytest.param("fp8", 16, 2, {"sync": True}, id="fp8-h16-g2-sync"),
+    # Subnormal FP16 / e4m3 results: the encoders' general paths.
+    pytest.param("fp8", 16, 2, {"wide": True}, id="fp8-h16-g2-wide-range"),
+    # A batch of 45 rows: three row groups of the flush, the last one partial; then with
+    # the flush grid cut to 2 CTA columns (a CTA walks groups 0 and 2, its flag words
+    # alternating).
+    pytest.param("fp8", 16, 2, {"many": True}, id="fp8-h16-g2-many-rows"),
+    pytest.param("fp8", 16, 2, {"many": True, "columns": 2}, id="fp8-h16-g2-many-rows-2-columns"),
+    # 64 heads, flush row groups of 32 rows (the config's choice from batch 128 on), the
+    # second group partial; then with one CTA column, which walks both groups.
+    pytest.param("fp8", 64, 8, {"many": True, "flush_rows": 32}, id="fp8-h64-g8-many-rows-32-row-groups"),
+    pytest.param("fp8", 64, 8, {"many": True, "flush_rows": 32, "columns": 1}, id="fp8-h64-g8-32-row-groups-1-column"),
+    # The read-copy loads with the L2 prefetch-size hint (the config's choice from heads x
+    # batch >= 8192 on).
+    pytest.param("fp8", 16, 2, {"read_hint": ".L2::128B"}, id="fp8-h16-g2-mixed-read-hint"),
+    pytest.param("fp8", 16, 2, {"many": True, "read_hint": ".L2::128B"}, id="fp8-h16-g2-many-rows-read-hint"),
+    # A batch of one row: the non-flush kernel launched with PDL.
+    pytest.param("fp8", 16, 2, {"one": True}, id="fp8-h16-g2-one-row"),
+    # Neither kernel with PDL: the flush on the side stream.
+    pytest.param("fp8", 16, 2, {"flush_pdl": False}, id="fp8-h16-g2-mixed-flush-without-pdl"),
+    pytest.param("nvfp4", 16, 2, {}, id="nvfp4-h16-g2-mixed"),
+    pytest.param("nvfp4", 16, 1, {}, id="nvfp4-h16-g1-mixed"),
+    pytest.param("nvfp4", 16, 2, {"sync": True}, id="nvfp4-h16-g2-sync"),
+    pytest.param("nvfp4", 64, 4, {}, id="nvfp4-h64-g4-mixed"),
+    pytest.param("nvfp4", 16, 2, {"many": True}, id="nvfp4-h16-g2-many-rows"),
+    pytest.param("nvfp4", 16, 2, {"many": True, "columns": 2}, id="nvfp4-h16-g2-many-rows-2-columns"),
+    pytest.param("nvfp4", 16, 2, {"one": True}, id="nvfp4-h16-g2-one-row"),
+    # One slot's state spans 10**-12 .. 1: the sm_90a flush's general rounding path
+    # (bits.fp16x2_sr_voted) beside the normal one.
+    pytest.param("nvfp4", 16, 2, {"wide": True}, id="nvfp4-h16-g2-wide-range"),
+    pytest.param("nvfp4", 16, 2, {"flush_pdl": False}, id="nvfp4-h16-g2-mixed-flush-without-pdl"),
+]
+
+
+@pytest.mark.parametrize("fmt,heads,groups,case", CASES)
+def test_kernels_match_reference_over_three_periods(fmt, heads, groups, case, monkeypatch):
+    from replayssm.kernels.cute import launch
+
+    if "columns" in case:
+        monkeypatch.setattr(launch, "flush_columns", lambda *args: case["columns"])
+    w = _world(fmt, heads, groups, case)
+    cfg = _config(w, case)
+    assert cfg.nonflush_pdl == (w.batch == 1)
+    nvfp4 = fmt == "nvfp4"
     cache, H, P, N = w.cache, heads, L.HEAD_DIM, L.STATE_DIM
+    hpg = H // groups
     out = torch.empty(w.batch, H, P, dtype=torch.bfloat16, device=DEVICE)
     state = torch.empty(w.batch, H, P, N, dtype=torch.float32, device=DEVICE)
-    flushed = 0
-    worst = 0.0
+    flushed, worst = 0, 0.0
+    exact = (L.X_RING, L.DT_RING, L.B_RING, L.POSITIONS) + ((L.PARITY,) if nvfp4 else ())
+    copies = (L.CHECKPOINT, L.READ_COPY, L.SCALES) + ((L.META,) if nvfp4 else ())
     for step in range(48):
-        tok = w.token()
-        x, dt, A, B, C, D, dt_bias = w.inputs(tok)
         before = [t.clone() for t in cache]
-        # Kernels: prepare (Triton), then both CuTe kernels, the flush with its S dump.
-        out.fill_(NAN)
-        state.fill_(NAN)
-        plan = backend.prepare(cache, w.ids, out, nvfp4=False, seed=w.seed)
-        launch.decode_fp8(cache, x, dt, A, B, C, D, dt_bias, plan, out, state_out=state, e4m3=e4m3)
-        # Reference from the same starting state.
+        (x, dt, A, B, C, D, dt_bias), plan = _step(w, out, state, cfg)
         expect = [t.clone() for t in before]
         out_ref = torch.full_like(out, NAN)
-        ref.decode(expect, x, dt, A, B, C, D, dt_bias, w.ids, out_ref, nvfp4=False, seed=w.seed)
+        ref.decode(expect, x, dt, A, B, C, D, dt_bias, w.ids, out_ref, nvfp4=nvfp4, seed=w.seed)
         torch.cuda.synchronize()
 
         valid = ref.valid_rows(w.ids.long(), cache[1].shape[0])
         assert bool((out[~valid] == 0).all()), f"step {step}: padding rows must be zero"
         y, yr = out[valid].float(), out_ref[valid].float()
         assert not bool(torch.isnan(y).any()), f"step {step}: NaN in outputs"
-        rowmax = yr.abs().amax(dim=-1, keepdim=True)
-        err = (y - yr).abs()
-        ratio = float((err / ulp_bf16(rowmax)).amax())
+        ratio = float(((y - yr).abs() / ulp_bf16(yr.abs().amax(dim=-1, keepdim=True))).amax())
         worst = max(worst, ratio)
         assert ratio <= 2.0, f"step {step}: output differs by {ratio:.2f} bf16 ulps of the row max"
-
-        for i in (L.X_RING, L.DT_RING, L.B_RING, L.POSITIONS):
+        for i in exact:
             assert same_bits(cache[i], expect[i]), f"step {step}: cache[{i}] differs from the reference"
 
         fl = plan.flush.clone()
         slots = plan.slot[fl]
         untouched = torch.ones(cache[1].shape[0], dtype=torch.bool, device=DEVICE)
         untouched[slots] = False
-        for i in (L.CHECKPOINT, L.READ_COPY, L.SCALES):
+        for i in copies:
             assert same_bits(cache[i][untouched], before[i][untouched]), f"step {step}: cache[{i}] of a non-flushing slot changed"
         if slots.numel():
             flushed += slots.numel()
             S = state[fl]
-            xs, Bs = x[fl], B[fl]
             dts = ref.softplus_dt(dt[fl], dt_bias.view(1, -1))
-            S_ref = ref.fold(before, slots, xs, dts, Bs, A, plan.ring_index[fl])
+            S_ref = ref.fold(before, slots, x[fl], dts, B[fl], A, plan.ring_index[fl])
             scale = S_ref.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
             assert float(((S - S_ref).abs() / scale).amax()) < 1e-5, f"step {step}: FP32 state differs"
             ck = to_fp16(S, checkpoint_rbits(plan.key[fl], H))
-            codes, scales = fp8_encode(S)
             assert same_bits(cache[L.CHECKPOINT][slots], ck), f"step {step}: checkpoint bits differ from to_fp16(S)"
-            assert same_bits(cache[L.READ_COPY][slots], codes), f"step {step}: read copy bits differ from fp8_encode(S)"
-            assert same_bits(cache[L.SCALES][slots], scales), f"step {step}: scales differ from fp8_encode(S)"
+            if nvfp4:
+                old = plan.old_parity[fl]
+                meta_b = before[L.META][slots]  # prepare leaves the live half (1 - old) as it was
+                live_amax = meta_b.gather(2, (1 - old).view(-1, 1, 1).expand(-1, groups, 1)).squeeze(-1)
+                codes, scales = Q.nvfp4_encode(S, live_amax.repeat_interleave(hpg, dim=1))
+                meta = cache[L.META][slots]
+                measured = S.abs().reshape(S.shape[0], groups, -1).amax(dim=-1)
+                acc = meta.gather(2, old.view(-1, 1, 1).expand(-1, groups, 1)).squeeze(-1)
+                kept = meta.gather(2, (1 - old).view(-1, 1, 1).expand(-1, groups, 1)).squeeze(-1)
+                assert same_bits(acc, measured), f"step {step}: meta[old] is not the group amax of S"
+                assert same_bits(kept, live_amax), f"step {step}: the live half of meta changed"
+            else:
+                codes, scales = Q.fp8_encode(S)
+            assert same_bits(cache[L.READ_COPY][slots], codes), f"step {step}: read copy bits differ from the encoder applied to S"
+            assert same_bits(cache[L.SCALES][slots], scales), f"step {step}: scales differ from the encoder applied to S"
         assert w.gaps_untouched(), f"step {step}: bytes between slot tensors were written"
     live = int(valid.sum())
     assert flushed == 3 * live, (flushed, live)
-    print(f"[{heads}h/{groups}g sync={sync} e4m3={e4m3}] 48 steps, {flushed} row flushes, worst output error {worst:.2f} bf16 ulps of row max")
+    print(f"[{fmt} {heads}h/{groups}g {case}] 48 steps, {flushed} row flushes, worst {worst:.2f} bf16 ulps of the row max")
 
 
-def test_cuda_graph_replays_whole_periods():
-    check_graph_replays_whole_periods("fp8")
+def test_nvfp4_runs_are_bit_identical_with_many_ctas_per_group():
+    """64 heads in 4 groups (16 CTAs race on each group's amax atomic): two runs from the
+    same start give identical bits everywhere (outputs, checkpoint, copy, meta)."""
+    runs = []
+    for _ in range(2):
+        w = World("nvfp4", 64, 4, seed=5)
+        cfg = _config(w, {})
+        out = torch.empty(w.batch, 64, 64, dtype=torch.bfloat16, device=DEVICE)
+        state = torch.empty(w.batch, 64, 64, 128, dtype=torch.float32, device=DEVICE)
+        outs = []
+        for _ in range(32):
+            _step(w, out, state, cfg)
+            outs.append(out.clone())
+        torch.cuda.synchronize()
+        runs.append((outs, [t.clone() for t in w.cache]))
+    (o1, c1), (o2, c2) = runs
+    for s, (a, b) in enumerate(zip(o1, o2)):
+        assert same_bits(a, b), f"step {s}: outputs differ between runs"
+    for i, (a, b) in enumerate(zip(c1, c2)):
+        assert same_bits(a, b), f"cache[{i}] differs between runs"
 
 
-def test_cuda_graph_replays_whole_periods_with_the_flush_without_pdl(monkeypatch):
-    """$REPLAYSSM_FLUSH_PDL=0: the flush on the side stream, the non-flush kernel on the
-    current one (the default captures the flush's PDL launch behind prepare)."""
-    from replayssm.kernels.cute import launch
-
-    monkeypatch.setenv(launch.FLUSH_PDL_ENV, "0")
-    check_graph_replays_whole_periods("fp8")
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_cuda_graph_replays_whole_periods(fmt):
+    check_graph_replays_whole_periods(fmt)
 
 
-def test_cuda_graph_replays_whole_periods_with_32_row_groups(monkeypatch):
-    """The FP8 flush with row groups of 32 rows ($REPLAYSSM_FLUSH_ROWS=32; by default
-    at 64 heads from batch 128 on), captured."""
-    from replayssm.kernels.cute import launch
-
-    monkeypatch.setenv(launch.FLUSH_ROWS_ENV, "32")
-    check_graph_replays_whole_periods("fp8")
-
-
-def test_cuda_graph_replays_whole_periods_with_the_read_hint(monkeypatch):
-    """The non-flush kernel with the read hint ($REPLAYSSM_FP8_READ_HINT=1; by default
-    from heads x batch >= 8192 on), captured."""
-    from replayssm.kernels.cute import launch
-
-    monkeypatch.setenv(launch.FP8_READ_HINT_ENV, "1")
-    check_graph_replays_whole_periods("fp8")
-
-
-def test_cuda_graph_replays_whole_periods_with_the_voted_flush(monkeypatch):
-    """The sm_90a flush's warp-voted variant ($REPLAYSSM_SM90_FP8_SR=voted), captured."""
-    from replayssm.kernels.cute import launch
-
-    monkeypatch.setenv(launch.SM90_FP8_SR_ENV, "voted")
-    check_graph_replays_whole_periods("fp8")
-
-
-@pytest.mark.parametrize("pdl_kernel", ["simt", "warp"])
-def test_cuda_graph_replays_whole_periods_at_batch_1(monkeypatch, pdl_kernel):
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_cuda_graph_replays_whole_periods_at_batch_1(fmt):
     """Batch 1: the non-flush kernel with programmatic dependent launch, captured."""
-    from replayssm.kernels.cute import launch
-
-    monkeypatch.delenv(launch.PDL_ENV, raising=False)
-    monkeypatch.setenv(launch.PDL_KERNEL_ENV, pdl_kernel)
-    assert launch.pdl_for(1)
-    check_graph_replays_whole_periods("fp8", live=(5,))
+    check_graph_replays_whole_periods(fmt, live=(5,))
 
 
-def test_warmup_compiles_and_launches_both_kernels_without_changing_the_cache(monkeypatch):
-    from replayssm.kernels.cute import launch
-
-    monkeypatch.delenv(launch.PDL_ENV, raising=False)  # the PDL variant is expected too
-    monkeypatch.delenv(launch.FP8_DECODE_ENV, raising=False)
-    monkeypatch.setenv(launch.SM90_FP8_SR_ENV, "voted")  # the voted flush on sm_90a
-    monkeypatch.delenv(launch.FP8_READ_HINT_ENV, raising=False)
-    names = check_warmup("fp8")
-    # 16 heads: the non-flush kernel with the read hint too (from batch 512 on).
-    assert any(n.startswith("cute.decode_fp8[") and n.endswith(",hint]") for n in names), names
-    voted = [n for n in names if n.startswith("cute.flush_fp8[") and n.endswith(",voted]")]
-    # sm_90a: the voted flush with PDL (above batch 1) and without (batch 1).
-    assert len(voted) == (2 if launch.arch_for() == "sm_90a" else 0), names
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_warmup_compiles_and_launches_both_kernels_without_changing_the_cache(fmt):
+    check_warmup(fmt)
