@@ -12,20 +12,10 @@ period-average bytes over the copy bandwidth measured in the same run. "nonflush
     python benchmarks/bench_cute_nvfp4.py                 # 16 heads / 2 groups, batch 1 256 1024
     python benchmarks/bench_cute_nvfp4.py --formats nvfp4 --batch 64 512
 
-H200 (sm_90a), 2026-11-30, `--reps 10 --batch 256 1024`, session 5's kernels (the
-non-flush kernels one warp per (row, head), decode_warp.py; the flushes of session 3):
-
-       fmt batch layers  us/step nonflush  flush  floor   GB/s of copy
-     nvfp4   256      6    26.57    14.00  13.30   8.28   1289     31%
-     nvfp4  1024      2    90.27    45.96  46.01  33.10   1518     37%
-       fp8   256      3    26.32    16.16   9.67  12.07   1900     46%
-       fp8  1024      1    84.94    53.60  32.17  48.29   2354     57%
-
-The SIMT non-flush kernels in the same call ($REPLAYSSM_FP8_DECODE=simt,
-$REPLAYSSM_NVFP4_DECODE=simt): NVFP4 30.94 (18.11) / 107.32 (63.79), FP8 27.88 (16.99) /
-92.26 (59.08). The "nonflush" / "flush" columns come from eager steps, where the two
-kernels run one after the other: they are standalone times. Earlier versions:
-docs/perf-notes-cute.md.
+The "nonflush" / "flush" columns come from eager steps, where the host's launch gaps keep
+the two kernels apart: they are standalone times, not the share of a captured step.
+docs/design.md has the step's design and the project benchmark's numbers
+(benchmarks/bench_decode.py).
 """
 
 from __future__ import annotations

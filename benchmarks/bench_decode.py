@@ -365,8 +365,8 @@ def layers_for(provider, shape, batch, args, eager: bool) -> tuple[int, int]:
 def settle_row(ctx) -> dict:
     """Time one untimed row (the first ReplaySSM provider, batch 1) before the timed ones.
 
-    At batch 1 a ReplaySSM row's time depends on what the process did before it (H200,
-    docs/perf-notes.md, session 7): the first ReplaySSM row timed in a process is the
+    At batch 1 a ReplaySSM row's time depends on what the process did before it (H200):
+    the first ReplaySSM row timed in a process is the
     fastest (FP8 3.35-3.47 us per step, NVFP4 3.58-3.79), later ones are 0.4-0.7 us slower
     (FP8 3.87-4.04, NVFP4 4.02-4.26) with the SM clock at 1980 MHz throughout; the cause is
     not known (the allocation history, through the address layout of the 64 layers'

@@ -11,7 +11,8 @@ MMAs) -> `finish` done (B_j . C, the barrier, the scan, the replay, the output a
 stores issued) -> exit. Flush, per flushed (row, head half) (`FlushFp8.trace_addr`):
 start -> `fold` done (plan, loads, staging, scan, fold MMAs) -> the partials' barrier ->
 end (outputs, checkpoint and read copy written, the last barrier). Per flush CTA, its SM:
-how many flush CTAs each SM holds (the block scheduler packs them: session 16).
+how many flush CTAs each SM holds (the block scheduler packs them; docs/design.md,
+section 4).
 
 A flush CTA records the rows of the first `flush_fp8.TRACE_TRIPS` (16) trips of its walk:
 above 16 trips x 16 rows x the flush's columns (at 16 heads on an H200, batch 1,536 for

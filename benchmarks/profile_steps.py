@@ -5,7 +5,7 @@ A `fmt` cache of `batch` live slots at ring positions i mod 16 (bench_cute_nvfp4
 1/16 of the rows flush each step), then `--steps` eager calls of
 `selective_state_update_replayssm`, cycling through four tokens. Every step launches the
 prepare kernel, the flush and the non-flush kernel, so ncu can pick kernels by name and
-launch index (two CuTe kernels a step). docs/perf-notes-cute.md, session 18, section 1:
+launch index (two CuTe kernels a step). The profile in docs/design.md (section 3) ran:
 
     ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \\
         --section SchedulerStats --section WarpStateStats --section Occupancy \\

@@ -1,11 +1,11 @@
 """Static SASS statistics of every CuTe DSL decode kernel variant (no GPU needed).
 
-The decode kernels are bound by instruction issue and latency (docs/perf-notes-cute.md,
-session 4): an FP8 step at batch 256 issues ~12.8 M warp-instructions. Their code is
-almost straight-line (every loop is unrolled at compile time), so the static instruction
-count of a kernel tracks its dynamic count per warp (the SIMT FP8 non-flush kernel: 630
-static, NOPs excluded, and 519 executed a warp by ncu at batch 256), and changes to it
-can be weighed on a CPU before a GPU run. For each variant `compile_all` writes, this prints registers, spill stack, the
+The decode kernels are bound by memory latency (FP8) or instruction issue (NVFP4 on
+sm_90a; docs/design.md). Their code is almost straight-line (every loop is unrolled at
+compile time), so the static instruction count of a kernel tracks its dynamic count per
+warp (the sm_90a FP8 non-flush kernel: 863 static, NOPs excluded, and about 855 executed
+a warp by ncu at 16 heads, batch 1024: 13.14 M warp-instructions over 15,360 non-flush
+warps), and changes to it can be weighed on a CPU before a GPU run. For each variant `compile_all` writes, this prints registers, spill stack, the
 total SASS instruction count and the counts of the instruction classes that matter
 (global and shared memory, barriers, shuffles, tensor-core MMAs, conversions, FP32 math,
 integer address math).

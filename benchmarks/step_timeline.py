@@ -7,27 +7,11 @@ starts and ends relative to the non-flush kernel.
 
     python benchmarks/step_timeline.py --formats fp8 nvfp4 --batch 256 1024
 
-H200, 16 heads / 2 groups, `--batch 256 1024` (docs/perf-notes-cute.md). With session
-5's kernels (session 6) the flush (on its side stream) got the SMs first and the
-non-flush kernel started only as the flush's last CTAs were handed out, so a step was
-about prepare + flush + non-flush less the tail the two shared:
-
-     fmt batch  us/step prepare  flush nonflush  gap  next  flush-start  flush-end
-     fp8   256    25.12    2.02  11.34    22.75 0.42  0.29        -0.22     -11.58
-     fp8  1024    83.14    2.53  35.58    56.78 0.42  0.26       -24.22     -45.31
-   nvfp4   256    26.72    2.26  13.95    23.86 0.42  0.42        -0.22     -10.13
-   nvfp4  1024    90.70    2.67  46.62    53.57 0.42  0.29       -34.69     -41.62
-
-With session 8's persistent flush (flush_fp8.flush_columns) the two run side by side
-from the start, and a step is about prepare + the non-flush kernel:
-
-     fmt batch  us/step prepare  flush nonflush  gap  next  flush-start  flush-end
-     fp8   256    23.14    2.02  18.96    20.49 0.42  0.29        -0.16      -1.70
-     fp8  1024    70.47    2.58  56.51    67.65 0.42  0.26        -0.16     -11.09
-   nvfp4   256    25.46    2.27  17.23    22.59 0.42  0.42        -0.19      -5.50
-   nvfp4  1024    82.76    2.72  59.31    80.45 0.42  0.26        -0.19     -21.23
-
-(flush-start / flush-end: the flush's start / end minus the non-flush kernel's.)
+Columns: us/step, then the medians of prepare, flush and nonflush (each kernel's
+duration, including the time it shares the GPU with the other), gap (prepare's end to
+the first decode kernel's start), next (the last decode kernel's end to the next step's
+prepare), flush-start and flush-end (the flush's start and end minus the non-flush
+kernel's). docs/design.md says what these showed on the H200.
 """
 
 from __future__ import annotations
