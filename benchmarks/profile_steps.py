@@ -1,7 +1,7 @@
 """Eager decode steps of one layer, for a kernel profiler to attach to (GPU; CPU runs the
 PyTorch reference, for its test).
 
-A `fmt` cache of `batch` live slots at ring positions i mod 16 (bench_cute_nvfp4.make_layer:
+A `fmt` cache of `batch` live slots at ring positions i mod 16 (bench_kernels.make_layer:
 1/16 of the rows flush each step), then `--steps` eager calls of
 `selective_state_update_replayssm`, cycling through four tokens. Every step launches the
 prepare kernel, the flush and the non-flush kernel, so ncu can pick kernels by name and
@@ -10,10 +10,11 @@ launch index (two CuTe kernels a step). The profile in docs/design.md (section 3
     ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \\
         --section SchedulerStats --section WarpStateStats --section Occupancy \\
         --section LaunchStats --section InstructionStats \\
-        -k "regex:DecodeNvfp4Warp|FlushNvfp4" --launch-skip 32 -c 4 --page raw --csv \\
+        -k "regex:cutedecodeDecode|cuteflushFlush" --launch-skip 32 -c 4 --page raw --csv \\
         python benchmarks/profile_steps.py nvfp4 1024
 
-(`DecodeFp8Warp|FlushFp8` for FP8; one kernel's name alone with `--launch-skip 16 -c 2`.)
+(that profile ran on the earlier per-format kernels, `DecodeNvfp4Warp|FlushNvfp4`; one
+kernel's name alone with `--launch-skip 16 -c 2`.)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ if str(_ROOT) not in sys.path:  # run as a script from a source checkout
 
 import torch  # noqa: E402
 
-from benchmarks.bench_cute_nvfp4 import make_layer  # noqa: E402
+from benchmarks.bench_kernels import make_layer  # noqa: E402
 from replayssm.api import selective_state_update_replayssm  # noqa: E402
 from replayssm.synthetic import layer_params, token  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Where a captured decode step spends its time (GPU only): the kernels of 16 tokens x
 `--layers` layers captured in one CUDA graph (token-major, rows desynchronized, as
-bench_cute_nvfp4.py builds them), one replay traced by the torch profiler, and per step
+bench_kernels.py builds them), one replay traced by the torch profiler, and per step
 the median of: each kernel's duration, the gap from the prepare kernel's end to the
 first decode kernel's start, the gap to the next step's prepare, and when the flush
 starts and ends relative to the non-flush kernel.
@@ -27,7 +27,7 @@ if str(_ROOT) not in sys.path:  # run as a script from a source checkout
 
 import torch  # noqa: E402
 
-from benchmarks.bench_cute_nvfp4 import make_layer  # noqa: E402
+from benchmarks.bench_kernels import make_layer  # noqa: E402
 from replayssm.api import selective_state_update_replayssm  # noqa: E402
 from replayssm.synthetic import layer_params, token  # noqa: E402
 
@@ -36,8 +36,10 @@ COLUMNS = ("prepare", "flush", "nonflush")
 
 
 def kernel_tag(name: str) -> str:
+    """The kernel a profiler record names: the CuTe DSL names a kernel after its module
+    and class (kernels/cute/flush.py's Flush, decode.py's Decode) and its argument types."""
     n = name.lower()
-    return "flush" if "flush" in n else "nonflush" if "decode" in n else "prepare" if "prepare" in n else "other"
+    return "flush" if "cuteflushflush" in n else "nonflush" if "cutedecodedecode" in n else "prepare" if "prepare" in n else "other"
 
 
 def step_stats(events: list[tuple[str, float, float]]) -> dict[str, float]:
@@ -62,7 +64,7 @@ def step_stats(events: list[tuple[str, float, float]]) -> dict[str, float]:
 def capture_period(fmt: str, batch: int, layers: int, heads: int, groups: int, sync: bool = False):
     """(CUDA graph of one 16-token period over `layers` layer caches, us a step from 10
     replays). `sync`: every row at ring position 1 before the period, so that all rows
-    flush at its 15th token and none at its last (cta_trace.py --sync)."""
+    flush at its 15th token and none at its last."""
     from replayssm import layout as L
 
     p = layer_params(heads, generator=torch.Generator().manual_seed(0), device="cuda")
@@ -111,7 +113,7 @@ def run(fmt: str, batch: int, layers: int, heads: int, groups: int) -> dict[str,
 
 
 def step_args(description: str) -> argparse.ArgumentParser:
-    """The options of the captured-period tools (this one and cta_trace.py)."""
+    """The options of the captured-period tools ."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--formats", nargs="+", default=["fp8", "nvfp4"], choices=["fp8", "nvfp4"])
     ap.add_argument("--batch", nargs="+", type=int, default=[256, 1024])

@@ -218,7 +218,9 @@ def test_step_timeline_statistics():
     pytest.importorskip("cutlass", reason="benchmarks/step_timeline.py imports the CuTe launchers (the cute extra)")
     from benchmarks.step_timeline import kernel_tag, step_stats
 
-    assert [kernel_tag(n) for n in ("_prepare_kernel", "kernel_FlushFp8Sm90_x", "kernel_DecodeFp8Warp_y", "memcpy")] == [
+    decode = "kernel_cutlass_kernel_replayssmkernelscutedecodeDecode_object_at__ptrbf16_flush_y"
+    flush = "kernel_cutlass_kernel_replayssmkernelscuteflushFlush_object_at__ptrf16_decode_x"
+    assert [kernel_tag(n) for n in ("_prepare_kernel", flush, decode, "memcpy")] == [
         "prepare", "flush", "nonflush", "other",
     ]  # fmt: skip
     events = [
@@ -231,52 +233,14 @@ def test_step_timeline_statistics():
     assert got["flush_start"] == -0.5 and got["flush_end"] == (-10.0 - 8.0) / 2
 
 
-def test_cta_trace_phases_from_synthetic_records():
-    """cta_trace.analyse on hand-made records: phases from %clock64 differences at the
-    clock ratio the records imply, CTA counts, starts per tenth, residency, the flush
-    CTAs' spread over SMs, and only the flush rows recorded after their CTA started."""
-    pytest.importorskip("cutlass", reason="the trace layout comes from the CuTe flush module (the cute extra)")
-    from benchmarks.cta_trace import analyse
-
-    from replayssm.kernels.cute.flush_fp8 import FLUSH_TRACE_WORDS, TRACE_TRIPS
-
-    ghz = 2.0  # cycles per ns
-    nf = torch.zeros(6, 8, dtype=torch.int64)
-    for i in range(4):  # live CTAs on SMs 0 and 1: 2 start at 0, 2 at 5 us; 4 us each
-        g0 = 1_000_000 + (i // 2) * 5_000
-        c = 7_000 + 100 * i
-        cyc = [c, c + 1_000, c + 6_000, c + 7_000, c + 8_000]  # 0.5 / 2.5 / 0.5 / 0.5 us
-        nf[i] = torch.tensor([g0, g0 + 4_000, *cyc, (i % 2) | (1 << 32)])
-    nf[4] = torch.tensor([1_000_000, 1_000_500, 50, 0, 0, 0, 1_050, 1])  # a flushing row's CTA
-    fl = torch.zeros(4, FLUSH_TRACE_WORDS, dtype=torch.int64)
-    fl[0, :3] = torch.tensor([1_000_000, 1_009_000, 0])
-    fl[2, :3] = fl[3, :3] = torch.tensor([1_000_000, 1_009_000, 5])  # two CTAs on SM 5, no rows
-    fl[0, 8:13] = torch.tensor([1_001_000, 0, 4_000, 5_000, 9_000])  # unit 0: 2 / 0.5 / 2 us
-    fl[0, 13:18] = torch.tensor([999_000, 0, 1, 2, 3])  # an older step's record: ignored
-    st = analyse(nf, fl, TRACE_TRIPS)
-    assert (st["live"], st["exiting"]) == (4, 1)
-    assert st["ghz"] == pytest.approx(ghz)
-    assert st["span"] == pytest.approx(9.0)
-    assert st["phases"]["plan (slot back)"] == [pytest.approx(0.5)] * 4
-    assert st["phases"]["read copy + row dots"] == [pytest.approx(2.5)] * 4
-    assert st["lifetime"] == [pytest.approx(4.0)] * 4
-    assert st["started"] == [3, 0, 0, 0, 0, 2, 0, 0, 0, 0]  # tenths of 0.9 us
-    assert st["resident"][0] == pytest.approx(1.5) and st["resident"][9] == pytest.approx(1.0)  # 3 / 2 SMs, then 2
-    assert (st["flush_ctas"], st["flush_rows"]) == (3, 1)
-    assert (st["flush_sms"], st["flush_per_sm"]) == (2, [(1, 1), (2, 1)])  # SM 0 holds one, SM 5 two
-    assert st["flush_phases"]["fold (loads, staging, MMAs)"] == [pytest.approx(2.0)]
-    assert st["flush_phases"]["whole row"] == [pytest.approx(4.5)]
-    assert st["flush_first_row"] == [pytest.approx(1.0)]
-
-
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_profile_steps_runs_the_layer_for_the_given_steps(fmt):
     """benchmarks/profile_steps.py (the ncu driver) on the CPU reference: every live row's
     position (tokens decoded) advances by the number of steps from its desynchronized start
     (i mod 16, so rows 11 to 15 cross a flush in 5 steps), and a second run gives the same
     outputs bit for bit."""
-    pytest.importorskip("cutlass", reason="benchmarks/bench_cute_nvfp4.py imports the CuTe launchers (the cute extra)")
-    from benchmarks.bench_cute_nvfp4 import RING
+    pytest.importorskip("cutlass", reason="benchmarks/bench_kernels.py imports the CuTe launchers (the cute extra)")
+    from benchmarks.bench_kernels import RING
     from benchmarks.profile_steps import run_steps
 
     batch, steps = 16, 5

@@ -1,16 +1,16 @@
-"""Time the NVFP4 decode step on the CuTe DSL kernels (GPU only), next to the FP8 step in
-the same run: prepare (Triton) + non-flush + flush (CuTe), through the public API, over
-whole 16-token periods.
+"""Time the decode step on the CuTe DSL kernels (GPU only), both formats in the same run:
+prepare (Triton) + non-flush + flush (CuTe), through the public API, over whole 16-token
+periods, with each kernel's own time beside the step's.
 
-Method as benchmarks/bench_cute_fp8.py (whose helpers it uses): per batch size, enough
+Per batch size, enough
 layers that the read copies touched per step exceed --target-mb, decoded token-major; the
 16 tokens x layers steps captured in one CUDA graph; us/step = replay time / (16 * layers);
 rows desynchronized (row i starts at ring index i mod 16). The floor is the byte model's
 period-average bytes over the copy bandwidth measured in the same run. "nonflush" /
 "flush" are the two CuTe kernels' GPU times per step (profiler, one eager period).
 
-    python benchmarks/bench_cute_nvfp4.py                 # 16 heads / 2 groups, batch 1 256 1024
-    python benchmarks/bench_cute_nvfp4.py --formats nvfp4 --batch 64 512
+    python benchmarks/bench_kernels.py                 # 16 heads / 2 groups, batch 1 256 1024
+    python benchmarks/bench_kernels.py --formats nvfp4 --batch 64 512
 
 The "nonflush" / "flush" columns come from eager steps, where the host's launch gaps keep
 the two kernels apart: they are standalone times, not the share of a captured step.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -32,13 +33,51 @@ if str(_ROOT) not in sys.path:  # run as a script from a source checkout
 import torch  # noqa: E402
 
 from benchmarks import byte_model as bm  # noqa: E402
-from benchmarks.bench_cute_fp8 import copy_tb_s, graph_us  # noqa: E402
 from replayssm import layout as L  # noqa: E402
 from replayssm.api import initialize_replayssm_state, selective_state_update_replayssm  # noqa: E402
 from replayssm.kernels import triton_backend  # noqa: E402
 from replayssm.synthetic import layer_params, token  # noqa: E402
 
 RING = 16
+
+
+def copy_tb_s(gib: float = 1.0) -> float:
+    """The device-to-device copy bandwidth (read + write), TB/s: median of 6 timed copies."""
+    n = int(gib * 2**30) // 4
+    src = torch.rand(n, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(8):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return 2 * 4 * n / statistics.median(times[2:]) / 1e12
+
+
+def graph_us(fn, reps: int) -> float:
+    """Median microseconds of one replay of a CUDA graph capturing `fn`."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(g, stream=stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
 
 
 def make_layer(fmt: str, batch: int, heads: int, groups: int, padding: int, gen: torch.Generator, device: str = "cuda"):
@@ -71,9 +110,10 @@ def kernel_us(fn, steps: int, fmt: str) -> dict[str, float]:
     for evt in prof.key_averages():
         total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
         name = evt.key.lower()
-        # Non-flush: decode_<fmt>.py (SIMT) or decode_warp.py's Decode<Fmt>Warp.
-        for tag, keys in (("nonflush", (f"decode_{fmt}", f"decode{fmt}warp")), ("flush", (f"flush_{fmt}",))):
-            if any(key in name for key in keys):
+        # The CuTe DSL names a kernel after its module and class: kernels/cute/decode.py's
+        # Decode, kernels/cute/flush.py's Flush.
+        for tag, key in (("nonflush", "cutedecodedecode"), ("flush", "cuteflushflush")):
+            if key in name:
                 out[tag] += total / steps
     return out
 
@@ -90,7 +130,7 @@ def main() -> None:
     ap.add_argument("--slot-padding", type=int, default=128)
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench_cute_nvfp4 needs a CUDA GPU")
+        raise SystemExit("bench_kernels needs a CUDA GPU")
     H, G = args.heads, args.groups
     backend = triton_backend()
     p = layer_params(H, generator=torch.Generator().manual_seed(0), device="cuda")
