@@ -267,6 +267,12 @@ def test_argument_structs_bind_what_the_spec_types():
     inputs = A.bind(A.Inputs, x=x, dt=dt, A=per_head, B=B, C=B, D=D, dt_bias=per_head, out=x)
     assert (inputs.dt_stride_b, inputs.dt_stride_h, inputs.d_stride_h, inputs.d_stride_p) == (16 * 64, 64, 1, 0)
     assert len(A.DebugPlan._fields) == len(A.Plan._fields) + 1
+    # The executor passes a struct as one C pointer a field (a field it cannot marshal,
+    # such as a plain Python int, would be dropped and shift every later argument).
+    from cutlass.base_dsl.jit_executor import get_c_pointers
+
+    for struct in (ring, inputs, A.bind(A.Nvfp4Copy, codes=cache[L.READ_COPY], scales=cache[L.SCALES], meta=cache[L.META], parity=cache[L.PARITY])):
+        assert len(get_c_pointers(struct)) == len(struct._fields), type(struct).__name__
 
 
 def test_step_streams_fork_and_join(monkeypatch):

@@ -143,7 +143,9 @@ def bind(struct: type, **tensors: torch.Tensor):
         if _is_stride(entry):
             source, dim, unit = entry
             t = tensors[source]
-            values.append(t.stride(dim) * t.element_size() // 16 if unit == 16 else t.stride(dim))
+            # A DSL integer, not a Python int: the executor marshals a struct's fields by
+            # their DSL types and would drop a plain int (the kernel then reads garbage).
+            values.append(Int64(t.stride(dim) * t.element_size() // 16 if unit == 16 else t.stride(dim)))
         else:
             values.append(None)
     fields = list(SPECS[struct])
