@@ -154,15 +154,14 @@ class ReplaySSMCache:
         return out
 
     def materialize(self, slots: torch.Tensor, A: torch.Tensor | None = None) -> torch.Tensor:
-        """FP32 state [n, heads, 64, 128] of live slots (checkpoint plus live ring
-        entries). `A` defaults to the one seen by the last decode call."""
+        """FP32 state [n, heads, 64, 128] of `slots` (checkpoint plus live ring entries);
+        padding ids (<= 0 or >= num_slots) read as zero states, as decode writes zero
+        outputs for them. `A` defaults to the one seen by the last decode call."""
         slots = self._slots(slots)
-        bad = slots[(slots <= 0) | (slots >= self.num_slots)]
-        if bad.numel():
-            raise ValueError(f"slots must be live slots in [1, {self.num_slots - 1}]; got {bad.tolist()}")
         if A is None:
             if not self._have_A:
-                live = self.tensors[L.POSITIONS][slots.long()] % L.RING
+                live_slots = slots[(slots > 0) & (slots < self.num_slots)].long()
+                live = self.tensors[L.POSITIONS][live_slots] % L.RING
                 if bool((live != 0).any()):
                     raise ValueError("materialize needs A: no decode call has supplied one yet")
             A = self._last_A
