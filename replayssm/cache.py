@@ -45,7 +45,7 @@ class ReplaySSMCache:
     num_heads: int
     num_groups: int
     state_dtype: str
-    device: torch.device = attrs.field(converter=torch.device)
+    device: torch.device = attrs.field(converter=L.check_device)
     seed: int = 0
     max_batch: int | None = None
     conv_state_shape: tuple[int, ...] | None = None
