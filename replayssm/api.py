@@ -8,7 +8,6 @@ elsewhere.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -16,10 +15,7 @@ import torch
 from . import layout as L
 from . import reference as ref
 from .kernels import backend_for
-
-
-def _debug() -> bool:
-    return os.environ.get("REPLAYSSM_DEBUG", "0") not in ("", "0")
+from .kernels.env import debug
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -70,6 +66,7 @@ def initialize_replayssm_state(
     view (stride 0 on the batch dim) and need not be contiguous.
     """
     nvfp4 = L.is_nvfp4(state_dtype)
+    checks = debug()  # read (and validated) once per call
     _check_seed(seed)
     slots, heads, groups = L.check_cache(cache, nvfp4)
     device = cache[L.CHECKPOINT].device
@@ -83,7 +80,7 @@ def initialize_replayssm_state(
         raise ValueError(f"state_indices must hold one slot per state ({states.shape[0]}); got {ids.numel()}")
     if ids.numel() == 0:
         return
-    if _debug():
+    if checks:
         _check_unique(ids, slots)
     backend_for(device).initialize(cache, states, ids, nvfp4=nvfp4, seed=seed)
 
@@ -91,6 +88,7 @@ def initialize_replayssm_state(
 def clear_replayssm_slots(cache: Sequence[torch.Tensor], state_indices: torch.Tensor, *, state_dtype: str) -> None:
     """Zero the rings and positions of the given slots (invalid ids ignored)."""
     nvfp4 = L.is_nvfp4(state_dtype)
+    debug()  # validates $REPLAYSSM_DEBUG, as every entry point does; no check here needs it
     L.check_cache(cache, nvfp4)
     ids = _check_indices(state_indices, cache[L.CHECKPOINT].device)
     if ids.numel():
@@ -171,6 +169,7 @@ def selective_state_update_replayssm(
     its own, sized for its max_batch); the backend keeps shared ones otherwise.
     """
     nvfp4 = L.is_nvfp4(state_dtype)
+    checks = debug()  # read (and validated) once per call
     _check_seed(seed)
     slots, heads, groups = L.check_cache(cache, nvfp4)
     if cache[L.POSITIONS].dim() == 2:
@@ -196,7 +195,7 @@ def selective_state_update_replayssm(
     if batch == 0:
         return out
     norm = normalize_decode_inputs(x, dt, A, B, C, D, dt_bias, batch, heads, groups)
-    if _debug():
+    if checks:
         _check_unique(ids, slots)
     if scratch is not None and getattr(scratch, "rows", batch) < batch:
         raise ValueError(f"scratch holds {scratch.rows} rows; the batch has {batch}")
@@ -215,6 +214,7 @@ def materialize_replayssm_state(
     Rows whose slot is padding (<= 0 or >= num_slots) read as zero states, as decode
     writes zero outputs for them, so a padded batch of slot indices can be passed as is."""
     nvfp4 = L.is_nvfp4(state_dtype)
+    debug()  # validates $REPLAYSSM_DEBUG, as every entry point does; no check here needs it
     slots, heads, _ = L.check_cache(cache, nvfp4)
     ids = _check_indices(state_indices, cache[L.CHECKPOINT].device)
     _check_tensor("A", A)

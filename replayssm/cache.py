@@ -29,6 +29,7 @@ import torch
 
 from . import api
 from . import layout as L
+from .kernels.env import arch_override
 from .slots import NULL_SLOT, SlotAllocator
 
 
@@ -59,6 +60,7 @@ class ReplaySSMCache:
 
     def __attrs_post_init__(self) -> None:
         L.is_nvfp4(self.state_dtype)
+        arch_override()  # a bad $REPLAYSSM_ARCH fails here, on any device, not at the first GPU launch
         for name in ("num_slots", "num_heads", "num_groups"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):

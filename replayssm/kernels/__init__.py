@@ -208,8 +208,10 @@ def compile_all(arch: str, dump_dir) -> list[str]:
     8 and 16 heads per group) for `arch` ("sm_90a", "sm_100a" or "sm_103a"; no GPU needed) into
     the existing folder `dump_dir`; returns the paths of the PTX and cubin files."""
     from .cute.arch import check_arch
+    from .env import arch_override
 
     check_arch(arch)
+    arch_override()  # a bad $REPLAYSSM_ARCH is an error here too, though `arch` wins
     from .cute.launch import compile_all as _compile_all
 
     return _compile_all(arch, dump_dir)
