@@ -29,7 +29,8 @@ import torch
 
 from . import api
 from . import layout as L
-from .kernels.env import arch_override
+from .kernels import backend_for, check_backend
+from .kernels.env import arch_override, debug
 from .slots import NULL_SLOT, SlotAllocator
 
 
@@ -37,9 +38,16 @@ from .slots import NULL_SLOT, SlotAllocator
 class ReplaySSMCache:
     """One model layer's ReplaySSM state for `num_slots` slots (slot 0 reserved).
 
-    Owns the cache tuple (`.tensors`, laid out as docs/format.md says), allocates slots,
-    and runs prefill initialization and decode steps on the best backend for `device`.
-    `max_batch` (default num_slots - 1) bounds the rows of one decode call.
+    Owns the cache tuple (`.tensors`, laid out as docs/format.md says; validated once
+    here, so its methods skip the per-call tuple checks of the functional API), allocates
+    slots, and runs prefill initialization and decode steps. `max_batch` (default
+    num_slots - 1) bounds the rows of one decode call.
+
+    `backend` (keyword only) picks what runs the operations, once, here: "auto" (the
+    default) the kernels where they can run on `device` (a CUDA GPU in the arch table, the
+    CuTe DSL installed), else the PyTorch reference with a `ReferenceFallbackWarning`
+    giving the reason; "kernels" a ValueError instead of that fallback; "reference" the
+    PyTorch reference. `backend_name` says which one runs.
     """
 
     num_slots: int
@@ -52,14 +60,19 @@ class ReplaySSMCache:
     conv_state_shape: tuple[int, ...] | None = None
     conv_state_dtype: torch.dtype = torch.bfloat16
     slot_padding: int = 0
-    tensors: list[torch.Tensor] = attrs.field(init=False)
+    backend: str = attrs.field(default="auto", kw_only=True)
+    tensors: tuple[torch.Tensor, ...] = attrs.field(init=False)
     allocator: SlotAllocator = attrs.field(init=False)
+    _nvfp4: bool = attrs.field(init=False, repr=False)
+    _geometry: tuple[int, int, int] = attrs.field(init=False, repr=False)
+    _backend: object = attrs.field(init=False, repr=False)
     _last_A: torch.Tensor = attrs.field(init=False, repr=False)
     _scratch: object = attrs.field(init=False, default=None, repr=False)
     _have_A: bool = attrs.field(init=False, default=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        L.is_nvfp4(self.state_dtype)
+        self._nvfp4 = L.is_nvfp4(self.state_dtype)
+        check_backend(self.backend)
         arch_override()  # a bad $REPLAYSSM_ARCH fails here, on any device, not at the first GPU launch
         for name in ("num_slots", "num_heads", "num_groups"):
             v = getattr(self, name)
@@ -82,22 +95,25 @@ class ReplaySSMCache:
             raise TypeError(f"max_batch must be an int or None; got {type(self.max_batch).__name__}")
         if self.max_batch <= 0:
             raise ValueError(f"max_batch must be positive; got {self.max_batch}")
-        self.tensors = L.allocate_cache(
-            self.num_slots,
-            self.num_heads,
-            self.num_groups,
-            self.state_dtype,
-            self.device,
-            conv_shape=self.conv_state_shape,
-            conv_dtype=self.conv_state_dtype,
-            slot_padding=self.slot_padding,
+        # A tuple: entries cannot be swapped for tensors the validation below never saw.
+        self.tensors = tuple(
+            L.allocate_cache(
+                self.num_slots,
+                self.num_heads,
+                self.num_groups,
+                self.state_dtype,
+                self.device,
+                conv_shape=self.conv_state_shape,
+                conv_dtype=self.conv_state_dtype,
+                slot_padding=self.slot_padding,
+            )
         )
+        self._geometry = L.check_cache(self.tensors, self._nvfp4)
+        self._backend = backend_for(self.device, self.backend, self.tensors)
         self.allocator = SlotAllocator(self.num_slots)
         # Plan scratch for the kernel backend, owned by this cache and sized for
         # max_batch, so a decode step allocates nothing (None on the reference backend).
-        from .kernels import backend_for
-
-        make = getattr(backend_for(self.device), "new_scratch", None)
+        make = getattr(self._backend, "new_scratch", None)
         self._scratch = make(self.device, self.max_batch) if make else None
         self._last_A = torch.zeros(self.num_heads, dtype=torch.float32, device=self.device)
 
@@ -123,13 +139,16 @@ class ReplaySSMCache:
         if ids.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"slots must be int32 or int64; got {ids.dtype}")
         self.allocator.release(ids)  # validates every id before changing anything
-        api.clear_replayssm_slots(self.tensors, ids, state_dtype=self.state_dtype)
+        api._clear(self.tensors, self._backend, ids)
 
     # -- operations ---------------------------------------------------------------------
     def prefill_init(self, states: torch.Tensor, slots: torch.Tensor) -> None:
         """Write the checkpoint and read copy of `slots` from FP32 `states`
         [n, heads, 64, 128] and clear their rings and positions."""
-        api.initialize_replayssm_state(self.tensors, states, self._slots(slots), state_dtype=self.state_dtype, seed=self.seed)
+        api._initialize(
+            self.tensors, self._geometry, self._backend, states, self._slots(slots),
+            nvfp4=self._nvfp4, seed=self.seed, checks=debug(),
+        )
 
     def reset(self, slots: torch.Tensor) -> None:
         """Start `slots` from a zero state (a request with no prefill)."""
@@ -147,9 +166,9 @@ class ReplaySSMCache:
             raise ValueError(f"slots must hold at most max_batch={self.max_batch} rows; got {batch}")
         if out is None:
             out = torch.empty(batch, self.num_heads, L.HEAD_DIM, dtype=torch.bfloat16, device=self.device)
-        api.selective_state_update_replayssm(
-            self.tensors, x, dt, A, B, C, D, dt_bias, slots, out,
-            state_dtype=self.state_dtype, seed=self.seed, scratch=self._scratch,
+        api._decode(
+            self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
+            nvfp4=self._nvfp4, seed=self.seed, checks=debug(), scratch=self._scratch,
         )
         self._last_A = A  # a reference, not a copy: no extra launch per step
         self._have_A = True
@@ -167,18 +186,20 @@ class ReplaySSMCache:
                 if bool((live != 0).any()):
                     raise ValueError("materialize needs A: no decode call has supplied one yet")
             A = self._last_A
-        return api.materialize_replayssm_state(self.tensors, slots, A, state_dtype=self.state_dtype)
+        return api._materialize(self.tensors, self._geometry, self._backend, slots, A)
 
     def warmup(self) -> list[str]:
         """Compile every kernel variant this cache will launch (before CUDA-graph capture).
         Returns the names of the variants compiled (empty where none are needed)."""
-        from .kernels import backend_for
-
-        backend = backend_for(self.device)
-        warm = getattr(backend, "warmup", None)
+        warm = getattr(self._backend, "warmup", None)
         return list(warm(self)) if warm else []
 
     # -- reporting ----------------------------------------------------------------------
+    @property
+    def backend_name(self) -> str:
+        """The backend that runs this cache's operations: "kernels" or "reference"."""
+        return self._backend.name
+
     @property
     def positions(self) -> torch.Tensor:
         return self.tensors[L.POSITIONS]

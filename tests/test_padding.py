@@ -16,7 +16,7 @@ from replayssm import (
     selective_state_update_replayssm,
 )
 from replayssm import layout as L
-from replayssm.kernels import REFERENCE, TritonBackend
+from replayssm.kernels import backend_for
 from replayssm.synthetic import layer_params, prefill_states, token
 
 from .helpers import assert_cache_equal, snapshot
@@ -35,7 +35,7 @@ FORMATS = ["fp8", "nvfp4"]
 
 
 def _backend(name):
-    return REFERENCE if name == "reference" else TritonBackend()
+    return backend_for(DEV, name)
 
 
 def _live_cache(fmt):
@@ -45,12 +45,15 @@ def _live_cache(fmt):
     p = layer_params(H, generator=g)
     cache = L.allocate_cache(S, H, G, fmt, DEV)
     ids = torch.tensor([1, 2], dtype=torch.int32, device=DEV)
-    initialize_replayssm_state(cache, prefill_states(p, 2, G, 16, generator=g).to(DEV), ids, state_dtype=fmt)
+    initialize_replayssm_state(
+        cache, prefill_states(p, 2, G, 16, generator=g).to(DEV), ids, state_dtype=fmt, backend="reference"
+    )
     for _ in range(3):
         tok = token(2, H, G, generator=g, device=DEV)
         out = torch.empty(2, H, 64, dtype=torch.bfloat16, device=DEV)
         selective_state_update_replayssm(
-            cache, tok.x, tok.dt, p.A.to(DEV), tok.B, tok.C, p.D.to(DEV), p.dt_bias.to(DEV), ids, out, state_dtype=fmt
+            cache, tok.x, tok.dt, p.A.to(DEV), tok.B, tok.C, p.D.to(DEV), p.dt_bias.to(DEV), ids, out,
+            state_dtype=fmt, backend="reference",
         )
     return cache, p
 
@@ -85,23 +88,25 @@ def test_padding_only_batch_changes_nothing(fmt, backend, ids, dtype):
 
 
 @pytest.mark.parametrize("ids", PADDING)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_padding_only_batch_through_the_functional_api(fmt, ids):
+def test_padding_only_batch_through_the_functional_api(fmt, backend, ids):
     cache, p = _live_cache(fmt)
     n = len(ids)
     ids = torch.tensor(ids, dtype=torch.int32, device=DEV)
     before = snapshot(cache)
     g = torch.Generator().manual_seed(1)
-    initialize_replayssm_state(cache, torch.randn(n, H, 64, 128, generator=g).to(DEV), ids, state_dtype=fmt)
-    clear_replayssm_slots(cache, ids, state_dtype=fmt)
+    kw = dict(state_dtype=fmt, backend=backend)
+    initialize_replayssm_state(cache, torch.randn(n, H, 64, 128, generator=g).to(DEV), ids, **kw)
+    clear_replayssm_slots(cache, ids, **kw)
     tok = token(n, H, G, generator=g, device=DEV)
     out = torch.full((n, H, 64), float("nan"), dtype=torch.bfloat16, device=DEV)
     selective_state_update_replayssm(
-        cache, tok.x, tok.dt, p.A.to(DEV), tok.B, tok.C, p.D.to(DEV), p.dt_bias.to(DEV), ids, out, state_dtype=fmt
+        cache, tok.x, tok.dt, p.A.to(DEV), tok.B, tok.C, p.D.to(DEV), p.dt_bias.to(DEV), ids, out, **kw
     )
     assert torch.equal(out, torch.zeros_like(out))
     # materialize: padding rows read as zero states, as decode writes zero outputs
-    got = materialize_replayssm_state(cache, ids, p.A.to(DEV), state_dtype=fmt)
+    got = materialize_replayssm_state(cache, ids, p.A.to(DEV), **kw)
     assert torch.equal(got, torch.zeros(n, H, 64, 128, device=DEV))
     assert_cache_equal(before, cache)
 
@@ -110,16 +115,19 @@ def test_padding_only_batch_through_the_functional_api(fmt, ids):
 def test_padding_rows_among_live_rows_materialize_as_zeros(fmt):
     cache, p = _live_cache(fmt)
     A = p.A.to(DEV)
-    live = materialize_replayssm_state(cache, torch.tensor([1, 2], device=DEV), A, state_dtype=fmt)
-    got = materialize_replayssm_state(cache, torch.tensor([0, 2, S, 1, -1], device=DEV), A, state_dtype=fmt)
+    kw = dict(state_dtype=fmt, backend="reference")
+    live = materialize_replayssm_state(cache, torch.tensor([1, 2], device=DEV), A, **kw)
+    got = materialize_replayssm_state(cache, torch.tensor([0, 2, S, 1, -1], device=DEV), A, **kw)
     zero = torch.zeros_like(live[0])
     for row, want in enumerate([zero, live[1], zero, live[0], zero]):
         assert torch.equal(got[row], want), f"row {row}"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_cache_methods_accept_padding_only_batches(fmt):
-    cache = ReplaySSMCache(S, H, G, fmt, DEV, seed=2)
+def test_cache_methods_accept_padding_only_batches(fmt, backend):
+    cache = ReplaySSMCache(S, H, G, fmt, DEV, seed=2, backend=backend)
+    assert cache.backend_name == backend
     g = torch.Generator().manual_seed(3)
     p = layer_params(H, generator=g)
     slots = cache.allocate(2)
