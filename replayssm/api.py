@@ -57,6 +57,17 @@ def _check_unique(ids: torch.Tensor, num_slots: int) -> None:
         raise ValueError(f"state_indices must name each live slot once; got {ids.tolist()}")
 
 
+def _check_finite(states: torch.Tensor, ids: torch.Tensor, num_slots: int) -> None:
+    """Debug-mode check (REPLAYSSM_DEBUG=1) that the prefill states of live rows hold no
+    NaN or Inf (stored unchecked otherwise, as docs/format.md says); padding rows' states
+    are ignored, as the rows are."""
+    live = (ids > 0) & (ids < num_slots)
+    bad = (~torch.isfinite(states[live])).flatten(1).any(dim=1)
+    if bool(bad.any()):
+        rows = torch.nonzero(live).flatten()[bad].tolist()
+        raise ValueError(f"states must be finite (REPLAYSSM_DEBUG=1); rows {rows} hold NaN or Inf")
+
+
 def initialize_replayssm_state(
     cache: Sequence[torch.Tensor],
     states: torch.Tensor,
@@ -95,6 +106,7 @@ def _initialize(cache, geometry: Geometry, impl, states, state_indices, *, nvfp4
         return
     if checks:
         _check_unique(ids, slots)
+        _check_finite(states, ids, slots)
     impl.initialize(cache, states, ids, nvfp4=nvfp4, seed=seed)
 
 

@@ -128,6 +128,13 @@ class ReplaySSMCache:
         except (TypeError, ValueError, RuntimeError) as e:
             raise TypeError(f"slots must be a tensor, an int or a sequence of ints; got {type(slots).__name__}") from e
 
+    def _check_live(self, ids: torch.Tensor) -> None:
+        """Host-side check (it synchronizes on CUDA) that the live ids are allocated and
+        unique; padding ids pass."""
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"slots must be int32 or int64; got {ids.dtype}")
+        self.allocator.check_live(ids.tolist())
+
     # -- slots --------------------------------------------------------------------------
     def allocate(self, n: int) -> torch.Tensor:
         """n unique free slot ids (int32, on the cache device)."""
@@ -144,14 +151,20 @@ class ReplaySSMCache:
     # -- operations ---------------------------------------------------------------------
     def prefill_init(self, states: torch.Tensor, slots: torch.Tensor) -> None:
         """Write the checkpoint and read copy of `slots` from FP32 `states`
-        [n, heads, 64, 128] and clear their rings and positions."""
+        [n, heads, 64, 128] and clear their rings and positions.
+
+        Every live id must be allocated (`allocate`) and appear once; padding ids (<= 0 or
+        >= num_slots) are ignored. Checked on the host on every call (a sync on CUDA)."""
+        slots = self._slots(slots)
+        self._check_live(slots)
         api._initialize(
-            self.tensors, self._geometry, self._backend, states, self._slots(slots),
+            self.tensors, self._geometry, self._backend, states, slots,
             nvfp4=self._nvfp4, seed=self.seed, checks=debug(),
         )
 
     def reset(self, slots: torch.Tensor) -> None:
-        """Start `slots` from a zero state (a request with no prefill)."""
+        """Start `slots` from a zero state (a request with no prefill); slots as for
+        `prefill_init`."""
         slots = self._slots(slots)
         n = slots.numel()
         zero = torch.zeros(1, self.num_heads, L.HEAD_DIM, L.STATE_DIM, device=self.device)
@@ -159,26 +172,35 @@ class ReplaySSMCache:
 
     def decode(self, x, dt, A, B, C, D, dt_bias, slots, out=None) -> torch.Tensor:
         """One decode step; returns bf16 [batch, heads, 64] (`out` if given; pass `out`
-        when capturing a CUDA graph, so that the step allocates nothing)."""
+        when capturing a CUDA graph, so that the step allocates nothing).
+
+        Live ids must be allocated and unique (padding ids are ignored). That is a
+        precondition, not checked here, since checking reads the ids on the host; with
+        REPLAYSSM_DEBUG=1 it is checked, with a host sync."""
+        checks = debug()
         slots = self._slots(slots)
         batch = slots.numel()
         if batch > self.max_batch:
             raise ValueError(f"slots must hold at most max_batch={self.max_batch} rows; got {batch}")
+        if checks:
+            self._check_live(slots)
         if out is None:
             out = torch.empty(batch, self.num_heads, L.HEAD_DIM, dtype=torch.bfloat16, device=self.device)
         api._decode(
             self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
-            nvfp4=self._nvfp4, seed=self.seed, checks=debug(), scratch=self._scratch,
+            nvfp4=self._nvfp4, seed=self.seed, checks=checks, scratch=self._scratch,
         )
         self._last_A = A  # a reference, not a copy: no extra launch per step
         self._have_A = True
         return out
 
     def materialize(self, slots: torch.Tensor, A: torch.Tensor | None = None) -> torch.Tensor:
-        """FP32 state [n, heads, 64, 128] of `slots` (checkpoint plus live ring entries);
-        padding ids (<= 0 or >= num_slots) read as zero states, as decode writes zero
-        outputs for them. `A` defaults to the one seen by the last decode call."""
+        """FP32 state [n, heads, 64, 128] of `slots` (checkpoint plus live ring entries).
+        Live ids must be allocated and appear once (checked on the host); padding ids
+        (<= 0 or >= num_slots) read as zero states, as decode writes zero outputs for
+        them. `A` defaults to the one seen by the last decode call."""
         slots = self._slots(slots)
+        self._check_live(slots)
         if A is None:
             if not self._have_A:
                 live_slots = slots[(slots > 0) & (slots < self.num_slots)].long()

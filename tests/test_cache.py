@@ -66,6 +66,7 @@ def test_slots_accept_lists_and_ints_and_conv_dtype_is_configurable():
     states = torch.randn(1, 16, 64, 128)
     cache.prefill_init(states, [2])
     ref = ReplaySSMCache(4, 16, 2, "fp8", "cpu")
+    ref.allocate(2)
     ref.prefill_init(states, torch.tensor([2]))
     assert torch.equal(cache.tensors[L.CHECKPOINT][2], ref.tensors[L.CHECKPOINT][2])
     assert torch.equal(cache.materialize(2), ref.materialize(torch.tensor([2])))
