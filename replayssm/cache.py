@@ -34,7 +34,7 @@ from .kernels.env import arch_override, debug
 from .slots import NULL_SLOT, SlotAllocator
 
 
-@attrs.define(eq=False)
+@attrs.define(eq=False, repr=False)
 class ReplaySSMCache:
     """One model layer's ReplaySSM state for `num_slots` slots (slot 0 reserved).
 
@@ -217,6 +217,26 @@ class ReplaySSMCache:
         return list(warm(self)) if warm else []
 
     # -- reporting ----------------------------------------------------------------------
+    def __repr__(self) -> str:
+        """Geometry, format, device, the backend that runs, and slots in use / capacity
+        (no tensor contents)."""
+        parts = [
+            f"num_slots={self.num_slots}",
+            f"num_heads={self.num_heads}",
+            f"num_groups={self.num_groups}",
+            f"state_dtype={self.state_dtype!r}",
+            f"device={str(self.device)!r}",
+            f"backend={self.backend_name!r}",
+            f"seed={self.seed}",
+            f"max_batch={self.max_batch}",
+        ]
+        if self.slot_padding:
+            parts.append(f"slot_padding={self.slot_padding}")
+        if self.conv_state_shape is not None:
+            parts.append(f"conv_state_shape={tuple(self.conv_state_shape)}")
+        parts.append(f"slots_in_use={self.allocator.num_used}/{self.allocator.capacity}")
+        return f"ReplaySSMCache({', '.join(parts)})"
+
     @property
     def backend_name(self) -> str:
         """The backend that runs this cache's operations: "kernels" or "reference"."""
