@@ -81,7 +81,9 @@ def initialize_replayssm_state(
     states [batch, heads, 64, 128], and clear the rings and positions of the slots.
 
     Nonpositive and out-of-range slot indices are ignored. `states` may be a broadcast
-    view (stride 0 on the batch dim) and need not be contiguous.
+    view (stride 0 on the batch dim) and need not be contiguous. With REPLAYSSM_DEBUG=1
+    live slots must be unique and their states finite (ValueError otherwise). `backend`:
+    "auto", "kernels" or "reference" (module docstring).
     """
     nvfp4 = L.is_nvfp4(state_dtype)
     checks = debug()  # read (and validated) once per call
@@ -113,7 +115,8 @@ def _initialize(cache, geometry: Geometry, impl, states, state_indices, *, nvfp4
 def clear_replayssm_slots(
     cache: Sequence[torch.Tensor], state_indices: torch.Tensor, *, state_dtype: str, backend: str = "auto"
 ) -> None:
-    """Zero the rings and positions of the given slots (invalid ids ignored)."""
+    """Zero the rings and positions of the given slots (invalid ids ignored). `backend`
+    as for `initialize_replayssm_state`."""
     nvfp4 = L.is_nvfp4(state_dtype)
     debug()  # validates $REPLAYSSM_DEBUG, as every entry point does; no check here needs it
     L.check_cache(cache, nvfp4)
@@ -199,7 +202,8 @@ def selective_state_update_replayssm(
     their output rows are zeroed and nothing else changes. Active slot indices must be
     unique (checked when REPLAYSSM_DEBUG=1). Returns `out` (bf16 [batch, heads, 64]).
     `scratch`: optional per-row plan buffers for the kernel backend (ReplaySSMCache passes
-    its own, sized for its max_batch); the backend keeps shared ones otherwise.
+    its own, sized for its max_batch); the backend keeps shared ones otherwise. `backend`
+    as for `initialize_replayssm_state`.
     """
     nvfp4 = L.is_nvfp4(state_dtype)
     checks = debug()  # read (and validated) once per call
