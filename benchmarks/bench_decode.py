@@ -297,7 +297,7 @@ def build_steps(provider, shape, batch, layers, inp: Inputs, device, states, syn
 
                 steps.append(step)
     else:
-        from replayssm.kernels.triton.standard_decode import standard_decode, standard_decode_ref
+        from benchmarks.standard_decode import standard_decode, standard_decode_ref
 
         dtype = STD_DTYPES[provider]
         g = torch.Generator(device=device).manual_seed(args.seed + 5)
@@ -411,7 +411,7 @@ def run_row(provider, shape, batch, sync_mode, ctx) -> dict:
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         row["traceback"] = traceback.format_exc(limit=6)
     if provider in STANDARD:
-        from replayssm.kernels.triton.standard_decode import default_config
+        from benchmarks.standard_decode import default_config
 
         bp, nw = default_config(STD_DTYPES[provider])
         row.update(block_p=args.block_p or bp, num_warps=args.num_warps or nw)
@@ -452,7 +452,7 @@ def _measure(provider, shape, batch, sync_mode, layers, graph, ctx):
 
 
 def check_standard(provider, shape, device, args) -> dict:
-    from replayssm.kernels.triton.standard_decode import standard_decode, standard_decode_ref
+    from benchmarks.standard_decode import standard_decode, standard_decode_ref
 
     heads, groups = shape
     batch = 8

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from benchmarks import byte_model as bm  # noqa: E402
 from replayssm import layout as L  # noqa: E402
 from replayssm.api import initialize_replayssm_state, selective_state_update_replayssm  # noqa: E402
-from replayssm.kernels import triton_backend  # noqa: E402
+from replayssm.kernels import kernel_backend  # noqa: E402
 from replayssm.synthetic import layer_params, token  # noqa: E402
 
 RING = 16
@@ -132,7 +132,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA GPU")
     H, G = args.heads, args.groups
-    backend = triton_backend()
+    backend = kernel_backend()
     p = layer_params(H, generator=torch.Generator().manual_seed(0), device="cuda")
     gen = torch.Generator("cuda").manual_seed(0)
     tb_s = copy_tb_s()

@@ -1,25 +1,27 @@
 """Functional API with the serving engine's signatures: validate -> plan -> launch.
 
 Everything a call could reject is checked before anything is written, so a rejected call
-leaves the cache untouched. CPU tensors run the PyTorch reference; CUDA tensors run the
-kernels where they exist (replayssm.kernels.backend_for says which), the reference
-elsewhere.
+leaves the cache untouched. `backend` picks what runs the call ("auto", the default: the
+kernels where they can run, else the PyTorch reference with a warning; "kernels";
+"reference"), as `replayssm.kernels.backend_for` describes.
+
+Each public function validates the cache tuple on every call, then calls its internal
+entry (`_initialize`, `_clear`, `_decode`, `_materialize`), which validates the other
+inputs and runs the backend. `ReplaySSMCache`, whose tuple was validated once when it was
+built, calls the internal entries directly.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 
 from . import layout as L
-from . import reference as ref
 from .kernels import backend_for
+from .kernels.env import debug
 
-
-def _debug() -> bool:
-    return os.environ.get("REPLAYSSM_DEBUG", "0") not in ("", "0")
+Geometry = tuple[int, int, int]  # (num_slots, heads, groups), as layout.check_cache returns it
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -55,6 +57,17 @@ def _check_unique(ids: torch.Tensor, num_slots: int) -> None:
         raise ValueError(f"state_indices must name each live slot once; got {ids.tolist()}")
 
 
+def _check_finite(states: torch.Tensor, ids: torch.Tensor, num_slots: int) -> None:
+    """Debug-mode check (REPLAYSSM_DEBUG=1) that the prefill states of live rows hold no
+    NaN or Inf (stored unchecked otherwise, as docs/format.md says); padding rows' states
+    are ignored, as the rows are."""
+    live = (ids > 0) & (ids < num_slots)
+    bad = (~torch.isfinite(states[live])).flatten(1).any(dim=1)
+    if bool(bad.any()):
+        rows = torch.nonzero(live).flatten()[bad].tolist()
+        raise ValueError(f"states must be finite (REPLAYSSM_DEBUG=1); rows {rows} hold NaN or Inf")
+
+
 def initialize_replayssm_state(
     cache: Sequence[torch.Tensor],
     states: torch.Tensor,
@@ -62,16 +75,26 @@ def initialize_replayssm_state(
     *,
     state_dtype: str,
     seed: int = 0,
+    backend: str = "auto",
 ) -> None:
     """Initialize the FP16 checkpoint and the read copy independently from FP32 prefill
     states [batch, heads, 64, 128], and clear the rings and positions of the slots.
 
     Nonpositive and out-of-range slot indices are ignored. `states` may be a broadcast
-    view (stride 0 on the batch dim) and need not be contiguous.
+    view (stride 0 on the batch dim) and need not be contiguous. With REPLAYSSM_DEBUG=1
+    live slots must be unique and their states finite (ValueError otherwise). `backend`:
+    "auto", "kernels" or "reference" (module docstring).
     """
     nvfp4 = L.is_nvfp4(state_dtype)
+    checks = debug()  # read (and validated) once per call
     _check_seed(seed)
-    slots, heads, groups = L.check_cache(cache, nvfp4)
+    geometry = L.check_cache(cache, nvfp4)
+    impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
+    _initialize(cache, geometry, impl, states, state_indices, nvfp4=nvfp4, seed=seed, checks=checks)
+
+
+def _initialize(cache, geometry: Geometry, impl, states, state_indices, *, nvfp4: bool, seed: int, checks: bool) -> None:
+    slots, heads, _ = geometry
     device = cache[L.CHECKPOINT].device
     _check_tensor("states", states)
     if states.dtype != torch.float32 or states.dim() != 4 or states.shape[1:] != (heads, L.HEAD_DIM, L.STATE_DIM):
@@ -83,18 +106,28 @@ def initialize_replayssm_state(
         raise ValueError(f"state_indices must hold one slot per state ({states.shape[0]}); got {ids.numel()}")
     if ids.numel() == 0:
         return
-    if _debug():
+    if checks:
         _check_unique(ids, slots)
-    backend_for(device).initialize(cache, states, ids, nvfp4=nvfp4, seed=seed)
+        _check_finite(states, ids, slots)
+    impl.initialize(cache, states, ids, nvfp4=nvfp4, seed=seed)
 
 
-def clear_replayssm_slots(cache: Sequence[torch.Tensor], state_indices: torch.Tensor, *, state_dtype: str) -> None:
-    """Zero the rings and positions of the given slots (invalid ids ignored)."""
+def clear_replayssm_slots(
+    cache: Sequence[torch.Tensor], state_indices: torch.Tensor, *, state_dtype: str, backend: str = "auto"
+) -> None:
+    """Zero the rings and positions of the given slots (invalid ids ignored). `backend`
+    as for `initialize_replayssm_state`."""
     nvfp4 = L.is_nvfp4(state_dtype)
+    debug()  # validates $REPLAYSSM_DEBUG, as every entry point does; no check here needs it
     L.check_cache(cache, nvfp4)
+    impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
+    _clear(cache, impl, state_indices)
+
+
+def _clear(cache, impl, state_indices) -> None:
     ids = _check_indices(state_indices, cache[L.CHECKPOINT].device)
     if ids.numel():
-        backend_for(ids.device).clear(cache, ids)
+        impl.clear(cache, ids)
 
 
 def normalize_decode_inputs(x, dt, A, B, C, D, dt_bias, batch: int, heads: int, groups: int):
@@ -161,6 +194,7 @@ def selective_state_update_replayssm(
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int = 1,
     scratch=None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Decode one token per row and advance the device-resident positions.
 
@@ -168,11 +202,13 @@ def selective_state_update_replayssm(
     their output rows are zeroed and nothing else changes. Active slot indices must be
     unique (checked when REPLAYSSM_DEBUG=1). Returns `out` (bf16 [batch, heads, 64]).
     `scratch`: optional per-row plan buffers for the kernel backend (ReplaySSMCache passes
-    its own, sized for its max_batch); the backend keeps shared ones otherwise.
+    its own, sized for its max_batch); the backend keeps shared ones otherwise. `backend`
+    as for `initialize_replayssm_state`.
     """
     nvfp4 = L.is_nvfp4(state_dtype)
+    checks = debug()  # read (and validated) once per call
     _check_seed(seed)
-    slots, heads, groups = L.check_cache(cache, nvfp4)
+    geometry = L.check_cache(cache, nvfp4)
     if cache[L.POSITIONS].dim() == 2:
         raise ValueError(
             "pending mode (positions [slots, 2]: speculative decoding) is not supported yet; "
@@ -182,6 +218,18 @@ def selective_state_update_replayssm(
         raise ValueError("num_accepted_tokens and cu_seqlens are pending-mode arguments; separate mode takes neither")
     if max_seqlen != 1:
         raise ValueError(f"separate mode decodes one token per row: max_seqlen must be 1; got {max_seqlen}")
+    impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
+    return _decode(
+        cache, geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
+        nvfp4=nvfp4, seed=seed, checks=checks, scratch=scratch,
+    )
+
+
+def _decode(
+    cache, geometry: Geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
+    *, nvfp4: bool, seed: int, checks: bool, scratch=None,
+) -> torch.Tensor:
+    slots, heads, groups = geometry
     device = cache[L.CHECKPOINT].device
     ids = _check_indices(state_indices, device)
     batch = ids.numel()
@@ -196,28 +244,36 @@ def selective_state_update_replayssm(
     if batch == 0:
         return out
     norm = normalize_decode_inputs(x, dt, A, B, C, D, dt_bias, batch, heads, groups)
-    if _debug():
+    if checks:
         _check_unique(ids, slots)
     if scratch is not None and getattr(scratch, "rows", batch) < batch:
         raise ValueError(f"scratch holds {scratch.rows} rows; the batch has {batch}")
-    backend = backend_for(device)
     extra = {"scratch": scratch} if scratch is not None else {}
-    backend.decode(cache, *norm, ids, out.view(batch, heads, L.HEAD_DIM), nvfp4=nvfp4, seed=seed, **extra)
+    impl.decode(cache, *norm, ids, out.view(batch, heads, L.HEAD_DIM), nvfp4=nvfp4, seed=seed, **extra)
     return out
 
 
 def materialize_replayssm_state(
-    cache: Sequence[torch.Tensor], state_indices: torch.Tensor, A: torch.Tensor, *, state_dtype: str
+    cache: Sequence[torch.Tensor], state_indices: torch.Tensor, A: torch.Tensor, *, state_dtype: str, backend: str = "auto"
 ) -> torch.Tensor:
-    """FP32 states [n, heads, 64, 128] of the given live slots after every decoded token
-    (checkpoint plus live ring entries). Reads only; `A` as for decode."""
+    """FP32 states [n, heads, 64, 128] of the given slots after every decoded token
+    (checkpoint plus live ring entries). Reads only; `A` as for decode.
+
+    Rows whose slot is padding (<= 0 or >= num_slots) read as zero states, as decode
+    writes zero outputs for them, so a padded batch of slot indices can be passed as is.
+    Both backends read the cache with the reference here (there is no kernel twin: it is
+    off the hot path); `backend` is resolved as for the other entry points."""
     nvfp4 = L.is_nvfp4(state_dtype)
-    slots, heads, _ = L.check_cache(cache, nvfp4)
+    debug()  # validates $REPLAYSSM_DEBUG, as every entry point does; no check here needs it
+    geometry = L.check_cache(cache, nvfp4)
+    impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
+    return _materialize(cache, geometry, impl, state_indices, A)
+
+
+def _materialize(cache, geometry: Geometry, impl, state_indices, A) -> torch.Tensor:
+    _, heads, _ = geometry
     ids = _check_indices(state_indices, cache[L.CHECKPOINT].device)
     _check_tensor("A", A)
     if A.numel() not in (heads, heads * L.HEAD_DIM, heads * L.HEAD_DIM * L.STATE_DIM) or A.shape[0] != heads:
         raise ValueError(f"A must be [{heads}] or a tied [{heads}, 64(, 128)] view; got {_describe(A)}")
-    bad = ids[(ids <= 0) | (ids >= slots)]
-    if bad.numel():
-        raise ValueError(f"state_indices must be live slots in [1, {slots - 1}]; got {bad.tolist()}")
-    return ref.materialize(cache, ids, A.reshape(heads, -1)[:, 0].float().to(ids.device))
+    return impl.materialize(cache, ids, A.reshape(heads, -1)[:, 0].float().to(ids.device))

@@ -29,36 +29,51 @@ import torch
 
 from . import api
 from . import layout as L
+from .kernels import backend_for, check_backend
+from .kernels.env import arch_override, debug
 from .slots import NULL_SLOT, SlotAllocator
 
 
-@attrs.define(eq=False)
+@attrs.define(eq=False, repr=False)
 class ReplaySSMCache:
     """One model layer's ReplaySSM state for `num_slots` slots (slot 0 reserved).
 
-    Owns the cache tuple (`.tensors`, laid out as docs/format.md says), allocates slots,
-    and runs prefill initialization and decode steps on the best backend for `device`.
-    `max_batch` (default num_slots - 1) bounds the rows of one decode call.
+    Owns the cache tuple (`.tensors`, laid out as docs/format.md says; validated once
+    here, so its methods skip the per-call tuple checks of the functional API), allocates
+    slots, and runs prefill initialization and decode steps. `max_batch` (default
+    num_slots - 1) bounds the rows of one decode call.
+
+    `backend` (keyword only) picks what runs the operations, once, here: "auto" (the
+    default) the kernels where they can run on `device` (a CUDA GPU in the arch table, the
+    CuTe DSL installed), else the PyTorch reference with a `ReferenceFallbackWarning`
+    giving the reason; "kernels" a ValueError instead of that fallback; "reference" the
+    PyTorch reference. `backend_name` says which one runs.
     """
 
     num_slots: int
     num_heads: int
     num_groups: int
     state_dtype: str
-    device: torch.device = attrs.field(converter=torch.device)
+    device: torch.device = attrs.field(converter=L.check_device)
     seed: int = 0
     max_batch: int | None = None
     conv_state_shape: tuple[int, ...] | None = None
     conv_state_dtype: torch.dtype = torch.bfloat16
     slot_padding: int = 0
-    tensors: list[torch.Tensor] = attrs.field(init=False)
+    backend: str = attrs.field(default="auto", kw_only=True)
+    tensors: tuple[torch.Tensor, ...] = attrs.field(init=False)
     allocator: SlotAllocator = attrs.field(init=False)
+    _nvfp4: bool = attrs.field(init=False, repr=False)
+    _geometry: tuple[int, int, int] = attrs.field(init=False, repr=False)
+    _backend: object = attrs.field(init=False, repr=False)
     _last_A: torch.Tensor = attrs.field(init=False, repr=False)
     _scratch: object = attrs.field(init=False, default=None, repr=False)
     _have_A: bool = attrs.field(init=False, default=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        L.is_nvfp4(self.state_dtype)
+        self._nvfp4 = L.is_nvfp4(self.state_dtype)
+        check_backend(self.backend)
+        arch_override()  # a bad $REPLAYSSM_ARCH fails here, on any device, not at the first GPU launch
         for name in ("num_slots", "num_heads", "num_groups"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
@@ -80,22 +95,25 @@ class ReplaySSMCache:
             raise TypeError(f"max_batch must be an int or None; got {type(self.max_batch).__name__}")
         if self.max_batch <= 0:
             raise ValueError(f"max_batch must be positive; got {self.max_batch}")
-        self.tensors = L.allocate_cache(
-            self.num_slots,
-            self.num_heads,
-            self.num_groups,
-            self.state_dtype,
-            self.device,
-            conv_shape=self.conv_state_shape,
-            conv_dtype=self.conv_state_dtype,
-            slot_padding=self.slot_padding,
+        # A tuple: entries cannot be swapped for tensors the validation below never saw.
+        self.tensors = tuple(
+            L.allocate_cache(
+                self.num_slots,
+                self.num_heads,
+                self.num_groups,
+                self.state_dtype,
+                self.device,
+                conv_shape=self.conv_state_shape,
+                conv_dtype=self.conv_state_dtype,
+                slot_padding=self.slot_padding,
+            )
         )
+        self._geometry = L.check_cache(self.tensors, self._nvfp4)
+        self._backend = backend_for(self.device, self.backend, self.tensors)
         self.allocator = SlotAllocator(self.num_slots)
         # Plan scratch for the kernel backend, owned by this cache and sized for
         # max_batch, so a decode step allocates nothing (None on the reference backend).
-        from .kernels import backend_for
-
-        make = getattr(backend_for(self.device), "new_scratch", None)
+        make = getattr(self._backend, "new_scratch", None)
         self._scratch = make(self.device, self.max_batch) if make else None
         self._last_A = torch.zeros(self.num_heads, dtype=torch.float32, device=self.device)
 
@@ -110,6 +128,13 @@ class ReplaySSMCache:
         except (TypeError, ValueError, RuntimeError) as e:
             raise TypeError(f"slots must be a tensor, an int or a sequence of ints; got {type(slots).__name__}") from e
 
+    def _check_live(self, ids: torch.Tensor) -> None:
+        """Host-side check (it synchronizes on CUDA) that the live ids are allocated and
+        unique; padding ids pass."""
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"slots must be int32 or int64; got {ids.dtype}")
+        self.allocator.check_live(ids.tolist())
+
     # -- slots --------------------------------------------------------------------------
     def allocate(self, n: int) -> torch.Tensor:
         """n unique free slot ids (int32, on the cache device)."""
@@ -121,16 +146,25 @@ class ReplaySSMCache:
         if ids.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"slots must be int32 or int64; got {ids.dtype}")
         self.allocator.release(ids)  # validates every id before changing anything
-        api.clear_replayssm_slots(self.tensors, ids, state_dtype=self.state_dtype)
+        api._clear(self.tensors, self._backend, ids)
 
     # -- operations ---------------------------------------------------------------------
     def prefill_init(self, states: torch.Tensor, slots: torch.Tensor) -> None:
         """Write the checkpoint and read copy of `slots` from FP32 `states`
-        [n, heads, 64, 128] and clear their rings and positions."""
-        api.initialize_replayssm_state(self.tensors, states, self._slots(slots), state_dtype=self.state_dtype, seed=self.seed)
+        [n, heads, 64, 128] and clear their rings and positions.
+
+        Every live id must be allocated (`allocate`) and appear once; padding ids (<= 0 or
+        >= num_slots) are ignored. Checked on the host on every call (a sync on CUDA)."""
+        slots = self._slots(slots)
+        self._check_live(slots)
+        api._initialize(
+            self.tensors, self._geometry, self._backend, states, slots,
+            nvfp4=self._nvfp4, seed=self.seed, checks=debug(),
+        )
 
     def reset(self, slots: torch.Tensor) -> None:
-        """Start `slots` from a zero state (a request with no prefill)."""
+        """Start `slots` from a zero state (a request with no prefill); slots as for
+        `prefill_init`."""
         slots = self._slots(slots)
         n = slots.numel()
         zero = torch.zeros(1, self.num_heads, L.HEAD_DIM, L.STATE_DIM, device=self.device)
@@ -138,46 +172,76 @@ class ReplaySSMCache:
 
     def decode(self, x, dt, A, B, C, D, dt_bias, slots, out=None) -> torch.Tensor:
         """One decode step; returns bf16 [batch, heads, 64] (`out` if given; pass `out`
-        when capturing a CUDA graph, so that the step allocates nothing)."""
+        when capturing a CUDA graph, so that the step allocates nothing).
+
+        Live ids must be allocated and unique (padding ids are ignored). That is a
+        precondition, not checked here, since checking reads the ids on the host; with
+        REPLAYSSM_DEBUG=1 it is checked, with a host sync."""
+        checks = debug()
         slots = self._slots(slots)
         batch = slots.numel()
         if batch > self.max_batch:
             raise ValueError(f"slots must hold at most max_batch={self.max_batch} rows; got {batch}")
+        if checks:
+            self._check_live(slots)
         if out is None:
             out = torch.empty(batch, self.num_heads, L.HEAD_DIM, dtype=torch.bfloat16, device=self.device)
-        api.selective_state_update_replayssm(
-            self.tensors, x, dt, A, B, C, D, dt_bias, slots, out,
-            state_dtype=self.state_dtype, seed=self.seed, scratch=self._scratch,
+        api._decode(
+            self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
+            nvfp4=self._nvfp4, seed=self.seed, checks=checks, scratch=self._scratch,
         )
         self._last_A = A  # a reference, not a copy: no extra launch per step
         self._have_A = True
         return out
 
     def materialize(self, slots: torch.Tensor, A: torch.Tensor | None = None) -> torch.Tensor:
-        """FP32 state [n, heads, 64, 128] of live slots (checkpoint plus live ring
-        entries). `A` defaults to the one seen by the last decode call."""
+        """FP32 state [n, heads, 64, 128] of `slots` (checkpoint plus live ring entries).
+        Live ids must be allocated and appear once (checked on the host); padding ids
+        (<= 0 or >= num_slots) read as zero states, as decode writes zero outputs for
+        them. `A` defaults to the one seen by the last decode call."""
         slots = self._slots(slots)
-        bad = slots[(slots <= 0) | (slots >= self.num_slots)]
-        if bad.numel():
-            raise ValueError(f"slots must be live slots in [1, {self.num_slots - 1}]; got {bad.tolist()}")
+        self._check_live(slots)
         if A is None:
             if not self._have_A:
-                live = self.tensors[L.POSITIONS][slots.long()] % L.RING
+                live_slots = slots[(slots > 0) & (slots < self.num_slots)].long()
+                live = self.tensors[L.POSITIONS][live_slots] % L.RING
                 if bool((live != 0).any()):
                     raise ValueError("materialize needs A: no decode call has supplied one yet")
             A = self._last_A
-        return api.materialize_replayssm_state(self.tensors, slots, A, state_dtype=self.state_dtype)
+        return api._materialize(self.tensors, self._geometry, self._backend, slots, A)
 
     def warmup(self) -> list[str]:
         """Compile every kernel variant this cache will launch (before CUDA-graph capture).
         Returns the names of the variants compiled (empty where none are needed)."""
-        from .kernels import backend_for
-
-        backend = backend_for(self.device)
-        warm = getattr(backend, "warmup", None)
+        warm = getattr(self._backend, "warmup", None)
         return list(warm(self)) if warm else []
 
     # -- reporting ----------------------------------------------------------------------
+    def __repr__(self) -> str:
+        """Geometry, format, device, the backend that runs, and slots in use / capacity
+        (no tensor contents)."""
+        parts = [
+            f"num_slots={self.num_slots}",
+            f"num_heads={self.num_heads}",
+            f"num_groups={self.num_groups}",
+            f"state_dtype={self.state_dtype!r}",
+            f"device={str(self.device)!r}",
+            f"backend={self.backend_name!r}",
+            f"seed={self.seed}",
+            f"max_batch={self.max_batch}",
+        ]
+        if self.slot_padding:
+            parts.append(f"slot_padding={self.slot_padding}")
+        if self.conv_state_shape is not None:
+            parts.append(f"conv_state_shape={tuple(self.conv_state_shape)}")
+        parts.append(f"slots_in_use={self.allocator.num_used}/{self.allocator.capacity}")
+        return f"ReplaySSMCache({', '.join(parts)})"
+
+    @property
+    def backend_name(self) -> str:
+        """The backend that runs this cache's operations: "kernels" or "reference"."""
+        return self._backend.name
+
     @property
     def positions(self) -> torch.Tensor:
         return self.tensors[L.POSITIONS]

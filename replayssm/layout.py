@@ -32,6 +32,33 @@ def is_nvfp4(state_dtype: object) -> bool:
     return state_dtype == "nvfp4"
 
 
+def check_device(device: object) -> torch.device:
+    """`device` as a torch.device where replayssm can place a cache: the CPU or a CUDA GPU
+    that torch sees. Anything else (another device type, a CUDA index beyond the GPUs
+    present, CUDA on a machine without one) is one ValueError naming the argument, what it
+    accepts and what it got; a value that is no device at all is a TypeError."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device; got {type(device).__name__}")
+    given = str(device)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus:
+        accepted = f"'cpu', 'cuda' or 'cuda:0'..'cuda:{gpus - 1}'"
+    else:
+        accepted = "'cpu' (no CUDA GPU is visible)"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):  # an unknown device type or a malformed string
+        dev = None
+    if (
+        dev is None
+        or dev.type not in ("cpu", "cuda")
+        or (dev.type == "cpu" and dev.index not in (None, 0))
+        or (dev.type == "cuda" and (gpus == 0 or (dev.index is not None and dev.index >= gpus)))
+    ):
+        raise ValueError(f"device must be {accepted}; got {given!r}")
+    return dev
+
+
 def tensor_specs(heads: int, groups: int, nvfp4: bool, pending: bool = False):
     """[(name, per-slot shape, dtype)] for cache indices 1.. (index 0, the conv state, is
     the caller's)."""
@@ -78,6 +105,7 @@ def allocate_cache(
     state tensors; rings and positions are always zeroed.
     """
     nvfp4 = is_nvfp4(state_dtype)
+    device = check_device(device)
     specs = tensor_specs(heads, groups, nvfp4, pending)
     conv = torch.zeros(num_slots, *(conv_shape or (0,)), dtype=conv_dtype, device=device)
     if slot_padding <= 0:

@@ -52,7 +52,9 @@ def _head_group(heads: int, groups: int, device) -> torch.Tensor:
 def _group_amax(state: torch.Tensor, groups: int) -> torch.Tensor:
     """[n, H, 64, 128] -> [n, G] max |value| over each group's heads."""
     n, heads = state.shape[:2]
-    return state.abs().reshape(n, groups, -1).amax(dim=-1)
+    # An explicit group size: with n = 0 (a batch of padding rows only) -1 is ambiguous.
+    per_group = (heads // groups) * state.shape[2] * state.shape[3]
+    return state.abs().reshape(n, groups, per_group).amax(dim=-1)
 
 
 def _write_read_copy(cache, slot, state, nvfp4: bool, live_amax: torch.Tensor | None) -> None:
@@ -252,13 +254,17 @@ def decode(cache, x, dt, A, B, C, D, dt_bias, slots, out, *, nvfp4: bool, seed: 
 
 def materialize(cache: Sequence[torch.Tensor], slots: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
     """FP32 state [n, H, 64, 128] of `slots` after every decoded token: the FP16
-    checkpoint advanced through the live ring entries. Reads only."""
+    checkpoint advanced through the live ring entries. Rows whose slot is padding (<= 0 or
+    >= num_slots) read as zero states, as decode writes zero outputs for them. Reads only."""
+    num_slots, heads = cache[L.CHECKPOINT].shape[:2]
     slot = slots.reshape(-1).to(torch.int64)
+    valid = valid_rows(slot, num_slots)
+    states = torch.zeros(slot.shape[0], heads, L.HEAD_DIM, L.STATE_DIM, device=slot.device)
+    slot = slot[valid]
     live = cache[L.POSITIONS][slot].to(torch.int64)
     if live.dim() == 2:
         live = live[:, 0]
     live = live % L.RING
-    heads = cache[L.CHECKPOINT].shape[1]
     groups = cache[L.B_RING].shape[1]
     n = slot.shape[0]
     dev = slot.device
@@ -266,5 +272,5 @@ def materialize(cache: Sequence[torch.Tensor], slots: torch.Tensor, A: torch.Ten
     zx = torch.zeros(n, heads, L.HEAD_DIM, device=dev)
     zB = torch.zeros(n, groups, L.STATE_DIM, device=dev)
     zdt = torch.zeros(n, heads, device=dev)
-    s = fold(cache, slot, zx, zdt, zB, A.float(), live)
-    return s
+    states[valid] = fold(cache, slot, zx, zdt, zB, A.float(), live)
+    return states

@@ -3,12 +3,20 @@ handed out."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import attrs
 import torch
 
 NULL_SLOT = 0
+
+
+def _show(ids: Sequence[int], limit: int = 16) -> str:
+    """`ids` for an error message: the first `limit` of them and the count beyond."""
+    ids = list(ids)
+    if len(ids) <= limit:
+        return str(ids)
+    return f"[{', '.join(map(str, ids[:limit]))}, ... ({len(ids)} ids)]"
 
 
 @attrs.define
@@ -42,6 +50,22 @@ class SlotAllocator:
 
     def is_allocated(self, slot: int) -> bool:
         return slot in self._used
+
+    def check_live(self, ids: Sequence[int], name: str = "slots") -> None:
+        """Raise a ValueError naming `name` unless every live id in `ids` (0 < id <
+        num_slots) is allocated and appears once. Padding ids (<= 0 or >= num_slots) pass:
+        they are ignored by every operation."""
+        live = [s for s in ids if 0 < s < self.num_slots]
+        stray = sorted({s for s in live if s not in self._used})
+        if stray:
+            raise ValueError(
+                f"{name} must be allocated slots or padding (<= 0 or >= {self.num_slots}); "
+                f"slot(s) {stray} are not allocated; got {_show(ids)}"
+            )
+        if len(set(live)) != len(live):
+            seen: set[int] = set()
+            repeated = sorted({s for s in live if s in seen or seen.add(s)})
+            raise ValueError(f"{name} must name each live slot once; slot(s) {repeated} repeat; got {_show(ids)}")
 
     def allocate(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """n unique slot ids as an int32 tensor; raises if fewer than n are free."""

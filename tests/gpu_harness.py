@@ -114,7 +114,7 @@ def check_graph_replays_whole_periods(fmt: str, **world) -> None:
     """32 steps (two periods) captured in one CUDA graph and replayed twice give the bits
     of the same steps run eagerly on a twin cache (outputs and every cache tensor).
     `world`: World keywords (live=(5,) is a batch of one row, the PDL launch)."""
-    from replayssm.kernels import triton_backend
+    from replayssm.kernels import kernel_backend
 
     w = World(fmt, 16, 2, seed=1, **world)
     twin = World(fmt, 16, 2, seed=1, **world)  # the same construction: identical bits
@@ -130,7 +130,7 @@ def check_graph_replays_whole_periods(fmt: str, **world) -> None:
                 cache, t.x, t.dt, p.A, t.B, t.C, p.D, p.dt_bias, w.ids, o, state_dtype=fmt, seed=w.seed
             )
 
-    assert triton_backend().cute_for(w.cache) is not None, "the CuTe kernels must run this cache"
+    assert kernel_backend().cute_for(w.cache) is not None, "the CuTe kernels must run this cache"
     eager = [torch.empty(w.batch, 16, 64, dtype=torch.bfloat16, device=DEVICE) for _ in range(steps)]
     graph_out = [torch.empty_like(o) for o in eager]
     run(twin.cache, eager)  # compiles, loads the modules and creates the plan scratch

@@ -66,8 +66,30 @@ def test_slots_accept_lists_and_ints_and_conv_dtype_is_configurable():
     states = torch.randn(1, 16, 64, 128)
     cache.prefill_init(states, [2])
     ref = ReplaySSMCache(4, 16, 2, "fp8", "cpu")
+    ref.allocate(2)
     ref.prefill_init(states, torch.tensor([2]))
     assert torch.equal(cache.tensors[L.CHECKPOINT][2], ref.tensors[L.CHECKPOINT][2])
     assert torch.equal(cache.materialize(2), ref.materialize(torch.tensor([2])))
     cache.release(1)
     assert cache.allocator.num_free == 2
+
+
+def test_repr_is_short_and_says_geometry_format_device_backend_and_slots():
+    cache = ReplaySSMCache(9, 16, 2, "nvfp4", "cpu", backend="reference")
+    want = (
+        "ReplaySSMCache(num_slots=9, num_heads=16, num_groups=2, state_dtype='nvfp4', device='cpu', "
+        "backend='reference', seed=0, max_batch=8, slots_in_use={}/8)"
+    )
+    assert repr(cache) == want.format(0)
+    slots = cache.allocate(3)
+    cache.release(slots[1:2])
+    assert repr(cache) == want.format(2)
+    padded = ReplaySSMCache(
+        1025, 64, 8, "fp8", "cpu", seed=7, max_batch=256, slot_padding=64, conv_state_shape=(3, 8), backend="reference"
+    )
+    text = repr(padded)
+    assert text == (
+        "ReplaySSMCache(num_slots=1025, num_heads=64, num_groups=8, state_dtype='fp8', device='cpu', "
+        "backend='reference', seed=7, max_batch=256, slot_padding=64, conv_state_shape=(3, 8), slots_in_use=0/1024)"
+    )
+    assert len(text) < 200 and "tensor" not in text

@@ -60,13 +60,13 @@ def _config(w: World, case):
 
 def _step(w: World, out, state, cfg):
     """prepare (Triton) + both CuTe kernels, the flush's test variant writing S."""
-    from replayssm.kernels import triton_backend
+    from replayssm.kernels import kernel_backend
     from replayssm.kernels.cute import launch
 
     x, dt, A, B, C, D, dt_bias = w.inputs(w.token())
     out.fill_(NAN)
     state.fill_(NAN)
-    plan = triton_backend().prepare(w.cache, w.ids, out, nvfp4=w.fmt == "nvfp4", seed=w.seed)
+    plan = kernel_backend().prepare(w.cache, w.ids, out, nvfp4=w.fmt == "nvfp4", seed=w.seed)
     launch.decode_step(w.cache, x, dt, A, B, C, D, dt_bias, plan, out, state_dtype=w.fmt, config=cfg, state_out=state)
     return (x, dt, A, B, C, D, dt_bias), plan
 

@@ -5,12 +5,17 @@ unit in the last place (ulp) of their storage dtype; on the GPU the casts round 
 nearest and the remaining differences come from FP32 exp / log1p / summation order."""
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from replayssm import synthetic
-from replayssm.kernels.triton.standard_decode import standard_decode, standard_decode_ref
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.standard_decode import standard_decode, standard_decode_ref  # noqa: E402
 
 # The kernel runs compiled on a GPU machine (CUDA tensors), in the interpreter elsewhere.
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -192,7 +197,7 @@ _COMPILE_SM90 = r"""
 import re, sys, json
 import triton
 from triton.backends.compiler import GPUTarget
-from replayssm.kernels.triton.standard_decode import standard_decode_kernel as k, default_config
+from benchmarks.standard_decode import standard_decode_kernel as k, default_config
 names = k.arg_names
 ptr = {"state": "*" + sys.argv[1], "x": "*bf16", "dt": "*fp32", "A": "*fp32", "B": "*bf16", "C": "*bf16",
        "D": "*fp32", "dt_bias": "*fp32", "slots": "*i32", "out": "*bf16"}
@@ -224,7 +229,7 @@ def test_compiles_for_sm90_with_16_byte_state_accesses(dtype):
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", _COMPILE_SM90, dtype], env=env, capture_output=True, text=True,
-                         timeout=300)  # fmt: skip
+                         timeout=300, cwd=ROOT)  # fmt: skip
     if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr:
         pytest.skip("Triton's bundled ptxas is unavailable")
     assert res.returncode == 0, res.stderr[-3000:]

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from replayssm import layout as L
 from replayssm import reference as ref
-from replayssm.kernels import REFERENCE, TritonBackend, backend_for
+from replayssm.kernels import REFERENCE, KernelBackend
 from replayssm.kernels.triton import bits as K
 from replayssm.kernels.triton.clear import clear
 from replayssm.kernels.triton.initialize import initialize
@@ -299,10 +299,10 @@ def test_prepare_matches_reference(fmt, ids, id_dtype, slot_padding):
 
 
 def test_prepare_trigger_is_one_launch_dependents_on_the_gpu_only(monkeypatch):
-    """$REPLAYSSM_PREPARE_TRIGGER=1 (the default) compiles the prepare kernel with one
+    """On a GPU of compute capability 9.0+ the prepare kernel is compiled with one
     griddepcontrol.launch_dependents at its start (sm_90 PTX, compiled on the CPU in a
     process without the interpreter); the interpreter, CPU tensors and GPUs before
-    compute capability 9.0 never get it; "0" turns it off; a bad value is refused."""
+    compute capability 9.0 never get it."""
     import os
     import subprocess
     import sys
@@ -329,18 +329,12 @@ for trigger in (False, True):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["0", "0", "1", "1", "1", "1"], out.stdout
-    monkeypatch.delenv(P.PREPARE_TRIGGER_ENV, raising=False)  # the default: "1"
     assert P.prepare_trigger(torch.device("cpu")) is False  # the tests run in the interpreter
     monkeypatch.setattr(P, "interpreting", lambda: False)
     assert P.prepare_trigger(torch.device("cpu")) is False  # not a CUDA device
     monkeypatch.setattr(P, "_has_griddepcontrol", lambda index: index == 1)
     assert P.prepare_trigger(torch.device("cuda", 1)) is True
     assert P.prepare_trigger(torch.device("cuda", 0)) is False  # compute capability < 9.0
-    monkeypatch.setenv(P.PREPARE_TRIGGER_ENV, "0")
-    assert P.prepare_trigger(torch.device("cuda", 1)) is False
-    monkeypatch.setenv(P.PREPARE_TRIGGER_ENV, "yes")
-    with pytest.raises(ValueError, match="REPLAYSSM_PREPARE_TRIGGER"):
-        P.prepare_trigger(torch.device("cuda", 1))
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
@@ -370,7 +364,7 @@ def test_prepare_period_sequence(fmt):
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_backend_decode_matches_reference(fmt):
-    """TritonBackend.decode (prepare kernel + reference decode math) equals the reference
+    """KernelBackend.decode (prepare kernel + reference decode math) equals the reference
     decode step by step, rows at staggered positions: slots 2 and 5 flush at step 3, slot
     3 at step 6, and the steps after a flush read the re-derived read copy."""
     from replayssm.synthetic import layer_params, token
@@ -387,7 +381,7 @@ def test_backend_decode_matches_reference(fmt):
     for c in (got, want):
         c[L.POSITIONS][2] = c[L.POSITIONS][5] = 12
         c[L.POSITIONS][3] = 9
-    backend = TritonBackend()
+    backend = KernelBackend()
     batch_ids = torch.tensor([2, 0, 5, 3], dtype=torch.int64, device=DEV)
     A, D, dt_bias = params.A.to(DEV), params.D[:, None].expand(H, 64).to(DEV), params.dt_bias.to(DEV)
     for step in range(8):
@@ -402,22 +396,11 @@ def test_backend_decode_matches_reference(fmt):
 
 
 # ---------------------------------------------------------------------------------------
-# backend choice, scratch, warmup
-
-
-def test_backend_for():
-    assert backend_for("cpu") is REFERENCE
-    assert backend_for("cpu", prefer="torch") is REFERENCE
-    if not HAS_CUDA:  # CPU CI runs Triton in its interpreter
-        assert isinstance(backend_for("cpu", prefer="triton"), TritonBackend)
-    assert backend_for("cuda", prefer="torch") is REFERENCE
-    assert isinstance(backend_for("cuda"), TritonBackend)
-    with pytest.raises(ValueError, match="prefer"):
-        backend_for("cpu", prefer="cute!")
+# scratch, warmup
 
 
 def test_shared_scratch_is_reused():
-    backend = TritonBackend()
+    backend = KernelBackend()
     a = backend.scratch(DEV, 5)
     assert a.rows == 64 and backend.scratch(DEV, 64) is a
     b = backend.scratch(DEV, 65)
@@ -429,9 +412,9 @@ def test_shared_scratch_is_reused():
 def test_warmup_changes_nothing():
     from replayssm.cache import ReplaySSMCache
 
-    cache = ReplaySSMCache(4, 16, 2, "nvfp4", DEV, seed=3, slot_padding=16)
+    cache = ReplaySSMCache(4, 16, 2, "nvfp4", DEV, seed=3, slot_padding=16, backend="kernels")
     before = [as_bits(t).clone() for t in cache.tensors]
-    names = TritonBackend().warmup(cache)
+    names = cache.warmup()
     assert "triton.prepare[torch.int64]" in names
     for i, (a, t) in enumerate(zip(before, cache.tensors)):
         assert torch.equal(a, as_bits(t)), f"cache[{i}] changed"
@@ -539,8 +522,8 @@ def test_gpu_prepare_and_cuda_graph(fmt, heads, groups):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-def test_gpu_api_decode_uses_triton(fmt):
-    """Through the public API on CUDA (TritonBackend: prepare kernel + CuTe decode kernels)
+def test_gpu_api_decode_uses_kernels(fmt):
+    """Through the public API on CUDA (KernelBackend: prepare kernel + CuTe decode kernels)
     vs the reference backend, each step started from the same cache: 17 steps (one
     flush per row). Bookkeeping (positions, rings, parity) bit-exact; outputs within 2
     bf16 ulps of the row's largest value -- both sides compute in FP32 from the same
@@ -556,7 +539,7 @@ def test_gpu_api_decode_uses_triton(fmt):
     got, want = twin_caches(64, H, G, fmt, "cuda", garbage=False, slot_padding=64)
     ids = torch.tensor([5, 0, 9, 33, 63, -2, 1], dtype=torch.int32, device="cuda")
     states = prefill_like(7, H, gen, "cuda") * 1e-3
-    api.initialize_replayssm_state(got, states, ids, state_dtype=fmt, seed=3)
+    api.initialize_replayssm_state(got, states, ids, state_dtype=fmt, seed=3, backend="kernels")
     REFERENCE.initialize(want, states, ids.reshape(-1), nvfp4=nvfp4, seed=3)
     assert_same_cache(got, want)
     bookkeeping = [L.X_RING, L.DT_RING, L.B_RING, L.POSITIONS] + ([L.PARITY] if nvfp4 else [])
@@ -568,7 +551,7 @@ def test_gpu_api_decode_uses_triton(fmt):
         args = (tok.x.cuda(), tok.dt.cuda(), A, tok.B.cuda(), tok.C.cuda(), D, dt_bias)
         out = torch.empty(7, H, 64, dtype=torch.bfloat16, device="cuda")
         out_want = torch.empty_like(out)
-        api.selective_state_update_replayssm(got, *args, ids, out, state_dtype=fmt, seed=3)
+        api.selective_state_update_replayssm(got, *args, ids, out, state_dtype=fmt, seed=3, backend="kernels")
         norm = api.normalize_decode_inputs(*args, 7, H, G)
         REFERENCE.decode(want, *norm, ids, out_want, nvfp4=nvfp4, seed=3)
         row_max = out_want.float().abs().amax(dim=(1, 2), keepdim=True)

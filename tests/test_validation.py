@@ -231,9 +231,5 @@ def test_rejected_release_and_materialize_change_nothing():
         cache.release(torch.tensor([1.0]))
     with pytest.raises(ValueError, match="not allocated"):
         cache.release(torch.tensor([1, 3]))
-    with pytest.raises(ValueError, match="live slots"):
-        cache.materialize([7])
-    with pytest.raises(ValueError, match="live slots"):
-        cache.materialize([-1])
     assert cache.allocator.num_used == 2
     assert_cache_equal(before, cache.tensors)

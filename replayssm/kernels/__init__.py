@@ -1,9 +1,21 @@
 """Device code and backend choice.
 
-`backend_for(device)` returns the object that runs the cache operations for tensors on
-`device`: the PyTorch reference on the CPU (and wherever kernels are missing), the
-Triton bookkeeping kernels on CUDA. Backends take inputs already validated and
-normalized by `replayssm.api`; they never validate user input themselves.
+Two backends run the cache operations, with the same methods (`initialize`, `clear`,
+`decode`, `materialize`), on inputs already validated and normalized by `replayssm.api`
+(backends never validate user input):
+
+- `ReferenceBackend` ("reference"): the PyTorch reference (`replayssm.reference`), on any
+  device.
+- `KernelBackend` ("kernels"): the Triton bookkeeping kernels (initialize, clear, the
+  decode plan) and the CuTe DSL decode kernels, on a CUDA GPU in the arch table with the
+  CuTe DSL installed and a 16-byte-aligned cache. On the CPU it runs only under the Triton
+  interpreter (TRITON_INTERPRET=1, for tests): the bookkeeping kernels interpreted, the
+  decode math from the reference fed the kernel-made plan.
+
+`backend_for(device, backend, cache)` turns the caller's choice into one of them:
+"reference"; "kernels", a ValueError saying why where they cannot run; "auto" (the
+default), the kernels where they can run, else the reference with a
+`ReferenceFallbackWarning` giving the reason, once per reason and process.
 
 The Triton kernels live in `replayssm.kernels.triton` and are imported on first use:
 `triton.jit` chooses between compiler and CPU interpreter when a kernel is defined, so
@@ -14,9 +26,10 @@ copies) are imported on first use too; `compile_all` builds them for any target 
 
 from __future__ import annotations
 
-import logging
 import os
-from collections.abc import Callable
+import sys
+import warnings
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -24,15 +37,19 @@ import torch
 from .. import layout as L
 from .. import reference as ref
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("reference", "kernels")
+BACKEND_CHOICES = ("auto", *BACKENDS)
 
-log = logging.getLogger(__name__)
+
+class ReferenceFallbackWarning(UserWarning):
+    """backend="auto" runs the PyTorch reference because the kernels cannot run; the
+    message says why. Pass backend="reference" to choose the reference explicitly."""
 
 
 class ReferenceBackend:
     """Runs every operation with the PyTorch reference (`replayssm.reference`)."""
 
-    name = "torch"
+    name = "reference"
 
     def initialize(self, cache, states, ids, *, nvfp4: bool, seed: int) -> None:
         ref.initialize(cache, states, ids, nvfp4=nvfp4, seed=seed)
@@ -43,6 +60,9 @@ class ReferenceBackend:
     def decode(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, nvfp4: bool, seed: int) -> None:
         ref.decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4=nvfp4, seed=seed)
 
+    def materialize(self, cache, ids, A) -> torch.Tensor:
+        return ref.materialize(cache, ids, A)
+
 
 class _TritonKernels(NamedTuple):
     initialize: Callable
@@ -51,14 +71,17 @@ class _TritonKernels(NamedTuple):
     PlanScratch: type
 
 
-class TritonBackend:
+class KernelBackend:
     """Bookkeeping on Triton kernels (`initialize`, `clear`, the decode plan `prepare`)
-    and the decode math on the CuTe DSL kernels (`cute_for`); where those cannot run
-    (no CuTe DSL, an unsupported GPU, an unaligned cache) the decode math falls back to
-    `reference.decode_nonflush` / `reference.decode_flush` fed the kernel-made plan,
-    which is correct but synchronizes with the host (not CUDA-graph capturable).
+    and the decode math on the CuTe DSL kernels, launched from `_cute_step`, the one
+    place that calls the CuTe launcher. `cute_unavailable` says why the CuTe kernels
+    cannot run a cache (no CuTe DSL, a GPU outside the arch table, an unaligned cache);
+    `backend_for` asks it before choosing this backend, and `decode` on a CUDA cache
+    they cannot run is a ValueError, never a silent fallback.
 
-    Runs on CUDA, and on the CPU when Triton interprets (TRITON_INTERPRET=1, for tests).
+    On the CPU (Triton interpreter, TRITON_INTERPRET=1: tests) `decode` runs
+    `reference.decode_nonflush` / `reference.decode_flush` fed the kernel-made plan.
+    `materialize` (read-only, off the hot path) is the reference's on both backends.
 
     Plan scratch: `prepare` / `decode` write the plan into a `PlanScratch` so a step
     allocates no device memory. A caller may pass its own (`scratch=`, e.g. one per cache
@@ -71,13 +94,13 @@ class TritonBackend:
     after it, before the next `prepare` on the same stream overwrites it.
     """
 
-    name = "triton"
+    name = "kernels"
 
     def __init__(self) -> None:
         self._scratch: dict[tuple[torch.device, int], object] = {}
         self._cute_launch = None  # replayssm.kernels.cute.launch, False when unavailable
-        self._cute_arch: dict[torch.device, str | None] = {}
-        self._warned: set[str] = set()
+        self._cute_error: str | None = None  # why the CuTe DSL could not be imported
+        self._cute_arch: dict[torch.device, tuple[str | None, str | None]] = {}  # (arch, reason)
 
     @staticmethod
     def _kernels():
@@ -117,29 +140,36 @@ class TritonBackend:
         return self._kernels().prepare_decode(cache, ids, out, scratch, nvfp4=nvfp4, seed=seed)
 
     def decode(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, nvfp4: bool, seed: int, scratch=None) -> None:
-        """Prepare kernel, then the CuTe decode kernels (FP8 or NVFP4 on a supported GPU:
-        both the non-flush and the flush kernel launch every step), else the reference decode."""
+        """Prepare kernel, then the CuTe decode kernels (`_cute_step`: the non-flush and the
+        flush kernel launch every step); on the CPU the reference decode math."""
         plan = self.prepare(cache, ids, out, nvfp4=nvfp4, seed=seed, scratch=scratch)
-        cute = self.cute_for(cache, nvfp4=nvfp4)
-        if cute is not None:
-            launch, arch = cute
-            launch.decode_step(cache, x, dt, A, B, C, D, dt_bias, plan, out, state_dtype="nvfp4" if nvfp4 else "fp8", arch=arch)
+        if cache[L.CHECKPOINT].device.type == "cuda":
+            self._cute_step(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4)
             return
         ref.decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4)
         ref.decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4, seed=seed)
 
-    def _warn_once(self, message: str) -> None:
-        if message not in self._warned:
-            self._warned.add(message)
-            log.warning("%s; decoding with the PyTorch reference instead", message)
+    def _cute_step(self, cache, x, dt, A, B, C, D, dt_bias, plan: ref.Plan, out, *, nvfp4: bool) -> None:
+        """One decode step's CuTe launches for the rows of `plan` (inputs normalized as
+        `replayssm.api` leaves them, `out` [batch, H, 64] bf16): the only call into the
+        CuTe launcher (`launch.decode_step`)."""
+        cute = self.cute_for(cache, nvfp4=nvfp4)
+        if cute is None:
+            raise ValueError(f"the kernel backend cannot decode this cache: {self.cute_unavailable(cache)}")
+        launch, arch = cute
+        launch.decode_step(cache, x, dt, A, B, C, D, dt_bias, plan, out, state_dtype="nvfp4" if nvfp4 else "fp8", arch=arch)
 
-    def cute_for(self, cache, nvfp4: bool = False):
-        """(launch module, arch) when the CuTe decode kernels can run `cache` (CUDA
-        tensors, the CuTe DSL importable, a GPU in the arch table, 16-byte-aligned
-        layout); None otherwise, with the reason logged once."""
-        device = cache[L.CHECKPOINT].device
+    def materialize(self, cache, ids, A) -> torch.Tensor:
+        return ref.materialize(cache, ids, A)
+
+    def cute_unavailable(self, cache: Sequence[torch.Tensor] | None = None, device: torch.device | str | None = None) -> str | None:
+        """None when the CuTe decode kernels can run `cache` (or, without a cache, on
+        `device`): a CUDA device, the CuTe DSL importable, a GPU in the arch table, and a
+        16-byte-aligned layout; else the reason, in words. Imports and arch queries are
+        done once per process / device; the layout is checked on every call with a cache."""
+        device = torch.device(device) if cache is None else cache[L.CHECKPOINT].device
         if device.type != "cuda":
-            return None
+            return f"the CuTe decode kernels need a CUDA device; got {device}"
         if self._cute_launch is None:
             try:
                 from .cute import launch
@@ -147,24 +177,31 @@ class TritonBackend:
                 self._cute_launch = launch
             except Exception as exc:  # ImportError, or the DSL failing to initialize
                 self._cute_launch = False
-                self._warn_once(f"the CuTe DSL decode kernels are unavailable ({type(exc).__name__}: {exc})")
+                self._cute_error = f"the CuTe DSL decode kernels are unavailable ({type(exc).__name__}: {exc})"
         if self._cute_launch is False:
-            return None
+            return self._cute_error
         if device not in self._cute_arch:
             from .cute.arch import arch_for
 
             try:
-                self._cute_arch[device] = arch_for(device)
+                self._cute_arch[device] = (arch_for(device), None)
             except ValueError as exc:
-                self._cute_arch[device] = None
-                self._warn_once(str(exc))
-        arch = self._cute_arch[device]
+                self._cute_arch[device] = (None, str(exc))
+        arch, reason = self._cute_arch[device]
         if arch is None:
+            return reason
+        if cache is not None:
+            reason = self._cute_launch.layout_ok(cache)
+            if reason is not None:
+                return f"the CuTe decode kernels cannot address this cache: {reason}"
+        return None
+
+    def cute_for(self, cache, nvfp4: bool = False):
+        """(launch module, arch) when the CuTe decode kernels can run `cache`, else None
+        (`cute_unavailable` says why); one launcher serves both formats."""
+        if self.cute_unavailable(cache) is not None:
             return None
-        reason = self._cute_launch.layout_ok(cache)
-        if reason is not None:
-            self._warn_once(f"the CuTe decode kernels cannot address this cache: {reason}")
-            return None
+        arch = self._cute_arch[cache[L.CHECKPOINT].device][0]
         return self._cute_launch, arch
 
     def warmup(self, cache) -> list[str]:
@@ -192,11 +229,10 @@ class TritonBackend:
             # once on padding rows (which exit at once) so their modules are loaded before
             # any graph capture.
             launch, arch = cute
-            state_dtype = "nvfp4" if nvfp4 else "fp8"
-            names += launch.warmup(state_dtype, heads, tensors[L.B_RING].shape[1], arch)
+            names += launch.warmup(cache.state_dtype, heads, tensors[L.B_RING].shape[1], arch)
             ids = torch.zeros(2, dtype=torch.int32, device=device)
             plan = self.prepare(tensors, ids, out, nvfp4=nvfp4, seed=cache.seed, scratch=scratch)
-            launch.launch_padding(tensors, plan, out, state_dtype, arch)
+            launch.launch_padding(tensors, plan, out, cache.state_dtype, arch)
         return names
 
 
@@ -205,56 +241,107 @@ def compile_all(arch: str, dump_dir) -> list[str]:
     8 and 16 heads per group) for `arch` ("sm_90a", "sm_100a" or "sm_103a"; no GPU needed) into
     the existing folder `dump_dir`; returns the paths of the PTX and cubin files."""
     from .cute.arch import check_arch
+    from .env import arch_override
 
     check_arch(arch)
+    arch_override()  # a bad $REPLAYSSM_ARCH is an error here too, though `arch` wins
     from .cute.launch import compile_all as _compile_all
 
     return _compile_all(arch, dump_dir)
 
 
 REFERENCE = ReferenceBackend()
-_TRITON: TritonBackend | None = None
+_KERNELS: KernelBackend | None = None
+_WARNED: set[str] = set()  # fallback reasons already warned about in this process
 
 
-def triton_backend() -> TritonBackend:
-    """The process-wide `TritonBackend` (its shared plan scratch lives there)."""
-    global _TRITON
-    if _TRITON is None:
-        _TRITON = TritonBackend()
-    return _TRITON
+def kernel_backend() -> KernelBackend:
+    """The process-wide `KernelBackend` (its shared plan scratch lives there)."""
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = KernelBackend()
+    return _KERNELS
+
+
+# Alias for the callers not yet moved to `kernel_backend` (tests/gpu_harness.py,
+# tests/test_cute_*.py, benchmarks/bench_cute_*.py); not part of __all__.
 
 
 def _triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def backend_for(device: torch.device | str, prefer: str | None = None):
-    """The backend for tensors on `device`: Triton on CUDA, the reference elsewhere.
+def check_backend(backend: object) -> str:
+    """`backend` when it is one of BACKEND_CHOICES; a TypeError / ValueError naming it
+    otherwise."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str in {BACKEND_CHOICES}; got {type(backend).__name__}")
+    if backend not in BACKEND_CHOICES:
+        raise ValueError(f"backend must be one of {BACKEND_CHOICES}; got {backend!r}")
+    return backend
 
-    `prefer="torch"` forces the reference; `prefer="triton"` asks for the Triton backend,
-    which on a non-CUDA device needs the Triton interpreter (TRITON_INTERPRET=1)."""
-    if prefer is not None and prefer not in BACKENDS:
-        raise ValueError(f"prefer must be None or one of {BACKENDS}; got {prefer!r}")
-    if prefer == "torch":
+
+def backend_for(
+    device: torch.device | str, backend: str = "auto", cache: Sequence[torch.Tensor] | None = None
+) -> ReferenceBackend | KernelBackend:
+    """The backend object for the caller's choice `backend` ("auto", "kernels",
+    "reference"; see the module docstring) on `device`; with `cache` (a validated cache
+    tuple on `device`) the kernels' layout requirements are checked too.
+
+    "kernels" on a non-CUDA device needs the Triton interpreter (TRITON_INTERPRET=1); on a
+    CUDA device, the CuTe decode kernels able to run. "auto" on the CPU is the reference
+    (the interpreter is for tests, which ask for "kernels")."""
+    check_backend(backend)
+    if backend == "reference":
         return REFERENCE
     device = torch.device(device)
-    if device.type == "cuda":
-        return triton_backend()
-    if prefer == "triton":
-        if not _triton_interpreting():
+    if device.type != "cuda":
+        if backend == "kernels":
+            if _triton_interpreting():
+                return kernel_backend()
             raise ValueError(
-                f"the triton backend needs a CUDA device or TRITON_INTERPRET=1; got device {device}"
+                "backend='kernels' needs a CUDA device (or TRITON_INTERPRET=1, which runs the Triton "
+                f"bookkeeping kernels on the CPU); got device {device}; pass backend='auto' or 'reference'"
             )
-        return triton_backend()
+        reason = f"the kernels need a CUDA device; got {device}"
+    else:
+        reason = kernel_backend().cute_unavailable(cache, device)
+        if reason is None:
+            return kernel_backend()
+        if backend == "kernels":
+            raise ValueError(f"backend='kernels' cannot run here: {reason}; pass backend='auto' or 'reference'")
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(
+            f"replayssm backend='auto' runs the PyTorch reference: {reason} "
+            "(pass backend='reference' to choose it explicitly)",
+            ReferenceFallbackWarning,
+            stacklevel=_caller_stacklevel(),
+        )
     return REFERENCE
+
+
+def _caller_stacklevel() -> int:
+    """The `warnings.warn` stacklevel, called from `backend_for`, of the first frame outside
+    replayssm (and the attrs-generated __init__ of ReplaySSMCache): the user's line."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(package) or frame.f_code.co_filename.startswith("<attrs generated")
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 __all__ = [
     "BACKENDS",
-    "ReferenceBackend",
-    "TritonBackend",
+    "BACKEND_CHOICES",
+    "KernelBackend",
     "REFERENCE",
+    "ReferenceBackend",
+    "ReferenceFallbackWarning",
     "backend_for",
+    "check_backend",
     "compile_all",
-    "triton_backend",
+    "kernel_backend",
 ]

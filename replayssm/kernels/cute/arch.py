@@ -7,11 +7,9 @@ knows the mapping; kernels choose their conversion instructions from the arch st
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-ARCH_ENV = "REPLAYSSM_ARCH"
+from ..env import ARCH_ENV, arch_override
 
 # compute capability -> CuTe DSL / ptxas target
 ARCHS: dict[tuple[int, int], str] = {
@@ -33,10 +31,8 @@ def check_arch(arch: object) -> str:
 def arch_for(device: torch.device | str | int | None = None) -> str:
     """The target for `device` (current CUDA device by default), or the override in
     $REPLAYSSM_ARCH. Raises ValueError for GPUs outside the table."""
-    env = os.environ.get(ARCH_ENV)
-    if env:
-        if env not in SUPPORTED:
-            raise ValueError(f"${ARCH_ENV} must be one of {SUPPORTED}; got {env!r}")
+    env = arch_override()
+    if env is not None:
         return env
     if not torch.cuda.is_available():
         raise ValueError(

@@ -27,7 +27,6 @@ import triton.language as tl
 from ... import layout as L
 from ...quant.rng import seed_key
 from ...reference import Plan
-from ..env import env_choice
 from .bits import stream_key
 from .launch import int32_pattern, interpreting
 
@@ -91,15 +90,12 @@ def _prepare_kernel(
 
 
 # The prepare kernel signals programmatic dependent launch (griddepcontrol.launch_dependents)
-# as it starts ("1", the default), or only implicitly, as it completes ("0"). Only a
-# PDL-launched kernel right behind it (the batch-1 non-flush kernel, cute/launch.py) can
-# start earlier, and it waits for the whole prepare grid either way; any other kernel
-# behind it is launched as before. H200, project benchmark at batch 1, 16 heads / 2
-# groups, same call, alternated twice: FP8 3.90 -> 3.48, NVFP4 4.18 -> 3.76 us a step with
-# the warp PDL variant (4.01 -> 3.66, 4.18 -> 3.87 with the SIMT one;
-# docs/perf-notes-cute.md, session 10). NVIDIA GPUs of compute capability 9.0 and up only
-# (griddepcontrol is sm_90 PTX), never in the interpreter.
-PREPARE_TRIGGER_ENV = "REPLAYSSM_PREPARE_TRIGGER"
+# as it starts, not only implicitly as it completes: the PDL-launched kernel right behind it
+# (cute/launch.py) becomes resident while prepare runs and waits for the whole prepare
+# grid either way. H200, project benchmark at batch 1, 16 heads / 2 groups, same call,
+# alternated twice: FP8 3.90 -> 3.48, NVFP4 4.18 -> 3.76 us a step (docs/design.md).
+# NVIDIA GPUs of compute capability 9.0 and up only (griddepcontrol is sm_90 PTX), never
+# in the interpreter.
 
 
 @functools.cache
@@ -109,7 +105,7 @@ def _has_griddepcontrol(device_index: int) -> bool:
 
 def prepare_trigger(device: torch.device) -> bool:
     """Whether the prepare kernel for `device` is compiled with the early trigger."""
-    if env_choice(PREPARE_TRIGGER_ENV, ("0", "1"), "1") == "0" or interpreting() or device.type != "cuda":
+    if interpreting() or device.type != "cuda":
         return False
     return _has_griddepcontrol(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -34,8 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-HEAD_DIM = 64
-STATE_DIM = 128
+from replayssm.layout import HEAD_DIM, STATE_DIM
 
 
 @triton.jit
