@@ -83,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-check", action="store_true", help="skip the correctness checks before timing")
     p.add_argument("--no-settle", action="store_true", help="skip the untimed settle row (see settle_row)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--inputs", default="plain", choices=["plain", "engine"],
+                   help="ReplaySSM step inputs: plain (contiguous x/B/C, FP32 dt) or engine (column slices of one "
+                        "projection, bf16 dt; synthetic.engine_inputs)")
     a = p.parse_args(argv)
     if a.batches is None:
         a.batches = "1,2" if a.dry_run else "32,256" if a.tune_standard else ",".join(map(str, DEFAULT_BATCHES))
@@ -168,17 +171,34 @@ class Inputs:
     params: list = field(default_factory=list)
 
 
-def make_inputs(heads, groups, batch, layers, device, seed) -> Inputs:
+def make_inputs(heads, groups, batch, layers, device, seed, shape: str = "plain") -> Inputs:
+    """`shape` "plain": x, B, C contiguous, dt FP32 tied over the head dim; "engine": as a
+    Mamba-2 mixer passes them (x, B, C column slices of one projection row, dt bf16 tied
+    over the head dim; synthetic.engine_inputs). A, D, dt_bias tied views either way."""
     from replayssm import synthetic
 
     g = torch.Generator(device=device).manual_seed(seed)
     xs, dts, Bs, Cs = [], [], [], []
+    d_inner, gn = heads * 64, groups * 128
     for _ in range(RING):
-        xs.append(torch.randn(batch, heads, 64, device=device, generator=g).to(torch.bfloat16))
+        x = torch.randn(batch, heads, 64, device=device, generator=g).to(torch.bfloat16)
         dt = 0.5 * torch.randn(batch, heads, device=device, generator=g)
+        B = torch.randn(batch, groups, 128, device=device, generator=g).to(torch.bfloat16)
+        C = torch.randn(batch, groups, 128, device=device, generator=g).to(torch.bfloat16)
+        if shape == "engine":
+            proj = torch.zeros(batch, 2 * d_inner + 2 * gn + heads, dtype=torch.bfloat16, device=device)
+            proj[:, d_inner : 2 * d_inner] = x.reshape(batch, d_inner)
+            proj[:, 2 * d_inner : 2 * d_inner + gn] = B.reshape(batch, gn)
+            proj[:, 2 * d_inner + gn : 2 * d_inner + 2 * gn] = C.reshape(batch, gn)
+            proj[:, 2 * d_inner + 2 * gn :] = dt.to(torch.bfloat16)
+            x = proj[:, d_inner : 2 * d_inner].view(batch, heads, 64)
+            B = proj[:, 2 * d_inner : 2 * d_inner + gn].view(batch, groups, 128)
+            C = proj[:, 2 * d_inner + gn : 2 * d_inner + 2 * gn].view(batch, groups, 128)
+            dt = proj[:, 2 * d_inner + 2 * gn :]
+        xs.append(x)
         dts.append(dt[:, :, None].expand(batch, heads, 64))  # tied over the head dim
-        Bs.append(torch.randn(batch, groups, 128, device=device, generator=g).to(torch.bfloat16))
-        Cs.append(torch.randn(batch, groups, 128, device=device, generator=g).to(torch.bfloat16))
+        Bs.append(B)
+        Cs.append(C)
     # A random permutation of slots 1..batch, as a scheduler hands them out.
     ids = (torch.randperm(batch, device=device, generator=g) + 1).to(torch.int32)
     out = torch.empty(batch, heads, 64, dtype=torch.bfloat16, device=device)
@@ -384,7 +404,8 @@ def run_row(provider, shape, batch, sync_mode, ctx) -> dict:
     s = bm.Shape(*shape)
     row = {
         "provider": provider, "heads": shape[0], "groups": shape[1], "batch": batch,
-        "sync": sync_mode if provider in REPLAY else "-", "timing": None, "layers": None,
+        "sync": sync_mode if provider in REPLAY else "-", "inputs": args.inputs if provider in REPLAY else "plain",
+        "timing": None, "layers": None,
         "working_set_mb": None, "l2_resident": None, "us_per_step": None,
         "bytes_per_step": batch * bm.step_bytes(provider, s).total, "tb_per_s": None,
         "frac_copy_bw": None, "error": None, "note": None,
@@ -428,7 +449,7 @@ def _measure(provider, shape, batch, sync_mode, layers, graph, ctx):
     """Build the row's caches and inputs and time them: (seconds per period, timing,
     note, steps per period). Everything allocated here is freed when it returns."""
     args, device, clock = ctx["args"], ctx["device"], ctx["clock"]
-    inp = make_inputs(shape[0], shape[1], batch, layers, device, args.seed)
+    inp = make_inputs(shape[0], shape[1], batch, layers, device, args.seed, args.inputs if provider in REPLAY else "plain")
     states = ctx["states"][shape]
     sync = sync_mode == "sync"
     steps, keep = build_steps(provider, shape, batch, layers, inp, device, states, sync, args)

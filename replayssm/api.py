@@ -132,8 +132,11 @@ def _clear(cache, impl, state_indices) -> None:
 
 def normalize_decode_inputs(x, dt, A, B, C, D, dt_bias, batch: int, heads: int, groups: int):
     """Validate shapes/dtypes of one decode step's inputs and return them in the kernels'
-    layout: x [b, H, 64] bf16, dt [b, H] f32, A [H] f32, B, C [b, G, 128] bf16,
-    D [H, 64] f32, dt_bias [H] f32. Tied (stride-0) views are read at their first element."""
+    layout, as views (no copy, no conversion for the inputs engines pass): x [b, H, 64]
+    bf16, dt [b, H] f32 / bf16 / f16 (another float type is converted), A [H] f32,
+    B, C [b, G, 128] bf16, D [H, 64] f32, dt_bias [H] f32. Row-strided x, B, C (column
+    slices of one projection) keep their strides; tied (stride-0) views are read at their
+    first element."""
     P, N = L.HEAD_DIM, L.STATE_DIM
     for name, t in (("x", x), ("B", B), ("C", C)):
         _check_tensor(name, t)
@@ -169,7 +172,9 @@ def normalize_decode_inputs(x, dt, A, B, C, D, dt_bias, batch: int, heads: int, 
     x = x.reshape(batch, heads, P)
     B = B.reshape(batch, groups, N)
     C = C.reshape(batch, groups, N)
-    dt = dt.reshape(batch, heads, -1)[:, :, 0].float()
+    dt = dt.reshape(batch, heads, -1)[:, :, 0]
+    if dt.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        dt = dt.float()
     A = A.reshape(heads, -1)[:, 0].float()
     dt_bias = dt_bias.reshape(heads, -1)[:, 0].float()
     D = D.reshape(heads, -1).expand(heads, P).float()

@@ -50,6 +50,38 @@ def token(batch: int, heads: int, groups: int, *, generator: torch.Generator, de
     )
 
 
+def engine_inputs(tok: Token, params: LayerParams) -> tuple[torch.Tensor, ...]:
+    """One step's (x, dt, A, B, C, D, dt_bias) shaped as a serving engine's Mamba-2 mixer
+    passes them: x, B, C column slices of one projection row [z | x | B | C | dt] (row
+    stride = its width), dt in bf16 [b, H, 64] tied over the head dim (stride 0), A fp32
+    [H, 64, 128] with strides (1, 0, 0), D and dt_bias [H, 64] tied. dt holds `tok.dt`
+    rounded to bf16; everything else holds `tok`'s and `params`' values exactly."""
+    b, heads = tok.dt.shape
+    groups = tok.B.shape[1]
+    d_inner, gn = heads * HEAD_DIM, groups * STATE_DIM
+    width = 2 * d_inner + 2 * gn + heads
+    proj = torch.empty(b, width, dtype=torch.bfloat16, device=tok.x.device)
+    proj[:, :d_inner] = 0.0  # z (the gate applied after the norm): not read
+    x = proj[:, d_inner : 2 * d_inner]
+    B = proj[:, 2 * d_inner : 2 * d_inner + gn]
+    C = proj[:, 2 * d_inner + gn : 2 * d_inner + 2 * gn]
+    x.copy_(tok.x.reshape(b, d_inner))
+    B.copy_(tok.B.reshape(b, gn))
+    C.copy_(tok.C.reshape(b, gn))
+    proj[:, 2 * d_inner + 2 * gn :] = tok.dt.to(torch.bfloat16)
+    dt = proj[:, 2 * d_inner + 2 * gn :].unsqueeze(-1).expand(b, heads, HEAD_DIM)
+    A = params.A.view(heads, 1, 1).expand(heads, HEAD_DIM, STATE_DIM)
+    D = params.D.view(heads, 1).expand(heads, HEAD_DIM)
+    dt_bias = params.dt_bias.view(heads, 1).expand(heads, HEAD_DIM)
+    return x, dt, A, B, C, D, dt_bias
+
+
+def plain_inputs(tok: Token, params: LayerParams) -> tuple[torch.Tensor, ...]:
+    """The values of `engine_inputs(tok, params)` as contiguous tensors, dt in FP32
+    (bf16 -> FP32 is exact, so both give the same bits)."""
+    return (tok.x.contiguous(), tok.dt.to(torch.bfloat16).float(), params.A, tok.B.contiguous(), tok.C.contiguous(), params.D, params.dt_bias)
+
+
 class ExactRecurrence:
     """The Mamba-2 recurrence in FP64 (no quantization anywhere): the ground truth."""
 

@@ -171,6 +171,27 @@ def test_nvfp4_flush_reciprocal_is_ieee_and_amax_is_one_atomic(compiled, arch):
         assert text.count("st.global.v2.b32") == FLUSH_ROWS and text.count("st.global.b8") == FLUSH_ROWS, name
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_dt_is_read_in_its_own_type(tmp_path, arch):
+    """dt as engines pass it (bf16, or f16) is loaded at its width and converted in
+    registers: each kernel by one 16-bit load (the widening to FP32 is the compiler's cvt
+    or shift, by target); FP32 dt has no 16-bit load. The GPU tests
+    (test_engine_inputs.py) check the values."""
+    import torch
+
+    from replayssm.kernels.cute import launch
+    from replayssm.kernels.cute.config import step_config
+
+    cfg = step_config(arch, "fp8", 16, 2, 256)
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        for kind in ("decode", "flush"):
+            obj, fake = launch.decode_kernel(cfg, dt) if kind == "decode" else launch.flush_kernel(cfg, False, dt)
+            (ptx,) = [p for p in launch.compile_into(obj, fake, arch, tmp_path / f"{kind}-{dt}") if p.endswith(".ptx")]
+            text = Path(ptx).read_text()
+            loads16 = len(re.findall(r"ld\.global(\.\w+)*\.(b16|u16)\b", text))
+            assert loads16 == (0 if dt == torch.float32 else 1), (kind, dt, loads16)
+
+
 def test_unknown_arch_is_rejected(tmp_path):
     from replayssm.kernels import compile_all
 

@@ -54,11 +54,13 @@ class Checkpoint(NamedTuple):
 
 
 class Inputs(NamedTuple):
-    """The step's inputs (x, B, C contiguous rows; the per-head values strided, so tied
-    stride-0 views need no copy) and its output."""
+    """The step's inputs, read through their strides (engines pass x, B and C as column
+    slices of one projection, dt in bf16 tied over the head dim, A / D / dt_bias as tied
+    views: nothing is copied or converted before the kernels), and the contiguous output.
+    x, B, C: rows of heads (groups) at 64 (128) elements each, 16-byte-aligned rows."""
 
     x: Pointer  # bf16 [batch, H, 64]
-    dt: Pointer  # f32 [batch, H] (raw dt)
+    dt: Pointer  # f32, bf16 or f16 [batch, H] (raw dt)
     A: Pointer  # f32 [H]
     B: Pointer  # bf16 [batch, G, 128]
     C: Pointer  # bf16 [batch, G, 128]
@@ -71,6 +73,9 @@ class Inputs(NamedTuple):
     dt_bias_stride: Int64
     d_stride_h: Int64
     d_stride_p: Int64
+    x_stride16: Int64  # row strides of x, B, C
+    b_stride16: Int64
+    c_stride16: Int64
 
 
 class Plan(NamedTuple):
@@ -97,6 +102,10 @@ class DebugPlan(NamedTuple):
     state: Pointer  # f32 [batch, H, 64, 128]
 
 
+# A pointer whose element type is the tensor's (one of DSL_DTYPES), aligned to its size.
+INPUT_DTYPE = "input"
+DSL_DTYPES = {torch.float32: Float32, torch.bfloat16: BFloat16, torch.float16: Float16}
+
 SPECS: dict[type, dict[str, tuple]] = {
     Ring: {
         "x": (BFloat16, 16), "dt": (Float32, 4), "b": (BFloat16, 16),
@@ -113,10 +122,11 @@ SPECS: dict[type, dict[str, tuple]] = {
     },
     Checkpoint: {"state": (Float16, 16), "stride16": ("state", 0, 16)},
     Inputs: {
-        "x": (BFloat16, 16), "dt": (Float32, 4), "A": (Float32, 4), "B": (BFloat16, 16), "C": (BFloat16, 16),
+        "x": (BFloat16, 16), "dt": (INPUT_DTYPE, 0), "A": (Float32, 4), "B": (BFloat16, 16), "C": (BFloat16, 16),
         "D": (Float32, 4), "dt_bias": (Float32, 4), "out": (BFloat16, 2),
         "dt_stride_b": ("dt", 0, 1), "dt_stride_h": ("dt", 1, 1), "a_stride": ("A", 0, 1),
         "dt_bias_stride": ("dt_bias", 0, 1), "d_stride_h": ("D", 0, 1), "d_stride_p": ("D", 1, 1),
+        "x_stride16": ("x", 0, 16), "b_stride16": ("B", 0, 16), "c_stride16": ("C", 0, 16),
     },
     Plan: {
         "valid": (Int8, 1), "slot": (Int64, 8), "ring_index": (Int64, 8), "flush": (Int8, 1),
@@ -127,12 +137,25 @@ SPECS[DebugPlan] = {**SPECS[Plan], "state": (Float32, 16)}
 
 
 def _is_stride(entry: tuple) -> bool:
-    return isinstance(entry[0], str)
+    return len(entry) == 3  # (tensor field, dim, unit); a pointer is (dtype, alignment)
 
 
-def fake(struct: type):
-    """Compile-time placeholders of `struct` (null pointers of the spec's types)."""
-    values = [Int64(0) if _is_stride(e) else make_ptr(e[0], 0, assumed_align=e[1]) for e in SPECS[struct].values()]
+def _pointer_type(entry: tuple, dtype: torch.dtype | None) -> tuple:
+    if entry[0] != INPUT_DTYPE:
+        return entry
+    return DSL_DTYPES[dtype], dtype.itemsize
+
+
+def fake(struct: type, **dtypes: torch.dtype):
+    """Compile-time placeholders of `struct` (null pointers of the spec's types; a field
+    of the input's own type takes it from `dtypes`, float32 by default)."""
+    values = []
+    for name, entry in SPECS[struct].items():
+        if _is_stride(entry):
+            values.append(Int64(0))
+        else:
+            dtype, align = _pointer_type(entry, dtypes.get(name, torch.float32))
+            values.append(make_ptr(dtype, 0, assumed_align=align))
     return struct(*values)
 
 
@@ -151,9 +174,9 @@ def bind(struct: type, **tensors: torch.Tensor):
     fields = list(SPECS[struct])
     for i, name in enumerate(fields):
         if values[i] is None:
-            dtype, align = SPECS[struct][name]
+            dtype, align = _pointer_type(SPECS[struct][name], tensors[name].dtype)
             values[i] = make_ptr(dtype, tensors[name].data_ptr(), assumed_align=align)
     return struct(*values)
 
 
-__all__ = ["Ring", "Fp8Copy", "Nvfp4Copy", "Checkpoint", "Inputs", "Plan", "DebugPlan", "SPECS", "fake", "bind"]
+__all__ = ["DSL_DTYPES", "Ring", "Fp8Copy", "Nvfp4Copy", "Checkpoint", "Inputs", "Plan", "DebugPlan", "SPECS", "fake", "bind"]

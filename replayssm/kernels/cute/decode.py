@@ -110,7 +110,7 @@ class Decode:
             lane, gq, q, hh, g = self.warp_coords(t, bx)
             w = Int32(t // 32)
             s_bc = SmemAllocator().allocate_tensor(Float32, cute.make_layout(RING * self.hpc), byte_alignment=16)
-            cw, bq = self.group_loads(inputs.C, inputs.B, ring.b, bb, g, gq, q, r, slot, ring.b_stride16, w)
+            cw, bq = self.group_loads(inputs, ring.b, bb, g, gq, q, r, slot, ring.b_stride16, w)
             loaded = self.fmt.load_rows(copy, slot, hh, g, gq, q, self.read_hint)
             xw, dt_k, dt_raw, bias, a_h, d0, d1, xo = self.head_loads(ring, inputs, bb, hh, gq, q, lane, r, slot)
             down, up = self.c_prime(cw)
@@ -141,22 +141,21 @@ class Decode:
         return live, Int64(slot_w[0]) | (Int64(slot_w[1]) << 32), r
 
     @cute.jit
-    def group_loads(self, C, B, b_ring, bb, g, gq, q, r, slot, b_ring_stride16, w):
+    def group_loads(self, inputs, b_ring, bb, g, gq, q, r, slot, b_ring_stride16, w):
         """C (cw[c][v], chunk c of lane q's n-set) and, of ring entries gq, gq + 8 at the
         same n, this warp's share (bq[e][i]: vector half vh = w * VH + i, VH = 4 //
         heads_per_cta, i.e. words 4 (vh % 2) .. + 3 of chunk vh // 2; the step's B at r,
         zeros beyond r): the CTA's warps split B_j . C over k (`finish`)."""
-        G = self.groups
-        c_w = cute.recast_ptr(C, dtype=Uint32)
-        c_row = (bb * G + g) * (N // 2)
+        c_w = cute.recast_ptr(inputs.C, dtype=Uint32)
+        c_row = bb * inputs.c_stride16 * 4 + g * (N // 2)
         cw = []
         for c in cutlass.range_constexpr(2):
             base = (c_w + (c_row + Int64(self.fmt.c_word(c, q)))).toint()
             cw.append(bits.ld_global_v4_u32(base) + bits.ld_global_v4_u32(base + 16))
         br_w = cute.recast_ptr(b_ring, dtype=Uint32)
-        b_w = cute.recast_ptr(B, dtype=Uint32)
+        b_w = cute.recast_ptr(inputs.B, dtype=Uint32)
         br_row0 = slot * b_ring_stride16 * 4 + g * (RING * N // 2)
-        b_row = (bb * G + g) * (N // 2)
+        b_row = bb * inputs.b_stride16 * 4 + g * (N // 2)
         bq = []
         for e in cutlass.range_constexpr(2):
             j = gq + 8 * e
@@ -185,11 +184,10 @@ class Decode:
         """Ring x (xw[u]: entry 2 q + u % 2 + 8 (u // 2) at p = 8 gq .. + 7, the step's x
         at r, zeros beyond) and the scalars: dt of entry lane % 16 (zero beyond r), the
         step's raw dt, dt_bias, A, D and x at the lane's output rows p0, p0 + 1."""
-        H = self.heads
         one = Int32(1)
         xr_w = cute.recast_ptr(ring.x, dtype=Uint32)
         x_w = cute.recast_ptr(inputs.x, dtype=Uint32)
-        x_row = (bb * H + hh) * (P // 2)
+        x_row = bb * inputs.x_stride16 * 4 + hh * (P // 2)
         x_cur = (x_w + (x_row + Int64(4 * gq))).toint()
         xr_row = slot * ring.x_stride16 * 4 + hh * (RING * P // 2) + Int64(4 * gq)
         xw = []
@@ -200,7 +198,7 @@ class Decode:
         k = lane % 16
         dtr = slot * ring.dt_stride + hh * RING
         dt_k = bits.ld_global_u32_if((ring.dt + (dtr + Int64(k))).toint(), sel(k < r, one, Int32(0))).bitcast(Float32)
-        dt_raw = inputs.dt[bb * inputs.dt_stride_b + hh * inputs.dt_stride_h]
+        dt_raw = inputs.dt[bb * inputs.dt_stride_b + hh * inputs.dt_stride_h].to(Float32)  # exact from bf16 / f16
         bias = inputs.dt_bias[hh * inputs.dt_bias_stride]
         a_h = inputs.A[hh * inputs.a_stride]
         p0 = 8 * gq + 2 * q

@@ -273,8 +273,7 @@ class Flush:
         the checkpoint as words, the head's first checkpoint word); acc[nt][2 i + e] is
         row i at lane column 2 nt + e. Leaves s_x (x_j of this CTA's state rows, FP32)
         and s_dt[RING:] (their D[p]) staged for the outputs."""
-        H, G, HPG = self.heads, self.groups, self.hpg
-        g = hh // HPG
+        g = hh // self.hpg
         lane = t % 32
         gq = lane // 4
         q, nq, rows, col0 = self.lane_geometry(t, mh)
@@ -291,7 +290,7 @@ class Flush:
         # the barrier.
         ring_dt = bits.ld_global_u32_if((ring.dt + (slot * ring.dt_stride + hh * RING + Int64(t))).toint(), sel(t < RING - 1, Int32(1), Int32(0)))
         last = sel(t == RING - 1, Int32(1), Int32(0))
-        raw_dt = bits.ld_global_u32_if((inputs.dt + (bb * inputs.dt_stride_b + hh * inputs.dt_stride_h)).toint(), last)
+        raw_dt = bits.ld_global_dt_if(inputs.dt, bb * inputs.dt_stride_b + hh * inputs.dt_stride_h, last)
         bias_dt = bits.ld_global_u32_if((inputs.dt_bias + hh * inputs.dt_bias_stride).toint(), last)
         a_h = bits.ld_global_u32_if((inputs.A + hh * inputs.a_stride).toint(), Int32(1)).bitcast(Float32)
         # D[p] of the CTA's state rows (threads 0..31), staged for the outputs. Loaded in
@@ -299,7 +298,7 @@ class Flush:
         # flushed row's chain.
         d_row = bits.ld_global_u32_if((inputs.D + (hh * inputs.d_stride_h + Int64(mh * ROWS_HALF + t % ROWS_HALF) * inputs.d_stride_p)).toint(), sel(t < ROWS_HALF, Int32(1), Int32(0)))
         c_w = cute.recast_ptr(inputs.C, dtype=Uint32)
-        r_c = self.words(c_w, (bb * G + g) * (N // 2) + Int64(col0 // 2), NT)
+        r_c = self.words(c_w, bb * inputs.c_stride16 * 4 + g * (N // 2) + Int64(col0 // 2), NT)
 
         # Stage x_j (FP32) of this CTA's 32 state rows and B_j (FP32, fragment order) of
         # entries 0..15: 15 from the rings, the current token as entry 15; and dt_j.
@@ -322,7 +321,7 @@ class Flush:
             x_on = sel(t < RING * ROWS_HALF // 8, Int32(1), Int32(0))
             x_ring_on = sel(jx < RING - 1, x_on, Int32(0))
             x_ring_w = bits.ld_global_v4_u32_if((xw + (slot * ring.x_stride16 * 4 + (hh * RING + Int64(jx)) * (P // 2) + Int64(xs // 2))).toint(), x_ring_on)
-            x_cur_w = bits.ld_global_v4_u32_if((xcur + ((bb * H + hh) * (P // 2) + Int64(xs // 2))).toint(), x_on - x_ring_on)
+            x_cur_w = bits.ld_global_v4_u32_if((xcur + (bb * inputs.x_stride16 * 4 + hh * (P // 2) + Int64(xs // 2))).toint(), x_on - x_ring_on)
             b_words = []
             for rep in cutlass.range_constexpr(reps):
                 jb = t // 16 + rep * (THREADS // 16)
@@ -330,7 +329,7 @@ class Flush:
                 if cutlass.const_expr(rep == reps - 1):
                     b_ring_on = sel(jb < RING - 1, Int32(1), Int32(0))
                     b_ring_w = bits.ld_global_v4_u32_if(b_src, b_ring_on)
-                    b_cur_w = bits.ld_global_v4_u32_if((bcur + ((bb * G + g) * (N // 2) + Int64(ch * 4))).toint(), Int32(1) - b_ring_on)
+                    b_cur_w = bits.ld_global_v4_u32_if((bcur + (bb * inputs.b_stride16 * 4 + g * (N // 2) + Int64(ch * 4))).toint(), Int32(1) - b_ring_on)
                     b_words.append([b_ring_w[k] | b_cur_w[k] for k in range(4)])
                 else:
                     b_words.append(bits.ld_global_v4_u32_if(b_src, Int32(1)))
@@ -347,14 +346,14 @@ class Flush:
             # Both sources loaded by every staging thread, the entry picked by a select.
             if t < RING * ROWS_HALF // 8:
                 from_ring = _vec_a(xw, slot * ring.x_stride16 * 4 + (hh * RING + Int64(jx)) * (P // 2) + Int64(xs // 2), 4).load()
-                cur = _vec_a(xcur, (bb * H + hh) * (P // 2) + Int64(xs // 2), 4).load()
+                cur = _vec_a(xcur, bb * inputs.x_stride16 * 4 + hh * (P // 2) + Int64(xs // 2), 4).load()
                 self.stage_x(s_x, jx, xs, [sel(jx == RING - 1, cur[k], from_ring[k]) for k in range(4)])
             for rep in cutlass.range_constexpr(reps):
                 jb = t // 16 + rep * (THREADS // 16)
                 from_ring = _vec_a(bw, slot * ring.b_stride16 * 4 + (g * RING + Int64(jb)) * (N // 2) + Int64(ch * 4), 4).load()
                 r_rep = cute.make_rmem_tensor(cute.make_layout(8), Float32)
                 if cutlass.const_expr(rep == reps - 1):
-                    cur = _vec_a(bcur, (bb * G + g) * (N // 2) + Int64(ch * 4), 4).load()
+                    cur = _vec_a(bcur, bb * inputs.b_stride16 * 4 + g * (N // 2) + Int64(ch * 4), 4).load()
                     for k in cutlass.range_constexpr(4):
                         v = _bf16x2(sel(jb == RING - 1, cur[k], from_ring[k]))
                         r_rep[k] = v[0]  # column 8 ch + 2 k
@@ -373,7 +372,7 @@ class Flush:
         if t < RING:
             dt_t = ring_dt.bitcast(Float32)
             if t == RING - 1:
-                dt_t = softplus(raw_dt.bitcast(Float32) + bias_dt.bitcast(Float32))
+                dt_t = softplus(raw_dt + bias_dt.bitcast(Float32))
             s_dt[t] = dt_t
         if t < ROWS_HALF:
             s_dt[RING + t] = d_row.bitcast(Float32)

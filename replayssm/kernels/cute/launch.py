@@ -55,47 +55,46 @@ def _options(arch: str, dump_dir: str | os.PathLike | None) -> str:
     return opts
 
 
-def decode_kernel(cfg: StepConfig, dump_dir=None) -> tuple[Decode, list]:
+# dt may arrive in any of these (a Mamba-2 mixer's dt is bf16); the kernels read it as it
+# is and convert in registers, so the compile key holds its type. Warmup compiles these.
+DT_DTYPES = tuple(A.DSL_DTYPES)
+WARMUP_DT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def decode_kernel(cfg: StepConfig, dt_dtype: torch.dtype = torch.float32) -> tuple[Decode, list]:
     """The non-flush kernel object of `cfg` and its compile-time arguments."""
     fmt = read_copy_format(cfg.state_dtype, cfg.arch)
     obj = Decode(fmt, cfg.heads, cfg.groups, pdl=cfg.nonflush_pdl, read_hint=cfg.read_hint)
-    return obj, [A.fake(A.Ring), A.fake(fmt.Args), A.fake(A.Inputs), A.fake(A.Plan), Int32(0), make_fake_stream()]
+    return obj, [A.fake(A.Ring), A.fake(fmt.Args), A.fake(A.Inputs, dt=dt_dtype), A.fake(A.Plan), Int32(0), make_fake_stream()]
 
 
-def flush_kernel(cfg: StepConfig, debug: bool = False) -> tuple[Flush, list]:
+def flush_kernel(cfg: StepConfig, debug: bool = False, dt_dtype: torch.dtype = torch.float32) -> tuple[Flush, list]:
     """The flush kernel object of `cfg` (`debug`: the test variant) and its compile-time
     arguments."""
     fmt = read_copy_format(cfg.state_dtype, cfg.arch)
     obj = Flush(fmt, cfg.heads, cfg.groups, pdl=cfg.flush_pdl, rows=cfg.flush_rows, debug=debug)
     plan = A.fake(A.DebugPlan if debug else A.Plan)
-    fake = [A.fake(A.Checkpoint), A.fake(A.Ring), A.fake(fmt.Args), A.fake(A.Inputs), plan, Int64(0), Int32(0), make_fake_stream()]
+    inputs = A.fake(A.Inputs, dt=dt_dtype)
+    fake = [A.fake(A.Checkpoint), A.fake(A.Ring), A.fake(fmt.Args), inputs, plan, Int64(0), Int32(0), make_fake_stream()]
     return obj, fake
 
 
-def _decode_key(cfg: StepConfig) -> tuple:
-    return ("decode", cfg.arch, cfg.state_dtype, cfg.heads, cfg.groups, cfg.nonflush_pdl, cfg.read_hint)
-
-
-def _flush_key(cfg: StepConfig, debug: bool) -> tuple:
-    return ("flush", cfg.arch, cfg.state_dtype, cfg.heads, cfg.groups, cfg.flush_pdl, cfg.flush_rows, debug)
-
-
-def compiled_decode(cfg: StepConfig):
-    """The compiled non-flush launcher of `cfg` (compiled on first use)."""
-    key = _decode_key(cfg)
+def compiled_decode(cfg: StepConfig, dt_dtype: torch.dtype = torch.float32):
+    """The compiled non-flush launcher of `cfg` for dt of `dt_dtype` (compiled on first use)."""
+    key = ("decode", cfg.arch, cfg.state_dtype, cfg.heads, cfg.groups, cfg.nonflush_pdl, cfg.read_hint, dt_dtype)
     fn = _COMPILED.get(key)
     if fn is None:
-        obj, fake = decode_kernel(cfg)
+        obj, fake = decode_kernel(cfg, dt_dtype)
         fn = _COMPILED[key] = cute.compile(obj, *fake, options=_options(cfg.arch, None))
     return fn
 
 
-def compiled_flush(cfg: StepConfig, debug: bool = False):
-    """The compiled flush launcher of `cfg` (compiled on first use)."""
-    key = _flush_key(cfg, debug)
+def compiled_flush(cfg: StepConfig, debug: bool = False, dt_dtype: torch.dtype = torch.float32):
+    """The compiled flush launcher of `cfg` for dt of `dt_dtype` (compiled on first use)."""
+    key = ("flush", cfg.arch, cfg.state_dtype, cfg.heads, cfg.groups, cfg.flush_pdl, cfg.flush_rows, debug, dt_dtype)
     fn = _COMPILED.get(key)
     if fn is None:
-        obj, fake = flush_kernel(cfg, debug)
+        obj, fake = flush_kernel(cfg, debug, dt_dtype)
         fn = _COMPILED[key] = cute.compile(obj, *fake, options=_options(cfg.arch, None))
     return fn
 
@@ -147,18 +146,19 @@ def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
     return paths
 
 
-def warmup(state_dtype: str, heads: int, groups: int, arch: str | None = None) -> list[str]:
-    """Compile every kernel variant a step of this geometry may launch (before CUDA-graph
-    capture); returns their names."""
+def warmup(state_dtype: str, heads: int, groups: int, arch: str | None = None, dt_dtypes=WARMUP_DT_DTYPES) -> list[str]:
+    """Compile every kernel variant a step of this geometry may launch, for dt of each of
+    `dt_dtypes` (before CUDA-graph capture); returns their names."""
     arch = arch or arch_for()
     names = []
-    for name, (kind, cfg) in _variants(arch, state_dtype, heads, groups).items():
-        compiled_decode(cfg) if kind == "decode" else compiled_flush(cfg)
-        names.append(f"cute.{name}[{arch}]")
+    for dt_dtype in dt_dtypes:
+        for name, (kind, cfg) in _variants(arch, state_dtype, heads, groups).items():
+            compiled_decode(cfg, dt_dtype) if kind == "decode" else compiled_flush(cfg, dt_dtype=dt_dtype)
+            names.append(f"cute.{name}[{arch},dt={str(dt_dtype).removeprefix('torch.')}]")
     return names
 
 
-def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, state_dtype: str, arch: str) -> None:
+def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, state_dtype: str, arch: str, dt_dtypes=WARMUP_DT_DTYPES) -> None:
     """Launch every config's kernels for a plan of padding rows only (they return at once
     and write nothing): loads the compiled modules, e.g. before CUDA-graph capture."""
     batch = plan.valid.shape[0]
@@ -167,9 +167,11 @@ def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, state
     x = torch.zeros(batch, heads, L.HEAD_DIM, dtype=torch.bfloat16, device=dev)
     bc = torch.zeros(batch, groups, L.STATE_DIM, dtype=torch.bfloat16, device=dev)
     per_head = torch.zeros(heads, device=dev)
-    dt, D = torch.zeros(batch, heads, device=dev), torch.zeros(heads, L.HEAD_DIM, device=dev)
-    for cfg in step_configs(arch, state_dtype, heads, groups):
-        decode_step(cache, x, dt, per_head, bc, bc, D, per_head, plan, out, state_dtype=state_dtype, config=cfg)
+    D = torch.zeros(heads, L.HEAD_DIM, device=dev)
+    for dt_dtype in dt_dtypes:
+        dt = torch.zeros(batch, heads, dtype=dt_dtype, device=dev)
+        for cfg in step_configs(arch, state_dtype, heads, groups):
+            decode_step(cache, x, dt, per_head, bc, bc, D, per_head, plan, out, state_dtype=state_dtype, config=cfg)
 
 
 def _aligned16(t: torch.Tensor) -> bool:
@@ -190,11 +192,16 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _dense16(t: torch.Tensor) -> torch.Tensor:
-    """Contiguous with a 16-byte-aligned base (a copy only for unusual caller tensors)."""
-    if not t.is_contiguous():
-        return t.contiguous()
-    return t.clone() if t.data_ptr() % 16 else t
+def rows_ok(t: torch.Tensor) -> bool:
+    """Whether the kernels read `t` ([batch, heads or groups, n] bf16) as it is: each
+    row's heads (groups) contiguous, and the base and the row stride 16-byte aligned.
+    Column slices of an engine's projection are (their row stride is its width)."""
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.data_ptr() % 16 == 0 and (t.stride(0) * 2) % 16 == 0
+
+
+def _rows16(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a contiguous copy where the kernels cannot read it as it is (rows_ok)."""
+    return t if rows_ok(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 _SIDE: dict[torch.device, torch.cuda.Stream] = {}
@@ -250,13 +257,15 @@ def decode_step(
     if config is None:
         config = step_config(arch or arch_for(x.device), state_dtype, heads, groups, batch)
     fmt = read_copy_format(state_dtype, config.arch)
-    x, B, C = _dense16(x), _dense16(B), _dense16(C)
+    x, B, C = _rows16(x), _rows16(B), _rows16(C)
+    if dt.dtype not in DT_DTYPES:
+        dt = dt.float()
     ring = A.bind(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
     copy = fmt.bind(cache, L)
     inputs = A.bind(A.Inputs, x=x, dt=dt, A=A_, B=B, C=C, D=D, dt_bias=dt_bias, out=out)
     plan_t = plan._asdict()
-    nonflush = compiled_decode(config)
-    flush = compiled_flush(config, debug=state_out is not None)
+    nonflush = compiled_decode(config, dt.dtype)
+    flush = compiled_flush(config, state_out is not None, dt.dtype)
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     columns = flush_columns(heads, fmt.ctas_per_sm, _sm_count(index))
     with step_streams(x.device, config.flush_pdl) as (flush_stream, nonflush_stream):

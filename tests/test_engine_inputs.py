@@ -1,0 +1,117 @@
+"""A decode step with inputs shaped as engines pass them (synthetic.engine_inputs: x, B, C
+column slices of one projection, dt bf16 tied over the head dim, A [H, 64, 128] with
+strides (1, 0, 0), D and dt_bias tied) gives the bits of the same values passed as plain
+contiguous FP32 / bf16 tensors, and launches only the step's own kernels: nothing is
+copied or converted before them."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from replayssm import ReplaySSMCache
+from replayssm import layout as L
+from replayssm.api import normalize_decode_inputs
+from replayssm.synthetic import engine_inputs, layer_params, plain_inputs, prefill_states, token
+
+from .helpers import same_bits
+
+HEADS, GROUPS = 16, 2
+
+
+def _pair(fmt, device, backend, batch=5, seed=0):
+    """Twin caches with the same live slots at desynchronized positions."""
+    caches = [ReplaySSMCache(batch + 3, HEADS, GROUPS, fmt, device, backend=backend, seed=7) for _ in range(2)]
+    gen = torch.Generator().manual_seed(seed)
+    params = layer_params(HEADS, generator=gen, device=device)
+    states = prefill_states(params, batch, GROUPS, 8, generator=gen, device=device)
+    slots = []
+    for c in caches:
+        s = c.allocate(batch)
+        c.prefill_init(states, s)
+        c.positions[s.long()] = torch.arange(batch, dtype=torch.int32, device=device) * 3 % 16
+        slots.append(s)
+    return caches, slots, params, gen
+
+
+def test_normalized_engine_inputs_are_views_of_the_callers_tensors():
+    gen = torch.Generator().manual_seed(0)
+    params = layer_params(HEADS, generator=gen)
+    tok = token(3, HEADS, GROUPS, generator=gen)
+    eng = engine_inputs(tok, params)
+    norm = normalize_decode_inputs(*eng, 3, HEADS, GROUPS)
+    for name, given, got in zip(("x", "dt", "A", "B", "C", "D", "dt_bias"), eng, norm):
+        assert got.untyped_storage().data_ptr() == given.untyped_storage().data_ptr(), name
+        assert got.dtype == given.dtype, name
+    plain = normalize_decode_inputs(*plain_inputs(tok, params), 3, HEADS, GROUPS)
+    for a, b in zip(norm, plain):
+        assert torch.equal(a.float(), b.float())
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("backend", ["reference", "kernels"])
+def test_engine_shaped_inputs_give_the_plain_inputs_bits_cpu(fmt, backend):
+    """CPU: the reference, and the kernel backend under the Triton interpreter, over a
+    flush of every row (20 steps)."""
+    caches, slots, params, gen = _pair(fmt, "cpu", backend)
+    for _ in range(20):
+        tok = token(5, HEADS, GROUPS, generator=gen)
+        a = caches[0].decode(*engine_inputs(tok, params), slots[0])
+        b = caches[1].decode(*plain_inputs(tok, params), slots[1])
+        assert same_bits(a, b)
+    for x, y in zip(caches[0].tensors[1:], caches[1].tensors[1:]):
+        assert same_bits(x, y)
+
+
+needs_dsl = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="needs nvidia-cutlass-dsl (pip install -e '.[cute]')")
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("batch", [1, 5, 45])
+def test_engine_shaped_inputs_give_the_plain_inputs_bits_gpu(fmt, batch):
+    """Over 34 steps (every row flushes twice): outputs and every cache tensor."""
+    caches, slots, params, gen = _pair(fmt, "cuda", "kernels", batch=batch)
+    for _ in range(34):
+        tok = token(batch, HEADS, GROUPS, generator=gen, device="cuda")
+        a = caches[0].decode(*engine_inputs(tok, params), slots[0])
+        b = caches[1].decode(*plain_inputs(tok, params), slots[1])
+        assert same_bits(a, b)
+    torch.cuda.synchronize()
+    for x, y in zip(caches[0].tensors[1:], caches[1].tensors[1:]):
+        assert same_bits(x, y)
+
+
+def _kernels_of_one_step(cache, slots, inputs, out):
+    from torch.profiler import ProfilerActivity, profile
+
+    cache.decode(*inputs, slots, out=out)  # compiled and loaded
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        cache.decode(*inputs, slots, out=out)
+        torch.cuda.synchronize()
+    names = []
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            names.append(evt.name)
+    return names
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("shape", ["engine", "plain"])
+@pytest.mark.parametrize("batch", [1, 64])
+def test_a_step_launches_only_its_three_kernels(fmt, shape, batch):
+    """The profiler sees exactly prepare, the flush and the non-flush kernel in one step
+    (no copy, no conversion, no memset), for engine-shaped and plain inputs."""
+    caches, slots, params, gen = _pair(fmt, "cuda", "kernels", batch=batch)
+    tok = token(batch, HEADS, GROUPS, generator=gen, device="cuda")
+    inputs = engine_inputs(tok, params) if shape == "engine" else plain_inputs(tok, params)
+    out = torch.empty(batch, HEADS, L.HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    names = _kernels_of_one_step(caches[0], slots[0], inputs, out)
+    kinds = sorted("prepare" if "prepare" in n else "flush" if "cuteflushflush" in n.lower() else "decode" if "cutedecodedecode" in n.lower() else n for n in names)
+    assert kinds == ["decode", "flush", "prepare"], names
