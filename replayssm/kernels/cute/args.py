@@ -73,9 +73,9 @@ class Inputs(NamedTuple):
     dt_bias_stride: Int64
     d_stride_h: Int64
     d_stride_p: Int64
-    x_stride16: Int64  # row strides of x, B, C
-    b_stride16: Int64
-    c_stride16: Int64
+    x_stride16: Int32  # row strides of x, B, C (32-bit: one IMAD per row offset)
+    b_stride16: Int32
+    c_stride16: Int32
 
 
 class Plan(NamedTuple):
@@ -126,7 +126,7 @@ SPECS: dict[type, dict[str, tuple]] = {
         "D": (Float32, 4), "dt_bias": (Float32, 4), "out": (BFloat16, 2),
         "dt_stride_b": ("dt", 0, 1), "dt_stride_h": ("dt", 1, 1), "a_stride": ("A", 0, 1),
         "dt_bias_stride": ("dt_bias", 0, 1), "d_stride_h": ("D", 0, 1), "d_stride_p": ("D", 1, 1),
-        "x_stride16": ("x", 0, 16), "b_stride16": ("B", 0, 16), "c_stride16": ("C", 0, 16),
+        "x_stride16": ("x", 0, 16, Int32), "b_stride16": ("B", 0, 16, Int32), "c_stride16": ("C", 0, 16, Int32),
     },
     Plan: {
         "valid": (Int8, 1), "slot": (Int64, 8), "ring_index": (Int64, 8), "flush": (Int8, 1),
@@ -136,8 +136,23 @@ SPECS: dict[type, dict[str, tuple]] = {
 SPECS[DebugPlan] = {**SPECS[Plan], "state": (Float32, 16)}
 
 
+def dense_rows(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> bool:
+    """Whether x, B and C are plain contiguous rows (row stride = heads x 64, groups x 128):
+    the kernels' `dense_rows` variant addresses them with that constant stride, the other
+    reads `Inputs`' row strides (engine-shaped inputs: column slices of a projection)."""
+    return x.stride(0) == x.shape[1] * x.shape[2] and B.stride(0) == B.shape[1] * B.shape[2] and C.stride(0) == C.shape[1] * C.shape[2]
+
+
+def row_words(dense: bool, bb, stride16, words_per_row: int):
+    """Word (32-bit) offset of batch row bb (Int64) of x, B or C: bb * words_per_row in
+    the dense variant, else bb times the runtime row stride (Int32 16-byte units)."""
+    if dense:
+        return bb * words_per_row
+    return Int64(Int32(bb) * stride16 * 4)
+
+
 def _is_stride(entry: tuple) -> bool:
-    return len(entry) == 3  # (tensor field, dim, unit); a pointer is (dtype, alignment)
+    return len(entry) >= 3  # (tensor field, dim, unit[, DSL type: Int64]); a pointer is (dtype, alignment)
 
 
 def _pointer_type(entry: tuple, dtype: torch.dtype | None) -> tuple:
@@ -152,7 +167,7 @@ def fake(struct: type, **dtypes: torch.dtype):
     values = []
     for name, entry in SPECS[struct].items():
         if _is_stride(entry):
-            values.append(Int64(0))
+            values.append((entry[3] if len(entry) > 3 else Int64)(0))
         else:
             dtype, align = _pointer_type(entry, dtypes.get(name, torch.float32))
             values.append(make_ptr(dtype, 0, assumed_align=align))
@@ -164,11 +179,11 @@ def bind(struct: type, **tensors: torch.Tensor):
     values = []
     for entry in SPECS[struct].values():
         if _is_stride(entry):
-            source, dim, unit = entry
+            source, dim, unit, kind = (*entry, Int64)[:4]
             t = tensors[source]
             # A DSL integer, not a Python int: the executor marshals a struct's fields by
             # their DSL types and would drop a plain int (the kernel then reads garbage).
-            values.append(Int64(t.stride(dim) * t.element_size() // 16 if unit == 16 else t.stride(dim)))
+            values.append(kind(t.stride(dim) * t.element_size() // 16 if unit == 16 else t.stride(dim)))
         else:
             values.append(None)
     fields = list(SPECS[struct])
@@ -179,4 +194,4 @@ def bind(struct: type, **tensors: torch.Tensor):
     return struct(*values)
 
 
-__all__ = ["DSL_DTYPES", "Ring", "Fp8Copy", "Nvfp4Copy", "Checkpoint", "Inputs", "Plan", "DebugPlan", "SPECS", "fake", "bind"]
+__all__ = ["dense_rows", "row_words", "DSL_DTYPES", "Ring", "Fp8Copy", "Nvfp4Copy", "Checkpoint", "Inputs", "Plan", "DebugPlan", "SPECS", "fake", "bind"]

@@ -55,6 +55,7 @@ from cutlass.memory import SmemAllocator
 from ...layout import HEAD_DIM as P
 from ...layout import RING
 from ...layout import STATE_DIM as N
+from . import args as A
 from . import bits
 from .bits import bf16x2_to_f32x2, f32x2_to_bf16x2, prmt, sel, softplus
 from .mma import mma_bf16_16x8x16
@@ -75,11 +76,14 @@ def heads_per_cta(hpg: int, limit: int = HEADS_PER_CTA) -> int:
 
 class Decode:
     """The non-flush step for one (format, heads, groups) and launch variant: `pdl`
-    (wait for the prepare kernel by griddepcontrol before the first global access) and
-    `read_hint` (the PTX cache qualifier of the read-copy loads; config.StepConfig)."""
+    (wait for the prepare kernel by griddepcontrol before the first global access),
+    `read_hint` (the PTX cache qualifier of the read-copy loads; config.StepConfig) and
+    `dense_rows` (x, B, C rows at their constant contiguous stride, else at `Inputs`'
+    runtime row strides; args.dense_rows)."""
 
-    def __init__(self, fmt, heads: int, groups: int, *, pdl: bool = False, read_hint: str = "") -> None:
+    def __init__(self, fmt, heads: int, groups: int, *, pdl: bool = False, read_hint: str = "", dense_rows: bool = True) -> None:
         self.fmt = fmt
+        self.dense_rows = dense_rows
         self.heads, self.groups = heads, groups
         self.hpg = heads // groups
         self.hpc = heads_per_cta(self.hpg)
@@ -147,7 +151,7 @@ class Decode:
         heads_per_cta, i.e. words 4 (vh % 2) .. + 3 of chunk vh // 2; the step's B at r,
         zeros beyond r): the CTA's warps split B_j . C over k (`finish`)."""
         c_w = cute.recast_ptr(inputs.C, dtype=Uint32)
-        c_row = bb * inputs.c_stride16 * 4 + g * (N // 2)
+        c_row = A.row_words(self.dense_rows, bb, inputs.c_stride16, self.groups * N // 2) + g * (N // 2)
         cw = []
         for c in cutlass.range_constexpr(2):
             base = (c_w + (c_row + Int64(self.fmt.c_word(c, q)))).toint()
@@ -155,7 +159,7 @@ class Decode:
         br_w = cute.recast_ptr(b_ring, dtype=Uint32)
         b_w = cute.recast_ptr(inputs.B, dtype=Uint32)
         br_row0 = slot * b_ring_stride16 * 4 + g * (RING * N // 2)
-        b_row = bb * inputs.b_stride16 * 4 + g * (N // 2)
+        b_row = A.row_words(self.dense_rows, bb, inputs.b_stride16, self.groups * N // 2) + g * (N // 2)
         bq = []
         for e in cutlass.range_constexpr(2):
             j = gq + 8 * e
@@ -187,7 +191,7 @@ class Decode:
         one = Int32(1)
         xr_w = cute.recast_ptr(ring.x, dtype=Uint32)
         x_w = cute.recast_ptr(inputs.x, dtype=Uint32)
-        x_row = bb * inputs.x_stride16 * 4 + hh * (P // 2)
+        x_row = A.row_words(self.dense_rows, bb, inputs.x_stride16, self.heads * P // 2) + hh * (P // 2)
         x_cur = (x_w + (x_row + Int64(4 * gq))).toint()
         xr_row = slot * ring.x_stride16 * 4 + hh * (RING * P // 2) + Int64(4 * gq)
         xw = []

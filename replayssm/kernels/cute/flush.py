@@ -49,6 +49,7 @@ from cutlass.memory import SmemAllocator
 from ...layout import HEAD_DIM as P
 from ...layout import RING
 from ...layout import STATE_DIM as N
+from . import args as A
 from . import bits
 from .bits import bf16x2_to_f32x2 as _bf16x2
 from .bits import sel, softplus
@@ -132,12 +133,13 @@ class Flush:
     """The flush for one (format, heads, groups) and launch variant: `pdl` (the CTAs may
     become resident while the prepare kernel runs and wait for it by griddepcontrol
     before their first global access), `rows` (batch rows of a row group, <= 32: one
-    ballot) and `debug` (the test variant: its plan is a `DebugPlan`, and it also writes
+    ballot), `debug` (the test variant: its plan is a `DebugPlan`, and it also writes
     the FP32 state S of every flushed row, so tests can apply the reference quantizers
-    to the kernel's own S)."""
+    to the kernel's own S) and `dense_rows` (as `decode.Decode`'s)."""
 
-    def __init__(self, fmt, heads: int, groups: int, *, pdl: bool = False, rows: int = 16, debug: bool = False) -> None:
+    def __init__(self, fmt, heads: int, groups: int, *, pdl: bool = False, rows: int = 16, debug: bool = False, dense_rows: bool = True) -> None:
         self.fmt = fmt
+        self.dense_rows = dense_rows
         self.heads, self.groups = heads, groups
         self.hpg = heads // groups
         self.pdl = pdl
@@ -298,7 +300,7 @@ class Flush:
         # flushed row's chain.
         d_row = bits.ld_global_u32_if((inputs.D + (hh * inputs.d_stride_h + Int64(mh * ROWS_HALF + t % ROWS_HALF) * inputs.d_stride_p)).toint(), sel(t < ROWS_HALF, Int32(1), Int32(0)))
         c_w = cute.recast_ptr(inputs.C, dtype=Uint32)
-        r_c = self.words(c_w, bb * inputs.c_stride16 * 4 + g * (N // 2) + Int64(col0 // 2), NT)
+        r_c = self.words(c_w, A.row_words(self.dense_rows, bb, inputs.c_stride16, self.groups * N // 2) + g * (N // 2) + Int64(col0 // 2), NT)
 
         # Stage x_j (FP32) of this CTA's 32 state rows and B_j (FP32, fragment order) of
         # entries 0..15: 15 from the rings, the current token as entry 15; and dt_j.
@@ -321,7 +323,7 @@ class Flush:
             x_on = sel(t < RING * ROWS_HALF // 8, Int32(1), Int32(0))
             x_ring_on = sel(jx < RING - 1, x_on, Int32(0))
             x_ring_w = bits.ld_global_v4_u32_if((xw + (slot * ring.x_stride16 * 4 + (hh * RING + Int64(jx)) * (P // 2) + Int64(xs // 2))).toint(), x_ring_on)
-            x_cur_w = bits.ld_global_v4_u32_if((xcur + (bb * inputs.x_stride16 * 4 + hh * (P // 2) + Int64(xs // 2))).toint(), x_on - x_ring_on)
+            x_cur_w = bits.ld_global_v4_u32_if((xcur + (A.row_words(self.dense_rows, bb, inputs.x_stride16, self.heads * P // 2) + hh * (P // 2) + Int64(xs // 2))).toint(), x_on - x_ring_on)
             b_words = []
             for rep in cutlass.range_constexpr(reps):
                 jb = t // 16 + rep * (THREADS // 16)
@@ -329,7 +331,7 @@ class Flush:
                 if cutlass.const_expr(rep == reps - 1):
                     b_ring_on = sel(jb < RING - 1, Int32(1), Int32(0))
                     b_ring_w = bits.ld_global_v4_u32_if(b_src, b_ring_on)
-                    b_cur_w = bits.ld_global_v4_u32_if((bcur + (bb * inputs.b_stride16 * 4 + g * (N // 2) + Int64(ch * 4))).toint(), Int32(1) - b_ring_on)
+                    b_cur_w = bits.ld_global_v4_u32_if((bcur + (A.row_words(self.dense_rows, bb, inputs.b_stride16, self.groups * N // 2) + g * (N // 2) + Int64(ch * 4))).toint(), Int32(1) - b_ring_on)
                     b_words.append([b_ring_w[k] | b_cur_w[k] for k in range(4)])
                 else:
                     b_words.append(bits.ld_global_v4_u32_if(b_src, Int32(1)))
@@ -346,14 +348,14 @@ class Flush:
             # Both sources loaded by every staging thread, the entry picked by a select.
             if t < RING * ROWS_HALF // 8:
                 from_ring = _vec_a(xw, slot * ring.x_stride16 * 4 + (hh * RING + Int64(jx)) * (P // 2) + Int64(xs // 2), 4).load()
-                cur = _vec_a(xcur, bb * inputs.x_stride16 * 4 + hh * (P // 2) + Int64(xs // 2), 4).load()
+                cur = _vec_a(xcur, A.row_words(self.dense_rows, bb, inputs.x_stride16, self.heads * P // 2) + hh * (P // 2) + Int64(xs // 2), 4).load()
                 self.stage_x(s_x, jx, xs, [sel(jx == RING - 1, cur[k], from_ring[k]) for k in range(4)])
             for rep in cutlass.range_constexpr(reps):
                 jb = t // 16 + rep * (THREADS // 16)
                 from_ring = _vec_a(bw, slot * ring.b_stride16 * 4 + (g * RING + Int64(jb)) * (N // 2) + Int64(ch * 4), 4).load()
                 r_rep = cute.make_rmem_tensor(cute.make_layout(8), Float32)
                 if cutlass.const_expr(rep == reps - 1):
-                    cur = _vec_a(bcur, bb * inputs.b_stride16 * 4 + g * (N // 2) + Int64(ch * 4), 4).load()
+                    cur = _vec_a(bcur, A.row_words(self.dense_rows, bb, inputs.b_stride16, self.groups * N // 2) + g * (N // 2) + Int64(ch * 4), 4).load()
                     for k in cutlass.range_constexpr(4):
                         v = _bf16x2(sel(jb == RING - 1, cur[k], from_ring[k]))
                         r_rep[k] = v[0]  # column 8 ch + 2 k

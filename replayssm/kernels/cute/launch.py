@@ -55,46 +55,50 @@ def _options(arch: str, dump_dir: str | os.PathLike | None) -> str:
     return opts
 
 
-# dt may arrive in any of these (a Mamba-2 mixer's dt is bf16); the kernels read it as it
-# is and convert in registers, so the compile key holds its type. Warmup compiles these.
+# The step's inputs as they arrive, part of the compile key: dt's type (f32, bf16 or f16:
+# the kernels read it as it is and convert in registers; a Mamba-2 mixer's dt is bf16) and
+# whether x, B, C are dense rows (a constant row stride) or row-strided column slices of a
+# projection. H200, project benchmark, 16h/2g FP8 at batch 256: reading every input
+# through runtime row strides made plain inputs' steps 2.5% slower, hence the dense
+# variant. Warmup compiles the plain inputs with f32 and bf16 dt and an engine's.
 DT_DTYPES = tuple(A.DSL_DTYPES)
-WARMUP_DT_DTYPES = (torch.float32, torch.bfloat16)
+WARMUP_INPUTS = ((True, torch.float32), (True, torch.bfloat16), (False, torch.bfloat16))
 
 
-def decode_kernel(cfg: StepConfig, dt_dtype: torch.dtype = torch.float32) -> tuple[Decode, list]:
+def decode_kernel(cfg: StepConfig, dt_dtype: torch.dtype = torch.float32, dense_rows: bool = True) -> tuple[Decode, list]:
     """The non-flush kernel object of `cfg` and its compile-time arguments."""
     fmt = read_copy_format(cfg.state_dtype, cfg.arch)
-    obj = Decode(fmt, cfg.heads, cfg.groups, pdl=cfg.nonflush_pdl, read_hint=cfg.read_hint)
+    obj = Decode(fmt, cfg.heads, cfg.groups, pdl=cfg.nonflush_pdl, read_hint=cfg.read_hint, dense_rows=dense_rows)
     return obj, [A.fake(A.Ring), A.fake(fmt.Args), A.fake(A.Inputs, dt=dt_dtype), A.fake(A.Plan), Int32(0), make_fake_stream()]
 
 
-def flush_kernel(cfg: StepConfig, debug: bool = False, dt_dtype: torch.dtype = torch.float32) -> tuple[Flush, list]:
+def flush_kernel(cfg: StepConfig, debug: bool = False, dt_dtype: torch.dtype = torch.float32, dense_rows: bool = True) -> tuple[Flush, list]:
     """The flush kernel object of `cfg` (`debug`: the test variant) and its compile-time
     arguments."""
     fmt = read_copy_format(cfg.state_dtype, cfg.arch)
-    obj = Flush(fmt, cfg.heads, cfg.groups, pdl=cfg.flush_pdl, rows=cfg.flush_rows, debug=debug)
+    obj = Flush(fmt, cfg.heads, cfg.groups, pdl=cfg.flush_pdl, rows=cfg.flush_rows, debug=debug, dense_rows=dense_rows)
     plan = A.fake(A.DebugPlan if debug else A.Plan)
     inputs = A.fake(A.Inputs, dt=dt_dtype)
     fake = [A.fake(A.Checkpoint), A.fake(A.Ring), A.fake(fmt.Args), inputs, plan, Int64(0), Int32(0), make_fake_stream()]
     return obj, fake
 
 
-def compiled_decode(cfg: StepConfig, dt_dtype: torch.dtype = torch.float32):
-    """The compiled non-flush launcher of `cfg` for dt of `dt_dtype` (compiled on first use)."""
-    key = ("decode", cfg.arch, cfg.state_dtype, cfg.heads, cfg.groups, cfg.nonflush_pdl, cfg.read_hint, dt_dtype)
+def compiled_decode(cfg: StepConfig, dt_dtype: torch.dtype = torch.float32, dense_rows: bool = True):
+    """The compiled non-flush launcher of `cfg` for these inputs (compiled on first use)."""
+    key = ("decode", cfg.arch, cfg.state_dtype, cfg.heads, cfg.groups, cfg.nonflush_pdl, cfg.read_hint, dt_dtype, dense_rows)
     fn = _COMPILED.get(key)
     if fn is None:
-        obj, fake = decode_kernel(cfg, dt_dtype)
+        obj, fake = decode_kernel(cfg, dt_dtype, dense_rows)
         fn = _COMPILED[key] = cute.compile(obj, *fake, options=_options(cfg.arch, None))
     return fn
 
 
-def compiled_flush(cfg: StepConfig, debug: bool = False, dt_dtype: torch.dtype = torch.float32):
-    """The compiled flush launcher of `cfg` for dt of `dt_dtype` (compiled on first use)."""
-    key = ("flush", cfg.arch, cfg.state_dtype, cfg.heads, cfg.groups, cfg.flush_pdl, cfg.flush_rows, debug, dt_dtype)
+def compiled_flush(cfg: StepConfig, debug: bool = False, dt_dtype: torch.dtype = torch.float32, dense_rows: bool = True):
+    """The compiled flush launcher of `cfg` for these inputs (compiled on first use)."""
+    key = ("flush", cfg.arch, cfg.state_dtype, cfg.heads, cfg.groups, cfg.flush_pdl, cfg.flush_rows, debug, dt_dtype, dense_rows)
     fn = _COMPILED.get(key)
     if fn is None:
-        obj, fake = flush_kernel(cfg, debug, dt_dtype)
+        obj, fake = flush_kernel(cfg, debug, dt_dtype, dense_rows)
         fn = _COMPILED[key] = cute.compile(obj, *fake, options=_options(cfg.arch, None))
     return fn
 
@@ -146,29 +150,35 @@ def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
     return paths
 
 
-def warmup(state_dtype: str, heads: int, groups: int, arch: str | None = None, dt_dtypes=WARMUP_DT_DTYPES) -> list[str]:
-    """Compile every kernel variant a step of this geometry may launch, for dt of each of
-    `dt_dtypes` (before CUDA-graph capture); returns their names."""
+def warmup(state_dtype: str, heads: int, groups: int, arch: str | None = None, inputs=WARMUP_INPUTS) -> list[str]:
+    """Compile every kernel variant a step of this geometry may launch, for each of
+    `inputs` ((dense rows, dt dtype) pairs; before CUDA-graph capture); returns their names."""
     arch = arch or arch_for()
     names = []
-    for dt_dtype in dt_dtypes:
+    for dense, dt_dtype in inputs:
         for name, (kind, cfg) in _variants(arch, state_dtype, heads, groups).items():
-            compiled_decode(cfg, dt_dtype) if kind == "decode" else compiled_flush(cfg, dt_dtype=dt_dtype)
-            names.append(f"cute.{name}[{arch},dt={str(dt_dtype).removeprefix('torch.')}]")
+            if kind == "decode":
+                compiled_decode(cfg, dt_dtype, dense)
+            else:
+                compiled_flush(cfg, False, dt_dtype, dense)
+            names.append(f"cute.{name}[{arch},dt={str(dt_dtype).removeprefix('torch.')}{'' if dense else ',strided'}]")
     return names
 
 
-def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, state_dtype: str, arch: str, dt_dtypes=WARMUP_DT_DTYPES) -> None:
+def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, state_dtype: str, arch: str, inputs=WARMUP_INPUTS) -> None:
     """Launch every config's kernels for a plan of padding rows only (they return at once
-    and write nothing): loads the compiled modules, e.g. before CUDA-graph capture."""
+    and write nothing), for each of `inputs` as `warmup` takes them: loads the compiled
+    modules, e.g. before CUDA-graph capture."""
     batch = plan.valid.shape[0]
     heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
     dev = out.device
-    x = torch.zeros(batch, heads, L.HEAD_DIM, dtype=torch.bfloat16, device=dev)
-    bc = torch.zeros(batch, groups, L.STATE_DIM, dtype=torch.bfloat16, device=dev)
     per_head = torch.zeros(heads, device=dev)
     D = torch.zeros(heads, L.HEAD_DIM, device=dev)
-    for dt_dtype in dt_dtypes:
+    for dense, dt_dtype in inputs:
+        pad = 0 if dense else 8  # a wider row: x, B, C as row-strided column slices
+        x = torch.zeros(batch, heads * L.HEAD_DIM + pad, dtype=torch.bfloat16, device=dev)[:, : heads * L.HEAD_DIM]
+        bc = torch.zeros(batch, groups * L.STATE_DIM + pad, dtype=torch.bfloat16, device=dev)[:, : groups * L.STATE_DIM]
+        x, bc = x.view(batch, heads, L.HEAD_DIM), bc.view(batch, groups, L.STATE_DIM)
         dt = torch.zeros(batch, heads, dtype=dt_dtype, device=dev)
         for cfg in step_configs(arch, state_dtype, heads, groups):
             decode_step(cache, x, dt, per_head, bc, bc, D, per_head, plan, out, state_dtype=state_dtype, config=cfg)
@@ -264,8 +274,9 @@ def decode_step(
     copy = fmt.bind(cache, L)
     inputs = A.bind(A.Inputs, x=x, dt=dt, A=A_, B=B, C=C, D=D, dt_bias=dt_bias, out=out)
     plan_t = plan._asdict()
-    nonflush = compiled_decode(config, dt.dtype)
-    flush = compiled_flush(config, state_out is not None, dt.dtype)
+    dense = A.dense_rows(x, B, C)
+    nonflush = compiled_decode(config, dt.dtype, dense)
+    flush = compiled_flush(config, state_out is not None, dt.dtype, dense)
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     columns = flush_columns(heads, fmt.ctas_per_sm, _sm_count(index))
     with step_streams(x.device, config.flush_pdl) as (flush_stream, nonflush_stream):
