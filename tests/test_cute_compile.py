@@ -296,6 +296,26 @@ def test_argument_structs_bind_what_the_spec_types():
         assert len(get_c_pointers(struct)) == len(struct._fields), type(struct).__name__
 
 
+def test_bound_structs_are_reused_only_for_the_same_addresses_and_strides():
+    """args.bound reuses a struct while its tensors keep their addresses, dtypes and
+    strides (all a struct holds), and builds what `bind` builds otherwise."""
+    import torch
+
+    from replayssm.kernels.cute import args as A
+
+    base = torch.zeros(4, 2, 256, dtype=torch.bfloat16)
+    x = base[:, :, :128]  # row-strided: a column slice
+    dense = torch.zeros(4, 2, 128, dtype=torch.bfloat16)
+    one = A.bound(A.Ring, x=x, dt=torch.zeros(4, 16), b=dense)
+    dt2 = torch.zeros(4, 16)
+    assert A.bound(A.Ring, x=x, dt=dt2, b=dense) is not one  # another dt tensor: another address
+    again = A.bound(A.Ring, x=base[:, :, :128], dt=dt2, b=dense)  # a new view, the same values
+    assert again is A.bound(A.Ring, x=x, dt=dt2, b=dense)
+    fresh = A.bind(A.Ring, x=x, dt=dt2, b=dense)
+    assert [repr(v) for v in again] == [repr(v) for v in fresh]
+    assert A.bound(A.Ring, x=dense, dt=dt2, b=dense).x_stride16 != again.x_stride16
+
+
 def test_step_streams_fork_and_join(monkeypatch):
     """The launcher's streams (no GPU: streams replaced by recorders): the side stream
     waits for the current one before the kernels and the current one waits for the side

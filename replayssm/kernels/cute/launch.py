@@ -270,9 +270,9 @@ def decode_step(
     x, B, C = _rows16(x), _rows16(B), _rows16(C)
     if dt.dtype not in DT_DTYPES:
         dt = dt.float()
-    ring = A.bind(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
+    ring = A.bound(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
     copy = fmt.bind(cache, L)
-    inputs = A.bind(A.Inputs, x=x, dt=dt, A=A_, B=B, C=C, D=D, dt_bias=dt_bias, out=out)
+    inputs = A.bound(A.Inputs, x=x, dt=dt, A=A_, B=B, C=C, D=D, dt_bias=dt_bias, out=out)
     plan_t = plan._asdict()
     dense = A.dense_rows(x, B, C)
     nonflush = compiled_decode(config, dt.dtype, dense)
@@ -280,12 +280,12 @@ def decode_step(
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     columns = flush_columns(heads, fmt.ctas_per_sm, _sm_count(index))
     with step_streams(x.device, config.flush_pdl) as (flush_stream, nonflush_stream):
-        flush_plan = A.bind(A.Plan, **plan_t) if state_out is None else A.bind(A.DebugPlan, **plan_t, state=state_out)
+        flush_plan = A.bound(A.Plan, **plan_t) if state_out is None else A.bind(A.DebugPlan, **plan_t, state=state_out)
         flush(
-            A.bind(A.Checkpoint, state=cache[L.CHECKPOINT]), ring, copy, inputs, flush_plan,
+            A.bound(A.Checkpoint, state=cache[L.CHECKPOINT]), ring, copy, inputs, flush_plan,
             columns, batch, cuda_driver.CUstream(flush_stream.cuda_stream),
         )
-        nonflush(ring, copy, inputs, A.bind(A.Plan, **plan_t), batch, cuda_driver.CUstream(nonflush_stream.cuda_stream))
+        nonflush(ring, copy, inputs, A.bound(A.Plan, **plan_t), batch, cuda_driver.CUstream(nonflush_stream.cuda_stream))
 
 
 __all__ = [

@@ -68,7 +68,7 @@ class Fp8(_Format):
     sr_voted = False
 
     def bind(self, cache, L) -> A.Fp8Copy:
-        return A.bind(A.Fp8Copy, codes=cache[L.READ_COPY], scales=cache[L.SCALES])
+        return A.bound(A.Fp8Copy, codes=cache[L.READ_COPY], scales=cache[L.SCALES])
 
     # -- non-flush ------------------------------------------------------------------------
     def c_word(self, c: int, q):
@@ -174,7 +174,7 @@ class Nvfp4(_Format):
         self.decode_factor = 1.0 if self.hw else bits_nvfp4.SOFT_DECODE_FACTOR
 
     def bind(self, cache, L) -> A.Nvfp4Copy:
-        return A.bind(A.Nvfp4Copy, codes=cache[L.READ_COPY], scales=cache[L.SCALES], meta=cache[L.META], parity=cache[L.PARITY])
+        return A.bound(A.Nvfp4Copy, codes=cache[L.READ_COPY], scales=cache[L.SCALES], meta=cache[L.META], parity=cache[L.PARITY])
 
     def e2m1x8_f16x2(self, w):
         return bits_nvfp4.e2m1x8_f16x2_hw(w) if self.hw else bits_nvfp4.e2m1x8_f16x2_sw(w)
