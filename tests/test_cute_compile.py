@@ -316,6 +316,45 @@ def test_bound_structs_are_reused_only_for_the_same_addresses_and_strides():
     assert A.bound(A.Ring, x=dense, dt=dt2, b=dense).x_stride16 != again.x_stride16
 
 
+def test_a_repeated_launch_reuses_its_converted_arguments(monkeypatch):
+    """launch._launch converts a launch's arguments once per distinct (structs, scalars,
+    stream) and reuses them; other structs or another stream convert anew; a DSL without
+    the executor's two entry points gets the plain call."""
+    from replayssm.kernels.cute import launch
+
+    monkeypatch.setattr(launch, "_EXE", {})
+    calls = []
+
+    class Exe:
+        def generate_execution_args(self, args, kwargs):
+            calls.append(("gen", args[:-1]))
+            return [len(calls)], object()
+
+    class Fn:
+        execution_args = Exe()
+
+        def run_compiled_program(self, exe_args):
+            calls.append(("run", exe_args))
+
+    fn, s1, s2 = Fn(), ("ring",), ("other",)
+    launch._launch(fn, s1, (4,), 7)
+    launch._launch(fn, s1, (4,), 7)
+    launch._launch(fn, s2, (4,), 7)
+    launch._launch(fn, s1, (4,), 8)
+    assert calls == [("gen", (*s1, 4)), ("run", [1]), ("run", [1]), ("gen", (*s2, 4)), ("run", [4]), ("gen", (*s1, 4)), ("run", [6])]
+
+    class Plain:
+        def __init__(self):
+            self.args = []
+
+        def __call__(self, *args):
+            self.args.append(args[:-1])
+
+    plain = Plain()
+    launch._launch(plain, s1, (4,), 7)
+    assert plain.args == [(*s1, 4)]
+
+
 def test_step_streams_fork_and_join(monkeypatch):
     """The launcher's streams (no GPU: streams replaced by recorders): the side stream
     waits for the current one before the kernels and the current one waits for the side

@@ -264,29 +264,57 @@ def decode_step(
     the FP32 state of every flushed row there."""
     batch, heads = x.shape[0], x.shape[1]
     groups = cache[L.B_RING].shape[1]
-    if config is None:
-        config = step_config(arch or arch_for(x.device), state_dtype, heads, groups, batch)
-    fmt = read_copy_format(state_dtype, config.arch)
     x, B, C = _rows16(x), _rows16(B), _rows16(C)
     if dt.dtype not in DT_DTYPES:
         dt = dt.float()
+    dense = A.dense_rows(x, B, C)
+    if config is None:
+        config = step_config(arch or arch_for(x.device), state_dtype, heads, groups, batch)
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    nonflush, flush, fmt, columns = _kernels(config, dt.dtype, dense, state_out is not None, index)
     ring = A.bound(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
     copy = fmt.bind(cache, L)
     inputs = A.bound(A.Inputs, x=x, dt=dt, A=A_, B=B, C=C, D=D, dt_bias=dt_bias, out=out)
     plan_t = plan._asdict()
-    dense = A.dense_rows(x, B, C)
-    nonflush = compiled_decode(config, dt.dtype, dense)
-    flush = compiled_flush(config, state_out is not None, dt.dtype, dense)
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    columns = flush_columns(heads, fmt.ctas_per_sm, _sm_count(index))
+    nonflush_plan = A.bound(A.Plan, **plan_t)
+    flush_plan = nonflush_plan if state_out is None else A.bind(A.DebugPlan, **plan_t, state=state_out)
+    ckpt = A.bound(A.Checkpoint, state=cache[L.CHECKPOINT])
     with step_streams(x.device, config.flush_pdl) as (flush_stream, nonflush_stream):
-        flush_plan = A.bound(A.Plan, **plan_t) if state_out is None else A.bind(A.DebugPlan, **plan_t, state=state_out)
-        flush(
-            A.bound(A.Checkpoint, state=cache[L.CHECKPOINT]), ring, copy, inputs, flush_plan,
-            columns, batch, cuda_driver.CUstream(flush_stream.cuda_stream),
-        )
-        nonflush(ring, copy, inputs, A.bound(A.Plan, **plan_t), batch, cuda_driver.CUstream(nonflush_stream.cuda_stream))
+        _launch(flush, (ckpt, ring, copy, inputs, flush_plan), (columns, batch), flush_stream.cuda_stream)
+        _launch(nonflush, (ring, copy, inputs, nonflush_plan), (batch,), nonflush_stream.cuda_stream)
 
+
+@functools.lru_cache(maxsize=1024)
+def _kernels(config: StepConfig, dt_dtype: torch.dtype, dense: bool, debug: bool, device_index: int):
+    """(non-flush launcher, flush launcher, read-copy format, flush CTA columns) of a step:
+    resolved once per config, inputs' layout and device."""
+    fmt = read_copy_format(config.state_dtype, config.arch)
+    columns = flush_columns(config.heads, fmt.ctas_per_sm, _sm_count(device_index))
+    return compiled_decode(config, dt_dtype, dense), compiled_flush(config, debug, dt_dtype, dense), fmt, columns
+
+
+# The DSL executor turns a launch's arguments into C pointers on every call (most of a
+# launch's host time). A launch whose structs (args.bound: the same objects while their
+# tensors keep addresses and strides), scalars and stream repeat reuses the pointers of
+# the first such launch; the entry holds those objects, so they outlive it.
+_EXE: dict[tuple, tuple] = {}
+_EXE_MAX = 4096
+
+
+def _launch(fn, structs: tuple, scalars: tuple, stream: int) -> None:
+    key = (id(fn), *map(id, structs), *scalars, stream)
+    hit = _EXE.get(key)
+    if hit is None or any(a is not b for a, b in zip(hit[0], structs)):
+        args = (*structs, *scalars, cuda_driver.CUstream(stream))
+        gen = getattr(getattr(fn, "execution_args", None), "generate_execution_args", None)
+        if gen is None or not hasattr(fn, "run_compiled_program"):  # another DSL version: the plain call
+            fn(*args)
+            return
+        exe_args, adapted = gen(args, {})
+        if len(_EXE) >= _EXE_MAX:
+            _EXE.clear()
+        hit = _EXE[key] = (structs, exe_args, adapted, args)
+    fn.run_compiled_program(hit[1])
 
 __all__ = [
     "COMPILE_ALL_GEOMETRIES", "STATE_DTYPES", "compile_all", "compile_into", "compiled_decode", "compiled_flush",

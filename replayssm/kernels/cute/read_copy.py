@@ -16,6 +16,8 @@ reference's bits (docs/format.md), so everything else is shared by every target.
 
 from __future__ import annotations
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8, Uint32
@@ -348,6 +350,7 @@ class Nvfp4(_Format):
             cute.arch.atomic_max(meta_bits + (meta_row + old), cta_max, sem="relaxed", scope="gpu")
 
 
+@functools.lru_cache(maxsize=None)
 def read_copy_format(state_dtype: str, arch: str) -> _Format:
     """The strategy object of `state_dtype` ("fp8" / "nvfp4") on `arch`."""
     return {"fp8": Fp8, "nvfp4": Nvfp4}[state_dtype](arch)
