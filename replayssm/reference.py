@@ -80,17 +80,18 @@ def clear(cache: Sequence[torch.Tensor], slots: torch.Tensor) -> None:
 
 
 def initialize(
-    cache: Sequence[torch.Tensor], states: torch.Tensor, slots: torch.Tensor, *, nvfp4: bool, seed: int
+    cache: Sequence[torch.Tensor], states: torch.Tensor, slots: torch.Tensor, *, nvfp4: bool, seed: int, head_offset: int = 0
 ) -> None:
     """FP16 checkpoint (stochastic rounding, position tag INIT_POSITION), read copy and
-    its scales from FP32 `states` [batch, H, 64, 128]; rings and positions cleared."""
+    its scales from FP32 `states` [batch, H, 64, 128]; rings and positions cleared.
+    `head_offset`: the model's head of the cache's head 0 (quant/rng.py checkpoint_rbits)."""
     slot = slots.reshape(-1).to(torch.int64)
     keep = valid_rows(slot, cache[L.CHECKPOINT].shape[0])
     slot = slot[keep]
     state = states[keep].float()
     heads = state.shape[1]
     key = stream_key(seed, slot, torch.full_like(slot, INIT_POSITION))
-    cache[L.CHECKPOINT][slot] = to_fp16(state, checkpoint_rbits(key, heads))
+    cache[L.CHECKPOINT][slot] = to_fp16(state, checkpoint_rbits(key, heads, head_offset))
     live_amax = None
     if nvfp4:
         groups = cache[L.META].shape[1]
@@ -219,7 +220,7 @@ def fold(cache, slot, x, dts, B, A, last) -> torch.Tensor:
     return decay[:, :, None, None] * s0 + upd
 
 
-def decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan: Plan, out, *, nvfp4: bool, seed: int) -> None:
+def decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan: Plan, out, *, nvfp4: bool, seed: int, head_offset: int = 0) -> None:
     """Rows at ring index 15: fold 16 tokens into the checkpoint in FP32, output from the
     unrounded state, checkpoint written with stochastic rounding, read copy re-derived."""
     rows = plan.flush
@@ -230,7 +231,7 @@ def decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan: Plan, out, *, nvfp4: b
     state = fold(cache, slot, xs, dts, Bs, A, r)
     y = torch.einsum("nhpk,nhk->nhp", state, _expand_groups(Cs, heads)) + D.view(1, heads, -1) * xs.float()
     out[rows] = y.to(out.dtype)
-    cache[L.CHECKPOINT][slot] = to_fp16(state, checkpoint_rbits(plan.key[rows], heads))
+    cache[L.CHECKPOINT][slot] = to_fp16(state, checkpoint_rbits(plan.key[rows], heads, head_offset))
     live_amax = None
     if nvfp4:
         groups = cache[L.META].shape[1]
@@ -244,11 +245,11 @@ def decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan: Plan, out, *, nvfp4: b
     _write_read_copy(cache, slot, state, nvfp4, live_amax)
 
 
-def decode(cache, x, dt, A, B, C, D, dt_bias, slots, out, *, nvfp4: bool, seed: int) -> torch.Tensor:
+def decode(cache, x, dt, A, B, C, D, dt_bias, slots, out, *, nvfp4: bool, seed: int, head_offset: int = 0) -> torch.Tensor:
     """One decode step for a batch (normalized inputs); returns `out` [batch, H, 64]."""
     plan = prepare_decode(cache, slots, out, nvfp4=nvfp4, seed=seed)
     decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4)
-    decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4, seed=seed)
+    decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4, seed=seed, head_offset=head_offset)
     return out
 
 

@@ -51,14 +51,14 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def initialize(self, cache, states, ids, *, nvfp4: bool, seed: int) -> None:
-        ref.initialize(cache, states, ids, nvfp4=nvfp4, seed=seed)
+    def initialize(self, cache, states, ids, *, nvfp4: bool, seed: int, head_offset: int = 0) -> None:
+        ref.initialize(cache, states, ids, nvfp4=nvfp4, seed=seed, head_offset=head_offset)
 
     def clear(self, cache, ids) -> None:
         ref.clear(cache, ids)
 
-    def decode(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, nvfp4: bool, seed: int) -> None:
-        ref.decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4=nvfp4, seed=seed)
+    def decode(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, nvfp4: bool, seed: int, head_offset: int = 0) -> None:
+        ref.decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4=nvfp4, seed=seed, head_offset=head_offset)
 
     def materialize(self, cache, ids, A) -> torch.Tensor:
         return ref.materialize(cache, ids, A)
@@ -127,8 +127,8 @@ class KernelBackend:
         self._scratch[(device, capacity)] = buf
         return buf
 
-    def initialize(self, cache, states, ids, *, nvfp4: bool, seed: int) -> None:
-        self._kernels().initialize(cache, states, ids, nvfp4=nvfp4, seed=seed)
+    def initialize(self, cache, states, ids, *, nvfp4: bool, seed: int, head_offset: int = 0) -> None:
+        self._kernels().initialize(cache, states, ids, nvfp4=nvfp4, seed=seed, head_offset=head_offset)
 
     def clear(self, cache, ids) -> None:
         self._kernels().clear(cache, ids)
@@ -139,17 +139,19 @@ class KernelBackend:
             scratch = self.scratch(ids.device, ids.numel())
         return self._kernels().prepare_decode(cache, ids, out, scratch, nvfp4=nvfp4, seed=seed)
 
-    def decode(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, nvfp4: bool, seed: int, scratch=None) -> None:
+    def decode(
+        self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, nvfp4: bool, seed: int, scratch=None, head_offset: int = 0
+    ) -> None:
         """Prepare kernel, then the CuTe decode kernels (`_cute_step`: the non-flush and the
         flush kernel launch every step); on the CPU the reference decode math."""
         plan = self.prepare(cache, ids, out, nvfp4=nvfp4, seed=seed, scratch=scratch)
         if cache[L.CHECKPOINT].device.type == "cuda":
-            self._cute_step(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4)
+            self._cute_step(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4, head_offset=head_offset)
             return
         ref.decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4)
-        ref.decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4, seed=seed)
+        ref.decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4, seed=seed, head_offset=head_offset)
 
-    def _cute_step(self, cache, x, dt, A, B, C, D, dt_bias, plan: ref.Plan, out, *, nvfp4: bool) -> None:
+    def _cute_step(self, cache, x, dt, A, B, C, D, dt_bias, plan: ref.Plan, out, *, nvfp4: bool, head_offset: int = 0) -> None:
         """One decode step's CuTe launches for the rows of `plan` (inputs normalized as
         `replayssm.api` leaves them, `out` [batch, H, 64] bf16): the only call into the
         CuTe launcher (`launch.decode_step`)."""
@@ -157,7 +159,9 @@ class KernelBackend:
         if cute is None:
             raise ValueError(f"the kernel backend cannot decode this cache: {self.cute_unavailable(cache)}")
         launch, arch = cute
-        launch.decode_step(cache, x, dt, A, B, C, D, dt_bias, plan, out, state_dtype="nvfp4" if nvfp4 else "fp8", arch=arch)
+        launch.decode_step(
+            cache, x, dt, A, B, C, D, dt_bias, plan, out, state_dtype="nvfp4" if nvfp4 else "fp8", arch=arch, head_offset=head_offset
+        )
 
     def materialize(self, cache, ids, A) -> torch.Tensor:
         return ref.materialize(cache, ids, A)

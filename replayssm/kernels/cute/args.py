@@ -51,6 +51,7 @@ class Nvfp4Copy(NamedTuple):
 class Checkpoint(NamedTuple):
     state: Pointer  # f16 [S, H, 64, 128]
     stride16: Int64
+    head_offset: Int32  # the model's head of this cache's head 0 (tensor-parallel shards)
 
 
 class Inputs(NamedTuple):
@@ -104,6 +105,8 @@ class DebugPlan(NamedTuple):
 
 # A pointer whose element type is the tensor's (one of DSL_DTYPES), aligned to its size.
 INPUT_DTYPE = "input"
+# A scalar given by value (a Python int), not read off a tensor: (VALUE, DSL type).
+VALUE = "value"
 DSL_DTYPES = {torch.float32: Float32, torch.bfloat16: BFloat16, torch.float16: Float16}
 
 SPECS: dict[type, dict[str, tuple]] = {
@@ -120,7 +123,7 @@ SPECS: dict[type, dict[str, tuple]] = {
         "codes_stride16": ("codes", 0, 16), "scale_stride": ("scales", 0, 1),
         "meta_stride": ("meta", 0, 1), "parity_stride": ("parity", 0, 1),
     },
-    Checkpoint: {"state": (Float16, 16), "stride16": ("state", 0, 16)},
+    Checkpoint: {"state": (Float16, 16), "stride16": ("state", 0, 16), "head_offset": (VALUE, Int32)},
     Inputs: {
         "x": (BFloat16, 16), "dt": (INPUT_DTYPE, 0), "A": (Float32, 4), "B": (BFloat16, 16), "C": (BFloat16, 16),
         "D": (Float32, 4), "dt_bias": (Float32, 4), "out": (BFloat16, 2),
@@ -168,6 +171,8 @@ def fake(struct: type, **dtypes: torch.dtype):
     for name, entry in SPECS[struct].items():
         if _is_stride(entry):
             values.append((entry[3] if len(entry) > 3 else Int64)(0))
+        elif entry[0] == VALUE:
+            values.append(entry[1](0))
         else:
             dtype, align = _pointer_type(entry, dtypes.get(name, torch.float32))
             values.append(make_ptr(dtype, 0, assumed_align=align))
@@ -183,7 +188,7 @@ def bound(struct: type, **tensors: torch.Tensor):
     and strides: a struct holds nothing else, so a reused one is the one `bind` would
     build (the cache's own tensors and the plan scratch repeat every step; building the
     DSL pointers is most of a launch's host time)."""
-    key = (struct, *((t.data_ptr(), t.dtype, t.stride()) for t in tensors.values()))
+    key = (struct, *((t.data_ptr(), t.dtype, t.stride()) if isinstance(t, torch.Tensor) else t for t in tensors.values()))
     hit = _BOUND.get(key)
     if hit is None:
         if len(_BOUND) >= _BOUND_MAX:
@@ -192,16 +197,19 @@ def bound(struct: type, **tensors: torch.Tensor):
     return hit
 
 
-def bind(struct: type, **tensors: torch.Tensor):
-    """`struct` for the given tensors (one a pointer field): their addresses and strides."""
+def bind(struct: type, **tensors):
+    """`struct` for the given tensors (one a pointer field): their addresses and strides
+    (and a VALUE field's int)."""
     values = []
-    for entry in SPECS[struct].values():
+    for name, entry in SPECS[struct].items():
         if _is_stride(entry):
             source, dim, unit, kind = (*entry, Int64)[:4]
             t = tensors[source]
             # A DSL integer, not a Python int: the executor marshals a struct's fields by
             # their DSL types and would drop a plain int (the kernel then reads garbage).
             values.append(kind(t.stride(dim) * t.element_size() // 16 if unit == 16 else t.stride(dim)))
+        elif entry[0] == VALUE:
+            values.append(entry[1](tensors[name]))
         else:
             values.append(None)
     fields = list(SPECS[struct])

@@ -227,7 +227,7 @@ class Flush:
             if cutlass.const_expr(self.debug):
                 self.store_state(hh, bb, pp, col0, acc, i, plan)
             fmt.store_row(copy, slot, hh, pp, col0, q, nq, acc, i, s_amax, ctx, scodes, NT)
-            self.store_checkpoint(hh, pp, col0, key, acc, i, ck_w, ck_head)
+            self.store_checkpoint(hh + Int64(ckpt.head_offset), pp, col0, key, acc, i, ck_w, ck_head)
         fmt.before_barrier(t, stats, s_fmt)
         # Also: the next flushing row of this CTA restages the shared buffers.
         cute.arch.sync_threads()
@@ -483,11 +483,13 @@ class Flush:
                 _vec_a(plan.state, ((bb * self.heads + hh) * P + pp) * N + Int64(col0 + 4 * k4), 4).store(r_state.load())
 
     @cute.jit
-    def store_checkpoint(self, hh, pp, col0, key, acc, i, ck_w, ck_head):
+    def store_checkpoint(self, h_model, pp, col0, key, acc, i, ck_w, ck_head):
         """Row i's 16 values as FP16 pairs with stochastic rounding; one hash word per
-        pair, word index ((h * 64 + p) * 128 + n) / 2."""
+        pair, word index ((h * 64 + p) * 128 + n) / 2 with h the model's head (the
+        cache's head plus its head_offset), so tensor-parallel shards draw the bits one
+        unsharded cache would."""
         r_ck_out = cute.make_rmem_tensor(cute.make_layout(NT), Uint32)
-        w0 = Uint32((hh * P + pp) * (N // 2)) + Uint32(col0 // 2)
+        w0 = Uint32((h_model * P + pp) * (N // 2)) + Uint32(col0 // 2)
         if cutlass.const_expr(self.fmt.sr_voted):
             words = [bits.random_word(key, w0 + Uint32(nt)) for nt in range(NT)]
             codes = bits.fp16x2_sr_voted([(acc[nt][2 * i], acc[nt][2 * i + 1]) for nt in range(NT)], words)

@@ -254,6 +254,7 @@ def decode_step(
     arch: str | None = None,
     config: StepConfig | None = None,
     state_out: torch.Tensor | None = None,
+    head_offset: int = 0,
 ) -> None:
     """Launch the flush and the non-flush kernel of one step (after `prepare`).
 
@@ -261,7 +262,8 @@ def decode_step(
     `plan` is the prepare kernel's `reference.Plan` (device buffers). `config` defaults to
     `step_config(arch, state_dtype, heads, groups, batch)`. `state_out` (float32
     [batch, H, 64, 128], contiguous) selects the flush's test variant, which also writes
-    the FP32 state of every flushed row there."""
+    the FP32 state of every flushed row there. `head_offset`: the model's head of the
+    cache's head 0 (a tensor-parallel shard's), for the checkpoint's random bits."""
     batch, heads = x.shape[0], x.shape[1]
     groups = cache[L.B_RING].shape[1]
     x, B, C = _rows16(x), _rows16(B), _rows16(C)
@@ -278,7 +280,7 @@ def decode_step(
     plan_t = plan._asdict()
     nonflush_plan = A.bound(A.Plan, **plan_t)
     flush_plan = nonflush_plan if state_out is None else A.bind(A.DebugPlan, **plan_t, state=state_out)
-    ckpt = A.bound(A.Checkpoint, state=cache[L.CHECKPOINT])
+    ckpt = A.bound(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=head_offset)
     with step_streams(x.device, config.flush_pdl) as (flush_stream, nonflush_stream):
         _launch(flush, (ckpt, ring, copy, inputs, flush_plan), (columns, batch), flush_stream.cuda_stream)
         _launch(nonflush, (ring, copy, inputs, nonflush_plan), (batch,), nonflush_stream.cuda_stream)

@@ -64,6 +64,7 @@ def _initialize_kernel(
     stride_parity,
     num_slots,
     seed_key,
+    head_offset,
     H: tl.constexpr,
     HPG: tl.constexpr,
     NVFP4: tl.constexpr,
@@ -95,7 +96,7 @@ def _initialize_kernel(
 
     # FP16 checkpoint, stochastic rounding; stream tag at position INIT_POSITION (2**32 - 1).
     key = stream_key(seed_key, slot, tl.full([], -1, tl.int32))
-    b_w = random_word(key, o_row * 64 + o_pair)
+    b_w = random_word(key, (o_row + head_offset * 64) * 64 + o_pair)  # the model's head (TP shards)
     b_ce = encode_fp16_sr(b_xe, b_w & 0x1FFF)
     b_co = encode_fp16_sr(b_xo, (b_w >> 16) & 0x1FFF)
     p_c = p_ckpt + slot * stride_ckpt + o_row.to(tl.int64) * 128 + o_n
@@ -141,7 +142,7 @@ def _initialize_kernel(
         tl.store(p_scales + slot * stride_scales + o_r, f32_exp2(e_r))
 
 
-def initialize(cache, states: torch.Tensor, ids: torch.Tensor, *, nvfp4: bool, seed: int) -> None:
+def initialize(cache, states: torch.Tensor, ids: torch.Tensor, *, nvfp4: bool, seed: int, head_offset: int = 0) -> None:
     """Checkpoint, read copy and scales (NVFP4: meta and parity too) of the valid slots in
     `ids` from FP32 `states` [batch, H, 64, 128] (any strides, stride 0 on the batch dim
     included), then rings and positions cleared. Launches: head amax (NVFP4 only), encode,
@@ -183,6 +184,7 @@ def initialize(cache, states: torch.Tensor, ids: torch.Tensor, *, nvfp4: bool, s
         parity.stride(0),
         num_slots,
         int32_pattern(seed_key(seed)),
+        head_offset,
         H=heads,
         HPG=heads // groups,
         NVFP4=nvfp4,
