@@ -7,6 +7,7 @@ the network and runs in CI: `bash .ci/run resolve`."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -100,9 +101,9 @@ def test_metadata_fields(metadata):
     classifiers = set(metadata.get_all("Classifier"))
     requires_python = metadata["Requires-Python"]
     assert requires_python == ">=3.11"
-    # Every Python minor the classifiers name is admitted by Requires-Python and vice versa
-    # for the ones torch 2.11-2.14 ship wheels of (3.11-3.13).
-    minors = {c.rsplit(":: ", 1)[1] for c in classifiers if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)}
+    # The Python minors named: 3.11 to 3.13 (torch 2.11-2.14 ship wheels for each).
+    python = re.compile(r"Programming Language :: Python :: (3\.\d+)")
+    minors = {m.group(1) for c in classifiers if (m := python.fullmatch(c))}
     assert minors == {"3.11", "3.12", "3.13"}
     expected = {
         "Environment :: GPU :: NVIDIA CUDA",
@@ -181,8 +182,9 @@ def test_reference_runs_without_triton(tmp_path):
     import torch
 
     path = tmp_path / "out.pt"
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _NO_TRITON, str(path)], capture_output=True, text=True, timeout=300, env=env)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-c", _NO_TRITON, str(path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Failed to initialize NumPy" not in r.stderr
     got = torch.load(path)
