@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -88,23 +89,22 @@ BAD = [
 ]
 
 
+def _run(key: str, cmd: list[str]) -> subprocess.CompletedProcess:
+    # stderr into stdout for "progress": their order shows what a pipe reader sees when.
+    err = subprocess.STDOUT if key == "progress" else subprocess.PIPE
+    return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=ENV, timeout=600)
+
+
 @pytest.fixture(scope="module")
 def cli_runs():
-    """Every CLI run of this module, started together (each is mostly a torch import)."""
+    """Every CLI run of this module, four at a time (each is mostly a torch import)."""
     runs = {case_id: [*DEMO, *TINY, *args] for case_id, args, _ in BAD}
     runs["help"] = [*DEMO, "--help"]
     runs["progress"] = [*DEMO, *TINY, "--steps", "32"]
     runs["no-progress"] = [*DEMO, *TINY, "--steps", "16", "--no-progress"]
-    procs = {}
-    for key, cmd in runs.items():
-        # stderr into stdout for "progress": their order shows what a pipe reader sees when.
-        err = subprocess.STDOUT if key == "progress" else subprocess.PIPE
-        procs[key] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=ENV)
-    results = {}
-    for key, p in procs.items():
-        out, err = p.communicate(timeout=600)
-        results[key] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
-    return results
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {key: pool.submit(_run, key, cmd) for key, cmd in runs.items()}
+        return {key: f.result() for key, f in futures.items()}
 
 
 @pytest.mark.parametrize("case_id, message", [pytest.param(c, m, id=c) for c, _, m in BAD])
