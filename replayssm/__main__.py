@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TextIO
 
 import torch
 
@@ -40,22 +41,37 @@ def standard_bytes_per_token(itemsize: int, heads: int) -> int:
 
 
 class _Progress:
-    """A one-line progress bar on stderr (only when stderr is a terminal or forced)."""
+    """Progress of the demo on `stream` (stderr). Rates are tokens/s, the table's unit:
+    batch rows x decode steps a second. `mode`: "bar" redraws one line (a terminal),
+    "lines" writes a plain line at each tenth of the decode (pipes, CI logs), None is silent."""
 
-    def __init__(self, total: int, label: str, enabled: bool):
-        self.total, self.label, self.enabled = total, label, enabled
+    def __init__(self, stream: TextIO, mode: str | None):
+        self.stream, self.mode = stream, mode
+
+    def note(self, text: str) -> None:
+        if self.mode is not None:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def start(self, label: str, total: int, batch: int) -> None:
+        self.label, self.total, self.batch = label, total, batch
+        self.every = max(1, total // (50 if self.mode == "bar" else 10))
         self.t0 = time.perf_counter()
 
     def update(self, done: int) -> None:
-        if not self.enabled or (done % max(1, self.total // 50) and done != self.total):
+        if self.mode is None or (done % self.every and done != self.total):
             return
-        width = 30
-        fill = int(width * done / self.total)
-        rate = done / max(time.perf_counter() - self.t0, 1e-9)
-        sys.stderr.write(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {done}/{self.total} {rate:7.1f} step/s")
-        if done == self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+        rate = done * self.batch / max(time.perf_counter() - self.t0, 1e-9)
+        if self.mode == "bar":
+            width = 30
+            fill = int(width * done / self.total)
+            bar = f"[{'#' * fill}{'.' * (width - fill)}]"
+            self.stream.write(f"\r{self.label} {bar} {done}/{self.total} steps {rate:9.1f} tokens/s")
+            if done == self.total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(f"{self.label}: {done}/{self.total} steps, {rate:.1f} tokens/s\n")
+        self.stream.flush()
 
 
 def run_demo(
@@ -69,16 +85,31 @@ def run_demo(
     prompt: int = 64,
     seed: int = 0,
     progress: bool | None = None,
-    out=sys.stdout,
+    out: TextIO | None = None,
 ) -> list[dict]:
+    """Run the demo and print its table on `out` (stdout). `progress`: None writes progress
+    to stderr (a bar on a terminal, plain lines elsewhere), False nothing, True lines
+    even on a terminal. Returns one dict per format; `tokens_per_s` is
+    batch * steps / `elapsed_s`, the wall time of the decode loop alone."""
+    out = sys.stdout if out is None else out
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
-    if progress is None:
-        progress = sys.stderr.isatty() and steps >= 64
+    if progress is False:
+        mode = None
+    elif progress is None and sys.stderr.isatty():
+        mode = "bar"
+    else:
+        mode = "lines"
+    bar = _Progress(sys.stderr, mode)
     results = []
-    print(f"replayssm demo: {heads} heads, {groups} groups, batch {batch}, {steps} tokens, device {dev}", file=out)
+    print(
+        f"replayssm demo: {heads} heads, {groups} groups, batch {batch}, {steps} tokens, device {dev}",
+        file=out,
+        flush=True,  # a pipe reader sees it now, not when the demo ends
+    )
     for fmt in formats:
+        bar.note(f"{fmt}: prefill states ({prompt} prompt tokens), cache init and warmup")
         gen = torch.Generator().manual_seed(seed)
         params = layer_params(heads, generator=gen, device=dev)
         cache = ReplaySSMCache(batch + 1, heads, groups, fmt, dev, seed=seed)
@@ -89,9 +120,9 @@ def run_demo(
         exact = ExactRecurrence(params, states)
         tokens = [token(batch, heads, groups, generator=gen, device=dev) for _ in range(steps)]
         out_buf = torch.empty(steps, batch, heads, L.HEAD_DIM, dtype=torch.bfloat16, device=dev)
-        bar = _Progress(steps, f"{fmt:>5}", progress)
         if dev.type == "cuda":
             torch.cuda.synchronize()
+        bar.start(fmt, steps, batch)
         t0 = time.perf_counter()
         for i, tok in enumerate(tokens):
             cache.decode(tok.x, tok.dt, params.A, tok.B, tok.C, params.D, params.dt_bias, slots, out=out_buf[i])
@@ -99,14 +130,19 @@ def run_demo(
         if dev.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
+        rate = steps * batch / elapsed
+        bar.note(f"{fmt}: {steps} steps x batch {batch} decoded in {elapsed:.2f} s: {rate:.1f} tokens/s")
+        bar.note(f"{fmt}: the exact FP64 recurrence, for the SQNR")
         ref = torch.stack([exact.step(tok) for tok in tokens])
+        half = steps // 2  # the halves show drift; a 1-step demo has none
         r = {
             "format": fmt,
             "backend": type(backend_for(dev)).__name__,
-            "tokens_per_s": steps * batch / elapsed,
+            "elapsed_s": elapsed,
+            "tokens_per_s": rate,
             "sqnr_db": sqnr_db(ref, out_buf),
-            "sqnr_first_half_db": sqnr_db(ref[: steps // 2], out_buf[: steps // 2]),
-            "sqnr_second_half_db": sqnr_db(ref[steps // 2 :], out_buf[steps // 2 :]),
+            "sqnr_first_half_db": sqnr_db(ref[:half], out_buf[:half]) if half else None,
+            "sqnr_second_half_db": sqnr_db(ref[half:], out_buf[half:]) if half else None,
             "state_bytes_per_token": state_bytes_per_token(fmt, heads),
             "standard_bf16_bytes_per_token": standard_bytes_per_token(2, heads),
             "standard_fp32_bytes_per_token": standard_bytes_per_token(4, heads),
@@ -119,44 +155,115 @@ def run_demo(
         file=out,
     )
     for r in results:
+        if r["sqnr_first_half_db"] is None:
+            halves = f"{'-':>6}/{'-':<6}"
+        else:
+            halves = f"{r['sqnr_first_half_db']:>6.2f}/{r['sqnr_second_half_db']:<6.2f}"
         print(
             f"{r['format']:>6} {r['backend']:>16} {r['tokens_per_s']:>10.0f} {r['sqnr_db']:>8.2f} "
-            f"{r['sqnr_first_half_db']:>6.2f}/{r['sqnr_second_half_db']:<6.2f} "
+            f"{halves} "
             f"{r['state_bytes_per_token']:>13.0f} "
             f"{r['standard_bf16_bytes_per_token'] / r['state_bytes_per_token']:>7.2f}x "
             f"{r['standard_fp32_bytes_per_token'] / r['state_bytes_per_token']:>7.2f}x",
             file=out,
         )
     print(
-        "SQNR: decode outputs vs an exact FP64 recurrence; state B/token: state bytes moved per token "
-        "per layer over a 16-token period (standard decode reads and writes the whole state).",
+        "tokens/s: batch rows x decode steps a second, one layer; SQNR: decode outputs vs an exact "
+        "FP64 recurrence (over all steps, and over the first and second half); state B/token: state "
+        "bytes moved per token per layer over a 16-token period (standard decode reads and writes "
+        "the whole state).",
         file=out,
+        flush=True,
     )
     return results
 
 
-def main(argv=None) -> int:
+SEED_LIMIT = 1 << 64  # the cache takes its seed mod 2**64 (quant/rng.py); torch.Generator too
+
+
+def _int_at_least(low: int, high: int | None = None, high_text: str | None = None):
+    """An argparse type: a decimal int in [low, high)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer; got {text!r}") from None
+        if value < low or (high is not None and value >= high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high_text or high})"
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}; got {value}")
+        return value
+
+    return parse
+
+
+def _device(text: str) -> str:
+    """An argparse type: auto, cpu, or cuda[:N] naming a GPU this machine has."""
+    if text == "auto":
+        return text
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu or cuda[:N]; got {text!r}") from None
+    if dev.type == "cpu":
+        return text
+    if dev.type != "cuda":
+        raise argparse.ArgumentTypeError(f"expected auto, cpu or cuda[:N]; got {text!r} (the demo runs on CPU or CUDA)")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA GPU is available here; use cpu or auto")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} CUDA GPU(s), cuda:0 .. cuda:{count - 1}")
+    return text
+
+
+def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     parser = argparse.ArgumentParser(prog="python -m replayssm", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="decode a synthetic Mamba-2 layer and report speed and accuracy")
-    demo.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default: auto)")
-    demo.add_argument("--format", default="both", choices=["fp8", "nvfp4", "both"])
-    demo.add_argument("--batch", type=int, default=8)
-    demo.add_argument("--steps", type=int, default=256, help="tokens to decode (default 256 = 16 periods)")
-    demo.add_argument("--heads", type=int, default=16)
-    demo.add_argument("--groups", type=int, default=2)
-    demo.add_argument("--prompt", type=int, default=64, help="prefill length used to build realistic states")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--no-progress", action="store_true")
+    demo = sub.add_parser(
+        "demo",
+        help="decode a synthetic Mamba-2 layer and report speed and accuracy",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    demo.add_argument(
+        "--device", type=_device, default="auto", help="auto (cuda when a GPU is present, else cpu), cpu or cuda[:N]"
+    )
+    demo.add_argument("--format", default="both", choices=["fp8", "nvfp4", "both"], help="read-copy format")
+    demo.add_argument("--batch", type=_int_at_least(1), default=8, help="requests decoded together")
+    demo.add_argument(
+        "--steps", type=_int_at_least(1), default=256, help="tokens decoded per request; every 16th is a flush"
+    )
+    demo.add_argument("--heads", type=_int_at_least(1), default=16, help="SSM heads of the layer")
+    demo.add_argument("--groups", type=_int_at_least(1), default=2, help="B/C groups (8 or 16 heads per group)")
+    demo.add_argument(
+        "--prompt", type=_int_at_least(0), default=64, help="prefill tokens that build each request's state"
+    )
+    demo.add_argument(
+        "--seed",
+        type=_int_at_least(0, SEED_LIMIT, "2**64"),
+        default=0,
+        help="seed of the data and of the stochastic rounding",
+    )
+    demo.add_argument("--no-progress", action="store_true", help="print no progress on stderr")
+    return parser, demo
+
+
+def main(argv=None) -> int:
+    parser, demo = _parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
-        if args.batch < 1 or args.steps < 1:
-            parser.error("--batch and --steps must be >= 1")
+        # Every option is checked here, before anything is printed.
+        if args.heads % args.groups or args.heads // args.groups not in L.HEADS_PER_GROUP:
+            demo.error(
+                f"--heads {args.heads} --groups {args.groups}: heads per group must be one of "
+                f"{L.HEADS_PER_GROUP}; got {args.heads} heads in {args.groups} groups"
+            )
         formats = ("fp8", "nvfp4") if args.format == "both" else (args.format,)
         try:
             _run_cli_demo(args, formats)
         except (ValueError, TypeError) as exc:
-            parser.error(str(exc))
+            demo.error(str(exc))
     return 0
 
 

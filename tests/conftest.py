@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 def pytest_collection_modifyitems(config, items):
     if _HAS_CUDA:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200 through the device tool)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
