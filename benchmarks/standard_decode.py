@@ -116,8 +116,8 @@ def standard_decode_kernel(
 
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
     o_n = tl.arange(0, N)
-    m_p = (o_p < 64) & valid
-    m_n = (o_n < N) & valid
+    m_p = o_p < tl.where(valid, 64, 0)
+    m_n = o_n < tl.where(valid, N, 0)
     m_s = m_p[:, None] & m_n[None, :]
 
     b_dt = tl.load(dt + i_b * stride_dt_b + i_h * stride_dt_h).to(tl.float32)

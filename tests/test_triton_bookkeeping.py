@@ -587,14 +587,14 @@ for nv in (False, True):
         sig = dict(p_states="*fp32", p_ids=ids, p_hmax="*i32", p_ckpt="*i16", p_read="*u8",
                    p_scales="*u8" if nv else "*fp32", p_meta="*fp32", p_parity="*i32")
         sig.update(strides("stride_ids", "stride_sb", "stride_sh", "stride_sp", "stride_sn", "stride_ckpt",
-                           "stride_read", "stride_scales", "stride_meta", "stride_parity", "num_slots", "seed_key"))
+                           "stride_read", "stride_scales", "stride_meta", "stride_parity", "num_slots", "seed_key", "head_offset"))
         out[f"initialize-{'nvfp4' if nv else 'fp8'}-{ids}"] = build(
             mods["initialize"]._initialize_kernel, sig, dict(H=64, HPG=8, NVFP4=nv, BLOCK_R=16), enable_fp_fusion=False)
         sig = dict(p_ids=ids, p_pos="*i32", p_parity="*i32", p_meta="*fp32", p_out="*i16", p_valid="*i8",
                    p_slot="*i64", p_ring="*i64", p_flush="*i8", p_key="*i64", p_old="*i64")
         sig.update(strides("stride_ids", "stride_pos", "stride_parity", "stride_meta", "num_slots", "seed_key"))
         out[f"prepare-{'nvfp4' if nv else 'fp8'}-{ids}"] = build(
-            mods["prepare"]._prepare_kernel, sig, dict(G=4, BLOCK_G=4, OUT_ROW=4096, BLOCK_OUT=4096, NVFP4=nv))
+            mods["prepare"]._prepare_kernel, sig, dict(G=4, BLOCK_G=4, OUT_ROW=4096, BLOCK_OUT=4096, NVFP4=nv, TRIGGER=False))
 sig = dict(p_states="*fp32", p_ids="*i32", p_hmax="*i32")
 sig.update(strides("stride_ids", "stride_sb", "stride_sh", "stride_sp", "stride_sn", "num_slots"))
 out["head_amax"] = build(mods["head_amax"]._head_amax_kernel, sig, dict(H=64, BLOCK_H=1, BLOCK_P=16))

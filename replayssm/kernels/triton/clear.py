@@ -47,7 +47,7 @@ def _clear_kernel(
     tl.store(p_dt + slot * stride_dt + o, tl.zeros([BLOCK], tl.int32), mask=o < N_DT)
     tl.store(p_b + slot * stride_b + o, tl.zeros([BLOCK], tl.int16), mask=o < N_B)
     o_w = tl.arange(0, POS_WIDTH)
-    tl.store(p_pos + slot * stride_pos + o_w, tl.zeros([POS_WIDTH], tl.int32), mask=i_c == 0)
+    tl.store(p_pos + slot * stride_pos + o_w, tl.zeros([POS_WIDTH], tl.int32), mask=o_w < tl.where(i_c == 0, POS_WIDTH, 0))  # one program writes positions
 
 
 def clear(cache, ids: torch.Tensor) -> None:

@@ -77,10 +77,10 @@ def _prepare_kernel(
         o_g = tl.arange(0, BLOCK_G)
         # `old & 1`: a corrupt parity word must not send the store outside meta[slot].
         p_m = p_meta + slot * stride_meta + o_g * 2 + (old & 1)
-        tl.store(p_m, tl.zeros([BLOCK_G], tl.float32), mask=flush & (o_g < G))
+        tl.store(p_m, tl.zeros([BLOCK_G], tl.float32), mask=o_g < tl.where(flush, G, 0))
     o_out = tl.arange(0, BLOCK_OUT)
     p_o = p_out + i_b.to(tl.int64) * OUT_ROW + o_out
-    tl.store(p_o, tl.zeros([BLOCK_OUT], tl.int16), mask=(o_out < OUT_ROW) & ~valid)
+    tl.store(p_o, tl.zeros([BLOCK_OUT], tl.int16), mask=o_out < tl.where(valid, 0, OUT_ROW))
     tl.store(p_valid + i_b, valid.to(tl.int8))
     tl.store(p_slot + i_b, slot)
     tl.store(p_ring + i_b, ring.to(tl.int64))
