@@ -149,7 +149,7 @@ def copy_slots(caches: Sequence, src, dst) -> None:
                 f"caches must share num_slots and device; caches[{i}] has {c.num_slots} slots on {c.device}, "
                 f"caches[0] {first.num_slots} on {first.device}"
             )
-    src_t, dst_t = first._slots(src), first._slots(dst)
+    src_t, dst_t = first._handoff_ids("src", src), first._handoff_ids("dst", dst)  # lists stay on the host
     s, d = _validate_pair(src_t, dst_t, first.device, first.num_slots)
     if src_t.device.type == "cpu" or debug():
         for c in caches:

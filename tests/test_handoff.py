@@ -556,3 +556,17 @@ def test_gpu_swap_same_slot_bit_identical(fmt):
         yt = twin.decode(tok.x, tok.dt, p.A, tok.B, tok.C, p.D, p.dt_bias, tslots)
         assert same_bits(y[0].cpu(), yt[0].cpu())
         assert_slot_equal(cache, back, twin, int(tslots[0]))
+
+
+@pytest.mark.gpu
+def test_gpu_device_ids_are_checked_only_under_debug(monkeypatch):
+    """Device-resident ids are not read back on the hot path; with REPLAYSSM_DEBUG=1 a
+    repeated dst on the GPU is a ValueError naming `dst`, and nothing changes."""
+    g = torch.Generator().manual_seed(53)
+    cache, p, slots, _ = _gpu_layer("fp8", g, batch=2, steps=3)
+    dst = torch.tensor([5, 5], dtype=torch.int64, device="cuda")
+    monkeypatch.setenv("REPLAYSSM_DEBUG", "1")
+    before = snapshot(cache.tensors)
+    with pytest.raises(ValueError, match="dst"):
+        copy_replayssm_slots(cache.tensors, slots.long(), dst, state_dtype="fp8")
+    assert_cache_equal(before, cache.tensors)
