@@ -8,6 +8,13 @@ from .api import (
     selective_state_update_replayssm,
 )
 from .cache import ReplaySSMCache
+from .handoff import (
+    copy_replayssm_slots,
+    copy_slots,
+    export_replayssm_slots,
+    import_replayssm_slots,
+    snapshot_replayssm_slots,
+)
 from .layout import allocate_cache
 from .slots import NULL_SLOT, SlotAllocator
 
@@ -22,4 +29,9 @@ __all__ = [
     "selective_state_update_replayssm",
     "clear_replayssm_slots",
     "materialize_replayssm_state",
+    "copy_replayssm_slots",
+    "copy_slots",
+    "snapshot_replayssm_slots",
+    "export_replayssm_slots",
+    "import_replayssm_slots",
 ]

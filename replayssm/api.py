@@ -259,26 +259,41 @@ def _decode(
 
 
 def materialize_replayssm_state(
-    cache: Sequence[torch.Tensor], state_indices: torch.Tensor, A: torch.Tensor, *, state_dtype: str, backend: str = "auto"
+    cache: Sequence[torch.Tensor], state_indices: torch.Tensor, A: torch.Tensor, *, state_dtype: str, backend: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FP32 states [n, heads, 64, 128] of the given slots after every decoded token
     (checkpoint plus live ring entries). Reads only; `A` as for decode.
 
     Rows whose slot is padding (<= 0 or >= num_slots) read as zero states, as decode
     writes zero outputs for them, so a padded batch of slot indices can be passed as is.
-    Both backends read the cache with the reference here (there is no kernel twin: it is
-    off the hot path); `backend` is resolved as for the other entry points."""
+    The kernel backend runs one Triton launch (no host sync, graph-capturable); `out`
+    (contiguous FP32 [n, heads, 64, 128] on the cache device) receives the states when
+    given. `backend` is resolved as for the other entry points."""
     nvfp4 = L.is_nvfp4(state_dtype)
     debug()  # validates $REPLAYSSM_DEBUG, as every entry point does; no check here needs it
     geometry = L.check_cache(cache, nvfp4)
     impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
-    return _materialize(cache, geometry, impl, state_indices, A)
+    return _materialize(cache, geometry, impl, state_indices, A, out)
 
 
-def _materialize(cache, geometry: Geometry, impl, state_indices, A) -> torch.Tensor:
+def _materialize(cache, geometry: Geometry, impl, state_indices, A, out=None) -> torch.Tensor:
     _, heads, _ = geometry
     ids = _check_indices(state_indices, cache[L.CHECKPOINT].device)
     _check_tensor("A", A)
     if A.numel() not in (heads, heads * L.HEAD_DIM, heads * L.HEAD_DIM * L.STATE_DIM) or A.shape[0] != heads:
         raise ValueError(f"A must be [{heads}] or a tied [{heads}, 64(, 128)] view; got {_describe(A)}")
+    if out is not None:
+        _check_materialize_out(out, ids.numel(), heads, cache[L.CHECKPOINT].device)
+        return impl.materialize(cache, ids, A.reshape(heads, -1)[:, 0].float().to(ids.device), out)
     return impl.materialize(cache, ids, A.reshape(heads, -1)[:, 0].float().to(ids.device))
+
+
+def _check_materialize_out(out: object, n: int, heads: int, device: torch.device) -> None:
+    """`out` of materialize: contiguous float32 [n, heads, 64, 128] on the cache device."""
+    _check_tensor("out", out)
+    shape = (n, heads, L.HEAD_DIM, L.STATE_DIM)
+    if out.dtype != torch.float32 or tuple(out.shape) != shape or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous float32 {list(shape)}; got {_describe(out)}")
+    if out.device != device:
+        raise ValueError(f"out must be on the cache device {device}; got {out.device}")

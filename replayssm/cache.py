@@ -194,11 +194,12 @@ class ReplaySSMCache:
         self._have_A = True
         return out
 
-    def materialize(self, slots: torch.Tensor, A: torch.Tensor | None = None) -> torch.Tensor:
+    def materialize(self, slots: torch.Tensor, A: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """FP32 state [n, heads, 64, 128] of `slots` (checkpoint plus live ring entries).
         Live ids must be allocated and appear once (checked on the host); padding ids
         (<= 0 or >= num_slots) read as zero states, as decode writes zero outputs for
-        them. `A` defaults to the one seen by the last decode call."""
+        them. `A` defaults to the one seen by the last decode call; `out` (contiguous FP32
+        [n, heads, 64, 128]) receives the states when given."""
         slots = self._slots(slots)
         self._check_live(slots)
         if A is None:
@@ -208,7 +209,7 @@ class ReplaySSMCache:
                 if bool((live != 0).any()):
                     raise ValueError("materialize needs A: no decode call has supplied one yet")
             A = self._last_A
-        return api._materialize(self.tensors, self._geometry, self._backend, slots, A)
+        return api._materialize(self.tensors, self._geometry, self._backend, slots, A, out)
 
     def warmup(self) -> list[str]:
         """Compile every kernel variant this cache will launch (before CUDA-graph capture).
@@ -249,6 +250,112 @@ class ReplaySSMCache:
     def bytes_per_slot(self) -> int:
         """Bytes of replayssm state per slot (cache indices 1.., excluding the conv state)."""
         return sum(math.prod(t.shape[1:]) * t.element_size() for t in self.tensors[1:])
+
+    # -- slot hand-off (replayssm/handoff.py; docs/format.md "Slot hand-off") --------------
+    def _handoff_ids(self, name: str, slots) -> torch.Tensor:
+        """Slot ids as a 1-D integer tensor; lists and ints stay on the host (CPU), so that
+        validating them never synchronizes with the GPU."""
+        if isinstance(slots, torch.Tensor):
+            if slots.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"{name} must be int32 or int64; got {slots.dtype}")
+            return slots.reshape(-1)
+        if isinstance(slots, int) and not isinstance(slots, bool):
+            slots = [slots]
+        try:
+            return torch.tensor(list(slots), dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"{name} must be a tensor, an int or a sequence of ints; got {type(slots).__name__}") from e
+
+    def _check_handoff_live(self, ids: torch.Tensor, name: str, *, unique: bool = True) -> None:
+        """Host check (a sync for CUDA ids): every id in [1, num_slots - 1], allocated, and
+        (with `unique`) named once; a ValueError naming `name` otherwise."""
+        from . import handoff
+
+        values = [int(v) for v in ids.tolist()]
+        handoff.check_host_ids(name, values, self.num_slots, unique=unique)
+        stray = sorted({s for s in values if not self.allocator.is_allocated(s)})
+        if stray:
+            raise ValueError(f"{name} must be allocated slots; slot(s) {stray} are not allocated; got {values}")
+
+    def copy_slots(self, src, dst) -> None:
+        """Copy every per-slot tensor (not the conv state) of slots `src` into the allocated
+        slots `dst`, so that each dst continues as its src would (docs/format.md "Slot
+        hand-off": bit-identically up to the first flush folding a checkpoint written after
+        the copy). Host ids are checked (allocated, in range, dst unique, disjoint); ids on
+        the GPU are checked only with REPLAYSSM_DEBUG=1, so the copy can be captured."""
+        from . import handoff
+
+        src, dst = self._handoff_ids("src", src), self._handoff_ids("dst", dst)
+        s, d = handoff._validate_pair(src, dst, self.device, self.num_slots)
+        if (src.device.type == "cpu" and dst.device.type == "cpu") or debug():
+            self._check_handoff_live(src, "src", unique=False)
+            self._check_handoff_live(dst, "dst")
+        handoff._copy(self.tensors, s, d)
+
+    def fork(self, src, n: int = 1) -> torch.Tensor:
+        """Allocate `n` slots per slot of `src` (allocated, unique) and copy it into them;
+        returns the new ids (int32 on the cache device), src-major: the forks of src[i]
+        are [i * n, (i + 1) * n)."""
+        from . import handoff
+
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be an int >= 1; got {n!r}")
+        src = self._handoff_ids("src", src)
+        self._check_handoff_live(src, "src")
+        dst = self.allocate(n * src.numel())  # raises before changing anything if too few are free
+        s = src.to(self.device, torch.int64).repeat_interleave(n)
+        handoff._copy(self.tensors, s, dst.to(torch.int64))
+        return dst
+
+    def snapshot(self, src, dst, A: torch.Tensor | None = None) -> None:
+        """Start the allocated slots `dst` from the current states of slots `src` as if
+        prefilled with them: materialize src (FP32; `A` as for `materialize`), initialize
+        dst from it (checkpoint and read copy derived from it, rings and positions cleared).
+        src and dst unique, allocated, disjoint."""
+        from . import handoff
+
+        src, dst = self._handoff_ids("src", src), self._handoff_ids("dst", dst)
+        s, d = handoff._validate_pair(src, dst, self.device, self.num_slots)
+        self._check_handoff_live(src, "src")
+        self._check_handoff_live(dst, "dst")
+        states = self.materialize(s, A)
+        api._initialize(
+            self.tensors, self._geometry, self._backend, states, d, nvfp4=self._nvfp4, seed=self.seed, checks=debug()
+        )
+
+    def export(self, slots, compact: bool = False, A: torch.Tensor | None = None, *, non_blocking: bool = False) -> dict:
+        """Host copies of everything `slots` (allocated, unique) need: {name: tensor [n,
+        ...]} of every per-slot tensor (names as layout.tensor_specs gives them), pinned
+        when CUDA is available. `compact=True`: only the materialized FP32 state
+        {"state": [n, heads, 64, 128]} (`A` as for `materialize`), restored as a snapshot.
+        With `non_blocking` the copies are only queued: synchronize before reading."""
+        from . import handoff
+
+        ids = self._handoff_ids("slots", slots)
+        self._check_handoff_live(ids, "slots")
+        d = ids.to(self.device, torch.int64)
+        if not compact:
+            return handoff._export(self.tensors, d, self._nvfp4, non_blocking)
+        states = self.materialize(d, A)
+        host = handoff._host_empty(states.shape, states.dtype)
+        host.copy_(states, non_blocking=non_blocking and host.is_pinned())
+        handoff._finish(self.tensors, non_blocking)
+        return {handoff.COMPACT_KEY: host}
+
+    def import_(self, data: dict, slots) -> None:
+        """Write `export`ed data back into the allocated slots `slots` (unique, one per
+        exported slot): every per-slot tensor (same slot id: continues bit-identically; another
+        id: with the same accuracy), or, for the compact form, initialized from the state.
+        Shapes, dtypes and the format are checked against this cache first."""
+        from . import handoff
+
+        ids = self._handoff_ids("slots", slots)
+        self._check_handoff_live(ids, "slots")
+        compact = handoff.check_export(data, self.tensors, self._nvfp4, ids.numel())
+        handoff._import(
+            self.tensors, self._geometry, self._backend, data, ids.to(self.device, torch.int64), compact,
+            nvfp4=self._nvfp4, seed=self.seed, checks=debug(),
+        )
 
 
 __all__ = ["ReplaySSMCache", "NULL_SLOT"]

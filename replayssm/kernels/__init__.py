@@ -60,8 +60,9 @@ class ReferenceBackend:
     def decode(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, nvfp4: bool, seed: int, head_offset: int = 0) -> None:
         ref.decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4=nvfp4, seed=seed, head_offset=head_offset)
 
-    def materialize(self, cache, ids, A) -> torch.Tensor:
-        return ref.materialize(cache, ids, A)
+    def materialize(self, cache, ids, A, out=None) -> torch.Tensor:
+        states = ref.materialize(cache, ids, A)
+        return states if out is None else out.copy_(states)
 
 
 class _TritonKernels(NamedTuple):
@@ -81,7 +82,7 @@ class KernelBackend:
 
     On the CPU (Triton interpreter, TRITON_INTERPRET=1: tests) `decode` runs
     `reference.decode_nonflush` / `reference.decode_flush` fed the kernel-made plan.
-    `materialize` (read-only, off the hot path) is the reference's on both backends.
+    `materialize` is the Triton kernel of kernels/triton/materialize.py (CPU: interpreted).
 
     Plan scratch: `prepare` / `decode` write the plan into a `PlanScratch` so a step
     allocates no device memory. A caller may pass its own (`scratch=`, e.g. one per cache
@@ -163,8 +164,12 @@ class KernelBackend:
             cache, x, dt, A, B, C, D, dt_bias, plan, out, state_dtype="nvfp4" if nvfp4 else "fp8", arch=arch, head_offset=head_offset
         )
 
-    def materialize(self, cache, ids, A) -> torch.Tensor:
-        return ref.materialize(cache, ids, A)
+    def materialize(self, cache, ids, A, out=None) -> torch.Tensor:
+        """The Triton materialize kernel (kernels/triton/materialize.py): one launch, no
+        host sync; into `out` when given."""
+        from .triton.materialize import materialize
+
+        return materialize(cache, ids, A, out)
 
     def cute_unavailable(self, cache: Sequence[torch.Tensor] | None = None, device: torch.device | str | None = None) -> str | None:
         """None when the CuTe decode kernels can run `cache` (or, without a cache, on

@@ -1,0 +1,298 @@
+"""Slot hand-off: copy and fork, prefix snapshots, host swap (export / import), separate mode.
+
+A request's state is every per-slot tensor of the cache tuple (indices 1..: checkpoint,
+rings, read copy, scales, NVFP4 meta and parity, positions). The conv state (index 0) is
+never touched, here as everywhere in replayssm: an engine copies / swaps its conv state
+itself, with the rest of its own per-slot state.
+
+The random stream of a slot is keyed by (seed, slot id, position) (docs/format.md section
+6, "Slot hand-off"). A copy into the *same* slot id (export, release, import back) is
+therefore bit-identical to never having moved; a copy into *another* slot id continues
+bit-identically up to the first flush that folds from a checkpoint written after the copy,
+and with the same accuracy after it (its stochastic roundings draw other bits).
+
+Slot ids (`src`, `dst`, `slots`) are integer tensors. Host-side ids (CPU tensors) are
+validated on every call: every id in [1, num_slots - 1] (padding ids are rejected: a
+hand-off of nothing is a caller bug), unique (`src` of a copy may repeat: one source
+forked into several destinations), `src` and `dst` disjoint. Ids already on a CUDA device
+are not read back on the hot path (that would synchronize and break graph capture); they
+are validated the same way only with REPLAYSSM_DEBUG=1. ReplaySSMCache's methods also
+check its allocator (every id allocated). A rejected call changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import api
+from . import layout as L
+from .kernels import backend_for
+from .kernels.env import debug
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+COMPACT_KEY = "state"  # export(compact=True): the materialized FP32 state alone
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """`t` viewed as the integer type of its width: copies move bits (NaN poison, FP8 and
+    FP4 codes included) and every dtype has index_select / index_copy_ on every device."""
+    return t.view(_INT_VIEW[t.element_size()])
+
+
+def per_slot_names(cache: Sequence[torch.Tensor], nvfp4: bool) -> list[tuple[str, int]]:
+    """[(name, cache index)] of every per-slot tensor (the conv state excluded), named as
+    `layout.tensor_specs` names them."""
+    heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
+    specs = tensor_specs_for(cache, nvfp4, heads, groups)
+    return [(name, i if i < len(specs) else len(cache) - 1) for i, (name, _, _) in enumerate(specs, start=1)]
+
+
+def tensor_specs_for(cache, nvfp4: bool, heads: int, groups: int):
+    return L.tensor_specs(heads, groups, nvfp4, cache[L.POSITIONS].dim() == 2)
+
+
+# -- validation ---------------------------------------------------------------------------
+def _ids(name: str, ids: object, device: torch.device) -> torch.Tensor:
+    """`ids` as a 1-D integer tensor, on the cache device or on the host (CPU)."""
+    api._check_tensor(name, ids)
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32 or int64; got {ids.dtype}")
+    if ids.device != device and ids.device.type != "cpu":
+        raise ValueError(f"{name} must be on the cache device {device} or on the host; got {ids.device}")
+    return ids.reshape(-1)
+
+
+def check_host_ids(name: str, values: list[int], num_slots: int, *, unique: bool = True) -> None:
+    """Every id in [1, num_slots - 1] and, with `unique`, each once; else a ValueError
+    naming `name`."""
+    bad = sorted({s for s in values if not 0 < s < num_slots})
+    if bad:
+        raise ValueError(f"{name} must be slot ids in [1, {num_slots - 1}]; got {bad} in {values}")
+    if unique and len(set(values)) != len(values):
+        seen: set[int] = set()
+        rep = sorted({s for s in values if s in seen or seen.add(s)})
+        raise ValueError(f"{name} must name each slot once; slot(s) {rep} repeat; got {values}")
+
+
+def _validate_pair(src, dst, device, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """src / dst ids of a copy or snapshot: same count; with host values, in range, dst
+    unique, src and dst disjoint. Returns both as int64 on the cache device."""
+    src = _ids("src", src, device)
+    dst = _ids("dst", dst, device)
+    if src.numel() != dst.numel():
+        raise ValueError(f"src and dst must hold the same number of slots; got {src.numel()} and {dst.numel()}")
+    host = src.device.type == "cpu" and dst.device.type == "cpu"
+    if host or debug():
+        s, d = src.tolist(), dst.tolist()
+        check_host_ids("src", s, num_slots, unique=False)
+        check_host_ids("dst", d, num_slots)
+        both = sorted(set(s) & set(d))
+        if both:
+            raise ValueError(f"src and dst must be disjoint; slot(s) {both} are in both (src {s}, dst {d})")
+    return src.to(device, torch.int64), dst.to(device, torch.int64)
+
+
+def _validate_slots(slots, device, num_slots: int) -> torch.Tensor:
+    slots = _ids("slots", slots, device)
+    if slots.device.type == "cpu" or debug():
+        check_host_ids("slots", slots.tolist(), num_slots)
+    return slots.to(device, torch.int64)
+
+
+# -- copy -----------------------------------------------------------------------------------
+def _copy(cache: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Every per-slot tensor: dst rows <- src rows (int64 ids on the cache device, valid).
+    Two launches a tensor (gather, scatter); no host sync."""
+    if src.numel() == 0:
+        return
+    for t in cache[1:]:
+        b = _bits(t)
+        b.index_copy_(0, dst, b.index_select(0, src))
+
+
+def copy_replayssm_slots(
+    cache: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor, *, state_dtype: str
+) -> None:
+    """Copy every per-slot tensor of slots `src` into slots `dst` (checkpoint, rings, read
+    copy, scales, NVFP4 meta and parity, positions; not the conv state), so that each dst
+    continues as its src would (bit-identically up to the first flush folding a checkpoint
+    written after the copy, with the same accuracy after it: docs/format.md "Slot
+    hand-off"). `src` may repeat (a fork); `dst` unique; disjoint. No host sync for ids
+    already on the cache device (graph-capturable)."""
+    nvfp4 = L.is_nvfp4(state_dtype)
+    num_slots, _, _ = L.check_cache(cache, nvfp4)
+    device = cache[L.CHECKPOINT].device
+    src, dst = _validate_pair(src, dst, device, num_slots)
+    _copy(cache, src, dst)
+
+
+def copy_slots(caches: Sequence, src, dst) -> None:
+    """`ReplaySSMCache.copy_slots(src, dst)` over all layers' caches (a list of
+    ReplaySSMCache with the same number of slots on one device): the ids are validated
+    against every layer's allocator and moved to the device once, then each layer's
+    per-slot tensors are copied (no host sync after the validation)."""
+    from .cache import ReplaySSMCache
+
+    if isinstance(caches, ReplaySSMCache) or not isinstance(caches, Sequence):
+        raise TypeError(f"caches must be a sequence of ReplaySSMCache; got {type(caches).__name__}")
+    for i, c in enumerate(caches):
+        if not isinstance(c, ReplaySSMCache):
+            raise TypeError(f"caches[{i}] must be a ReplaySSMCache; got {type(c).__name__}")
+    if not caches:
+        return
+    first = caches[0]
+    for i, c in enumerate(caches):
+        if c.num_slots != first.num_slots or c.device != first.device:
+            raise ValueError(
+                f"caches must share num_slots and device; caches[{i}] has {c.num_slots} slots on {c.device}, "
+                f"caches[0] {first.num_slots} on {first.device}"
+            )
+    src_t, dst_t = first._handoff_ids("src", src), first._handoff_ids("dst", dst)  # lists stay on the host
+    s, d = _validate_pair(src_t, dst_t, first.device, first.num_slots)
+    if src_t.device.type == "cpu" or debug():
+        for c in caches:
+            c._check_handoff_live(src_t, "src", unique=False)
+            c._check_handoff_live(dst_t, "dst")
+    for c in caches:
+        _copy(c.tensors, s, d)
+
+
+# -- snapshot -------------------------------------------------------------------------------
+def snapshot_replayssm_slots(
+    cache: Sequence[torch.Tensor],
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    A: torch.Tensor,
+    *,
+    state_dtype: str,
+    seed: int = 0,
+    backend: str = "auto",
+) -> None:
+    """Start slots `dst` from the current states of slots `src` as if prefilled with
+    them: materialize src (FP32), then initialize dst from it (checkpoint and read copy
+    derived from that state, rings and positions cleared; random stream of an init of
+    dst). `A` as for decode; `src` unique, `dst` unique, disjoint."""
+    nvfp4 = L.is_nvfp4(state_dtype)
+    checks = debug()
+    api._check_seed(seed)
+    geometry = L.check_cache(cache, nvfp4)
+    device = cache[L.CHECKPOINT].device
+    src, dst = _validate_pair(src, dst, device, geometry[0])
+    if src.device.type == "cpu" or checks:
+        check_host_ids("src", src.tolist(), geometry[0])
+    impl = backend_for(device, backend, cache)
+    _snapshot(cache, geometry, impl, src, dst, A, nvfp4=nvfp4, seed=seed, checks=checks)
+
+
+def _snapshot(cache, geometry, impl, src, dst, A, *, nvfp4: bool, seed: int, checks: bool) -> None:
+    states = api._materialize(cache, geometry, impl, src, A)
+    api._initialize(cache, geometry, impl, states, dst, nvfp4=nvfp4, seed=seed, checks=checks)
+
+
+# -- host swap ------------------------------------------------------------------------------
+def _host_empty(shape, dtype) -> torch.Tensor:
+    """A host tensor, pinned when CUDA is available (asynchronous copies both ways)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+
+def export_replayssm_slots(
+    cache: Sequence[torch.Tensor], slots: torch.Tensor, *, state_dtype: str, non_blocking: bool = False
+) -> dict[str, torch.Tensor]:
+    """Every per-slot tensor of `slots` (unique, in range) as host tensors {name: [n,
+    *per-slot shape]} named as `layout.tensor_specs` names them (pinned where CUDA is
+    available). With `non_blocking` the copies are only queued on the current stream:
+    synchronize before reading them."""
+    nvfp4 = L.is_nvfp4(state_dtype)
+    num_slots, _, _ = L.check_cache(cache, nvfp4)
+    device = cache[L.CHECKPOINT].device
+    ids = _validate_slots(slots, device, num_slots)
+    return _export(cache, ids, nvfp4, non_blocking)
+
+
+def _export(cache, ids: torch.Tensor, nvfp4: bool, non_blocking: bool) -> dict[str, torch.Tensor]:
+    data = {}
+    for name, i in per_slot_names(cache, nvfp4):
+        t = cache[i]
+        host = _host_empty((ids.numel(), *t.shape[1:]), t.dtype)
+        _bits(host).copy_(_bits(t).index_select(0, ids), non_blocking=non_blocking and host.is_pinned())
+        data[name] = host
+    _finish(cache, non_blocking)
+    return data
+
+
+def _finish(cache, non_blocking: bool) -> None:
+    if not non_blocking and cache[L.CHECKPOINT].device.type == "cuda":
+        torch.cuda.current_stream(cache[L.CHECKPOINT].device).synchronize()
+
+
+def check_export(data: object, cache, nvfp4: bool, n: int) -> bool:
+    """Validate exported `data` for `n` slots of `cache`; True when it is the compact form
+    ({"state": FP32 [n, H, 64, 128]}), False for the full form. ValueError / TypeError
+    naming the key, what was expected and what was given."""
+    if not isinstance(data, dict):
+        raise TypeError(f"data must be a dict of tensors (from export); got {type(data).__name__}")
+    heads = cache[L.CHECKPOINT].shape[1]
+    if set(data) == {COMPACT_KEY}:
+        want = {COMPACT_KEY: ((n, heads, L.HEAD_DIM, L.STATE_DIM), torch.float32)}
+    else:
+        specs = tensor_specs_for(cache, nvfp4, heads, cache[L.B_RING].shape[1])
+        want = {name: ((n, *shape), dt) for name, shape, dt in specs}
+        if set(data) != set(want):
+            fmt = "nvfp4" if nvfp4 else "fp8"
+            raise ValueError(
+                f"data must hold the {fmt} cache's tensors {sorted(want)} (or only {COMPACT_KEY!r}, the compact "
+                f"form); got keys {sorted(data)}"
+            )
+    for name, (shape, dt) in want.items():
+        t = data[name]
+        api._check_tensor(f"data[{name!r}]", t)
+        if t.dtype != dt or tuple(t.shape) != shape:
+            raise ValueError(f"data[{name!r}] must be {dt} {list(shape)}; got {t.dtype} {list(t.shape)}")
+    return COMPACT_KEY in want
+
+
+def import_replayssm_slots(
+    cache: Sequence[torch.Tensor],
+    data: dict[str, torch.Tensor],
+    slots: torch.Tensor,
+    *,
+    state_dtype: str,
+    seed: int = 0,
+    backend: str = "auto",
+) -> None:
+    """Write exported `data` into `slots` (unique, in range; one per exported slot). The
+    full form restores every per-slot tensor (same slot id: bit-identical continuation);
+    the compact form is initialized as a prefill state (a snapshot; `seed` and `backend`
+    serve it as they serve `initialize_replayssm_state`)."""
+    nvfp4 = L.is_nvfp4(state_dtype)
+    checks = debug()
+    api._check_seed(seed)
+    geometry = L.check_cache(cache, nvfp4)
+    device = cache[L.CHECKPOINT].device
+    ids = _validate_slots(slots, device, geometry[0])
+    compact = check_export(data, cache, nvfp4, ids.numel())
+    impl = backend_for(device, backend, cache)
+    _import(cache, geometry, impl, data, ids, compact, nvfp4=nvfp4, seed=seed, checks=checks)
+
+
+def _import(cache, geometry, impl, data, ids, compact: bool, *, nvfp4: bool, seed: int, checks: bool) -> None:
+    device = cache[L.CHECKPOINT].device
+    if compact:
+        states = data[COMPACT_KEY].to(device, non_blocking=data[COMPACT_KEY].is_pinned())
+        api._initialize(cache, geometry, impl, states, ids, nvfp4=nvfp4, seed=seed, checks=checks)
+        return
+    for name, i in per_slot_names(cache, nvfp4):
+        src = data[name]
+        b = _bits(cache[i])
+        b.index_copy_(0, ids, _bits(src).to(device, non_blocking=src.is_pinned()))
+
+
+__all__ = [
+    "copy_replayssm_slots",
+    "copy_slots",
+    "export_replayssm_slots",
+    "import_replayssm_slots",
+    "snapshot_replayssm_slots",
+]

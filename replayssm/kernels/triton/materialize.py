@@ -1,0 +1,125 @@
+"""Materialize kernel: the FP32 state [n, H, 64, 128] of each row's slot after every
+decoded token, `reference.materialize`'s math on the device: no host sync, no allocation
+when `out` is given, so a CUDA graph can capture it.
+
+Grid (n, H, 64 // BLOCK_P): program (i_b, i_h, i_p) computes state rows
+p in [i_p * BLOCK_P, (i_p + 1) * BLOCK_P) of head i_h for batch row i_b:
+
+    live   = positions[slot] mod 16 (column 0 in pending mode)
+    pre_j  = dt_0 + .. + dt_j               over ring entries j < live (zero beyond)
+    S      = exp(A pre_live) S0 + sum_{j < live} dt_j exp(A (pre_live - pre_j)) x_j (x) B_j
+
+in plain FP32 (no tensor cores: the ring terms are rank-1 updates accumulated in entry
+order, so the result differs from the reference's einsum by FP32 summation order only).
+Ring entries at or beyond `live` are never loaded (masked loads give 0; NaN poison there
+cannot reach the state). Padding rows (slot <= 0 or >= num_slots) store zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import layout as L
+from .launch import interpreting
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _materialize_kernel(
+    p_ids,
+    p_A,
+    p_ckpt,
+    p_x,
+    p_dt,
+    p_b,
+    p_pos,
+    p_out,
+    stride_ids,
+    stride_A,
+    stride_ckpt,
+    stride_x,
+    stride_dt,
+    stride_b,
+    stride_pos,
+    stride_out,
+    num_slots,
+    H: tl.constexpr,
+    HPG: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_p = tl.program_id(2)
+    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    o_n = tl.arange(0, 128)
+    p_o = p_out + i_b.to(tl.int64) * stride_out + (i_h * 64 + o_p)[:, None].to(tl.int64) * 128 + o_n[None, :]
+    raw = tl.load(p_ids + i_b.to(tl.int64) * stride_ids)
+    if (raw <= 0) | (raw >= num_slots):  # padding row: a zero state
+        tl.store(p_o, tl.zeros([BLOCK_P, 128], tl.float32))
+        return
+    slot = raw.to(tl.int64)
+    live = tl.load(p_pos + slot * stride_pos) & 15  # == pos mod 16 for every int32
+    a = tl.load(p_A + i_h * stride_A)
+
+    o_j = tl.arange(0, 16)
+    b_dt = tl.load(p_dt + slot * stride_dt + i_h * 16 + o_j, mask=o_j < live, other=0.0)
+    b_pre = tl.cumsum(b_dt, axis=0)
+    pre_k = tl.sum(tl.where(o_j == 15, b_pre, 0.0), axis=0)  # the entries beyond live add 0
+    b_w = b_dt * tl.exp(a * (pre_k - b_pre))  # 0 where the entry is not live (dt = 0)
+
+    p_s0 = p_ckpt + slot * stride_ckpt + (i_h * 64 + o_p)[:, None].to(tl.int64) * 128 + o_n[None, :]
+    acc = tl.exp(a * pre_k) * tl.load(p_s0).to(tl.float32)
+    g = i_h // HPG
+    for j in tl.static_range(16):
+        on = j < live
+        w_j = tl.sum(tl.where(o_j == j, b_w, 0.0), axis=0)
+        # bf16 entries read as int16 and widened through their bits (exact; no float cast).
+        b_xj = tl.load(p_x + slot * stride_x + (i_h * 16 + j) * 64 + o_p, mask=on, other=0)
+        b_bj = tl.load(p_b + slot * stride_b + (g * 16 + j) * 128 + o_n, mask=on, other=0)
+        b_xj = (b_xj.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        b_bj = (b_bj.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        acc += (w_j * b_xj)[:, None] * b_bj[None, :]
+    tl.store(p_o, acc)
+
+
+def materialize(cache, ids: torch.Tensor, A: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """FP32 states [n, H, 64, 128] of the slots in `ids` (int32/int64 [n]; padding rows
+    read as zeros) into `out` (contiguous FP32 [n, H, 64, 128]; allocated when None).
+    `A`: FP32 [H] (any stride). One launch; reads the cache only."""
+    ids = ids.reshape(-1)
+    n = ids.numel()
+    ckpt = cache[L.CHECKPOINT]
+    num_slots, heads = ckpt.shape[:2]
+    if out is None:
+        out = torch.empty(n, heads, L.HEAD_DIM, L.STATE_DIM, dtype=torch.float32, device=ckpt.device)
+    if n == 0:
+        return out
+    x_ring, dt_ring, b_ring, pos = cache[L.X_RING], cache[L.DT_RING], cache[L.B_RING], cache[L.POSITIONS]
+    groups = b_ring.shape[1]
+    # The interpreter pays per program: a whole head per program there; 16 rows on the GPU.
+    block_p = 64 if interpreting() else 16
+    _materialize_kernel[(n, heads, L.HEAD_DIM // block_p)](
+        ids,
+        A,
+        ckpt,
+        x_ring.view(torch.int16),
+        dt_ring,
+        b_ring.view(torch.int16),
+        pos,
+        out,
+        ids.stride(0),
+        A.stride(0),
+        ckpt.stride(0),
+        x_ring.stride(0),
+        dt_ring.stride(0),
+        b_ring.stride(0),
+        pos.stride(0),
+        out.stride(0),
+        num_slots,
+        H=heads,
+        HPG=heads // groups,
+        BLOCK_P=block_p,
+        num_warps=4,
+    )
+    return out
