@@ -56,6 +56,7 @@ from collections.abc import Sequence
 import torch
 
 from . import layout as L
+from .kernels import REFERENCE, kernel_backend
 
 # The cache tuple as op arguments, in tuple order: (name, optional). `meta` and `parity`
 # (NVFP4 only) are None for FP8; positions is the last entry of either tuple.
@@ -121,8 +122,7 @@ def _cache_tuple(conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, m
 
 
 def _backend(name: str):
-    from .kernels import REFERENCE, kernel_backend
-
+    """The backend object named `name` ("reference" or "kernels", as `backend_for` resolved it)."""
     if name == "reference":
         return REFERENCE
     if name == "kernels":
@@ -171,39 +171,46 @@ def scratch_handle(scratch) -> int:
 
 
 # -- the ops -------------------------------------------------------------------------------
+# Registered with the plain `torch.library.Library` API, not `torch.library.custom_op`:
+# custom_op runs Python kernels at the Autograd and ADInplaceOrView keys on every call, and
+# its ADInplaceOrView kernel (`torch._library.utils.fill_defaults`) re-reads
+# `schema.arguments` per argument (quadratic in the 23 arguments of decode): 130-250 us of
+# host time a call on this project's CPU machine, against ~20 us here (most of it the
+# dispatcher boxing 23 arguments), where the Autograd key takes the C++ fallback and
+# ADInplaceOrView falls through. The kernels run under no_grad: the ops have no autograd
+# formula (the fallback warns on backward), and a cache written from inputs that require
+# grad (A from a parameter) must not pick up autograd history. The kernels are registered
+# for CPU and CUDA; Meta and fake tensors get the fake implementations.
+
+_LIB = torch.library.Library("replayssm", "DEF")
 
 
-@torch.library.custom_op("replayssm::initialize", mutates_args=tuple(WRITES["initialize"]), schema=SCHEMAS["initialize"])
-def _initialize_op(
+def _register(name: str, kernel, fake) -> torch._ops.OpOverload:
+    _LIB.define(name + SCHEMAS[name])
+    for key in ("CPU", "CUDA"):
+        _LIB.impl(name, kernel, key)
+    torch.library.register_fake(f"replayssm::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.replayssm, name).default
+
+
+def _initialize_kernel(
     conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions,
     states, state_indices, *, state_dtype, seed, backend,
 ) -> None:
     cache = _cache_tuple(conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions)
-    _backend(backend).initialize(cache, states, state_indices, nvfp4=state_dtype == "nvfp4", seed=seed)
+    with torch.no_grad():
+        _backend(backend).initialize(cache, states, state_indices, nvfp4=state_dtype == "nvfp4", seed=seed)
 
 
-@_initialize_op.register_fake
-def _(conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions,
-      states, state_indices, *, state_dtype, seed, backend) -> None:
-    return None
-
-
-@torch.library.custom_op("replayssm::clear", mutates_args=tuple(WRITES["clear"]), schema=SCHEMAS["clear"])
-def _clear_op(
+def _clear_kernel(
     conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions, state_indices, *, backend,
 ) -> None:
     cache = _cache_tuple(conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions)
-    _backend(backend).clear(cache, state_indices)
+    with torch.no_grad():
+        _backend(backend).clear(cache, state_indices)
 
 
-@_clear_op.register_fake
-def _(conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions, state_indices, *,
-      backend) -> None:
-    return None
-
-
-@torch.library.custom_op("replayssm::decode", mutates_args=tuple(WRITES["decode"]), schema=SCHEMAS["decode"])
-def _decode_op(
+def _decode_kernel(
     conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions,
     x, dt, A, B, C, D, dt_bias, state_indices, out, *, state_dtype, seed, backend, scratch,
 ) -> None:
@@ -214,32 +221,38 @@ def _decode_op(
         buf = _SCRATCH.get(scratch)
         if buf is not None:
             extra["scratch"] = buf
-    _backend(backend).decode(
-        cache, x, dt, A, B, C, D, dt_bias, state_indices, out.view(batch, checkpoint.shape[1], L.HEAD_DIM),
-        nvfp4=state_dtype == "nvfp4", seed=seed, **extra,
-    )
+    with torch.no_grad():
+        _backend(backend).decode(
+            cache, x, dt, A, B, C, D, dt_bias, state_indices, out.view(batch, checkpoint.shape[1], L.HEAD_DIM),
+            nvfp4=state_dtype == "nvfp4", seed=seed, **extra,
+        )
 
 
-@_decode_op.register_fake
-def _(conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions,
-      x, dt, A, B, C, D, dt_bias, state_indices, out, *, state_dtype, seed, backend, scratch) -> None:
-    return None
-
-
-@torch.library.custom_op("replayssm::materialize", mutates_args=(), schema=SCHEMAS["materialize"])
-def _materialize_op(
+def _materialize_kernel(
     conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions, state_indices, A, *, backend,
 ) -> torch.Tensor:
     cache = _cache_tuple(conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions)
-    return _backend(backend).materialize(cache, state_indices, A)
+    with torch.no_grad():
+        return _backend(backend).materialize(cache, state_indices, A)
 
 
-@_materialize_op.register_fake
-def _(conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions, state_indices, A, *,
-      backend) -> torch.Tensor:
+def _writes_only(*args, **kwargs) -> None:
+    """Fake implementation of initialize, clear and decode: they return nothing."""
+    return None
+
+
+def _materialize_fake(
+    conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions, state_indices, A, *, backend,
+) -> torch.Tensor:
     # FP32 [n, heads, 64, 128], contiguous, on the device of the slot ids (the cache's).
     shape = (state_indices.numel(), checkpoint.shape[1], L.HEAD_DIM, L.STATE_DIM)
     return state_indices.new_empty(shape, dtype=torch.float32)
+
+
+_initialize_op = _register("initialize", _initialize_kernel, _writes_only)
+_clear_op = _register("clear", _clear_kernel, _writes_only)
+_decode_op = _register("decode", _decode_kernel, _writes_only)
+_materialize_op = _register("materialize", _materialize_kernel, _materialize_fake)
 
 
 # -- wrappers: a validated cache tuple and validated, normalized inputs in ---------------
