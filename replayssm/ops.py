@@ -43,8 +43,12 @@ Choices:
 - Host checks that read data (REPLAYSSM_DEBUG=1's unique / owned slot and finite state
   checks) run only outside torch.compile (`torch.compiler.is_compiling()`): a compiled
   graph never synchronizes with the host for them, and debugging runs eagerly.
-- No autograd formula: these are inference ops (call them under `torch.no_grad()` or
-  `torch.inference_mode()`).
+- No autograd formula: these are inference ops. Their kernels run under no_grad, so
+  inputs that require grad leave no autograd history on the cache or `out`; the C++
+  autograd fallback warns if a backward pass reaches materialize's output.
+- Under torch.compile, validation raises at trace time: a rejected call is the eager
+  ValueError / TypeError (with fullgraph=True, dynamo's Unsupported error carrying that
+  message), and nothing is written.
 """
 
 from __future__ import annotations
