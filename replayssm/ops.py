@@ -46,6 +46,11 @@ Choices:
 - No autograd formula: these are inference ops. Their kernels run under no_grad, so
   inputs that require grad leave no autograd history on the cache or `out`; the C++
   autograd fallback warns if a backward pass reaches materialize's output.
+- A cache carved from one byte page per slot (`slot_padding` > 0, engine layouts) holds
+  views of one storage with different dtypes: dynamo alone compiles it (backend="eager"),
+  but torch 2.13's AOTAutograd, under aot_eager and Inductor, refuses mutated inputs of
+  that kind ("does not yet handle input mutations on views with different dtypes").
+  Separately allocated tensors (ReplaySSMCache's default) compile with every backend.
 - Under torch.compile, validation raises at trace time: a rejected call is the eager
   ValueError / TypeError (with fullgraph=True, dynamo's Unsupported error carrying that
   message), and nothing is written.
