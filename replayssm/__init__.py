@@ -1,6 +1,7 @@
 """replayssm: fast Mamba-2 decoding with an FP16 checkpoint, a 16-entry input ring and an
 FP8 / NVFP4 read copy of the recurrent state."""
 
+from . import ops  # registers the torch custom ops replayssm::* (ops.py)
 from .api import (
     clear_replayssm_slots,
     initialize_replayssm_state,

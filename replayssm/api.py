@@ -7,8 +7,9 @@ kernels where they can run, else the PyTorch reference with a warning; "kernels"
 
 Each public function validates the cache tuple on every call, then calls its internal
 entry (`_initialize`, `_clear`, `_decode`, `_materialize`), which validates the other
-inputs and runs the backend. `ReplaySSMCache`, whose tuple was validated once when it was
-built, calls the internal entries directly.
+inputs and calls the operation's torch custom op (`replayssm.ops`: `replayssm::initialize`,
+`::clear`, `::decode`, `::materialize`), which runs the backend. `ReplaySSMCache`, whose
+tuple was validated once when it was built, calls the internal entries directly.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from collections.abc import Sequence
 import torch
 
 from . import layout as L
+from . import ops
 from .kernels import backend_for
 from .kernels.env import debug
 
 Geometry = tuple[int, int, int]  # (num_slots, heads, groups), as layout.check_cache returns it
+_FORMAT = {False: "fp8", True: "nvfp4"}  # state_dtype by `nvfp4`, for the ops
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -106,10 +109,10 @@ def _initialize(cache, geometry: Geometry, impl, states, state_indices, *, nvfp4
         raise ValueError(f"state_indices must hold one slot per state ({states.shape[0]}); got {ids.numel()}")
     if ids.numel() == 0:
         return
-    if checks:
+    if checks and not torch.compiler.is_compiling():  # host reads: eager only (ops.py)
         _check_unique(ids, slots)
         _check_finite(states, ids, slots)
-    impl.initialize(cache, states, ids, nvfp4=nvfp4, seed=seed)
+    ops.initialize(cache, states, ids, state_dtype=_FORMAT[nvfp4], seed=seed, backend=impl.name)
 
 
 def clear_replayssm_slots(
@@ -127,7 +130,7 @@ def clear_replayssm_slots(
 def _clear(cache, impl, state_indices) -> None:
     ids = _check_indices(state_indices, cache[L.CHECKPOINT].device)
     if ids.numel():
-        impl.clear(cache, ids)
+        ops.clear(cache, ids, backend=impl.name)
 
 
 def normalize_decode_inputs(x, dt, A, B, C, D, dt_bias, batch: int, heads: int, groups: int):
@@ -249,12 +252,14 @@ def _decode(
     if batch == 0:
         return out
     norm = normalize_decode_inputs(x, dt, A, B, C, D, dt_bias, batch, heads, groups)
-    if checks:
+    if checks and not torch.compiler.is_compiling():  # host reads: eager only (ops.py)
         _check_unique(ids, slots)
     if scratch is not None and getattr(scratch, "rows", batch) < batch:
         raise ValueError(f"scratch holds {scratch.rows} rows; the batch has {batch}")
-    extra = {"scratch": scratch} if scratch is not None else {}
-    impl.decode(cache, *norm, ids, out.view(batch, heads, L.HEAD_DIM), nvfp4=nvfp4, seed=seed, **extra)
+    ops.decode(
+        cache, *norm, ids, out, state_dtype=_FORMAT[nvfp4], seed=seed, backend=impl.name,
+        scratch=ops.scratch_handle(scratch),
+    )
     return out
 
 
@@ -283,10 +288,13 @@ def _materialize(cache, geometry: Geometry, impl, state_indices, A, out=None) ->
     _check_tensor("A", A)
     if A.numel() not in (heads, heads * L.HEAD_DIM, heads * L.HEAD_DIM * L.STATE_DIM) or A.shape[0] != heads:
         raise ValueError(f"A must be [{heads}] or a tied [{heads}, 64(, 128)] view; got {_describe(A)}")
+    A1 = A.reshape(heads, -1)[:, 0].float().to(ids.device)
     if out is not None:
+        # Into the caller's buffer: the backend writes it directly (the op returns a new
+        # tensor, which torch.compile can trace; `out` is for eager and captured calls).
         _check_materialize_out(out, ids.numel(), heads, cache[L.CHECKPOINT].device)
-        return impl.materialize(cache, ids, A.reshape(heads, -1)[:, 0].float().to(ids.device), out)
-    return impl.materialize(cache, ids, A.reshape(heads, -1)[:, 0].float().to(ids.device))
+        return impl.materialize(cache, ids, A1, out)
+    return ops.materialize(cache, ids, A1, backend=impl.name)
 
 
 def _check_materialize_out(out: object, n: int, heads: int, device: torch.device) -> None:

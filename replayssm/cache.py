@@ -29,6 +29,7 @@ import torch
 
 from . import api
 from . import layout as L
+from . import ops
 from .kernels import backend_for, check_backend
 from .kernels.env import arch_override, debug
 from .slots import NULL_SLOT, SlotAllocator
@@ -115,6 +116,7 @@ class ReplaySSMCache:
         # max_batch, so a decode step allocates nothing (None on the reference backend).
         make = getattr(self._backend, "new_scratch", None)
         self._scratch = make(self.device, self.max_batch) if make else None
+        ops.register_scratch(self._scratch)  # now, so a compiled decode only looks it up
         self._last_A = torch.zeros(self.num_heads, dtype=torch.float32, device=self.device)
 
     def _slots(self, slots) -> torch.Tensor:
@@ -182,7 +184,7 @@ class ReplaySSMCache:
         batch = slots.numel()
         if batch > self.max_batch:
             raise ValueError(f"slots must hold at most max_batch={self.max_batch} rows; got {batch}")
-        if checks:
+        if checks and not torch.compiler.is_compiling():  # host reads: eager only (ops.py)
             self._check_live(slots)
         if out is None:
             out = torch.empty(batch, self.num_heads, L.HEAD_DIM, dtype=torch.bfloat16, device=self.device)
@@ -190,8 +192,11 @@ class ReplaySSMCache:
             self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
             nvfp4=self._nvfp4, seed=self.seed, checks=checks, scratch=self._scratch,
         )
-        self._last_A = A  # a reference, not a copy: no extra launch per step
-        self._have_A = True
+        # A reference, not a copy: no extra launch per step. Stored with object.__setattr__:
+        # torch 2.13's dynamo recurses without end into the __setattr__ that attrs generates
+        # for this class (the `device` converter), so `self._last_A = A` breaks the graph.
+        object.__setattr__(self, "_last_A", A)
+        object.__setattr__(self, "_have_A", True)
         return out
 
     def materialize(self, slots: torch.Tensor, A: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:

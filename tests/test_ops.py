@@ -1,0 +1,588 @@
+"""The torch custom ops (replayssm/ops.py): schemas, `torch.library.opcheck`, fake tensors,
+and `torch.compile(fullgraph=True)` of a Mamba-2-like layer against the same layer run
+eagerly, bit for bit (outputs and every cache tensor), on the CPU reference and (GPU
+marker) on the H200 kernels."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from replayssm import (
+    ReplaySSMCache,
+    allocate_cache,
+    initialize_replayssm_state,
+    layout as L,
+    materialize_replayssm_state,
+    ops,
+    selective_state_update_replayssm,
+)
+from replayssm import reference as ref
+from replayssm.api import normalize_decode_inputs
+from replayssm.kernels import REFERENCE
+from replayssm.synthetic import layer_params, prefill_states, token
+
+from .helpers import assert_cache_equal, same_bits, snapshot
+
+FORMATS = ["fp8", "nvfp4"]
+H, G, P, N = 16, 2, L.HEAD_DIM, L.STATE_DIM
+
+
+# -- schemas --------------------------------------------------------------------------------
+
+CACHE_W = (
+    "Tensor conv, Tensor(a!) checkpoint, Tensor(b!) x_ring, Tensor(c!) dt_ring, Tensor(d!) b_ring, "
+    "Tensor(e!) read_copy, Tensor(f!) scales, Tensor(g!)? meta, Tensor(h!)? parity, Tensor(i!) positions"
+)
+CACHE_R = (
+    "Tensor conv, Tensor checkpoint, Tensor x_ring, Tensor dt_ring, Tensor b_ring, "
+    "Tensor read_copy, Tensor scales, Tensor? meta, Tensor? parity, Tensor positions"
+)
+EXPECTED_SCHEMAS = {
+    "initialize": f"replayssm::initialize({CACHE_W}, Tensor states, Tensor state_indices, *, "
+    "str state_dtype, int seed, str backend) -> ()",
+    "clear": "replayssm::clear(Tensor conv, Tensor checkpoint, Tensor(a!) x_ring, Tensor(b!) dt_ring, "
+    "Tensor(c!) b_ring, Tensor read_copy, Tensor scales, Tensor? meta, Tensor? parity, Tensor(d!) positions, "
+    "Tensor state_indices, *, str backend) -> ()",
+    "decode": f"replayssm::decode({CACHE_W}, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, "
+    "Tensor dt_bias, Tensor state_indices, Tensor(j!) out, *, str state_dtype, int seed, str backend, "
+    "int scratch) -> ()",
+    "materialize": f"replayssm::materialize({CACHE_R}, Tensor state_indices, Tensor A, *, str backend) -> Tensor",
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_SCHEMAS))
+def test_registered_schema_marks_exactly_what_the_op_writes(name):
+    assert str(getattr(torch.ops.replayssm, name).default._schema) == EXPECTED_SCHEMAS[name]
+
+
+# -- one small world for the op-level tests ------------------------------------------------
+
+
+def _world(fmt, seed=0, heads=8, groups=1, slots=5):
+    """A prefilled cache (slots 1..3 live; slot 1 at ring index 15, so a decode flushes it,
+    slot 2 at index 3), normalized decode inputs for the rows [1, 0, 2, 3, 9] (two padding
+    rows), prefill states and ids."""
+    g = torch.Generator().manual_seed(seed)
+    p = layer_params(heads, generator=g)
+    cache = allocate_cache(slots, heads, groups, fmt)
+    live = torch.tensor([1, 2, 3], dtype=torch.int32)
+    REFERENCE.initialize(cache, prefill_states(p, 3, groups, 4, generator=g), live, nvfp4=fmt == "nvfp4", seed=seed)
+    ids = torch.tensor([1, 0, 2, 3, 9], dtype=torch.int32)
+    for pos_of_slot1 in range(15):  # real ring entries below each slot's position
+        tok = token(2, heads, groups, generator=g)
+        ids12 = torch.tensor([1, 2] if pos_of_slot1 < 3 else [1], dtype=torch.int32)
+        n = ids12.numel()
+        out = torch.empty(n, heads, P, dtype=torch.bfloat16)
+        REFERENCE.decode(cache, tok.x[:n], tok.dt[:n], p.A, tok.B[:n], tok.C[:n], p.D[:, None].expand(heads, P),
+                         p.dt_bias, ids12, out, nvfp4=fmt == "nvfp4", seed=seed)
+    assert cache[L.POSITIONS][1:4].tolist() == [15, 3, 0]
+    tok = token(ids.numel(), heads, groups, generator=g)
+    norm = normalize_decode_inputs(tok.x, tok.dt, p.A, tok.B, tok.C, p.D, p.dt_bias, ids.numel(), heads, groups)
+    states = prefill_states(p, ids.numel(), groups, 2, generator=g)
+    return cache, norm, ids, states, p.A
+
+
+def _op_args(name, fmt, backend="reference"):
+    cache, norm, ids, states, A = _world(fmt)
+    c = ops.cache_args(cache)
+    out = torch.full((ids.numel(), cache[L.CHECKPOINT].shape[1], P), float("nan"), dtype=torch.bfloat16)
+    if name == "initialize":
+        return ops._initialize_op, (*c, states, ids), dict(state_dtype=fmt, seed=7, backend=backend)
+    if name == "clear":
+        return ops._clear_op, (*c, ids), dict(backend=backend)
+    if name == "decode":
+        return ops._decode_op, (*c, *norm, ids, out), dict(state_dtype=fmt, seed=7, backend=backend, scratch=0)
+    return ops._materialize_op, (*c, ids, A), dict(backend=backend)
+
+
+OPS = ["initialize", "clear", "decode", "materialize"]
+
+
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz)
+
+
+@pytest.fixture
+def fp8_allclose(monkeypatch):
+    """opcheck's schema check (SchemaCheckMode) tells a mutated argument by
+    `torch.allclose(before, after, equal_nan=True)`, which has no Float8_e4m3fn kernel
+    in torch 2.13 ("mul_cpu_reduced_float" not implemented): compare FP8 tensors by
+    their bytes instead, everything else as before."""
+    allclose = torch.allclose
+
+    def patched(a, b, *args, **kwargs):
+        if a.dtype in FLOAT8 and b.dtype == a.dtype:
+            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        return allclose(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "allclose", patched)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", OPS)
+def test_opcheck(name, fmt, fp8_allclose):
+    """Schema (mutations as annotated, nothing else), autograd registration, fake tensor
+    (outputs' shapes, dtypes, strides) and AOT dispatch (static and dynamic shapes: the
+    results and the mutated cache tensors equal eager's) checks."""
+    op, args, kwargs = _op_args(name, fmt)
+    result = torch.library.opcheck(
+        op, args, kwargs,
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static", "test_aot_dispatch_dynamic"),
+    )
+    assert set(result.values()) == {"SUCCESS"}, result
+    # opcheck skips the autograd registration check when no input requires grad: give it
+    # one (A for decode and materialize, the prefill states for initialize; clear reads
+    # no float input).
+    if name != "clear":
+        grad_arg = {"initialize": 10, "decode": 12, "materialize": 11}[name]
+        args = list(args)
+        args[grad_arg] = args[grad_arg].clone().requires_grad_()
+        result = torch.library.opcheck(op, tuple(args), kwargs, test_utils="test_autograd_registration")
+        assert result == {"test_autograd_registration": "SUCCESS"}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", ["initialize", "clear", "decode"])
+def test_opcheck_kernel_backend_in_the_interpreter(name, fmt, fp8_allclose):
+    """The same checks with the kernel backend (Triton bookkeeping kernels, interpreted)."""
+    op, args, kwargs = _op_args(name, fmt, backend="kernels")
+    result = torch.library.opcheck(op, args, kwargs, test_utils=("test_schema", "test_aot_dispatch_static"))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", OPS)
+def test_op_equals_the_backend_called_directly(name, fmt):
+    """Each op runs its backend method on the caller's tuple, bit for bit, and writes
+    nothing the schema does not name."""
+    op, args, kwargs = _op_args(name, fmt)
+    cache, norm, ids, states, A = _world(fmt)
+    want = snapshot(cache)
+    nvfp4 = fmt == "nvfp4"
+    got = op(*args, **kwargs)
+    c_args = args[:10]
+    got_cache = [t for t in c_args if t is not None]
+    if name == "initialize":
+        REFERENCE.initialize(want, states, ids, nvfp4=nvfp4, seed=7)
+    elif name == "clear":
+        REFERENCE.clear(want, ids)
+    elif name == "decode":
+        out = torch.full_like(args[-1], float("nan"))
+        REFERENCE.decode(want, *norm, ids, out.view(ids.numel(), -1, P), nvfp4=nvfp4, seed=7)
+        assert got is None and same_bits(args[-1], out)
+    else:
+        assert same_bits(got, REFERENCE.materialize(want, ids, A))
+    assert_cache_equal(want, got_cache)
+    written = {name_ for (name_, _), a, b in zip(ops.CACHE_ARGS, ops.cache_args(snapshot(cache)), c_args)
+               if a is not None and not same_bits(a, b)}
+    assert written <= ops.WRITES[name]
+    if name != "materialize":
+        assert written, "the world is built so that every writing op changes the cache"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("device", ["fake", "meta"])
+def test_fake_outputs(name, fmt, device):
+    """Fake (meta) implementations: materialize gives FP32 [n, heads, 64, 128] like the real
+    op (shape, dtype, strides), the other ops nothing; fake runs leave the real cache as is."""
+    op, args, kwargs = _op_args(name, fmt)
+    real_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    real = op(*real_args, **kwargs)
+    if device == "fake":
+        with FakeTensorMode() as mode:
+            fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+            got = op(*fargs, **kwargs)
+    else:
+        got = op(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+    if name == "materialize":
+        heads = args[1].shape[1]
+        assert (tuple(got.shape), got.dtype) == ((args[10].numel(), heads, P, N), torch.float32)
+        assert (got.shape, got.dtype, got.stride()) == (real.shape, real.dtype, real.stride())
+        assert got.device.type == ("cpu" if device == "fake" else "meta")
+    else:
+        assert got is None and real is None
+    for a, b in zip(args, before):
+        if isinstance(a, torch.Tensor):
+            assert same_bits(a, b)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_step_from_inputs_that_require_grad_leaves_no_autograd_history(fmt):
+    """A from a parameter (requires grad, grad mode on): the cache and `out` get the
+    reference's bits and no autograd history (the ops run their backend under no_grad;
+    the reference called directly would leave NVFP4's meta and `out` attached to A)."""
+    cache, norm, ids, _, _ = _world(fmt)
+    want = snapshot(cache)
+    A = norm[2].clone().requires_grad_()
+    out, out_want = (torch.empty(ids.numel(), 8, P, dtype=torch.bfloat16) for _ in range(2))
+    selective_state_update_replayssm(cache, *norm[:2], A, *norm[3:], ids, out, state_dtype=fmt, backend="reference")
+    assert not any(t.requires_grad for t in cache) and not out.requires_grad
+    with torch.no_grad():
+        REFERENCE.decode(want, *norm, ids, out_want, nvfp4=fmt == "nvfp4", seed=0)
+    assert same_bits(out, out_want)
+    assert_cache_equal(want, cache)
+
+
+# -- scalars and scratch --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("seed", [2**63 + 11, 2**64 + 5, -3], ids=["above-int64", "above-2^64", "negative"])
+def test_any_python_int_seed_gives_the_references_bits(fmt, seed):
+    """Seeds the schema's int64 cannot hold are passed mod 2**64 (as the random streams
+    take them): initialize and a flushing decode equal the reference called with the seed."""
+    cache, norm, ids, states, _ = _world(fmt)
+    want = snapshot(cache)
+    initialize_replayssm_state(cache, states[:2], ids[2:4], state_dtype=fmt, seed=seed, backend="reference")
+    REFERENCE.initialize(want, states[:2], ids[2:4], nvfp4=fmt == "nvfp4", seed=seed)
+    assert_cache_equal(want, cache)
+    out, out_want = (torch.empty(ids.numel(), 8, P, dtype=torch.bfloat16) for _ in range(2))
+    selective_state_update_replayssm(cache, *norm, ids, out, state_dtype=fmt, seed=seed, backend="reference")
+    REFERENCE.decode(want, *norm, ids, out_want, nvfp4=fmt == "nvfp4", seed=seed)
+    assert same_bits(out, out_want)
+    assert_cache_equal(want, cache)
+
+
+def test_scratch_handles_follow_the_scratch_lifetime():
+    class Scratch:  # what the registry needs of a PlanScratch: identity and a weak reference
+        rows = 8
+
+    a, b = Scratch(), Scratch()
+    ha, hb = ops.register_scratch(a), ops.register_scratch(b)
+    assert ha != hb and ops.scratch_handle(a) == ha and ops.register_scratch(a) == ha
+    assert ops.scratch_handle(None) == 0 and ops._SCRATCH[ha] is a
+    del a
+    assert ha not in ops._SCRATCH and hb in ops._SCRATCH
+    assert ops.scratch_handle(b) == hb
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_decode_op_fills_the_scratch_it_is_given(fmt):
+    """Kernel backend (Triton interpreter): the plan of a decode through the functional API
+    lands in the caller's scratch, equal to the reference plan; the step equals the
+    reference step."""
+    from replayssm.kernels.triton.prepare import PlanScratch
+
+    cache, norm, ids, _, _ = _world(fmt)
+    want = snapshot(cache)
+    scratch = PlanScratch(8, "cpu")
+    scratch.slot.fill_(-1)
+    out, out_want = (torch.empty(ids.numel(), 8, P, dtype=torch.bfloat16) for _ in range(2))
+    selective_state_update_replayssm(cache, *norm, ids, out, state_dtype=fmt, seed=1, backend="kernels", scratch=scratch)
+    plan = ref.prepare_decode(snapshot(want), ids, out_want.clone(), nvfp4=fmt == "nvfp4", seed=1)
+    for got_t, want_t in zip(scratch.plan(ids.numel()), plan):
+        assert torch.equal(got_t.to(want_t.dtype), want_t)
+    REFERENCE.decode(want, *norm, ids, out_want, nvfp4=fmt == "nvfp4", seed=1)
+    assert same_bits(out, out_want)
+    assert_cache_equal(want, cache)
+
+
+# -- torch.compile of a Mamba-2-like layer ---------------------------------------------------
+
+
+class Mixer(torch.nn.Module):
+    """The decode step of a Mamba-2 mixer as serving engines shape it: one bf16 projection
+    whose column slices are x, B, C and dt (row stride = projection width), dt and the
+    per-head parameters broadcast with stride-0 views, then the output projection."""
+
+    def __init__(self, cache: ReplaySSMCache, d_model: int = 64, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        p = layer_params(H, generator=g)
+        device = cache.device
+        width = H * P + 2 * G * N + H
+        self.cache = cache
+        self.in_proj = torch.nn.Linear(d_model, width, bias=False, dtype=torch.bfloat16, device=device)
+        self.out_proj = torch.nn.Linear(H * P, d_model, bias=False, dtype=torch.bfloat16, device=device)
+        self.in_proj.weight.data.copy_(torch.randn(width, d_model, generator=g) * d_model**-0.5)
+        self.out_proj.weight.data.copy_(torch.randn(d_model, H * P, generator=g) * (H * P) ** -0.5)
+        self.register_buffer("A", p.A.to(device))
+        self.register_buffer("D", p.D.to(device))
+        self.register_buffer("dt_bias", p.dt_bias.to(device))
+
+    def forward(self, hidden, slots, out=None):
+        n = hidden.shape[0]
+        x, B, C, dt = torch.split(self.in_proj(hidden), [H * P, G * N, G * N, H], dim=-1)
+        y = self.cache.decode(
+            x.view(n, H, P), dt[:, :, None].expand(n, H, P), self.A[:, None, None].expand(H, P, N),
+            B.view(n, G, N), C.view(n, G, N), self.D[:, None].expand(H, P), self.dt_bias[:, None].expand(H, P),
+            slots, out=out,
+        )
+        return self.out_proj(y.view(n, H * P)), y
+
+
+class Twin:
+    """A layer and its cache with three live slots at positions 0, 9 and 15 (slot c flushes
+    at the first step, b at the 7th, a at the 16th, c again at the 17th) and a batch
+    [a, 0, b, num_slots, c] with two padding rows. Built twice from the same seeds, two
+    twins hold the same bits."""
+
+    def __init__(self, fmt, device="cpu", backend="reference", seed=0, slot_padding=0):
+        self.device = device
+        self.cache = ReplaySSMCache(6, H, G, fmt, device, seed=seed + 3, backend=backend, slot_padding=slot_padding)
+        self.layer = Mixer(self.cache, seed=seed)
+        self.gen = torch.Generator().manual_seed(seed + 1)
+        a, b, c = self.cache.allocate(3).tolist()
+        p = layer_params(H, generator=self.gen)
+        states = prefill_states(p, 3, G, 8, generator=self.gen).to(device)
+        self.cache.prefill_init(states, torch.tensor([a, b, c], device=device))
+        with torch.no_grad():
+            for slot, steps in ((b, 9), (c, 15)):
+                for _ in range(steps):
+                    self.layer(self.hidden(1), torch.tensor([slot], dtype=torch.int32, device=device))
+        self.ids = torch.tensor([a, 0, b, 6, c], dtype=torch.int32, device=device)
+        assert self.cache.positions[self.ids.long() % 6].tolist() == [0, 0, 9, 0, 15]
+
+    def hidden(self, n):
+        return torch.randn(n, 64, generator=self.gen).to(self.device, torch.bfloat16)
+
+
+def _compare_steps(fmt, compile_backend, out_given, device="cpu", backend="reference", steps=20, slot_padding=0):
+    """`steps` compiled steps (fullgraph) against eager ones on a twin: every output and
+    every cache tensor bit-identical after every step; one compiled graph serves them all."""
+    torch._dynamo.reset()
+    eager, comp = (Twin(fmt, device, backend, slot_padding=slot_padding) for _ in range(2))
+    assert_cache_equal(eager.cache.tensors, comp.cache.tensors)
+    counter = CompileCounterWithBackend(compile_backend)
+    compiled = torch.compile(comp.layer, fullgraph=True, backend=counter)
+    n = eager.ids.numel()
+    outs = [torch.full((n, H, P), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(2)]
+    with torch.no_grad():
+        for step in range(steps):
+            h = eager.hidden(n)
+            assert same_bits(h, comp.hidden(n))
+            ye, oe = eager.layer(h, eager.ids, outs[0] if out_given else None)
+            yc, oc = compiled(h, comp.ids, outs[1] if out_given else None)
+            assert same_bits(ye, yc) and same_bits(oe, oc), f"step {step}: outputs differ"
+            if out_given:
+                assert oc.data_ptr() == outs[1].data_ptr()
+            assert_cache_equal(eager.cache.tensors, comp.cache.tensors)
+            assert oc[1].abs().sum() == 0 and oc[3].abs().sum() == 0  # padding rows
+    assert comp.cache.positions[comp.ids.long() % 6].tolist() == [steps, 0, 9 + steps, 0, 15 + steps]
+    assert counter.frame_count == 1  # positions live on the device: no recompiles
+    if backend == "kernels":  # the last step's plan is in the cache's own scratch
+        assert comp.cache._scratch.slot[:n].tolist() == [int(s) if 0 < s < 6 else 0 for s in comp.ids.tolist()]
+    # The compiled layer's A is what materialize uses afterwards, as after eager steps.
+    live = comp.ids[[0, 2, 4]]
+    assert same_bits(comp.cache.materialize(live), eager.cache.materialize(live))
+    decodes = [n for g in counter.graphs for n in g.graph.nodes if str(n.target) == "replayssm.decode.default"]
+    assert len(counter.graphs) == 1 and len(decodes) == 1  # one opaque op in the one graph
+
+
+@pytest.mark.parametrize("out_given", [True, False], ids=["out", "no-out"])
+@pytest.mark.parametrize("compile_backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compiled_layer_matches_eager_bit_for_bit(fmt, compile_backend, out_given):
+    _compare_steps(fmt, compile_backend, out_given)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compiled_layer_on_the_kernel_backend_matches_eager(fmt):
+    """The kernel backend on the CPU (Triton prepare kernel interpreted, the reference's
+    decode math fed its plan), compiled through functionalization (aot_eager: the op gets
+    copies of the cache): same bits as eager, and the step finds the cache's own plan
+    scratch through its handle."""
+    _compare_steps(fmt, "aot_eager", True, backend="kernels")
+
+
+@pytest.mark.parametrize(
+    "compile_backend",
+    [
+        "eager",
+        pytest.param(
+            "aot_eager",
+            marks=pytest.mark.xfail(
+                raises=torch._dynamo.exc.BackendCompilerFailed, strict=True,
+                reason="torch 2.13 AOTAutograd: 'does not yet handle input mutations on views with different "
+                "dtypes' (the cache tensors are views of one byte page per slot); Inductor likewise",
+            ),
+        ),
+    ],
+)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compiled_layer_with_a_page_carved_cache(fmt, compile_backend):
+    """A cache carved from one byte page per slot (slot_padding > 0, as serving engines
+    lay it out): dynamo alone (backend="eager") compiles the layer fullgraph and matches
+    eager bit for bit; backends that functionalize (aot_eager, Inductor) are refused by
+    torch, since the mutated cache tensors are views of one storage with different dtypes."""
+    _compare_steps(fmt, compile_backend, True, slot_padding=64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("out_given", [True, False], ids=["out", "no-out"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_inductor_compiled_layer_matches_eager_bit_for_bit(fmt, out_given):
+    """The default backend (Inductor, C++ on the CPU)."""
+    _compare_steps(fmt, "inductor", out_given)
+
+
+def _split_top_level(args: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in args:
+        if ch == "," and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+            continue
+        depth += ch in "(["
+        depth -= ch in ")]"
+        cur += ch
+    return parts + [cur.strip()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_inductor_calls_the_decode_op_in_place_on_the_cache(fmt):
+    """With `out` given, Inductor's code calls replayssm.decode once, on the graph inputs
+    themselves (the cache tensors and `out`): functionalization's copies are all
+    re-inplaced, so the compiled step adds no allocation and no copy around the op."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    twin = Twin(fmt)
+    out = torch.empty(twin.ids.numel(), H, P, dtype=torch.bfloat16)
+    compiled = torch.compile(twin.layer, fullgraph=True)
+    with torch.no_grad():
+        _, codes = run_and_get_code(compiled, twin.hidden(5), twin.ids, out)
+    body = "\n".join(codes).split("def call(")[1]
+    calls = re.findall(r"torch\.ops\.replayssm\.decode\.default\((.*)\)\n", body)
+    assert len(calls) == 1, body
+    args = _split_top_level(calls[0])
+    cache_in = args[:10]
+    want_none = 0 if fmt == "nvfp4" else 2
+    assert cache_in.count("None") == want_none
+    assert all(re.fullmatch(r"arg\d+_1", a) for a in cache_in if a != "None"), cache_in
+    assert re.fullmatch(r"arg\d+_1", args[18]), args[18]  # out: the caller's tensor
+    assert not re.search(r"\.copy_\(|clone|aten\.copy", body), body
+
+
+def test_explain_finds_one_graph_and_no_break():
+    torch._dynamo.reset()
+    twin = Twin("nvfp4")
+    out = torch.empty(5, H, P, dtype=torch.bfloat16)
+    with torch.no_grad():
+        explained = torch._dynamo.explain(twin.layer)(twin.hidden(5), twin.ids, out)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    ops_seen = [str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert ops_seen.count("replayssm.decode.default") == 1, ops_seen
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_debug_checks_stay_eager_and_do_not_break_the_graph(fmt, monkeypatch):
+    """REPLAYSSM_DEBUG=1: eager decode still rejects an unallocated slot; a compiled
+    decode (fullgraph) traces without the host checks and matches eager."""
+    monkeypatch.setenv("REPLAYSSM_DEBUG", "1")
+    torch._dynamo.reset()
+    eager, comp = Twin(fmt), Twin(fmt)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"slots must be allocated"):
+            eager.layer(eager.hidden(1), torch.tensor([5], dtype=torch.int32))
+        comp.hidden(1)  # keep the twins' generators in step
+        compiled = torch.compile(comp.layer, fullgraph=True, backend="eager")
+        h = eager.hidden(5)
+        comp.hidden(5)
+        assert same_bits(eager.layer(h, eager.ids)[1], compiled(h, comp.ids)[1])
+    assert_cache_equal(eager.cache.tensors, comp.cache.tensors)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compiled_functional_api_matches_eager(fmt):
+    """The functional entry points compile too (fullgraph): decode, then materialize."""
+    torch._dynamo.reset()
+    worlds = [_world(fmt), _world(fmt)]
+
+    def step(cache, x, dt, A, B, C, D, dt_bias, ids, out):
+        selective_state_update_replayssm(cache, x, dt, A, B, C, D, dt_bias, ids, out, state_dtype=fmt, seed=4,
+                                         backend="reference")
+        return materialize_replayssm_state(cache, ids, A, state_dtype=fmt, backend="reference")
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn, (cache, norm, ids, _, _) in zip((step, compiled), worlds):
+        out = torch.empty(ids.numel(), 8, P, dtype=torch.bfloat16)
+        results.append((fn(cache, *norm, ids, out), out, cache))
+    (se, oe, ce), (sc, oc, cc) = results
+    assert same_bits(se, sc) and same_bits(oe, oc)
+    assert_cache_equal(ce, cc)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compiled_rejection_names_the_argument_and_writes_nothing(fmt):
+    """Validation runs at trace time, before the op: a rejected compiled call (not
+    fullgraph) raises the eager ValueError and leaves the cache untouched."""
+    torch._dynamo.reset()
+    cache, norm, ids, _, _ = _world(fmt)
+    before = snapshot(cache)
+
+    def step(x):
+        out = torch.empty(ids.numel(), 8, P, dtype=torch.bfloat16)
+        return selective_state_update_replayssm(cache, x, *norm[1:], ids, out, state_dtype=fmt, backend="reference")
+
+    with pytest.raises(ValueError, match=r"^x must be bfloat16"):
+        torch.compile(step, backend="aot_eager")(norm[0].float())
+    assert_cache_equal(before, cache)
+
+
+# -- the same on the GPU, with the kernel backend --------------------------------------------
+
+NEEDS_CUTE = pytest.mark.skipif(
+    importlib.util.find_spec("cutlass") is None, reason="needs nvidia-cutlass-dsl (pip install -e '.[cute]')"
+)
+
+
+
+@pytest.mark.parametrize("out_given", [True, False], ids=["out", "no-out"])
+@pytest.mark.parametrize("compile_backend", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.gpu
+@NEEDS_CUTE
+def test_gpu_compiled_layer_matches_eager_bit_for_bit(fmt, compile_backend, out_given):
+    """CUDA, kernel backend (prepare + CuTe decode kernels inside the op): compiled steps
+    equal eager ones bit for bit over 20 steps crossing flushes."""
+    _compare_steps(fmt, compile_backend, out_given, device="cuda", backend="kernels")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.gpu
+@NEEDS_CUTE
+def test_gpu_compiled_decode_neither_allocates_nor_synchronizes(fmt):
+    """Inductor-compiled `ReplaySSMCache.decode` with `out` given and inputs already in the
+    kernels' layout: no CUDA allocation (the caching allocator's count) and no host
+    synchronization (sync debug mode "error") in a step, as eager; same bits as eager."""
+    torch._dynamo.reset()
+    eager, comp = Twin(fmt, "cuda", "kernels"), Twin(fmt, "cuda", "kernels")
+    n = eager.ids.numel()
+    g = torch.Generator().manual_seed(5)
+    p = layer_params(H, generator=g, device="cuda")
+    D = p.D[:, None].expand(H, P).contiguous()
+
+    def step(cache, x, dt, B, C, ids, out):
+        return cache.decode(x, dt, p.A, B, C, D, p.dt_bias, ids, out=out)
+
+    compiled = torch.compile(step, fullgraph=True)
+    outs = [torch.empty(n, H, P, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    with torch.no_grad():
+        for i in range(20):
+            tok = token(n, H, G, generator=g, device="cuda")
+            counts = []
+            for fn, twin, out in ((step, eager, outs[0]), (compiled, comp, outs[1])):
+                fn(twin.cache, tok.x, tok.dt, tok.B, tok.C, twin.ids, out)  # i == 0: compiles, loads the modules
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_stats()["allocation.all.allocated"]
+                if i:
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    fn(twin.cache, tok.x, tok.dt, tok.B, tok.C, twin.ids, out)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.synchronize()
+                counts.append(torch.cuda.memory_stats()["allocation.all.allocated"] - before)
+            assert counts == [0, 0], f"step {i}: allocations (eager, compiled) {counts}"
+            assert same_bits(outs[0], outs[1])
+            assert_cache_equal(eager.cache.tensors, comp.cache.tensors)
