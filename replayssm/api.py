@@ -79,6 +79,7 @@ def initialize_replayssm_state(
     state_dtype: str,
     seed: int = 0,
     backend: str = "auto",
+    head_offset: int = 0,
 ) -> None:
     """Initialize the FP16 checkpoint and the read copy independently from FP32 prefill
     states [batch, heads, 64, 128], and clear the rings and positions of the slots.
@@ -86,17 +87,30 @@ def initialize_replayssm_state(
     Nonpositive and out-of-range slot indices are ignored. `states` may be a broadcast
     view (stride 0 on the batch dim) and need not be contiguous. With REPLAYSSM_DEBUG=1
     live slots must be unique and their states finite (ValueError otherwise). `backend`:
-    "auto", "kernels" or "reference" (module docstring).
+    "auto", "kernels" or "reference" (module docstring). `head_offset`: the model's head
+    of this cache's head 0 when the cache is one tensor-parallel shard of a layer's heads
+    (the checkpoint's random bits follow the model's head; docs/format.md section 6).
     """
     nvfp4 = L.is_nvfp4(state_dtype)
     checks = debug()  # read (and validated) once per call
     _check_seed(seed)
+    _check_head_offset(head_offset)
     geometry = L.check_cache(cache, nvfp4)
     impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
-    _initialize(cache, geometry, impl, states, state_indices, nvfp4=nvfp4, seed=seed, checks=checks)
+    _initialize(cache, geometry, impl, states, state_indices, nvfp4=nvfp4, seed=seed, checks=checks, head_offset=head_offset)
 
 
-def _initialize(cache, geometry: Geometry, impl, states, state_indices, *, nvfp4: bool, seed: int, checks: bool) -> None:
+def _check_head_offset(head_offset: object) -> int:
+    if not isinstance(head_offset, int) or isinstance(head_offset, bool):
+        raise TypeError(f"head_offset must be a Python int; got {type(head_offset).__name__}")
+    if not 0 <= head_offset < 2**24:
+        raise ValueError(f"head_offset must be in [0, 2**24); got {head_offset}")
+    return head_offset
+
+
+def _initialize(
+    cache, geometry: Geometry, impl, states, state_indices, *, nvfp4: bool, seed: int, checks: bool, head_offset: int = 0
+) -> None:
     slots, heads, _ = geometry
     device = cache[L.CHECKPOINT].device
     _check_tensor("states", states)
@@ -112,7 +126,7 @@ def _initialize(cache, geometry: Geometry, impl, states, state_indices, *, nvfp4
     if checks and not torch.compiler.is_compiling():  # host reads: eager only (ops.py)
         _check_unique(ids, slots)
         _check_finite(states, ids, slots)
-    ops.initialize(cache, states, ids, state_dtype=_FORMAT[nvfp4], seed=seed, backend=impl.name)
+    ops.initialize(cache, states, ids, state_dtype=_FORMAT[nvfp4], seed=seed, backend=impl.name, head_offset=head_offset)
 
 
 def clear_replayssm_slots(
@@ -203,6 +217,7 @@ def selective_state_update_replayssm(
     max_seqlen: int = 1,
     scratch=None,
     backend: str = "auto",
+    head_offset: int = 0,
 ) -> torch.Tensor:
     """Decode one token per row and advance the device-resident positions.
 
@@ -211,11 +226,12 @@ def selective_state_update_replayssm(
     unique (checked when REPLAYSSM_DEBUG=1). Returns `out` (bf16 [batch, heads, 64]).
     `scratch`: optional per-row plan buffers for the kernel backend (ReplaySSMCache passes
     its own, sized for its max_batch); the backend keeps shared ones otherwise. `backend`
-    as for `initialize_replayssm_state`.
+    and `head_offset` as for `initialize_replayssm_state`.
     """
     nvfp4 = L.is_nvfp4(state_dtype)
     checks = debug()  # read (and validated) once per call
     _check_seed(seed)
+    _check_head_offset(head_offset)
     geometry = L.check_cache(cache, nvfp4)
     if cache[L.POSITIONS].dim() == 2:
         raise ValueError(
@@ -229,13 +245,13 @@ def selective_state_update_replayssm(
     impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
     return _decode(
         cache, geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
-        nvfp4=nvfp4, seed=seed, checks=checks, scratch=scratch,
+        nvfp4=nvfp4, seed=seed, checks=checks, scratch=scratch, head_offset=head_offset,
     )
 
 
 def _decode(
     cache, geometry: Geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
-    *, nvfp4: bool, seed: int, checks: bool, scratch=None,
+    *, nvfp4: bool, seed: int, checks: bool, scratch=None, head_offset: int = 0,
 ) -> torch.Tensor:
     slots, heads, groups = geometry
     device = cache[L.CHECKPOINT].device
@@ -258,7 +274,7 @@ def _decode(
         raise ValueError(f"scratch holds {scratch.rows} rows; the batch has {batch}")
     ops.decode(
         cache, *norm, ids, out, state_dtype=_FORMAT[nvfp4], seed=seed, backend=impl.name,
-        scratch=ops.scratch_handle(scratch),
+        scratch=ops.scratch_handle(scratch), head_offset=head_offset,
     )
     return out
 

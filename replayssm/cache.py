@@ -62,6 +62,10 @@ class ReplaySSMCache:
     conv_state_dtype: torch.dtype = torch.bfloat16
     slot_padding: int = 0
     backend: str = attrs.field(default="auto", kw_only=True)
+    # A tensor-parallel shard of a layer's heads: the model's head of this cache's head 0
+    # (the checkpoint's random bits follow the model's head, so N shards hold the bytes
+    # one unsharded cache would; docs/format.md section 6).
+    head_offset: int = attrs.field(default=0, kw_only=True)
     tensors: tuple[torch.Tensor, ...] = attrs.field(init=False)
     allocator: SlotAllocator = attrs.field(init=False)
     _nvfp4: bool = attrs.field(init=False, repr=False)
@@ -90,6 +94,7 @@ class ReplaySSMCache:
             )
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise TypeError(f"seed must be a Python int; got {type(self.seed).__name__}")
+        api._check_head_offset(self.head_offset)
         if self.max_batch is None:
             self.max_batch = self.num_slots - 1
         if not isinstance(self.max_batch, int) or isinstance(self.max_batch, bool):
@@ -161,7 +166,7 @@ class ReplaySSMCache:
         self._check_live(slots)
         api._initialize(
             self.tensors, self._geometry, self._backend, states, slots,
-            nvfp4=self._nvfp4, seed=self.seed, checks=debug(),
+            nvfp4=self._nvfp4, seed=self.seed, checks=debug(), head_offset=self.head_offset,
         )
 
     def reset(self, slots: torch.Tensor) -> None:
@@ -190,7 +195,7 @@ class ReplaySSMCache:
             out = torch.empty(batch, self.num_heads, L.HEAD_DIM, dtype=torch.bfloat16, device=self.device)
         api._decode(
             self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
-            nvfp4=self._nvfp4, seed=self.seed, checks=checks, scratch=self._scratch,
+            nvfp4=self._nvfp4, seed=self.seed, checks=checks, scratch=self._scratch, head_offset=self.head_offset,
         )
         # A reference, not a copy: no extra launch per step. Stored with object.__setattr__:
         # torch 2.13's dynamo recurses without end into the __setattr__ that attrs generates
@@ -236,6 +241,8 @@ class ReplaySSMCache:
             f"seed={self.seed}",
             f"max_batch={self.max_batch}",
         ]
+        if self.head_offset:
+            parts.append(f"head_offset={self.head_offset}")
         if self.slot_padding:
             parts.append(f"slot_padding={self.slot_padding}")
         if self.conv_state_shape is not None:
@@ -325,7 +332,7 @@ class ReplaySSMCache:
         self._check_handoff_live(dst, "dst")
         states = self.materialize(s, A)
         api._initialize(
-            self.tensors, self._geometry, self._backend, states, d, nvfp4=self._nvfp4, seed=self.seed, checks=debug()
+            self.tensors, self._geometry, self._backend, states, d, nvfp4=self._nvfp4, seed=self.seed, checks=debug(), head_offset=self.head_offset
         )
 
     def export(self, slots, compact: bool = False, A: torch.Tensor | None = None, *, non_blocking: bool = False) -> dict:
@@ -359,7 +366,7 @@ class ReplaySSMCache:
         compact = handoff.check_export(data, self.tensors, self._nvfp4, ids.numel())
         handoff._import(
             self.tensors, self._geometry, self._backend, data, ids.to(self.device, torch.int64), compact,
-            nvfp4=self._nvfp4, seed=self.seed, checks=debug(),
+            nvfp4=self._nvfp4, seed=self.seed, checks=debug(), head_offset=self.head_offset,
         )
 
 

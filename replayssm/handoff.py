@@ -169,6 +169,7 @@ def snapshot_replayssm_slots(
     state_dtype: str,
     seed: int = 0,
     backend: str = "auto",
+    head_offset: int = 0,
 ) -> None:
     """Start slots `dst` from the current states of slots `src` as if prefilled with
     them: materialize src (FP32), then initialize dst from it (checkpoint and read copy
@@ -183,12 +184,12 @@ def snapshot_replayssm_slots(
     if src.device.type == "cpu" or checks:
         check_host_ids("src", src.tolist(), geometry[0])
     impl = backend_for(device, backend, cache)
-    _snapshot(cache, geometry, impl, src, dst, A, nvfp4=nvfp4, seed=seed, checks=checks)
+    _snapshot(cache, geometry, impl, src, dst, A, nvfp4=nvfp4, seed=seed, checks=checks, head_offset=api._check_head_offset(head_offset))
 
 
-def _snapshot(cache, geometry, impl, src, dst, A, *, nvfp4: bool, seed: int, checks: bool) -> None:
+def _snapshot(cache, geometry, impl, src, dst, A, *, nvfp4: bool, seed: int, checks: bool, head_offset: int = 0) -> None:
     states = api._materialize(cache, geometry, impl, src, A)
-    api._initialize(cache, geometry, impl, states, dst, nvfp4=nvfp4, seed=seed, checks=checks)
+    api._initialize(cache, geometry, impl, states, dst, nvfp4=nvfp4, seed=seed, checks=checks, head_offset=head_offset)
 
 
 # -- host swap ------------------------------------------------------------------------------
@@ -261,6 +262,7 @@ def import_replayssm_slots(
     state_dtype: str,
     seed: int = 0,
     backend: str = "auto",
+    head_offset: int = 0,
 ) -> None:
     """Write exported `data` into `slots` (unique, in range; one per exported slot). The
     full form restores every per-slot tensor (same slot id: bit-identical continuation);
@@ -274,14 +276,14 @@ def import_replayssm_slots(
     ids = _validate_slots(slots, device, geometry[0])
     compact = check_export(data, cache, nvfp4, ids.numel())
     impl = backend_for(device, backend, cache)
-    _import(cache, geometry, impl, data, ids, compact, nvfp4=nvfp4, seed=seed, checks=checks)
+    _import(cache, geometry, impl, data, ids, compact, nvfp4=nvfp4, seed=seed, checks=checks, head_offset=api._check_head_offset(head_offset))
 
 
-def _import(cache, geometry, impl, data, ids, compact: bool, *, nvfp4: bool, seed: int, checks: bool) -> None:
+def _import(cache, geometry, impl, data, ids, compact: bool, *, nvfp4: bool, seed: int, checks: bool, head_offset: int = 0) -> None:
     device = cache[L.CHECKPOINT].device
     if compact:
         states = data[COMPACT_KEY].to(device, non_blocking=data[COMPACT_KEY].is_pinned())
-        api._initialize(cache, geometry, impl, states, ids, nvfp4=nvfp4, seed=seed, checks=checks)
+        api._initialize(cache, geometry, impl, states, ids, nvfp4=nvfp4, seed=seed, checks=checks, head_offset=head_offset)
         return
     for name, i in per_slot_names(cache, nvfp4):
         src = data[name]

@@ -106,10 +106,11 @@ def _schema(op: str, inputs: str, kwargs: str, returns: str) -> str:
 
 
 SCHEMAS = {
-    "initialize": _schema("initialize", "states state_indices", "str state_dtype, int seed, str backend", "()"),
+    "initialize": _schema("initialize", "states state_indices", "str state_dtype, int seed, str backend, int head_offset=0", "()"),
     "clear": _schema("clear", "state_indices", "str backend", "()"),
     "decode": _schema(
-        "decode", "x dt A B C D dt_bias state_indices out", "str state_dtype, int seed, str backend, int scratch", "()"
+        "decode", "x dt A B C D dt_bias state_indices out",
+        "str state_dtype, int seed, str backend, int scratch, int head_offset=0", "()",
     ),
     "materialize": _schema("materialize", "state_indices A", "str backend", "Tensor"),
 }
@@ -204,11 +205,13 @@ def _register(name: str, kernel, fake) -> torch._ops.OpOverload:
 
 def _initialize_kernel(
     conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions,
-    states, state_indices, *, state_dtype, seed, backend,
+    states, state_indices, *, state_dtype, seed, backend, head_offset=0,
 ) -> None:
     cache = _cache_tuple(conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions)
     with torch.no_grad():
-        _backend(backend).initialize(cache, states, state_indices, nvfp4=state_dtype == "nvfp4", seed=seed)
+        _backend(backend).initialize(
+            cache, states, state_indices, nvfp4=state_dtype == "nvfp4", seed=seed, head_offset=head_offset
+        )
 
 
 def _clear_kernel(
@@ -221,7 +224,7 @@ def _clear_kernel(
 
 def _decode_kernel(
     conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions,
-    x, dt, A, B, C, D, dt_bias, state_indices, out, *, state_dtype, seed, backend, scratch,
+    x, dt, A, B, C, D, dt_bias, state_indices, out, *, state_dtype, seed, backend, scratch, head_offset=0,
 ) -> None:
     cache = _cache_tuple(conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions)
     batch = state_indices.numel()
@@ -233,7 +236,7 @@ def _decode_kernel(
     with torch.no_grad():
         _backend(backend).decode(
             cache, x, dt, A, B, C, D, dt_bias, state_indices, out.view(batch, checkpoint.shape[1], L.HEAD_DIM),
-            nvfp4=state_dtype == "nvfp4", seed=seed, **extra,
+            nvfp4=state_dtype == "nvfp4", seed=seed, head_offset=head_offset, **extra,
         )
 
 
@@ -267,10 +270,11 @@ _materialize_op = _register("materialize", _materialize_kernel, _materialize_fak
 # -- wrappers: a validated cache tuple and validated, normalized inputs in ---------------
 
 
-def initialize(cache, states, state_indices, *, state_dtype: str, seed: int, backend: str) -> None:
+def initialize(cache, states, state_indices, *, state_dtype: str, seed: int, backend: str, head_offset: int = 0) -> None:
     """`replayssm::initialize` on a validated cache tuple (`backend`: a resolved name)."""
     _initialize_op(
-        *cache_args(cache), states, state_indices, state_dtype=state_dtype, seed=_int64(seed), backend=backend
+        *cache_args(cache), states, state_indices, state_dtype=state_dtype, seed=_int64(seed), backend=backend,
+        head_offset=head_offset,
     )
 
 
@@ -280,14 +284,15 @@ def clear(cache, state_indices, *, backend: str) -> None:
 
 
 def decode(
-    cache, x, dt, A, B, C, D, dt_bias, state_indices, out, *, state_dtype: str, seed: int, backend: str, scratch: int = 0
+    cache, x, dt, A, B, C, D, dt_bias, state_indices, out, *, state_dtype: str, seed: int, backend: str, scratch: int = 0,
+    head_offset: int = 0,
 ) -> None:
     """`replayssm::decode` on a validated cache tuple and normalized inputs
     (`api.normalize_decode_inputs`); writes `out` (contiguous bf16, batch * heads * 64
     elements) and the cache. `scratch`: a `scratch_handle`."""
     _decode_op(
         *cache_args(cache), x, dt, A, B, C, D, dt_bias, state_indices, out,
-        state_dtype=state_dtype, seed=_int64(seed), backend=backend, scratch=scratch,
+        state_dtype=state_dtype, seed=_int64(seed), backend=backend, scratch=scratch, head_offset=head_offset,
     )
 
 

@@ -45,13 +45,13 @@ CACHE_R = (
 )
 EXPECTED_SCHEMAS = {
     "initialize": f"replayssm::initialize({CACHE_W}, Tensor states, Tensor state_indices, *, "
-    "str state_dtype, int seed, str backend) -> ()",
+    "str state_dtype, int seed, str backend, int head_offset=0) -> ()",
     "clear": "replayssm::clear(Tensor conv, Tensor checkpoint, Tensor(a!) x_ring, Tensor(b!) dt_ring, "
     "Tensor(c!) b_ring, Tensor read_copy, Tensor scales, Tensor? meta, Tensor? parity, Tensor(d!) positions, "
     "Tensor state_indices, *, str backend) -> ()",
     "decode": f"replayssm::decode({CACHE_W}, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, "
     "Tensor dt_bias, Tensor state_indices, Tensor(j!) out, *, str state_dtype, int seed, str backend, "
-    "int scratch) -> ()",
+    "int scratch, int head_offset=0) -> ()",
     "materialize": f"replayssm::materialize({CACHE_R}, Tensor state_indices, Tensor A, *, str backend) -> Tensor",
 }
 
