@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from replayssm.__main__ import _Progress, run_demo, state_bytes_per_token
+from . import tolerances as tol
 
 DEMO = [sys.executable, "-m", "replayssm", "demo"]
 TINY = ["--device", "cpu", "--batch", "1", "--steps", "2", "--prompt", "2", "--format", "fp8"]
@@ -27,7 +28,7 @@ def test_demo_reports_accuracy_and_bytes():
     wall = time.perf_counter() - t0
     text = buf.getvalue()
     assert "SQNR" in text and "fp8" in text and "nvfp4" in text
-    floors = {"fp8": 33.0, "nvfp4": 22.0}
+    floors = tol.OUTPUT_SQNR_FLOOR_DB
     for r in res:
         assert r["sqnr_db"] >= floors[r["format"]]
         for half in ("sqnr_first_half_db", "sqnr_second_half_db"):

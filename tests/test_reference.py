@@ -11,6 +11,7 @@ from replayssm.quant import formats as Q
 from replayssm.synthetic import sqnr_db
 
 from .helpers import Layer, assert_cache_equal, same_bits, snapshot
+from . import tolerances as tol
 
 FORMATS = [pytest.param("fp8", id="fp8"), pytest.param("nvfp4", id="nvfp4")]
 # Per-row floors over a few periods. The read copy's element SQNR is ~31.5 dB (e4m3) and
@@ -197,7 +198,7 @@ def test_long_decode_accuracy_floor_and_no_drift(fmt):
         outs.append(out)
         refs.append(torch.stack([exact[r] for r in range(3)]))
     outs, refs = torch.stack(outs), torch.stack(refs)
-    floor = {"fp8": 33.0, "nvfp4": 22.0}[fmt]
+    floor = tol.OUTPUT_SQNR_FLOOR_DB[fmt]
     total = sqnr_db(refs, outs)
     first, last = sqnr_db(refs[:128], outs[:128]), sqnr_db(refs[-128:], outs[-128:])
     assert total >= floor, total

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..layout import HEAD_DIM, NVFP4_BLOCK, STATE_DIM
 from .minifloat import E2M1, E4M3, MASK32, decode_e2m1, decode_e4m3, encode, f32_bits
-
-HEAD_DIM = 64
-STATE_DIM = 128
-NVFP4_BLOCK = 16
 # Headroom of the delayed second-level scale: the amax measured at one flush may grow by
 # this factor before the next flush's largest block scale saturates at 448.
 NVFP4_HEADROOM = 16
