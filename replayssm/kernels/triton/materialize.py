@@ -75,8 +75,9 @@ def _materialize_kernel(
         on = j < live
         w_j = tl.sum(tl.where(o_j == j, b_w, 0.0), axis=0)
         # bf16 entries read as int16 and widened through their bits (exact; no float cast).
-        b_xj = tl.load(p_x + slot * stride_x + (i_h * 16 + j) * 64 + o_p, mask=on, other=0)
-        b_bj = tl.load(p_b + slot * stride_b + (g * 16 + j) * 128 + o_n, mask=on, other=0)
+        # Vector masks (a scalar condition broadcast as a mask is int32 to Triton 3.9's interpreter).
+        b_xj = tl.load(p_x + slot * stride_x + (i_h * 16 + j) * 64 + o_p, mask=o_p < tl.where(on, 64, 0), other=0)
+        b_bj = tl.load(p_b + slot * stride_b + (g * 16 + j) * 128 + o_n, mask=o_n < tl.where(on, 128, 0), other=0)
         b_xj = (b_xj.to(tl.int32) << 16).to(tl.float32, bitcast=True)
         b_bj = (b_bj.to(tl.int32) << 16).to(tl.float32, bitcast=True)
         acc += (w_j * b_xj)[:, None] * b_bj[None, :]
