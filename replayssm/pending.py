@@ -302,3 +302,24 @@ def pending_decode(
         cache[L.B_RING][s, :, e] = B[rows][sel, t].to(cache[L.B_RING].dtype)
     cache[L.POSITIONS][slot] = torch.stack((c_new, Tb), dim=-1).to(torch.int32)
     return out
+
+
+def pending_materialize(cache: Sequence[torch.Tensor], slots: torch.Tensor, A: torch.Tensor, *, max_seqlen: int) -> torch.Tensor:
+    """FP32 state [n, H, 64, 128] of `slots` after their committed tokens: the FP16
+    checkpoint (at f(c)) advanced through ring entries f(c) .. c-1; pending drafts are not
+    included. Padding rows read as zero states. Reads only. (`reference.materialize`
+    assumes separate mode's grid and must not be used on a pending cache.)"""
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or not 1 <= max_seqlen <= MAX_SEQLEN:
+        raise ValueError(f"max_seqlen must be an int in 1..{MAX_SEQLEN}; got {max_seqlen!r}")
+    pos = cache[L.POSITIONS]
+    if pos.dim() != 2 or pos.shape[1] != 2:
+        raise ValueError(f"cache positions must be [slots, 2] (pending mode); got {list(pos.shape)}")
+    num_slots, heads = cache[L.CHECKPOINT].shape[:2]
+    slot = slots.reshape(-1).to(torch.int64)
+    valid = valid_rows(slot, num_slots)
+    states = torch.zeros(slot.shape[0], heads, L.HEAD_DIM, L.STATE_DIM, device=slot.device)
+    live = slot[valid]
+    c = pos[live][:, 0].to(torch.int64)
+    f = checkpoint_index(c, max_seqlen)
+    states[valid] = fold_range(cache, live, f, c - f, A.float())
+    return states

@@ -14,7 +14,7 @@ import torch
 
 from replayssm import layout as L, reference as ref
 from replayssm.layout import allocate_cache
-from replayssm.pending import checkpoint_index, grid, pending_decode
+from replayssm.pending import checkpoint_index, grid, pending_decode, pending_materialize
 from replayssm.synthetic import ExactRecurrence, Token, layer_params, prefill_states, sqnr_db
 
 from . import tolerances as tol
@@ -177,6 +177,11 @@ def test_reference_matches_exact_accepted_stream(fmt, M):
     assert last >= first - tol.DRIFT_DB, (first, last)
     # padding slots 0 untouched
     assert int(cache[L.POSITIONS][0].abs().sum()) == 0
+    # the materialized state is the exact state after the committed stream (drafts excluded)
+    mat = pending_materialize(cache, torch.tensor(live + [0]), params.A, max_seqlen=M)
+    for i, s in enumerate(live):
+        assert sqnr_db(exact[s].S[0], mat[i]) >= tol.STATE_SQNR_FLOOR_DB
+    assert torch.equal(mat[-1], torch.zeros_like(mat[-1]))
 
 
 # -- (c) accept everything == one token per call -----------------------------------------
