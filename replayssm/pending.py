@@ -1,0 +1,325 @@
+"""Pure-PyTorch reference of pending mode (speculative decoding, issue 30; dense layout).
+
+A pending cache has positions [S, 2] = (c, q): c tokens committed since init, q tokens
+appended by the last call and not yet accepted or rejected. Token index i (counted from
+init) lives at ring entry i mod 16. The FP16 checkpoint stands at token index
+
+    f(c) = Gd * (c div Gd),   Gd = grid(max_seqlen) = 17 - 2 * max_seqlen,
+
+so where it stands follows from (c, max_seqlen) alone. docs/format.md, "Pending mode",
+proves that every ring entry one call reads or writes lies in a window of 16 token
+indices starting at the checkpoint, so no draft overwrites a live entry.
+
+One call, per live row (slot in 1..S-1), in order:
+
+1. commit a = clamp(num_accepted_tokens[b], 0, q) (a = q when None); c' = c + a;
+2. fold when f(c') > f(c): the committed entries f(c) .. f(c')-1 are folded into the
+   checkpoint in FP32 (one fold, however many grid points c' crossed); the FP16 checkpoint
+   is written with stochastic rounding, stream tag stream_key(seed, slot, f(c')) (f(c') >= 1
+   and strictly increasing over a slot's lifetime, so it never equals init's tag
+   INIT_POSITION = 2**32 - 1 before 2**32 - 1 tokens), and the read copy is re-derived
+   from the unrounded FP32 state (NVFP4: parity flip and delayed amax exactly as separate
+   mode's flush, format.md section 4);
+3. outputs: token t's output is the Mamba-2 output after the committed stream and tokens
+   0..t. The base state is the dequantized read copy for rows that do not fold and the
+   unrounded FP32 folded state for rows that fold (like separate mode's flush); the
+   committed ring entries since the base, then tokens 0..t, are replayed exactly in FP32;
+4. append: token i goes to ring entry (c' + i) mod 16; positions become (c', T_b).
+
+Rows with T_b = 0 still commit (and may fold). Padding rows (slot <= 0 or >= S) output
+zeros and change nothing. Output entries t >= T_b of a live row are zeros.
+
+Inputs (already normalized, as `reference.py` takes them): x [b, T, H, 64] (or
+[b, T, H*64]) bf16, dt [b, T, H] (raw), A [H], B, C [b, T, G, 128] bf16, D [H] or [H, 64],
+dt_bias [H], slots [b], out [b, T, H, 64], T == max_seqlen; seq_lens int [b] gives T_b
+(None: every row has T tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from . import layout as L
+from .quant.minifloat import to_fp16
+from .quant.rng import checkpoint_rbits, stream_key
+from .reference import (
+    _expand_groups,
+    _group_amax,
+    _write_read_copy,
+    read_copy_state,
+    valid_rows,
+)
+
+MAX_SEQLEN = 8
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def grid(max_seqlen: int) -> int:
+    """The fold grid Gd = 17 - 2 * max_seqlen (15 for max_seqlen 1, 1 for 8)."""
+    return L.RING + 1 - 2 * max_seqlen
+
+
+def checkpoint_index(c: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    """f(c): the token index the checkpoint stands at after c committed tokens."""
+    g = grid(max_seqlen)
+    return (c // g) * g
+
+
+def _check_int_vector(name: str, t, batch: int, device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be an integer tensor [{batch}]; got {type(t).__name__}")
+    if t.dtype not in _INT_DTYPES:
+        raise ValueError(f"{name} must have an integer dtype; got {t.dtype}")
+    if tuple(t.shape) != (batch,):
+        raise ValueError(f"{name} must have shape [{batch}]; got {list(t.shape)}")
+    return t.to(device=device, dtype=torch.int64)
+
+
+def _validate(cache, x, dt, A, B, C, D, dt_bias, slots, out, nvfp4, max_seqlen, num_accepted_tokens, seq_lens):
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or not 1 <= max_seqlen <= MAX_SEQLEN:
+        raise ValueError(f"max_seqlen must be an int in 1..{MAX_SEQLEN}; got {max_seqlen!r}")
+    want = 10 if nvfp4 else 8
+    if len(cache) != want:
+        raise ValueError(f"cache must hold {want} tensors for nvfp4={nvfp4}; got {len(cache)}")
+    num_slots, heads = cache[L.CHECKPOINT].shape[:2]
+    groups = cache[L.B_RING].shape[1]
+    pos = cache[L.POSITIONS]
+    if pos.dim() != 2 or pos.shape[1] != 2:
+        raise ValueError(f"cache positions must be [slots, 2] (pending mode); got {list(pos.shape)}")
+    if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in _INT_DTYPES:
+        raise ValueError("slots must be a 1-D integer tensor")
+    b = slots.shape[0]
+    if x.dim() == 3 and x.shape[2] == heads * L.HEAD_DIM:
+        x = x.reshape(x.shape[0], x.shape[1], heads, L.HEAD_DIM)
+    if tuple(x.shape) != (b, max_seqlen, heads, L.HEAD_DIM):
+        raise ValueError(f"x must be [{b}, {max_seqlen}, {heads}, {L.HEAD_DIM}] (T == max_seqlen); got {list(x.shape)}")
+    if tuple(dt.shape) != (b, max_seqlen, heads):
+        raise ValueError(f"dt must be [{b}, {max_seqlen}, {heads}]; got {list(dt.shape)}")
+    for name, t in (("B", B), ("C", C)):
+        if tuple(t.shape) != (b, max_seqlen, groups, L.STATE_DIM):
+            raise ValueError(f"{name} must be [{b}, {max_seqlen}, {groups}, {L.STATE_DIM}]; got {list(t.shape)}")
+    if tuple(A.shape) != (heads,):
+        raise ValueError(f"A must be [{heads}]; got {list(A.shape)}")
+    if tuple(dt_bias.shape) != (heads,):
+        raise ValueError(f"dt_bias must be [{heads}]; got {list(dt_bias.shape)}")
+    if tuple(D.shape) not in ((heads,), (heads, L.HEAD_DIM)):
+        raise ValueError(f"D must be [{heads}] or [{heads}, {L.HEAD_DIM}]; got {list(D.shape)}")
+    if tuple(out.shape) != (b, max_seqlen, heads, L.HEAD_DIM):
+        raise ValueError(f"out must be [{b}, {max_seqlen}, {heads}, {L.HEAD_DIM}]; got {list(out.shape)}")
+    dev = slots.device
+    if num_accepted_tokens is not None:
+        num_accepted_tokens = _check_int_vector("num_accepted_tokens", num_accepted_tokens, b, dev)
+    if seq_lens is None:
+        seq_lens = torch.full((b,), max_seqlen, dtype=torch.int64, device=dev)
+    else:
+        seq_lens = _check_int_vector("seq_lens", seq_lens, b, dev)
+        if bool(((seq_lens < 0) | (seq_lens > max_seqlen)).any()):
+            raise ValueError(f"seq_lens must lie in 0..max_seqlen={max_seqlen}; got {seq_lens.tolist()}")
+    slot = slots.to(torch.int64)
+    valid = valid_rows(slot, num_slots)
+    q = pos[slot[valid]][:, 1].to(torch.int64)
+    if bool((q > max_seqlen).any()):
+        raise ValueError(
+            f"max_seqlen={max_seqlen} is smaller than a slot's pending count {int(q.max())}: "
+            "a cache's slots are decoded with one max_seqlen between inits"
+        )
+    return x, num_accepted_tokens, seq_lens
+
+
+def _ring_entries(cache, slot, start, count):
+    """Ring entries of token indices start .. start+count-1 (count <= 16) in logical order,
+    FP32: x [n, H, 16, 64], dt [n, H, 16], B [n, G, 16, 128]; slots past `count` are zero
+    (selected with where, never multiplied: dead entries may hold NaN)."""
+    j = torch.arange(L.RING, device=slot.device)
+    idx = (start.view(-1, 1) + j.view(1, -1)) % L.RING  # [n, 16]
+    live = j.view(1, -1) < count.view(-1, 1)
+    n = slot.shape[0]
+    xr = cache[L.X_RING][slot].float()  # [n, H, 16, 64]
+    dr = cache[L.DT_RING][slot].float()  # [n, H, 16]
+    br = cache[L.B_RING][slot].float()  # [n, G, 16, 128]
+    heads, groups = xr.shape[1], br.shape[1]
+    xr = xr.gather(2, idx.view(n, 1, L.RING, 1).expand(n, heads, L.RING, L.HEAD_DIM))
+    dr = dr.gather(2, idx.view(n, 1, L.RING).expand(n, heads, L.RING))
+    br = br.gather(2, idx.view(n, 1, L.RING, 1).expand(n, groups, L.RING, L.STATE_DIM))
+    zero = torch.zeros((), device=slot.device)
+    xr = torch.where(live[:, None, :, None], xr, zero)
+    dr = torch.where(live[:, None, :], dr, zero)
+    br = torch.where(live[:, None, :, None], br, zero)
+    return xr, dr, br
+
+
+def _weights(dt_e: torch.Tensor, A: torch.Tensor, last: torch.Tensor):
+    """pre_j = dt_0 + .. + dt_j; (exp(A pre_last) [n, H], w_j = dt_j exp(A (pre_last - pre_j))
+    [n, H, E], zero for j > last). last = -1 gives decay 1 and no terms."""
+    pre = torch.cumsum(dt_e, dim=-1)
+    lastc = last.clamp_min(0)
+    pre_k = pre.gather(-1, lastc.view(-1, 1, 1).expand(-1, pre.shape[1], 1))
+    pre_k = torch.where(last.view(-1, 1, 1) >= 0, pre_k, torch.zeros((), device=pre.device))
+    a = A.view(1, -1, 1)
+    w = dt_e * torch.exp(a * (pre_k - pre))
+    j = torch.arange(dt_e.shape[-1], device=dt_e.device)
+    w = torch.where(j.view(1, 1, -1) <= last.view(-1, 1, 1), w, torch.zeros((), device=w.device))
+    return torch.exp(a * pre_k).squeeze(-1), w
+
+
+def fold_range(cache, slot, start, count, A) -> torch.Tensor:
+    """FP32 state after folding the ring entries of token indices start .. start+count-1
+    into the FP16 checkpoint: exp(A pre_last) S_ckpt + sum_j w_j x_j (x) B_j."""
+    heads = cache[L.CHECKPOINT].shape[1]
+    x_e, dt_e, B_e = _ring_entries(cache, slot, start, count)
+    decay, w = _weights(dt_e, A, count - 1)
+    s0 = cache[L.CHECKPOINT][slot].float()
+    upd = torch.einsum("nhj,nhjp,nhjk->nhpk", w, x_e, _expand_groups(B_e, heads))
+    return decay[:, :, None, None] * s0 + upd
+
+
+def pending_decode(
+    cache: Sequence[torch.Tensor],
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    slots: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    nvfp4: bool,
+    seed: int,
+    max_seqlen: int,
+    num_accepted_tokens: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    head_offset: int = 0,
+) -> torch.Tensor:
+    """One pending-mode call (module docstring); returns `out` [b, T, H, 64]."""
+    x, num_accepted_tokens, seq_lens = _validate(
+        cache, x, dt, A, B, C, D, dt_bias, slots, out, nvfp4, max_seqlen, num_accepted_tokens, seq_lens
+    )
+    num_slots, heads = cache[L.CHECKPOINT].shape[:2]
+    groups = cache[L.B_RING].shape[1]
+    T = max_seqlen
+    A = A.float()
+    slot_all = slots.to(torch.int64)
+    valid = valid_rows(slot_all, num_slots)
+    out.zero_()
+    if not bool(valid.any()):
+        return out
+    rows = valid.nonzero().squeeze(-1)
+    slot = slot_all[rows]
+    n = slot.shape[0]
+    pos = cache[L.POSITIONS][slot].to(torch.int64)
+    c, q = pos[:, 0], pos[:, 1]
+    if num_accepted_tokens is None:
+        a = q
+    else:
+        a = torch.minimum(num_accepted_tokens[rows].clamp_min(0), q)
+    c_new = c + a
+    f_old = checkpoint_index(c, max_seqlen)
+    f_new = checkpoint_index(c_new, max_seqlen)
+    folds = f_new > f_old
+    Tb = seq_lens[rows]
+
+    # Base state (FP32) standing at token index `base` for every live row.
+    base = f_old.clone()
+    state = torch.empty(n, heads, L.HEAD_DIM, L.STATE_DIM, device=slot.device)
+    keep = ~folds
+    if bool(keep.any()):
+        state[keep] = read_copy_state(cache, slot[keep], nvfp4=nvfp4)
+    if bool(folds.any()):
+        fs = slot[folds]
+        folded = fold_range(cache, fs, f_old[folds], (f_new - f_old)[folds], A)
+        state[folds] = folded
+        base[folds] = f_new[folds]
+        key = stream_key(seed, fs, f_new[folds])
+        cache[L.CHECKPOINT][fs] = to_fp16(folded, checkpoint_rbits(key, heads, head_offset))
+        live_amax = None
+        if nvfp4:
+            # Separate mode's flush, prepare and flush launches in one (format.md section 4):
+            # flip parity, encode with the amax of the previous fold (the new live half),
+            # store the new state's amax in the half that was live.
+            p_old = cache[L.PARITY][fs].to(torch.int64)
+            new_live = 1 - p_old
+            cache[L.PARITY][fs] = new_live.to(torch.int32)
+            meta = cache[L.META][fs]  # [m, G, 2]
+            live_amax = meta.gather(2, new_live.view(-1, 1, 1).expand(-1, groups, 1)).squeeze(-1)
+            measured = _group_amax(folded, groups)
+            meta.scatter_(2, p_old.view(-1, 1, 1).expand(-1, groups, 1), measured.unsqueeze(-1))
+            cache[L.META][fs] = meta
+        _write_read_copy(cache, fs, folded, nvfp4, live_amax)
+
+    # Replay: committed ring entries base .. c'-1 (m of them, m <= Gd - 1), then new tokens.
+    m = c_new - base
+    x_e, dt_e, B_e = _ring_entries(cache, slot, base, m)
+    xs = x[rows].float()  # [n, T, H, 64]
+    # softplus in FP64, rounded once to FP32: torch's FP32 CPU softplus differs in the last
+    # bit between its vector body and scalar tail, which would make a token's processed dt
+    # depend on where it sits in the batch (and break the bit-exact test (c)).
+    dts = F.softplus(dt[rows].double() + dt_bias.double().view(1, 1, -1), beta=1.0, threshold=20.0).float()  # [n, T, H]
+    Bs = B[rows].float()  # [n, T, G, 128]
+    Cs = C[rows].float()
+    Dv = D.float().reshape(1, heads, -1)
+    zero = torch.zeros((), device=slot.device)
+    E = L.RING + T  # the sequence buffer: m committed entries then the new tokens
+    j = torch.arange(E, device=slot.device)
+    seq_x = torch.zeros(n, heads, E, L.HEAD_DIM, device=slot.device)
+    seq_dt = torch.zeros(n, heads, E, device=slot.device)
+    seq_B = torch.zeros(n, groups, E, L.STATE_DIM, device=slot.device)
+    seq_x[:, :, : L.RING] = x_e
+    seq_dt[:, :, : L.RING] = dt_e
+    seq_B[:, :, : L.RING] = B_e
+    tok_ok = torch.arange(T, device=slot.device).view(1, -1) < Tb.view(-1, 1)  # [n, T]
+    for t in range(T):
+        at = m + t  # [n]: sequence slot of token t
+        put = (j.view(1, -1) == at.view(-1, 1)) & tok_ok[:, t : t + 1]  # [n, E]
+        seq_x = torch.where(put[:, None, :, None], xs[:, t, :, None, :], seq_x)
+        seq_dt = torch.where(put[:, None, :], dts[:, t, :, None], seq_dt)
+        seq_B = torch.where(put[:, None, :, None], Bs[:, t, :, None, :], seq_B)
+    ys = torch.zeros(n, T, heads, L.HEAD_DIM, device=slot.device)
+    for t in range(T):
+        last = m + t
+        decay, w = _weights(seq_dt, A, last)
+        Ct = Cs[:, t]  # [n, G, 128]
+        y = decay.unsqueeze(-1) * torch.einsum("nhpk,nhk->nhp", state, _expand_groups(Ct, heads))
+        bc = torch.einsum("ngjk,ngk->ngj", seq_B, Ct)
+        y = y + torch.einsum("nhj,nhjp->nhp", w * _expand_groups(bc, heads), seq_x)
+        y = y + Dv * xs[:, t]
+        ys[:, t] = torch.where(tok_ok[:, t, None, None], y, zero)
+    out[rows] = ys.to(out.dtype)
+
+    # Append tokens 0..T_b-1 at ring entries (c' + i) mod 16.
+    for t in range(T):
+        sel = tok_ok[:, t]
+        if not bool(sel.any()):
+            continue
+        s = slot[sel]
+        e = (c_new[sel] + t) % L.RING
+        cache[L.X_RING][s, :, e] = x[rows][sel, t].to(cache[L.X_RING].dtype)
+        cache[L.DT_RING][s, :, e] = dts[sel, t]
+        cache[L.B_RING][s, :, e] = B[rows][sel, t].to(cache[L.B_RING].dtype)
+    cache[L.POSITIONS][slot] = torch.stack((c_new, Tb), dim=-1).to(torch.int32)
+    return out
+
+
+def pending_materialize(cache: Sequence[torch.Tensor], slots: torch.Tensor, A: torch.Tensor, *, max_seqlen: int) -> torch.Tensor:
+    """FP32 state [n, H, 64, 128] of `slots` after their committed tokens: the FP16
+    checkpoint (at f(c)) advanced through ring entries f(c) .. c-1; pending drafts are not
+    included. Padding rows read as zero states. Reads only. (`reference.materialize`
+    assumes separate mode's grid and must not be used on a pending cache.)"""
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or not 1 <= max_seqlen <= MAX_SEQLEN:
+        raise ValueError(f"max_seqlen must be an int in 1..{MAX_SEQLEN}; got {max_seqlen!r}")
+    pos = cache[L.POSITIONS]
+    if pos.dim() != 2 or pos.shape[1] != 2:
+        raise ValueError(f"cache positions must be [slots, 2] (pending mode); got {list(pos.shape)}")
+    num_slots, heads = cache[L.CHECKPOINT].shape[:2]
+    slot = slots.reshape(-1).to(torch.int64)
+    valid = valid_rows(slot, num_slots)
+    states = torch.zeros(slot.shape[0], heads, L.HEAD_DIM, L.STATE_DIM, device=slot.device)
+    live = slot[valid]
+    c = pos[live][:, 0].to(torch.int64)
+    f = checkpoint_index(c, max_seqlen)
+    states[valid] = fold_range(cache, live, f, c - f, A.float())
+    return states
