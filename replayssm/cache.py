@@ -127,6 +127,8 @@ class ReplaySSMCache:
     def _slots(self, slots) -> torch.Tensor:
         """Slot ids as a 1-D integer tensor on the cache device (lists and ints accepted)."""
         if isinstance(slots, torch.Tensor):
+            if slots.dim() == 1 and slots.get_device() == self.tensors[L.CHECKPOINT].get_device():
+                return slots  # already on the cache device (the common case: no view made)
             return slots.to(self.device).reshape(-1)
         if isinstance(slots, int) and not isinstance(slots, bool):
             slots = [slots]

@@ -316,32 +316,117 @@ def test_bound_structs_are_reused_only_for_the_same_addresses_and_strides():
     assert A.bound(A.Ring, x=dense, dt=dt2, b=dense).x_stride16 != again.x_stride16
 
 
-def test_a_repeated_launch_reuses_its_converted_arguments(monkeypatch):
-    """launch._launch converts a launch's arguments once per distinct (structs, scalars,
-    stream) and reuses them; other structs or another stream convert anew; a DSL without
-    the executor's two entry points gets the plain call."""
+def test_raw_words_are_what_the_executor_marshals():
+    """args.raw (the direct launcher's argument words) reads, field for field, the values
+    the DSL executor passes for `bind`'s struct: each C pointer of the struct read at the
+    field's width (args.widths) equals the word."""
+    import ctypes
+
+    import torch
+    from cutlass.base_dsl.jit_executor import get_c_pointers
+
+    from replayssm import layout as L
+    from replayssm.kernels.cute import args as A
+
+    cache = L.allocate_cache(5, 16, 2, "nvfp4", "cpu", slot_padding=64)
+    proj = torch.zeros(3, 16 * 64 + 2 * 2 * 128 + 24, dtype=torch.bfloat16)  # an engine's projection
+    x = proj[:, : 16 * 64].view(3, 16, 64)
+    B = proj[:, 16 * 64 : 16 * 64 + 256].view(3, 2, 128)
+    C = proj[:, 16 * 64 + 256 : 16 * 64 + 512].view(3, 2, 128)
+    dt = torch.zeros(3, 16, 64, dtype=torch.bfloat16).select(2, 0)
+    per_head = torch.zeros(16)
+    D = torch.zeros(16, 1).expand(16, 64)
+    out = torch.zeros(3, 16, 64, dtype=torch.bfloat16)
+    plan = {k: torch.zeros(3, dtype=d) for k, d in (("valid", torch.bool), ("slot", torch.int64), ("ring_index", torch.int64),
+                                                       ("flush", torch.bool), ("key", torch.int64), ("old_parity", torch.int64))}
+    cases = [
+        (A.Ring, {"x": cache[L.X_RING], "dt": cache[L.DT_RING], "b": cache[L.B_RING]}),
+        (A.Nvfp4Copy, {"codes": cache[L.READ_COPY], "scales": cache[L.SCALES], "meta": cache[L.META], "parity": cache[L.PARITY]}),
+        (A.Checkpoint, {"state": cache[L.CHECKPOINT], "head_offset": 8}),
+        (A.Inputs, {"x": x, "dt": dt, "A": per_head, "B": B, "C": C, "D": D, "dt_bias": per_head, "out": out}),
+        (A.Plan, plan),
+    ]
+    for struct, tensors in cases:
+        words, widths = A.raw(struct, **tensors), A.widths(struct)
+        bound = A.bind(struct, **tensors)  # holds the storage the pointers point at
+        pointers = get_c_pointers(bound)
+        assert len(words) == len(widths) == len(pointers) == len(struct._fields), struct.__name__
+        got = [(ctypes.c_int64 if w == 8 else ctypes.c_int32).from_address(p.value if isinstance(p, ctypes.c_void_p) else p).value
+               for p, w in zip(pointers, widths)]
+        assert got == words, struct.__name__
+    assert A.raw(A.Inputs, **cases[3][1])[-3:] == [proj.stride(0) * 2 // 16] * 3  # row-strided x, B, C
+
+
+def test_direct_launch_passes_the_words_the_executor_would(monkeypatch):
+    """launch._launch (no GPU: a recording executor): the first launch of a kernel goes
+    through the executor, and when the executor's argument pointers read back the words,
+    later launches call its C entry directly with packed pointers to the new words; a
+    kernel whose marshaled arguments differ from the words keeps the executor path; a DSL
+    without the executor entry points gets the plain call."""
+    import ctypes
+
+    from replayssm.kernels.cute import args as A
     from replayssm.kernels.cute import launch
 
-    monkeypatch.setattr(launch, "_EXE", {})
+    monkeypatch.setattr(launch, "_TLS", launch.threading.local())
+    monkeypatch.setattr(A, "widths", lambda struct: (8, 4))
     calls = []
 
-    class Exe:
-        def generate_execution_args(self, args, kwargs):
-            calls.append(("gen", args[:-1]))
-            return [len(calls)], object()
+    class Struct(tuple):
+        pass
+
+    class Executor:
+        _has_cuda_result = True
+
+        def __init__(self):
+            self.cuda_result = ctypes.c_int32(0)
+            self._buf = None
+
+        def _get_invoke_packed_args_func(self, exe_args):
+            self._buf = (ctypes.c_void_p * (len(exe_args) + 2))(*[launch._addr(p) for p in exe_args], 1234, 0)
+            return self._buf
+
+        def capi_func(self, packed):
+            widths = (8, 4, 4, 8)
+            calls.append(("direct", [(ctypes.c_int64 if w == 8 else ctypes.c_int32).from_address(packed[i]).value
+                                     for i, w in enumerate(widths)], packed[4]))
 
     class Fn:
-        execution_args = Exe()
+        def __init__(self, skew=0):
+            self.skew = skew
+            self.execution_args = self
+            self._default_executor = None
+            self.keep = []
+
+        def generate_execution_args(self, args, kwargs):
+            *structs, batch, stream = args
+            vals = [ctypes.c_int64(structs[0][0] + self.skew), ctypes.c_int32(structs[0][1]), ctypes.c_int32(batch), ctypes.c_int64(int(stream))]
+            self.keep.append(vals)
+            calls.append(("executor", [v.value for v in vals]))
+            return [ctypes.c_void_p(ctypes.addressof(v)) for v in vals], []
 
         def run_compiled_program(self, exe_args):
-            calls.append(("run", exe_args))
+            self._default_executor = self._default_executor or Executor()
 
-    fn, s1, s2 = Fn(), ("ring",), ("other",)
-    launch._launch(fn, s1, (4,), 7)
-    launch._launch(fn, s1, (4,), 7)
-    launch._launch(fn, s2, (4,), 7)
-    launch._launch(fn, s1, (4,), 8)
-    assert calls == [("gen", (*s1, 4)), ("run", [1]), ("run", [1]), ("gen", (*s2, 4)), ("run", [4]), ("gen", (*s1, 4)), ("run", [6])]
+    class FakeStream:
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+    def structs_of(a, b):
+        return lambda: (Struct((a, b)),)
+
+    fn = Fn()
+    launch._launch(fn, structs_of(0x1000, 7), (3,), (0x1000, 7, 3), FakeStream(55))
+    launch._launch(fn, structs_of(0x2000, 9), (5,), (0x2000, 9, 5), FakeStream(66))
+    assert calls == [("executor", [0x1000, 7, 3, 55]), ("direct", [0x2000, 9, 5, 66], 1234)]
+    calls.clear()
+    skewed = Fn(skew=16)  # marshals something other than the words: never direct
+    launch._launch(skewed, structs_of(0x1000, 7), (3,), (0x1000, 7, 3), FakeStream(55))
+    launch._launch(skewed, structs_of(0x2000, 9), (5,), (0x2000, 9, 5), FakeStream(66))
+    assert [c[0] for c in calls] == ["executor", "executor"]
+    calls.clear()
+    launch._launch(fn, structs_of(0x3000, 1), (2,), None, FakeStream(55))  # words None: the executor path
+    assert calls == [("executor", [0x3000, 1, 2, 55])]
 
     class Plain:
         def __init__(self):
@@ -351,14 +436,15 @@ def test_a_repeated_launch_reuses_its_converted_arguments(monkeypatch):
             self.args.append(args[:-1])
 
     plain = Plain()
-    launch._launch(plain, s1, (4,), 7)
-    assert plain.args == [(*s1, 4)]
+    launch._launch(plain, structs_of(1, 2), (4,), (1, 2, 4), FakeStream(7))
+    assert plain.args == [(Struct((1, 2)), 4)]
 
 
-def test_step_streams_fork_and_join(monkeypatch):
-    """The launcher's streams (no GPU: streams replaced by recorders): the side stream
-    waits for the current one before the kernels and the current one waits for the side
-    stream after them; the PDL kernel stays on the current stream."""
+def test_streams_fork_and_join(monkeypatch):
+    """The launcher's streams (no GPU: streams and events replaced by recorders): the side
+    stream waits for an event recorded on the current one before the kernels, and the
+    current one for an event recorded on the side stream after them; the PDL kernel stays
+    on the current stream."""
     from replayssm.kernels.cute import launch
 
     for flush_pdl in (False, True):
@@ -368,16 +454,25 @@ def test_step_streams_fork_and_join(monkeypatch):
             def __init__(self, name):
                 self.name = name
 
-            def wait_stream(self, other):
-                calls.append(f"{self.name} waits {other.name}")
+            def wait_event(self, event):
+                calls.append(f"{self.name} waits {event.name}@{event.on}")
+
+        class Event:
+            def __init__(self, name):
+                self.name, self.on = name, None
+
+            def record(self, stream):
+                self.on = stream.name
+                calls.append(f"{self.name} on {stream.name}")
 
         main, side = Stream("main"), Stream("side")
-        monkeypatch.setattr(launch.torch.cuda, "current_stream", lambda device=None: main)
-        monkeypatch.setattr(launch, "_side_stream", lambda device: side)
-        with launch.step_streams("cuda", flush_pdl) as (f, n):
-            calls.append("kernels")
+        events = (side, Event("fork"), Event("join"))
+        monkeypatch.setattr(launch, "_side_stream", lambda device: events)
+        f, n = launch.fork_streams("cuda", flush_pdl, main)
+        calls.append("kernels")
+        launch.join_streams("cuda", main)
         assert (f, n) == ((main, side) if flush_pdl else (side, main))
-        assert calls == ["side waits main", "kernels", "main waits side"]
+        assert calls == ["fork on main", "side waits fork@main", "kernels", "join on side", "main waits join@side"]
 
 
 def test_flush_fragment_maps_are_bijections():
@@ -503,3 +598,38 @@ def test_flush_issues_a_rows_loads_before_its_staging(compiled, arch):
         stores = [i for i, op in enumerate(row) if op.startswith("STS")]
         assert loads and stores and max(loads) < min(stores), (name, row)
         assert not [op for op in ops[bars[1] :] if op.startswith("LDG")], name
+
+
+def test_the_hot_paths_words_are_the_specs():
+    """launch.inputs_words (the eager hot path's Inputs words) and launch._cache_words
+    equal args.raw of the same tensors, for engine-shaped and plain inputs; a cache tuple
+    with another tensor under the same position misses the cached words."""
+    import torch
+
+    from replayssm import layout as L
+    from replayssm.kernels.cute import args as A
+    from replayssm.kernels.cute import launch
+    from replayssm.kernels.cute.read_copy import read_copy_format
+    from replayssm.synthetic import engine_inputs, layer_params, plain_inputs, token
+
+    gen = torch.Generator().manual_seed(0)
+    params = layer_params(16, generator=gen)
+    tok = token(3, 16, 2, generator=gen)
+    out = torch.zeros(3, 16, 64, dtype=torch.bfloat16)
+    for x, dt, A_, B, C, D, dt_bias in (engine_inputs(tok, params), plain_inputs(tok, params)):
+        x, B, C = x.reshape(3, 16, 64), B.reshape(3, 2, 128), C.reshape(3, 2, 128)
+        dt, A_, dt_bias = dt.reshape(3, 16, -1)[:, :, 0], A_.reshape(16, -1)[:, 0], dt_bias.reshape(16, -1)[:, 0]
+        D = D.reshape(16, -1).expand(16, 64)
+        want = A.raw(A.Inputs, x=x, dt=dt, A=A_, B=B, C=C, D=D, dt_bias=dt_bias, out=out)
+        got = launch.inputs_words(x, dt, A_, B, C, D, dt_bias, out, x.stride(0), B.stride(0), C.stride(0))
+        assert list(got) == want
+    for fmt_name in ("fp8", "nvfp4"):
+        fmt = read_copy_format(fmt_name, "sm_90a")
+        cache = L.allocate_cache(5, 16, 2, fmt_name, "cpu", slot_padding=64)
+        ckpt, words = launch._cache_words(cache, fmt, 3)
+        assert list(ckpt) == A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=3)
+        ring = A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
+        assert list(words) == ring + A.raw(fmt.Args, **fmt.tensors(cache, L))
+        other = list(cache)
+        other[L.READ_COPY] = cache[L.READ_COPY].clone()
+        assert launch._cache_words(tuple(other), fmt, 3)[1][len(ring)] == other[L.READ_COPY].data_ptr()

@@ -115,3 +115,43 @@ def test_a_step_launches_only_its_three_kernels(fmt, shape, batch):
     names = _kernels_of_one_step(caches[0], slots[0], inputs, out)
     kinds = sorted("prepare" if "prepare" in n else "flush" if "cuteflushflush" in n.lower() else "decode" if "cutedecodedecode" in n.lower() else n for n in names)
     assert kinds == ["decode", "flush", "prepare"], names
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_the_eager_fast_path_gives_the_ops_bits_and_launches_directly(fmt, monkeypatch):
+    """An eager `ReplaySSMCache.decode` on the kernel backend skips the custom op
+    (`api._direct_decode`) and, after each kernel's first launch, launches the CuTe kernels
+    from argument words (`launch._Direct`) and the prepare kernel past Triton's dispatch
+    (`prepare.Prepare`): over 34 steps with engine-shaped inputs and a padding row, the
+    outputs and every cache tensor equal, bit for bit, those of a twin cache decoded
+    through the op (the general path)."""
+    from replayssm import api, ops
+    from replayssm.kernels.cute import launch
+    from replayssm.kernels.triton import prepare
+
+    batch = 6
+    caches, slots, params, gen = _pair(fmt, "cuda", "kernels", batch=batch)
+    slots[0][2] = slots[1][2] = 0  # a padding row
+    through_op = []
+    real_op = ops.decode
+    monkeypatch.setattr(ops, "decode", lambda *a, **k: (through_op.append(1), real_op(*a, **k)))
+    out = [torch.empty(batch, HEADS, L.HEAD_DIM, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    for step in range(34):
+        tok = token(batch, HEADS, GROUPS, generator=gen, device="cuda")
+        inputs = engine_inputs(tok, params)
+        caches[0].decode(*inputs, slots[0], out=out[0])
+        assert not through_op, "the eager call went through the op"
+        with monkeypatch.context() as m:
+            m.setattr(api, "_direct_decode", lambda *a, **k: False)
+            caches[1].decode(*inputs, slots[1], out=out[1])
+        assert through_op == [1]
+        through_op.clear()
+        assert same_bits(out[0], out[1]), step
+    torch.cuda.synchronize()
+    for x, y in zip(caches[0].tensors[1:], caches[1].tensors[1:]):
+        assert same_bits(x, y)
+    direct = [d for d in getattr(launch._TLS, "direct", {}).values() if d]
+    assert len(direct) >= 2 and all(isinstance(d, launch._Direct) for d in direct)
+    assert any(p.compiled for p in prepare._PREPARED.values())

@@ -134,25 +134,31 @@ class KernelBackend:
     def clear(self, cache, ids) -> None:
         self._kernels().clear(cache, ids)
 
-    def prepare(self, cache, ids, out, *, nvfp4: bool, seed: int, scratch=None) -> ref.Plan:
-        """Kernel twin of `reference.prepare_decode`; returns views into the scratch."""
+    def prepare(self, cache, ids, out, *, nvfp4: bool, seed: int, scratch=None, stream: int | None = None) -> ref.Plan:
+        """Kernel twin of `reference.prepare_decode`; returns views into the scratch.
+        `stream`: the current CUDA stream's handle (CUDA caches)."""
         if scratch is None:
             scratch = self.scratch(ids.device, ids.numel())
-        return self._kernels().prepare_decode(cache, ids, out, scratch, nvfp4=nvfp4, seed=seed)
+        return self._kernels().prepare_decode(cache, ids, out, scratch, nvfp4=nvfp4, seed=seed, stream=stream)
 
     def decode(
         self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, nvfp4: bool, seed: int, scratch=None, head_offset: int = 0
     ) -> None:
         """Prepare kernel, then the CuTe decode kernels (`_cute_step`: the non-flush and the
         flush kernel launch every step); on the CPU the reference decode math."""
-        plan = self.prepare(cache, ids, out, nvfp4=nvfp4, seed=seed, scratch=scratch)
-        if cache[L.CHECKPOINT].device.type == "cuda":
-            self._cute_step(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4, head_offset=head_offset)
+        device = cache[L.CHECKPOINT].device
+        if device.type == "cuda":
+            stream = torch.cuda.current_stream(device)
+            plan = self.prepare(cache, ids, out, nvfp4=nvfp4, seed=seed, scratch=scratch, stream=stream.cuda_stream)
+            self._cute_step(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4, head_offset=head_offset, stream=stream)
             return
+        plan = self.prepare(cache, ids, out, nvfp4=nvfp4, seed=seed, scratch=scratch)
         ref.decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4)
         ref.decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4, seed=seed, head_offset=head_offset)
 
-    def _cute_step(self, cache, x, dt, A, B, C, D, dt_bias, plan: ref.Plan, out, *, nvfp4: bool, head_offset: int = 0) -> None:
+    def _cute_step(
+        self, cache, x, dt, A, B, C, D, dt_bias, plan: ref.Plan, out, *, nvfp4: bool, head_offset: int = 0, stream=None
+    ) -> None:
         """One decode step's CuTe launches for the rows of `plan` (inputs normalized as
         `replayssm.api` leaves them, `out` [batch, H, 64] bf16): the only call into the
         CuTe launcher (`launch.decode_step`)."""
@@ -161,7 +167,8 @@ class KernelBackend:
             raise ValueError(f"the kernel backend cannot decode this cache: {self.cute_unavailable(cache)}")
         launch, arch = cute
         launch.decode_step(
-            cache, x, dt, A, B, C, D, dt_bias, plan, out, state_dtype="nvfp4" if nvfp4 else "fp8", arch=arch, head_offset=head_offset
+            cache, x, dt, A, B, C, D, dt_bias, plan, out, state_dtype="nvfp4" if nvfp4 else "fp8", arch=arch,
+            head_offset=head_offset, stream=stream,
         )
 
     def materialize(self, cache, ids, A, out=None) -> torch.Tensor:

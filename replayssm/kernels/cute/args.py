@@ -13,6 +13,7 @@ launch-time values from the same spec, so the two cannot disagree.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -197,6 +198,46 @@ def bound(struct: type, **tensors: torch.Tensor):
     return hit
 
 
+@functools.cache
+def _raw_plan(struct: type) -> tuple:
+    """(field readers, byte widths) of `struct`: how `raw` reads each field off the tensors
+    and how many bytes of it the kernel reads (8: pointers and Int64; 4: Int32)."""
+    readers, widths = [], []
+    for name, entry in SPECS[struct].items():
+        if _is_stride(entry):
+            source, dim, unit, kind = (*entry, Int64)[:4]
+            readers.append((1, source, dim, unit))
+            widths.append(kind.width // 8)
+        elif entry[0] == VALUE:
+            readers.append((2, name, 0, 0))
+            widths.append(entry[1].width // 8)
+        else:
+            readers.append((0, name, 0, 0))
+            widths.append(8)
+    return tuple(readers), tuple(widths)
+
+
+def widths(struct: type) -> tuple[int, ...]:
+    """Bytes the kernel reads of each field of `struct`, in field order."""
+    return _raw_plan(struct)[1]
+
+
+def raw(struct: type, **tensors) -> list[int]:
+    """The values `bind(struct, **tensors)` holds, as plain ints in field order: pointer
+    fields' addresses, strides in the spec's units, VALUE fields. The direct launcher
+    (launch.py) writes these into the kernel's argument words; no DSL object is built."""
+    out = []
+    for kind, name, dim, unit in _raw_plan(struct)[0]:
+        t = tensors[name]
+        if kind == 0:
+            out.append(t.data_ptr())
+        elif kind == 1:
+            out.append(t.stride(dim) * t.element_size() // 16 if unit == 16 else t.stride(dim))
+        else:
+            out.append(int(t))
+    return out
+
+
 def bind(struct: type, **tensors):
     """`struct` for the given tensors (one a pointer field): their addresses and strides
     (and a VALUE field's int)."""
@@ -220,4 +261,4 @@ def bind(struct: type, **tensors):
     return struct(*values)
 
 
-__all__ = ["bound", "dense_rows", "row_words", "DSL_DTYPES", "Ring", "Fp8Copy", "Nvfp4Copy", "Checkpoint", "Inputs", "Plan", "DebugPlan", "SPECS", "fake", "bind"]
+__all__ = ["bound", "raw", "widths", "dense_rows", "row_words", "DSL_DTYPES", "Ring", "Fp8Copy", "Nvfp4Copy", "Checkpoint", "Inputs", "Plan", "DebugPlan", "SPECS", "fake", "bind"]

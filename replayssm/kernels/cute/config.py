@@ -10,6 +10,7 @@ one with `dataclasses.replace` and passes it to `launch.decode_step(config=...)`
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 # The non-flush kernel takes the programmatic dependent launch (PDL) behind the prepare
 # kernel up to this batch; above it the flush does (at most one kernel can).
@@ -42,6 +43,7 @@ class StepConfig:
             raise ValueError(f"StepConfig.flush_rows must be {ROWS} or {WIDE_ROWS}; got {self.flush_rows}")
 
 
+@functools.lru_cache(maxsize=4096)
 def step_config(arch: str, state_dtype: str, heads: int, groups: int, batch: int) -> StepConfig:
     """The measured-best variants for a `batch`-row step of this geometry."""
     nonflush_pdl = batch <= PDL_MAX_BATCH

@@ -20,10 +20,12 @@ validate user input (`replayssm.api` did), only the layout the compiled code ass
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
+import threading
+import weakref
 from collections.abc import Sequence
-from contextlib import contextmanager
 from pathlib import Path
 
 import cutlass.cute as cute
@@ -209,33 +211,35 @@ def rows_ok(t: torch.Tensor) -> bool:
     return t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.data_ptr() % 16 == 0 and (t.stride(0) * 2) % 16 == 0
 
 
-def _rows16(t: torch.Tensor) -> torch.Tensor:
-    """`t`, or a contiguous copy where the kernels cannot read it as it is (rows_ok)."""
-    return t if rows_ok(t) else t.clone(memory_format=torch.contiguous_format)
+_SIDE: dict[torch.device, tuple] = {}
 
 
-_SIDE: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+def _side_stream(device: torch.device) -> tuple:
+    """(side stream, fork event, join event) of `device`, made once."""
     side = _SIDE.get(device)
     if side is None:
-        side = _SIDE[device] = torch.cuda.Stream(device=device, priority=-1)
+        side = _SIDE[device] = (torch.cuda.Stream(device=device, priority=-1), torch.cuda.Event(), torch.cuda.Event())
     return side
 
 
-@contextmanager
-def step_streams(device: torch.device, flush_pdl: bool):
+def fork_streams(device: torch.device, flush_pdl: bool, main: torch.cuda.Stream) -> tuple:
     """(flush stream, non-flush stream) for one step: one is the current stream `main`,
-    the other the side stream, forked from `main` on entry (the plan and the inputs are
-    ready for it; a PDL kernel on `main` waits for them itself) and joined back into it
-    on exit (everything after the step sees both kernels' writes). `flush_pdl`: the
-    flush on `main`, else the non-flush kernel."""
-    main = torch.cuda.current_stream(device)
-    side = _side_stream(device)
-    side.wait_stream(main)
-    yield (main, side) if flush_pdl else (side, main)
-    main.wait_stream(side)
+    the other the side stream, forked here from `main` (the plan and the inputs are ready
+    for it; a PDL kernel on `main` waits for them itself). `flush_pdl`: the flush on
+    `main`, else the non-flush kernel. The fork reuses one event (a wait orders against
+    the record made just before it)."""
+    side, fork, _ = _side_stream(device)
+    fork.record(main)
+    side.wait_event(fork)
+    return (main, side) if flush_pdl else (side, main)
+
+
+def join_streams(device: torch.device, main: torch.cuda.Stream) -> None:
+    """Join the side stream back into `main` after a step's kernels: everything after the
+    step sees both kernels' writes (one reused event, as for the fork)."""
+    side, _, join = _side_stream(device)
+    join.record(side)
+    main.wait_event(join)
 
 
 def decode_step(
@@ -255,6 +259,7 @@ def decode_step(
     config: StepConfig | None = None,
     state_out: torch.Tensor | None = None,
     head_offset: int = 0,
+    stream: torch.cuda.Stream | None = None,
 ) -> None:
     """Launch the flush and the non-flush kernel of one step (after `prepare`).
 
@@ -263,27 +268,75 @@ def decode_step(
     `step_config(arch, state_dtype, heads, groups, batch)`. `state_out` (float32
     [batch, H, 64, 128], contiguous) selects the flush's test variant, which also writes
     the FP32 state of every flushed row there. `head_offset`: the model's head of the
-    cache's head 0 (a tensor-parallel shard's), for the checkpoint's random bits."""
+    cache's head 0 (a tensor-parallel shard's), for the checkpoint's random bits.
+    `stream`: the current stream of x's device (looked up when None)."""
     batch, heads = x.shape[0], x.shape[1]
     groups = cache[L.B_RING].shape[1]
-    x, B, C = _rows16(x), _rows16(B), _rows16(C)
+    if not rows_ok(x):
+        x = x.clone(memory_format=torch.contiguous_format)
+    if not rows_ok(B):
+        B = B.clone(memory_format=torch.contiguous_format)
+    if not rows_ok(C):
+        C = C.clone(memory_format=torch.contiguous_format)
     if dt.dtype not in DT_DTYPES:
         dt = dt.float()
-    dense = A.dense_rows(x, B, C)
+    xs, bs, cs = x.stride(0), B.stride(0), C.stride(0)
+    dense = xs == heads * L.HEAD_DIM and bs == groups * L.STATE_DIM and cs == groups * L.STATE_DIM  # A.dense_rows
     if config is None:
         config = step_config(arch or arch_for(x.device), state_dtype, heads, groups, batch)
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    nonflush, flush, fmt, columns = _kernels(config, dt.dtype, dense, state_out is not None, index)
-    ring = A.bound(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
-    copy = fmt.bind(cache, L)
-    inputs = A.bound(A.Inputs, x=x, dt=dt, A=A_, B=B, C=C, D=D, dt_bias=dt_bias, out=out)
-    plan_t = plan._asdict()
-    nonflush_plan = A.bound(A.Plan, **plan_t)
-    flush_plan = nonflush_plan if state_out is None else A.bind(A.DebugPlan, **plan_t, state=state_out)
-    ckpt = A.bound(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=head_offset)
-    with step_streams(x.device, config.flush_pdl) as (flush_stream, nonflush_stream):
-        _launch(flush, (ckpt, ring, copy, inputs, flush_plan), (columns, batch), flush_stream.cuda_stream)
-        _launch(nonflush, (ring, copy, inputs, nonflush_plan), (batch,), nonflush_stream.cuda_stream)
+    if stream is None:
+        stream = torch.cuda.current_stream(x.device)
+    nonflush, flush, fmt, columns = _kernels(config, dt.dtype, dense, state_out is not None, x.get_device())
+    ckpt_words, cache_words = _cache_words(cache, fmt, head_offset)
+    # The argument words of both launches: the structs' fields, then the scalars.
+    common = (*cache_words, *inputs_words(x, dt, A_, B, C, D, dt_bias, out, xs, bs, cs), *A.raw(A.Plan, **plan._asdict()))
+    flush_words = (*ckpt_words, *common, columns, batch) if state_out is None else None
+
+    def nonflush_structs():  # the executor path's arguments (a kernel's first launch)
+        ring = A.bound(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
+        inputs = A.bound(A.Inputs, x=x, dt=dt, A=A_, B=B, C=C, D=D, dt_bias=dt_bias, out=out)
+        return (ring, A.bound(fmt.Args, **fmt.tensors(cache, L)), inputs, A.bound(A.Plan, **plan._asdict()))
+
+    def flush_structs():
+        ring, copy, inputs, plan_s = nonflush_structs()
+        if state_out is not None:
+            plan_s = A.bind(A.DebugPlan, **plan._asdict(), state=state_out)
+        return (A.bound(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=head_offset), ring, copy, inputs, plan_s)
+
+    flush_stream, nonflush_stream = fork_streams(x.device, config.flush_pdl, stream)
+    _launch(flush, flush_structs, (columns, batch), flush_words, flush_stream)
+    _launch(nonflush, nonflush_structs, (batch,), (*common, batch), nonflush_stream)
+    join_streams(x.device, stream)
+
+
+def inputs_words(x, dt, A_, B, C, D, dt_bias, out, x_stride: int, b_stride: int, c_stride: int) -> tuple:
+    """`A.raw(A.Inputs, ...)` written out for the eager hot path (bf16 x, B, C: a row stride
+    in elements is 16-byte units times 8), given the row strides of x, B and C."""
+    return (
+        x.data_ptr(), dt.data_ptr(), A_.data_ptr(), B.data_ptr(), C.data_ptr(), D.data_ptr(), dt_bias.data_ptr(), out.data_ptr(),
+        dt.stride(0), dt.stride(1), A_.stride(0), dt_bias.stride(0), D.stride(0), D.stride(1), x_stride // 8, b_stride // 8, c_stride // 8,
+    )
+
+
+# The cache's argument words (Ring, the read copy, the Checkpoint), made once per cache
+# tuple: keyed by the tensors' ids, each entry holding weak references that must still be
+# the very tensors of the call (a dead or another tensor under a reused id misses).
+_CACHE_WORDS: dict[tuple, tuple] = {}
+_CACHE_WORDS_MAX = 4096
+
+
+def _cache_words(cache: Sequence[torch.Tensor], fmt, head_offset: int) -> tuple[tuple, tuple]:
+    """(Checkpoint words, Ring + read-copy words) of `cache`."""
+    key = (*map(id, cache), head_offset, fmt.Args)
+    hit = _CACHE_WORDS.get(key)
+    if hit is not None and all(r() is t for r, t in zip(hit[0], cache)):
+        return hit[1], hit[2]
+    ring = A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
+    words = (tuple(A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=head_offset)), (*ring, *A.raw(fmt.Args, **fmt.tensors(cache, L))))
+    if len(_CACHE_WORDS) >= _CACHE_WORDS_MAX:
+        _CACHE_WORDS.clear()
+    _CACHE_WORDS[key] = (tuple(weakref.ref(t) for t in cache), *words)
+    return words
 
 
 @functools.lru_cache(maxsize=1024)
@@ -295,30 +348,87 @@ def _kernels(config: StepConfig, dt_dtype: torch.dtype, dense: bool, debug: bool
     return compiled_decode(config, dt_dtype, dense), compiled_flush(config, debug, dt_dtype, dense), fmt, columns
 
 
-# The DSL executor turns a launch's arguments into C pointers on every call (most of a
-# launch's host time). A launch whose structs (args.bound: the same objects while their
-# tensors keep addresses and strides), scalars and stream repeat reuses the pointers of
-# the first such launch; the entry holds those objects, so they outlive it.
-_EXE: dict[tuple, tuple] = {}
-_EXE_MAX = 4096
+# Launching a compiled kernel through the DSL executor converts every argument into C
+# pointers on every call (`make_ptr` objects, adapters, casts): most of an eager step's
+# host time. The direct launcher passes the same argument words without building any DSL
+# object: per compiled kernel and thread, a fixed array of 64-bit words (one a kernel
+# argument) and the executor's packed argument array pointing at them; a launch writes the
+# words and calls the executor's C entry point. It is set up on a kernel's first launch,
+# which goes through the executor and proves the layout: the executor's own argument
+# pointers must read back exactly the words (struct fields in order, the scalars, the
+# stream), or the kernel keeps the executor path. Only a DSL with the executor internals
+# below (nvidia-cutlass-dsl as pinned in pyproject.toml) gets the direct path.
+_SCALAR_WIDTHS = {"decode": (4,), "flush": (8, 4)}  # (batch,) and (columns, batch); the stream is 8
+_TLS = threading.local()
 
 
-def _launch(fn, structs: tuple, scalars: tuple, stream: int) -> None:
-    key = (id(fn), *map(id, structs), *scalars, stream)
-    hit = _EXE.get(key)
-    if hit is None or any(a is not b for a, b in zip(hit[0], structs)):
-        args = (*structs, *scalars, cuda_driver.CUstream(stream))
-        gen = getattr(getattr(fn, "execution_args", None), "generate_execution_args", None)
-        if gen is None or not hasattr(fn, "run_compiled_program"):  # another DSL version: the plain call
-            fn(*args)
-            return
-        exe_args, adapted = gen(args, {})
-        if len(_EXE) >= _EXE_MAX:
-            _EXE.clear()
-        hit = _EXE[key] = (structs, exe_args, adapted, args)
-    fn.run_compiled_program(hit[1])
+class _Direct:
+    """The direct launch of one compiled kernel: argument words, packed pointers, entry."""
+
+    __slots__ = ("words", "packed", "entry", "result")
+
+    def __init__(self, executor, count: int) -> None:
+        self.words = (ctypes.c_int64 * count)()
+        base = ctypes.addressof(self.words)
+        exe_args = [ctypes.c_void_p(base + 8 * i) for i in range(count)]
+        packed = executor._get_invoke_packed_args_func(exe_args)  # the executor's buffer: copied
+        self.packed = (ctypes.c_void_p * len(packed))()
+        ctypes.memmove(self.packed, packed, ctypes.sizeof(packed))
+        self.entry = executor.capi_func
+        self.result = executor.cuda_result if executor._has_cuda_result else None
+
+    def __call__(self, words) -> None:
+        self.words[:] = words
+        self.entry(self.packed)
+        if self.result is not None and self.result.value != 0:
+            raise RuntimeError(f"CUDA error {self.result.value} launching a replayssm CuTe kernel")
+
+
+def _addr(p) -> int:
+    return p.value if isinstance(p, ctypes.c_void_p) else int(p)
+
+
+def _direct_for(fn, exe_args: list, words: tuple, widths: tuple):
+    """A `_Direct` for `fn` if its executor exists and `exe_args` (the executor's argument
+    pointers of a launch with these words) read back `words` at `widths`; else None."""
+    executor = getattr(fn, "_default_executor", None)
+    needed = ("_get_invoke_packed_args_func", "capi_func", "_has_cuda_result", "cuda_result")
+    if executor is None or not all(hasattr(executor, a) for a in needed) or len(exe_args) != len(words):
+        return None
+    for p, w, width in zip(exe_args, words, widths):
+        got = (ctypes.c_int64 if width == 8 else ctypes.c_int32).from_address(_addr(p)).value
+        if got != w:
+            return None
+    return _Direct(executor, len(words))
+
+
+def _launch(fn, structs, scalars: tuple, words: tuple | None, stream: torch.cuda.Stream) -> None:
+    """Launch compiled kernel `fn` on `stream`: directly from `words` (the argument words:
+    struct fields, then `scalars`; None for a launch that must take the executor path),
+    else through the executor with `structs()` (the argument structs)."""
+    table = getattr(_TLS, "direct", None)
+    if table is None:
+        table = _TLS.direct = {}
+    handle = stream.cuda_stream
+    direct = table.get(id(fn))
+    if direct and words is not None:
+        direct((*words, handle))
+        return
+    args = (*structs(), *scalars, cuda_driver.CUstream(handle))
+    gen = getattr(getattr(fn, "execution_args", None), "generate_execution_args", None)
+    if gen is None or not hasattr(fn, "run_compiled_program"):  # another DSL version: the plain call
+        fn(*args)
+        return
+    exe_args, adapted = gen(args, {})
+    fn.run_compiled_program(exe_args)
+    if direct is None and words is not None:
+        widths = tuple(w for s in args[: -1 - len(scalars)] for w in A.widths(type(s)))
+        widths += _SCALAR_WIDTHS["flush" if len(scalars) == 2 else "decode"] + (8,)
+        table[id(fn)] = _direct_for(fn, exe_args, (*words, handle), widths) or False
+    del adapted  # the executor's converted objects live until the launch is queued
+
 
 __all__ = [
     "COMPILE_ALL_GEOMETRIES", "STATE_DTYPES", "compile_all", "compile_into", "compiled_decode", "compiled_flush",
-    "decode_kernel", "flush_kernel", "variant_name", "warmup", "launch_padding", "layout_ok", "step_streams", "decode_step",
+    "decode_kernel", "flush_kernel", "variant_name", "warmup", "launch_padding", "layout_ok", "fork_streams", "join_streams", "decode_step",
 ]

@@ -69,8 +69,9 @@ class Fp8(_Format):
     row_amax = True  # the flush reduces a row's amax across its column parts
     sr_voted = False
 
-    def bind(self, cache, L) -> A.Fp8Copy:
-        return A.bound(A.Fp8Copy, codes=cache[L.READ_COPY], scales=cache[L.SCALES])
+    def tensors(self, cache, L) -> dict:
+        """The cache tensors of `Args`, by field."""
+        return {"codes": cache[L.READ_COPY], "scales": cache[L.SCALES]}
 
     # -- non-flush ------------------------------------------------------------------------
     def c_word(self, c: int, q):
@@ -175,8 +176,8 @@ class Nvfp4(_Format):
         self.decode_order = bits_nvfp4.HW_DECODE_ORDER if self.hw else bits_nvfp4.SOFT_DECODE_ORDER
         self.decode_factor = 1.0 if self.hw else bits_nvfp4.SOFT_DECODE_FACTOR
 
-    def bind(self, cache, L) -> A.Nvfp4Copy:
-        return A.bound(A.Nvfp4Copy, codes=cache[L.READ_COPY], scales=cache[L.SCALES], meta=cache[L.META], parity=cache[L.PARITY])
+    def tensors(self, cache, L) -> dict:
+        return {"codes": cache[L.READ_COPY], "scales": cache[L.SCALES], "meta": cache[L.META], "parity": cache[L.PARITY]}
 
     def e2m1x8_f16x2(self, w):
         return bits_nvfp4.e2m1x8_f16x2_hw(w) if self.hw else bits_nvfp4.e2m1x8_f16x2_sw(w)

@@ -23,6 +23,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 from ... import layout as L
 from ...quant.rng import seed_key
@@ -31,7 +32,7 @@ from .bits import stream_key
 from .launch import int32_pattern, interpreting
 
 
-@triton.jit(do_not_specialize=["num_slots", "seed_key"])
+@triton.jit(do_not_specialize=["stride_ids", "stride_pos", "stride_parity", "stride_meta", "num_slots", "seed_key"])
 def _prepare_kernel(
     p_ids,
     p_pos,
@@ -129,62 +130,117 @@ class PlanScratch:
         self.flush = torch.zeros(rows, dtype=torch.bool, device=device)
         self.key = torch.zeros(rows, dtype=torch.int64, device=device)
         self.old_parity = torch.zeros(rows, dtype=torch.int64, device=device)
+        self._plans: dict[int, Plan] = {}
+        # The buffers' addresses: what a `Prepare` launch of this scratch is keyed by.
+        self.addresses = tuple(t.data_ptr() for t in (self.valid, self.slot, self.ring_index, self.flush, self.key, self.old_parity))
 
     def plan(self, batch: int) -> Plan:
-        return Plan(
-            self.valid[:batch],
-            self.slot[:batch],
-            self.ring_index[:batch],
-            self.flush[:batch],
-            self.key[:batch],
-            self.old_parity[:batch],
-        )
+        """Views of the first `batch` rows (made once per batch size)."""
+        plan = self._plans.get(batch)
+        if plan is None:
+            plan = self._plans[batch] = Plan(
+                self.valid[:batch],
+                self.slot[:batch],
+                self.ring_index[:batch],
+                self.flush[:batch],
+                self.key[:batch],
+                self.old_parity[:batch],
+            )
+        return plan
 
 
 def prepare_decode(
-    cache, ids: torch.Tensor, out: torch.Tensor, scratch: PlanScratch, *, nvfp4: bool, seed: int
+    cache, ids: torch.Tensor, out: torch.Tensor, scratch: PlanScratch, *, nvfp4: bool, seed: int, stream: int | None = None
 ) -> Plan:
     """Plan of the rows of `ids` (int32/int64 [batch], batch <= scratch.rows) into
     `scratch`; zero the padding rows of `out` (contiguous [batch, H, 64], 2-byte dtype);
     advance positions; NVFP4 flush rows flip parity and zero the accumulator half of meta.
-    Separate mode only (positions [S])."""
-    ids = ids.reshape(-1)
-    batch = ids.numel()
-    plan = scratch.plan(batch)
+    Separate mode only (positions [S]). `stream`: the current CUDA stream's handle, which
+    lets a repeated launch skip Triton's dispatch (`Prepare`)."""
+    if ids.dim() != 1:
+        ids = ids.reshape(-1)
+    batch = ids.shape[0]
     if batch == 0:
-        return plan
+        return scratch.plan(0)
     pos = cache[L.POSITIONS]
-    if nvfp4:
-        meta, parity = cache[L.META], cache[L.PARITY]
-        groups = meta.shape[1]
-    else:
-        meta = parity = pos  # unused (the NVFP4 branch is compiled out)
-        groups = 1
-    out_row = out[0].numel()
-    _prepare_kernel[(batch,)](
-        ids,
-        pos,
-        parity,
-        meta,
-        out.view(torch.int16),
-        scratch.valid.view(torch.int8),
-        scratch.slot,
-        scratch.ring_index,
-        scratch.flush.view(torch.int8),
-        scratch.key,
-        scratch.old_parity,
-        ids.stride(0),
-        pos.stride(0),
-        parity.stride(0),
-        meta.stride(0),
-        cache[L.CHECKPOINT].shape[0],
-        int32_pattern(seed_key(seed)),
-        G=groups,
-        BLOCK_G=triton.next_power_of_2(groups),
-        OUT_ROW=out_row,
-        BLOCK_OUT=triton.next_power_of_2(out_row),
-        NVFP4=nvfp4,
-        TRIGGER=prepare_trigger(ids.device),
-        num_warps=4,
+    meta, parity = (cache[L.META], cache[L.PARITY]) if nvfp4 else (pos, pos)  # FP8: unused
+    # Everything a `Prepare` is made from, so that an entry is right for every call with its
+    # key (a cache freed and another allocated at the same addresses included).
+    key = (
+        ids.device, ids.dtype, batch, nvfp4, seed, scratch.addresses, pos.data_ptr(), pos.stride(0), parity.data_ptr(),
+        parity.stride(0), meta.data_ptr(), meta.stride(0), cache[L.B_RING].shape[1], *cache[L.CHECKPOINT].shape[:2],
     )
-    return plan
+    launch = _PREPARED.get(key)
+    if launch is None:
+        if len(_PREPARED) >= _PREPARED_MAX:
+            _PREPARED.clear()
+        launch = _PREPARED[key] = Prepare(cache, scratch, batch, nvfp4, seed, ids)
+    launch(ids, out, stream, cache, scratch)
+    return launch.plan
+
+
+_PREPARED: dict[tuple, "Prepare"] = {}
+_PREPARED_MAX = 1024
+
+
+class Prepare:
+    """The prepare launch of one cache, plan scratch, batch size, format and seed, with
+    every argument but the ids and the output made once. It holds addresses, not tensors
+    (`prepare_decode` keys it by them), so it keeps no cache alive.
+
+    A repeated launch skips Triton's per-call dispatch (binding, specialization key, cache
+    lookup: most of its host time). Every runtime integer is unspecialized
+    (`do_not_specialize`), so the compiled kernel depends only on the constexprs, the
+    dtypes and the 16-byte alignment of the pointers (Triton specializes pointers on it);
+    only the ids' and the output's alignment can change between calls, and with them the
+    compiled kernel, kept here per alignment. The first launch of each goes through
+    Triton's launcher with tensors and returns the compiled kernel; later ones make the
+    call Triton's launcher makes (launch metadata and hooks included), with the fixed
+    pointers as addresses, which Triton's launcher takes as they are. The interpreter, and
+    calls without a stream, take Triton's path."""
+
+    def __init__(self, cache, scratch: PlanScratch, batch: int, nvfp4: bool, seed: int, ids: torch.Tensor) -> None:
+        self.batch = batch
+        self.plan = scratch.plan(batch)
+        pos = cache[L.POSITIONS]
+        if nvfp4:
+            meta, parity = cache[L.META], cache[L.PARITY]
+            groups = meta.shape[1]
+        else:
+            meta = parity = pos  # unused (the NVFP4 branch is compiled out)
+            groups = 1
+        out_row = cache[L.CHECKPOINT].shape[1] * L.HEAD_DIM
+        self.nvfp4 = nvfp4
+        self.head = tuple(t.data_ptr() for t in (pos, parity, meta))
+        self.tail = scratch.addresses
+        self.strides = (pos.stride(0), parity.stride(0), meta.stride(0), cache[L.CHECKPOINT].shape[0], int32_pattern(seed_key(seed)))
+        self.constexprs = (groups, triton.next_power_of_2(groups), out_row, triton.next_power_of_2(out_row), nvfp4, prepare_trigger(ids.device))
+        self.compiled: dict[tuple, object] = {}
+
+    def __call__(self, ids: torch.Tensor, out: torch.Tensor, stream: int | None, cache, scratch: PlanScratch) -> None:
+        """Launch for `ids` and `out`; `cache` and `scratch` (those this launch was made
+        for) are passed as tensors to a launch through Triton's path."""
+        kernel = None
+        if stream is not None and not interpreting():
+            align = (ids.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
+            kernel = self.compiled.get(align)
+        if kernel is None:
+            pos = cache[L.POSITIONS]
+            head = (pos, cache[L.PARITY], cache[L.META]) if self.nvfp4 else (pos, pos, pos)
+            tail = (scratch.valid.view(torch.int8), scratch.slot, scratch.ring_index, scratch.flush.view(torch.int8), scratch.key, scratch.old_parity)
+            args = (ids, *head, out.view(torch.int16), *tail, ids.stride(0), *self.strides, *self.constexprs)
+            kernel = _prepare_kernel[(self.batch,)](*args, num_warps=4)
+            if stream is None or interpreting():
+                return
+            if hasattr(kernel, "result"):  # an asynchronous compile's future
+                kernel = kernel.result()
+            if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
+                self.compiled[align] = kernel
+            return
+        args = (ids.data_ptr(), *self.head, out.data_ptr(), *self.tail, ids.stride(0), *self.strides, *self.constexprs)
+        hooks = knobs.runtime
+        metadata = kernel.launch_metadata((self.batch, 1, 1), stream, *args)
+        kernel.run(
+            self.batch, 1, 1, stream, kernel.function, kernel.packed_metadata, metadata,
+            hooks.launch_enter_hook, hooks.launch_exit_hook, *args,
+        )
