@@ -7,7 +7,8 @@ filled with random bits (never zeros):
 - copy: `replayssm.copy_slots(caches, src, dst)` of `--copy-slots` slots over every
   layer, src and dst random disjoint live slots as device ids, on the copy kernel (one
   launch, backend="kernels") and on the per-tensor path (backend="reference": an
-  index_select and an index_copy_ per tensor and layer). GPU time: `--inner` calls
+  index_select and an index_copy_ per tensor and layer); with `--chunks`, the kernel
+  alone on copy tables of other chunk sizes. GPU time: `--inner` calls
   captured in one CUDA graph, median over `--reps` replays, per call; eager time: the
   wall-clock of one call and a synchronize (host work included), median. Bytes: the
   slots' per-slot bytes over all layers, read once and written once; effective bandwidth
@@ -51,7 +52,7 @@ import replayssm  # noqa: E402
 from replayssm import ReplaySSMCache, materialize_replayssm_state  # noqa: E402
 from replayssm import layout as L  # noqa: E402
 from replayssm import reference as ref  # noqa: E402
-from replayssm.handoff import _bits  # noqa: E402
+from replayssm.handoff import CopyPlan, _bits  # noqa: E402
 from replayssm.kernels import kernel_backend  # noqa: E402
 
 
@@ -66,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=256, help="materialize rows (default 256)")
     p.add_argument("--reps", type=int, default=20, help="timed repeats (median)")
     p.add_argument("--inner", type=int, default=10, help="calls per captured CUDA graph")
+    p.add_argument("--chunks", default="",
+                   help="comma-separated KiB: also time the copy kernel with tables of these chunk sizes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for results.json (default: print only)")
     p.add_argument("--dry-run", action="store_true",
@@ -75,6 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.layers, a.slots, a.heads, a.groups = min(a.layers, 2), min(a.slots, 8), 8, 1
         a.copy_slots, a.batch, a.reps, a.inner = min(a.copy_slots, 2), min(a.batch, 2), 1, 1
     a.formats = [f for f in a.formats.split(",") if f]
+    a.chunks = [int(c) for c in a.chunks.split(",") if c]
     for f in a.formats:
         if f not in L.STATE_DTYPES:
             p.error(f"--formats: expected some of {L.STATE_DTYPES}; got {f!r}")
@@ -220,6 +224,10 @@ def bench_copy(caches, args, gen, checks: list) -> list[dict]:
         gpu = graph_seconds(fn, args.inner, args.reps)
         eager = wall_seconds(fn, args.reps)
         rows.append(row(label, caches[0].state_dtype, nbytes, gpu, 2 * nbytes / gpu, 2 * nbytes / peer, "torch copy", eager))
+    for kib in args.chunks:  # the kernel alone, on tables of other chunk sizes
+        plan = CopyPlan([c.tensors for c in caches], args.slots, chunk=kib * 1024)
+        gpu = graph_seconds(lambda p=plan: p.copy(src, dst), args.inner, args.reps)
+        rows.append(row(f"copy kernel, {kib} KiB chunks", caches[0].state_dtype, nbytes, gpu, 2 * nbytes / gpu, 2 * nbytes / peer, "torch copy"))
     rows.append(row("torch copy, same bytes (peer)", caches[0].state_dtype, nbytes, peer, 2 * nbytes / peer, 2 * nbytes / peer, "torch copy"))
     return rows
 
@@ -263,7 +271,7 @@ def bench_swap(caches, args, gen, checks: list) -> list[dict]:
 def bench_materialize(cache, args, gen, copy_bw: float, checks: list) -> list[dict]:
     fmt, device = cache.state_dtype, cache.device
     ids = torch.tensor(distinct_slots(args.batch, args.slots, gen), device=device)
-    A = -torch.rand(args.heads, generator=gen).to(device).add_(0.1)
+    A = -torch.rand(args.heads, generator=gen).add_(0.1).to(device)  # in [-1.1, -0.1)
     out = torch.empty(args.batch, args.heads, L.HEAD_DIM, L.STATE_DIM, device=device)
     try:  # the public call; without the CuTe DSL backend="kernels" is refused: the launcher itself
         materialize_replayssm_state(cache.tensors, ids, A, state_dtype=fmt, backend="kernels", out=out)
