@@ -18,6 +18,13 @@ forked into several destinations), `src` and `dst` disjoint. Ids already on a CU
 are not read back on the hot path (that would synchronize and break graph capture); they
 are validated the same way only with REPLAYSSM_DEBUG=1. ReplaySSMCache's methods also
 check its allocator (every id allocated). A rejected call changes nothing.
+
+Copies on a CUDA device run the copy kernel (kernels/triton/copy_slots.py): one launch
+moves every per-slot tensor of every cache in the call, from a table of the tensors'
+addresses and slot strides built on the first copy of a cache list (`copy_plan`; a
+host-to-device copy, so the first copy must come before any graph capture) and kept
+while the caches live. The per-tensor index copies (`_copy`) serve the CPU and
+backend="reference".
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import weakref
 from collections.abc import Sequence
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import api
 from . import layout as L
@@ -172,6 +180,7 @@ class CopyPlan:
                 "copy_slots: the copy table of these caches is built on the first call, which cannot run inside a "
                 "CUDA graph capture; call it once (or replayssm.handoff.copy_plan) before capturing"
             )
+        self.device = device
         self.num_slots = num_slots
         self.chunk = K.default_chunk() if chunk is None else chunk
         self.table = K.copy_table([t for c in tuples for t in c[1:]], device, self.chunk)
@@ -180,6 +189,11 @@ class CopyPlan:
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Slots src[i] -> dst[i] in every tensor (int32/int64 ids on the device, already
         validated; padding pairs are skipped)."""
+        index = self.device.index
+        if self.device.type == "cuda" and index is not None and index != torch.cuda.current_device():
+            with torch.cuda.device(index):  # Triton launches on the current device
+                self._launch(self.table, src, dst, self.num_slots, chunk=self.chunk)
+            return
         self._launch(self.table, src, dst, self.num_slots, chunk=self.chunk)
 
 
@@ -189,8 +203,10 @@ class CopyPlan:
 # captured graph keeps reading the table.
 _LIST_PLANS: dict[tuple[int, ...], tuple[list, list, CopyPlan]] = {}
 # Plans of bare cache tuples (the functional API), keyed by the checkpoint tensor (dropped
-# with it) and checked against the tuple's layout (addresses, strides, shapes, dtypes).
-_TUPLE_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# with it) and checked against the tuple's layout (addresses, strides, shapes, dtypes); a
+# tuple that keeps its checkpoint but changes another tensor gets a new table, and a graph
+# captured with the old one must be captured again.
+_TUPLE_PLANS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def copy_plan(caches: Sequence) -> CopyPlan:

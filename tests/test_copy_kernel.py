@@ -245,6 +245,19 @@ def test_copy_plan_is_built_once_per_cache_list_and_dropped_with_it():
     assert key not in handoff._LIST_PLANS
 
 
+def test_tuple_plan_follows_the_tuple_layout():
+    """The functional API's table is kept per checkpoint tensor and rebuilt when another
+    tensor of the tuple changes (its rows always those of the tuple's tensors)."""
+    cache = allocate_cache(4, 8, 1, "fp8")
+    plan = handoff._tuple_plan(cache, 4)
+    assert handoff._tuple_plan(cache, 4) is plan
+    moved = list(cache)
+    moved[L.READ_COPY] = moved[L.READ_COPY].clone()
+    other = handoff._tuple_plan(moved, 4)
+    assert other is not plan
+    assert other.table.tolist() == [list(r) for r in K.table_rows(moved[1:], other.chunk)]
+
+
 # ---------------------------------------------------------------------------------------
 # Compile-only: the sm_90a build moves the 16-byte-aligned chunks with 16-byte accesses
 
