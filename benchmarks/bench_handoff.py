@@ -34,6 +34,7 @@ commit, command, arguments; the correctness checks run before timing; every row)
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -378,6 +379,7 @@ def main(argv=None) -> dict:
             for r in got:
                 print(json.dumps(r), flush=True)
         del caches
+        gc.collect()  # caches sit in reference cycles; free them before the next format
         if CUDA:
             torch.cuda.empty_cache()
     result = {"meta": meta, "checks": checks, "rows": rows}

@@ -24,7 +24,6 @@ from replayssm.kernels.triton import copy_slots as K
 from tests.helpers import assert_cache_equal, same_bits, snapshot
 
 FMTS = ["fp8", "nvfp4"]
-HAS_CUDA = torch.cuda.is_available()
 
 
 def randomize(tensors, gen, device="cpu"):
