@@ -300,8 +300,9 @@ class ReplaySSMCache:
         from . import handoff
 
         src, dst = self._handoff_ids("src", src), self._handoff_ids("dst", dst)
-        kernel = handoff._use_kernel(self.device, "auto", (self,))
-        s, d = handoff._validate_pair(src, dst, self.device, self.num_slots, keep_dtype=kernel)
+        device = self.tensors[L.CHECKPOINT].device  # with its index: device ids compare equal to it
+        kernel = handoff._use_kernel(device, "auto", (self,))
+        s, d = handoff._validate_pair(src, dst, device, self.num_slots, keep_dtype=kernel)
         if (src.device.type == "cpu" and dst.device.type == "cpu") or debug():
             self._check_handoff_live(src, "src", unique=False)
             self._check_handoff_live(dst, "dst")
@@ -341,7 +342,7 @@ class ReplaySSMCache:
         from . import handoff
 
         src, dst = self._handoff_ids("src", src), self._handoff_ids("dst", dst)
-        s, d = handoff._validate_pair(src, dst, self.device, self.num_slots)
+        s, d = handoff._validate_pair(src, dst, self.tensors[L.CHECKPOINT].device, self.num_slots)
         self._check_handoff_live(src, "src")
         self._check_handoff_live(dst, "dst")
         states = self.materialize(s, A)

@@ -184,7 +184,7 @@ class CopyPlan:
         self.num_slots = num_slots
         self.chunk = K.default_chunk() if chunk is None else chunk
         self.table = K.copy_table([t for c in tuples for t in c[1:]], device, self.chunk)
-        self._launch = K.copy_slots
+        self._kernels = K
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Slots src[i] -> dst[i] in every tensor (int32/int64 ids on the device, already
@@ -192,9 +192,9 @@ class CopyPlan:
         index = self.device.index
         if self.device.type == "cuda" and index is not None and index != torch.cuda.current_device():
             with torch.cuda.device(index):  # Triton launches on the current device
-                self._launch(self.table, src, dst, self.num_slots, chunk=self.chunk)
+                self._kernels.copy_slots(self.table, src, dst, self.num_slots, chunk=self.chunk)
             return
-        self._launch(self.table, src, dst, self.num_slots, chunk=self.chunk)
+        self._kernels.copy_slots(self.table, src, dst, self.num_slots, chunk=self.chunk)
 
 
 # Plans of ReplaySSMCache lists, keyed by the caches' ids; an entry holds weak references to
@@ -281,15 +281,16 @@ def copy_slots(caches: Sequence, src, dst, *, backend: str = "auto") -> None:
     if not caches:
         return
     first = caches[0]
+    device = first.tensors[L.CHECKPOINT].device  # with its index ("cuda" caches: "cuda:0")
     for i, c in enumerate(caches):
-        if c.num_slots != first.num_slots or c.device != first.device:
+        if c.num_slots != first.num_slots or c.tensors[L.CHECKPOINT].device != device:
             raise ValueError(
-                f"caches must share num_slots and device; caches[{i}] has {c.num_slots} slots on {c.device}, "
-                f"caches[0] {first.num_slots} on {first.device}"
+                f"caches must share num_slots and device; caches[{i}] has {c.num_slots} slots on "
+                f"{c.tensors[L.CHECKPOINT].device}, caches[0] {first.num_slots} on {device}"
             )
-    kernel = _use_kernel(first.device, backend, caches)
+    kernel = _use_kernel(device, backend, caches)
     src_t, dst_t = first._handoff_ids("src", src), first._handoff_ids("dst", dst)  # lists stay on the host
-    s, d = _validate_pair(src_t, dst_t, first.device, first.num_slots, keep_dtype=kernel)
+    s, d = _validate_pair(src_t, dst_t, device, first.num_slots, keep_dtype=kernel)
     if src_t.device.type == "cpu" or debug():
         for c in caches:
             c._check_handoff_live(src_t, "src", unique=False)

@@ -324,6 +324,11 @@ def test_gpu_copy_slots_over_layers_one_launch_in_a_cuda_graph(fmt):
         twin = [t.clone() for t in b]
         handoff._copy(twin, torch.tensor([1, 2, 3, 3], device="cuda"), torch.tensor([20, 21, 22, 23], device="cuda"))
         assert_cache_equal(twin, c.tensors)
+    # a "cuda" cache (device without an index) takes ids on cuda:0 in its own copy too
+    c = caches[1]
+    before = snapshot(c.tensors)
+    c.copy_slots(torch.tensor([5], device="cuda"), torch.tensor([6], dtype=torch.int32, device="cuda"))
+    assert_cache_equal(expected_after(before, [5], [6]), c.tensors)
 
 
 @pytest.mark.gpu
