@@ -24,6 +24,11 @@ from replayssm.kernels.triton import copy_slots as K
 from tests.helpers import assert_cache_equal, same_bits, snapshot
 
 FMTS = ["fp8", "nvfp4"]
+# The CPU tests run the kernel in the Triton interpreter, which conftest.py turns on only
+# where no GPU is present; on a GPU machine the `gpu` tests run it compiled.
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") != "1", reason="runs the copy kernel on CPU tensors in the Triton interpreter"
+)
 
 
 def randomize(tensors, gen, device="cpu"):
@@ -94,32 +99,39 @@ def test_table_rows_pick_the_widest_access_and_split_tails():
         K.table_rows([dense], chunk=24)
 
 
+DEVICES = [pytest.param("cpu", marks=interpreted), pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("chunk", [32, None], ids=["chunk32", "default-chunk"])
-def test_kernel_copies_every_width_bit_for_bit(chunk):
-    """The kernel on the crafted tensors of every width (interpreted on the CPU): pairs
-    with padding ids (0, -1, slots) skipped, a repeated src (a fork); every tensor's dst
-    rows equal the src rows before the copy, everything else unchanged."""
+def test_kernel_copies_every_width_bit_for_bit(chunk, device):
+    """The kernel on the crafted tensors of every width (interpreted on the CPU, compiled
+    on a GPU): pairs with padding ids (0, -1, slots) skipped, a repeated src (a fork);
+    every tensor's dst rows equal the src rows before the copy, everything else
+    unchanged."""
     gen = torch.Generator().manual_seed(1)
-    page = torch.zeros(7, 128, dtype=torch.uint8)
+    page = torch.zeros(7, 128, dtype=torch.uint8, device=device)
     tensors = [
-        torch.zeros(7, 40, dtype=torch.float16),
+        torch.zeros(7, 40, dtype=torch.float16, device=device),
         page[:, 0:20].view(torch.float32),
         page[:, 32:44].view(torch.float32),
         page[:, 49:56],
-        torch.zeros(7, dtype=torch.int32),
-        torch.zeros(7, 3, 16, dtype=torch.bfloat16),
+        torch.zeros(7, dtype=torch.int32, device=device),
+        torch.zeros(7, 3, 16, dtype=torch.bfloat16, device=device),
     ]
-    randomize([page, *tensors], gen)
+    randomize([page, *tensors], gen, device)
     before = snapshot(tensors)
     page_before = page.clone()
     src, dst = [1, 2, 0, 1, -1, 3], [4, 5, 6, 6, 2, 7]
-    table = K.copy_table(tensors, torch.device("cpu"), chunk)
-    K.copy_slots(table, torch.tensor(src), torch.tensor(dst, dtype=torch.int32), 7, chunk=chunk)
+    widths = {w for *_, w in K.table_rows(tensors, chunk or K.default_chunk())}
+    assert widths == {1, 4, 16}
+    table = K.copy_table(tensors, torch.device(device), chunk)
+    K.copy_slots(table, torch.tensor(src, device=device), torch.tensor(dst, dtype=torch.int32, device=device), 7, chunk=chunk)
     want = expected_after(before, src, dst, first=0)
     for i, (got, w) in enumerate(zip(tensors, want)):
         assert same_bits(got, w), i
     # the page's bytes outside the three views are never written
-    outside = torch.ones(128, dtype=torch.bool)
+    outside = torch.ones(128, dtype=torch.bool, device=device)
     outside[0:20] = outside[32:44] = outside[49:56] = False
     assert torch.equal(page[:, outside], page_before[:, outside])
 
@@ -136,6 +148,7 @@ def layers(fmt, n, *, num_slots=6, gen, device="cpu", backend="kernels", **kw):
     return caches
 
 
+@interpreted
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("slot_padding", [0, 40], ids=["dense", "padded"])
 def test_copy_slots_over_layers_is_one_launch(fmt, slot_padding, monkeypatch):
@@ -158,6 +171,7 @@ def test_copy_slots_over_layers_is_one_launch(fmt, slot_padding, monkeypatch):
         assert_cache_equal(t.tensors, c.tensors)
 
 
+@interpreted
 @pytest.mark.parametrize("fmt", FMTS)
 def test_cache_copy_and_fork_are_one_launch(fmt, monkeypatch):
     """ReplaySSMCache.copy_slots with int32 ids and fork (n=2) on the kernels backend: one
@@ -175,6 +189,7 @@ def test_cache_copy_and_fork_are_one_launch(fmt, monkeypatch):
     assert_cache_equal(expected_after(before, [2, 1, 1], [3, 4, 5]), cache.tensors)
 
 
+@interpreted
 def test_functional_copy_backend_choice(monkeypatch):
     """copy_replayssm_slots: backend="kernels" runs the kernel under the interpreter;
     "auto" on the CPU the per-tensor copies; both give the same bits; a bad backend is an
@@ -209,6 +224,7 @@ BAD = {
 }
 
 
+@interpreted
 @pytest.mark.parametrize("case", list(BAD))
 def test_rejected_kernel_copy_changes_nothing(case, monkeypatch):
     """Validation stays in front of the kernel: a clear ValueError naming the argument,
@@ -226,6 +242,7 @@ def test_rejected_kernel_copy_changes_nothing(case, monkeypatch):
         assert_cache_equal(b, c.tensors)
 
 
+@interpreted
 def test_copy_plan_is_built_once_per_cache_list_and_dropped_with_it():
     """The table of a cache list is built on the first copy and reused (same plan, same
     table rows as `table_rows` of the tensors); another list gets its own; a list's entry
