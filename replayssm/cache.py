@@ -296,15 +296,29 @@ class ReplaySSMCache:
         slots `dst`, so that each dst continues as its src would (docs/format.md "Slot
         hand-off": bit-identically up to the first flush folding a checkpoint written after
         the copy). Host ids are checked (allocated, in range, dst unique, disjoint); ids on
-        the GPU are checked only with REPLAYSSM_DEBUG=1, so the copy can be captured."""
+        the GPU are checked only with REPLAYSSM_DEBUG=1, so the copy can be captured. On a
+        CUDA device (unless backend="reference") one launch of the copy kernel moves every
+        tensor; its table is built on the first call (make it before capturing a graph)."""
         from . import handoff
 
         src, dst = self._handoff_ids("src", src), self._handoff_ids("dst", dst)
-        s, d = handoff._validate_pair(src, dst, self.device, self.num_slots)
+        device = self.tensors[L.CHECKPOINT].device  # with its index: device ids compare equal to it
+        kernel = handoff._use_kernel(device, "auto", (self,))
+        s, d = handoff._validate_pair(src, dst, device, self.num_slots, keep_dtype=kernel)
         if (src.device.type == "cpu" and dst.device.type == "cpu") or debug():
             self._check_handoff_live(src, "src", unique=False)
             self._check_handoff_live(dst, "dst")
-        handoff._copy(self.tensors, s, d)
+        self._copy(s, d, kernel)
+
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, kernel: bool) -> None:
+        """Validated device ids: one copy-kernel launch (table cached per cache), or the
+        per-tensor copies (int64 ids)."""
+        from . import handoff
+
+        if kernel:
+            handoff.copy_plan((self,)).copy(src, dst)
+        else:
+            handoff._copy(self.tensors, src.to(torch.int64), dst.to(torch.int64))
 
     def fork(self, src, n: int = 1) -> torch.Tensor:
         """Allocate `n` slots per slot of `src` (allocated, unique) and copy it into them;
@@ -316,9 +330,10 @@ class ReplaySSMCache:
             raise ValueError(f"n must be an int >= 1; got {n!r}")
         src = self._handoff_ids("src", src)
         self._check_handoff_live(src, "src")
+        kernel = handoff._use_kernel(self.device, "auto", (self,))
         dst = self.allocate(n * src.numel())  # raises before changing anything if too few are free
         s = src.to(self.device, torch.int64).repeat_interleave(n)
-        handoff._copy(self.tensors, s, dst.to(torch.int64))
+        self._copy(s, dst, kernel)
         return dst
 
     def snapshot(self, src, dst, A: torch.Tensor | None = None) -> None:
@@ -329,7 +344,7 @@ class ReplaySSMCache:
         from . import handoff
 
         src, dst = self._handoff_ids("src", src), self._handoff_ids("dst", dst)
-        s, d = handoff._validate_pair(src, dst, self.device, self.num_slots)
+        s, d = handoff._validate_pair(src, dst, self.tensors[L.CHECKPOINT].device, self.num_slots)
         self._check_handoff_live(src, "src")
         self._check_handoff_live(dst, "dst")
         states = self.materialize(s, A)

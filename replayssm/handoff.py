@@ -18,17 +18,26 @@ forked into several destinations), `src` and `dst` disjoint. Ids already on a CU
 are not read back on the hot path (that would synchronize and break graph capture); they
 are validated the same way only with REPLAYSSM_DEBUG=1. ReplaySSMCache's methods also
 check its allocator (every id allocated). A rejected call changes nothing.
+
+Copies on a CUDA device run the copy kernel (kernels/triton/copy_slots.py): one launch
+moves every per-slot tensor of every cache in the call, from a table of the tensors'
+addresses and slot strides built on the first copy of a cache list (`copy_plan`; a
+host-to-device copy, so the first copy must come before any graph capture) and kept
+while the caches live. The per-tensor index copies (`_copy`) serve the CPU and
+backend="reference".
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import api
 from . import layout as L
-from .kernels import backend_for
+from .kernels import _triton_interpreting, backend_for, check_backend
 from .kernels.env import debug
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -76,9 +85,11 @@ def check_host_ids(name: str, values: list[int], num_slots: int, *, unique: bool
         raise ValueError(f"{name} must name each slot once; slot(s) {rep} repeat; got {values}")
 
 
-def _validate_pair(src, dst, device, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _validate_pair(src, dst, device, num_slots: int, *, keep_dtype: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """src / dst ids of a copy or snapshot: same count; with host values, in range, dst
-    unique, src and dst disjoint. Returns both as int64 on the cache device."""
+    unique, src and dst disjoint. Returns both on the cache device, as int64 (or, with
+    `keep_dtype`, as given when already there: the copy kernel reads int32 and int64; host
+    ids then travel in one host-to-device copy)."""
     src = _ids("src", src, device)
     dst = _ids("dst", dst, device)
     if src.numel() != dst.numel():
@@ -91,7 +102,12 @@ def _validate_pair(src, dst, device, num_slots: int) -> tuple[torch.Tensor, torc
         both = sorted(set(s) & set(d))
         if both:
             raise ValueError(f"src and dst must be disjoint; slot(s) {both} are in both (src {s}, dst {d})")
-    return src.to(device, torch.int64), dst.to(device, torch.int64)
+    if not keep_dtype:
+        return src.to(device, torch.int64), dst.to(device, torch.int64)
+    if host and device.type != "cpu":
+        pair = torch.stack([src.to(torch.int64), dst.to(torch.int64)]).to(device)
+        return pair[0], pair[1]
+    return src.to(device), dst.to(device)
 
 
 def _validate_slots(slots, device, num_slots: int) -> torch.Tensor:
@@ -104,7 +120,8 @@ def _validate_slots(slots, device, num_slots: int) -> torch.Tensor:
 # -- copy -----------------------------------------------------------------------------------
 def _copy(cache: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
     """Every per-slot tensor: dst rows <- src rows (int64 ids on the cache device, valid).
-    Two launches a tensor (gather, scatter); no host sync."""
+    Two launches a tensor (gather, scatter); no host sync. The per-tensor path: the CPU,
+    backend="reference", and wherever the copy kernel cannot run."""
     if src.numel() == 0:
         return
     for t in cache[1:]:
@@ -112,27 +129,147 @@ def _copy(cache: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -
         b.index_copy_(0, dst, b.index_select(0, src))
 
 
+def kernel_copy_unavailable(device: torch.device) -> str | None:
+    """None when the Triton copy kernel (kernels/triton/copy_slots.py) can run on `device`:
+    a CUDA device with Triton compiling, or the CPU under the Triton interpreter
+    (TRITON_INTERPRET=1, tests); else the reason, in words."""
+    interpreting = _triton_interpreting()
+    if device.type == "cuda" and interpreting:
+        return "TRITON_INTERPRET=1 runs Triton kernels on host memory only; the cache is on the GPU"
+    if device.type != "cuda" and not interpreting:
+        return f"the copy kernel needs a CUDA device (or TRITON_INTERPRET=1 on the CPU); got {device}"
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"Triton is unavailable ({exc})"
+    return None
+
+
+def _use_kernel(device: torch.device, backend: str, caches: Sequence = ()) -> bool:
+    """Whether a copy runs on the copy kernel. backend "reference": never (per-tensor
+    PyTorch copies); "kernels": always, a ValueError where it cannot run; "auto": on a
+    CUDA device unless a cache of `caches` chose backend="reference", on the CPU only when
+    every cache of `caches` runs the kernels backend (the interpreter; tests)."""
+    check_backend(backend)
+    if backend == "reference":
+        return False
+    reason = kernel_copy_unavailable(device)
+    if backend == "kernels":
+        if reason is not None:
+            raise ValueError(f"backend='kernels' cannot copy here: {reason}; pass backend='auto' or 'reference'")
+        return True
+    if reason is not None:
+        return False
+    if device.type == "cuda":
+        return all(c.backend != "reference" for c in caches)
+    return bool(caches) and all(c.backend_name == "kernels" for c in caches)
+
+
+class CopyPlan:
+    """The copy kernel's table for a list of cache tuples on one device: one row per chunk
+    of every per-slot tensor (the conv state excluded), built once (a host-to-device copy,
+    so before any graph capture) and launched as often as needed. `copy(src, dst)`: one
+    launch for every tensor of every tuple; no host sync, capturable."""
+
+    def __init__(self, tuples: Sequence[Sequence[torch.Tensor]], num_slots: int, chunk: int | None = None):
+        from .kernels.triton import copy_slots as K
+
+        device = tuples[0][L.CHECKPOINT].device
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "copy_slots: the copy table of these caches is built on the first call, which cannot run inside a "
+                "CUDA graph capture; call it once (or replayssm.handoff.copy_plan) before capturing"
+            )
+        self.device = device
+        self.num_slots = num_slots
+        self.chunk = K.default_chunk() if chunk is None else chunk
+        self.table = K.copy_table([t for c in tuples for t in c[1:]], device, self.chunk)
+        self._kernels = K
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Slots src[i] -> dst[i] in every tensor (int32/int64 ids on the device, already
+        validated; padding pairs are skipped)."""
+        index = self.device.index
+        if self.device.type == "cuda" and index is not None and index != torch.cuda.current_device():
+            with torch.cuda.device(index):  # Triton launches on the current device
+                self._kernels.copy_slots(self.table, src, dst, self.num_slots, chunk=self.chunk)
+            return
+        self._kernels.copy_slots(self.table, src, dst, self.num_slots, chunk=self.chunk)
+
+
+# Plans of ReplaySSMCache lists, keyed by the caches' ids; an entry holds weak references to
+# its caches (dropped when one dies) and their tensor tuples (so a reused id or a replaced
+# tuple is never mistaken for it). Entries are never evicted while their caches live: a
+# captured graph keeps reading the table.
+_LIST_PLANS: dict[tuple[int, ...], tuple[list, list, CopyPlan]] = {}
+# Plans of bare cache tuples (the functional API), keyed by the checkpoint tensor (dropped
+# with it) and checked against the tuple's layout (addresses, strides, shapes, dtypes); a
+# tuple that keeps its checkpoint but changes another tensor gets a new table, and a graph
+# captured with the old one must be captured again.
+_TUPLE_PLANS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def copy_plan(caches: Sequence) -> CopyPlan:
+    """The (cached) copy plan of a list of ReplaySSMCache (same num_slots, one device)."""
+    key = tuple(map(id, caches))
+    entry = _LIST_PLANS.get(key)
+    if entry is not None:
+        refs, tuples, plan = entry
+        if all(r() is c and c.tensors is t for r, c, t in zip(refs, caches, tuples)):
+            return plan
+    plan = CopyPlan([c.tensors for c in caches], caches[0].num_slots)
+
+    def drop(_ref, key=key, plan=plan) -> None:
+        got = _LIST_PLANS.get(key)
+        if got is not None and got[2] is plan:
+            del _LIST_PLANS[key]
+
+    _LIST_PLANS[key] = ([weakref.ref(c, drop) for c in caches], [c.tensors for c in caches], plan)
+    return plan
+
+
+def _tuple_plan(cache: Sequence[torch.Tensor], num_slots: int) -> CopyPlan:
+    layout = tuple((t.data_ptr(), t.stride(0), t.shape, t.dtype) for t in cache[1:])
+    entry = _TUPLE_PLANS.get(cache[L.CHECKPOINT])
+    if entry is not None and entry[0] == layout:
+        return entry[1]
+    plan = CopyPlan([cache], num_slots)
+    _TUPLE_PLANS[cache[L.CHECKPOINT]] = (layout, plan)
+    return plan
+
+
 def copy_replayssm_slots(
-    cache: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor, *, state_dtype: str
+    cache: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor, *, state_dtype: str, backend: str = "auto"
 ) -> None:
     """Copy every per-slot tensor of slots `src` into slots `dst` (checkpoint, rings, read
     copy, scales, NVFP4 meta and parity, positions; not the conv state), so that each dst
     continues as its src would (bit-identically up to the first flush folding a checkpoint
     written after the copy, with the same accuracy after it: docs/format.md "Slot
     hand-off"). `src` may repeat (a fork); `dst` unique; disjoint. No host sync for ids
-    already on the cache device (graph-capturable)."""
+    already on the cache device (graph-capturable). `backend`: "auto" (the default) one
+    copy-kernel launch on a CUDA device (its table is built on the first call for a
+    tuple: call once before capturing a graph), per-tensor copies elsewhere; "kernels" the
+    kernel or a ValueError; "reference" the per-tensor copies."""
     nvfp4 = L.is_nvfp4(state_dtype)
     num_slots, _, _ = L.check_cache(cache, nvfp4)
     device = cache[L.CHECKPOINT].device
-    src, dst = _validate_pair(src, dst, device, num_slots)
-    _copy(cache, src, dst)
+    kernel = _use_kernel(device, backend)
+    src, dst = _validate_pair(src, dst, device, num_slots, keep_dtype=kernel)
+    if kernel:
+        _tuple_plan(cache, num_slots).copy(src, dst)
+    else:
+        _copy(cache, src, dst)
 
 
-def copy_slots(caches: Sequence, src, dst) -> None:
+def copy_slots(caches: Sequence, src, dst, *, backend: str = "auto") -> None:
     """`ReplaySSMCache.copy_slots(src, dst)` over all layers' caches (a list of
     ReplaySSMCache with the same number of slots on one device): the ids are validated
-    against every layer's allocator and moved to the device once, then each layer's
-    per-slot tensors are copied (no host sync after the validation)."""
+    against every layer's allocator and moved to the device once; then one launch of the
+    copy kernel copies every per-slot tensor of every layer (on a CUDA device; no host
+    sync after the validation; graph-capturable once a first call has built the list's
+    copy table). `backend`: "auto" (the default) the kernel where it can run and no cache
+    chose backend="reference", per-tensor copies otherwise; "kernels" the kernel or a
+    ValueError; "reference" per-tensor copies."""
     from .cache import ReplaySSMCache
 
     if isinstance(caches, ReplaySSMCache) or not isinstance(caches, Sequence):
@@ -140,21 +277,27 @@ def copy_slots(caches: Sequence, src, dst) -> None:
     for i, c in enumerate(caches):
         if not isinstance(c, ReplaySSMCache):
             raise TypeError(f"caches[{i}] must be a ReplaySSMCache; got {type(c).__name__}")
+    check_backend(backend)
     if not caches:
         return
     first = caches[0]
+    device = first.tensors[L.CHECKPOINT].device  # with its index ("cuda" caches: "cuda:0")
     for i, c in enumerate(caches):
-        if c.num_slots != first.num_slots or c.device != first.device:
+        if c.num_slots != first.num_slots or c.tensors[L.CHECKPOINT].device != device:
             raise ValueError(
-                f"caches must share num_slots and device; caches[{i}] has {c.num_slots} slots on {c.device}, "
-                f"caches[0] {first.num_slots} on {first.device}"
+                f"caches must share num_slots and device; caches[{i}] has {c.num_slots} slots on "
+                f"{c.tensors[L.CHECKPOINT].device}, caches[0] {first.num_slots} on {device}"
             )
+    kernel = _use_kernel(device, backend, caches)
     src_t, dst_t = first._handoff_ids("src", src), first._handoff_ids("dst", dst)  # lists stay on the host
-    s, d = _validate_pair(src_t, dst_t, first.device, first.num_slots)
+    s, d = _validate_pair(src_t, dst_t, device, first.num_slots, keep_dtype=kernel)
     if src_t.device.type == "cpu" or debug():
         for c in caches:
             c._check_handoff_live(src_t, "src", unique=False)
             c._check_handoff_live(dst_t, "dst")
+    if kernel:
+        copy_plan(caches).copy(s, d)
+        return
     for c in caches:
         _copy(c.tensors, s, d)
 
@@ -292,6 +435,8 @@ def _import(cache, geometry, impl, data, ids, compact: bool, *, nvfp4: bool, see
 
 
 __all__ = [
+    "CopyPlan",
+    "copy_plan",
     "copy_replayssm_slots",
     "copy_slots",
     "export_replayssm_slots",

@@ -250,3 +250,31 @@ def test_profile_steps_runs_the_layer_for_the_given_steps(fmt):
     assert torch.isfinite(out.float()).all()
     _, _, again = run_steps(fmt, batch, steps, heads=8, groups=1, device="cpu")
     assert torch.equal(out.view(torch.int16), again.view(torch.int16))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--dry-run switches the process to the Triton interpreter; run the benchmark itself on a GPU")
+def test_bench_handoff_dry_run_measures_the_bytes_it_claims(tmp_path):
+    """benchmarks/bench_handoff.py --dry-run (CPU, interpreter, 2 layers x 8 slots): its
+    correctness checks pass, and every row's bytes are what the caches hold (copy: slots x
+    bytes a slot x layers; swap: one slot over the layers; materialize: checkpoints, live
+    ring entries and FP32 states of its rows); results.json holds the same rows."""
+    from benchmarks import bench_handoff as bh
+
+    result = bh.main(["--dry-run", "--formats", "fp8", "--out", str(tmp_path)])
+    args = result["meta"]["args"]
+    assert all(c.get("ok", True) for c in result["checks"]), result["checks"]
+    mat = [c for c in result["checks"] if "materialize" in c["check"]]
+    assert mat and mat[0]["value"] <= tol.FOLD_REL_TOL
+    per_slot = replayssm.ReplaySSMCache(3, args["heads"], args["groups"], "fp8", "cpu", backend="reference").bytes_per_slot()
+    rows = {r["op"]: r for r in result["rows"]}
+    copy = args["copy_slots"] * per_slot * args["layers"]
+    swap = per_slot * args["layers"]
+    for op in ("copy_slots, one launch", "copy_slots, per tensor", "torch copy, same bytes (peer)"):
+        assert rows[op]["bytes"] == copy, op
+    for op in ("export 1 slot, all layers", "import 1 slot, all layers", "pinned D2H, same bytes (peer)"):
+        assert rows[op]["bytes"] == swap, op
+    state = args["heads"] * 64 * 128
+    entry = args["heads"] * (64 * 2 + 4) + args["groups"] * 128 * 2
+    m = rows[f"materialize, batch {args['batch']}"]["bytes"] - args["batch"] * state * (2 + 4)
+    assert 0 <= m <= args["batch"] * 15 * entry and m % entry == 0
+    assert json.loads((tmp_path / "results.json").read_text())["rows"] == result["rows"]

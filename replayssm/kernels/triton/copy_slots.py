@@ -1,0 +1,155 @@
+"""Copy kernel: every per-slot tensor of any number of cache tuples, slots `src` into slots
+`dst`, in one launch.
+
+The tensors are described by a copy table (`copy_table`, built once per list of tensors;
+int64 [chunks, 4]), one row per chunk of at most `chunk` bytes of one tensor's slot:
+
+    [address of the chunk in slot 0, slot stride (bytes), bytes in the chunk, width]
+
+so slot s's copy of the chunk starts at address + s * stride. `width` is the access
+granularity: 16 (int32 vectors of 4, 16-byte loads and stores: address, stride and chunk
+bytes all multiples of 16), 4 (int32) or 1 (bytes). A tensor whose slot bytes are not a
+multiple of 16 (positions, NVFP4 parity, meta of an odd group count) gets a last chunk of
+width 4 (or 1) for its tail; a tensor that is not 16-byte aligned, width 4 or 1 throughout.
+
+Grid (chunks, pairs): program (i_c, i_p) copies chunk i_c of slot src[i_p] into slot
+dst[i_p]. A pair with either id <= 0 or >= num_slots (padding) is skipped. The kernel
+turns table addresses into pointers (`int64.to(tl.pointer_type(...))`), with the 16-byte
+alignment restated on the pointer (`tl.multiple_of`) so the compiler emits 16-byte
+accesses; the Triton interpreter runs the same code on CPU tensors (the addresses are host
+addresses there), so CPU tests exercise the table and the kernel alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import interpreting
+
+TABLE_COLUMNS = 4  # address, slot stride, bytes, width
+MAX_PAIRS_PER_LAUNCH = 65535  # CUDA's limit on grid dim 1
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _copy_slots_kernel(
+    p_table,
+    p_src,
+    p_dst,
+    stride_src,
+    stride_dst,
+    num_slots,
+    BLOCK: tl.constexpr,
+    ITERS: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    i_p = tl.program_id(1)
+    s = tl.load(p_src + i_p.to(tl.int64) * stride_src)
+    d = tl.load(p_dst + i_p.to(tl.int64) * stride_dst)
+    if (s <= 0) | (s >= num_slots) | (d <= 0) | (d >= num_slots):  # a padding pair
+        return
+    p_row = p_table + i_c.to(tl.int64) * 4
+    base = tl.load(p_row)
+    stride = tl.load(p_row + 1)
+    nbytes = tl.load(p_row + 2)
+    width = tl.load(p_row + 3)
+    a_src = base + s.to(tl.int64) * stride
+    a_dst = base + d.to(tl.int64) * stride
+    # Static loops: ITERS * BLOCK int32 (4 * BLOCK bytes) cover a chunk; masks end it.
+    o = tl.arange(0, BLOCK)
+    # Each branch names its own pointers: Triton types a variable once across branches.
+    if width == 16:
+        p_s16 = tl.multiple_of(a_src.to(tl.pointer_type(tl.int32)), 16)
+        p_d16 = tl.multiple_of(a_dst.to(tl.pointer_type(tl.int32)), 16)
+        n16 = (nbytes // 16) * 4  # a multiple of 4: the mask never splits a vector
+        for i in tl.static_range(ITERS):
+            m16 = i * BLOCK + o < n16
+            tl.store(p_d16 + i * BLOCK + o, tl.load(p_s16 + i * BLOCK + o, mask=m16), mask=m16)
+    elif width == 4:
+        p_s4 = a_src.to(tl.pointer_type(tl.int32))
+        p_d4 = a_dst.to(tl.pointer_type(tl.int32))
+        n4 = nbytes // 4
+        for i in tl.static_range(ITERS):
+            m4 = i * BLOCK + o < n4
+            tl.store(p_d4 + i * BLOCK + o, tl.load(p_s4 + i * BLOCK + o, mask=m4), mask=m4)
+    else:
+        p_s1 = a_src.to(tl.pointer_type(tl.uint8))
+        p_d1 = a_dst.to(tl.pointer_type(tl.uint8))
+        o1 = tl.arange(0, 4 * BLOCK)
+        for i in tl.static_range(ITERS):
+            m1 = i * 4 * BLOCK + o1 < nbytes
+            tl.store(p_d1 + i * 4 * BLOCK + o1, tl.load(p_s1 + i * 4 * BLOCK + o1, mask=m1), mask=m1)
+
+
+def default_chunk() -> int:
+    """Chunk bytes of the table: a few large programs for the interpreter (it pays per
+    program), 16 KiB on the GPU (four 4 KiB iterations of a 4-warp program)."""
+    return 1 << 20 if interpreting() else 16384
+
+
+def _width(address: int, stride: int, nbytes: int, widths=(16, 4)) -> int:
+    for w in widths:
+        if address % w == 0 and stride % w == 0 and nbytes % w == 0:
+            return w
+    return 1
+
+
+def table_rows(tensors: Sequence[torch.Tensor], chunk: int) -> list[tuple[int, int, int, int]]:
+    """The copy table's rows for `tensors` (each [slots, ...], contiguous within a slot:
+    `layout.slot_stride_ok`), in order: chunks of `chunk` bytes (a multiple of 16) of each
+    tensor's slot, the widest access each allows: its 16-byte body at width 16 when the
+    tensor is 16-byte aligned, the rest (its tail, or all of it) at width 4 or 1."""
+    if chunk <= 0 or chunk % 16:
+        raise ValueError(f"chunk must be a positive multiple of 16 bytes; got {chunk}")
+    rows = []
+    for t in tensors:
+        size = t[0].numel() * t.element_size() if t.shape[0] else 0
+        base, stride = t.data_ptr(), t.stride(0) * t.element_size()
+        body = size - size % 16 if _width(base, stride, 0, (16,)) == 16 else 0
+        tail = _width(base + body, stride, size - body, (4,))
+        for start, end, width in ((0, body, 16), (body, size, tail)):
+            for off in range(start, end, chunk):
+                rows.append((base + off, stride, min(chunk, end - off), width))
+    return rows
+
+
+def copy_table(tensors: Sequence[torch.Tensor], device: torch.device, chunk: int | None = None) -> torch.Tensor:
+    """The copy table (int64 [chunks, 4] on `device`) of `tensors`; see the module docstring.
+    Not capturable (a host-to-device copy): build it before capturing a graph."""
+    rows = table_rows(tensors, default_chunk() if chunk is None else chunk)
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, TABLE_COLUMNS).to(device)
+
+
+def block_for(chunk: int) -> tuple[int, int]:
+    """(BLOCK, ITERS): a program moves a chunk in ITERS iterations of BLOCK int32 (4 * BLOCK
+    bytes); one iteration in the interpreter (it pays per op), 4 KiB ones on the GPU."""
+    block = chunk // 4 if interpreting() else min(1024, chunk // 4)
+    block = max(4, triton.next_power_of_2(block))
+    return block, max(1, triton.cdiv(chunk, 4 * block))
+
+
+def copy_slots(table: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_slots: int, *, chunk: int | None = None) -> None:
+    """Copy every chunk of `table` (from `copy_table`, built with the same `chunk`) from
+    slot src[i] into slot dst[i] (int32/int64 [n] on the table's device, any stride; pairs
+    with a padding id skipped). One launch (one per 65535 pairs); no host sync."""
+    src, dst = src.reshape(-1), dst.reshape(-1)
+    n, chunks = src.numel(), table.shape[0]
+    if n == 0 or chunks == 0:
+        return
+    block, iters = block_for(default_chunk() if chunk is None else chunk)
+    for start in range(0, n, MAX_PAIRS_PER_LAUNCH):
+        s, d = src[start : start + MAX_PAIRS_PER_LAUNCH], dst[start : start + MAX_PAIRS_PER_LAUNCH]
+        _copy_slots_kernel[(chunks, s.numel())](
+            table,
+            s,
+            d,
+            s.stride(0),
+            d.stride(0),
+            num_slots,
+            BLOCK=block,
+            ITERS=iters,
+            num_warps=4,
+        )
