@@ -316,38 +316,39 @@ _PARAMS: dict[tuple, tuple] = {}  # (id(A), id(D), id(dt_bias), heads) -> (tenso
 _PARAMS_MAX = 1024
 
 
-def _rows_view(t, batch: int, n: int, width: int, index: int):
-    """bf16 `t` ([batch, n, width], or [batch, n * width]) as [batch, n, width] on device
-    `index`, or None."""
+def _rows_ok(t, batch: int, n: int, width: int, index: int) -> bool:
+    """Whether `t` is a bf16 [batch, n, width] or [batch, n * width] tensor on device
+    `index` (the kernels read either through its strides)."""
     if type(t) is not torch.Tensor or t.dtype != torch.bfloat16 or t.get_device() != index:
-        return None
+        return False
     shape = t.shape
-    if len(shape) == 3 and shape[0] == batch and shape[1] == n and shape[2] == width:
-        return t
-    if len(shape) == 2 and shape[0] == batch and shape[1] == n * width and t.stride(1) == 1:
-        return t.view(batch, n, width)
-    return None
+    if len(shape) == 3:
+        return shape[0] == batch and shape[1] == n and shape[2] == width
+    return len(shape) == 2 and shape[0] == batch and shape[1] == n * width
 
 
-def _layer_params(A, D, dt_bias, heads: int):
+def _layer_params(A, D, dt_bias, heads: int, index: int):
     """(A, D, dt_bias) normalized as `normalize_decode_inputs` leaves them, made once per
     tensors and reused while none of them is modified in place (the entry holds them, so
-    their ids stay theirs; a version counter moves on every in-place change)."""
-    key = (id(A), id(D), id(dt_bias), heads)
+    their ids stay theirs; a version counter moves on every in-place change); None when
+    they are not plain tensors on device `index` (the general path then validates them)."""
+    key = (id(A), id(D), id(dt_bias), heads, index)
     hit = _PARAMS.get(key)
-    versions = (A._version, D._version, dt_bias._version)
-    if hit is not None and hit[1] == versions:
+    if hit is not None and hit[1] == (A._version, D._version, dt_bias._version):
         return hit[2]
+    if any(type(t) is not torch.Tensor or t.get_device() != index for t in (A, D, dt_bias)):
+        return None
     norm = _normalize_params(A, D, dt_bias, heads)
     if len(_PARAMS) >= _PARAMS_MAX:
         _PARAMS.clear()
-    _PARAMS[key] = ((A, D, dt_bias), versions, norm)
+    _PARAMS[key] = ((A, D, dt_bias), (A._version, D._version, dt_bias._version), norm)
     return norm
 
 
 def _direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4, seed, scratch, head_offset) -> bool:
     """Run the step on the kernel backend directly when the inputs are in an accepted
-    layout (see above); False (nothing done) otherwise."""
+    layout (see above); False (nothing done) otherwise. x, B and C go as they are ([b, n,
+    w] or [b, n * w]: the launcher reads their row strides)."""
     index = cache[L.CHECKPOINT].get_device()
     T = torch.Tensor
     if type(ids) is not T or ids.dim() != 1 or ids.dtype not in _IDS_DTYPES or ids.get_device() != index:
@@ -360,10 +361,10 @@ def _direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, 
         or out.numel() != batch * heads * L.HEAD_DIM or not out.is_contiguous()
     ):
         return False
-    x = _rows_view(x, batch, heads, L.HEAD_DIM, index)
-    B = _rows_view(B, batch, groups, L.STATE_DIM, index)
-    C = _rows_view(C, batch, groups, L.STATE_DIM, index)
-    if x is None or B is None or C is None:
+    if not (
+        _rows_ok(x, batch, heads, L.HEAD_DIM, index) and _rows_ok(B, batch, groups, L.STATE_DIM, index)
+        and _rows_ok(C, batch, groups, L.STATE_DIM, index)
+    ):
         return False
     if type(dt) is not T or dt.dtype not in _DT_DTYPES or dt.get_device() != index:
         return False
@@ -373,13 +374,12 @@ def _direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, 
         and (len(shape) == 2 or shape[2] == 1 or dt.stride(2) == 0)
     ):
         return False  # the kernels read dt[b, h] through dt's first two strides
-    if any(type(t) is not T or t.get_device() != index for t in (A, D, dt_bias)):
+    params = _layer_params(A, D, dt_bias, heads, index)
+    if params is None:
         return False
-    A, D, dt_bias = _layer_params(A, D, dt_bias, heads)
-    if out.dim() != 3:
-        out = out.view(batch, heads, L.HEAD_DIM)
-    with torch.no_grad():
-        impl.decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4=nvfp4, seed=seed, scratch=scratch, head_offset=head_offset)
+    A, D, dt_bias = params
+    # No no_grad: the kernels write through raw pointers and record no autograd history.
+    impl.decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4=nvfp4, seed=seed, scratch=scratch, head_offset=head_offset)
     return True
 
 

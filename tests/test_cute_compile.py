@@ -408,24 +408,20 @@ def test_direct_launch_passes_the_words_the_executor_would(monkeypatch):
         def run_compiled_program(self, exe_args):
             self._default_executor = self._default_executor or Executor()
 
-    class FakeStream:
-        def __init__(self, handle):
-            self.cuda_stream = handle
-
     def structs_of(a, b):
         return lambda: (Struct((a, b)),)
 
     fn = Fn()
-    launch._launch(fn, structs_of(0x1000, 7), (3,), (0x1000, 7, 3), FakeStream(55))
-    launch._launch(fn, structs_of(0x2000, 9), (5,), (0x2000, 9, 5), FakeStream(66))
+    launch._launch(fn, structs_of(0x1000, 7), (3,), (0x1000, 7, 3), 55)
+    launch._launch(fn, structs_of(0x2000, 9), (5,), (0x2000, 9, 5), 66)
     assert calls == [("executor", [0x1000, 7, 3, 55]), ("direct", [0x2000, 9, 5, 66], 1234)]
     calls.clear()
     skewed = Fn(skew=16)  # marshals something other than the words: never direct
-    launch._launch(skewed, structs_of(0x1000, 7), (3,), (0x1000, 7, 3), FakeStream(55))
-    launch._launch(skewed, structs_of(0x2000, 9), (5,), (0x2000, 9, 5), FakeStream(66))
+    launch._launch(skewed, structs_of(0x1000, 7), (3,), (0x1000, 7, 3), 55)
+    launch._launch(skewed, structs_of(0x2000, 9), (5,), (0x2000, 9, 5), 66)
     assert [c[0] for c in calls] == ["executor", "executor"]
     calls.clear()
-    launch._launch(fn, structs_of(0x3000, 1), (2,), None, FakeStream(55))  # words None: the executor path
+    launch._launch(fn, structs_of(0x3000, 1), (2,), None, 55)  # words None: the executor path
     assert calls == [("executor", [0x3000, 1, 2, 55])]
 
     class Plain:
@@ -436,43 +432,47 @@ def test_direct_launch_passes_the_words_the_executor_would(monkeypatch):
             self.args.append(args[:-1])
 
     plain = Plain()
-    launch._launch(plain, structs_of(1, 2), (4,), (1, 2, 4), FakeStream(7))
+    launch._launch(plain, structs_of(1, 2), (4,), (1, 2, 4), 7)
     assert plain.args == [(Struct((1, 2)), 4)]
 
 
 def test_streams_fork_and_join(monkeypatch):
-    """The launcher's streams (no GPU: streams and events replaced by recorders): the side
-    stream waits for an event recorded on the current one before the kernels, and the
-    current one for an event recorded on the side stream after them; the PDL kernel stays
-    on the current stream."""
+    """The launcher's streams (no GPU: the driver replaced by a recorder): the side stream
+    waits for the fork event recorded on the current one before the kernels, and the
+    current one for the join event recorded on the side stream after them; the PDL kernel
+    stays on the current stream."""
     from replayssm.kernels.cute import launch
 
+    class Lib:
+        def __init__(self):
+            self.calls = []
+
+        def cuEventRecord(self, event, stream):
+            self.calls.append(("record", event, stream))
+            return 0
+
+        def cuStreamWaitEvent(self, stream, event, flags):
+            self.calls.append(("wait", stream, event))
+            return 0
+
+    driver = launch._Driver()
+    driver.lib = Lib()
+    monkeypatch.setattr(launch, "_DRIVER", driver)
+    monkeypatch.setattr(launch, "_side_stream", lambda index: (200, 11, 12))
     for flush_pdl in (False, True):
-        calls = []
+        driver.lib.calls.clear()
+        f, n = launch.fork_streams(0, flush_pdl, 100)
+        launch.join_streams(0, 100)
+        assert (f, n) == ((100, 200) if flush_pdl else (200, 100))
+        assert driver.lib.calls == [("record", 11, 100), ("wait", 200, 11), ("record", 12, 200), ("wait", 100, 12)]
 
-        class Stream:
-            def __init__(self, name):
-                self.name = name
+    class Failing(Lib):
+        def cuStreamWaitEvent(self, stream, event, flags):
+            return 1
 
-            def wait_event(self, event):
-                calls.append(f"{self.name} waits {event.name}@{event.on}")
-
-        class Event:
-            def __init__(self, name):
-                self.name, self.on = name, None
-
-            def record(self, stream):
-                self.on = stream.name
-                calls.append(f"{self.name} on {stream.name}")
-
-        main, side = Stream("main"), Stream("side")
-        events = (side, Event("fork"), Event("join"))
-        monkeypatch.setattr(launch, "_side_stream", lambda device: events)
-        f, n = launch.fork_streams("cuda", flush_pdl, main)
-        calls.append("kernels")
-        launch.join_streams("cuda", main)
-        assert (f, n) == ((main, side) if flush_pdl else (side, main))
-        assert calls == ["fork on main", "side waits fork@main", "kernels", "join on side", "main waits join@side"]
+    driver.lib = Failing()
+    with pytest.raises(RuntimeError, match="CUDA driver error 1"):
+        launch.fork_streams(0, True, 100)
 
 
 def test_flush_fragment_maps_are_bijections():
@@ -601,9 +601,9 @@ def test_flush_issues_a_rows_loads_before_its_staging(compiled, arch):
 
 
 def test_the_hot_paths_words_are_the_specs():
-    """launch.inputs_words (the eager hot path's Inputs words) and launch._cache_words
-    equal args.raw of the same tensors, for engine-shaped and plain inputs; a cache tuple
-    with another tensor under the same position misses the cached words."""
+    """launch.inputs_words (the eager hot path's Inputs words) and a `launch.Step`'s
+    words (the cache's and the plan's, made once) equal args.raw of the same tensors, for
+    engine-shaped and plain inputs."""
     import torch
 
     from replayssm import layout as L
@@ -623,13 +623,15 @@ def test_the_hot_paths_words_are_the_specs():
         want = A.raw(A.Inputs, x=x, dt=dt, A=A_, B=B, C=C, D=D, dt_bias=dt_bias, out=out)
         got = launch.inputs_words(x, dt, A_, B, C, D, dt_bias, out, x.stride(0), B.stride(0), C.stride(0))
         assert list(got) == want
+    from replayssm.reference import Plan
+
+    plan = Plan(*(torch.zeros(3, dtype=d) for d in (torch.bool, torch.int64, torch.int64, torch.bool, torch.int64, torch.int64)))
     for fmt_name in ("fp8", "nvfp4"):
         fmt = read_copy_format(fmt_name, "sm_90a")
         cache = L.allocate_cache(5, 16, 2, fmt_name, "cpu", slot_padding=64)
-        ckpt, words = launch._cache_words(cache, fmt, 3)
-        assert list(ckpt) == A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=3)
+        step = launch.Step(cache, plan, fmt_name, "sm_90a", head_offset=3)
+        assert list(step.ckpt_words) == A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=3)
         ring = A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
-        assert list(words) == ring + A.raw(fmt.Args, **fmt.tensors(cache, L))
-        other = list(cache)
-        other[L.READ_COPY] = cache[L.READ_COPY].clone()
-        assert launch._cache_words(tuple(other), fmt, 3)[1][len(ring)] == other[L.READ_COPY].data_ptr()
+        assert list(step.cache_words) == ring + A.raw(fmt.Args, **fmt.tensors(cache, L))
+        assert list(step.plan_words) == A.raw(A.Plan, **plan._asdict())
+        assert (step.batch, step.heads, step.groups) == (3, 16, 2)

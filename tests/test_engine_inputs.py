@@ -124,12 +124,12 @@ def test_the_eager_fast_path_gives_the_ops_bits_and_launches_directly(fmt, monke
     """An eager `ReplaySSMCache.decode` on the kernel backend skips the custom op
     (`api._direct_decode`) and, after each kernel's first launch, launches the CuTe kernels
     from argument words (`launch._Direct`) and the prepare kernel past Triton's dispatch
-    (`prepare.Prepare`): over 34 steps with engine-shaped inputs and a padding row, the
+    (`prepare.Prepare`, kept in the backend's context of the cache): over 34 steps with engine-shaped inputs and a padding row, the
     outputs and every cache tensor equal, bit for bit, those of a twin cache decoded
     through the op (the general path)."""
     from replayssm import api, ops
+    from replayssm.kernels import kernel_backend
     from replayssm.kernels.cute import launch
-    from replayssm.kernels.triton import prepare
 
     batch = 6
     caches, slots, params, gen = _pair(fmt, "cuda", "kernels", batch=batch)
@@ -154,4 +154,5 @@ def test_the_eager_fast_path_gives_the_ops_bits_and_launches_directly(fmt, monke
         assert same_bits(x, y)
     direct = [d for d in getattr(launch._TLS, "direct", {}).values() if d]
     assert len(direct) >= 2 and all(isinstance(d, launch._Direct) for d in direct)
-    assert any(p.compiled for p in prepare._PREPARED.values())
+    prepares = kernel_backend()._context(caches[0].tensors).prepares.values()
+    assert prepares and all(p.compiled for p in prepares)

@@ -26,9 +26,11 @@ copies) are imported on first use too; `compile_all` builds them for any target 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -70,12 +72,34 @@ class _TritonKernels(NamedTuple):
     clear: Callable
     prepare_decode: Callable
     PlanScratch: type
+    Prepare: type
+
+
+class _CacheContext:
+    """What the kernel backend knows of one CUDA cache tuple between decode calls: whether
+    the CuTe kernels can run it ((launch module, arch), or the reason they cannot) and its
+    prepare launches (`triton.prepare.Prepare`) by batch, format, seed, ids dtype and plan
+    scratch, and its CuTe launches (`cute.launch.Step`) by batch, format, head offset and
+    plan scratch. Holds weak references only: a context never keeps a cache alive (its
+    launches hold addresses and are given the tensors on each call)."""
+
+    __slots__ = ("refs", "cute", "reason", "prepares", "steps")
+
+    def __init__(self, cache, cute, reason: str | None) -> None:
+        self.refs = tuple(weakref.ref(t) for t in cache)
+        self.cute, self.reason = cute, reason
+        self.prepares: dict[tuple, object] = {}
+        self.steps: dict[tuple, object] = {}
+
+    def holds(self, cache) -> bool:
+        """Whether `cache` is the tuple of tensors this context was made for."""
+        return len(cache) == len(self.refs) and all(r() is t for r, t in zip(self.refs, cache))
 
 
 class KernelBackend:
     """Bookkeeping on Triton kernels (`initialize`, `clear`, the decode plan `prepare`)
-    and the decode math on the CuTe DSL kernels, launched from `_cute_step`, the one
-    place that calls the CuTe launcher. `cute_unavailable` says why the CuTe kernels
+    and the decode math on the CuTe DSL kernels, launched from `decode` through the CuTe
+    launcher's `Step`. `cute_unavailable` says why the CuTe kernels
     cannot run a cache (no CuTe DSL, a GPU outside the arch table, an unaligned cache);
     `backend_for` asks it before choosing this backend, and `decode` on a CUDA cache
     they cannot run is a ValueError, never a silent fallback.
@@ -102,12 +126,14 @@ class KernelBackend:
         self._cute_launch = None  # replayssm.kernels.cute.launch, False when unavailable
         self._cute_error: str | None = None  # why the CuTe DSL could not be imported
         self._cute_arch: dict[torch.device, tuple[str | None, str | None]] = {}  # (arch, reason)
+        self._contexts: dict[tuple, _CacheContext] = {}
 
     @staticmethod
+    @functools.cache
     def _kernels():
         from .triton import clear, initialize, prepare
 
-        return _TritonKernels(initialize.initialize, clear.clear, prepare.prepare_decode, prepare.PlanScratch)
+        return _TritonKernels(initialize.initialize, clear.clear, prepare.prepare_decode, prepare.PlanScratch, prepare.Prepare)
 
     def new_scratch(self, device: torch.device | str, rows: int):
         """A private `PlanScratch` for `rows` rows (ReplaySSMCache owns one, sized for its
@@ -144,32 +170,49 @@ class KernelBackend:
     def decode(
         self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, nvfp4: bool, seed: int, scratch=None, head_offset: int = 0
     ) -> None:
-        """Prepare kernel, then the CuTe decode kernels (`_cute_step`: the non-flush and the
-        flush kernel launch every step); on the CPU the reference decode math."""
+        """Prepare kernel, then the CuTe decode kernels (the non-flush and the flush kernel
+        launch every step), both kept in the cache's `_CacheContext`; on the CPU the
+        reference decode math. On CUDA, x, B, C may be [batch, H * 64] / [batch, G * 128]."""
         device = cache[L.CHECKPOINT].device
         if device.type == "cuda":
-            stream = torch.cuda.current_stream(device)
-            plan = self.prepare(cache, ids, out, nvfp4=nvfp4, seed=seed, scratch=scratch, stream=stream.cuda_stream)
-            self._cute_step(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4, head_offset=head_offset, stream=stream)
+            ctx = self._context(cache)
+            if ctx.cute is None:
+                raise ValueError(f"the kernel backend cannot decode this cache: {ctx.reason}")
+            launch, arch = ctx.cute
+            stream = launch.current_stream(device.index)
+            if scratch is None:
+                scratch = self.scratch(device, ids.numel())
+            if ids.dim() != 1:
+                ids = ids.reshape(-1)
+            batch = ids.shape[0]
+            key = (batch, nvfp4, seed, ids.dtype, scratch.addresses)
+            prep = ctx.prepares.get(key)
+            if prep is None:
+                prep = ctx.prepares[key] = self._kernels().Prepare(cache, scratch, batch, nvfp4, seed, ids)
+            prep(ids, out, stream, cache, scratch)
+            key = (batch, nvfp4, head_offset, scratch.addresses)
+            step = ctx.steps.get(key)
+            if step is None:
+                step = ctx.steps[key] = launch.Step(cache, prep.plan, "nvfp4" if nvfp4 else "fp8", arch, head_offset)
+            step(cache, prep.plan, x, dt, A, B, C, D, dt_bias, out, stream)
             return
         plan = self.prepare(cache, ids, out, nvfp4=nvfp4, seed=seed, scratch=scratch)
         ref.decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4)
         ref.decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4, seed=seed, head_offset=head_offset)
 
-    def _cute_step(
-        self, cache, x, dt, A, B, C, D, dt_bias, plan: ref.Plan, out, *, nvfp4: bool, head_offset: int = 0, stream=None
-    ) -> None:
-        """One decode step's CuTe launches for the rows of `plan` (inputs normalized as
-        `replayssm.api` leaves them, `out` [batch, H, 64] bf16): the only call into the
-        CuTe launcher (`launch.decode_step`)."""
-        cute = self.cute_for(cache, nvfp4=nvfp4)
-        if cute is None:
-            raise ValueError(f"the kernel backend cannot decode this cache: {self.cute_unavailable(cache)}")
-        launch, arch = cute
-        launch.decode_step(
-            cache, x, dt, A, B, C, D, dt_bias, plan, out, state_dtype="nvfp4" if nvfp4 else "fp8", arch=arch,
-            head_offset=head_offset, stream=stream,
-        )
+    def _context(self, cache) -> "_CacheContext":
+        """The `_CacheContext` of a CUDA cache tuple (made on first use; keyed by the
+        tensors' ids and checked by weak references, so a tuple of other tensors under
+        reused ids gets its own)."""
+        key = tuple(map(id, cache))
+        ctx = self._contexts.get(key)
+        if ctx is not None and ctx.holds(cache):
+            return ctx
+        if len(self._contexts) >= 4096:
+            self._contexts.clear()
+        reason = self.cute_unavailable(cache)
+        ctx = self._contexts[key] = _CacheContext(cache, None if reason else self.cute_for(cache), reason)
+        return ctx
 
     def materialize(self, cache, ids, A, out=None) -> torch.Tensor:
         """The Triton materialize kernel (kernels/triton/materialize.py): one launch, no

@@ -24,7 +24,6 @@ import ctypes
 import functools
 import os
 import threading
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -204,6 +203,13 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _rows_ok(t: torch.Tensor, stride: tuple, width: int) -> bool:
+    """`rows_ok` of t ([batch, n, width] or [batch, n * width]) given its strides and row
+    width (64 for x, 128 for B and C)."""
+    inner = stride[2] == 1 and stride[1] == width if len(stride) == 3 else stride[1] == 1
+    return inner and t.data_ptr() % 16 == 0 and stride[0] % 8 == 0
+
+
 def rows_ok(t: torch.Tensor) -> bool:
     """Whether the kernels read `t` ([batch, heads or groups, n] bf16) as it is: each
     row's heads (groups) contiguous, and the base and the row stride 16-byte aligned.
@@ -211,35 +217,86 @@ def rows_ok(t: torch.Tensor) -> bool:
     return t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.data_ptr() % 16 == 0 and (t.stride(0) * 2) % 16 == 0
 
 
-_SIDE: dict[torch.device, tuple] = {}
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _side_stream(device: torch.device) -> tuple:
-    """(side stream, fork event, join event) of `device`, made once."""
-    side = _SIDE.get(device)
+def current_stream(index: int) -> int:
+    """The handle of the current CUDA stream of device `index` (torch's raw-stream query:
+    a fraction of a microsecond, where `torch.cuda.current_stream` builds an object)."""
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+class _Driver:
+    """cuEventRecord and cuStreamWaitEvent of the CUDA driver on raw handles (the fork and
+    join of a step's side stream), through ctypes; torch's Stream/Event methods where the
+    driver library cannot be loaded."""
+
+    def __init__(self) -> None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            lib.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+            self.lib = lib
+        except (OSError, AttributeError):
+            self.lib = None
+
+    def fork_join(self, side: tuple, first: int, second: int, event: int) -> None:
+        """Record `side`'s event `event` (1: fork, 2: join) on stream handle `first` and make
+        stream `second` wait for it."""
+        if self.lib is None:
+            streams = {side[0]: side[3]}
+            first_s = streams.get(first) or torch.cuda.ExternalStream(first)
+            second_s = streams.get(second) or torch.cuda.ExternalStream(second)
+            side[3 + event].record(first_s)
+            second_s.wait_event(side[3 + event])
+            return
+        err = self.lib.cuEventRecord(side[event], first) or self.lib.cuStreamWaitEvent(second, side[event], 0)
+        if err:
+            raise RuntimeError(f"CUDA driver error {err} forking / joining a replayssm step's streams")
+
+
+_DRIVER: _Driver | None = None
+_SIDE: dict[int, tuple] = {}
+
+
+def _side_stream(index: int) -> tuple:
+    """(side stream handle, fork event handle, join event handle, side stream, fork event,
+    join event) of device `index`, made once (the objects keep the handles alive)."""
+    side = _SIDE.get(index)
     if side is None:
-        side = _SIDE[device] = (torch.cuda.Stream(device=device, priority=-1), torch.cuda.Event(), torch.cuda.Event())
+        stream = torch.cuda.Stream(device=index, priority=-1)
+        fork, join = torch.cuda.Event(), torch.cuda.Event()
+        fork.record(stream)  # CUDA events are created on first record, on the stream's device
+        join.record(stream)
+        side = _SIDE[index] = (stream.cuda_stream, fork.cuda_event, join.cuda_event, stream, fork, join)
     return side
 
 
-def fork_streams(device: torch.device, flush_pdl: bool, main: torch.cuda.Stream) -> tuple:
-    """(flush stream, non-flush stream) for one step: one is the current stream `main`,
-    the other the side stream, forked here from `main` (the plan and the inputs are ready
-    for it; a PDL kernel on `main` waits for them itself). `flush_pdl`: the flush on
-    `main`, else the non-flush kernel. The fork reuses one event (a wait orders against
-    the record made just before it)."""
-    side, fork, _ = _side_stream(device)
-    fork.record(main)
-    side.wait_event(fork)
-    return (main, side) if flush_pdl else (side, main)
+def _driver() -> _Driver:
+    global _DRIVER
+    if _DRIVER is None:
+        _DRIVER = _Driver()
+    return _DRIVER
 
 
-def join_streams(device: torch.device, main: torch.cuda.Stream) -> None:
-    """Join the side stream back into `main` after a step's kernels: everything after the
-    step sees both kernels' writes (one reused event, as for the fork)."""
-    side, _, join = _side_stream(device)
-    join.record(side)
-    main.wait_event(join)
+def fork_streams(index: int, flush_pdl: bool, main: int) -> tuple[int, int]:
+    """(flush stream, non-flush stream) handles for one step: one is the current stream
+    `main`, the other the side stream of device `index`, forked here from `main` (the
+    plan and the inputs are ready for it; a PDL kernel on `main` waits for them itself).
+    `flush_pdl`: the flush on `main`, else the non-flush kernel. The fork reuses one event
+    (a wait orders against the record made just before it)."""
+    side = _side_stream(index)
+    _driver().fork_join(side, main, side[0], 1)
+    return (main, side[0]) if flush_pdl else (side[0], main)
+
+
+def join_streams(index: int, main: int) -> None:
+    """Join the side stream of device `index` back into `main` after a step's kernels:
+    everything after the step sees both kernels' writes (one reused event, as the fork)."""
+    side = _side_stream(index)
+    _driver().fork_join(side, side[0], main, 2)
 
 
 def decode_step(
@@ -259,54 +316,88 @@ def decode_step(
     config: StepConfig | None = None,
     state_out: torch.Tensor | None = None,
     head_offset: int = 0,
-    stream: torch.cuda.Stream | None = None,
+    stream: int | None = None,
 ) -> None:
-    """Launch the flush and the non-flush kernel of one step (after `prepare`).
+    """Launch the flush and the non-flush kernel of one step (after `prepare`): a `Step`
+    made for this call. The kernel backend keeps its `Step`s between calls instead.
 
-    Inputs as `reference.decode_nonflush` takes them (normalized by `replayssm.api`);
+    Inputs as `reference.decode_nonflush` takes them (normalized by `replayssm.api`),
+    except that x, B and C may also be [batch, H * 64] / [batch, G * 128] (the eager fast
+    path passes an engine's 2-D column slices as they are) and `out` any contiguous shape;
     `plan` is the prepare kernel's `reference.Plan` (device buffers). `config` defaults to
     `step_config(arch, state_dtype, heads, groups, batch)`. `state_out` (float32
     [batch, H, 64, 128], contiguous) selects the flush's test variant, which also writes
     the FP32 state of every flushed row there. `head_offset`: the model's head of the
     cache's head 0 (a tensor-parallel shard's), for the checkpoint's random bits.
-    `stream`: the current stream of x's device (looked up when None)."""
-    batch, heads = x.shape[0], x.shape[1]
-    groups = cache[L.B_RING].shape[1]
-    if not rows_ok(x):
-        x = x.clone(memory_format=torch.contiguous_format)
-    if not rows_ok(B):
-        B = B.clone(memory_format=torch.contiguous_format)
-    if not rows_ok(C):
-        C = C.clone(memory_format=torch.contiguous_format)
-    if dt.dtype not in DT_DTYPES:
-        dt = dt.float()
-    xs, bs, cs = x.stride(0), B.stride(0), C.stride(0)
-    dense = xs == heads * L.HEAD_DIM and bs == groups * L.STATE_DIM and cs == groups * L.STATE_DIM  # A.dense_rows
-    if config is None:
-        config = step_config(arch or arch_for(x.device), state_dtype, heads, groups, batch)
-    if stream is None:
-        stream = torch.cuda.current_stream(x.device)
-    nonflush, flush, fmt, columns = _kernels(config, dt.dtype, dense, state_out is not None, x.get_device())
-    ckpt_words, cache_words = _cache_words(cache, fmt, head_offset)
-    # The argument words of both launches: the structs' fields, then the scalars.
-    common = (*cache_words, *inputs_words(x, dt, A_, B, C, D, dt_bias, out, xs, bs, cs), *A.raw(A.Plan, **plan._asdict()))
-    flush_words = (*ckpt_words, *common, columns, batch) if state_out is None else None
+    `stream`: the handle of the current stream of x's device (looked up when None)."""
+    step = Step(cache, plan, state_dtype, arch or arch_for(x.device), head_offset, config)
+    step(cache, plan, x, dt, A_, B, C, D, dt_bias, out, current_stream(step.index) if stream is None else stream, state_out)
 
-    def nonflush_structs():  # the executor path's arguments (a kernel's first launch)
-        ring = A.bound(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
-        inputs = A.bound(A.Inputs, x=x, dt=dt, A=A_, B=B, C=C, D=D, dt_bias=dt_bias, out=out)
-        return (ring, A.bound(fmt.Args, **fmt.tensors(cache, L)), inputs, A.bound(A.Plan, **plan._asdict()))
 
-    def flush_structs():
-        ring, copy, inputs, plan_s = nonflush_structs()
-        if state_out is not None:
-            plan_s = A.bind(A.DebugPlan, **plan._asdict(), state=state_out)
-        return (A.bound(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=head_offset), ring, copy, inputs, plan_s)
+class Step:
+    """The CuTe launches of decode steps on one cache, one plan (batch size) and one
+    format, with the argument words that repeat between steps made once: the cache's
+    (`Checkpoint`, `Ring`, the read copy) and the plan's. A step's own words (its inputs')
+    are read per call. It holds no tensor: a caller keeping `Step`s between calls keys
+    them so that the cache and the plan are the ones it was made for (the kernel backend
+    keeps them in its per-cache context), and passes them to each call."""
 
-    flush_stream, nonflush_stream = fork_streams(x.device, config.flush_pdl, stream)
-    _launch(flush, flush_structs, (columns, batch), flush_words, flush_stream)
-    _launch(nonflush, nonflush_structs, (batch,), (*common, batch), nonflush_stream)
-    join_streams(x.device, stream)
+    __slots__ = ("batch", "heads", "groups", "index", "config", "head_offset", "ckpt_words", "cache_words", "plan_words", "kernels")
+
+    def __init__(self, cache, plan, state_dtype: str, arch: str, head_offset: int = 0, config: StepConfig | None = None) -> None:
+        self.batch = plan.valid.shape[0]
+        self.heads, self.groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
+        self.index = cache[L.CHECKPOINT].get_device()
+        self.config = config or step_config(arch, state_dtype, self.heads, self.groups, self.batch)
+        self.head_offset = head_offset
+        fmt = read_copy_format(state_dtype, arch)
+        self.ckpt_words = tuple(A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=head_offset))
+        ring = A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
+        self.cache_words = (*ring, *A.raw(fmt.Args, **fmt.tensors(cache, L)))
+        self.plan_words = tuple(A.raw(A.Plan, **plan._asdict()))
+        self.kernels: dict[tuple, tuple] = {}
+
+    def __call__(self, cache, plan, x, dt, A_, B, C, D, dt_bias, out, stream: int, state_out=None) -> None:
+        """Launch both kernels for these inputs on stream handle `stream`."""
+        batch, heads, groups = self.batch, self.heads, self.groups
+        xs, bs, cs = x.stride(), B.stride(), C.stride()
+        if not _rows_ok(x, xs, L.HEAD_DIM):
+            x = x.reshape(batch, heads, L.HEAD_DIM).clone(memory_format=torch.contiguous_format)
+            xs = x.stride()
+        if not _rows_ok(B, bs, L.STATE_DIM):
+            B = B.reshape(batch, groups, L.STATE_DIM).clone(memory_format=torch.contiguous_format)
+            bs = B.stride()
+        if not _rows_ok(C, cs, L.STATE_DIM):
+            C = C.reshape(batch, groups, L.STATE_DIM).clone(memory_format=torch.contiguous_format)
+            cs = C.stride()
+        xs, bs, cs = xs[0], bs[0], cs[0]
+        if dt.dtype not in DT_DTYPES:
+            dt = dt.float()
+        dense = xs == heads * L.HEAD_DIM and bs == groups * L.STATE_DIM and cs == groups * L.STATE_DIM  # A.dense_rows
+        debug = state_out is not None
+        key = (dt.dtype, dense, debug)
+        kernels = self.kernels.get(key)
+        if kernels is None:
+            kernels = self.kernels[key] = _kernels(self.config, dt.dtype, dense, debug, self.index)
+        nonflush, flush, fmt, columns = kernels
+        # The argument words of both launches: the structs' fields, then the scalars.
+        common = (*self.cache_words, *inputs_words(x, dt, A_, B, C, D, dt_bias, out, xs, bs, cs), *self.plan_words)
+
+        def nonflush_structs():  # the executor path's arguments (a kernel's first launch)
+            ring = A.bound(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
+            inputs = A.bound(A.Inputs, x=x, dt=dt, A=A_, B=B, C=C, D=D, dt_bias=dt_bias, out=out)
+            return (ring, A.bound(fmt.Args, **fmt.tensors(cache, L)), inputs, A.bound(A.Plan, **plan._asdict()))
+
+        def flush_structs():
+            ring, copy, inputs, plan_s = nonflush_structs()
+            if debug:
+                plan_s = A.bind(A.DebugPlan, **plan._asdict(), state=state_out)
+            return (A.bound(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=self.head_offset), ring, copy, inputs, plan_s)
+
+        flush_stream, nonflush_stream = fork_streams(self.index, self.config.flush_pdl, stream)
+        _launch(flush, flush_structs, (columns, batch), None if debug else (*self.ckpt_words, *common, columns, batch), flush_stream)
+        _launch(nonflush, nonflush_structs, (batch,), (*common, batch), nonflush_stream)
+        join_streams(self.index, stream)
 
 
 def inputs_words(x, dt, A_, B, C, D, dt_bias, out, x_stride: int, b_stride: int, c_stride: int) -> tuple:
@@ -316,27 +407,6 @@ def inputs_words(x, dt, A_, B, C, D, dt_bias, out, x_stride: int, b_stride: int,
         x.data_ptr(), dt.data_ptr(), A_.data_ptr(), B.data_ptr(), C.data_ptr(), D.data_ptr(), dt_bias.data_ptr(), out.data_ptr(),
         dt.stride(0), dt.stride(1), A_.stride(0), dt_bias.stride(0), D.stride(0), D.stride(1), x_stride // 8, b_stride // 8, c_stride // 8,
     )
-
-
-# The cache's argument words (Ring, the read copy, the Checkpoint), made once per cache
-# tuple: keyed by the tensors' ids, each entry holding weak references that must still be
-# the very tensors of the call (a dead or another tensor under a reused id misses).
-_CACHE_WORDS: dict[tuple, tuple] = {}
-_CACHE_WORDS_MAX = 4096
-
-
-def _cache_words(cache: Sequence[torch.Tensor], fmt, head_offset: int) -> tuple[tuple, tuple]:
-    """(Checkpoint words, Ring + read-copy words) of `cache`."""
-    key = (*map(id, cache), head_offset, fmt.Args)
-    hit = _CACHE_WORDS.get(key)
-    if hit is not None and all(r() is t for r, t in zip(hit[0], cache)):
-        return hit[1], hit[2]
-    ring = A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
-    words = (tuple(A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=head_offset)), (*ring, *A.raw(fmt.Args, **fmt.tensors(cache, L))))
-    if len(_CACHE_WORDS) >= _CACHE_WORDS_MAX:
-        _CACHE_WORDS.clear()
-    _CACHE_WORDS[key] = (tuple(weakref.ref(t) for t in cache), *words)
-    return words
 
 
 @functools.lru_cache(maxsize=1024)
@@ -402,14 +472,14 @@ def _direct_for(fn, exe_args: list, words: tuple, widths: tuple):
     return _Direct(executor, len(words))
 
 
-def _launch(fn, structs, scalars: tuple, words: tuple | None, stream: torch.cuda.Stream) -> None:
-    """Launch compiled kernel `fn` on `stream`: directly from `words` (the argument words:
+def _launch(fn, structs, scalars: tuple, words: tuple | None, stream: int) -> None:
+    """Launch compiled kernel `fn` on stream handle `stream`: directly from `words` (the argument words:
     struct fields, then `scalars`; None for a launch that must take the executor path),
     else through the executor with `structs()` (the argument structs)."""
     table = getattr(_TLS, "direct", None)
     if table is None:
         table = _TLS.direct = {}
-    handle = stream.cuda_stream
+    handle = stream
     direct = table.get(id(fn))
     if direct and words is not None:
         direct((*words, handle))
@@ -430,5 +500,5 @@ def _launch(fn, structs, scalars: tuple, words: tuple | None, stream: torch.cuda
 
 __all__ = [
     "COMPILE_ALL_GEOMETRIES", "STATE_DTYPES", "compile_all", "compile_into", "compiled_decode", "compiled_flush",
-    "decode_kernel", "flush_kernel", "variant_name", "warmup", "launch_padding", "layout_ok", "fork_streams", "join_streams", "decode_step",
+    "decode_kernel", "flush_kernel", "variant_name", "warmup", "launch_padding", "layout_ok", "current_stream", "fork_streams", "join_streams", "decode_step", "Step",
 ]

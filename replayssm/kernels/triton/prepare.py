@@ -221,8 +221,9 @@ class Prepare:
         """Launch for `ids` and `out`; `cache` and `scratch` (those this launch was made
         for) are passed as tensors to a launch through Triton's path."""
         kernel = None
+        ids_ptr, out_ptr = ids.data_ptr(), out.data_ptr()
         if stream is not None and not interpreting():
-            align = (ids.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
+            align = (ids_ptr % 16 == 0, out_ptr % 16 == 0)
             kernel = self.compiled.get(align)
         if kernel is None:
             pos = cache[L.POSITIONS]
@@ -237,7 +238,7 @@ class Prepare:
             if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
                 self.compiled[align] = kernel
             return
-        args = (ids.data_ptr(), *self.head, out.data_ptr(), *self.tail, ids.stride(0), *self.strides, *self.constexprs)
+        args = (ids_ptr, *self.head, out_ptr, *self.tail, ids.stride(0), *self.strides, *self.constexprs)
         hooks = knobs.runtime
         metadata = kernel.launch_metadata((self.batch, 1, 1), stream, *args)
         kernel.run(
