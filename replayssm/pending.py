@@ -356,8 +356,11 @@ def pending_decode(
         decay, w = _weights(seq_dt, A, last)
         Ct = Cs[:, t]  # [n, G, 128]
         y = decay.unsqueeze(-1) * torch.einsum("nhpk,nhk->nhp", state, _expand_groups(Ct, heads))
-        bc = torch.einsum("ngjk,ngk->ngj", seq_B, Ct)
-        y = y + torch.einsum("nhj,nhjp->nhp", w * _expand_groups(bc, heads), seq_x)
+        # Token t reads sequence entries 0..last only, selected with where: the call's later
+        # tokens may be rejected drafts holding anything (NaN), and 0 * NaN is NaN.
+        keep = j.view(1, 1, -1) <= last.view(-1, 1, 1)  # [n, 1, E]
+        bc = torch.einsum("ngjk,ngk->ngj", torch.where(keep[..., None], seq_B, zero), Ct)
+        y = y + torch.einsum("nhj,nhjp->nhp", w * _expand_groups(bc, heads), torch.where(keep[..., None], seq_x, zero))
         y = y + Dv * xs[:, t]
         ys[:, t] = torch.where(tok_ok[:, t, None, None], y, zero)
     out[rows] = ys.to(out.dtype)

@@ -1,0 +1,209 @@
+"""Pending mode (speculative decoding) through the public API: `ReplaySSMCache(spec_tokens=k)`
+(`decode` with `num_accepted_tokens` / `cu_seqlens`, `accept`, `materialize`), the functional
+`selective_state_update_replayssm` on a cache with positions [S, 2], slot hand-off, and the
+custom ops under torch.compile.
+
+Values are checked against the exact FP64 recurrence of the accepted stream
+(`replayssm.synthetic`) or against the reference `replayssm.pending` bit for bit."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from replayssm import (
+    ReplaySSMCache,
+    allocate_cache,
+    initialize_replayssm_state,
+    layout as L,
+    materialize_replayssm_state,
+    selective_state_update_replayssm,
+    snapshot_replayssm_slots,
+)
+from replayssm.pending import checkpoint_index, grid, pending_decode, pending_materialize
+from replayssm.synthetic import ExactRecurrence, Token, layer_params, prefill_states, sqnr_db
+
+from . import tolerances as tol
+from .helpers import assert_cache_equal, same_bits, snapshot
+
+HEADS, GROUPS, P, N = 8, 1, L.HEAD_DIM, L.STATE_DIM
+NAN = float("nan")
+
+
+def _tokens(gen: torch.Generator, n: int):
+    """n tokens: x [n, H, 64] bf16, dt [n, H] f32 (bf16 values), B, C [n, G, 128] bf16."""
+    x = torch.randn(n, HEADS, P, generator=gen).to(torch.bfloat16)
+    dt = (0.5 * torch.randn(n, HEADS, generator=gen)).to(torch.bfloat16).float()
+    B = torch.randn(n, GROUPS, N, generator=gen).to(torch.bfloat16)
+    C = torch.randn(n, GROUPS, N, generator=gen).to(torch.bfloat16)
+    return x, dt, B, C
+
+
+def _cache(fmt, spec_tokens, num_slots=6, seed=3, live=3, prompt=16, data_seed=0):
+    """A pending cache with `live` prefilled slots; returns (cache, slots, params, states, gen)."""
+    gen = torch.Generator().manual_seed(data_seed)
+    p = layer_params(HEADS, generator=gen)
+    cache = ReplaySSMCache(num_slots, HEADS, GROUPS, fmt, "cpu", seed=seed, spec_tokens=spec_tokens, backend="reference")
+    slots = cache.allocate(live)
+    states = prefill_states(p, live, GROUPS, prompt, generator=gen)
+    cache.prefill_init(states, slots)
+    return cache, slots, p, states, gen
+
+
+# -- a long run against the exact recurrence ---------------------------------------------
+
+
+@dataclass
+class Request:
+    exact: ExactRecurrence  # the state after the committed tokens, FP64
+    committed: int = 0  # c: tokens committed since the slot's init
+    pending: list = field(default_factory=list)  # the last call's tokens (Token), awaiting a verdict
+    verdict: int = 0  # how many of `pending` will be accepted (decided when they were drafted)
+
+
+def _passed(rng: random.Random, r: Request, max_seqlen: int) -> int:
+    """The num_accepted_tokens value an engine passes for `r`: its verdict, sometimes out of
+    range where that clamps to the same value."""
+    q, a = len(r.pending), r.verdict
+    if q == 0:
+        return rng.randint(-2, max_seqlen + 2)
+    if a == q and rng.random() < 0.2:
+        return q + rng.randint(1, 3)
+    if a == 0 and rng.random() < 0.2:
+        return -rng.randint(1, 3)
+    return a
+
+
+def _commit(r: Request) -> None:
+    for tok in r.pending[: r.verdict]:
+        r.exact.step(tok)
+    r.committed += r.verdict
+    r.pending, r.verdict = [], 0
+
+
+@pytest.mark.parametrize(
+    "fmt,spec_tokens", [pytest.param("fp8", 3, id="fp8-M4"), pytest.param("nvfp4", 2, id="nvfp4-M3")]
+)
+def test_long_run_matches_exact_accepted_stream(fmt, spec_tokens):
+    """600 calls: random T_b per row (varlen; every fifth call or so dense, T_b = max_seqlen),
+    random verdicts (each draft accepted with probability 0.7; sometimes out of range, which
+    clamps), some delivered by `accept`, rows skipping calls (desynchronized), requests
+    finishing and their slots reused by new ones, padding rows, and NaN in every input of
+    every token that will be rejected. Each accepted token's output is checked against the
+    exact FP64 recurrence of the accepted stream: SQNR floors of separate mode over every
+    window of 100 calls, no drift from the first quarter to the last, no NaN; padding rows
+    output zeros; positions are (committed, T_b); the materialized states at the end are
+    the exact committed states."""
+    M = spec_tokens + 1
+    S, CALLS, WINDOW = 6, 600, 100
+    rng = random.Random(1000 + M)
+    gen = torch.Generator().manual_seed(M)
+    p = layer_params(HEADS, generator=gen)
+    cache = ReplaySSMCache(S, HEADS, GROUPS, fmt, "cpu", seed=9, max_batch=8, spec_tokens=spec_tokens, backend="reference")
+    reqs: dict[int, Request] = {}
+    starts = 0
+
+    def start(n):
+        nonlocal starts
+        slots = cache.allocate(n).tolist()
+        states = prefill_states(p, n, GROUPS, 16, generator=gen)
+        cache.prefill_init(states, slots)
+        for i, s in enumerate(slots):
+            reqs[s] = Request(ExactRecurrence(p, states[i : i + 1]))
+        starts += n
+
+    start(3)
+    per_call, folds_seen, accepts = [], 0, 0
+    for call in range(CALLS):
+        if reqs and rng.random() < 0.04:  # a request finishes; its slot is cleared and reused later
+            s = rng.choice(sorted(reqs))
+            cache.release([s])
+            assert cache.positions[s].tolist() == [0, 0]
+            del reqs[s]
+        if len(reqs) < 3 and rng.random() < 0.5:
+            start(1)
+        if rng.random() < 0.15:  # verdicts learned after the step: accept() with no new tokens
+            acc = [s for s in sorted(reqs) if rng.random() < 0.5]
+            if acc:
+                values = [_passed(rng, reqs[s], M) for s in acc]
+                before = {s: int(cache.positions[s, 0]) for s in acc}
+                cache.accept(torch.tensor(acc), torch.tensor(values, dtype=torch.int32))
+                for s in acc:
+                    _commit(reqs[s])
+                    assert cache.positions[s].tolist() == [reqs[s].committed, 0]
+                    folds_seen += reqs[s].committed // grid(M) > before[s] // grid(M)
+                accepts += 1
+        rows = [s for s in sorted(reqs) if rng.random() < 0.8]  # the others skip this call
+        batch = rows + rng.choice([[], [0], [S], [0, -1]]) or [0]
+        rng.shuffle(batch)
+        dense = rng.random() < 0.2
+        lens = [M if dense else rng.randint(0, M) for _ in batch]
+        passed, all_accepted = [], True
+        for s in batch:
+            if s in reqs:
+                r = reqs[s]
+                all_accepted &= r.verdict == len(r.pending)
+                passed.append(_passed(rng, r, M))
+                _commit(r)
+            else:
+                passed.append(rng.randint(-1, M))
+        num_acc = None if all_accepted and rng.random() < 0.3 else torch.tensor(passed, dtype=torch.int32)
+        xs, dts, Bs, Cs, verdicts = [], [], [], [], []
+        for s, n in zip(batch, lens):
+            x, dt, B, C = _tokens(gen, n)
+            # the verdict on these drafts, decided now: the rejected ones get NaN inputs
+            a = 0
+            while a < n and rng.random() < (0.9 if a == 0 else 0.7):
+                a += 1
+            for t_ in (x, dt, B, C):
+                t_[a:] = NAN
+            verdicts.append(a)
+            xs.append(x), dts.append(dt), Bs.append(B), Cs.append(C)
+        if dense:
+            x, dt, B, C = (torch.stack(v) for v in (xs, dts, Bs, Cs))
+            out = cache.decode(x, dt, p.A, B, C, p.D, p.dt_bias, torch.tensor(batch, dtype=torch.int64), num_accepted_tokens=num_acc)
+        else:
+            x, dt, B, C = (torch.cat(v) for v in (xs, dts, Bs, Cs))
+            cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+            if call % 2:  # engine shapes: x [total, H*64], dt tied over the head dim
+                x = x.reshape(x.shape[0], HEADS * P)
+                dt = dt[:, :, None].expand(-1, -1, P)
+            out = cache.decode(x, dt, p.A, B, C, p.D, p.dt_bias, torch.tensor(batch, dtype=torch.int32), num_accepted_tokens=num_acc, cu_seqlens=cu)
+            out = torch.stack([torch.cat([o, o.new_zeros(M - o.shape[0], HEADS, P)]) for o in out.split(lens)])
+        refs, outs = [], []
+        for r_, (s, n, a) in enumerate(zip(batch, lens, verdicts)):
+            if s not in reqs:
+                assert torch.equal(out[r_], torch.zeros_like(out[r_])), f"call {call}: padding row {s}"
+                continue
+            req = reqs[s]
+            assert cache.positions[s].tolist() == [req.committed, n], (call, s)
+            st = ExactRecurrence(p, req.exact.S)
+            for t in range(n):
+                tok = Token(xs[r_][t : t + 1], dts[r_][t : t + 1], Bs[r_][t : t + 1], Cs[r_][t : t + 1])
+                req.pending.append(tok)
+                if t < a:
+                    refs.append(st.step(tok)[0])
+                    outs.append(out[r_, t].double())
+            req.verdict = a
+        if refs:
+            per_call.append((torch.stack(refs), torch.stack(outs)))
+    assert starts >= 10 and accepts >= 40 and folds_seen > 0  # slots were reused, accept() ran and folded
+    ref_all = torch.cat([r for r, _ in per_call])
+    out_all = torch.cat([o for _, o in per_call])
+    assert ref_all.shape[0] >= 2 * CALLS and not torch.isnan(out_all).any()
+    floor = tol.OUTPUT_SQNR_FLOOR_DB[fmt]
+    windows = [per_call[i : i + WINDOW] for i in range(0, len(per_call), WINDOW)]
+    db = [sqnr_db(torch.cat([r for r, _ in w]), torch.cat([o for _, o in w])) for w in windows]
+    assert min(db) >= floor, db
+    q = len(per_call) // 4
+    first = sqnr_db(torch.cat([r for r, _ in per_call[:q]]), torch.cat([o for _, o in per_call[:q]]))
+    last = sqnr_db(torch.cat([r for r, _ in per_call[-q:]]), torch.cat([o for _, o in per_call[-q:]]))
+    assert last >= first - tol.DRIFT_DB, (first, last)
+    live = sorted(reqs)
+    mat = cache.materialize(torch.tensor(live + [0]))
+    for i, s in enumerate(live):
+        assert sqnr_db(reqs[s].exact.S[0], mat[i]) >= tol.STATE_SQNR_FLOOR_DB  # committed tokens only
+    assert torch.equal(mat[-1], torch.zeros_like(mat[-1]))
