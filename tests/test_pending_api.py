@@ -207,3 +207,84 @@ def test_long_run_matches_exact_accepted_stream(fmt, spec_tokens):
     for i, s in enumerate(live):
         assert sqnr_db(reqs[s].exact.S[0], mat[i]) >= tol.STATE_SQNR_FLOOR_DB  # committed tokens only
     assert torch.equal(mat[-1], torch.zeros_like(mat[-1]))
+
+
+# -- varlen == dense, accept == the verdict in the next decode -----------------------------
+
+FORMATS = ["fp8", "nvfp4"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_varlen_equals_dense_bit_for_bit(fmt):
+    """Full rows: a varlen call (cu_seqlens = 0, M, 2M, ..) equals the dense call on the same
+    tokens, outputs and every cache tensor. Rows of random length (0..M): the varlen call
+    equals `pending.pending_decode` in the dense layout with those lengths (garbage past
+    each row's length) bit for bit, and dense outputs past a row's length are zeros."""
+    M = 3
+    twins = [_cache(fmt, M - 1, live=3) for _ in range(2)]
+    (cd, slots, p, _, _), (cv, _, _, _, _) = twins
+    gen = torch.Generator().manual_seed(1)
+    rng = random.Random(1)
+    live = slots.tolist()
+    for step in range(16):
+        batch = live + [0, 6]
+        rng.shuffle(batch)
+        b = len(batch)
+        ids = torch.tensor(batch, dtype=torch.int32)
+        acc = torch.tensor([rng.randint(0, M) for _ in batch], dtype=torch.int32)
+        x, dt, B, C = (v.reshape(b, M, *v.shape[1:]) for v in _tokens(gen, b * M))
+        if step % 2 == 0:
+            cu = torch.arange(0, b * M + 1, M, dtype=torch.int32)
+            od = cd.decode(x, dt, p.A, B, C, p.D, p.dt_bias, ids, num_accepted_tokens=acc)
+            ov = cv.decode(*(v.flatten(0, 1) for v in (x, dt)), p.A, *(v.flatten(0, 1) for v in (B, C)), p.D, p.dt_bias, ids,
+                           num_accepted_tokens=acc, cu_seqlens=cu)
+            assert same_bits(od.flatten(0, 1), ov), step
+        else:
+            lens = torch.tensor([rng.randint(0, M) for _ in batch])
+            ok = torch.arange(M).view(1, -1) < lens.view(-1, 1)
+            cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32)
+            want = snapshot(cd.tensors)
+            od = torch.full((b, M, HEADS, P), NAN, dtype=torch.bfloat16)
+            pending_decode(want, x, dt, p.A, B, C, p.D, p.dt_bias, ids, od, nvfp4=fmt == "nvfp4", seed=cd.seed,
+                           max_seqlen=M, num_accepted_tokens=acc, seq_lens=lens)
+            ov = cv.decode(x[ok], dt[ok], p.A, B[ok], C[ok], p.D, p.dt_bias, ids, num_accepted_tokens=acc, cu_seqlens=cu)
+            assert same_bits(od[ok], ov), step
+            assert torch.equal(od[~ok], torch.zeros_like(od[~ok]))
+            for t_dst, t_src in zip(cd.tensors, want):  # the dense twin follows the reference
+                t_dst.copy_(t_src)
+        assert_cache_equal(cd.tensors, cv.tensors)
+    assert min(cv.positions[live, 0].tolist()) > 0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_accept_equals_the_verdict_in_the_next_decode(fmt):
+    """`accept(slots, v)` then `decode(..)` leaves every cache tensor as `decode(..,
+    num_accepted_tokens=v)`, bit for bit, after every step. Outputs are bit-identical for
+    rows whose commit does not fold; a folding row's outputs come from the unrounded FP32
+    state in the one call and from the new read copy after accept, so they agree within
+    the read copy's one-step error."""
+    M = 4
+    (ca, slots, p, _, _), (cb, _, _, _, _) = (_cache(fmt, M - 1, live=3) for _ in range(2))
+    gen = torch.Generator().manual_seed(2)
+    rng = random.Random(2)
+    ids = torch.tensor(slots.tolist() + [0], dtype=torch.int32)
+    folded = kept = 0
+    for step in range(20):
+        v = torch.tensor([rng.randint(0, M) for _ in range(4)], dtype=torch.int64)
+        x, dt, B, C = (t.reshape(4, M, *t.shape[1:]) for t in _tokens(gen, 4 * M))
+        c0 = cb.positions[ids.long() % 6].long()
+        ca.accept(ids, v)
+        ya = ca.decode(x, dt, p.A, B, C, p.D, p.dt_bias, ids, num_accepted_tokens=torch.randint(-2, 6, (4,), dtype=torch.int32))
+        yb = cb.decode(x, dt, p.A, B, C, p.D, p.dt_bias, ids, num_accepted_tokens=v)
+        assert_cache_equal(ca.tensors, cb.tensors)
+        for r in range(3):
+            c, q = c0[r].tolist()
+            if (c + min(int(v[r]), q)) // grid(M) > c // grid(M):
+                folded += 1
+                floor = tol.ROW_SQNR_FLOOR_DB[fmt] - tol.ONE_STEP_ROW_SLACK_DB
+                assert sqnr_db(yb[r].double(), ya[r].double()) >= floor
+            else:
+                kept += 1
+                assert same_bits(ya[r], yb[r]), (step, r)
+        assert torch.equal(ya[3], torch.zeros_like(ya[3])) and torch.equal(yb[3], torch.zeros_like(yb[3]))
+    assert folded >= 3 and kept >= 10
