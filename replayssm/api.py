@@ -403,10 +403,20 @@ def _decode_pending(
     varlen = cu_seqlens is not None
     _check_tensor("x", x)
     if varlen:
-        lead = (x.shape[0] if x.dim() >= 1 else 0,)
+        if x.dim() not in (2, 3):
+            raise ValueError(
+                f"x must be bfloat16 [total, {heads}, 64] or [total, {heads * P}] (varlen layout: cu_seqlens given); "
+                f"got {_describe(x)}"
+            )
+        lead = (x.shape[0],)
     else:
         lead = (batch, max_seqlen)
-    _check_tensor("out", out)
+    tensors = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "dt_bias": dt_bias, "out": out}
+    for name, t in tensors.items():
+        _check_tensor(name, t)
+        if t.device != device:
+            raise ValueError(f"{name} must be on the cache device {device}; got {t.device}")
+    norm = normalize_pending_inputs(x, dt, A, B, C, D, dt_bias, lead, heads, groups)
     if (
         out.dtype != torch.bfloat16
         or tuple(out.shape) not in (lead + (heads, P), lead + (heads * P,))
@@ -414,12 +424,6 @@ def _decode_pending(
     ):
         lay = "varlen: one row a token" if varlen else "dense, T == max_seqlen"
         raise ValueError(f"out must be contiguous bfloat16 {[*lead, heads, P]} ({lay}); got {_describe(out)}")
-    tensors = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "dt_bias": dt_bias, "out": out}
-    for name, t in tensors.items():
-        _check_tensor(name, t)
-        if t.device != device:
-            raise ValueError(f"{name} must be on the cache device {device}; got {t.device}")
-    norm = normalize_pending_inputs(x, dt, A, B, C, D, dt_bias, lead, heads, groups)
     _check_accepted(num_accepted_tokens, batch, device)
     if varlen:
         _check_cu_seqlens(cu_seqlens, batch, lead[0], max_seqlen, device)

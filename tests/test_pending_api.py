@@ -288,3 +288,137 @@ def test_accept_equals_the_verdict_in_the_next_decode(fmt):
                 assert same_bits(ya[r], yb[r]), (step, r)
         assert torch.equal(ya[3], torch.zeros_like(ya[3])) and torch.equal(yb[3], torch.zeros_like(yb[3]))
     assert folded >= 3 and kept >= 10
+
+
+# -- validation: every rejected call names the argument and leaves the cache untouched -----
+
+VM = 3  # max_seqlen of the validation world
+
+
+def _valid_world():
+    """A pending cache (max_seqlen 3) whose 3 live slots hold 3 pending drafts each, and the
+    arguments of a valid dense and a valid varlen functional call."""
+    cache, slots, p, _, gen = _cache("fp8", VM - 1, live=3)
+    x, dt, B, C = (v.reshape(3, VM, *v.shape[1:]) for v in _tokens(gen, 3 * VM))
+    cache.decode(x, dt, p.A, B, C, p.D, p.dt_bias, slots)
+    assert cache.positions[slots.long(), 1].tolist() == [VM] * 3
+    x, dt, B, C = (v.reshape(3, VM, *v.shape[1:]) for v in _tokens(gen, 3 * VM))
+    dense = dict(x=x, dt=dt, A=p.A, B=B, C=C, D=p.D, dt_bias=p.dt_bias, state_indices=slots,
+                 out=torch.empty(3, VM, HEADS, P, dtype=torch.bfloat16))
+    vx, vdt, vB, vC = _tokens(gen, 5)
+    varlen = dict(x=vx, dt=vdt, A=p.A, B=vB, C=vC, D=p.D, dt_bias=p.dt_bias, state_indices=slots,
+                  out=torch.empty(5, HEADS, P, dtype=torch.bfloat16))
+    return cache, dense, varlen
+
+
+CU = torch.tensor([0, 1, 3, 5], dtype=torch.int32)
+ACC = torch.tensor([1, 2, 3], dtype=torch.int32)
+BAD_PENDING_CALLS = [
+    pytest.param("dense", {"max_seqlen": 9}, ValueError, r"max_seqlen must be in 1\.\.8 in pending mode; got 9", id="max-seqlen-9"),
+    pytest.param("dense", {"max_seqlen": 0}, ValueError, r"max_seqlen must be in 1\.\.8 in pending mode; got 0", id="max-seqlen-0"),
+    pytest.param("dense", {"max_seqlen": 3.0}, TypeError, "max_seqlen must be a Python int; got float", id="max-seqlen-float"),
+    pytest.param("dense", {"max_seqlen": True}, TypeError, "max_seqlen must be a Python int; got bool", id="max-seqlen-bool"),
+    pytest.param("changed", {"max_seqlen": 2}, ValueError, r"a slot holds 3 pending tokens; got max_seqlen=2", id="max-seqlen-changed"),
+    pytest.param("varlen", {"cu_seqlens": CU.long()}, ValueError, r"cu_seqlens must be int32 \[4\] \(batch \+ 1\); got torch.int64 \[4\]", id="cu-int64"),
+    pytest.param("varlen", {"cu_seqlens": CU[:3]}, ValueError, r"cu_seqlens must be int32 \[4\] \(batch \+ 1\); got torch.int32 \[3\]", id="cu-length"),
+    pytest.param("varlen", {"cu_seqlens": [0, 1, 3, 5]}, TypeError, "cu_seqlens must be a torch.Tensor; got list", id="cu-list"),
+    pytest.param("varlen", {"cu_seqlens": torch.tensor([0, 3, 1, 5], dtype=torch.int32)}, ValueError, r"cu_seqlens must be non-decreasing; got \[0, 3, 1, 5\]", id="cu-decreasing"),
+    pytest.param("varlen", {"cu_seqlens": torch.tensor([1, 1, 3, 5], dtype=torch.int32)}, ValueError, r"cu_seqlens must start at 0; got \[1, 1, 3, 5\]", id="cu-start"),
+    pytest.param("varlen", {"cu_seqlens": torch.tensor([0, 1, 3, 4], dtype=torch.int32)}, ValueError, r"cu_seqlens must end at the number of tokens 5 \(x.shape\[0\]\); got \[0, 1, 3, 4\]", id="cu-end"),
+    pytest.param("varlen", {"cu_seqlens": torch.tensor([0, 0, 1, 5], dtype=torch.int32)}, ValueError, r"at most max_seqlen=3 tokens; got \[0, 0, 1, 5\]", id="cu-row-too-long"),
+    pytest.param("dense", {"num_accepted_tokens": ACC[:2]}, ValueError, r"num_accepted_tokens must be int32 or int64 \[3\] \(one per row\); got torch.int32 \[2\]", id="acc-shape"),
+    pytest.param("dense", {"num_accepted_tokens": ACC.view(3, 1)}, ValueError, r"num_accepted_tokens must be int32 or int64 \[3\] \(one per row\); got torch.int32 \[3, 1\]", id="acc-2d"),
+    pytest.param("dense", {"num_accepted_tokens": ACC.float()}, ValueError, r"num_accepted_tokens must be int32 or int64 \[3\] \(one per row\); got torch.float32 \[3\]", id="acc-float"),
+    pytest.param("dense", {"num_accepted_tokens": ACC.to(torch.int16)}, ValueError, r"num_accepted_tokens must be int32 or int64 \[3\] \(one per row\); got torch.int16", id="acc-int16"),
+    pytest.param("dense", {"num_accepted_tokens": [1, 2, 3]}, TypeError, "num_accepted_tokens must be a torch.Tensor; got list", id="acc-list"),
+    pytest.param("dense-T2", {}, ValueError, r"x must be bfloat16 \[3, 3, 8, 64\] or \[3, 3, 512\] \(dense \[b, T, \.\.\.\] with T == max_seqlen\); got torch.bfloat16 \[3, 2, 8, 64\]", id="x-T-not-max-seqlen"),
+    pytest.param("dense", {"x": "x32"}, ValueError, r"x must be bfloat16; got torch.float32 \[3, 3, 8, 64\]", id="x-dtype"),
+    pytest.param("dense", {"dt": "untied"}, ValueError, r"dt must hold one value per head", id="dt-untied"),
+    pytest.param("dense", {"B": "groups2"}, ValueError, r"B must be bfloat16 \[3, 3, 1, 128\]", id="B-shape"),
+    pytest.param("dense", {"out": "sep"}, ValueError, r"out must be contiguous bfloat16 \[3, 3, 8, 64\] \(dense, T == max_seqlen\); got torch.bfloat16 \[3, 8, 64\]", id="out-separate-shape"),
+    pytest.param("varlen", {"out": "short"}, ValueError, r"out must be contiguous bfloat16 \[5, 8, 64\] \(varlen: one row a token\); got torch.bfloat16 \[4, 8, 64\]", id="out-varlen-shape"),
+    pytest.param("varlen", {"x": "dense"}, ValueError, r"x must be bfloat16 \[total, 8, 64\] or \[total, 512\] \(varlen layout: cu_seqlens given\); got torch.bfloat16 \[1, 5, 8, 64\]", id="x-dense-with-cu"),
+]
+
+
+def _bad(name, value, args):
+    if not isinstance(value, str):
+        return value
+    t = args[name]
+    return {
+        "x32": lambda: t.float(),
+        "untied": lambda: t[..., None].expand(*t.shape, P).contiguous(),
+        "groups2": lambda: torch.cat([t, t], dim=-2),
+        "sep": lambda: t[:, 0].contiguous(),
+        "short": lambda: t[:4],
+        "dense": lambda: t.reshape(1, 5, HEADS, P),
+    }[value]()
+
+
+@pytest.mark.parametrize("layout,change,exc,match", BAD_PENDING_CALLS)
+def test_rejected_pending_call_names_the_argument_and_leaves_the_cache_untouched(layout, change, exc, match):
+    cache, dense, varlen = _valid_world()
+    args = dict(varlen if layout == "varlen" else dense)
+    kw = dict(state_dtype="fp8", seed=cache.seed, max_seqlen=VM, backend="reference")
+    if layout == "varlen":
+        kw["cu_seqlens"] = CU
+    if layout == "dense-T2":
+        for k in ("x", "dt", "B", "C", "out"):
+            args[k] = args[k][:, :2]
+    if layout == "changed":
+        for k in ("x", "dt", "B", "C", "out"):
+            args[k] = args[k][:, :2].contiguous()
+    for k, v in change.items():
+        if k in args:
+            args[k] = _bad(k, v, args)
+        else:
+            kw[k] = v
+    before = snapshot(cache.tensors)
+    with pytest.raises(exc, match=match):
+        selective_state_update_replayssm(cache.tensors, *args.values(), **kw)
+    assert_cache_equal(before, cache.tensors)
+    # the same call with the valid argument goes through and writes the cache
+    good = dict(varlen if layout == "varlen" else dense)
+    gkw = dict(state_dtype="fp8", seed=cache.seed, max_seqlen=VM, backend="reference",
+               num_accepted_tokens=ACC, cu_seqlens=CU if layout == "varlen" else None)
+    selective_state_update_replayssm(cache.tensors, *good.values(), **gkw)
+    assert cache.positions[good["state_indices"].long(), 0].tolist() == ACC.tolist()
+
+
+def test_rejected_cache_calls_leave_the_cache_untouched():
+    """ReplaySSMCache: spec_tokens out of range or not an int; a dense call whose T is not
+    the cache's max_seqlen; pending arguments on a separate-mode cache; accept on a separate
+    cache or with a bad verdict; materialize of a pending tuple without max_seqlen."""
+    for bad, exc, match in ((8, ValueError, r"spec_tokens must be in 0\.\.7 \(max_seqlen = spec_tokens \+ 1 <= 8\); got 8"),
+                            (-1, ValueError, r"spec_tokens must be in 0\.\.7"),
+                            (1.0, TypeError, "spec_tokens must be an int; got float"),
+                            (True, TypeError, "spec_tokens must be an int; got bool")):
+        with pytest.raises(exc, match=match):
+            ReplaySSMCache(4, HEADS, GROUPS, "fp8", "cpu", spec_tokens=bad, backend="reference")
+    cache, dense, varlen = _valid_world()
+    before = snapshot(cache.tensors)
+    d = dict(dense)
+    args = [d[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias", "state_indices")]
+    with pytest.raises(ValueError, match=r"x must be bfloat16 \[3, 3, 8, 64\]"):
+        cache.decode(*(a[:, :2] if i in (0, 1, 3, 4) else a for i, a in enumerate(args)))
+    with pytest.raises(ValueError, match=r"num_accepted_tokens must be int32 or int64 \[3\]"):
+        cache.accept(d["state_indices"], ACC[:2])
+    with pytest.raises(ValueError, match=r"max_seqlen is required for a pending-mode cache"):
+        materialize_replayssm_state(cache.tensors, d["state_indices"], d["A"], state_dtype="fp8", backend="reference")
+    with pytest.raises(ValueError, match=r"max_seqlen must be in 1\.\.8"):
+        materialize_replayssm_state(cache.tensors, d["state_indices"], d["A"], state_dtype="fp8", backend="reference", max_seqlen=9)
+    assert_cache_equal(before, cache.tensors)
+    sep, slots, p, _, gen = _cache("fp8", 0, live=2)
+    before = snapshot(sep.tensors)
+    x, dt, B, C = _tokens(gen, 2)
+    with pytest.raises(ValueError, match="num_accepted_tokens and cu_seqlens are pending-mode arguments; this cache has spec_tokens=0"):
+        sep.decode(x, dt, p.A, B, C, p.D, p.dt_bias, slots, num_accepted_tokens=ACC[:2])
+    with pytest.raises(ValueError, match="accept is pending mode's: this cache has spec_tokens=0"):
+        sep.accept(slots, ACC[:2])
+    with pytest.raises(ValueError, match=r"max_seqlen must be None or 1 for a separate-mode cache; got 3"):
+        materialize_replayssm_state(sep.tensors, slots, p.A, state_dtype="fp8", backend="reference", max_seqlen=3)
+    assert_cache_equal(before, sep.tensors)
+    # the cache's own max_seqlen: a valid call still goes through afterwards
+    assert (cache.max_seqlen, sep.max_seqlen) == (VM, 1)
+    y = cache.decode(*args, num_accepted_tokens=ACC)
+    assert cache.positions[d["state_indices"].long()].tolist() == [[1, 3], [2, 3], [3, 3]] and not torch.isnan(y).any()
