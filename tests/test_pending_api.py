@@ -422,3 +422,123 @@ def test_rejected_cache_calls_leave_the_cache_untouched():
     assert (cache.max_seqlen, sep.max_seqlen) == (VM, 1)
     y = cache.decode(*args, num_accepted_tokens=ACC)
     assert cache.positions[d["state_indices"].long()].tolist() == [[1, 3], [2, 3], [3, 3]] and not torch.isnan(y).any()
+
+
+# -- slot hand-off on a pending cache -------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_handoff_of_pending_slots(fmt):
+    """copy_slots / fork / export / import_ move both position columns (drafts awaiting a
+    verdict included) and every per-slot tensor bit for bit, and the copy continues as its
+    source: the same call on both gives the same outputs and positions. snapshot and the
+    compact export hold the committed state (`materialize`) and restore it with both
+    position columns cleared; the functional snapshot needs max_seqlen."""
+    M = 3
+    cache, slots, p, _, gen = _cache(fmt, M - 1, num_slots=12, live=3)
+    src = int(slots[0])
+    dirty = cache.allocate(5)  # destinations, first used so their positions and rings are not zero
+    cache.prefill_init(prefill_states(p, 5, GROUPS, 4, generator=gen), dirty)
+    everyone = torch.cat([slots, dirty])
+    for i in range(6):
+        x, dt, B, C = (v.reshape(8, M, *v.shape[1:]) for v in _tokens(gen, 8 * M))
+        cache.decode(x, dt, p.A, B, C, p.D, p.dt_bias, everyone, num_accepted_tokens=torch.full((8,), 2 + i % 2))
+    c_src, q_src = cache.positions[src].tolist()
+    assert c_src > grid(M) and q_src == M  # folded at least once, drafts pending
+    d_copy, d_imp, d_snap, d_compact, d_func = dirty.tolist()
+
+    def per_slot(s):
+        return [t[s].clone() for t in cache.tensors[1:]]
+
+    cache.copy_slots([src], [d_copy])
+    data = cache.export([src])
+    assert data["positions"].tolist() == [[c_src, q_src]]
+    cache.import_(data, [d_imp])
+    for d in (d_copy, d_imp):
+        for a, b in zip(per_slot(src), per_slot(d)):
+            assert same_bits(a, b)
+    # the copies continue as the source: same verdict, same tokens (folds included)
+    x, dt, B, C = (t.reshape(1, M, *t.shape[1:]).expand(3, M, *t.shape[1:]).contiguous() for t in _tokens(gen, M))
+    y = cache.decode(x, dt, p.A, B, C, p.D, p.dt_bias, torch.tensor([src, d_copy, d_imp]), num_accepted_tokens=torch.tensor([M] * 3))
+    assert same_bits(y[0], y[1]) and same_bits(y[0], y[2])
+    assert cache.positions[[src, d_copy, d_imp]].tolist() == [[c_src + q_src, M]] * 3
+    # snapshot / compact export: the committed state (the call's drafts excluded), positions cleared
+    state = cache.materialize([src])
+    cache.snapshot([src], [d_snap])
+    compact = cache.export([src], compact=True)
+    assert same_bits(compact["state"], state)
+    cache.import_(compact, [d_compact])
+    snapshot_replayssm_slots(cache.tensors, torch.tensor([src]), torch.tensor([d_func]), p.A, state_dtype=fmt,
+                             seed=cache.seed, backend="reference", max_seqlen=M)
+    for d in (d_snap, d_compact, d_func):
+        assert cache.positions[d].tolist() == [0, 0]
+        assert torch.equal(cache.tensors[L.X_RING][d], torch.zeros_like(cache.tensors[L.X_RING][d]))
+        assert sqnr_db(state[0], cache.materialize([d])[0]) >= tol.STATE_SQNR_FLOOR_DB
+    with pytest.raises(ValueError, match="max_seqlen is required for a pending-mode cache"):
+        snapshot_replayssm_slots(cache.tensors, torch.tensor([src]), torch.tensor([d_func]), p.A, state_dtype=fmt, backend="reference")
+    # a fork of a slot with drafts: both columns, and the forks accept differently afterwards
+    forks = cache.fork([src], 2).tolist()
+    assert cache.positions[forks].tolist() == [cache.positions[src].tolist()] * 2
+    cache.accept(forks, torch.tensor([0, M]))
+    assert cache.positions[forks].tolist() == [[c_src + q_src, 0], [c_src + q_src + M, 0]]
+
+
+# -- a CUDA cache: the reference runs on the GPU tensors ------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_pending_mode_runs_the_reference_on_the_gpu(fmt):
+    """A CUDA cache with backend "auto" (the kernels where they can run): pending decode,
+    accept and materialize run `replayssm.pending` on the GPU tensors (no pending kernels
+    yet); 60 varlen calls with random lengths and verdicts match the exact recurrence of the
+    accepted stream at separate mode's floors, and the cache's tensors stay on the GPU."""
+    import warnings
+
+    M = 3
+    gen = torch.Generator().manual_seed(4)
+    rng = random.Random(4)
+    p = layer_params(HEADS, generator=gen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a reference fallback where the CuTe DSL is missing
+        cache = ReplaySSMCache(4, HEADS, GROUPS, fmt, "cuda", seed=1, max_batch=8, spec_tokens=M - 1)
+    slots = cache.allocate(3)
+    states = prefill_states(p, 3, GROUPS, 8, generator=gen)
+    cache.prefill_init(states.cuda(), slots)
+    reqs = {int(s): Request(ExactRecurrence(p, states[i : i + 1])) for i, s in enumerate(slots.tolist())}
+    gp = [t.cuda() for t in (p.A, p.D, p.dt_bias)]
+    refs, outs = [], []
+    for call in range(60):
+        batch = sorted(reqs) + [0]
+        lens = [rng.randint(0, M) for _ in batch]
+        acc = []
+        for s in batch:
+            acc.append(reqs[s].verdict if s in reqs else 0)
+            if s in reqs:
+                _commit(reqs[s])
+        x, dt, B, C = _tokens(gen, sum(lens))
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        if call % 5 == 4:
+            cache.accept(torch.tensor(batch, device="cuda"), torch.tensor(acc, device="cuda"))
+        y = cache.decode(x.cuda(), dt.cuda(), gp[0], B.cuda(), C.cuda(), gp[1], gp[2], torch.tensor(batch, device="cuda"),
+                         num_accepted_tokens=torch.tensor(acc, device="cuda"), cu_seqlens=cu.cuda())
+        assert y.device.type == "cuda"
+        y = y.cpu()
+        for r, (s, n) in enumerate(zip(batch, lens)):
+            lo = int(cu[r])
+            if s not in reqs:
+                assert torch.equal(y[lo : lo + n], torch.zeros_like(y[lo : lo + n]))
+                continue
+            st = ExactRecurrence(p, reqs[s].exact.S)
+            a = rng.randint(0, n)
+            for t in range(n):
+                tok = Token(x[lo + t : lo + t + 1], dt[lo + t : lo + t + 1], B[lo + t : lo + t + 1], C[lo + t : lo + t + 1])
+                reqs[s].pending.append(tok)
+                refs.append(st.step(tok)[0])
+                outs.append(y[lo + t].double())
+            reqs[s].verdict = a
+    assert all(t.device.type == "cuda" for t in cache.tensors)
+    assert sqnr_db(torch.stack(refs), torch.stack(outs)) >= tol.OUTPUT_SQNR_FLOOR_DB[fmt]
+    mat = cache.materialize(slots).cpu()
+    for i, s in enumerate(slots.tolist()):
+        assert sqnr_db(reqs[s].exact.S[0], mat[i]) >= tol.STATE_SQNR_FLOOR_DB
