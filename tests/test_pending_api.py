@@ -542,3 +542,40 @@ def test_gpu_pending_mode_runs_the_reference_on_the_gpu(fmt):
     mat = cache.materialize(slots).cpu()
     for i, s in enumerate(slots.tolist()):
         assert sqnr_db(reqs[s].exact.S[0], mat[i]) >= tol.STATE_SQNR_FLOOR_DB
+
+
+def test_readme_speculative_example_runs_on_cpu(monkeypatch):
+    """The README's speculative-decoding example (run after its first example, whose
+    states and parameters it reuses) runs as written on the CPU: positions are the
+    committed counts of its verdicts, the second call's outputs and the materialized states
+    match the exact recurrence of the accepted tokens."""
+    import re
+    from pathlib import Path
+
+    from replayssm.synthetic import LayerParams
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```$", text, re.S | re.M)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    torch.manual_seed(0)
+    ns: dict = {}
+    for block in blocks[:2]:
+        exec(compile(block, "README.md", "exec"), ns)
+    batch, M, xs, dts, Bs = ns["batch"], ns["M"], ns["xs"], ns["dts"], ns["Bs"]
+    first = ns["accepted"].tolist()
+    assert ns["cache"].positions[ns["slots"].long()].tolist() == [[a + 2, 0] for a in first]
+    params = LayerParams(ns["A"], ns["D"], ns["dt_bias"])
+    refs, outs = [], []
+    for b in range(batch):
+        exact = ExactRecurrence(params, ns["states"][b : b + 1])
+        tok = [Token(xs[b, t : t + 1], dts[b, t : t + 1], Bs[b, t : t + 1], Bs[b, t : t + 1]) for t in range(M)]
+        for t in range(first[b]):
+            exact.step(tok[t])
+        probe = ExactRecurrence(params, exact.S)
+        for t in range(M):
+            refs.append(probe.step(tok[t])[0])
+            outs.append(ns["y"][b, t].double())
+        for t in range(2):
+            exact.step(tok[t])
+        assert sqnr_db(exact.S[0], ns["state"][b]) >= tol.STATE_SQNR_FLOOR_DB
+    assert sqnr_db(torch.stack(refs), torch.stack(outs)) >= tol.OUTPUT_SQNR_FLOOR_DB["fp8"]
