@@ -6,9 +6,11 @@ kernels where they can run, else the PyTorch reference with a warning; "kernels"
 "reference"), as `replayssm.kernels.backend_for` describes.
 
 Each public function validates the cache tuple on every call, then calls its internal
-entry (`_initialize`, `_clear`, `_decode`, `_materialize`), which validates the other
-inputs and calls the operation's torch custom op (`replayssm.ops`: `replayssm::initialize`,
-`::clear`, `::decode`, `::materialize`), which runs the backend. `ReplaySSMCache`, whose
+entry (`_initialize`, `_clear`, `_decode`, `_decode_pending`, `_materialize`), which
+validates the other inputs and calls the operation's torch custom op (`replayssm.ops`:
+`replayssm::initialize`, `::clear`, `::decode`, `::decode_pending`, `::materialize`,
+`::materialize_pending`), which runs the backend. A cache whose positions are [slots, 2]
+is in pending mode (speculative decoding, docs/format.md section 5b). `ReplaySSMCache`, whose
 tuple was validated once when it was built, calls the internal entries directly.
 """
 
