@@ -6,9 +6,11 @@ kernels where they can run, else the PyTorch reference with a warning; "kernels"
 "reference"), as `replayssm.kernels.backend_for` describes.
 
 Each public function validates the cache tuple on every call, then calls its internal
-entry (`_initialize`, `_clear`, `_decode`, `_materialize`), which validates the other
-inputs and calls the operation's torch custom op (`replayssm.ops`: `replayssm::initialize`,
-`::clear`, `::decode`, `::materialize`), which runs the backend. `ReplaySSMCache`, whose
+entry (`_initialize`, `_clear`, `_decode`, `_decode_pending`, `_materialize`), which
+validates the other inputs and calls the operation's torch custom op (`replayssm.ops`:
+`replayssm::initialize`, `::clear`, `::decode`, `::decode_pending`, `::materialize`,
+`::materialize_pending`), which runs the backend. A cache whose positions are [slots, 2]
+is in pending mode (speculative decoding, docs/format.md section 5b). `ReplaySSMCache`, whose
 tuple was validated once when it was built, calls the internal entries directly.
 """
 
@@ -164,54 +166,98 @@ def normalize_decode_inputs(x, dt, A, B, C, D, dt_bias, batch: int, heads: int, 
     for name, t in (("B", B), ("C", C)):
         if t.numel() != batch * groups * N or t.shape[0] != batch:
             raise ValueError(f"{name} must be bfloat16 [{batch}, {groups}, 128]; got {_describe(t)}")
-    _check_tensor("dt", dt)
-    if not dt.dtype.is_floating_point:
-        raise ValueError(f"dt must be a floating-point tensor; got {_describe(dt)}")
+    _check_float("dt", dt)
     if dt.shape[0] != batch or dt.numel() not in (batch * heads, batch * heads * P):
         raise ValueError(f"dt must be [{batch}, {heads}] or [{batch}, {heads}, 64] (tied); got {_describe(dt)}")
-    flat = dt.reshape(batch, heads, -1)
-    if flat.shape[-1] != 1 and flat.stride(-1) != 0:
-        raise ValueError(
-            "dt must hold one value per head: extra dims must be tied views (stride 0); "
-            f"got shape {list(dt.shape)} with strides {list(dt.stride())}"
-        )
+    _check_tied("dt", dt, dt.reshape(batch, heads, -1))
     A, D, dt_bias = _normalize_params(A, D, dt_bias, heads)
     x = x.reshape(batch, heads, P)
     B = B.reshape(batch, groups, N)
     C = C.reshape(batch, groups, N)
-    dt = flat[:, :, 0]
+    dt = dt.reshape(batch, heads, -1)[:, :, 0]
     if dt.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         dt = dt.float()
     return x, dt, A, B, C, D, dt_bias
 
 
+def _check_float(name: str, t: object) -> None:
+    _check_tensor(name, t)
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"{name} must be a floating-point tensor; got {_describe(t)}")
+
+
+def _check_tied(name: str, t: torch.Tensor, flat: torch.Tensor) -> None:
+    """`flat` (t with its per-head values on the last dim) holds one value per head."""
+    if flat.shape[-1] != 1 and flat.stride(-1) != 0:
+        raise ValueError(
+            f"{name} must hold one value per head: extra dims must be tied views (stride 0); "
+            f"got shape {list(t.shape)} with strides {list(t.stride())}"
+        )
+
+
 def _normalize_params(A, D, dt_bias, heads: int):
-    """Validate a layer's A, D, dt_bias and return them as the kernels read them: A [H]
-    f32, D [H, 64] f32, dt_bias [H] f32 (views where they already are f32)."""
+    """The per-head parameters of a decode call, validated: A [H] f32, D [H, 64] f32,
+    dt_bias [H] f32 (tied views read at their first element)."""
     P, N = L.HEAD_DIM, L.STATE_DIM
     for name, t in (("A", A), ("D", D), ("dt_bias", dt_bias)):
-        _check_tensor(name, t)
-        if not t.dtype.is_floating_point:
-            raise ValueError(f"{name} must be a floating-point tensor; got {_describe(t)}")
+        _check_float(name, t)
     if A.numel() not in (heads, heads * P, heads * P * N) or A.shape[0] != heads:
         raise ValueError(f"A must be [{heads}] or a tied [{heads}, 64(, 128)] view; got {_describe(A)}")
     if dt_bias.numel() not in (heads, heads * P) or dt_bias.shape[0] != heads:
         raise ValueError(f"dt_bias must be [{heads}] or a tied [{heads}, 64] view; got {_describe(dt_bias)}")
     if D.numel() not in (heads, heads * P) or D.shape[0] != heads:
         raise ValueError(f"D must be [{heads}] or [{heads}, 64]; got {_describe(D)}")
-    for name, t, flat in (
-        ("A", A, A.reshape(heads, -1)),
-        ("dt_bias", dt_bias, dt_bias.reshape(heads, -1)),
-    ):
-        if flat.shape[-1] != 1 and flat.stride(-1) != 0:
-            raise ValueError(
-                f"{name} must hold one value per head: extra dims must be tied views (stride 0); "
-                f"got shape {list(t.shape)} with strides {list(t.stride())}"
-            )
+    _check_tied("A", A, A.reshape(heads, -1))
+    _check_tied("dt_bias", dt_bias, dt_bias.reshape(heads, -1))
     A = A.reshape(heads, -1)[:, 0].float()
     dt_bias = dt_bias.reshape(heads, -1)[:, 0].float()
     D = D.reshape(heads, -1).expand(heads, P).float()
     return A, D, dt_bias
+
+
+def normalize_pending_inputs(x, dt, A, B, C, D, dt_bias, lead: tuple[int, ...], heads: int, groups: int):
+    """Validate the inputs of one pending-mode call and return them as `pending.py` takes
+    them. `lead` is (b, T) for the dense layout, (total,) for varlen: x lead + [H, 64] (or
+    lead + [H*64]) bf16, dt lead + [H] (or lead + [H, 64] tied over the last dim) any float,
+    B, C lead + [G, 128] (or lead + [G*128]) bf16; A, D, dt_bias as for
+    `normalize_decode_inputs`. Returns x lead + [H, 64], dt lead + [H], A [H] f32,
+    B, C lead + [G, 128], D [H, 64] f32, dt_bias [H] f32."""
+    P, N = L.HEAD_DIM, L.STATE_DIM
+    lead = tuple(int(v) for v in lead)
+    lay = "dense [b, T, ...] with T == max_seqlen" if len(lead) == 2 else "varlen [total, ...]"
+    for name, t in (("x", x), ("B", B), ("C", C)):
+        _check_tensor(name, t)
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"{name} must be bfloat16; got {_describe(t)}")
+    if tuple(x.shape) not in (lead + (heads, P), lead + (heads * P,)):
+        raise ValueError(
+            f"x must be bfloat16 {[*lead, heads, P]} or {[*lead, heads * P]} ({lay}); got {_describe(x)}"
+        )
+    for name, t in (("B", B), ("C", C)):
+        if tuple(t.shape) not in (lead + (groups, N), lead + (groups * N,)):
+            raise ValueError(f"{name} must be bfloat16 {[*lead, groups, N]} ({lay}); got {_describe(t)}")
+    _check_float("dt", dt)
+    if tuple(dt.shape) not in (lead + (heads,), lead + (heads, P)):
+        raise ValueError(f"dt must be {[*lead, heads]} or {[*lead, heads, P]} (tied) ({lay}); got {_describe(dt)}")
+    dt_flat = dt if dt.dim() == len(lead) + 2 else dt.unsqueeze(-1)  # lead + [H, 1 or 64]
+    _check_tied("dt", dt, dt_flat)
+    A, D, dt_bias = _normalize_params(A, D, dt_bias, heads)
+    x = x.reshape(*lead, heads, P)
+    B = B.reshape(*lead, groups, N)
+    C = C.reshape(*lead, groups, N)
+    dt = dt_flat[..., 0]
+    return x, dt, A, B, C, D, dt_bias
+
+
+def check_max_seqlen(max_seqlen: object) -> int:
+    """Pending mode's tokens per row and call: a Python int in 1..8."""
+    from .pending import MAX_SEQLEN
+
+    if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool):
+        raise TypeError(f"max_seqlen must be a Python int; got {type(max_seqlen).__name__}")
+    if not 1 <= max_seqlen <= MAX_SEQLEN:
+        raise ValueError(f"max_seqlen must be in 1..{MAX_SEQLEN} in pending mode; got {max_seqlen}")
+    return max_seqlen
 
 
 def selective_state_update_replayssm(
@@ -243,6 +289,21 @@ def selective_state_update_replayssm(
     `scratch`: optional per-row plan buffers for the kernel backend (ReplaySSMCache passes
     its own, sized for its max_batch); the backend keeps shared ones otherwise. `backend`
     and `head_offset` as for `initialize_replayssm_state`.
+
+    A cache whose positions are [slots, 2] is in pending mode (speculative decoding;
+    docs/format.md section 5b): each row brings up to `max_seqlen` (1..8) tokens, and
+    `num_accepted_tokens` (int32 / int64 [b], or None: accept all) is the verdict on each
+    row's previous call. Dense layout (`cu_seqlens` None): x [b, max_seqlen, H, 64] (or
+    [b, max_seqlen, H*64]), dt [b, max_seqlen, H] (or tied over 64), B, C [b, max_seqlen, G,
+    128], out [b, max_seqlen, H, 64]; every live row brings max_seqlen tokens. Varlen layout:
+    `cu_seqlens` int32 [b + 1] (0 first, non-decreasing, x.shape[0] last), x [total, H, 64],
+    dt [total, H], B, C [total, G, 128], out [total, H, 64]; row b brings tokens
+    cu_seqlens[b] .. cu_seqlens[b+1]-1 (none at all still commits). Decode a cache's slots
+    with one max_seqlen between inits (a slot whose pending count exceeds the call's
+    max_seqlen is rejected; other changes go undetected here, `ReplaySSMCache` pins it).
+    Pending mode has no kernels yet: under every backend it runs the PyTorch reference
+    (`replayssm.pending`) on the cache's device; that path reads cu_seqlens and a few
+    values on the host (a sync on CUDA), so it is not CUDA-graph capturable.
     """
     nvfp4 = L.is_nvfp4(state_dtype)
     checks = debug()  # read (and validated) once per call
@@ -250,14 +311,23 @@ def selective_state_update_replayssm(
     _check_head_offset(head_offset)
     geometry = L.check_cache(cache, nvfp4)
     if cache[L.POSITIONS].dim() == 2:
-        raise ValueError(
-            "pending mode (positions [slots, 2]: speculative decoding) is not supported yet; "
-            f"got positions {list(cache[L.POSITIONS].shape)}"
+        check_max_seqlen(max_seqlen)
+        impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
+        return _decode_pending(
+            cache, geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
+            nvfp4=nvfp4, seed=seed, checks=checks, max_seqlen=max_seqlen,
+            num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=head_offset,
         )
     if num_accepted_tokens is not None or cu_seqlens is not None:
-        raise ValueError("num_accepted_tokens and cu_seqlens are pending-mode arguments; separate mode takes neither")
+        raise ValueError(
+            "num_accepted_tokens and cu_seqlens are pending-mode arguments (a cache with positions [slots, 2]); "
+            f"this cache is in separate mode (positions {list(cache[L.POSITIONS].shape)}) and takes neither"
+        )
     if max_seqlen != 1:
-        raise ValueError(f"separate mode decodes one token per row: max_seqlen must be 1; got {max_seqlen}")
+        raise ValueError(
+            f"separate mode decodes one token per row: max_seqlen must be 1; got {max_seqlen} "
+            "(allocate the cache with pending=True for speculative decoding)"
+        )
     impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
     return _decode(
         cache, geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
@@ -383,9 +453,94 @@ def _direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, 
     return True
 
 
+def _check_accepted(num_accepted_tokens: object, batch: int, device: torch.device) -> None:
+    if num_accepted_tokens is None:
+        return
+    _check_tensor("num_accepted_tokens", num_accepted_tokens)
+    t = num_accepted_tokens
+    if t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (batch,):
+        raise ValueError(f"num_accepted_tokens must be int32 or int64 [{batch}] (one per row); got {_describe(t)}")
+    if t.device != device:
+        raise ValueError(f"num_accepted_tokens must be on the cache device {device}; got {t.device}")
+
+
+def _check_cu_seqlens(cu_seqlens: object, batch: int, total: int, max_seqlen: int, device: torch.device) -> None:
+    """cu_seqlens' type, dtype, shape and device; its values too (a host read) outside
+    torch.compile (inside it the op checks them before writing anything)."""
+    _check_tensor("cu_seqlens", cu_seqlens)
+    if cu_seqlens.dtype != torch.int32 or tuple(cu_seqlens.shape) != (batch + 1,):
+        raise ValueError(f"cu_seqlens must be int32 [{batch + 1}] (batch + 1); got {_describe(cu_seqlens)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens must be on the cache device {device}; got {cu_seqlens.device}")
+    if not torch.compiler.is_compiling():
+        from .pending import check_cu_seqlens
+
+        check_cu_seqlens(cu_seqlens, batch, total, max_seqlen)
+
+
+def _decode_pending(
+    cache, geometry: Geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
+    *, nvfp4: bool, seed: int, checks: bool, max_seqlen: int, num_accepted_tokens=None, cu_seqlens=None,
+    head_offset: int = 0,
+) -> torch.Tensor:
+    """Validate a pending-mode call (everything before anything is written), then run
+    `replayssm::decode_pending`."""
+    slots, heads, groups = geometry
+    device = cache[L.CHECKPOINT].device
+    ids = _check_indices(state_indices, device)
+    batch = ids.numel()
+    P = L.HEAD_DIM
+    varlen = cu_seqlens is not None
+    _check_tensor("x", x)
+    if varlen:
+        if x.dim() not in (2, 3):
+            raise ValueError(
+                f"x must be bfloat16 [total, {heads}, 64] or [total, {heads * P}] (varlen layout: cu_seqlens given); "
+                f"got {_describe(x)}"
+            )
+        lead = (x.shape[0],)
+    else:
+        lead = (batch, max_seqlen)
+    tensors = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "dt_bias": dt_bias, "out": out}
+    for name, t in tensors.items():
+        _check_tensor(name, t)
+        if t.device != device:
+            raise ValueError(f"{name} must be on the cache device {device}; got {t.device}")
+    norm = normalize_pending_inputs(x, dt, A, B, C, D, dt_bias, lead, heads, groups)
+    if (
+        out.dtype != torch.bfloat16
+        or tuple(out.shape) not in (lead + (heads, P), lead + (heads * P,))
+        or not out.is_contiguous()
+    ):
+        lay = "varlen: one row a token" if varlen else "dense, T == max_seqlen"
+        raise ValueError(f"out must be contiguous bfloat16 {[*lead, heads, P]} ({lay}); got {_describe(out)}")
+    _check_accepted(num_accepted_tokens, batch, device)
+    if varlen:
+        _check_cu_seqlens(cu_seqlens, batch, lead[0], max_seqlen, device)
+    if batch == 0:
+        return out
+    if not torch.compiler.is_compiling():  # host reads: eager only (ops.py)
+        if checks:
+            _check_unique(ids, slots)
+        # The pending counts must fit this call's max_seqlen (a changed max_seqlen
+        # otherwise); the op checks it again inside torch.compile.
+        live = ids[(ids > 0) & (ids < slots)].long()
+        q = cache[L.POSITIONS][live][:, 1]
+        if q.numel() and int(q.max()) > max_seqlen:
+            raise ValueError(
+                f"max_seqlen must be the one this cache's slots were decoded with since their init: a slot holds "
+                f"{int(q.max())} pending tokens; got max_seqlen={max_seqlen}"
+            )
+    ops.decode_pending(
+        cache, *norm, ids, out, num_accepted_tokens, cu_seqlens, state_dtype=_FORMAT[nvfp4], seed=seed,
+        backend=impl.name, max_seqlen=max_seqlen, head_offset=head_offset,
+    )
+    return out
+
+
 def materialize_replayssm_state(
     cache: Sequence[torch.Tensor], state_indices: torch.Tensor, A: torch.Tensor, *, state_dtype: str, backend: str = "auto",
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, max_seqlen: int | None = None,
 ) -> torch.Tensor:
     """FP32 states [n, heads, 64, 128] of the given slots after every decoded token
     (checkpoint plus live ring entries). Reads only; `A` as for decode.
@@ -394,16 +549,38 @@ def materialize_replayssm_state(
     writes zero outputs for them, so a padded batch of slot indices can be passed as is.
     The kernel backend runs one Triton launch (no host sync, graph-capturable); `out`
     (contiguous FP32 [n, heads, 64, 128] on the cache device) receives the states when
-    given. `backend` is resolved as for the other entry points."""
+    given. `backend` is resolved as for the other entry points.
+
+    A pending-mode cache (positions [slots, 2]) needs the `max_seqlen` its slots are
+    decoded with (where its checkpoints stand depends on it); it returns the states after
+    the committed tokens (drafts not yet accepted are left out), computed by the PyTorch
+    reference on the cache's device under every backend. A separate-mode cache takes
+    max_seqlen None or 1."""
     nvfp4 = L.is_nvfp4(state_dtype)
     debug()  # validates $REPLAYSSM_DEBUG, as every entry point does; no check here needs it
     geometry = L.check_cache(cache, nvfp4)
     impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
-    return _materialize(cache, geometry, impl, state_indices, A, out)
+    return _materialize(cache, geometry, impl, state_indices, A, out, max_seqlen=max_seqlen)
 
 
-def _materialize(cache, geometry: Geometry, impl, state_indices, A, out=None) -> torch.Tensor:
+def _check_materialize_seqlen(cache, max_seqlen: object) -> int | None:
+    """max_seqlen of a materialize: required (1..8) for a pending cache; None or 1 for a
+    separate one. Returns it for a pending cache, None otherwise."""
+    if cache[L.POSITIONS].dim() == 2:
+        if max_seqlen is None:
+            raise ValueError(
+                "max_seqlen is required for a pending-mode cache (positions [slots, 2]): the max_seqlen its slots "
+                "are decoded with; got None"
+            )
+        return check_max_seqlen(max_seqlen)
+    if max_seqlen is not None and max_seqlen != 1:
+        raise ValueError(f"max_seqlen must be None or 1 for a separate-mode cache; got {max_seqlen!r}")
+    return None
+
+
+def _materialize(cache, geometry: Geometry, impl, state_indices, A, out=None, *, max_seqlen=None) -> torch.Tensor:
     _, heads, _ = geometry
+    pending_seqlen = _check_materialize_seqlen(cache, max_seqlen)
     ids = _check_indices(state_indices, cache[L.CHECKPOINT].device)
     _check_tensor("A", A)
     if A.numel() not in (heads, heads * L.HEAD_DIM, heads * L.HEAD_DIM * L.STATE_DIM) or A.shape[0] != heads:
@@ -413,7 +590,11 @@ def _materialize(cache, geometry: Geometry, impl, state_indices, A, out=None) ->
         # Into the caller's buffer: the backend writes it directly (the op returns a new
         # tensor, which torch.compile can trace; `out` is for eager and captured calls).
         _check_materialize_out(out, ids.numel(), heads, cache[L.CHECKPOINT].device)
+        if pending_seqlen is not None:
+            return impl.materialize_pending(cache, ids, A1, max_seqlen=pending_seqlen, out=out)
         return impl.materialize(cache, ids, A1, out)
+    if pending_seqlen is not None:
+        return ops.materialize_pending(cache, ids, A1, backend=impl.name, max_seqlen=pending_seqlen)
     return ops.materialize(cache, ids, A1, backend=impl.name)
 
 

@@ -18,6 +18,9 @@ Vocabulary (used the same way everywhere in replayssm):
   re-derives the read copy. A period is the 16 tokens between two flushes.
 - group: heads sharing B and C (8 or 16 heads per group).
 - parity: NVFP4 only; which half of the double-buffered second-level scale is live.
+- pending mode (speculative decoding, `spec_tokens` > 0): positions are (committed,
+  pending) per slot; a call brings up to max_seqlen tokens a row and the verdict on the
+  previous call's (docs/format.md section 5b).
 """
 
 from __future__ import annotations
@@ -49,6 +52,14 @@ class ReplaySSMCache:
     CuTe DSL installed), else the PyTorch reference with a `ReferenceFallbackWarning`
     giving the reason; "kernels" a ValueError instead of that fallback; "reference" the
     PyTorch reference. `backend_name` says which one runs.
+
+    `spec_tokens` (keyword only): 0 (the default) decodes one token a row and call
+    (separate mode); k in 1..7 is pending mode for speculative decoding with k draft
+    tokens: positions [S, 2], every call brings up to max_seqlen = k + 1 tokens a row
+    (`decode` with `num_accepted_tokens` / `cu_seqlens`, `accept`), and the cache holds that
+    one max_seqlen for its lifetime. Pending mode has no kernels yet: its decode and
+    materialize run the PyTorch reference on the cache's device (GPU tensors stay on the
+    GPU) under every backend; the other operations use the chosen backend.
     """
 
     num_slots: int
@@ -66,6 +77,7 @@ class ReplaySSMCache:
     # (the checkpoint's random bits follow the model's head, so N shards hold the bytes
     # one unsharded cache would; docs/format.md section 6).
     head_offset: int = attrs.field(default=0, kw_only=True)
+    spec_tokens: int = attrs.field(default=0, kw_only=True)
     tensors: tuple[torch.Tensor, ...] = attrs.field(init=False)
     allocator: SlotAllocator = attrs.field(init=False)
     _nvfp4: bool = attrs.field(init=False, repr=False)
@@ -95,6 +107,15 @@ class ReplaySSMCache:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise TypeError(f"seed must be a Python int; got {type(self.seed).__name__}")
         api._check_head_offset(self.head_offset)
+        from .pending import MAX_SEQLEN
+
+        if not isinstance(self.spec_tokens, int) or isinstance(self.spec_tokens, bool):
+            raise TypeError(f"spec_tokens must be an int; got {type(self.spec_tokens).__name__}")
+        if not 0 <= self.spec_tokens <= MAX_SEQLEN - 1:
+            raise ValueError(
+                f"spec_tokens must be in 0..{MAX_SEQLEN - 1} (max_seqlen = spec_tokens + 1 <= {MAX_SEQLEN}); "
+                f"got {self.spec_tokens}"
+            )
         if self.max_batch is None:
             self.max_batch = self.num_slots - 1
         if not isinstance(self.max_batch, int) or isinstance(self.max_batch, bool):
@@ -112,6 +133,7 @@ class ReplaySSMCache:
                 conv_shape=self.conv_state_shape,
                 conv_dtype=self.conv_state_dtype,
                 slot_padding=self.slot_padding,
+                pending=self.spec_tokens > 0,
             )
         )
         self._geometry = L.check_cache(self.tensors, self._nvfp4)
@@ -179,13 +201,27 @@ class ReplaySSMCache:
         zero = torch.zeros(1, self.num_heads, L.HEAD_DIM, L.STATE_DIM, device=self.device)
         self.prefill_init(zero.expand(n, -1, -1, -1), slots)
 
-    def decode(self, x, dt, A, B, C, D, dt_bias, slots, out=None) -> torch.Tensor:
+    def decode(
+        self, x, dt, A, B, C, D, dt_bias, slots, out=None, *, num_accepted_tokens=None, cu_seqlens=None
+    ) -> torch.Tensor:
         """One decode step; returns bf16 [batch, heads, 64] (`out` if given; pass `out`
         when capturing a CUDA graph, so that the step allocates nothing).
 
         Live ids must be allocated and unique (padding ids are ignored). That is a
         precondition, not checked here, since checking reads the ids on the host; with
-        REPLAYSSM_DEBUG=1 it is checked, with a host sync."""
+        REPLAYSSM_DEBUG=1 it is checked, with a host sync.
+
+        Pending mode (`spec_tokens` = k > 0, max_seqlen = k + 1): `num_accepted_tokens`
+        (int32 / int64 [batch], None: accept all) is the verdict on each row's previous
+        call, counting its first token; the rejected tokens are dropped. Dense layout
+        (`cu_seqlens` None): x [batch, max_seqlen, heads, 64] (or [.., heads*64]), dt [batch,
+        max_seqlen, heads] (or tied over 64), B, C [batch, max_seqlen, groups, 128]; returns
+        [batch, max_seqlen, heads, 64]. Varlen layout: `cu_seqlens` int32 [batch + 1], x
+        [total, heads, 64], dt [total, heads], B, C [total, groups, 128]; returns [total,
+        heads, 64]. Token t's output is the layer's output after the committed tokens and
+        the row's tokens 0..t. Padding rows output zeros and change nothing; a live row
+        with no tokens still commits. Runs the PyTorch reference on the cache's device
+        (no pending-mode kernels yet), reading a few values on the host (a sync on CUDA)."""
         checks = debug()
         slots = self._slots(slots)
         batch = slots.numel()
@@ -193,12 +229,27 @@ class ReplaySSMCache:
             raise ValueError(f"slots must hold at most max_batch={self.max_batch} rows; got {batch}")
         if checks and not torch.compiler.is_compiling():  # host reads: eager only (ops.py)
             self._check_live(slots)
-        if out is None:
-            out = torch.empty(batch, self.num_heads, L.HEAD_DIM, dtype=torch.bfloat16, device=self.device)
-        api._decode(
-            self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
-            nvfp4=self._nvfp4, seed=self.seed, checks=checks, scratch=self._scratch, head_offset=self.head_offset,
-        )
+        if self.spec_tokens:
+            if out is None:
+                lead = (x.shape[0],) if cu_seqlens is not None and isinstance(x, torch.Tensor) else (batch, self.max_seqlen)
+                out = torch.empty(*lead, self.num_heads, L.HEAD_DIM, dtype=torch.bfloat16, device=self.device)
+            api._decode_pending(
+                self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
+                nvfp4=self._nvfp4, seed=self.seed, checks=checks, max_seqlen=self.max_seqlen,
+                num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=self.head_offset,
+            )
+        else:
+            if num_accepted_tokens is not None or cu_seqlens is not None:
+                raise ValueError(
+                    "num_accepted_tokens and cu_seqlens are pending-mode arguments; this cache has spec_tokens=0 "
+                    "(separate mode): build it with spec_tokens=k for speculative decoding"
+                )
+            if out is None:
+                out = torch.empty(batch, self.num_heads, L.HEAD_DIM, dtype=torch.bfloat16, device=self.device)
+            api._decode(
+                self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
+                nvfp4=self._nvfp4, seed=self.seed, checks=checks, scratch=self._scratch, head_offset=self.head_offset,
+            )
         # A reference, not a copy: no extra launch per step. Stored with object.__setattr__:
         # torch 2.13's dynamo recurses without end into the __setattr__ that attrs generates
         # for this class (the `device` converter), so `self._last_A = A` breaks the graph.
@@ -206,8 +257,44 @@ class ReplaySSMCache:
         object.__setattr__(self, "_have_A", True)
         return out
 
+    def accept(self, slots, num_accepted_tokens, A: torch.Tensor | None = None) -> None:
+        """Pending mode: commit the verdict on each row's previous call without new tokens
+        (for engines that learn it after the step). The cache then holds, after the next
+        `decode` of these rows (whose own verdict no longer matters: nothing is pending),
+        the same bits as if `num_accepted_tokens` had been passed to that decode; the
+        outputs too, except where the commit folds: that decode reads the new read copy
+        instead of the unrounded FP32 state. A commit may fold the checkpoint, which needs
+        `A` (default: the one seen by the last decode call). Slots and
+        `num_accepted_tokens` as for `decode`."""
+        if not self.spec_tokens:
+            raise ValueError("accept is pending mode's: this cache has spec_tokens=0 (separate mode)")
+        slots = self._slots(slots)
+        n = slots.numel()
+        if n > self.max_batch:
+            raise ValueError(f"slots must hold at most max_batch={self.max_batch} rows; got {n}")
+        if A is None:
+            if not self._have_A:
+                live = slots[(slots > 0) & (slots < self.num_slots)].long()
+                if bool((self.tensors[L.POSITIONS][live][:, 1] != 0).any()):
+                    raise ValueError("accept needs A: no decode call has supplied one yet")
+            A = self._last_A
+        h, g = self.num_heads, self.num_groups
+        bf = dict(dtype=torch.bfloat16, device=self.device)
+        x = torch.empty(0, h, L.HEAD_DIM, **bf)
+        BC = torch.empty(0, g, L.STATE_DIM, **bf)
+        dt = torch.empty(0, h, device=self.device)
+        out = torch.empty(0, h, L.HEAD_DIM, **bf)
+        cu = torch.zeros(n + 1, dtype=torch.int32, device=self.device)
+        D = torch.zeros(h, device=self.device)
+        api._decode_pending(
+            self.tensors, self._geometry, self._backend, x, dt, A, BC, BC, D, D, slots, out,
+            nvfp4=self._nvfp4, seed=self.seed, checks=debug(), max_seqlen=self.max_seqlen,
+            num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu, head_offset=self.head_offset,
+        )
+
     def materialize(self, slots: torch.Tensor, A: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """FP32 state [n, heads, 64, 128] of `slots` (checkpoint plus live ring entries).
+        """FP32 state [n, heads, 64, 128] of `slots` (checkpoint plus live ring entries;
+        in pending mode the committed tokens only, not the drafts awaiting a verdict).
         Live ids must be allocated and appear once (checked on the host); padding ids
         (<= 0 or >= num_slots) read as zero states, as decode writes zero outputs for
         them. `A` defaults to the one seen by the last decode call; `out` (contiguous FP32
@@ -217,11 +304,21 @@ class ReplaySSMCache:
         if A is None:
             if not self._have_A:
                 live_slots = slots[(slots > 0) & (slots < self.num_slots)].long()
-                live = self.tensors[L.POSITIONS][live_slots] % L.RING
+                pos = self.tensors[L.POSITIONS][live_slots]
+                if self.spec_tokens:
+                    from .pending import checkpoint_index
+
+                    c = pos[:, 0].long()
+                    live = c - checkpoint_index(c, self.max_seqlen)
+                else:
+                    live = pos % L.RING
                 if bool((live != 0).any()):
                     raise ValueError("materialize needs A: no decode call has supplied one yet")
             A = self._last_A
-        return api._materialize(self.tensors, self._geometry, self._backend, slots, A, out)
+        return api._materialize(
+            self.tensors, self._geometry, self._backend, slots, A, out,
+            max_seqlen=self.max_seqlen if self.spec_tokens else None,
+        )
 
     def warmup(self) -> list[str]:
         """Compile every kernel variant this cache will launch (before CUDA-graph capture).
@@ -245,6 +342,8 @@ class ReplaySSMCache:
         ]
         if self.head_offset:
             parts.append(f"head_offset={self.head_offset}")
+        if self.spec_tokens:
+            parts.append(f"spec_tokens={self.spec_tokens}")
         if self.slot_padding:
             parts.append(f"slot_padding={self.slot_padding}")
         if self.conv_state_shape is not None:
@@ -256,6 +355,11 @@ class ReplaySSMCache:
     def backend_name(self) -> str:
         """The backend that runs this cache's operations: "kernels" or "reference"."""
         return self._backend.name
+
+    @property
+    def max_seqlen(self) -> int:
+        """Tokens a row may bring per decode call: spec_tokens + 1 (1 in separate mode)."""
+        return self.spec_tokens + 1
 
     @property
     def positions(self) -> torch.Tensor:

@@ -1,7 +1,11 @@
-"""Slot hand-off: copy and fork, prefix snapshots, host swap (export / import), separate mode.
+"""Slot hand-off: copy and fork, prefix snapshots, host swap (export / import), in separate
+and pending mode.
 
 A request's state is every per-slot tensor of the cache tuple (indices 1..: checkpoint,
-rings, read copy, scales, NVFP4 meta and parity, positions). The conv state (index 0) is
+rings, read copy, scales, NVFP4 meta and parity, positions; both position columns of a
+pending-mode cache, so a copied slot keeps its drafts awaiting a verdict). A snapshot or a
+compact export holds the state after the committed tokens; restoring it clears both
+position columns, as an init does. The conv state (index 0) is
 never touched, here as everywhere in replayssm: an engine copies / swaps its conv state
 itself, with the rest of its own per-slot state.
 
@@ -313,11 +317,14 @@ def snapshot_replayssm_slots(
     seed: int = 0,
     backend: str = "auto",
     head_offset: int = 0,
+    max_seqlen: int | None = None,
 ) -> None:
     """Start slots `dst` from the current states of slots `src` as if prefilled with
     them: materialize src (FP32), then initialize dst from it (checkpoint and read copy
     derived from that state, rings and positions cleared; random stream of an init of
-    dst). `A` as for decode; `src` unique, `dst` unique, disjoint."""
+    dst). `A` as for decode; `src` unique, `dst` unique, disjoint. A pending-mode cache
+    needs `max_seqlen` (as `materialize_replayssm_state`); its snapshot holds the state
+    after the committed tokens."""
     nvfp4 = L.is_nvfp4(state_dtype)
     checks = debug()
     api._check_seed(seed)
@@ -327,11 +334,16 @@ def snapshot_replayssm_slots(
     if src.device.type == "cpu" or checks:
         check_host_ids("src", src.tolist(), geometry[0])
     impl = backend_for(device, backend, cache)
-    _snapshot(cache, geometry, impl, src, dst, A, nvfp4=nvfp4, seed=seed, checks=checks, head_offset=api._check_head_offset(head_offset))
+    _snapshot(
+        cache, geometry, impl, src, dst, A, nvfp4=nvfp4, seed=seed, checks=checks,
+        head_offset=api._check_head_offset(head_offset), max_seqlen=max_seqlen,
+    )
 
 
-def _snapshot(cache, geometry, impl, src, dst, A, *, nvfp4: bool, seed: int, checks: bool, head_offset: int = 0) -> None:
-    states = api._materialize(cache, geometry, impl, src, A)
+def _snapshot(
+    cache, geometry, impl, src, dst, A, *, nvfp4: bool, seed: int, checks: bool, head_offset: int = 0, max_seqlen=None
+) -> None:
+    states = api._materialize(cache, geometry, impl, src, A, max_seqlen=max_seqlen)
     api._initialize(cache, geometry, impl, states, dst, nvfp4=nvfp4, seed=seed, checks=checks, head_offset=head_offset)
 
 

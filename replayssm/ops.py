@@ -1,5 +1,7 @@
 """The cache operations as torch custom ops, registered once here with `torch.library`:
-`replayssm::initialize`, `replayssm::clear`, `replayssm::decode`, `replayssm::materialize`.
+`replayssm::initialize`, `replayssm::clear`, `replayssm::decode`, `replayssm::materialize`,
+and for pending mode (speculative decoding, positions [S, 2]) `replayssm::decode_pending`,
+`replayssm::materialize_pending`.
 
 `torch.compile` sees each operation as one opaque op whose schema says which cache tensors
 it writes, so a model that calls `ReplaySSMCache.decode` compiles with `fullgraph=True`;
@@ -22,6 +24,11 @@ Schemas (`SCHEMAS` holds them; the cache tuple is passed tensor by tensor):
         int seed, str backend, int scratch) -> ()
     replayssm::materialize(Tensor conv, ..., Tensor positions (nothing written),
         Tensor state_indices, Tensor A, *, str backend) -> Tensor
+    replayssm::decode_pending(the cache as for decode, Tensor x, ..., Tensor(j!) out,
+        Tensor? num_accepted_tokens, Tensor? cu_seqlens, *, str state_dtype, int seed,
+        str backend, int max_seqlen, int head_offset=0) -> ()
+    replayssm::materialize_pending(the cache as for materialize, Tensor state_indices,
+        Tensor A, *, str backend, int max_seqlen) -> Tensor
 
 Choices:
 - The cache tensors are separate arguments, not one `Tensor(a!)[]` list (which torch 2.13
@@ -88,20 +95,25 @@ WRITES = {
     "clear": {"x_ring", "dt_ring", "b_ring", "positions"},
     "decode": _ALL_STATE | {"out"},
     "materialize": set(),
+    "decode_pending": _ALL_STATE | {"out"},
+    "materialize_pending": set(),
 }
 
 
 def _schema(op: str, inputs: str, kwargs: str, returns: str) -> str:
     """The op's schema: the cache tensors with the alias set `(x!)` of each one `op`
-    writes, then the op's own inputs, keyword-only scalars and the returns."""
+    writes, then the op's own inputs (a trailing `?`: optional), keyword-only scalars and
+    the returns."""
     letters = iter("abcdefghijklmnopqrstuvwxyz")
     parts = []
     for name, optional in CACHE_ARGS:
         alias = f"({next(letters)}!)" if name in WRITES[op] else ""
         parts.append(f"Tensor{alias}{'?' if optional else ''} {name}")
     for name in inputs.split():
+        optional = name.endswith("?")
+        name = name.rstrip("?")
         alias = f"({next(letters)}!)" if name in WRITES[op] else ""
-        parts.append(f"Tensor{alias} {name}")
+        parts.append(f"Tensor{alias}{'?' if optional else ''} {name}")
     return f"({', '.join(parts)}, *, {kwargs}) -> {returns}"
 
 
@@ -113,6 +125,11 @@ SCHEMAS = {
         "str state_dtype, int seed, str backend, int scratch, int head_offset=0", "()",
     ),
     "materialize": _schema("materialize", "state_indices A", "str backend", "Tensor"),
+    "decode_pending": _schema(
+        "decode_pending", "x dt A B C D dt_bias state_indices out num_accepted_tokens? cu_seqlens?",
+        "str state_dtype, int seed, str backend, int max_seqlen, int head_offset=0", "()",
+    ),
+    "materialize_pending": _schema("materialize_pending", "state_indices A", "str backend, int max_seqlen", "Tensor"),
 }
 
 
@@ -248,6 +265,29 @@ def _materialize_kernel(
         return _backend(backend).materialize(cache, state_indices, A)
 
 
+def _decode_pending_kernel(
+    conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions,
+    x, dt, A, B, C, D, dt_bias, state_indices, out, num_accepted_tokens, cu_seqlens,
+    *, state_dtype, seed, backend, max_seqlen, head_offset=0,
+) -> None:
+    cache = _cache_tuple(conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions)
+    with torch.no_grad():
+        _backend(backend).decode_pending(
+            cache, x, dt, A, B, C, D, dt_bias, state_indices, out, nvfp4=state_dtype == "nvfp4", seed=seed,
+            max_seqlen=max_seqlen, num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens,
+            head_offset=head_offset,
+        )
+
+
+def _materialize_pending_kernel(
+    conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions, state_indices, A,
+    *, backend, max_seqlen,
+) -> torch.Tensor:
+    cache = _cache_tuple(conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions)
+    with torch.no_grad():
+        return _backend(backend).materialize_pending(cache, state_indices, A, max_seqlen=max_seqlen)
+
+
 def _writes_only(*args, **kwargs) -> None:
     """Fake implementation of initialize, clear and decode: they return nothing."""
     return None
@@ -261,10 +301,20 @@ def _materialize_fake(
     return state_indices.new_empty(shape, dtype=torch.float32)
 
 
+def _materialize_pending_fake(
+    conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions, state_indices, A,
+    *, backend, max_seqlen,
+) -> torch.Tensor:
+    shape = (state_indices.numel(), checkpoint.shape[1], L.HEAD_DIM, L.STATE_DIM)
+    return state_indices.new_empty(shape, dtype=torch.float32)
+
+
 _initialize_op = _register("initialize", _initialize_kernel, _writes_only)
 _clear_op = _register("clear", _clear_kernel, _writes_only)
 _decode_op = _register("decode", _decode_kernel, _writes_only)
 _materialize_op = _register("materialize", _materialize_kernel, _materialize_fake)
+_decode_pending_op = _register("decode_pending", _decode_pending_kernel, _writes_only)
+_materialize_pending_op = _register("materialize_pending", _materialize_pending_kernel, _materialize_pending_fake)
 
 
 # -- wrappers: a validated cache tuple and validated, normalized inputs in ---------------
@@ -301,7 +351,28 @@ def materialize(cache, state_indices, A, *, backend: str) -> torch.Tensor:
     return _materialize_op(*cache_args(cache), state_indices, A, backend=backend)
 
 
+def decode_pending(
+    cache, x, dt, A, B, C, D, dt_bias, state_indices, out, num_accepted_tokens, cu_seqlens,
+    *, state_dtype: str, seed: int, backend: str, max_seqlen: int, head_offset: int = 0,
+) -> None:
+    """`replayssm::decode_pending` on a validated pending cache tuple (positions [S, 2]) and
+    normalized inputs (`api.normalize_pending_inputs`): dense x [b, T, H, 64] with
+    `cu_seqlens` None, or varlen x [total, H, 64] with `cu_seqlens` int32 [b + 1]; writes
+    `out` and the cache."""
+    _decode_pending_op(
+        *cache_args(cache), x, dt, A, B, C, D, dt_bias, state_indices, out, num_accepted_tokens, cu_seqlens,
+        state_dtype=state_dtype, seed=_int64(seed), backend=backend, max_seqlen=max_seqlen, head_offset=head_offset,
+    )
+
+
+def materialize_pending(cache, state_indices, A, *, backend: str, max_seqlen: int) -> torch.Tensor:
+    """`replayssm::materialize_pending` on a validated pending cache tuple: the FP32 states
+    after the committed tokens; a new tensor."""
+    return _materialize_pending_op(*cache_args(cache), state_indices, A, backend=backend, max_seqlen=max_seqlen)
+
+
 __all__ = [
-    "CACHE_ARGS", "SCHEMAS", "WRITES", "cache_args", "clear", "decode", "initialize", "materialize",
+    "CACHE_ARGS", "SCHEMAS", "WRITES", "cache_args", "clear", "decode", "decode_pending", "initialize", "materialize",
+    "materialize_pending",
     "register_scratch", "scratch_handle",
 ]

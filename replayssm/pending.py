@@ -176,6 +176,54 @@ def fold_range(cache, slot, start, count, A) -> torch.Tensor:
     return decay[:, :, None, None] * s0 + upd
 
 
+def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, total: int, max_seqlen: int) -> torch.Tensor:
+    """Validate `cu_seqlens` (int32 [batch + 1], 0 first, non-decreasing, `total` last,
+    no row longer than `max_seqlen`; reads it on the host) and return the row lengths T_b
+    (int64 [batch], on its device). ValueError / TypeError naming it otherwise."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be an int32 tensor [{batch + 1}]; got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32 or tuple(cu_seqlens.shape) != (batch + 1,):
+        raise ValueError(
+            f"cu_seqlens must be int32 [{batch + 1}] (batch + 1); got {cu_seqlens.dtype} {list(cu_seqlens.shape)}"
+        )
+    cu = cu_seqlens.to(torch.int64)
+    lens = cu[1:] - cu[:-1]
+    host = cu.tolist()
+    if host[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0; got {host}")
+    if any(b < a for a, b in zip(host, host[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing; got {host}")
+    if host[-1] != total:
+        raise ValueError(f"cu_seqlens must end at the number of tokens {total} (x.shape[0]); got {host}")
+    longest = max((b - a for a, b in zip(host, host[1:])), default=0)
+    if longest > max_seqlen:
+        raise ValueError(f"every row of cu_seqlens must hold at most max_seqlen={max_seqlen} tokens; got {host}")
+    return lens
+
+
+def varlen_to_dense(cu_seqlens: torch.Tensor, max_seqlen: int, *tensors: torch.Tensor):
+    """Gather varlen tensors [total, ...] (row b's tokens cu_seqlens[b] .. cu_seqlens[b+1]-1)
+    into dense [batch, max_seqlen, ...], zeros past each row's length. Returns (lens int64
+    [batch], ok bool [batch, max_seqlen] (token t of row b exists), dense tensors)."""
+    total = tensors[0].shape[0]
+    batch = cu_seqlens.shape[0] - 1
+    lens = check_cu_seqlens(cu_seqlens, batch, total, max_seqlen)
+    dev = cu_seqlens.device
+    t = torch.arange(max_seqlen, device=dev)
+    ok = t.view(1, -1) < lens.view(-1, 1)  # [b, T]
+    idx = (cu_seqlens[:-1].to(torch.int64).view(-1, 1) + t.view(1, -1)).clamp(0, max(total - 1, 0))
+    dense = []
+    for v in tensors:
+        shape = (batch, max_seqlen, *v.shape[1:])
+        if total == 0:
+            dense.append(torch.zeros(shape, dtype=v.dtype, device=v.device))
+            continue
+        g = v[idx.reshape(-1)].reshape(shape)
+        keep = ok.view(batch, max_seqlen, *([1] * (v.dim() - 1)))
+        dense.append(torch.where(keep, g, torch.zeros((), dtype=v.dtype, device=v.device)))
+    return lens, ok, dense
+
+
 def pending_decode(
     cache: Sequence[torch.Tensor],
     x: torch.Tensor,
@@ -193,9 +241,33 @@ def pending_decode(
     max_seqlen: int,
     num_accepted_tokens: torch.Tensor | None = None,
     seq_lens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
     head_offset: int = 0,
 ) -> torch.Tensor:
-    """One pending-mode call (module docstring); returns `out` [b, T, H, 64]."""
+    """One pending-mode call (module docstring); returns `out` [b, T, H, 64].
+
+    Varlen layout with `cu_seqlens` (int32 [b + 1], see `check_cu_seqlens`): x [total, H,
+    64] (or [total, H*64]), dt [total, H], B, C [total, G, 128], out [total, H, 64]; the
+    tokens are gathered into the dense layout (zeros past each row's length) and run
+    through the dense path, so a varlen call equals the dense call on the same tokens bit
+    for bit. Device-agnostic: runs wherever the cache lives (CPU or CUDA); it reads a few
+    values on the host (a sync on CUDA), so it is not CUDA-graph capturable."""
+    if cu_seqlens is not None:
+        if seq_lens is not None:
+            raise ValueError("pass seq_lens (dense layout) or cu_seqlens (varlen layout), not both")
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or not 1 <= max_seqlen <= MAX_SEQLEN:
+            raise ValueError(f"max_seqlen must be an int in 1..{MAX_SEQLEN}; got {max_seqlen!r}")
+        heads = cache[L.CHECKPOINT].shape[1]
+        if out.shape[0] != x.shape[0] or out.numel() != x.shape[0] * heads * L.HEAD_DIM:
+            raise ValueError(f"out must be [{x.shape[0]}, {heads}, 64] (varlen: one row a token); got {list(out.shape)}")
+        lens, ok, (xd, dtd, Bd, Cd) = varlen_to_dense(cu_seqlens, max_seqlen, x, dt, B, C)
+        dense_out = torch.empty(xd.shape[0], max_seqlen, heads, L.HEAD_DIM, dtype=out.dtype, device=out.device)
+        pending_decode(
+            cache, xd, dtd, A, Bd, Cd, D, dt_bias, slots, dense_out, nvfp4=nvfp4, seed=seed, max_seqlen=max_seqlen,
+            num_accepted_tokens=num_accepted_tokens, seq_lens=lens, head_offset=head_offset,
+        )
+        out.copy_(dense_out[ok].reshape(out.shape))
+        return out
     x, num_accepted_tokens, seq_lens = _validate(
         cache, x, dt, A, B, C, D, dt_bias, slots, out, nvfp4, max_seqlen, num_accepted_tokens, seq_lens
     )
@@ -284,8 +356,11 @@ def pending_decode(
         decay, w = _weights(seq_dt, A, last)
         Ct = Cs[:, t]  # [n, G, 128]
         y = decay.unsqueeze(-1) * torch.einsum("nhpk,nhk->nhp", state, _expand_groups(Ct, heads))
-        bc = torch.einsum("ngjk,ngk->ngj", seq_B, Ct)
-        y = y + torch.einsum("nhj,nhjp->nhp", w * _expand_groups(bc, heads), seq_x)
+        # Token t reads sequence entries 0..last only, selected with where: the call's later
+        # tokens may be rejected drafts holding anything (NaN), and 0 * NaN is NaN.
+        keep = j.view(1, 1, -1) <= last.view(-1, 1, 1)  # [n, 1, E]
+        bc = torch.einsum("ngjk,ngk->ngj", torch.where(keep[..., None], seq_B, zero), Ct)
+        y = y + torch.einsum("nhj,nhjp->nhp", w * _expand_groups(bc, heads), torch.where(keep[..., None], seq_x, zero))
         y = y + Dv * xs[:, t]
         ys[:, t] = torch.where(tok_ok[:, t, None, None], y, zero)
     out[rows] = ys.to(out.dtype)

@@ -53,6 +53,11 @@ EXPECTED_SCHEMAS = {
     "Tensor dt_bias, Tensor state_indices, Tensor(j!) out, *, str state_dtype, int seed, str backend, "
     "int scratch, int head_offset=0) -> ()",
     "materialize": f"replayssm::materialize({CACHE_R}, Tensor state_indices, Tensor A, *, str backend) -> Tensor",
+    "decode_pending": f"replayssm::decode_pending({CACHE_W}, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, "
+    "Tensor D, Tensor dt_bias, Tensor state_indices, Tensor(j!) out, Tensor? num_accepted_tokens, "
+    "Tensor? cu_seqlens, *, str state_dtype, int seed, str backend, int max_seqlen, int head_offset=0) -> ()",
+    "materialize_pending": f"replayssm::materialize_pending({CACHE_R}, Tensor state_indices, Tensor A, *, "
+    "str backend, int max_seqlen) -> Tensor",
 }
 
 
@@ -228,6 +233,115 @@ def test_a_step_from_inputs_that_require_grad_leaves_no_autograd_history(fmt):
         REFERENCE.decode(want, *norm, ids, out_want, nvfp4=fmt == "nvfp4", seed=0)
     assert same_bits(out, out_want)
     assert_cache_equal(want, cache)
+
+
+# -- pending mode: replayssm::decode_pending and ::materialize_pending ------------------------
+
+PENDING_M = 3  # max_seqlen of the pending world (fold grid 11)
+
+
+def _pending_world(fmt, seed=0, heads=8, groups=1, slots=5):
+    """A pending cache (max_seqlen 3, fold grid 11): slots 1..3 live at (c, q) = (9, 3),
+    (3, 3), (0, 3), so that accepting slot 1's drafts at the next call folds it. Returns the cache, dense and varlen normalized
+    inputs for the rows [1, 0, 2, 3, 9] (two padding rows), the verdicts, cu_seqlens and A."""
+    from replayssm.pending import pending_decode
+
+    g = torch.Generator().manual_seed(seed)
+    p = layer_params(heads, generator=g)
+    cache = allocate_cache(slots, heads, groups, fmt, pending=True)
+    live = torch.tensor([1, 2, 3], dtype=torch.int32)
+    REFERENCE.initialize(cache, prefill_states(p, 3, groups, 4, generator=g), live, nvfp4=fmt == "nvfp4", seed=seed)
+
+    def tokens(n, lead):
+        x = torch.randn(*lead, heads, P, generator=g).to(torch.bfloat16)
+        dt = (0.5 * torch.randn(*lead, heads, generator=g)).float()
+        B, C = (torch.randn(*lead, groups, N, generator=g).to(torch.bfloat16) for _ in range(2))
+        return x, dt, B, C
+
+    for _ in range(4):
+        x, dt, B, C = tokens(3, (3, PENDING_M))
+        out = torch.empty(3, PENDING_M, heads, P, dtype=torch.bfloat16)
+        pending_decode(cache, x, dt, p.A, B, C, p.D, p.dt_bias, live, out, nvfp4=fmt == "nvfp4", seed=seed,
+                       max_seqlen=PENDING_M, num_accepted_tokens=torch.tensor([3, 1, 0], dtype=torch.int32))
+    assert cache[L.POSITIONS][1:4].tolist() == [[9, 3], [3, 3], [0, 3]]
+    ids = torch.tensor([1, 0, 2, 3, 9], dtype=torch.int32)
+    accepted = torch.tensor([3, 2, 1, 0, 5], dtype=torch.int32)  # slot 1: c 9 -> 12 crosses the grid point 11
+    D = p.D[:, None].expand(heads, P).float()
+    dense = (*tokens(5, (5, PENDING_M)),)
+    dense = (dense[0], dense[1], p.A, dense[2], dense[3], D, p.dt_bias)
+    cu = torch.tensor([0, 3, 4, 6, 6, 7], dtype=torch.int32)
+    var = (*tokens(7, (7,)),)
+    var = (var[0], var[1], p.A, var[2], var[3], D, p.dt_bias)
+    return cache, dense, var, ids, accepted, cu, p.A
+
+
+def _pending_op_args(name, fmt, layout="dense", backend="reference"):
+    cache, dense, var, ids, accepted, cu, A = _pending_world(fmt)
+    c = ops.cache_args(cache)
+    if name == "materialize_pending":
+        return ops._materialize_pending_op, (*c, ids, A), dict(backend=backend, max_seqlen=PENDING_M)
+    heads = cache[L.CHECKPOINT].shape[1]
+    if layout == "dense":
+        out = torch.full((ids.numel(), PENDING_M, heads, P), float("nan"), dtype=torch.bfloat16)
+        args = (*c, *dense, ids, out, accepted, None)
+    else:
+        out = torch.full((int(cu[-1]), heads, P), float("nan"), dtype=torch.bfloat16)
+        args = (*c, *var, ids, out, accepted, cu)
+    return ops._decode_pending_op, args, dict(state_dtype=fmt, seed=7, backend=backend, max_seqlen=PENDING_M)
+
+
+PENDING_OPS = [
+    pytest.param("decode_pending", "dense", id="decode-dense"),
+    pytest.param("decode_pending", "varlen", id="decode-varlen"),
+    pytest.param("materialize_pending", "dense", id="materialize"),
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name,layout", PENDING_OPS)
+def test_opcheck_pending(name, layout, fmt, fp8_allclose):
+    """The pending-mode ops: schema (mutations as annotated), fake tensor, AOT dispatch
+    (static and dynamic shapes) and autograd registration checks, dense and varlen."""
+    op, args, kwargs = _pending_op_args(name, fmt, layout)
+    result = torch.library.opcheck(
+        op, args, kwargs,
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static", "test_aot_dispatch_dynamic"),
+    )
+    assert set(result.values()) == {"SUCCESS"}, result
+    args = list(args)
+    i_A = 12 if name == "decode_pending" else 11
+    args[i_A] = args[i_A].clone().requires_grad_()
+    result = torch.library.opcheck(op, tuple(args), kwargs, test_utils="test_autograd_registration")
+    assert result == {"test_autograd_registration": "SUCCESS"}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name,layout", PENDING_OPS)
+def test_pending_op_equals_the_reference(name, layout, fmt):
+    """Each pending op runs `replayssm.pending` on the caller's tuple, bit for bit, and
+    writes nothing its schema does not name; the decode call folds slot 1."""
+    from replayssm import pending
+
+    op, args, kwargs = _pending_op_args(name, fmt, layout)
+    cache, dense, var, ids, accepted, cu, A = _pending_world(fmt)
+    want = snapshot(cache)
+    got = op(*args, **kwargs)
+    got_cache = [t for t in args[:10] if t is not None]
+    if name == "decode_pending":
+        out = torch.full_like(args[18], float("nan"))
+        inputs = dense if layout == "dense" else var
+        pending.pending_decode(want, *inputs, ids, out, nvfp4=fmt == "nvfp4", seed=7, max_seqlen=PENDING_M,
+                               num_accepted_tokens=accepted, cu_seqlens=None if layout == "dense" else cu)
+        assert got is None and same_bits(args[18], out)
+        assert not same_bits(want[L.CHECKPOINT][1], cache[L.CHECKPOINT][1])  # slot 1 folded
+    else:
+        assert same_bits(got, pending.pending_materialize(want, ids, A, max_seqlen=PENDING_M))
+    assert_cache_equal(want, got_cache)
+    written = {n for (n, _), a, b in zip(ops.CACHE_ARGS, ops.cache_args(snapshot(cache)), args[:10])
+               if a is not None and not same_bits(a, b)}
+    assert written <= ops.WRITES[name]
+    if name == "decode_pending":
+        assert {"checkpoint", "x_ring", "read_copy", "positions"} <= written
 
 
 # -- scalars and scratch --------------------------------------------------------------------
@@ -421,6 +535,48 @@ def test_compiled_layer_with_a_page_carved_cache(fmt, compile_backend):
 def test_inductor_compiled_layer_matches_eager_bit_for_bit(fmt, out_given):
     """The default backend (Inductor, C++ on the CPU)."""
     _compare_steps(fmt, "inductor", out_given)
+
+
+@pytest.mark.parametrize("compile_backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compiled_pending_decode_matches_eager_bit_for_bit(fmt, compile_backend):
+    """`ReplaySSMCache(spec_tokens=2).decode` in pending mode, dense and varlen (rows of 0..3
+    tokens, padding rows, random verdicts, folds), compiled with fullgraph=True: every
+    output and cache tensor equals the eager twin's after every step; one graph a layout,
+    each holding one replayssm.decode_pending op."""
+    torch._dynamo.reset()
+    heads, groups, M = 8, 1, 3
+    twins = [ReplaySSMCache(6, heads, groups, fmt, "cpu", seed=3, spec_tokens=M - 1, backend="reference") for _ in range(2)]
+    g = torch.Generator().manual_seed(2)
+    p = layer_params(heads, generator=g)
+    states = prefill_states(p, 3, groups, 4, generator=g)
+    for c in twins:
+        c.prefill_init(states, c.allocate(3))
+    ids = torch.tensor([1, 0, 2, 3, 7], dtype=torch.int32)
+
+    def step(cache, x, dt, B, C, acc, cu):
+        return cache.decode(x, dt, p.A, B, C, p.D, p.dt_bias, ids, num_accepted_tokens=acc, cu_seqlens=cu)
+
+    counter = CompileCounterWithBackend(compile_backend)
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    lens_cycle = [[3, 1, 0, 2, 3], [1, 3, 2, 0, 3], [2, 2, 3, 1, 1]]  # 9 tokens each
+    with torch.no_grad():
+        for i in range(12):
+            varlen = i % 2 == 1
+            lead = (9,) if varlen else (5, M)
+            x = torch.randn(*lead, heads, P, generator=g).to(torch.bfloat16)
+            dt = 0.5 * torch.randn(*lead, heads, generator=g)
+            B, C = (torch.randn(*lead, groups, N, generator=g).to(torch.bfloat16) for _ in range(2))
+            acc = torch.randint(-1, M + 2, (5,), generator=g, dtype=torch.int32)
+            cu = torch.tensor([0, *lens_cycle[i % 3]], dtype=torch.int32).cumsum(0).to(torch.int32) if varlen else None
+            ye = step(twins[0], x, dt, B, C, acc, cu)
+            yc = compiled(twins[1], x, dt, B, C, acc, cu)
+            assert same_bits(ye, yc), f"step {i}: outputs differ"
+            assert_cache_equal(twins[0].tensors, twins[1].tensors)
+    assert max(twins[1].positions[1:4, 0].tolist()) >= 11  # past the fold grid (17 - 2 * 3): folds ran
+    assert counter.frame_count == 2  # dense and varlen
+    pend = [n for gr in counter.graphs for n in gr.graph.nodes if str(n.target) == "replayssm.decode_pending.default"]
+    assert len(counter.graphs) == 2 and len(pend) == 2
 
 
 def _split_top_level(args: str) -> list[str]:

@@ -249,18 +249,34 @@ def test_nvfp4_parity_meta_cycle_is_delayed_scaling():
         assert same_bits(c[L.READ_COPY][1], codes[0]) and same_bits(c[L.SCALES][1], bscales[0])
 
 
-def test_pending_positions_layout_is_initialized_and_decode_rejects_it():
+def test_pending_positions_layout_is_initialized_and_decode_routes_to_pending_mode():
+    """A cache with positions [S, 2]: init clears both columns of its slots only; the
+    functional decode takes it in pending mode (dense layout [b, max_seqlen, H, 64]: a
+    separate-mode x is rejected naming that layout, the cache untouched), and a dense call
+    equals `pending.pending_decode` bit for bit."""
+    from replayssm import selective_state_update_replayssm
+    from replayssm.pending import pending_decode
+
     cache = allocate_cache(4, 16, 2, "fp8", pending=True)
     cache[L.POSITIONS].fill_(7)
     initialize_replayssm_state(cache, torch.zeros(1, 16, 64, 128), torch.tensor([2]), state_dtype="fp8")
     assert cache[L.POSITIONS][2].tolist() == [0, 0] and cache[L.POSITIONS][1].tolist() == [7, 7]
-    from replayssm import selective_state_update_replayssm
-
-    x = torch.zeros(1, 16, 64, dtype=torch.bfloat16)
-    bc = torch.zeros(1, 2, 128, dtype=torch.bfloat16)
-    h = torch.zeros(16)
-    with pytest.raises(ValueError, match="pending mode"):
-        selective_state_update_replayssm(cache, x, torch.zeros(1, 16), h, bc, bc, h, h, torch.tensor([2]), torch.empty_like(x), state_dtype="fp8")
+    cache[L.POSITIONS][1] = 0
+    x = torch.randn(1, 1, 16, 64).bfloat16()
+    bc = torch.randn(1, 1, 2, 128).bfloat16()
+    h = -torch.ones(16)
+    before = [t.clone() for t in cache]
+    with pytest.raises(ValueError, match=r"x must be bfloat16 \[1, 1, 16, 64\]"):
+        selective_state_update_replayssm(cache, x[:, 0], torch.zeros(1, 16), h, bc, bc, h, h, torch.tensor([2]), torch.empty_like(x), state_dtype="fp8")
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, cache))
+    out = torch.empty_like(x)
+    selective_state_update_replayssm(cache, x, torch.zeros(1, 1, 16), h, bc, bc, h, h, torch.tensor([2]), out, state_dtype="fp8")
+    want = [t.clone() for t in before]
+    want_out = torch.empty_like(x)
+    pending_decode(want, x, torch.zeros(1, 1, 16), h, bc, bc, h, h, torch.tensor([2]), want_out, nvfp4=False, seed=0, max_seqlen=1)
+    assert cache[L.POSITIONS][2].tolist() == [0, 1]
+    assert torch.equal(out, want_out)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(want, cache))
 
 
 def test_stochastic_checkpoint_tracks_decay_that_nearest_rounding_loses():

@@ -1,7 +1,7 @@
 """Device code and backend choice.
 
 Two backends run the cache operations, with the same methods (`initialize`, `clear`,
-`decode`, `materialize`), on inputs already validated and normalized by `replayssm.api`
+`decode`, `materialize`, and pending mode's `decode_pending`, `materialize_pending`), on inputs already validated and normalized by `replayssm.api`
 (backends never validate user input):
 
 - `ReferenceBackend` ("reference"): the PyTorch reference (`replayssm.reference`), on any
@@ -10,7 +10,9 @@ Two backends run the cache operations, with the same methods (`initialize`, `cle
   decode plan) and the CuTe DSL decode kernels, on a CUDA GPU in the arch table with the
   CuTe DSL installed and a 16-byte-aligned cache. On the CPU it runs only under the Triton
   interpreter (TRITON_INTERPRET=1, for tests): the bookkeeping kernels interpreted, the
-  decode math from the reference fed the kernel-made plan.
+  decode math from the reference fed the kernel-made plan. Pending mode (speculative
+  decoding) has no kernels yet: its decode and materialize run the PyTorch reference on
+  the cache's device under either backend.
 
 `backend_for(device, backend, cache)` turns the caller's choice into one of them:
 "reference"; "kernels", a ValueError saying why where they cannot run; "auto" (the
@@ -37,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 from .. import layout as L
+from .. import pending as pend
 from .. import reference as ref
 
 BACKENDS = ("reference", "kernels")
@@ -64,6 +67,14 @@ class ReferenceBackend:
 
     def materialize(self, cache, ids, A, out=None) -> torch.Tensor:
         states = ref.materialize(cache, ids, A)
+        return states if out is None else out.copy_(states)
+
+    def decode_pending(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs) -> None:
+        """Pending mode (positions [S, 2]): `pending.pending_decode`."""
+        pend.pending_decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs)
+
+    def materialize_pending(self, cache, ids, A, *, max_seqlen: int, out=None) -> torch.Tensor:
+        states = pend.pending_materialize(cache, ids, A, max_seqlen=max_seqlen)
         return states if out is None else out.copy_(states)
 
 
@@ -213,6 +224,17 @@ class KernelBackend:
         reason = self.cute_unavailable(cache)
         ctx = self._contexts[key] = _CacheContext(cache, None if reason else self.cute_for(cache), reason)
         return ctx
+
+    def decode_pending(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs) -> None:
+        """Pending mode has no kernels yet: the PyTorch reference (`pending.pending_decode`)
+        runs on the cache's own tensors, on the GPU for a CUDA cache (it reads a few values
+        on the host, so a pending step is not CUDA-graph capturable)."""
+        REFERENCE.decode_pending(cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs)
+
+    def materialize_pending(self, cache, ids, A, *, max_seqlen: int, out=None) -> torch.Tensor:
+        """The PyTorch reference (`pending.pending_materialize`), on the cache's device: the
+        Triton materialize kernel assumes separate mode's flush grid."""
+        return REFERENCE.materialize_pending(cache, ids, A, max_seqlen=max_seqlen, out=out)
 
     def materialize(self, cache, ids, A, out=None) -> torch.Tensor:
         """The Triton materialize kernel (kernels/triton/materialize.py): one launch, no
