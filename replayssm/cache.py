@@ -57,9 +57,10 @@ class ReplaySSMCache:
     (separate mode); k in 1..7 is pending mode for speculative decoding with k draft
     tokens: positions [S, 2], every call brings up to max_seqlen = k + 1 tokens a row
     (`decode` with `num_accepted_tokens` / `cu_seqlens`, `accept`), and the cache holds that
-    one max_seqlen for its lifetime. Pending mode has no kernels yet: its decode and
-    materialize run the PyTorch reference on the cache's device (GPU tensors stay on the
-    GPU) under every backend; the other operations use the chosen backend.
+    one max_seqlen for its lifetime. Pending mode's decode has no kernels yet: it runs the
+    PyTorch reference on the cache's device (GPU tensors stay on the GPU) under every
+    backend; materialize and the other operations use the chosen backend (the kernel
+    backend's materialize is the Triton kernel in either mode).
     """
 
     num_slots: int

@@ -579,3 +579,42 @@ def test_readme_speculative_example_runs_on_cpu(monkeypatch):
             exact.step(tok[t])
         assert sqnr_db(exact.S[0], ns["state"][b]) >= tol.STATE_SQNR_FLOOR_DB
     assert sqnr_db(torch.stack(refs), torch.stack(outs)) >= tol.OUTPUT_SQNR_FLOOR_DB["fp8"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("M", [2, 5])
+def test_materialize_kernel_in_pending_mode_matches_the_reference(fmt, M):
+    """The Triton materialize kernel on a pending cache (Triton interpreter): for slots at
+    committed counts on and off the fold grid (pending drafts NaN-filled in the ring, since
+    they must not count), the state after the committed tokens within FOLD_REL_TOL of
+    `pending.pending_materialize` (both FP32 from the same checkpoint and entries, differing
+    in summation order only); padding rows zeros; into `out`."""
+    from replayssm.kernels.triton.materialize import materialize
+
+    cache, slots, p, _, gen = _cache(fmt, M - 1, live=3)
+    rng = random.Random(M)
+    for step in range(11):
+        b = slots.numel()
+        x, dt, B, C = (v.reshape(b, M, *v.shape[1:]) for v in _tokens(gen, b * M))
+        acc = torch.tensor([rng.randint(0, M) for _ in range(b)], dtype=torch.int32)
+        cache.decode(x, dt, p.A, B, C, p.D, p.dt_bias, slots, num_accepted_tokens=acc if step else None)
+    cache.accept(slots, torch.tensor([M, 1, 0], dtype=torch.int32))
+    pos = cache.positions
+    counts = pos[slots.long(), 0].tolist()
+    assert len({c % grid(M) for c in counts}) > 1  # not all on the grid
+    for s in slots.tolist():  # the pending drafts: never part of the committed state
+        c, q = pos[s].tolist()
+        for i in range(c, c + q):
+            for t in (cache.tensors[L.X_RING], cache.tensors[L.DT_RING], cache.tensors[L.B_RING]):
+                t[s, :, i % 16] = NAN
+    ids = torch.tensor([0, *slots.tolist(), 6], dtype=torch.int64)
+    want = pending_materialize(cache.tensors, ids, p.A, max_seqlen=M)
+    out = torch.full((ids.numel(), HEADS, P, N), NAN)
+    got = materialize(cache.tensors, ids, p.A, out, max_seqlen=M)
+    assert got is out and not torch.isnan(got).any()
+    for r in range(1, 4):
+        err = (got[r] - want[r]).abs().max()
+        assert err <= tol.FOLD_REL_TOL * want[r].abs().max(), (r, float(err))
+    assert torch.equal(got[[0, 4]], torch.zeros(2, HEADS, P, N))
+    with pytest.raises(ValueError, match="max_seqlen"):
+        materialize(cache.tensors, ids, p.A)

@@ -232,9 +232,12 @@ class KernelBackend:
         REFERENCE.decode_pending(cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs)
 
     def materialize_pending(self, cache, ids, A, *, max_seqlen: int, out=None) -> torch.Tensor:
-        """The PyTorch reference (`pending.pending_materialize`), on the cache's device: the
-        Triton materialize kernel assumes separate mode's flush grid."""
-        return REFERENCE.materialize_pending(cache, ids, A, max_seqlen=max_seqlen, out=out)
+        """The Triton materialize kernel in pending mode (the checkpoint at the fold grid
+        point of the committed count, then the committed entries): one launch, no host
+        sync; into `out` when given."""
+        from .triton.materialize import materialize
+
+        return materialize(cache, ids, A, out, max_seqlen=max_seqlen)
 
     def materialize(self, cache, ids, A, out=None) -> torch.Tensor:
         """The Triton materialize kernel (kernels/triton/materialize.py): one launch, no

@@ -5,9 +5,12 @@ when `out` is given, so a CUDA graph can capture it.
 Grid (n, H, 64 // BLOCK_P): program (i_b, i_h, i_p) computes state rows
 p in [i_p * BLOCK_P, (i_p + 1) * BLOCK_P) of head i_h for batch row i_b:
 
-    live   = positions[slot] mod 16 (column 0 in pending mode)
-    pre_j  = dt_0 + .. + dt_j               over ring entries j < live (zero beyond)
-    S      = exp(A pre_live) S0 + sum_{j < live} dt_j exp(A (pre_live - pre_j)) x_j (x) B_j
+    live   = positions[slot] mod 16, the entries from ring index start = 0 (separate mode);
+             pending mode: c = positions[slot, 0], the checkpoint at f = grid * (c div grid),
+             live = c - f committed entries from ring index start = f mod 16 (format.md 5b)
+    e_j    = (start + j) mod 16, the ring index of the j-th live entry
+    pre_j  = dt_e0 + .. + dt_ej             over j < live (zero beyond)
+    S      = exp(A pre_live) S0 + sum_{j < live} dt_ej exp(A (pre_live - pre_j)) x_ej (x) B_ej
 
 in plain FP32 (no tensor cores: the ring terms are rank-1 updates accumulated in entry
 order, so the result differs from the reference's einsum by FP32 summation order only).
@@ -22,10 +25,11 @@ import triton
 import triton.language as tl
 
 from ... import layout as L
+from ...pending import grid as pending_grid
 from .launch import interpreting
 
 
-@triton.jit(do_not_specialize=["num_slots"])
+@triton.jit(do_not_specialize=["num_slots", "grid"])
 def _materialize_kernel(
     p_ids,
     p_A,
@@ -44,9 +48,11 @@ def _materialize_kernel(
     stride_pos,
     stride_out,
     num_slots,
+    grid,
     H: tl.constexpr,
     HPG: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    PENDING: tl.constexpr,
 ):
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -59,11 +65,18 @@ def _materialize_kernel(
         tl.store(p_o, tl.zeros([BLOCK_P, 128], tl.float32))
         return
     slot = raw.to(tl.int64)
-    live = tl.load(p_pos + slot * stride_pos) & 15  # == pos mod 16 for every int32
+    pos = tl.load(p_pos + slot * stride_pos)  # pending mode: column 0, c
+    if PENDING:
+        f = (pos // grid) * grid
+        live = pos - f
+        start = f & 15
+    else:
+        live = pos & 15  # == pos mod 16 for every int32
+        start = pos & 0
     a = tl.load(p_A + i_h * stride_A)
 
     o_j = tl.arange(0, 16)
-    b_dt = tl.load(p_dt + slot * stride_dt + i_h * 16 + o_j, mask=o_j < live, other=0.0)
+    b_dt = tl.load(p_dt + slot * stride_dt + i_h * 16 + ((start + o_j) & 15), mask=o_j < live, other=0.0)
     b_pre = tl.cumsum(b_dt, axis=0)
     pre_k = tl.sum(tl.where(o_j == 15, b_pre, 0.0), axis=0)  # the entries beyond live add 0
     b_w = b_dt * tl.exp(a * (pre_k - b_pre))  # 0 where the entry is not live (dt = 0)
@@ -73,21 +86,25 @@ def _materialize_kernel(
     g = i_h // HPG
     for j in tl.static_range(16):
         on = j < live
+        e_j = (start + j) & 15
         w_j = tl.sum(tl.where(o_j == j, b_w, 0.0), axis=0)
         # bf16 entries read as int16 and widened through their bits (exact; no float cast).
         # Vector masks (a scalar condition broadcast as a mask is int32 to Triton 3.9's interpreter).
-        b_xj = tl.load(p_x + slot * stride_x + (i_h * 16 + j) * 64 + o_p, mask=o_p < tl.where(on, 64, 0), other=0)
-        b_bj = tl.load(p_b + slot * stride_b + (g * 16 + j) * 128 + o_n, mask=o_n < tl.where(on, 128, 0), other=0)
+        b_xj = tl.load(p_x + slot * stride_x + (i_h * 16 + e_j) * 64 + o_p, mask=o_p < tl.where(on, 64, 0), other=0)
+        b_bj = tl.load(p_b + slot * stride_b + (g * 16 + e_j) * 128 + o_n, mask=o_n < tl.where(on, 128, 0), other=0)
         b_xj = (b_xj.to(tl.int32) << 16).to(tl.float32, bitcast=True)
         b_bj = (b_bj.to(tl.int32) << 16).to(tl.float32, bitcast=True)
         acc += (w_j * b_xj)[:, None] * b_bj[None, :]
     tl.store(p_o, acc)
 
 
-def materialize(cache, ids: torch.Tensor, A: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def materialize(
+    cache, ids: torch.Tensor, A: torch.Tensor, out: torch.Tensor | None = None, max_seqlen: int | None = None
+) -> torch.Tensor:
     """FP32 states [n, H, 64, 128] of the slots in `ids` (int32/int64 [n]; padding rows
     read as zeros) into `out` (contiguous FP32 [n, H, 64, 128]; allocated when None).
-    `A`: FP32 [H] (any stride). One launch; reads the cache only."""
+    `A`: FP32 [H] (any stride). A pending cache (positions [S, 2]) needs its `max_seqlen`
+    and gives the state after the committed tokens. One launch; reads the cache only."""
     ids = ids.reshape(-1)
     n = ids.numel()
     ckpt = cache[L.CHECKPOINT]
@@ -98,6 +115,10 @@ def materialize(cache, ids: torch.Tensor, A: torch.Tensor, out: torch.Tensor | N
         return out
     x_ring, dt_ring, b_ring, pos = cache[L.X_RING], cache[L.DT_RING], cache[L.B_RING], cache[L.POSITIONS]
     groups = b_ring.shape[1]
+    pending = pos.dim() == 2
+    if pending and max_seqlen is None:
+        raise ValueError("materialize of a pending cache (positions [S, 2]) needs its max_seqlen")
+    grid = pending_grid(max_seqlen) if pending else 0
     # The interpreter pays per program: a whole head per program there; 16 rows on the GPU.
     block_p = 64 if interpreting() else 16
     _materialize_kernel[(n, heads, L.HEAD_DIM // block_p)](
@@ -118,9 +139,11 @@ def materialize(cache, ids: torch.Tensor, A: torch.Tensor, out: torch.Tensor | N
         pos.stride(0),
         out.stride(0),
         num_slots,
+        grid,
         H=heads,
         HPG=heads // groups,
         BLOCK_P=block_p,
+        PENDING=pending,
         num_warps=4,
     )
     return out
