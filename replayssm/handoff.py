@@ -25,6 +25,13 @@ addresses and slot strides built on the first copy of a cache list (`copy_plan`;
 host-to-device copy, so the first copy must come before any graph capture) and kept
 while the caches live. The per-tensor index copies (`_copy`) serve the CPU and
 backend="reference".
+
+Host swap on a CUDA device goes through one buffer: an export (`export_slots` over
+layers, a cache's `export`, `export_replayssm_slots`) gathers every per-slot tensor of
+its slots into one device staging buffer with one launch of the staging kernel (the same
+kernel file, a staging table kept with the copy table: `StagePlan`), copies it into one
+pinned host buffer, and returns dicts of views of that buffer; an import of such data
+copies the buffer back and scatters it with one launch. Other data import per tensor.
 """
 
 from __future__ import annotations
@@ -609,8 +616,6 @@ def import_slots(caches: Sequence, data: Sequence[dict], slots, *, backend: str 
     imports it."""
     device = _check_layers(caches, backend)
     if device is None:
-        if data is not None and len(data) != 0:
-            raise ValueError(f"data must hold one dict per cache; got {len(data)} for 0 caches")
         return
     kernel = _use_kernel(device, backend, caches)
     if isinstance(data, dict) or not isinstance(data, Sequence):
