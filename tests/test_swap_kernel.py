@@ -373,7 +373,7 @@ def test_gpu_export_import_slots_over_layers(fmt, monkeypatch):
     for c in caches:
         c.release(slots)
         randomize([t[s : s + 1] for t in c.tensors[1:] for s in slots], gen, "cuda")
-        assert c.allocate(3).tolist() == sorted(slots)
+        assert sorted(c.allocate(3).tolist()) == sorted(slots)  # the only free ones
     others = [snapshot(c.tensors) for c in caches]
     replayssm.import_slots(caches, data, torch.tensor(slots, device="cuda"), backend="kernels")
     torch.cuda.synchronize()
