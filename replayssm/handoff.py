@@ -227,7 +227,8 @@ class StagePlan:
     buffer of n slots (kernels/triton/copy_slots.py, "Staging"): for the export of n slots
     of every layer, tensor k's n slots at bytes [n * prefix_k, n * (prefix_k + size_k)),
     viewed as [n, *per-slot shape] of its dtype and named as `layout.tensor_specs` names
-    it; `table` the kernel's staging table."""
+    it; the same tensor of every layer (same name, shape, dtype) one after another;
+    `table` the kernel's staging table."""
 
     def __init__(self, tuples, nvfp4: Sequence[bool], device: torch.device, chunk: int):
         from .kernels.triton import copy_slots as K
@@ -237,25 +238,33 @@ class StagePlan:
             for name, i in per_slot_names(cache, fp4):
                 tensors.append(cache[i])
                 names.append((layer, name))
-        rows, prefixes = K.stage_rows(tensors, chunk)
+        kinds = [(name, tuple(t.shape[1:]), t.dtype) for (_, name), t in zip(names, tensors)]
+        rows, prefixes = K.stage_rows(tensors, chunk, kinds)
         self.table = K.stage_table(rows, device)
         self.layers = len(tuples)
-        # (layer, name, per-slot shape, dtype, prefix, size), in staging order (prefix 0 first)
-        self.entries = sorted(
-            (
-                (layer, name, tuple(t.shape[1:]), t.dtype, prefix, t[0].numel() * t.element_size())
-                for (layer, name), t, prefix in zip(names, tensors, prefixes)
-            ),
-            key=lambda e: e[4],
-        )
-        self.slot_bytes = sum(e[5] for e in self.entries)
+        self.names = [[name for layer_, name in names if layer_ == layer] for layer in range(len(tuples))]
+        sizes = [t[0].numel() * t.element_size() for t in tensors]
+        # (layer, name, prefix), in staging order (prefix 0 first)
+        order = sorted(range(len(tensors)), key=prefixes.__getitem__)
+        self.entries = [(*names[k], prefixes[k]) for k in order]
+        self.slot_bytes = sum(sizes)
+        # runs of one kind at consecutive places: (kind, prefix, slot bytes, [(layer, name)])
+        self.groups: list[tuple[tuple, int, int, list]] = []
+        for k in order:
+            g = self.groups[-1] if self.groups else None
+            if g is not None and g[0] == kinds[k] and g[1] + len(g[3]) * g[2] == prefixes[k]:
+                g[3].append(names[k])
+            else:
+                self.groups.append((kinds[k], prefixes[k], sizes[k], [names[k]]))
 
     def views(self, buffer: torch.Tensor, n: int) -> list[dict[str, torch.Tensor]]:
-        """Per-layer dicts {name: [n, *per-slot shape]} viewing the byte buffer of n slots."""
-        out: list[dict[str, torch.Tensor]] = [{} for _ in range(self.layers)]
-        for layer, name, shape, dtype, prefix, size in self.entries:
-            region = buffer[n * prefix : n * (prefix + size)]
-            out[layer][name] = region.view(dtype).view(n, *shape)
+        """Per-layer dicts {name: [n, *per-slot shape]} viewing the byte buffer of n slots
+        (keys in `tensor_specs` order; one view and one unbind per run of a kind)."""
+        out = [dict.fromkeys(names) for names in self.names]
+        for (_, shape, dtype), prefix, size, members in self.groups:
+            region = buffer[n * prefix : n * (prefix + len(members) * size)]
+            for (layer, name), t in zip(members, region.view(dtype).view(len(members), n, *shape).unbind(0)):
+                out[layer][name] = t
         return out
 
     def buffer_of(self, data: Sequence[dict], n: int) -> torch.Tensor | None:
@@ -265,21 +274,20 @@ class StagePlan:
         None."""
         if n == 0 or len(data) != self.layers:
             return None
-        storage, base = None, 0
-        for layer, name, _, _, prefix, _ in self.entries:
-            t = data[layer][name]
-            if not t.is_contiguous():
-                return None
-            if storage is None:
-                storage, device, base = t.untyped_storage(), t.device, t.data_ptr()
-            elif t.device != device or t.untyped_storage().data_ptr() != storage.data_ptr():
-                return None
-            if t.data_ptr() != base + n * prefix:
-                return None
+        layer, name, _ = self.entries[0]
+        first = data[layer][name]
+        base, cuda = first.data_ptr(), first.is_cuda
+        storage = first.untyped_storage()
         offset = base - storage.data_ptr()
         if offset < 0 or offset + n * self.slot_bytes > storage.nbytes():
             return None
-        return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, offset, (n * self.slot_bytes,))
+        # Every tensor contiguous at its place inside the first one's storage: the buffer's
+        # bytes are theirs.
+        for layer, name, prefix in self.entries:
+            t = data[layer][name]
+            if t.data_ptr() != base + n * prefix or t.is_cuda != cuda or not t.is_contiguous():
+                return None
+        return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, offset, (n * self.slot_bytes,))
 
 
 # Plans of ReplaySSMCache lists, keyed by the caches' ids; an entry holds weak references to
@@ -576,8 +584,11 @@ def _layer_ids(caches: Sequence, slots, device: torch.device) -> torch.Tensor:
     ids = first._handoff_ids("slots", slots)  # lists stay on the host
     d = _validate_slots(ids, device, first.num_slots)
     if ids.device.type == "cpu" or debug():
+        values = [int(v) for v in ids.tolist()]  # in range and unique: _validate_slots
         for c in caches:
-            c._check_handoff_live(ids, "slots")
+            stray = sorted({s for s in values if not c.allocator.is_allocated(s)})
+            if stray:
+                raise ValueError(f"slots must be allocated slots; slot(s) {stray} are not allocated; got {values}")
     return d
 
 

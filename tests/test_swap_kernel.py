@@ -98,6 +98,8 @@ def test_stage_rows_order_by_alignment_and_keep_one_width_a_tensor():
     wide = torch.zeros(4, 8, dtype=torch.float32)  # 32 bytes
     rows, prefixes = K.stage_rows([pos, dense, body_tail, odd, wide], chunk=32)
     assert K.staging_order([4, 80, 20, 7, 32]) == [1, 4, 0, 2, 3]
+    # with kinds: one kind's tensors together (where the kind first appears), alignment first
+    assert K.staging_order([32, 4, 32, 4, 16], kinds=["a", "p", "a", "p", "b"]) == [0, 2, 4, 1, 3]
     assert prefixes == [112, 0, 116, 136, 80]
     d, w, p, b = dense.data_ptr(), wide.data_ptr(), pos.data_ptr(), page.data_ptr()
     assert rows == [
@@ -175,6 +177,8 @@ def test_export_slots_is_one_gather_and_equals_the_per_tensor_export(fmt, slot_p
     assert calls == {"gather": 1, "scatter": 0, "copy": 0, "per_tensor_export": 0}
     assert one_buffer(data)
     assert_same_export(data, per_tensor(caches, [4, 2]))
+    staged = handoff.copy_plan(caches).staging
+    assert len(staged.groups) == len(data[0])  # each tensor of every layer in one run: one view each
     for c, b in zip(caches, before):
         assert_cache_equal(b, c.tensors)
 

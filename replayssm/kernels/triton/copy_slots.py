@@ -215,15 +215,24 @@ def _align(nbytes: int) -> int:
     return 1
 
 
-def staging_order(sizes: Sequence[int]) -> list[int]:
+def staging_order(sizes: Sequence[int], kinds: Sequence | None = None) -> list[int]:
     """Indices of tensors with per-slot byte sizes `sizes` in staging order: by the
-    alignment of their size (16, 8, 4, 2, 1), stable. Each tensor's region of n slots
-    then starts at n * (the sizes before it), a multiple of its own alignment: every
-    region can be viewed as its dtype, and 16-byte tensors keep 16-byte accesses."""
-    return sorted(range(len(sizes)), key=lambda i: -_align(sizes[i]))
+    alignment of their size (16, 8, 4, 2, 1), then (with `kinds`, a hashable per tensor)
+    tensors of one kind together, in the order their kinds first appear; stable. Each
+    tensor's region of n slots then starts at n * (the sizes before it), a multiple of
+    its own alignment: every region can be viewed as its dtype, and 16-byte tensors keep
+    16-byte accesses. Tensors of one kind (the same tensor of every layer) lie one after
+    another, so one view of the buffer covers them all."""
+    first: dict = {}
+    for i, k in enumerate(kinds if kinds is not None else range(len(sizes))):
+        first.setdefault(k, i)
+    rank = [first[k] for k in kinds] if kinds is not None else list(range(len(sizes)))
+    return sorted(range(len(sizes)), key=lambda i: (-_align(sizes[i]), rank[i]))
 
 
-def stage_rows(tensors: Sequence[torch.Tensor], chunk: int) -> tuple[list[tuple[int, ...]], list[int]]:
+def stage_rows(
+    tensors: Sequence[torch.Tensor], chunk: int, kinds: Sequence | None = None
+) -> tuple[list[tuple[int, ...]], list[int]]:
     """The staging table's rows for `tensors` (each [slots, ...], contiguous within a
     slot) and each tensor's prefix (staging bytes per slot of the tensors before it).
 
@@ -240,7 +249,7 @@ def stage_rows(tensors: Sequence[torch.Tensor], chunk: int) -> tuple[list[tuple[
     prefixes = [0] * len(tensors)
     rows: list[tuple[int, ...]] = []
     prefix = 0
-    for k in staging_order(sizes):
+    for k in staging_order(sizes, kinds):
         t, size = tensors[k], sizes[k]
         prefixes[k] = prefix
         base, stride = t.data_ptr(), t.stride(0) * t.element_size()
