@@ -14,11 +14,14 @@ filled with random bits (never zeros):
   slots' per-slot bytes over all layers, read once and written once; effective bandwidth
   = 2 * bytes / GPU time, against a device-to-device torch copy of the same bytes timed
   the same way (the peer).
-- swap: `export([slot], non_blocking=True)` of one slot on every layer then one
-  synchronize, and `import_` of that data back into the slot on every layer then one
-  synchronize; wall-clock, median over `--reps`. Bytes: one slot's bytes over all
-  layers; against pinned device-to-host and host-to-device copies of the same bytes
-  (CUDA events; the PCIe rate).
+- swap: `replayssm.export_slots(caches, [slot], non_blocking=True)` of one slot over
+  every layer then one synchronize (one gather launch into a device staging buffer, one
+  device-to-host copy into one pinned buffer; backend="kernels"), and `import_slots` of
+  that data back into the slot (one host-to-device copy, one scatter launch) then one
+  synchronize; the same on the per-tensor path (backend="reference": an index_select and
+  a copy per tensor and layer, a host tensor each); wall-clock, median over `--reps`.
+  Bytes: one slot's bytes over all layers; against pinned device-to-host and
+  host-to-device copies of the same bytes (CUDA events; the PCIe rate).
 - materialize: the Triton kernel (`backend="kernels"`, `out=` given) at `--batch` rows
   of one layer, rows at random positions; CUDA graph as for the copy. Bytes: the FP16
   checkpoints and the live ring entries read, the FP32 states written.
@@ -243,27 +246,37 @@ def bench_swap(caches, args, gen, checks: list) -> list[dict]:
     h2d = event_seconds(lambda: dev.copy_(host, non_blocking=True), args.reps)
     del host, dev
 
-    def export():
-        data = [c.export([slot], non_blocking=True) for c in caches]
+    def export(backend):
+        data = replayssm.export_slots(caches, [slot], non_blocking=True, backend=backend)
         sync()
         return data
 
-    data = export()
-    before = [[t[slot].clone() for t in c.tensors[1:]] for c in caches]
-    for c in caches:  # the import must write: clobber the slot first
-        for t in c.tensors[1:]:
-            _bits(t)[slot] = 0
-    for c, d in zip(caches, data):
-        c.import_(d, [slot])
-    sync()
-    ok = all(torch.equal(_bits(t[slot]), _bits(b)) for c, bs in zip(caches, before) for t, b in zip(c.tensors[1:], bs))
-    checks.append({"check": f"{fmt} export / import round trip", "ok": ok})
-    del before
-    t_export = wall_seconds(export, args.reps)
-    t_import = wall_seconds(lambda: [c.import_(d, [slot]) for c, d in zip(caches, data)], args.reps)
-    return [
-        row("export 1 slot, all layers", fmt, nbytes, t_export, nbytes / t_export, nbytes / d2h, "pinned D2H"),
-        row("import 1 slot, all layers", fmt, nbytes, t_import, nbytes / t_import, nbytes / h2d, "pinned H2D"),
+    def round_trip(backend) -> bool:
+        data = export(backend)
+        before = [[t[slot].clone() for t in c.tensors[1:]] for c in caches]
+        for c in caches:  # the import must write: clobber the slot first
+            for t in c.tensors[1:]:
+                _bits(t)[slot] = 0
+        replayssm.import_slots(caches, data, [slot], backend=backend)
+        sync()
+        return all(torch.equal(_bits(t[slot]), _bits(b)) for c, bs in zip(caches, before) for t, b in zip(c.tensors[1:], bs))
+
+    staged, per_tensor = export("kernels"), export("reference")
+    same = all(torch.equal(_bits(s[k]), _bits(p[k])) for s, p in zip(staged, per_tensor) for k in p)
+    buffers = {t.untyped_storage().data_ptr() for d in staged for t in d.values()}
+    checks.append({"check": f"{fmt} export_slots == per-tensor export, in one host buffer", "ok": same and len(buffers) == 1})
+    for backend, how in (("kernels", "one buffer"), ("reference", "per tensor")):
+        checks.append({"check": f"{fmt} export / import round trip, {how}", "ok": round_trip(backend)})
+    del staged, per_tensor
+    rows = []
+    for backend, label in (("kernels", "one buffer"), ("reference", "per tensor")):
+        data = export(backend)
+        t_export = wall_seconds(lambda b=backend: export(b), args.reps)
+        t_import = wall_seconds(lambda b=backend, d=data: replayssm.import_slots(caches, d, [slot], backend=b), args.reps)
+        rows.append(row(f"export 1 slot, {label}", fmt, nbytes, t_export, nbytes / t_export, nbytes / d2h, "pinned D2H"))
+        rows.append(row(f"import 1 slot, {label}", fmt, nbytes, t_import, nbytes / t_import, nbytes / h2d, "pinned H2D"))
+        del data
+    return rows + [
         row("pinned D2H, same bytes (peer)", fmt, nbytes, d2h, nbytes / d2h, nbytes / d2h, "pinned D2H"),
         row("pinned H2D, same bytes (peer)", fmt, nbytes, h2d, nbytes / h2d, nbytes / h2d, "pinned H2D"),
     ]

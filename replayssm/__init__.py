@@ -13,7 +13,9 @@ from .handoff import (
     copy_replayssm_slots,
     copy_slots,
     export_replayssm_slots,
+    export_slots,
     import_replayssm_slots,
+    import_slots,
     snapshot_replayssm_slots,
 )
 from .layout import allocate_cache
@@ -35,4 +37,6 @@ __all__ = [
     "snapshot_replayssm_slots",
     "export_replayssm_slots",
     "import_replayssm_slots",
+    "export_slots",
+    "import_slots",
 ]

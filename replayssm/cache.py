@@ -460,7 +460,8 @@ class ReplaySSMCache:
     def export(self, slots, compact: bool = False, A: torch.Tensor | None = None, *, non_blocking: bool = False) -> dict:
         """Host copies of everything `slots` (allocated, unique) need: {name: tensor [n,
         ...]} of every per-slot tensor (names as layout.tensor_specs gives them), pinned
-        when CUDA is available. `compact=True`: only the materialized FP32 state
+        when CUDA is available (on a CUDA device, views of one host buffer filled by one
+        gather launch and one device-to-host copy). `compact=True`: only the materialized FP32 state
         {"state": [n, heads, 64, 128]} (`A` as for `materialize`), restored as a snapshot.
         With `non_blocking` the copies are only queued: synchronize before reading."""
         from . import handoff
@@ -469,6 +470,8 @@ class ReplaySSMCache:
         self._check_handoff_live(ids, "slots")
         d = ids.to(self.device, torch.int64)
         if not compact:
+            if handoff._use_kernel(self.device, "auto", (self,)):  # one gather launch, one device-to-host copy
+                return handoff._export_staged(handoff.copy_plan((self,)), [self.tensors], [self._nvfp4], d, non_blocking)[0]
             return handoff._export(self.tensors, d, self._nvfp4, non_blocking)
         states = self.materialize(d, A)
         host = handoff._host_empty(states.shape, states.dtype)
@@ -486,8 +489,13 @@ class ReplaySSMCache:
         ids = self._handoff_ids("slots", slots)
         self._check_handoff_live(ids, "slots")
         compact = handoff.check_export(data, self.tensors, self._nvfp4, ids.numel())
+        d = ids.to(self.device, torch.int64)
+        if not compact and handoff._use_kernel(self.device, "auto", (self,)):
+            plan = handoff.copy_plan((self,))
+            if handoff._import_staged(plan, [self.tensors], [self._nvfp4], [data], d):  # an export's one buffer
+                return
         handoff._import(
-            self.tensors, self._geometry, self._backend, data, ids.to(self.device, torch.int64), compact,
+            self.tensors, self._geometry, self._backend, data, d, compact,
             nvfp4=self._nvfp4, seed=self.seed, checks=debug(), head_offset=self.head_offset,
         )
 

@@ -29,6 +29,13 @@ addresses and slot strides built on the first copy of a cache list (`copy_plan`;
 host-to-device copy, so the first copy must come before any graph capture) and kept
 while the caches live. The per-tensor index copies (`_copy`) serve the CPU and
 backend="reference".
+
+Host swap on a CUDA device goes through one buffer: an export (`export_slots` over
+layers, a cache's `export`, `export_replayssm_slots`) gathers every per-slot tensor of
+its slots into one device staging buffer with one launch of the staging kernel (the same
+kernel file, a staging table kept with the copy table: `StagePlan`), copies it into one
+pinned host buffer, and returns dicts of views of that buffer; an import of such data
+copies the buffer back and scatters it with one launch. Other data import per tensor.
 """
 
 from __future__ import annotations
@@ -188,17 +195,103 @@ class CopyPlan:
         self.num_slots = num_slots
         self.chunk = K.default_chunk() if chunk is None else chunk
         self.table = K.copy_table([t for c in tuples for t in c[1:]], device, self.chunk)
+        self.staging: StagePlan | None = None  # built by the first staged export / import
         self._kernels = K
+
+    def _launch(self, fn, *args, **kw) -> None:
+        index = self.device.index
+        if self.device.type == "cuda" and index is not None and index != torch.cuda.current_device():
+            with torch.cuda.device(index):  # Triton launches on the current device
+                fn(*args, **kw)
+            return
+        fn(*args, **kw)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Slots src[i] -> dst[i] in every tensor (int32/int64 ids on the device, already
         validated; padding pairs are skipped)."""
-        index = self.device.index
-        if self.device.type == "cuda" and index is not None and index != torch.cuda.current_device():
-            with torch.cuda.device(index):  # Triton launches on the current device
-                self._kernels.copy_slots(self.table, src, dst, self.num_slots, chunk=self.chunk)
-            return
-        self._kernels.copy_slots(self.table, src, dst, self.num_slots, chunk=self.chunk)
+        self._launch(self._kernels.copy_slots, self.table, src, dst, self.num_slots, chunk=self.chunk)
+
+    def stage_plan(self, tuples: Sequence[Sequence[torch.Tensor]], nvfp4: Sequence[bool]) -> StagePlan:
+        """The staging table of the same tuples (those this plan was built for; `nvfp4`
+        each tuple's format), built on first use (a host-to-device copy) and kept."""
+        if self.staging is None:
+            self.staging = StagePlan(tuples, nvfp4, self.device, self.chunk)
+        return self.staging
+
+    def stage(self, plan: StagePlan, slots: torch.Tensor, staging: torch.Tensor, *, to_staging: bool) -> None:
+        """One launch: every per-slot tensor of `slots` (validated ids on the device) into
+        the byte buffer `staging` (`to_staging`) at `plan`'s layout, or back."""
+        self._launch(
+            self._kernels.stage_slots, plan.table, slots, staging, self.num_slots, to_staging=to_staging, chunk=self.chunk
+        )
+
+
+class StagePlan:
+    """Where every per-slot tensor of a list of cache tuples lies in one contiguous byte
+    buffer of n slots (kernels/triton/copy_slots.py, "Staging"): for the export of n slots
+    of every layer, tensor k's n slots at bytes [n * prefix_k, n * (prefix_k + size_k)),
+    viewed as [n, *per-slot shape] of its dtype and named as `layout.tensor_specs` names
+    it; the same tensor of every layer (same name, shape, dtype) one after another;
+    `table` the kernel's staging table."""
+
+    def __init__(self, tuples, nvfp4: Sequence[bool], device: torch.device, chunk: int):
+        from .kernels.triton import copy_slots as K
+
+        tensors, names = [], []
+        for layer, (cache, fp4) in enumerate(zip(tuples, nvfp4)):
+            for name, i in per_slot_names(cache, fp4):
+                tensors.append(cache[i])
+                names.append((layer, name))
+        kinds = [(name, tuple(t.shape[1:]), t.dtype) for (_, name), t in zip(names, tensors)]
+        rows, prefixes = K.stage_rows(tensors, chunk, kinds)
+        self.table = K.stage_table(rows, device)
+        self.layers = len(tuples)
+        self.names = [[name for layer_, name in names if layer_ == layer] for layer in range(len(tuples))]
+        sizes = [t[0].numel() * t.element_size() for t in tensors]
+        # (layer, name, prefix), in staging order (prefix 0 first)
+        order = sorted(range(len(tensors)), key=prefixes.__getitem__)
+        self.entries = [(*names[k], prefixes[k]) for k in order]
+        self.slot_bytes = sum(sizes)
+        # runs of one kind at consecutive places: (kind, prefix, slot bytes, [(layer, name)])
+        self.groups: list[tuple[tuple, int, int, list]] = []
+        for k in order:
+            g = self.groups[-1] if self.groups else None
+            if g is not None and g[0] == kinds[k] and g[1] + len(g[3]) * g[2] == prefixes[k]:
+                g[3].append(names[k])
+            else:
+                self.groups.append((kinds[k], prefixes[k], sizes[k], [names[k]]))
+
+    def views(self, buffer: torch.Tensor, n: int) -> list[dict[str, torch.Tensor]]:
+        """Per-layer dicts {name: [n, *per-slot shape]} viewing the byte buffer of n slots
+        (keys in `tensor_specs` order; one view and one unbind per run of a kind)."""
+        out = [dict.fromkeys(names) for names in self.names]
+        for (_, shape, dtype), prefix, size, members in self.groups:
+            region = buffer[n * prefix : n * (prefix + len(members) * size)]
+            for (layer, name), t in zip(members, region.view(dtype).view(len(members), n, *shape).unbind(0)):
+                out[layer][name] = t
+        return out
+
+    def buffer_of(self, data: Sequence[dict], n: int) -> torch.Tensor | None:
+        """The byte buffer (a 1-D uint8 view of n * slot_bytes) that the per-layer dicts
+        `data` (shapes and dtypes already checked) are views of, when every tensor is a
+        contiguous view at exactly its place in one storage (as `views` made them); else
+        None."""
+        if n == 0 or len(data) != self.layers:
+            return None
+        layer, name, _ = self.entries[0]
+        first = data[layer][name]
+        base, cuda = first.data_ptr(), first.is_cuda
+        storage = first.untyped_storage()
+        offset = base - storage.data_ptr()
+        if offset < 0 or offset + n * self.slot_bytes > storage.nbytes():
+            return None
+        # Every tensor contiguous at its place inside the first one's storage: the buffer's
+        # bytes are theirs.
+        for layer, name, prefix in self.entries:
+            t = data[layer][name]
+            if t.data_ptr() != base + n * prefix or t.is_cuda != cuda or not t.is_contiguous():
+                return None
+        return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, offset, (n * self.slot_bytes,))
 
 
 # Plans of ReplaySSMCache lists, keyed by the caches' ids; an entry holds weak references to
@@ -265,15 +358,10 @@ def copy_replayssm_slots(
         _copy(cache, src, dst)
 
 
-def copy_slots(caches: Sequence, src, dst, *, backend: str = "auto") -> None:
-    """`ReplaySSMCache.copy_slots(src, dst)` over all layers' caches (a list of
-    ReplaySSMCache with the same number of slots on one device): the ids are validated
-    against every layer's allocator and moved to the device once; then one launch of the
-    copy kernel copies every per-slot tensor of every layer (on a CUDA device; no host
-    sync after the validation; graph-capturable once a first call has built the list's
-    copy table). `backend`: "auto" (the default) the kernel where it can run and no cache
-    chose backend="reference", per-tensor copies otherwise; "kernels" the kernel or a
-    ValueError; "reference" per-tensor copies."""
+def _check_layers(caches: Sequence, backend: str) -> torch.device | None:
+    """Check a list of layer caches (ReplaySSMCache, same num_slots, one device) and
+    `backend`; their device (with its index: "cuda" caches hold "cuda:0" tensors), None
+    for an empty list."""
     from .cache import ReplaySSMCache
 
     if isinstance(caches, ReplaySSMCache) or not isinstance(caches, Sequence):
@@ -283,15 +371,31 @@ def copy_slots(caches: Sequence, src, dst, *, backend: str = "auto") -> None:
             raise TypeError(f"caches[{i}] must be a ReplaySSMCache; got {type(c).__name__}")
     check_backend(backend)
     if not caches:
-        return
+        return None
     first = caches[0]
-    device = first.tensors[L.CHECKPOINT].device  # with its index ("cuda" caches: "cuda:0")
+    device = first.tensors[L.CHECKPOINT].device
     for i, c in enumerate(caches):
         if c.num_slots != first.num_slots or c.tensors[L.CHECKPOINT].device != device:
             raise ValueError(
                 f"caches must share num_slots and device; caches[{i}] has {c.num_slots} slots on "
                 f"{c.tensors[L.CHECKPOINT].device}, caches[0] {first.num_slots} on {device}"
             )
+    return device
+
+
+def copy_slots(caches: Sequence, src, dst, *, backend: str = "auto") -> None:
+    """`ReplaySSMCache.copy_slots(src, dst)` over all layers' caches (a list of
+    ReplaySSMCache with the same number of slots on one device): the ids are validated
+    against every layer's allocator and moved to the device once; then one launch of the
+    copy kernel copies every per-slot tensor of every layer (on a CUDA device; no host
+    sync after the validation; graph-capturable once a first call has built the list's
+    copy table). `backend`: "auto" (the default) the kernel where it can run and no cache
+    chose backend="reference", per-tensor copies otherwise; "kernels" the kernel or a
+    ValueError; "reference" per-tensor copies."""
+    device = _check_layers(caches, backend)
+    if device is None:
+        return
+    first = caches[0]
     kernel = _use_kernel(device, backend, caches)
     src_t, dst_t = first._handoff_ids("src", src), first._handoff_ids("dst", dst)  # lists stay on the host
     s, d = _validate_pair(src_t, dst_t, device, first.num_slots, keep_dtype=kernel)
@@ -358,16 +462,22 @@ def export_replayssm_slots(
 ) -> dict[str, torch.Tensor]:
     """Every per-slot tensor of `slots` (unique, in range) as host tensors {name: [n,
     *per-slot shape]} named as `layout.tensor_specs` names them (pinned where CUDA is
-    available). With `non_blocking` the copies are only queued on the current stream:
-    synchronize before reading them."""
+    available). On a CUDA device the tensors are views of one host buffer, filled by one
+    gather launch and one device-to-host copy (`import_replayssm_slots` takes it back the
+    same way); elsewhere one host tensor each. With `non_blocking` the copies are only
+    queued on the current stream: synchronize before reading them."""
     nvfp4 = L.is_nvfp4(state_dtype)
     num_slots, _, _ = L.check_cache(cache, nvfp4)
     device = cache[L.CHECKPOINT].device
     ids = _validate_slots(slots, device, num_slots)
+    if _use_kernel(device, "auto"):
+        return _export_staged(_tuple_plan(cache, num_slots), [cache], [nvfp4], ids, non_blocking)[0]
     return _export(cache, ids, nvfp4, non_blocking)
 
 
 def _export(cache, ids: torch.Tensor, nvfp4: bool, non_blocking: bool) -> dict[str, torch.Tensor]:
+    """The per-tensor export: an index_select and a device-to-host copy per tensor (the
+    CPU, backend="reference")."""
     data = {}
     for name, i in per_slot_names(cache, nvfp4):
         t = cache[i]
@@ -376,6 +486,35 @@ def _export(cache, ids: torch.Tensor, nvfp4: bool, non_blocking: bool) -> dict[s
         data[name] = host
     _finish(cache, non_blocking)
     return data
+
+
+def _export_staged(plan: CopyPlan, tuples, nvfp4: Sequence[bool], ids: torch.Tensor, non_blocking: bool) -> list[dict]:
+    """Every per-slot tensor of slots `ids` (validated, on the device) of every tuple: one
+    gather launch into a device staging buffer, one copy of it into one (pinned) host
+    buffer; per-tuple dicts of views of that buffer (`StagePlan.views`)."""
+    staged = plan.stage_plan(tuples, nvfp4)
+    n = ids.numel()
+    staging = torch.empty(n * staged.slot_bytes, dtype=torch.uint8, device=plan.device)
+    plan.stage(staged, ids, staging, to_staging=True)
+    host = _host_empty((n * staged.slot_bytes,), torch.uint8)
+    host.copy_(staging, non_blocking=non_blocking and host.is_pinned())
+    _finish(tuples[0], non_blocking)
+    return staged.views(host, n)
+
+
+def _import_staged(plan: CopyPlan, tuples, nvfp4: Sequence[bool], data: Sequence[dict], ids: torch.Tensor) -> bool:
+    """When `data` (checked, full form, one dict per tuple) are views of one buffer at the
+    staging layout (an export's): one copy of that buffer to the device and one scatter
+    launch into slots `ids` (validated, on the device); True. Else nothing, False."""
+    staged = plan.stage_plan(tuples, nvfp4)
+    buffer = staged.buffer_of(data, ids.numel())
+    if buffer is None:
+        return False
+    staging = buffer.to(plan.device, non_blocking=buffer.is_pinned())
+    if staging.data_ptr() % 16:  # already on the device, at an offset: the kernel wants 16-byte alignment
+        staging = staging.clone()
+    plan.stage(staged, ids, staging, to_staging=False)
+    return True
 
 
 def _finish(cache, non_blocking: bool) -> None:
@@ -426,12 +565,16 @@ def import_replayssm_slots(
     nvfp4 = L.is_nvfp4(state_dtype)
     checks = debug()
     api._check_seed(seed)
+    head_offset = api._check_head_offset(head_offset)
     geometry = L.check_cache(cache, nvfp4)
     device = cache[L.CHECKPOINT].device
     ids = _validate_slots(slots, device, geometry[0])
     compact = check_export(data, cache, nvfp4, ids.numel())
     impl = backend_for(device, backend, cache)
-    _import(cache, geometry, impl, data, ids, compact, nvfp4=nvfp4, seed=seed, checks=checks, head_offset=api._check_head_offset(head_offset))
+    if not compact and backend != "reference" and _use_kernel(device, "auto"):
+        if _import_staged(_tuple_plan(cache, geometry[0]), [cache], [nvfp4], [data], ids):
+            return
+    _import(cache, geometry, impl, data, ids, compact, nvfp4=nvfp4, seed=seed, checks=checks, head_offset=head_offset)
 
 
 def _import(cache, geometry, impl, data, ids, compact: bool, *, nvfp4: bool, seed: int, checks: bool, head_offset: int = 0) -> None:
@@ -446,12 +589,84 @@ def _import(cache, geometry, impl, data, ids, compact: bool, *, nvfp4: bool, see
         b.index_copy_(0, ids, _bits(src).to(device, non_blocking=src.is_pinned()))
 
 
+def _layer_ids(caches: Sequence, slots, device: torch.device) -> torch.Tensor:
+    """`slots` of a call over layers: validated (in range, unique, allocated in every
+    layer; ids on the device only with REPLAYSSM_DEBUG=1), as int64 on the device."""
+    first = caches[0]
+    ids = first._handoff_ids("slots", slots)  # lists stay on the host
+    d = _validate_slots(ids, device, first.num_slots)
+    if ids.device.type == "cpu" or debug():
+        values = [int(v) for v in ids.tolist()]  # in range and unique: _validate_slots
+        for c in caches:
+            stray = sorted({s for s in values if not c.allocator.is_allocated(s)})
+            if stray:
+                raise ValueError(f"slots must be allocated slots; slot(s) {stray} are not allocated; got {values}")
+    return d
+
+
+def export_slots(caches: Sequence, slots, *, non_blocking: bool = False, backend: str = "auto") -> list[dict[str, torch.Tensor]]:
+    """`ReplaySSMCache.export(slots)` over all layers' caches (a list of ReplaySSMCache
+    with the same number of slots on one device): one dict per layer, {name: host tensor
+    [n, *per-slot shape]} as `export` gives it. On a CUDA device (backend "auto" or
+    "kernels"; no cache chose backend="reference") one gather launch copies every
+    per-slot tensor of every layer into one device staging buffer and one device-to-host
+    copy brings it into one host buffer (pinned): every returned tensor is a view of that
+    buffer (`import_slots` of the list takes it back in one host-to-device copy and one
+    scatter launch). `backend="reference"`: per-tensor copies, a host tensor each. With
+    `non_blocking` the copies are only queued on the current stream: synchronize before
+    reading them. The ids are checked (in range, unique, allocated in every layer)."""
+    device = _check_layers(caches, backend)
+    if device is None:
+        return []
+    kernel = _use_kernel(device, backend, caches)
+    ids = _layer_ids(caches, slots, device)
+    if kernel:
+        plan = copy_plan(caches)
+        return _export_staged(plan, [c.tensors for c in caches], [c._nvfp4 for c in caches], ids, non_blocking)
+    data = [_export(c.tensors, ids, c._nvfp4, True) for c in caches]
+    _finish(caches[0].tensors, non_blocking)
+    return data
+
+
+def import_slots(caches: Sequence, data: Sequence[dict], slots, *, backend: str = "auto") -> None:
+    """`ReplaySSMCache.import_(data[i], slots)` for every layer i: `data` one dict per
+    cache (from `export_slots`, or any full or compact `export` dicts). Everything is
+    checked first (ids allocated in every layer, each dict's keys, shapes and dtypes
+    against its cache); a rejected call changes nothing. When every dict is full and all
+    are views of one buffer at the staging layout (as `export_slots` returns them), one
+    host-to-device copy of that buffer and one scatter launch write every layer (a CUDA
+    device; backend "auto" or "kernels"); otherwise each layer is imported as `import_`
+    imports it."""
+    device = _check_layers(caches, backend)
+    if device is None:
+        return
+    kernel = _use_kernel(device, backend, caches)
+    if isinstance(data, dict) or not isinstance(data, Sequence):
+        raise TypeError(f"data must be a sequence of dicts (one per cache, from export_slots); got {type(data).__name__}")
+    if len(data) != len(caches):
+        raise ValueError(f"data must hold one dict per cache; got {len(data)} for {len(caches)} caches")
+    ids = _layer_ids(caches, slots, device)
+    compact = [check_export(d, c.tensors, c._nvfp4, ids.numel()) for c, d in zip(caches, data)]
+    if kernel and not any(compact):
+        tuples = [c.tensors for c in caches]
+        if _import_staged(copy_plan(caches), tuples, [c._nvfp4 for c in caches], data, ids):
+            return
+    for c, d, small in zip(caches, data, compact):
+        _import(
+            c.tensors, c._geometry, c._backend, d, ids, small,
+            nvfp4=c._nvfp4, seed=c.seed, checks=debug(), head_offset=c.head_offset,
+        )  # fmt: skip
+
+
 __all__ = [
     "CopyPlan",
+    "StagePlan",
     "copy_plan",
     "copy_replayssm_slots",
     "copy_slots",
     "export_replayssm_slots",
+    "export_slots",
     "import_replayssm_slots",
+    "import_slots",
     "snapshot_replayssm_slots",
 ]

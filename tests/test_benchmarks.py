@@ -271,7 +271,10 @@ def test_bench_handoff_dry_run_measures_the_bytes_it_claims(tmp_path):
     swap = per_slot * args["layers"]
     for op in ("copy_slots, one launch", "copy_slots, per tensor", "torch copy, same bytes (peer)"):
         assert rows[op]["bytes"] == copy, op
-    for op in ("export 1 slot, all layers", "import 1 slot, all layers", "pinned D2H, same bytes (peer)"):
+    for op in (
+        "export 1 slot, one buffer", "import 1 slot, one buffer", "export 1 slot, per tensor", "import 1 slot, per tensor",
+        "pinned D2H, same bytes (peer)",
+    ):  # fmt: skip
         assert rows[op]["bytes"] == swap, op
     state = args["heads"] * 64 * 128
     entry = args["heads"] * (64 * 2 + 4) + args["groups"] * 128 * 2

@@ -18,6 +18,14 @@ turns table addresses into pointers (`int64.to(tl.pointer_type(...))`), with the
 alignment restated on the pointer (`tl.multiple_of`) so the compiler emits 16-byte
 accesses; the Triton interpreter runs the same code on CPU tensors (the addresses are host
 addresses there), so CPU tests exercise the table and the kernel alike.
+
+Staging (host swap: `stage_slots`, one launch): the same chunks, between slots of the
+cache and one contiguous byte buffer, from a staging table (`stage_rows`, int64 [chunks,
+8]) whose rows add the chunk's place in the buffer: the tensor's prefix (staging bytes a
+slot of the tensors before it), its slot bytes and the chunk's offset in the slot. For n
+slots, slot i's chunk sits at buffer + n * prefix + i * size + offset, so each tensor's
+n slots lie contiguous, [n, *per-slot shape], and one table serves any n. Grid (chunks,
+slots); a gather (cache -> buffer) or a scatter (buffer -> cache), a constexpr.
 """
 
 from __future__ import annotations
@@ -32,6 +40,35 @@ from .launch import interpreting
 
 TABLE_COLUMNS = 4  # address, slot stride, bytes, width
 MAX_PAIRS_PER_LAUNCH = 65535  # CUDA's limit on grid dim 1
+
+
+@triton.jit
+def _move_chunk(a_src, a_dst, nbytes, width, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Copy `nbytes` from address `a_src` to address `a_dst` (int64) at `width` (16, 4, 1)."""
+    # Static loops: ITERS * BLOCK int32 (4 * BLOCK bytes) cover a chunk; masks end it.
+    o = tl.arange(0, BLOCK)
+    # Each branch names its own pointers: Triton types a variable once across branches.
+    if width == 16:
+        p_s16 = tl.multiple_of(a_src.to(tl.pointer_type(tl.int32)), 16)
+        p_d16 = tl.multiple_of(a_dst.to(tl.pointer_type(tl.int32)), 16)
+        n16 = (nbytes // 16) * 4  # a multiple of 4: the mask never splits a vector
+        for i in tl.static_range(ITERS):
+            m16 = i * BLOCK + o < n16
+            tl.store(p_d16 + i * BLOCK + o, tl.load(p_s16 + i * BLOCK + o, mask=m16), mask=m16)
+    elif width == 4:
+        p_s4 = a_src.to(tl.pointer_type(tl.int32))
+        p_d4 = a_dst.to(tl.pointer_type(tl.int32))
+        n4 = nbytes // 4
+        for i in tl.static_range(ITERS):
+            m4 = i * BLOCK + o < n4
+            tl.store(p_d4 + i * BLOCK + o, tl.load(p_s4 + i * BLOCK + o, mask=m4), mask=m4)
+    else:
+        p_s1 = a_src.to(tl.pointer_type(tl.uint8))
+        p_d1 = a_dst.to(tl.pointer_type(tl.uint8))
+        o1 = tl.arange(0, 4 * BLOCK)
+        for i in tl.static_range(ITERS):
+            m1 = i * 4 * BLOCK + o1 < nbytes
+            tl.store(p_d1 + i * 4 * BLOCK + o1, tl.load(p_s1 + i * 4 * BLOCK + o1, mask=m1), mask=m1)
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -58,30 +95,41 @@ def _copy_slots_kernel(
     width = tl.load(p_row + 3)
     a_src = base + s.to(tl.int64) * stride
     a_dst = base + d.to(tl.int64) * stride
-    # Static loops: ITERS * BLOCK int32 (4 * BLOCK bytes) cover a chunk; masks end it.
-    o = tl.arange(0, BLOCK)
-    # Each branch names its own pointers: Triton types a variable once across branches.
-    if width == 16:
-        p_s16 = tl.multiple_of(a_src.to(tl.pointer_type(tl.int32)), 16)
-        p_d16 = tl.multiple_of(a_dst.to(tl.pointer_type(tl.int32)), 16)
-        n16 = (nbytes // 16) * 4  # a multiple of 4: the mask never splits a vector
-        for i in tl.static_range(ITERS):
-            m16 = i * BLOCK + o < n16
-            tl.store(p_d16 + i * BLOCK + o, tl.load(p_s16 + i * BLOCK + o, mask=m16), mask=m16)
-    elif width == 4:
-        p_s4 = a_src.to(tl.pointer_type(tl.int32))
-        p_d4 = a_dst.to(tl.pointer_type(tl.int32))
-        n4 = nbytes // 4
-        for i in tl.static_range(ITERS):
-            m4 = i * BLOCK + o < n4
-            tl.store(p_d4 + i * BLOCK + o, tl.load(p_s4 + i * BLOCK + o, mask=m4), mask=m4)
+    _move_chunk(a_src, a_dst, nbytes, width, BLOCK, ITERS)
+
+
+@triton.jit(do_not_specialize=["staging", "n", "first", "num_slots"])
+def _stage_slots_kernel(
+    p_table,
+    p_slots,
+    stride_slots,
+    staging,
+    n,
+    first,
+    num_slots,
+    TO_STAGING: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ITERS: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    i_p = tl.program_id(1)
+    s = tl.load(p_slots + i_p.to(tl.int64) * stride_slots)
+    if (s <= 0) | (s >= num_slots):  # a padding id: its staging bytes are left as they are
+        return
+    p_row = p_table + i_c.to(tl.int64) * 8
+    base = tl.load(p_row)
+    stride = tl.load(p_row + 1)
+    nbytes = tl.load(p_row + 2)
+    width = tl.load(p_row + 3)
+    prefix = tl.load(p_row + 4)
+    size = tl.load(p_row + 5)
+    offset = tl.load(p_row + 6)
+    a_cache = base + s.to(tl.int64) * stride
+    a_stage = staging.to(tl.int64) + n.to(tl.int64) * prefix + (first + i_p).to(tl.int64) * size + offset
+    if TO_STAGING:
+        _move_chunk(a_cache, a_stage, nbytes, width, BLOCK, ITERS)
     else:
-        p_s1 = a_src.to(tl.pointer_type(tl.uint8))
-        p_d1 = a_dst.to(tl.pointer_type(tl.uint8))
-        o1 = tl.arange(0, 4 * BLOCK)
-        for i in tl.static_range(ITERS):
-            m1 = i * 4 * BLOCK + o1 < nbytes
-            tl.store(p_d1 + i * 4 * BLOCK + o1, tl.load(p_s1 + i * 4 * BLOCK + o1, mask=m1), mask=m1)
+        _move_chunk(a_stage, a_cache, nbytes, width, BLOCK, ITERS)
 
 
 def default_chunk() -> int:
@@ -149,6 +197,107 @@ def copy_slots(table: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_sl
             s.stride(0),
             d.stride(0),
             num_slots,
+            BLOCK=block,
+            ITERS=iters,
+            num_warps=4,
+        )
+
+
+# -- staging: slots <-> one contiguous buffer (host swap) ------------------------------------
+STAGE_COLUMNS = 8  # address, slot stride, bytes, width, staging prefix, slot bytes, offset, 0
+
+
+def _align(nbytes: int) -> int:
+    """The largest power of two (at most 16) dividing `nbytes` (16 for 0)."""
+    for a in (16, 8, 4, 2):
+        if nbytes % a == 0:
+            return a
+    return 1
+
+
+def staging_order(sizes: Sequence[int], kinds: Sequence | None = None) -> list[int]:
+    """Indices of tensors with per-slot byte sizes `sizes` in staging order: by the
+    alignment of their size (16, 8, 4, 2, 1), then (with `kinds`, a hashable per tensor)
+    tensors of one kind together, in the order their kinds first appear; stable. Each
+    tensor's region of n slots then starts at n * (the sizes before it), a multiple of
+    its own alignment: every region can be viewed as its dtype, and 16-byte tensors keep
+    16-byte accesses. Tensors of one kind (the same tensor of every layer) lie one after
+    another, so one view of the buffer covers them all."""
+    first: dict = {}
+    for i, k in enumerate(kinds if kinds is not None else range(len(sizes))):
+        first.setdefault(k, i)
+    rank = [first[k] for k in kinds] if kinds is not None else list(range(len(sizes)))
+    return sorted(range(len(sizes)), key=lambda i: (-_align(sizes[i]), rank[i]))
+
+
+def stage_rows(
+    tensors: Sequence[torch.Tensor], chunk: int, kinds: Sequence | None = None
+) -> tuple[list[tuple[int, ...]], list[int]]:
+    """The staging table's rows for `tensors` (each [slots, ...], contiguous within a
+    slot) and each tensor's prefix (staging bytes per slot of the tensors before it).
+
+    Staging layout for n slots: tensor k (in `staging_order`) holds bytes [n * prefix_k,
+    n * (prefix_k + size_k)), slot i of the call at n * prefix_k + i * size_k: each
+    tensor's slots contiguous, as an export of that tensor alone would hold them. A row:
+    (address of the chunk in slot 0, slot stride, bytes, width, prefix_k, size_k, offset
+    of the chunk within the slot, 0); width 16 where the tensor's address, slot stride
+    and size allow it (its staging side then does too), else 4 or 1, for the whole
+    tensor (a tail at another width would break the staging side's alignment)."""
+    if chunk <= 0 or chunk % 16:
+        raise ValueError(f"chunk must be a positive multiple of 16 bytes; got {chunk}")
+    sizes = [t[0].numel() * t.element_size() if t.shape[0] else 0 for t in tensors]
+    prefixes = [0] * len(tensors)
+    rows: list[tuple[int, ...]] = []
+    prefix = 0
+    for k in staging_order(sizes, kinds):
+        t, size = tensors[k], sizes[k]
+        prefixes[k] = prefix
+        base, stride = t.data_ptr(), t.stride(0) * t.element_size()
+        width = _width(base, stride, size)
+        for off in range(0, size, chunk):
+            rows.append((base + off, stride, min(chunk, size - off), width, prefix, size, off, 0))
+        prefix += size
+    return rows, prefixes
+
+
+def stage_table(rows: Sequence[tuple[int, ...]], device: torch.device) -> torch.Tensor:
+    """The staging table (int64 [chunks, 8] on `device`) of `stage_rows`."""
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, STAGE_COLUMNS).to(device)
+
+
+def stage_slots(
+    table: torch.Tensor,
+    slots: torch.Tensor,
+    staging: torch.Tensor,
+    num_slots: int,
+    *,
+    to_staging: bool,
+    chunk: int | None = None,
+) -> None:
+    """Gather (`to_staging`) every chunk of `table` (from `stage_table`, built with the
+    same `chunk`) of slots `slots` (int32/int64 [n] on the table's device) into the
+    contiguous byte buffer `staging` (at least n x the table's bytes per slot, on the
+    same device, 16-byte aligned) at the layout `stage_rows` describes, or scatter it
+    back (`to_staging=False`). One launch (one per 65535 slots); no host sync. A padding
+    id (<= 0 or >= num_slots) moves nothing."""
+    slots = slots.reshape(-1)
+    n, chunks = slots.numel(), table.shape[0]
+    if n == 0 or chunks == 0:
+        return
+    if staging.data_ptr() % 16:
+        raise ValueError("the staging buffer must be 16-byte aligned")
+    block, iters = block_for(default_chunk() if chunk is None else chunk)
+    for start in range(0, n, MAX_PAIRS_PER_LAUNCH):
+        s = slots[start : start + MAX_PAIRS_PER_LAUNCH]
+        _stage_slots_kernel[(chunks, s.numel())](
+            table,
+            s,
+            s.stride(0),
+            staging.data_ptr(),
+            n,
+            start,
+            num_slots,
+            TO_STAGING=to_staging,
             BLOCK=block,
             ITERS=iters,
             num_warps=4,
