@@ -1,0 +1,204 @@
+"""The speculative-decoding baseline (benchmarks/spec_baseline.py: a step that writes an
+intermediate state per token, then the commit of the accepted one) against its PyTorch
+twin and the exact FP64 recurrence of the accepted stream. On CPU the kernels run in the
+Triton interpreter (tiny shapes); the stored bf16 values round to nearest there as on the
+GPU (integer rounding in the kernel), and the twin follows the kernel's formulas and
+order, so kernel and twin differ only where numpy's and torch's FP32 exp / log differ by
+an ulp (tests/tolerances.py)."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from replayssm import synthetic
+
+from . import tolerances as tol
+from .test_standard_decode import bits, within_ulps
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.spec_baseline import (  # noqa: E402
+    new_inter,
+    spec_baseline_ref,
+    spec_commit,
+    spec_commit_ref,
+    spec_step,
+    spec_step_ref,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_problem(batch, T, heads, groups, num_slots, dtype, *, seed, tied=False):
+    """Slots 1.. hold prefill states, slot 0 NaN; T tokens per row stacked on dim 1."""
+    g = torch.Generator().manual_seed(seed)
+    params = synthetic.layer_params(heads, generator=g, device=DEV)
+    state = torch.full((num_slots, heads, 64, 128), float("nan"), dtype=dtype, device=DEV)
+    state[1:] = synthetic.prefill_states(params, num_slots - 1, groups, 3, generator=g, device=DEV).to(dtype)
+    toks = [synthetic.token(batch, heads, groups, generator=g, device=DEV) for _ in range(T)]
+    x, dt, B, C = (torch.stack([getattr(t, k) for t in toks], 1) for k in ("x", "dt", "B", "C"))
+    A, D, dt_bias = params.A, params.D, params.dt_bias
+    if tied:  # the serving engine's stride-0 views of per-head scalars
+        dt = dt[..., None].expand(batch, T, heads, 64)
+        A = A[:, None, None].expand(heads, 64, 128)
+        D = D[:, None].expand(heads, 64)
+        dt_bias = dt_bias[:, None].expand(heads, 64)
+    return params, state, dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias), toks
+
+
+@pytest.mark.parametrize("dtype,tied", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)],
+                         ids=["bf16", "bf16-tied", "fp32"])  # fmt: skip
+def test_step_matches_reference(dtype, tied):
+    """b = 3 with one padding row, T = 3, 2 heads, 1 group: the kernel reads the state
+    without writing it, fills the live rows' intermediate states as the twin does (bf16:
+    within one ulp and almost all bit-equal; fp32: FP32 noise), outputs within one bf16
+    ulp; padding rows output zeros and leave their intermediate rows untouched."""
+    heads, groups, T, num_slots = 2, 1, 3, 5
+    ids = torch.tensor([3, 0, 1], dtype=torch.int32, device=DEV)
+    params, state, inp, _ = make_problem(3, T, heads, groups, num_slots, dtype, seed=11, tied=tied)
+    before = state.clone()
+    inter = torch.full((3, T, heads, 64, 128), float("nan"), dtype=dtype, device=DEV)
+    inter_ref = inter.clone()
+    out = torch.full((3, T, heads, 64), float("nan"), dtype=torch.bfloat16, device=DEV)
+    y = spec_step(state, inter, **inp, state_indices=ids, out=out)
+    assert y is out
+    y_ref = spec_step_ref(state, inter_ref, **inp, state_indices=ids)
+
+    assert torch.equal(bits(state), bits(before))  # the state cache is not written
+    assert torch.equal(y[1], torch.zeros_like(y[1]))
+    assert torch.isnan(inter[1].float()).all()
+    live = [0, 2]
+    got, want = inter[live], inter_ref[live]
+    if dtype == torch.bfloat16:
+        assert within_ulps(got, want, dtype, n=1.0)
+        frac = (bits(got) != bits(want)).float().mean().item()
+        assert frac <= tol.SPEC_16BIT_DIFF_FRACTION, frac
+    else:
+        slack = tol.STANDARD_FP32_STATE_SLACK_REL * float(want.abs().amax())
+        assert within_ulps(got, want, dtype, n=2.0, slack=slack)
+    y_slack = tol.STANDARD_OUTPUT_SLACK_REL * float(want.float().abs().amax())
+    assert within_ulps(y[live], y_ref[live], torch.bfloat16, n=1.0, slack=y_slack)
+
+
+def test_commit_copies_the_accepted_state():
+    """The commit kernel against its twin on the same intermediate states, bit for bit:
+    a = 1, T and 7 (clamped to T) copy inter[row, a - 1]; a = 0 and padding rows change
+    nothing (slot 0's NaN and the untouched slot stay)."""
+    heads, T, num_slots = 2, 3, 7
+    g = torch.Generator().manual_seed(3)
+    state = torch.randn(num_slots, heads, 64, 128, generator=g).to(DEV, torch.bfloat16)
+    state[0] = float("nan")
+    inter = torch.randn(5, T, heads, 64, 128, generator=g).to(DEV, torch.bfloat16)
+    ids = torch.tensor([2, 5, 0, 4, 1], dtype=torch.int32, device=DEV)
+    acc = torch.tensor([1, 3, 2, 0, 7], dtype=torch.int32, device=DEV)
+    want = state.clone()
+    spec_commit_ref(want, inter, ids, acc)
+    spec_commit(state, inter, ids, acc)
+    assert torch.equal(bits(state), bits(want))
+    assert torch.equal(bits(state[2]), bits(inter[0, 0])) and torch.equal(bits(state[5]), bits(inter[1, 2]))
+    assert torch.equal(bits(state[1]), bits(inter[4, T - 1]))
+    assert not torch.equal(bits(state[4]), bits(inter[3, 0]))
+
+
+def _calls(gen, batch, T, heads, groups, n):
+    """n calls' inputs [b, T, ...] and verdicts: token 0 always accepted, each draft with
+    probability 0.7, the first rejection ends acceptance."""
+    for _ in range(n):
+        toks = [synthetic.token(batch, heads, groups, generator=gen, device=DEV) for _ in range(T)]
+        x, dt, B, C = (torch.stack([getattr(t, k) for t in toks], 1) for k in ("x", "dt", "B", "C"))
+        acc = torch.ones(batch, dtype=torch.int32)
+        for r in range(batch):
+            while acc[r] < T and torch.rand(1, generator=gen).item() < 0.7:
+                acc[r] += 1
+        yield x, dt, B, C, acc.to(DEV)
+
+
+def _run_stream(step, commit, batch, T, n_calls, seed):
+    """n_calls of step + commit on a bf16 state (row 1 a padding row); returns the SQNR
+    (dB) of the committed states and of the accepted tokens' outputs against per-row exact
+    FP64 recurrences of the accepted stream."""
+    heads, groups, num_slots = 2, 1, batch + 2
+    g = torch.Generator().manual_seed(seed)
+    params = synthetic.layer_params(heads, generator=g, device=DEV)
+    state = torch.zeros(num_slots, heads, 64, 128, dtype=torch.bfloat16, device=DEV)
+    state[1:] = synthetic.prefill_states(params, num_slots - 1, groups, 4, generator=g, device=DEV).to(torch.bfloat16)
+    ids = torch.arange(1, batch + 1, dtype=torch.int32, device=DEV).flip(0)
+    ids[1] = 0
+    live = [r for r in range(batch) if r != 1]
+    exact = {r: synthetic.ExactRecurrence(params, state[ids[r]][None].float()) for r in live}
+    inter = new_inter(state, batch, T)
+    got, want = [], []
+    for x, dt, B, C, acc in _calls(g, batch, T, heads, groups, n_calls):
+        y = step(state, inter, x, dt, params.A, B, C, params.D, params.dt_bias, ids)
+        commit(state, inter, ids, acc)
+        assert torch.equal(y[1], torch.zeros_like(y[1]))
+        for r in live:
+            for t in range(int(acc[r])):
+                tok = synthetic.Token(x[r : r + 1, t], dt[r : r + 1, t], B[r : r + 1, t], C[r : r + 1, t])
+                want.append(exact[r].step(tok)[0])
+                got.append(y[r, t].float())
+    s_exact = torch.cat([exact[r].S for r in live])
+    s_got = state[ids[live].long()].float()
+    return synthetic.sqnr_db(s_exact, s_got), synthetic.sqnr_db(torch.stack(want), torch.stack(got))
+
+
+def test_reference_tracks_exact_recurrence_of_the_accepted_stream():
+    """The twin over 24 calls of T = 4 (bf16 state, drafts accepted with p = 0.7): the
+    committed states and the accepted outputs keep the bf16 state's accuracy."""
+    sq_state, sq_y = _run_stream(spec_step_ref, spec_commit_ref, 4, 4, 24, seed=0)
+    assert sq_state >= tol.SPEC_BF16_STATE_SQNR_FLOOR_DB, sq_state
+    assert sq_y >= tol.SPEC_OUTPUT_SQNR_FLOOR_DB, sq_y
+
+
+def test_kernels_track_exact_recurrence_like_the_reference():
+    """The kernels over 4 calls of T = 3 (interpreter on CPU): SQNR within
+    STANDARD_SQNR_SLACK_DB of the twin's on the same data, and above the floors."""
+    k_state, k_y = _run_stream(spec_step, spec_commit, 3, 3, 4, seed=1)
+    r_state, r_y = _run_stream(spec_step_ref, spec_commit_ref, 3, 3, 4, seed=1)
+    assert k_state >= r_state - tol.STANDARD_SQNR_SLACK_DB, (k_state, r_state)
+    assert k_y >= r_y - tol.STANDARD_SQNR_SLACK_DB, (k_y, r_y)
+    assert k_state >= tol.SPEC_BF16_STATE_SQNR_FLOOR_DB and k_y >= tol.SPEC_OUTPUT_SQNR_FLOOR_DB
+
+
+def test_baseline_ref_accepting_all_equals_the_last_intermediate():
+    """spec_baseline_ref with num_accepted None commits the last token's state."""
+    params, state, inp, _ = make_problem(2, 2, 2, 1, 3, torch.bfloat16, seed=4)
+    inter = new_inter(state, 2, 2)
+    ids = torch.tensor([2, 1], device=DEV)
+    spec_baseline_ref(state, inter, **inp, state_indices=ids, num_accepted=None)
+    assert torch.equal(bits(state[2]), bits(inter[0, 1])) and torch.equal(bits(state[1]), bits(inter[1, 1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,groups", [(16, 2), (64, 8)], ids=["h16-g2", "h64-g8"])
+def test_serving_shapes_gpu(heads, groups):
+    """Batch 256, T = 4, slots permuted, padding rows: intermediate states within one bf16
+    ulp of the twin (plus FP32 noise where the update cancels) and rarely different at
+    all; outputs within one ulp; the commit bit-exact to its twin."""
+    batch, T, num_slots = 256, 4, 300
+    g = torch.Generator(device="cuda").manual_seed(3)
+    state = (0.3 * torch.randn(num_slots, heads, 64, 128, device="cuda", generator=g)).to(torch.bfloat16)
+    ids = torch.randperm(num_slots - 1, device="cuda", generator=g)[:batch].to(torch.int32) + 1
+    ids[::37] = 0
+    gc = torch.Generator().manual_seed(4)
+    params = synthetic.layer_params(heads, generator=gc, device="cuda")
+    toks = [synthetic.token(batch, heads, groups, generator=gc, device="cuda") for _ in range(T)]
+    x, dt, B, C = (torch.stack([getattr(t, k) for t in toks], 1) for k in ("x", "dt", "B", "C"))
+    args = dict(x=x, dt=dt, A=params.A, B=B, C=C, D=params.D, dt_bias=params.dt_bias, state_indices=ids)
+    inter, inter_ref = new_inter(state, batch, T), new_inter(state, batch, T)
+    y = spec_step(state, inter, **args)
+    y_ref = spec_step_ref(state, inter_ref, **args)
+    live = ids != 0
+    amax = float(inter_ref[live].float().abs().amax())
+    assert within_ulps(inter[live], inter_ref[live], torch.bfloat16, n=1.0, slack=tol.STANDARD_16BIT_SLACK_REL * amax)
+    assert (inter[live] != inter_ref[live]).float().mean().item() < tol.STANDARD_16BIT_DIFF_FRACTION
+    assert within_ulps(y[live], y_ref[live], torch.bfloat16, n=1.0, slack=tol.STANDARD_OUTPUT_SLACK_REL * amax * math.sqrt(128))
+    assert torch.equal(y[~live], torch.zeros_like(y[~live]))
+    acc = torch.randint(0, T + 1, (batch,), device="cuda", generator=g)
+    want = state.clone()
+    spec_commit_ref(want, inter, ids, acc)
+    spec_commit(state, inter, ids, acc)
+    assert torch.equal(bits(state), bits(want))
