@@ -281,3 +281,45 @@ def test_bench_handoff_dry_run_measures_the_bytes_it_claims(tmp_path):
     m = rows[f"materialize, batch {args['batch']}"]["bytes"] - args["batch"] * state * (2 + 4)
     assert 0 <= m <= args["batch"] * 15 * entry and m % entry == 0
     assert json.loads((tmp_path / "results.json").read_text())["rows"] == result["rows"]
+
+
+def test_bench_spec_verdicts_follow_the_acceptance_rule():
+    """Token 0 always accepted, each draft with probability p until the first rejection:
+    counts in 1..T with mean 1 + p + ... + p^(T-1)."""
+    from benchmarks import bench_spec as bs
+
+    for T in (1, 2, 4):
+        acc = bs.verdicts(200_000, T, 0.7, torch.Generator().manual_seed(0))
+        assert int(acc.min()) >= 1 and int(acc.max()) <= T
+        want = sum(0.7**i for i in range(T))
+        assert abs(float(acc.float().mean()) - want) < 0.01, (T, float(acc.float().mean()), want)
+
+
+def test_bench_spec_dry_run_rows_bytes_and_targets(tmp_path):
+    """benchmarks/bench_spec.py --dry-run (CPU, PyTorch twins, 8 heads / 1 group, batch 2):
+    one row per provider, no errors; the baseline's bytes are the state read once, T
+    intermediate states written and the commit's copy (plus inputs and outputs); the
+    targets are min(1.6x the single-token step, baseline / 3); results.json holds the rows."""
+    from benchmarks import bench_spec as bs
+
+    res = bs.main(["--dry-run", "--out", str(tmp_path)])
+    rows = {r["provider"]: r for r in res["rows"]}
+    assert set(rows) == set(bs.PROVIDERS) and len(res["rows"]) == len(bs.PROVIDERS)
+    for r in res["rows"]:
+        assert r["error"] is None, r
+        assert (r["heads"], r["groups"], r["batch"], r["timing"], r["layers"]) == (8, 1, 2, "cpu", 1)
+        assert r["us_per_call"] > 0
+    spec = rows[bs.SPEC]
+    T, state = spec["T"], 8 * 64 * 128 * 2
+    per_token = 8 * 64 * 2 + 8 * 4 + 2 * 128 * 2 + 8 * 64 * 2  # x, dt, B, C in; y out
+    assert spec["bytes_per_call"] == 2 * ((1 + T) * state + T * per_token + 4 + 2 * state + 8)
+    assert 1.0 <= spec["tokens_per_row"] <= T
+    assert math.isclose(spec["us_per_token"], spec["us_per_call"] / spec["tokens_per_row"])
+    for fmt in ("fp8", "nvfp4"):
+        single = rows[f"replayssm-{fmt}"]["us_per_call"]
+        assert math.isclose(spec[f"target_us_{fmt}"], min(1.6 * single, spec["us_per_call"] / 3))
+        assert math.isclose(spec[f"x_{fmt}_step"], spec["us_per_call"] / single)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["rows"] == json.loads(json.dumps(res["rows"], default=str))
+    assert data["meta"]["command"].startswith("python benchmarks/bench_spec.py --dry-run")
+    assert "commit" in data["meta"]
