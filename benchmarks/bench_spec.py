@@ -30,7 +30,7 @@ the copy bandwidth measured in the same run follow.
 Prints a table last; with `--out DIR` writes DIR/results.json (meta: device, versions,
 commit, command, arguments, copy bandwidth; the correctness checks; every row).
 
-    python benchmarks/bench_spec.py --out results/spec      # default sweep (one H200: < 1 min)
+    python benchmarks/bench_spec.py --out results/spec      # default sweep (few replays, <= 32 layers: short)
     python benchmarks/bench_spec.py --dry-run               # CPU smoke test: plumbing, no timings worth reading
 """
 
@@ -145,6 +145,9 @@ def copy_bandwidth(device, gib: float, reps: int) -> dict:
     src = torch.rand(n, device=device)
     dst = torch.empty_like(src)
     t, _ = timed(lambda: dst.copy_(src), max(reps, 3), device.type == "cuda")
+    del src, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the rows size their layers by the free memory
     return {"bytes": 4 * n, "seconds": t, "tb_per_s": 2 * 4 * n / t / 1e12}
 
 
