@@ -47,6 +47,7 @@ if str(_ROOT) not in sys.path:  # run as a script from a source checkout
 import torch  # noqa: E402
 
 from benchmarks import byte_model as bm  # noqa: E402
+from benchmarks.common import base_states, version, write_json  # noqa: E402
 
 RING = 16
 STANDARD = ("standard-fp32", "standard-bf16", "standard-fp16")
@@ -212,15 +213,6 @@ def make_inputs(heads, groups, batch, layers, device, seed, shape: str = "plain"
             "dt_bias": p.dt_bias[:, None].expand(heads, 64),
         })  # fmt: skip
     return inp
-
-
-def base_states(heads, groups, n, device, seed) -> torch.Tensor:
-    """n realistic FP32 prefill states (exact recurrence over a short random prompt)."""
-    from replayssm import synthetic
-
-    gc = torch.Generator().manual_seed(seed + 2)
-    params = synthetic.layer_params(heads, generator=gc)
-    return synthetic.prefill_states(params, n, groups, 8, generator=gc).to(device)
 
 
 def make_replay_cache(fmt, heads, groups, batch, device, states, ids, sync: bool, seed: int):
@@ -660,7 +652,7 @@ def main(argv=None) -> dict:
     meta = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
-        "triton": _version("triton"),
+        "triton": version("triton"),
         "dry_run": args.dry_run,
         "copy_bandwidth": ctx["copy"],
         "replayssm_backend": backend_name(device),
@@ -677,7 +669,7 @@ def main(argv=None) -> dict:
         if device.type != "cuda":
             raise SystemExit("--tune-standard needs a GPU")
         result["tuning"] = tune_standard(ctx)
-        _write(result, out_dir / "tuning.json")
+        write_json(result, out_dir / "tuning.json")
         return result
 
     if not args.no_check and device.type == "cuda":  # on the CPU both sides are the reference
@@ -715,7 +707,7 @@ def main(argv=None) -> dict:
               f"layers={row['layers'] or 0:3d} "
               + (f"{row['us_per_step']:10.2f} us/step  {100 * row['frac_copy_bw']:5.1f}% copy"
                  if row["us_per_step"] else f"ERROR {row['error']}"), flush=True)  # fmt: skip
-        _write(result, out_dir / "results.json")  # partial results survive a crash or a kill
+        write_json(result, out_dir / "results.json")  # partial results survive a crash or a kill
 
     rank = {p: i for i, p in enumerate(args.providers)}
     result["rows"].sort(key=lambda r: (args.shapes.index((r["heads"], r["groups"])), r["batch"], rank[r["provider"]],
@@ -724,10 +716,10 @@ def main(argv=None) -> dict:
     meta["seconds"] = time.perf_counter() - t_start
     print()
     print(fmt_table(result["rows"], ctx["copy"]["tb_per_s"]))
-    _write(result, out_dir / "results.json")
+    write_json(result, out_dir / "results.json")
     why = plot(result["rows"], out_dir / "decode.png")
     meta["plot"] = why or str(out_dir / "decode.png")
-    _write(result, out_dir / "results.json")
+    write_json(result, out_dir / "results.json")
     print(f"\nwrote {out_dir / 'results.json'}; {meta['plot']}; {meta['seconds']:.1f} s")
     return result
 
@@ -740,17 +732,6 @@ def run_row_skipped(prov, shape, batch, sync_mode) -> dict:
         "us_per_step": None, "bytes_per_step": batch * bm.step_bytes(prov, s).total, "tb_per_s": None,
         "frac_copy_bw": None, "error": "skipped: --time-budget exhausted", "note": None,
     }  # fmt: skip
-
-
-def _version(mod: str) -> str | None:
-    try:
-        return __import__(mod).__version__
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def _write(obj, path: Path) -> None:
-    path.write_text(json.dumps(obj, indent=1, default=str))
 
 
 if __name__ == "__main__":

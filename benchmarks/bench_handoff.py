@@ -41,7 +41,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,6 +52,7 @@ if str(_ROOT) not in sys.path:  # run as a script from a source checkout
 import torch  # noqa: E402
 
 import replayssm  # noqa: E402
+from benchmarks.common import commit  # noqa: E402
 from replayssm import ReplaySSMCache, materialize_replayssm_state  # noqa: E402
 from replayssm import layout as L  # noqa: E402
 from replayssm import reference as ref  # noqa: E402
@@ -336,14 +336,6 @@ def fmt_table(rows) -> str:
     return "\n".join(lines)
 
 
-def _commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_ROOT, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
 def main(argv=None) -> dict:
     global CUDA
     args = parse_args(argv)
@@ -364,7 +356,7 @@ def main(argv=None) -> dict:
         "device": torch.cuda.get_device_name() if CUDA else "cpu (dry run)",
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "commit": _commit(),
+        "commit": commit(),
         "command": " ".join(["python benchmarks/bench_handoff.py", *(sys.argv[1:] if argv is None else argv)]),
         "args": vars(args),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),

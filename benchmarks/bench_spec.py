@@ -42,7 +42,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -55,6 +54,7 @@ if str(_ROOT) not in sys.path:  # run as a script from a source checkout
 import torch  # noqa: E402
 
 from benchmarks import byte_model as bm  # noqa: E402
+from benchmarks.common import base_states, commit, version, write_json  # noqa: E402
 
 RING = 16
 SPEC = "spec-bf16"
@@ -176,15 +176,6 @@ def layer_params(heads, layers, seed, device):
 
     gc = torch.Generator().manual_seed(seed + 1)
     return [synthetic.layer_params(heads, generator=gc, device=device) for _ in range(layers)]
-
-
-def base_states(heads, groups, n, device, seed) -> torch.Tensor:
-    """n realistic FP32 prefill states (exact recurrence over a short random prompt)."""
-    from replayssm import synthetic
-
-    gc = torch.Generator().manual_seed(seed + 2)
-    params = synthetic.layer_params(heads, generator=gc)
-    return synthetic.prefill_states(params, n, groups, 8, generator=gc).to(device)
 
 
 def tiled(states: torch.Tensor, n: int) -> torch.Tensor:
@@ -435,21 +426,6 @@ def fmt_table(rows: list[dict], copy_tbs: float) -> str:
     return "\n".join(lines)
 
 
-def _commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_ROOT, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
-def _version(mod: str) -> str | None:
-    try:
-        return __import__(mod).__version__
-    except Exception:  # noqa: BLE001
-        return None
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
@@ -466,9 +442,9 @@ def main(argv=None) -> dict:
     meta = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
-        "triton": _version("triton"),
+        "triton": version("triton"),
         "dry_run": args.dry_run,
-        "commit": _commit(),
+        "commit": commit(),
         "command": " ".join(["python benchmarks/bench_spec.py", *(sys.argv[1:] if argv is None else argv)]),
         "args": vars(args),
         "copy_bandwidth": ctx["copy"],
@@ -505,23 +481,19 @@ def main(argv=None) -> dict:
         print(f"{prov:16s} {shape[0]:3d}h{shape[1]}g b={batch:5d} T={row['T']} layers={row['layers'] or 0:3d} "
               + (f"{row['us_per_call']:10.2f} us/call" if row["us_per_call"] else f"{row['error']}"), flush=True)
         if out_dir:
-            _write(result, out_dir / "results.json")  # partial results survive a crash
+            write_json(result, out_dir / "results.json")  # partial results survive a crash
     rank = {p: i for i, p in enumerate(PROVIDERS)}
     result["rows"].sort(key=lambda r: (args.shapes.index((r["heads"], r["groups"])), r["batch"], rank[r["provider"]],
                                        r["T"]))  # fmt: skip
     add_targets(result["rows"])
     meta["seconds"] = time.perf_counter() - t_start
     if out_dir:
-        _write(result, out_dir / "results.json")
+        write_json(result, out_dir / "results.json")
         print(f"wrote {out_dir / 'results.json'}")
     print()
     print(fmt_table(result["rows"], ctx["copy"]["tb_per_s"]))
     print(f"{meta['seconds']:.1f} s")
     return result
-
-
-def _write(obj, path: Path) -> None:
-    path.write_text(json.dumps(obj, indent=1, default=str))
 
 
 if __name__ == "__main__":

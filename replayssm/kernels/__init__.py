@@ -222,7 +222,8 @@ class KernelBackend:
         if len(self._contexts) >= 4096:
             self._contexts.clear()
         reason = self.cute_unavailable(cache)
-        ctx = self._contexts[key] = _CacheContext(cache, None if reason else self.cute_for(cache), reason)
+        cute = None if reason else (self._cute_launch, self._cute_arch[cache[L.CHECKPOINT].device][0])
+        ctx = self._contexts[key] = _CacheContext(cache, cute, reason)
         return ctx
 
     def decode_pending(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs) -> None:

@@ -204,17 +204,12 @@ def _sm_count(index: int) -> int:
 
 
 def _rows_ok(t: torch.Tensor, stride: tuple, width: int) -> bool:
-    """`rows_ok` of t ([batch, n, width] or [batch, n * width]) given its strides and row
-    width (64 for x, 128 for B and C)."""
+    """Whether the kernels read bf16 `t` ([batch, n, width] or [batch, n * width], `stride`
+    its strides; width 64 for x, 128 for B and C) as it is: each row's heads (groups)
+    contiguous, and the base and the row stride 16-byte aligned. Column slices of an
+    engine's projection are (their row stride is its width)."""
     inner = stride[2] == 1 and stride[1] == width if len(stride) == 3 else stride[1] == 1
     return inner and t.data_ptr() % 16 == 0 and stride[0] % 8 == 0
-
-
-def rows_ok(t: torch.Tensor) -> bool:
-    """Whether the kernels read `t` ([batch, heads or groups, n] bf16) as it is: each
-    row's heads (groups) contiguous, and the base and the row stride 16-byte aligned.
-    Column slices of an engine's projection are (their row stride is its width)."""
-    return t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.data_ptr() % 16 == 0 and (t.stride(0) * 2) % 16 == 0
 
 
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)

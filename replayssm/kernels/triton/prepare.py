@@ -155,38 +155,24 @@ def prepare_decode(
     """Plan of the rows of `ids` (int32/int64 [batch], batch <= scratch.rows) into
     `scratch`; zero the padding rows of `out` (contiguous [batch, H, 64], 2-byte dtype);
     advance positions; NVFP4 flush rows flip parity and zero the accumulator half of meta.
-    Separate mode only (positions [S]). `stream`: the current CUDA stream's handle, which
-    lets a repeated launch skip Triton's dispatch (`Prepare`)."""
+    Separate mode only (positions [S]). `stream`: the current CUDA stream's handle. One
+    launch through Triton's path; a caller launching repeatedly keeps a `Prepare` (the
+    kernel backend does, per cache)."""
     if ids.dim() != 1:
         ids = ids.reshape(-1)
     batch = ids.shape[0]
     if batch == 0:
         return scratch.plan(0)
-    pos = cache[L.POSITIONS]
-    meta, parity = (cache[L.META], cache[L.PARITY]) if nvfp4 else (pos, pos)  # FP8: unused
-    # Everything a `Prepare` is made from, so that an entry is right for every call with its
-    # key (a cache freed and another allocated at the same addresses included).
-    key = (
-        ids.device, ids.dtype, batch, nvfp4, seed, scratch.addresses, pos.data_ptr(), pos.stride(0), parity.data_ptr(),
-        parity.stride(0), meta.data_ptr(), meta.stride(0), cache[L.B_RING].shape[1], *cache[L.CHECKPOINT].shape[:2],
-    )
-    launch = _PREPARED.get(key)
-    if launch is None:
-        if len(_PREPARED) >= _PREPARED_MAX:
-            _PREPARED.clear()
-        launch = _PREPARED[key] = Prepare(cache, scratch, batch, nvfp4, seed, ids)
+    launch = Prepare(cache, scratch, batch, nvfp4, seed, ids)
     launch(ids, out, stream, cache, scratch)
     return launch.plan
 
 
-_PREPARED: dict[tuple, "Prepare"] = {}
-_PREPARED_MAX = 1024
-
-
 class Prepare:
     """The prepare launch of one cache, plan scratch, batch size, format and seed, with
-    every argument but the ids and the output made once. It holds addresses, not tensors
-    (`prepare_decode` keys it by them), so it keeps no cache alive.
+    every argument but the ids and the output made once. It holds addresses, not tensors,
+    so it keeps no cache alive; its keeper must give it the cache and scratch it was made
+    for (the kernel backend keys its `Prepare`s per cache tuple).
 
     A repeated launch skips Triton's per-call dispatch (binding, specialization key, cache
     lookup: most of its host time). Every runtime integer is unspecialized

@@ -1,0 +1,42 @@
+"""Helpers the benchmark scripts share: the run's metadata and results files, and the
+realistic prefill states rows start from."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def commit() -> str | None:
+    """The short commit of the source checkout, None outside one."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def version(mod: str) -> str | None:
+    """`mod.__version__`, None when it cannot be imported."""
+    try:
+        return __import__(mod).__version__
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def write_json(obj, path: Path) -> None:
+    path.write_text(json.dumps(obj, indent=1, default=str))
+
+
+def base_states(heads, groups, n, device, seed) -> torch.Tensor:
+    """n realistic FP32 prefill states (exact recurrence over a short random prompt)."""
+    from replayssm import synthetic
+
+    gc = torch.Generator().manual_seed(seed + 2)
+    params = synthetic.layer_params(heads, generator=gc)
+    return synthetic.prefill_states(params, n, groups, 8, generator=gc).to(device)
