@@ -58,9 +58,11 @@ from benchmarks.common import base_states, commit, version, write_json  # noqa: 
 
 RING = 16
 SPEC = "spec-bf16"
+PENDING = ("pending-fp8", "pending-nvfp4")
 REPLAY = ("replayssm-fp8", "replayssm-nvfp4")
 STANDARD = "standard-bf16"
-PROVIDERS = (SPEC, *REPLAY, STANDARD)
+PROVIDERS = (SPEC, *PENDING, *REPLAY, STANDARD)
+MULTI = (SPEC, *PENDING)  # providers with T tokens a row per call
 BATCH_PRIORITY = (256, 32, 1024)
 TARGET_STEP_RATIO = 1.6  # issue 30: pending step at most 1.6x the format's single-token step
 TARGET_BASELINE_SPEEDUP = 3.0  # ... and at least 3x faster than the baseline
@@ -189,6 +191,10 @@ def tiled(states: torch.Tensor, n: int) -> torch.Tensor:
 def row_bytes(provider, heads, groups, batch, T) -> dict:
     """(memory per layer, DRAM bytes per call) for the whole batch."""
     s = bm.Shape(heads, groups)
+    if provider in PENDING:  # the cache as the single-token step's; no byte model of a call
+        fmt = provider.split("-")[1]
+        return {"mem_per_layer": (batch + 1) * bm.cache_bytes_per_slot("replayssm-" + fmt, s), "bytes_per_call": None,
+                "commit_bytes": None}  # fmt: skip
     if provider == SPEC:
         from benchmarks.spec_baseline import step_bytes
 
@@ -253,6 +259,52 @@ def build_spec(shape, batch, T, layers, ctx):
     return run, run_commits, mean_acc, (caches, inters, calls, accs)
 
 
+def build_pending(provider, shape, batch, T, layers, ctx):
+    """(call closure running `calls` pending-mode calls over every layer, mean tokens
+    committed a row per call, what to keep alive): `ReplaySSMCache(spec_tokens=T - 1)` on
+    the kernel backend, with the verdicts of the `spec-bf16` rows (same generator and
+    seed), each call's verdict being on the row's previous call. Rows start at committed
+    counts i mod 16 with T tokens pending (random rings), so they reach the fold grid at
+    different calls, as in a running engine."""
+    from replayssm import ReplaySSMCache
+    from replayssm import layout as L
+
+    args, device = ctx["args"], ctx["device"]
+    heads, groups = shape
+    fmt = provider.split("-")[1]
+    cuda = device.type == "cuda"
+    gen = torch.Generator(device=device).manual_seed(args.seed + 6)
+    hgen = torch.Generator().manual_seed(args.seed + 4)
+    states = tiled(ctx["states"][shape], batch)
+    params = layer_params(heads, layers, args.seed, device)
+    caches = []
+    for li in range(layers):
+        c = ReplaySSMCache(batch + 1, heads, groups, fmt, device, seed=args.seed + li, spec_tokens=T - 1,
+                           backend="kernels" if cuda else "reference")  # fmt: skip
+        slots = c.allocate(batch)
+        c.prefill_init(states, slots)
+        t = c.tensors
+        t[L.X_RING].copy_(torch.randn(t[L.X_RING].shape, device=device, generator=gen))
+        t[L.DT_RING].copy_(torch.rand(t[L.DT_RING].shape, device=device, generator=gen) * 0.1 + 1e-3)
+        t[L.B_RING].copy_(torch.randn(t[L.B_RING].shape, device=device, generator=gen))
+        pos = t[L.POSITIONS]
+        pos[slots.long(), 0] = (torch.arange(batch, device=device, dtype=torch.int32) % RING).to(pos.dtype)
+        pos[slots.long(), 1] = T
+        caches.append(c)
+    ids = (torch.randperm(batch, device=device, generator=gen) + 1).to(torch.int32)
+    calls = [tokens(batch, T, heads, groups, device, gen) for _ in range(args.calls)]
+    accs = [verdicts(batch, T, args.accept, hgen).to(device) for _ in range(args.calls)]
+    mean_acc = float(torch.stack(accs).float().mean())
+    out = torch.empty(batch, T, heads, 64, dtype=torch.bfloat16, device=device)
+
+    def run():
+        for (x, dt, B, C), acc in zip(calls, accs):
+            for c, p in zip(caches, params):
+                c.decode(x, dt, p.A, B, C, p.D, p.dt_bias, ids, out, num_accepted_tokens=acc)
+
+    return run, mean_acc, (caches, calls, accs)
+
+
 def build_single(provider, shape, batch, layers, ctx):
     """(period closure: 16 single-token steps over every layer, token-major), what to keep."""
     args, device = ctx["args"], ctx["device"]
@@ -313,7 +365,7 @@ def run_row(provider, shape, batch, T, ctx, skip: str | None = None) -> dict:
     args, device = ctx["args"], ctx["device"]
     heads, groups = shape
     nb = row_bytes(provider, heads, groups, batch, T)
-    row = {"provider": provider, "heads": heads, "groups": groups, "batch": batch, "T": T if provider == SPEC else 1,
+    row = {"provider": provider, "heads": heads, "groups": groups, "batch": batch, "T": T if provider in MULTI else 1,
            "timing": None, "layers": None, "working_set_mb": None, "l2_resident": None, "us_per_call": None,
            "tokens_per_row": None, "us_per_token": None, "commit_us": None, "bytes_per_call": nb["bytes_per_call"],
            "tb_per_s": None, "frac_copy_bw": None, "error": None}  # fmt: skip
@@ -333,14 +385,20 @@ def run_row(provider, shape, batch, T, ctx, skip: str | None = None) -> dict:
             us = t / (args.calls * layers) * 1e6
             tc, _ = timed(run_commits, args.reps, device.type == "cuda")
             row.update(commit_us=tc / (args.calls * layers) * 1e6, tokens_per_row=mean_acc)
+        elif provider in PENDING:
+            run, mean_acc, keep = build_pending(provider, shape, batch, T, layers, ctx)
+            t, timing = timed(run, args.reps, device.type == "cuda")
+            us = t / (args.calls * layers) * 1e6
+            row["tokens_per_row"] = mean_acc
         else:
             period, keep = build_single(provider, shape, batch, layers, ctx)
             t, timing = timed(period, args.reps, device.type == "cuda")
             us = t / (RING * layers) * 1e6
             row["tokens_per_row"] = 1.0
         row.update(timing=timing, us_per_call=us, us_per_token=us / row["tokens_per_row"])
-        row["tb_per_s"] = row["bytes_per_call"] / (us * 1e-6) / 1e12
-        row["frac_copy_bw"] = row["tb_per_s"] / ctx["copy"]["tb_per_s"]
+        if row["bytes_per_call"] is not None:
+            row["tb_per_s"] = row["bytes_per_call"] / (us * 1e-6) / 1e12
+            row["frac_copy_bw"] = row["tb_per_s"] / ctx["copy"]["tb_per_s"]
     except Exception as e:  # noqa: BLE001 - one row's failure must not end the run
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         row["traceback"] = traceback.format_exc(limit=6)
@@ -354,7 +412,7 @@ def run_row(provider, shape, batch, T, ctx, skip: str | None = None) -> dict:
 def add_targets(rows: list[dict]) -> None:
     """Per spec row: its us/call against each single-token step, and the target us/call of
     the pending step in each format (min of 1.6x the single-token step and baseline / 3)."""
-    single = {(r["provider"], r["heads"], r["batch"]): r["us_per_call"] for r in rows if r["provider"] != SPEC}
+    single = {(r["provider"], r["heads"], r["batch"]): r["us_per_call"] for r in rows if r["provider"] not in MULTI}
     for r in rows:
         if r["provider"] != SPEC:
             continue
@@ -366,6 +424,18 @@ def add_targets(rows: list[dict]) -> None:
             if prov in REPLAY:
                 r[f"target_us_{key}"] = (min(TARGET_STEP_RATIO * s, r["us_per_call"] / TARGET_BASELINE_SPEEDUP)
                                          if ok else None)  # fmt: skip
+    # Per pending row: x its format's single-token step, the baseline's speedup over it, its target.
+    spec = {(r["heads"], r["batch"], r["T"]): r for r in rows if r["provider"] == SPEC}
+    for r in rows:
+        if r["provider"] not in PENDING or not r["us_per_call"]:
+            continue
+        fmt = r["provider"].split("-")[1]
+        s = single.get(("replayssm-" + fmt, r["heads"], r["batch"]))
+        base = spec.get((r["heads"], r["batch"], r["T"]))
+        r["x_step"] = r["us_per_call"] / s if s else None
+        r["baseline_speedup"] = base["us_per_call"] / r["us_per_call"] if base and base["us_per_call"] else None
+        r["target_us"] = base.get(f"target_us_{fmt}") if base else None
+        r["meets_target"] = None if r["target_us"] is None else r["us_per_call"] <= r["target_us"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -403,7 +473,7 @@ def check_spec(shape, T, ctx) -> dict:
 def fmt_table(rows: list[dict], copy_tbs: float) -> str:
     cols = [("shape", 6), ("batch", 5), ("provider", 15), ("T", 2), ("lay", 3), ("us/call", 9), ("tok/row", 7),
             ("us/token", 9), ("commit", 7), ("MB/call", 8), ("%copy", 6), ("x fp8", 6), ("tgt fp8", 8),
-            ("tgt nvfp4", 9)]  # fmt: skip
+            ("tgt nvfp4", 9), ("x step", 6), ("base/x", 6), ("target", 7)]  # fmt: skip
     lines = [f"copy bandwidth: {copy_tbs:.3f} TB/s (2 x bytes / time); us per call of one layer, whole batch",
              "  ".join(f"{c:>{w}}" for c, w in cols)]  # fmt: skip
 
@@ -413,10 +483,11 @@ def fmt_table(rows: list[dict], copy_tbs: float) -> str:
     for r in rows:
         cells = [f"{r['heads']}h{r['groups']}g", str(r["batch"]), r["provider"], str(r["T"]), f(r["layers"], "d"),
                  f(r["us_per_call"], ".2f"), f(r["tokens_per_row"], ".2f"), f(r["us_per_token"], ".2f"),
-                 f(r["commit_us"], ".2f"), f(r["bytes_per_call"] / 1e6, ".2f"),
+                 f(r["commit_us"], ".2f"), f(None if r["bytes_per_call"] is None else r["bytes_per_call"] / 1e6, ".2f"),
                  f(None if r["frac_copy_bw"] is None else 100 * r["frac_copy_bw"], ".1f"),
                  f(r.get("x_fp8_step"), ".2f"), f(r.get("target_us_fp8"), ".2f"),
-                 f(r.get("target_us_nvfp4"), ".2f")]  # fmt: skip
+                 f(r.get("target_us_nvfp4"), ".2f"), f(r.get("x_step"), ".2f"), f(r.get("baseline_speedup"), ".2f"),
+                 {None: "-", True: "met", False: "missed"}[r.get("meets_target")]]  # fmt: skip
         line = "  ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, cols))
         if r["l2_resident"]:
             line += "  (L2)"
@@ -470,7 +541,7 @@ def main(argv=None) -> dict:
     for batch in order:
         for shape in args.shapes:
             for prov in args.providers:
-                for T in args.tokens if prov == SPEC else [1]:
+                for T in args.tokens if prov in MULTI else [1]:
                     plan.append((prov, shape, batch, T))
     for prov, shape, batch, T in plan:
         if time.perf_counter() - t_start > args.time_budget:

@@ -472,10 +472,20 @@ def _check_cu_seqlens(cu_seqlens: object, batch: int, total: int, max_seqlen: in
         raise ValueError(f"cu_seqlens must be int32 [{batch + 1}] (batch + 1); got {_describe(cu_seqlens)}")
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens must be on the cache device {device}; got {cu_seqlens.device}")
-    if not torch.compiler.is_compiling():
+    if _host_reads_allowed():
         from .pending import check_cu_seqlens
 
         check_cu_seqlens(cu_seqlens, batch, total, max_seqlen)
+
+
+def _host_reads_allowed() -> bool:
+    """Whether a pending-mode call may read device values on the host for its checks: not
+    while torch.compile traces it (the op repeats the checks it can) and not while a CUDA
+    graph is being captured (a host read would end the capture; the kernels read
+    everything on the device)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _decode_pending(
@@ -519,7 +529,7 @@ def _decode_pending(
         _check_cu_seqlens(cu_seqlens, batch, lead[0], max_seqlen, device)
     if batch == 0:
         return out
-    if not torch.compiler.is_compiling():  # host reads: eager only (ops.py)
+    if _host_reads_allowed():  # eager, not under torch.compile (ops.py) or a CUDA graph capture
         if checks:
             _check_unique(ids, slots)
         # The pending counts must fit this call's max_seqlen (a changed max_seqlen

@@ -19,7 +19,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.numel() == 0:
         return True
-    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+    # Flat copies with stride 1 (a size-1 view may be "contiguous" with another stride).
+    flat = [torch.empty(t.numel(), dtype=t.dtype, device=t.device).copy_(t.reshape(-1)) for t in (a, b)]
+    return torch.equal(flat[0].view(torch.uint8), flat[1].view(torch.uint8))
 
 
 def assert_cache_equal(before, after):

@@ -94,13 +94,14 @@ class _CacheContext:
     plan scratch. Holds weak references only: a context never keeps a cache alive (its
     launches hold addresses and are given the tensors on each call)."""
 
-    __slots__ = ("refs", "cute", "reason", "prepares", "steps")
+    __slots__ = ("refs", "cute", "reason", "prepares", "steps", "pending")
 
     def __init__(self, cache, cute, reason: str | None) -> None:
         self.refs = tuple(weakref.ref(t) for t in cache)
         self.cute, self.reason = cute, reason
         self.prepares: dict[tuple, object] = {}
         self.steps: dict[tuple, object] = {}
+        self.pending = None  # its pending-mode plan buffer (triton.pending.PendingPlan)
 
     def holds(self, cache) -> bool:
         """Whether `cache` is the tuple of tensors this context was made for."""
@@ -227,10 +228,21 @@ class KernelBackend:
         return ctx
 
     def decode_pending(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs) -> None:
-        """Pending mode has no kernels yet: the PyTorch reference (`pending.pending_decode`)
-        runs on the cache's own tensors, on the GPU for a CUDA cache (it reads a few values
-        on the host, so a pending step is not CUDA-graph capturable)."""
-        REFERENCE.decode_pending(cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs)
+        """Pending mode on a CUDA cache: the Triton plan and decode kernels of
+        kernels/triton/pending.py (two launches, no host sync; the plan buffer is the
+        cache context's, grown to the largest batch seen, so a captured CUDA graph replays
+        it). On the CPU the PyTorch reference (`pending.pending_decode`; the tests run the
+        kernels in the interpreter themselves)."""
+        if cache[L.CHECKPOINT].device.type != "cuda":
+            REFERENCE.decode_pending(cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs)
+            return
+        from .triton.pending import PendingPlan, pending_decode
+
+        ctx = self._context(cache)
+        batch = ids.numel()
+        if ctx.pending is None or ctx.pending.rows < batch:
+            ctx.pending = PendingPlan(max(batch, 64), cache[L.CHECKPOINT].device)
+        pending_decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, plan=ctx.pending, **kwargs)
 
     def materialize_pending(self, cache, ids, A, *, max_seqlen: int, out=None) -> torch.Tensor:
         """The Triton materialize kernel in pending mode (the checkpoint at the fold grid

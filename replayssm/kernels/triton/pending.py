@@ -1,0 +1,478 @@
+"""Pending-mode kernels (speculative decoding, docs/format.md section 5b): a call of up to
+T = max_seqlen tokens a row in two launches, no host sync, no allocation after the first
+call of a batch size, so a CUDA graph captures it.
+
+1. `_plan_kernel`, grid (cdiv(batch, BLOCK),): per row, the commit and the fold decision
+   of `pending.pending_decode` steps 1-2 from the device-resident positions (c, q):
+   a = clamp(num_accepted, 0, q) (q when None), c' = c + a, f_old = f(c), f_new = f(c');
+   positions become (c', T_b); NVFP4 rows that fold flip parity and zero the half of meta
+   that becomes the amax accumulator (separate mode's prepare does the same for its
+   flush). Writes the plan row (PLAN_* columns below) every later program reads.
+2. `_decode_kernel`, grid (batch, H): program (b, h) works in the window of 16 token
+   indices f_old .. f_old + 15 of row b's slot, which holds every entry the call reads or
+   writes (format.md proves it): window entry j is ring entry (f_old + j) mod 16 for
+   j < u = c' - f_old (committed) and token j - u of the call for u <= j < u + T_b. With
+   pre_j = dt_0 + .. + dt_j over the window:
+
+     fold rows (nf = f_new - f_old > 0): S = exp(A pre_{nf-1}) ckpt
+                                             + sum_{j < nf} dt_j exp(A (pre_{nf-1} - pre_j)) x_j (x) B_j
+       in FP32; the checkpoint becomes fp16_sr(S) (hash tag (seed, slot, f_new)) and the
+       read copy is re-derived from S (NVFP4: with the live amax meta[slot, g, parity],
+       and the head's amax max-accumulated into the other half); R = S;
+     other rows: R = the dequantized read copy (nf = 0, pre_{-1} = 0);
+     token t (last = u + t):
+       y_t = exp(A (pre_last - pre_{nf-1})) R C_t
+             + sum_{nf <= j <= last} dt_j exp(A (pre_last - pre_j)) (B_j . C_t) x_j + D x_t
+
+   then tokens 0 .. T_b - 1 go to ring entries (c' + t) mod 16 (B by the group's first
+   head). Every entry the window reads lies at j < u + T_b; dead entries (rejected
+   drafts, NaN allowed) are never loaded, and masked terms are selected, never
+   multiplied, so NaN there reaches no output.
+
+State tiles are split into even and odd columns ([64, 64] each: element n = 2 k + e), the
+pairing the FP16 hash words and the NVFP4 byte packing share (initialize.py). The
+read-copy term of rows that do not fold runs on the tensor cores in bf16: a dequantized
+FP8 value (4 significant bits) or NVFP4 value (2 x 4 bits) is exact in bf16, C is bf16,
+and the products are exact in the FP32 accumulator; FP8's power-of-two row scale
+multiplies after the dot. Fold rows take their outputs from the unrounded FP32 S (FP32
+dots). The interpreter computes bf16 dots wrongly, so it takes FP32 operands there
+(`F32_DOTS`). softplus is log1p(exp(v)) with log1p by Goldberg's identity (log(1 + y) *
+y / ((1 + y) - 1)), linear above 20: a few FP32 ulps from PyTorch's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import layout as L
+from ...pending import grid as pending_grid
+from ...quant.rng import seed_key
+from .bits import (
+    decode_e4m3_pos,
+    encode_e2m1_rn,
+    encode_e4m3_rn,
+    encode_fp16_sr,
+    f32_exp2,
+    pow2_exponent_above,
+    random_word,
+    stream_key,
+)
+from .launch import int32_pattern, interpreting
+
+# Plan columns (int32 [batch, PLAN_COLS]).
+PLAN_SLOT, PLAN_C, PLAN_F, PLAN_NF, PLAN_LIVE, PLAN_KEY, PLAN_START, PLAN_LEN = range(8)
+PLAN_COLS = 8
+ONE_SIXTH_BITS = tl.constexpr(0x3E2AAAAB)  # FP32(1/6), as quant/formats.py multiplies by
+
+
+@triton.jit(do_not_specialize=["batch", "stride_ids", "stride_pos", "stride_parity", "stride_meta", "num_slots", "grid", "seed_key"])
+def _plan_kernel(
+    p_ids,
+    p_pos,
+    p_acc,
+    p_cu,
+    p_parity,
+    p_meta,
+    p_plan,
+    batch,
+    stride_ids,
+    stride_pos,
+    stride_parity,
+    stride_meta,
+    num_slots,
+    grid,
+    seed_key,
+    T: tl.constexpr,
+    G: tl.constexpr,
+    HAS_ACC: tl.constexpr,
+    VARLEN: tl.constexpr,
+    NVFP4: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    o_b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row = o_b < batch
+    raw = tl.load(p_ids + o_b.to(tl.int64) * stride_ids, mask=row, other=0)
+    valid = row & (raw > 0) & (raw < num_slots)
+    slot = tl.where(valid, raw, 0).to(tl.int64)
+    c = tl.load(p_pos + slot * stride_pos, mask=valid, other=0)
+    q = tl.load(p_pos + slot * stride_pos + 1, mask=valid, other=0)
+    if HAS_ACC:
+        acc = tl.load(p_acc + o_b, mask=valid, other=0).to(tl.int64)
+        a = tl.minimum(tl.maximum(acc, 0), q.to(tl.int64)).to(tl.int32)
+    else:
+        a = q
+    cn = c + a
+    f_old = (c // grid) * grid
+    f_new = (cn // grid) * grid
+    nf = tl.where(valid, f_new - f_old, 0)
+    if VARLEN:
+        start = tl.load(p_cu + o_b, mask=row, other=0)
+        tb = tl.load(p_cu + o_b + 1, mask=row, other=0) - start
+    else:
+        start = tl.zeros([BLOCK], tl.int32)
+        tb = tl.full([BLOCK], T, tl.int32)
+    tl.store(p_pos + slot * stride_pos, cn, mask=valid)
+    tl.store(p_pos + slot * stride_pos + 1, tb, mask=valid)
+    live = tl.zeros([BLOCK], tl.int32)
+    if NVFP4:
+        fold = nf > 0
+        old = tl.load(p_parity + slot * stride_parity, mask=valid, other=0) & 1
+        live = tl.where(fold, 1 - old, old)
+        tl.store(p_parity + slot * stride_parity, live, mask=fold)
+        for g in tl.static_range(G):
+            tl.store(p_meta + slot * stride_meta + g * 2 + old, tl.zeros([BLOCK], tl.float32), mask=fold)
+    key = stream_key(seed_key, slot, f_new).to(tl.int32, bitcast=True)
+    p_row = p_plan + o_b.to(tl.int64) * 8
+    tl.store(p_row + 0, tl.where(valid, slot.to(tl.int32), -1), mask=row)
+    tl.store(p_row + 1, cn, mask=row)
+    tl.store(p_row + 2, f_old, mask=row)
+    tl.store(p_row + 3, nf, mask=row)
+    tl.store(p_row + 4, live, mask=row)
+    tl.store(p_row + 5, key, mask=row)
+    tl.store(p_row + 6, start, mask=row)
+    tl.store(p_row + 7, tb, mask=row)
+
+
+@triton.jit
+def _softplus(v):
+    y = tl.exp(v)
+    u = 1.0 + y
+    lp = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))
+    return tl.where(v > 20.0, v, lp)
+
+
+@triton.jit
+def _dot(a, b, F32: tl.constexpr):
+    """a @ b with FP32 accumulation: bf16 operands on the tensor cores (exact products),
+    FP32 operands in the interpreter."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+
+
+@triton.jit
+def _decode_e2m1(code):
+    """FP32 value of an e2m1 code (int32, 4 bits, sign at bit 3), exact."""
+    mag = code & 7
+    e = mag >> 1
+    m = mag & 1
+    normal = ((e + 126) << 23 | (m << 22)).to(tl.float32, bitcast=True)
+    val = tl.where(e == 0, m.to(tl.float32) * 0.5, normal)
+    return tl.where((code & 8) != 0, -val, val)
+
+
+@triton.jit(do_not_specialize=["num_slots", "head_offset"])
+def _decode_kernel(
+    p_plan,
+    p_x,
+    p_dt,
+    p_A,
+    p_B,
+    p_C,
+    p_D,
+    p_bias,
+    p_out,
+    p_ckpt,
+    p_xr,
+    p_dtr,
+    p_br,
+    p_read,
+    p_scales,
+    p_meta,
+    p_meta_bits,
+    p_dbg,
+    sx_row, sx_tok, sx_h,
+    sdt_row, sdt_tok, sdt_h,
+    sb_row, sb_tok, sb_g,
+    sc_row, sc_tok, sc_g,
+    so_row, so_tok, so_h,
+    sD_h, sD_p, sA, sbias,
+    s_ckpt, s_xr, s_dtr, s_br, s_read, s_scales, s_meta,
+    num_slots,
+    head_offset,
+    H: tl.constexpr,
+    HPG: tl.constexpr,
+    T: tl.constexpr,
+    NVFP4: tl.constexpr,
+    DEBUG: tl.constexpr,
+    F32_DOTS: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    i_h = tl.program_id(1)
+    g = i_h // HPG
+    p_row = p_plan + i_b.to(tl.int64) * 8
+    slot = tl.load(p_row + 0)
+    cn = tl.load(p_row + 1)
+    f_old = tl.load(p_row + 2)
+    nf = tl.load(p_row + 3)
+    live = tl.load(p_row + 4)
+    key = tl.load(p_row + 5).to(tl.uint32, bitcast=True)
+    start = tl.load(p_row + 6)
+    tb = tl.load(p_row + 7)
+
+    o_p = tl.arange(0, 64)  # head rows p
+    o_k = tl.arange(0, 64)  # column pairs k: columns 2k (even tiles), 2k + 1 (odd tiles)
+    o_t = tl.arange(0, 16)  # the call's tokens (T <= 8, padded for the dots)
+    o_j = tl.arange(0, 16)  # window entries
+    all_p = o_p[None, :] < 64
+    all_k = o_k[None, :] < 64
+    tok_ok = o_t < tb
+    tok = (start + o_t).to(tl.int64)
+    p_o = p_out + i_b.to(tl.int64) * so_row + tok[:, None] * so_tok + i_h * so_h + o_p[None, :]
+    if slot < 0:  # padding row: zero outputs, nothing else
+        tl.store(p_o, tl.zeros([16, 64], tl.float32).to(p_out.dtype.element_ty), mask=tok_ok[:, None] & all_p)
+        return
+    slot64 = slot.to(tl.int64)
+
+    # The window: committed ring entries j < u, then the call's tokens.
+    u = cn - f_old
+    is_ring = o_j < u
+    is_new = (o_j >= u) & (o_j < u + tb)
+    phys = (f_old + o_j) & 15
+    tj = (start + tl.maximum(o_j - u, 0)).to(tl.int64)
+    x_ring = tl.load(
+        p_xr + slot64 * s_xr + (i_h * 16 + phys)[:, None] * 64 + o_p[None, :], mask=is_ring[:, None] & all_p, other=0.0
+    )
+    x_new = tl.load(
+        p_x + i_b.to(tl.int64) * sx_row + tj[:, None] * sx_tok + i_h * sx_h + o_p[None, :],
+        mask=is_new[:, None] & all_p,
+        other=0.0,
+    )
+    dt_ring = tl.load(p_dtr + slot64 * s_dtr + i_h * 16 + phys, mask=is_ring, other=0.0)
+    dt_in = tl.load(p_dt + i_b.to(tl.int64) * sdt_row + tj * sdt_tok + i_h * sdt_h, mask=is_new, other=0.0)
+    dt_sp = _softplus(dt_in.to(tl.float32) + tl.load(p_bias + i_h * sbias))
+    dt_w = tl.where(is_new, dt_sp, tl.where(is_ring, dt_ring, 0.0))
+    p_bw = p_br + slot64 * s_br + (g * 16 + phys)[:, None] * 128 + 2 * o_k[None, :]
+    p_bi = p_B + i_b.to(tl.int64) * sb_row + tj[:, None] * sb_tok + g * sb_g + 2 * o_k[None, :]
+    m_ring = is_ring[:, None] & all_k
+    m_new = is_new[:, None] & all_k
+    b_ring_e = tl.load(p_bw, mask=m_ring, other=0.0)
+    b_ring_o = tl.load(p_bw + 1, mask=m_ring, other=0.0)
+    b_new_e = tl.load(p_bi, mask=m_new, other=0.0)
+    b_new_o = tl.load(p_bi + 1, mask=m_new, other=0.0)
+    b_e = tl.where(is_new[:, None], b_new_e, b_ring_e)  # [16, 64] bf16
+    b_o = tl.where(is_new[:, None], b_new_o, b_ring_o)
+    p_ci = p_C + i_b.to(tl.int64) * sc_row + tok[:, None] * sc_tok + g * sc_g + 2 * o_k[None, :]
+    m_tok = tok_ok[:, None] & all_k
+    c_e = tl.load(p_ci, mask=m_tok, other=0.0)  # [16 tokens, 64] bf16
+    c_o = tl.load(p_ci + 1, mask=m_tok, other=0.0)
+
+    a_h = tl.load(p_A + i_h * sA)
+    pre = tl.cumsum(dt_w, axis=0)  # [16]
+    pre_base = tl.sum(tl.where(o_j == nf - 1, pre, 0.0), axis=0)  # 0 when nf == 0
+    last = u + o_t  # [16]: window index of token t
+    pre_last = tl.sum(tl.where(o_j[None, :] == last[:, None], pre[None, :], 0.0), axis=1)  # [16 tokens]
+    decay = tl.exp(a_h * (pre_last - pre_base))
+
+    if nf > 0:
+        # Fold the committed entries j < nf into the checkpoint, in FP32.
+        pre_f = pre_base
+        w_f = tl.where(o_j < nf, dt_w * tl.exp(a_h * (pre_f - pre)), 0.0)  # [16]
+        wx = tl.where((o_j < nf)[:, None], w_f[:, None] * x_ring.to(tl.float32), 0.0)  # [16, 64]: j x p
+        p_ck = p_ckpt + slot64 * s_ckpt + (i_h * 64 + o_p)[:, None].to(tl.int64) * 128 + 2 * o_k[None, :]
+        d_f = tl.exp(a_h * pre_f)
+        # B of the ring entries only: a later token's B (maybe a NaN draft) must not
+        # meet a zero weight in the product.
+        s_e = d_f * tl.load(p_ck).to(tl.float16, bitcast=True).to(tl.float32) + tl.dot(
+            tl.trans(wx), b_ring_e.to(tl.float32), input_precision="ieee"
+        )
+        s_o = d_f * tl.load(p_ck + 1).to(tl.float16, bitcast=True).to(tl.float32) + tl.dot(
+            tl.trans(wx), b_ring_o.to(tl.float32), input_precision="ieee"
+        )
+        if DEBUG:
+            p_s = p_dbg + (i_b.to(tl.int64) * H + i_h) * 8192 + o_p[:, None] * 128 + 2 * o_k[None, :]
+            tl.store(p_s, s_e)
+            tl.store(p_s + 1, s_o)
+        # FP16 checkpoint, stochastic rounding: word ((h + head_offset) 64 + p) 64 + k
+        # gives bits [12:0] to column 2k and [28:16] to 2k + 1 (quant/rng.py).
+        rw = random_word(key, ((i_h + head_offset) * 64 + o_p)[:, None] * 64 + o_k[None, :])
+        tl.store(p_ck, encode_fp16_sr(s_e, rw & 0x1FFF).to(tl.int16))
+        tl.store(p_ck + 1, encode_fp16_sr(s_o, (rw >> 16) & 0x1FFF).to(tl.int16))
+        a_e = s_e.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        a_o = s_o.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        rows = (i_h * 64 + o_p).to(tl.int64)
+        if NVFP4:
+            gbits = tl.load(p_meta + slot64 * s_meta + g * 2 + live).to(tl.int32, bitcast=True)
+            e_g = pow2_exponent_above(gbits, 0x280000, 7)
+            gs = f32_exp2(e_g)
+            igs = f32_exp2(-e_g)
+            bmax = tl.maximum(tl.max(tl.reshape(a_e, (64, 8, 8)), axis=2), tl.max(tl.reshape(a_o, (64, 8, 8)), axis=2))
+            one_sixth = tl.full([], ONE_SIXTH_BITS, tl.int32).to(tl.float32, bitcast=True)
+            s_code = encode_e4m3_rn((bmax.to(tl.float32, bitcast=True) * igs) * one_sixth)  # [64, 8]
+            d = decode_e4m3_pos(s_code) * gs
+            r = tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(d == 0, 1.0, d))
+            r = tl.where(d == 0, 0.0, r)
+            r = tl.reshape(tl.broadcast_to(r[:, :, None], (64, 8, 8)), (64, 64))
+            q_e = encode_e2m1_rn(s_e * r) & 0xF
+            q_o = encode_e2m1_rn(s_o * r) & 0xF
+            tl.store(p_read + slot64 * s_read + rows[:, None] * 64 + o_k[None, :], (q_e | (q_o << 4)).to(tl.uint8))
+            tl.store(p_scales + slot64 * s_scales + rows[:, None] * 8 + tl.arange(0, 8)[None, :], s_code.to(tl.uint8))
+            hmax = tl.max(tl.max(tl.maximum(a_e, a_o), axis=1), axis=0)
+            tl.atomic_max(p_meta_bits + slot64 * s_meta + g * 2 + (1 - live), hmax, sem="relaxed")
+        else:
+            e_r = pow2_exponent_above(tl.maximum(tl.max(a_e, axis=1), tl.max(a_o, axis=1)), 0x600000, 8)
+            inv = f32_exp2(-e_r)[:, None]
+            p_q = p_read + slot64 * s_read + rows[:, None] * 128 + 2 * o_k[None, :]
+            tl.store(p_q, encode_e4m3_rn(s_e * inv).to(tl.uint8))
+            tl.store(p_q + 1, encode_e4m3_rn(s_o * inv).to(tl.uint8))
+            tl.store(p_scales + slot64 * s_scales + rows, f32_exp2(e_r))
+        # Outputs from the unrounded S (FP32 dots): rc[t, p] = S[p] . C_t.
+        rc = tl.dot(c_e.to(tl.float32), tl.trans(s_e), input_precision="ieee")
+        rc += tl.dot(c_o.to(tl.float32), tl.trans(s_o), input_precision="ieee")
+    else:
+        rows = (i_h * 64 + o_p).to(tl.int64)
+        if NVFP4:
+            packed = tl.load(p_read + slot64 * s_read + rows[:, None] * 64 + o_k[None, :]).to(tl.int32)
+            gbits = tl.load(p_meta + slot64 * s_meta + g * 2 + live).to(tl.int32, bitcast=True)
+            gs = f32_exp2(pow2_exponent_above(gbits, 0x280000, 7))
+            sc = tl.load(p_scales + slot64 * s_scales + rows[:, None] * 8 + (o_k // 8)[None, :]).to(tl.int32)
+            d = decode_e4m3_pos(sc) * gs
+            r_e = _decode_e2m1(packed & 0xF) * d
+            r_o = _decode_e2m1(packed >> 4) * d
+            rc = _dot(c_e, tl.trans(r_e), F32_DOTS) + _dot(c_o, tl.trans(r_o), F32_DOTS)
+        else:
+            p_q = p_read + slot64 * s_read + rows[:, None] * 128 + 2 * o_k[None, :]
+            q_e = tl.load(p_q).to(tl.int32)
+            q_o = tl.load(p_q + 1).to(tl.int32)
+            r_e = tl.where(q_e >= 128, -decode_e4m3_pos(q_e & 0x7F), decode_e4m3_pos(q_e))
+            r_o = tl.where(q_o >= 128, -decode_e4m3_pos(q_o & 0x7F), decode_e4m3_pos(q_o))
+            scale = tl.load(p_scales + slot64 * s_scales + rows)
+            rc = (_dot(c_e, tl.trans(r_e), F32_DOTS) + _dot(c_o, tl.trans(r_o), F32_DOTS)) * scale[None, :]
+
+    # Replay: entries nf .. last of each token (B_j . C_t on the tensor cores, exact products).
+    bc = _dot(c_e, tl.trans(b_e), F32_DOTS) + _dot(c_o, tl.trans(b_o), F32_DOTS)  # [16 tokens, 16 entries]
+    inside = (o_j[None, :] >= nf) & (o_j[None, :] <= last[:, None]) & tok_ok[:, None]
+    coef = tl.where(inside, dt_w[None, :] * tl.exp(a_h * (pre_last[:, None] - pre[None, :])) * bc, 0.0)
+    x_t = tl.load(
+        p_x + i_b.to(tl.int64) * sx_row + tok[:, None] * sx_tok + i_h * sx_h + o_p[None, :],
+        mask=tok_ok[:, None] & all_p,
+        other=0.0,
+    ).to(tl.float32)  # [16 tokens, 64]
+    # Committed ring entries by one product; the call's own tokens one at a time, selected
+    # (token t reads tokens s <= t only: a later draft may be NaN, and 0 * NaN is NaN).
+    coef_ring = tl.where(is_ring[None, :], coef, 0.0)
+    y = decay[:, None] * rc + tl.dot(coef_ring, x_ring.to(tl.float32), input_precision="ieee")
+    for s in tl.static_range(T):
+        c_s = tl.sum(tl.where(o_j[None, :] == u + s, coef, 0.0), axis=1)  # [16 tokens]
+        x_s = tl.sum(tl.where(o_t[:, None] == s, x_t, 0.0), axis=0)  # [64]
+        y += tl.where((o_t >= s)[:, None], c_s[:, None] * x_s[None, :], 0.0)
+    d_p = tl.load(p_D + i_h * sD_h + o_p * sD_p)
+    y += d_p[None, :] * x_t
+    tl.store(p_o, y.to(p_out.dtype.element_ty), mask=tok_ok[:, None] & all_p)
+
+    # Append the call's tokens at ring entries (c' + t) mod 16.
+    tl.store(p_xr + slot64 * s_xr + (i_h * 16 + phys)[:, None] * 64 + o_p[None, :], x_new, mask=is_new[:, None] & all_p)
+    tl.store(p_dtr + slot64 * s_dtr + i_h * 16 + phys, dt_sp, mask=is_new)
+    first = (o_k[None, :] < tl.where(i_h % HPG == 0, 64, 0)) & is_new[:, None]
+    tl.store(p_bw, b_new_e, mask=first)
+    tl.store(p_bw + 1, b_new_o, mask=first)
+
+
+class PendingPlan:
+    """Plan buffer for up to `rows` batch rows (int32 [rows, 8], the PLAN_* columns);
+    `view(batch)` is its first rows, so a call allocates nothing."""
+
+    def __init__(self, rows: int, device: torch.device | str) -> None:
+        self.rows = rows
+        self.buf = torch.zeros(rows, PLAN_COLS, dtype=torch.int32, device=device)
+
+    def view(self, batch: int) -> torch.Tensor:
+        return self.buf[:batch]
+
+
+def _tok_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int]:
+    """(row stride, token stride) of a dense [b, T, ...] or varlen [total, ...] tensor."""
+    return (0, t.stride(0)) if varlen else (t.stride(0), t.stride(1))
+
+
+def pending_decode(
+    cache,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ids: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    nvfp4: bool,
+    seed: int,
+    max_seqlen: int,
+    num_accepted_tokens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    head_offset: int = 0,
+    plan: PendingPlan | None = None,
+    debug_state: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One pending-mode call on the kernels (`pending.pending_decode`'s semantics).
+
+    Inputs as `api.normalize_pending_inputs` returns them: dense x [b, T, H, 64], dt
+    [b, T, H] (any float dtype), B, C [b, T, G, 128], out [b, T, H, 64] with T ==
+    max_seqlen, or varlen (`cu_seqlens` int32 [b + 1]) x [total, H, 64], dt [total, H],
+    B, C [total, G, 128], out [total, H, 64]; any strides with a contiguous last dim
+    (others are copied). A, dt_bias [H] and D [H, 64] FP32, any strides.
+    `num_accepted_tokens`: int [b] or None. `plan`: a `PendingPlan` with room for b rows
+    (made when None). `debug_state`: FP32 [b, H, 64, 128] receiving the folded state S of
+    the rows that fold (tests). Two launches; returns `out`."""
+    ids = ids.reshape(-1)
+    batch = ids.shape[0]
+    if batch == 0:
+        return out
+    varlen = cu_seqlens is not None
+    ckpt = cache[L.CHECKPOINT]
+    num_slots, heads = ckpt.shape[:2]
+    x_ring, dt_ring, b_ring, read, scales, pos = (
+        cache[L.X_RING], cache[L.DT_RING], cache[L.B_RING], cache[L.READ_COPY], cache[L.SCALES], cache[L.POSITIONS],
+    )
+    groups = b_ring.shape[1]
+    lead = 1 if varlen else 2
+    x = x.reshape(*x.shape[:lead], heads, L.HEAD_DIM)
+    out_v = out.view(*out.shape[:lead], heads, L.HEAD_DIM)
+    B = B.reshape(*B.shape[:lead], groups, L.STATE_DIM)
+    C = C.reshape(*C.shape[:lead], groups, L.STATE_DIM)
+    x, B, C = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, B, C))
+    if plan is None:
+        plan = PendingPlan(batch, ids.device)
+    pv = plan.view(batch)
+    if nvfp4:
+        meta, parity = cache[L.META], cache[L.PARITY]
+        scales_arg = scales.view(torch.uint8)
+    else:
+        meta = parity = pos  # unused (the NVFP4 branches are compiled out)
+        scales_arg = scales
+    acc = num_accepted_tokens if num_accepted_tokens is not None else ids
+    cu = cu_seqlens if varlen else ids
+    block = 64 if interpreting() else 128
+    _plan_kernel[(triton.cdiv(batch, block),)](
+        ids, pos, acc, cu, parity, meta, pv,
+        batch, ids.stride(0), pos.stride(0), parity.stride(0), meta.stride(0), num_slots,
+        pending_grid(max_seqlen), int32_pattern(seed_key(seed)),
+        T=max_seqlen, G=groups, HAS_ACC=num_accepted_tokens is not None, VARLEN=varlen, NVFP4=nvfp4, BLOCK=block,
+        num_warps=4,
+    )
+    dbg = debug_state if debug_state is not None else pv
+    _decode_kernel[(batch, heads)](
+        pv, x, dt, A, B, C, D, dt_bias, out_v,
+        ckpt.view(torch.int16), x_ring, dt_ring, b_ring, read.view(torch.uint8), scales_arg, meta,
+        meta.view(torch.int32), dbg,
+        *_tok_strides(x, varlen), x.stride(-2),
+        *_tok_strides(dt, varlen), dt.stride(-1),
+        *_tok_strides(B, varlen), B.stride(-2),
+        *_tok_strides(C, varlen), C.stride(-2),
+        *_tok_strides(out_v, varlen), out_v.stride(-2),
+        D.stride(0), D.stride(1), A.stride(0), dt_bias.stride(0),
+        ckpt.stride(0), x_ring.stride(0), dt_ring.stride(0), b_ring.stride(0), read.stride(0), scales.stride(0),
+        meta.stride(0),
+        num_slots, head_offset,
+        H=heads, HPG=heads // groups, T=max_seqlen, NVFP4=nvfp4, DEBUG=debug_state is not None, F32_DOTS=interpreting(),
+        num_warps=4,
+    )
+    return out
+
+
+__all__ = ["PendingPlan", "pending_decode", "PLAN_COLS"]

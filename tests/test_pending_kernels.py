@@ -1,0 +1,203 @@
+"""The pending-mode kernels (kernels/triton/pending.py) against the reference
+(`replayssm.pending`), one call at a time from identical caches: on the CPU in the Triton
+interpreter (tiny shapes), on the GPU at 16 heads / 2 groups with a CUDA-graph replay.
+
+Per call, for every row: positions, parity, the x and B rings bit for bit; the dt ring
+within DT_RING_REL_TOL (the kernels' softplus is FP32 log1p(exp(v)), the reference's FP64
+rounded once); outputs within KERNEL_OUTPUT_BF16_ULPS of the row max. Rows that fold: the
+kernel's own FP32 state S (debug dump) within FOLD_REL_TOL of the reference fold, and the
+checkpoint, read copy, block scales and meta bit for bit against the reference
+quantizers applied to that S; rows that do not fold leave them untouched."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from replayssm import layout as L, reference as ref
+from replayssm.layout import allocate_cache
+from replayssm.pending import checkpoint_index, fold_range, grid, pending_decode
+from replayssm.quant import formats as Q
+from replayssm.quant.minifloat import to_fp16
+from replayssm.quant.rng import checkpoint_rbits, stream_key
+from replayssm.synthetic import layer_params, prefill_states
+
+from . import tolerances as tol
+from .helpers import same_bits
+
+NAN = float("nan")
+
+
+def _world(fmt, heads, groups, device, slots, seed=5):
+    gen = torch.Generator().manual_seed(heads + len(fmt))
+    p = layer_params(heads, generator=gen)
+    cache = allocate_cache(slots, heads, groups, fmt, pending=True, device=device)
+    live = list(range(1, slots - 1))
+    st = prefill_states(p, len(live), groups, 16, generator=gen).to(device)
+    ref.initialize(cache, st, torch.tensor(live, device=device), nvfp4=fmt == "nvfp4", seed=seed)
+    params = (p.A.float().to(device), p.D.float().reshape(heads, -1).expand(heads, L.HEAD_DIM).to(device),
+              p.dt_bias.float().to(device))  # fmt: skip
+    return cache, params, gen
+
+
+def _tokens(gen, lead, heads, groups, device):
+    x = torch.randn(*lead, heads, L.HEAD_DIM, generator=gen).to(torch.bfloat16)
+    dt = (0.5 * torch.randn(*lead, heads, generator=gen)).to(torch.bfloat16)
+    B = torch.randn(*lead, groups, L.STATE_DIM, generator=gen).to(torch.bfloat16)
+    C = torch.randn(*lead, groups, L.STATE_DIM, generator=gen).to(torch.bfloat16)
+    return [t.to(device) for t in (x, dt, B, C)]
+
+
+def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, cu=None):
+    """One call on the reference (`cache`) and the kernels (`kc`, a copy); compare; then
+    copy the reference's cache into `kc` (the next call starts from identical caches)."""
+    from replayssm.kernels.triton.pending import pending_decode as kernel_decode
+
+    nv = fmt == "nvfp4"
+    A, D, bias = params
+    x, dt, B, C = toks
+    heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
+    dev = x.device
+    before = [t.clone() for t in cache]
+    out_shape = (*x.shape[:-1], L.HEAD_DIM) if x.dim() == 3 else (*x.shape[:2], heads, L.HEAD_DIM)
+    want = torch.full(out_shape, NAN, device=dev)
+    got = torch.full(out_shape, NAN, device=dev)
+    pending_decode(cache, x, dt.float(), A, B, C, D, bias, ids, want, nvfp4=nv, seed=seed, max_seqlen=M,
+                   num_accepted_tokens=acc, cu_seqlens=cu)  # fmt: skip
+    dbg = torch.full((ids.numel(), heads, L.HEAD_DIM, L.STATE_DIM), NAN, device=dev)
+    kernel_decode(kc, x, dt, A, B, C, D, bias, ids, got, nvfp4=nv, seed=seed, max_seqlen=M,
+                  num_accepted_tokens=acc, cu_seqlens=cu, debug_state=dbg)  # fmt: skip
+    assert not torch.isnan(got).any()
+    scale = want.abs().amax().clamp_min(1e-30)
+    assert float((got - want).abs().max()) <= tol.KERNEL_OUTPUT_BF16_ULPS * 2.0**-8 * float(scale)
+    for i in (L.POSITIONS, L.X_RING, L.B_RING, *((L.PARITY,) if nv else ())):
+        assert same_bits(kc[i], cache[i]), i
+    dr, dk = cache[L.DT_RING], kc[L.DT_RING]
+    fin = torch.isfinite(dr)
+    assert torch.equal(fin, torch.isfinite(dk))
+    rel = torch.where(fin, (dk - dr).abs() / dr.abs().clamp_min(1e-30), torch.zeros((), device=dev))
+    assert float(rel.max()) <= tol.DT_RING_REL_TOL
+
+    num_slots = cache[L.CHECKPOINT].shape[0]
+    pos0 = before[L.POSITIONS]
+    folds = 0
+    for r, s in enumerate(ids.tolist()):
+        if not 0 < s < num_slots:
+            continue
+        c, q = pos0[s].tolist()
+        a = q if acc is None else min(max(int(acc[r]), 0), q)
+        f_old = int(checkpoint_index(torch.tensor(c), M))
+        f_new = int(checkpoint_index(torch.tensor(c + a), M))
+        idx = torch.tensor([s], device=dev)
+        if f_new == f_old:
+            for i in (L.CHECKPOINT, L.READ_COPY, L.SCALES, *((L.META,) if nv else ())):
+                assert same_bits(kc[i][s], before[i][s]), (i, s)
+            continue
+        folds += 1
+        S = dbg[r : r + 1]
+        S_ref = fold_range(before, idx, torch.tensor([f_old], device=dev), torch.tensor([f_new - f_old], device=dev), A)
+        assert float((S - S_ref).abs().max()) <= tol.FOLD_REL_TOL * float(S_ref.abs().max())
+        key = stream_key(seed, idx, torch.tensor([f_new], device=dev))
+        assert same_bits(kc[L.CHECKPOINT][s], to_fp16(S, checkpoint_rbits(key, heads))[0].to(torch.float16))
+        if nv:
+            old = int(before[L.PARITY][s])
+            live_amax = before[L.META][s, :, 1 - old]
+            codes, bsc = Q.nvfp4_encode(S[0], live_amax.repeat_interleave(heads // groups))
+            assert same_bits(kc[L.READ_COPY][s], codes) and same_bits(kc[L.SCALES][s], bsc)
+            gmax = S[0].abs().reshape(groups, -1).amax(dim=1)
+            assert same_bits(kc[L.META][s, :, old], gmax) and same_bits(kc[L.META][s, :, 1 - old], live_amax)
+        else:
+            codes, scales = Q.fp8_encode(S[0])
+            assert same_bits(kc[L.READ_COPY][s], codes) and same_bits(kc[L.SCALES][s], scales)
+    for dst, src in zip(kc, cache):
+        dst.copy_(src)
+    return folds
+
+
+def _run(fmt, M, heads, groups, device, calls, varlen_every=3, seed=5):
+    cache, params, gen = _world(fmt, heads, groups, device, slots=6, seed=seed)
+    # Desynchronized rows: slot 3 starts just below a fold grid point (its committed entries
+    # since the checkpoint are zero tokens), the others at 0.
+    cache[L.POSITIONS][3, 0] = max(grid(M) - 2, 0)
+    kc = [t.clone() for t in cache]
+    rng = random.Random(M)
+    ids = torch.tensor([1, 0, 3, 4, 9, 2], device=device)  # padding rows 0 and 9
+    b = ids.numel()
+    folds = 0
+    for call in range(calls):
+        acc = None if call == 0 else torch.tensor([rng.randint(-1, M) for _ in range(b)], dtype=torch.int32, device=device)
+        pos = cache[L.POSITIONS]
+        for r, s in enumerate(ids.tolist()):  # rejected drafts hold NaN in the ring
+            if 0 < s < pos.shape[0] and acc is not None:
+                c, q = pos[s].tolist()
+                for i in range(min(max(int(acc[r]), 0), q), q):
+                    for t in (cache[L.X_RING], cache[L.DT_RING], cache[L.B_RING]):
+                        t[s, :, (c + i) % L.RING] = NAN
+        for dst, src in zip(kc, cache):
+            dst.copy_(src)
+        if call % varlen_every == varlen_every - 1:
+            lens = [rng.randint(0, M) for _ in range(b)]
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+            toks = _tokens(gen, (int(cu[-1]),), heads, groups, device)
+        else:
+            cu = None
+            toks = _tokens(gen, (b, M), heads, groups, device)
+        folds += _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, cu)
+    return folds
+
+
+@pytest.mark.parametrize("fmt,M", [("fp8", 3), ("fp8", 8), ("nvfp4", 2), ("nvfp4", 5)])
+def test_pending_kernels_match_the_reference_cpu(fmt, M):
+    """Triton interpreter, 8 heads / 1 group, seven calls (dense and varlen, random verdicts
+    with out-of-range ones, padding rows, NaN in every rejected draft); some rows fold."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU variant (the GPU test covers CUDA)")
+    assert _run(fmt, M, 8, 1, "cpu", calls=7) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("M", [2, 4, 8])
+def test_pending_kernels_match_the_reference_gpu(fmt, M):
+    """The same on the GPU, 16 heads / 2 groups, 24 calls."""
+    assert _run(fmt, M, 16, 2, "cuda", calls=24) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_pending_decode_replays_in_a_cuda_graph(fmt):
+    """`ReplaySSMCache.decode` in pending mode captured in a CUDA graph: replays give the
+    eager calls' outputs and cache bit for bit (same inputs, same verdicts)."""
+    from replayssm import ReplaySSMCache
+
+    heads, groups, M, b = 16, 2, 4, 5
+    gen = torch.Generator().manual_seed(1)
+    p = layer_params(heads, generator=gen)
+    A, D, bias = (t.cuda() for t in (p.A, p.D, p.dt_bias))
+    caches = []
+    for _ in range(2):
+        c = ReplaySSMCache(8, heads, groups, fmt, "cuda", seed=2, spec_tokens=M - 1, backend="kernels")
+        slots = c.allocate(b)
+        g2 = torch.Generator().manual_seed(3)
+        c.prefill_init(prefill_states(p, b, groups, 16, generator=g2).cuda(), slots)
+        caches.append(c)
+    eager, graphed = caches
+    ids = torch.tensor([1, 2, 0, 3, 4, 5][:b], device="cuda", dtype=torch.int32)
+    x, dt, B, C = _tokens(gen, (b, M), heads, groups, "cuda")
+    acc = torch.tensor([1, 3, 2, 4, 0][:b], device="cuda", dtype=torch.int32)
+    out_e = torch.empty(b, M, heads, L.HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    out_g = torch.empty_like(out_e)
+    for c, o in ((eager, out_e), (graphed, out_g)):  # first call (and compile) eagerly
+        c.decode(x, dt, A, B, C, D, bias, ids, o)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed.decode(x, dt, A, B, C, D, bias, ids, out_g, num_accepted_tokens=acc)
+    for _ in range(7):
+        eager.decode(x, dt, A, B, C, D, bias, ids, out_e, num_accepted_tokens=acc)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out_e, out_g)
+        for te, tg in zip(eager.tensors, graphed.tensors):
+            assert same_bits(te, tg)
