@@ -42,6 +42,8 @@ y / ((1 + y) - 1)), linear above 20: a few FP32 ulps from PyTorch's.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -64,6 +66,8 @@ from .launch import int32_pattern, interpreting
 # Plan columns (int32 [batch, PLAN_COLS]).
 PLAN_SLOT, PLAN_C, PLAN_F, PLAN_NF, PLAN_LIVE, PLAN_KEY, PLAN_START, PLAN_LEN = range(8)
 PLAN_COLS = 8
+STEP_WARPS, STEP_HEADS = 4, 2  # the step kernel: warps, heads a program
+FOLD_WARPS, FOLD_ROWS, FOLD_CTAS_PER_SM = 4, 32, 2  # the fold kernel: warps, state rows an item, programs an SM
 ONE_SIXTH_BITS = tl.constexpr(0x3E2AAAAB)  # FP32(1/6), as quant/formats.py multiplies by
 
 
@@ -76,6 +80,7 @@ def _plan_kernel(
     p_parity,
     p_meta,
     p_plan,
+    p_list,
     batch,
     stride_ids,
     stride_pos,
@@ -133,6 +138,11 @@ def _plan_kernel(
     tl.store(p_row + 5, key, mask=row)
     tl.store(p_row + 6, start, mask=row)
     tl.store(p_row + 7, tb, mask=row)
+    # Rows that fold join the fold kernel's work list: p_list[0] counts them (reset to 0 by
+    # the step kernel, which runs after the fold kernel), p_list[1 + i] are their rows.
+    fold_row = nf > 0
+    at = tl.atomic_add(p_list + tl.zeros([BLOCK], tl.int32), fold_row.to(tl.int32), mask=fold_row, sem="relaxed")
+    tl.store(p_list + 1 + at, o_b, mask=fold_row)
 
 
 @triton.jit
@@ -164,220 +174,336 @@ def _decode_e2m1(code):
     return tl.where((code & 8) != 0, -val, val)
 
 
-@triton.jit(do_not_specialize=["num_slots", "head_offset"])
-def _decode_kernel(
-    p_plan,
-    p_x,
-    p_dt,
-    p_A,
-    p_B,
-    p_C,
-    p_D,
-    p_bias,
-    p_out,
-    p_ckpt,
-    p_xr,
-    p_dtr,
-    p_br,
-    p_read,
-    p_scales,
-    p_meta,
-    p_meta_bits,
-    p_dbg,
-    sx_row, sx_tok, sx_h,
-    sdt_row, sdt_tok, sdt_h,
-    sb_row, sb_tok, sb_g,
-    sc_row, sc_tok, sc_g,
-    so_row, so_tok, so_h,
-    sD_h, sD_p, sA, sbias,
-    s_ckpt, s_xr, s_dtr, s_br, s_read, s_scales, s_meta,
+@triton.jit
+def _e4m3_rn(x, HW: tl.constexpr):
+    """FP32 -> e4m3fn codes (uint8), nearest-even, saturating, NaN -> 0x7F: the hardware
+    conversion (cvt.rn.satfinite.e4m3x2.f32) on the GPU, the integer twin in the interpreter."""
+    if HW:
+        return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        return encode_e4m3_rn(x).to(tl.uint8)
+
+
+@triton.jit
+def _window(p_xr, p_x, p_dtr, p_dt, p_bias, slot64, s_xr, s_dtr, row, sx_row, sx_tok, sx_h, sdt_row, sdt_tok, sdt_h,
+            sbias, h, o_c, phys, tj, is_ring, is_new):
+    """Head h's window at columns o_c: x from the ring (entries j < u) and the call (u <= j
+    < u + T_b) as loaded, dt (processed) and the call's processed dt."""
+    all_c = o_c[None, :] >= 0
+    x_r = tl.load(p_xr + slot64 * s_xr + (h * 16 + phys)[:, None] * 64 + o_c[None, :], mask=is_ring[:, None] & all_c, other=0.0)
+    x_n = tl.load(p_x + row * sx_row + tj[:, None] * sx_tok + h * sx_h + o_c[None, :], mask=is_new[:, None] & all_c, other=0.0)
+    dt_r = tl.load(p_dtr + slot64 * s_dtr + h * 16 + phys, mask=is_ring, other=0.0)
+    dt_i = tl.load(p_dt + row * sdt_row + tj * sdt_tok + h * sdt_h, mask=is_new, other=0.0)
+    dt_sp = _softplus(dt_i.to(tl.float32) + tl.load(p_bias + h * sbias))
+    dt_w = tl.where(is_new, dt_sp, tl.where(is_ring, dt_r, 0.0))
+    return x_r, x_n, dt_w, dt_sp
+
+
+@triton.jit
+def _replay(coef, inside, x_w, y):
+    """y + coef @ x_w, NaN-safe: coef[t, j] is zero outside `inside`, and an entry holding
+    a non-finite x (a later draft may be NaN) enters through a zero row, its tokens'
+    outputs set to NaN instead (what the product gives where the entry counts)."""
+    bad_j = tl.max(((x_w != x_w) | (tl.abs(x_w) == float("inf"))).to(tl.int32), axis=1)  # [16 entries]
+    bad_t = tl.max(tl.where(inside, bad_j[None, :], 0), axis=1) > 0  # [16 tokens]
+    x_c = tl.where(bad_j[:, None] > 0, 0.0, x_w)
+    y = y + tl.dot(coef, x_c, input_precision="ieee")
+    return tl.where(bad_t[:, None], float("nan"), y)
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _step_kernel(
+    p_plan, p_list, p_x, p_dt, p_A, p_B, p_C, p_D, p_bias, p_out, p_xr, p_dtr, p_br, p_read, p_scales, p_meta,
+    sx_row, sx_tok, sx_h, sdt_row, sdt_tok, sdt_h, sb_row, sb_tok, sb_g, sc_row, sc_tok, sc_g, so_row, so_tok, so_h,
+    sD_h, sD_p, sA, sbias, s_xr, s_dtr, s_br, s_read, s_scales, s_meta,
     num_slots,
-    head_offset,
-    H: tl.constexpr,
     HPG: tl.constexpr,
-    T: tl.constexpr,
+    HB: tl.constexpr,
     NVFP4: tl.constexpr,
-    DEBUG: tl.constexpr,
     F32_DOTS: tl.constexpr,
 ):
+    """Rows that do not fold, and the padding rows' zero outputs: program (b, i) takes
+    heads HB i .. HB i + HB - 1 (one group) of row b; the group's B window, C and
+    B_j . C_t once, then per head the read-copy term, the replay and the ring writes."""
     i_b = tl.program_id(0)
-    i_h = tl.program_id(1)
-    g = i_h // HPG
-    p_row = p_plan + i_b.to(tl.int64) * 8
+    h0 = tl.program_id(1) * HB
+    g = h0 // HPG
+    row = i_b.to(tl.int64)
+    # The fold kernel (launched before) has consumed the work list: reset its count.
+    tl.store(p_list, 0, mask=(i_b == 0) & (h0 == 0))
+    p_row = p_plan + row * 8
     slot = tl.load(p_row + 0)
     cn = tl.load(p_row + 1)
     f_old = tl.load(p_row + 2)
     nf = tl.load(p_row + 3)
     live = tl.load(p_row + 4)
-    key = tl.load(p_row + 5).to(tl.uint32, bitcast=True)
     start = tl.load(p_row + 6)
     tb = tl.load(p_row + 7)
-
-    o_p = tl.arange(0, 64)  # head rows p
-    o_k = tl.arange(0, 64)  # column pairs k: columns 2k (even tiles), 2k + 1 (odd tiles)
+    o_p = tl.arange(0, 64)
+    o_n = tl.arange(0, 128)
     o_t = tl.arange(0, 16)  # the call's tokens (T <= 8, padded for the dots)
     o_j = tl.arange(0, 16)  # window entries
     all_p = o_p[None, :] < 64
-    all_k = o_k[None, :] < 64
+    all_n = o_n[None, :] < 128
     tok_ok = o_t < tb
     tok = (start + o_t).to(tl.int64)
-    p_o = p_out + i_b.to(tl.int64) * so_row + tok[:, None] * so_tok + i_h * so_h + o_p[None, :]
     if slot < 0:  # padding row: zero outputs, nothing else
-        tl.store(p_o, tl.zeros([16, 64], tl.float32).to(p_out.dtype.element_ty), mask=tok_ok[:, None] & all_p)
+        for hh in tl.static_range(HB):
+            p_o = p_out + row * so_row + tok[:, None] * so_tok + (h0 + hh) * so_h + o_p[None, :]
+            tl.store(p_o, tl.zeros([16, 64], tl.float32).to(p_out.dtype.element_ty), mask=tok_ok[:, None] & all_p)
+        return
+    if nf > 0:  # the fold kernel's row
         return
     slot64 = slot.to(tl.int64)
-
-    # The window: committed ring entries j < u, then the call's tokens.
     u = cn - f_old
     is_ring = o_j < u
     is_new = (o_j >= u) & (o_j < u + tb)
     phys = (f_old + o_j) & 15
     tj = (start + tl.maximum(o_j - u, 0)).to(tl.int64)
-    x_ring = tl.load(
-        p_xr + slot64 * s_xr + (i_h * 16 + phys)[:, None] * 64 + o_p[None, :], mask=is_ring[:, None] & all_p, other=0.0
+
+    p_bw = p_br + slot64 * s_br + (g * 16 + phys)[:, None] * 128 + o_n[None, :]
+    b_new = tl.load(p_B + row * sb_row + tj[:, None] * sb_tok + g * sb_g + o_n[None, :], mask=is_new[:, None] & all_n, other=0.0)
+    b_w = tl.where(is_new[:, None], b_new, tl.load(p_bw, mask=is_ring[:, None] & all_n, other=0.0))
+    c = tl.load(p_C + row * sc_row + tok[:, None] * sc_tok + g * sc_g + o_n[None, :], mask=tok_ok[:, None] & all_n, other=0.0)
+    bc = _dot(c, tl.trans(b_w), F32_DOTS)  # [16 tokens, 16 entries]
+    last = u + o_t
+    inside = (o_j[None, :] <= last[:, None]) & tok_ok[:, None]
+    # The group's first head appends B (no entry read above is among these: window bound).
+    tl.store(p_bw, b_new, mask=is_new[:, None] & (o_n[None, :] < tl.where(h0 % HPG == 0, 128, 0)))
+    if NVFP4:
+        gbits = tl.load(p_meta + slot64 * s_meta + g * 2 + live).to(tl.int32, bitcast=True)
+        gs = f32_exp2(pow2_exponent_above(gbits, 0x280000, 7))
+    read_s = p_read + slot64 * s_read
+    scales_s = p_scales + slot64 * s_scales
+    for hh in tl.static_range(HB):
+        h = h0 + hh
+        x_r, x_n, dt_w, dt_sp = _window(
+            p_xr, p_x, p_dtr, p_dt, p_bias, slot64, s_xr, s_dtr, row, sx_row, sx_tok, sx_h, sdt_row, sdt_tok, sdt_h,
+            sbias, h, o_p, phys, tj, is_ring, is_new,
+        )
+        a_h = tl.load(p_A + h * sA)
+        pre = tl.cumsum(dt_w, axis=0)
+        pre_last = tl.sum(tl.where(o_j[None, :] == last[:, None], pre[None, :], 0.0), axis=1)  # [16 tokens]
+        coef = tl.where(inside, dt_w[None, :] * tl.exp(a_h * (pre_last[:, None] - pre[None, :])) * bc, 0.0)
+        rows = h * 64 + o_p  # slot-relative offsets stay int32 (a slot's tensors are < 2**31 bytes)
+        if NVFP4:
+            packed = tl.load(read_s + rows[:, None] * 64 + tl.arange(0, 64)[None, :])
+            sc = tl.load(scales_s + rows[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.int32)  # [64, 8]
+            d = tl.reshape(tl.broadcast_to((decode_e4m3_pos(sc) * gs)[:, :, None], (64, 8, 16)), (64, 128))
+            vals = tl.interleave(_decode_e2m1((packed & 0xF).to(tl.int32)), _decode_e2m1((packed >> 4).to(tl.int32)))
+            r = vals * d  # exact in bf16 (2 x 4 significant bits)
+            rc = _dot(c, tl.trans(r), F32_DOTS)
+        else:
+            q = tl.load(read_s + rows[:, None] * 128 + o_n[None, :])
+            if F32_DOTS:
+                qi = q.to(tl.int32)
+                r = tl.where(qi >= 128, -decode_e4m3_pos(qi & 0x7F), decode_e4m3_pos(qi))
+            else:
+                r = q.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+            scale = tl.load(scales_s + rows)
+            rc = _dot(c, tl.trans(r), F32_DOTS) * scale[None, :]
+        y = _replay(coef, inside, tl.where(is_new[:, None], x_n, x_r).to(tl.float32), tl.exp(a_h * pre_last)[:, None] * rc)
+        x_t = tl.load(
+            p_x + row * sx_row + tok[:, None] * sx_tok + h * sx_h + o_p[None, :], mask=tok_ok[:, None] & all_p, other=0.0
+        ).to(tl.float32)
+        y += tl.load(p_D + h * sD_h + o_p * sD_p)[None, :] * x_t
+        p_o = p_out + row * so_row + tok[:, None] * so_tok + h * so_h + o_p[None, :]
+        tl.store(p_o, y.to(p_out.dtype.element_ty), mask=tok_ok[:, None] & all_p)
+        tl.store(p_xr + slot64 * s_xr + (h * 16 + phys)[:, None] * 64 + o_p[None, :], x_n, mask=is_new[:, None] & all_p)
+        tl.store(p_dtr + slot64 * s_dtr + h * 16 + phys, dt_sp, mask=is_new)
+
+
+@triton.jit(do_not_specialize=["num_slots", "head_offset"])
+def _fold_kernel(
+    p_plan, p_list, p_x, p_dt, p_A, p_B, p_C, p_D, p_bias, p_out, p_ckpt, p_xr, p_dtr, p_br, p_read, p_scales, p_meta,
+    p_meta_bits, p_dbg,
+    sx_row, sx_tok, sx_h, sdt_row, sdt_tok, sdt_h, sb_row, sb_tok, sb_g, sc_row, sc_tok, sc_g, so_row, so_tok, so_h,
+    sD_h, sD_p, sA, sbias, s_ckpt, s_xr, s_dtr, s_br, s_read, s_scales, s_meta,
+    num_slots,
+    head_offset,
+    H: tl.constexpr,
+    HPG: tl.constexpr,
+    FP: tl.constexpr,
+    NVFP4: tl.constexpr,
+    DEBUG: tl.constexpr,
+    HW_CVT: tl.constexpr,
+):
+    """Rows that fold, from the plan kernel's work list: persistent programs take work
+    items (row, head h, state rows FP i .. FP i + FP - 1) in turn (every FP8 row scale,
+    NVFP4 block and output element depends on its own state row; the NVFP4 group amax is
+    an order-free atomic max). Tiles split even / odd columns."""
+    NQ: tl.constexpr = 64 // FP
+    items = tl.load(p_list) * (H * NQ)
+    w = tl.program_id(0)
+    while w < items:
+        i_b = tl.load(p_list + 1 + w // (H * NQ))
+        h = (w // NQ) % H
+        i_q = w % NQ
+        _fold_item(
+            p_plan, p_x, p_dt, p_A, p_B, p_C, p_D, p_bias, p_out, p_ckpt, p_xr, p_dtr, p_br, p_read, p_scales, p_meta,
+            p_meta_bits, p_dbg,
+            sx_row, sx_tok, sx_h, sdt_row, sdt_tok, sdt_h, sb_row, sb_tok, sb_g, sc_row, sc_tok, sc_g, so_row, so_tok,
+            so_h, sD_h, sD_p, sA, sbias, s_ckpt, s_xr, s_dtr, s_br, s_read, s_scales, s_meta,
+            head_offset, i_b, h, i_q, H, HPG, FP, NVFP4, DEBUG, HW_CVT,
+        )
+        w += tl.num_programs(0)
+
+
+@triton.jit
+def _fold_item(
+    p_plan, p_x, p_dt, p_A, p_B, p_C, p_D, p_bias, p_out, p_ckpt, p_xr, p_dtr, p_br, p_read, p_scales, p_meta,
+    p_meta_bits, p_dbg,
+    sx_row, sx_tok, sx_h, sdt_row, sdt_tok, sdt_h, sb_row, sb_tok, sb_g, sc_row, sc_tok, sc_g, so_row, so_tok, so_h,
+    sD_h, sD_p, sA, sbias, s_ckpt, s_xr, s_dtr, s_br, s_read, s_scales, s_meta,
+    head_offset, i_b, h, i_q,
+    H: tl.constexpr,
+    HPG: tl.constexpr,
+    FP: tl.constexpr,
+    NVFP4: tl.constexpr,
+    DEBUG: tl.constexpr,
+    HW_CVT: tl.constexpr,
+):
+    """One fold work item (a row of the list, so live and folding)."""
+    g = h // HPG
+    row = i_b.to(tl.int64)
+    p_row = p_plan + row * 8
+    slot = tl.load(p_row + 0)
+    nf = tl.load(p_row + 3)
+    cn = tl.load(p_row + 1)
+    f_old = tl.load(p_row + 2)
+    live = tl.load(p_row + 4)
+    key = tl.load(p_row + 5).to(tl.uint32, bitcast=True)
+    start = tl.load(p_row + 6)
+    tb = tl.load(p_row + 7)
+    slot64 = slot.to(tl.int64)
+    o_r = i_q * FP + tl.arange(0, FP)  # this program's head rows p
+    o_k = tl.arange(0, 64)  # column pairs: columns 2k (even tiles) and 2k + 1 (odd tiles)
+    o_t = tl.arange(0, 16)
+    o_j = tl.arange(0, 16)
+    all_r = o_r[None, :] >= 0
+    all_k = o_k[None, :] < 64
+    tok_ok = o_t < tb
+    tok = (start + o_t).to(tl.int64)
+    u = cn - f_old
+    is_ring = o_j < u
+    is_new = (o_j >= u) & (o_j < u + tb)
+    phys = (f_old + o_j) & 15
+    tj = (start + tl.maximum(o_j - u, 0)).to(tl.int64)
+
+    x_r, x_n, dt_w, dt_sp = _window(
+        p_xr, p_x, p_dtr, p_dt, p_bias, slot64, s_xr, s_dtr, row, sx_row, sx_tok, sx_h, sdt_row, sdt_tok, sdt_h,
+        sbias, h, o_r, phys, tj, is_ring, is_new,
     )
-    x_new = tl.load(
-        p_x + i_b.to(tl.int64) * sx_row + tj[:, None] * sx_tok + i_h * sx_h + o_p[None, :],
-        mask=is_new[:, None] & all_p,
-        other=0.0,
-    )
-    dt_ring = tl.load(p_dtr + slot64 * s_dtr + i_h * 16 + phys, mask=is_ring, other=0.0)
-    dt_in = tl.load(p_dt + i_b.to(tl.int64) * sdt_row + tj * sdt_tok + i_h * sdt_h, mask=is_new, other=0.0)
-    dt_sp = _softplus(dt_in.to(tl.float32) + tl.load(p_bias + i_h * sbias))
-    dt_w = tl.where(is_new, dt_sp, tl.where(is_ring, dt_ring, 0.0))
     p_bw = p_br + slot64 * s_br + (g * 16 + phys)[:, None] * 128 + 2 * o_k[None, :]
-    p_bi = p_B + i_b.to(tl.int64) * sb_row + tj[:, None] * sb_tok + g * sb_g + 2 * o_k[None, :]
+    p_bi = p_B + row * sb_row + tj[:, None] * sb_tok + g * sb_g + 2 * o_k[None, :]
     m_ring = is_ring[:, None] & all_k
     m_new = is_new[:, None] & all_k
     b_ring_e = tl.load(p_bw, mask=m_ring, other=0.0)
     b_ring_o = tl.load(p_bw + 1, mask=m_ring, other=0.0)
     b_new_e = tl.load(p_bi, mask=m_new, other=0.0)
     b_new_o = tl.load(p_bi + 1, mask=m_new, other=0.0)
-    b_e = tl.where(is_new[:, None], b_new_e, b_ring_e)  # [16, 64] bf16
-    b_o = tl.where(is_new[:, None], b_new_o, b_ring_o)
-    p_ci = p_C + i_b.to(tl.int64) * sc_row + tok[:, None] * sc_tok + g * sc_g + 2 * o_k[None, :]
+    p_ci = p_C + row * sc_row + tok[:, None] * sc_tok + g * sc_g + 2 * o_k[None, :]
     m_tok = tok_ok[:, None] & all_k
-    c_e = tl.load(p_ci, mask=m_tok, other=0.0)  # [16 tokens, 64] bf16
-    c_o = tl.load(p_ci + 1, mask=m_tok, other=0.0)
+    c_e = tl.load(p_ci, mask=m_tok, other=0.0).to(tl.float32)  # [16 tokens, 64]
+    c_o = tl.load(p_ci + 1, mask=m_tok, other=0.0).to(tl.float32)
 
-    a_h = tl.load(p_A + i_h * sA)
-    pre = tl.cumsum(dt_w, axis=0)  # [16]
-    pre_base = tl.sum(tl.where(o_j == nf - 1, pre, 0.0), axis=0)  # 0 when nf == 0
-    last = u + o_t  # [16]: window index of token t
-    pre_last = tl.sum(tl.where(o_j[None, :] == last[:, None], pre[None, :], 0.0), axis=1)  # [16 tokens]
-    decay = tl.exp(a_h * (pre_last - pre_base))
+    a_h = tl.load(p_A + h * sA)
+    pre = tl.cumsum(dt_w, axis=0)
+    pre_f = tl.sum(tl.where(o_j == nf - 1, pre, 0.0), axis=0)
+    last = u + o_t
+    pre_last = tl.sum(tl.where(o_j[None, :] == last[:, None], pre[None, :], 0.0), axis=1)
 
-    if nf > 0:
-        # Fold the committed entries j < nf into the checkpoint, in FP32.
-        pre_f = pre_base
-        w_f = tl.where(o_j < nf, dt_w * tl.exp(a_h * (pre_f - pre)), 0.0)  # [16]
-        wx = tl.where((o_j < nf)[:, None], w_f[:, None] * x_ring.to(tl.float32), 0.0)  # [16, 64]: j x p
-        p_ck = p_ckpt + slot64 * s_ckpt + (i_h * 64 + o_p)[:, None].to(tl.int64) * 128 + 2 * o_k[None, :]
-        d_f = tl.exp(a_h * pre_f)
-        # B of the ring entries only: a later token's B (maybe a NaN draft) must not
-        # meet a zero weight in the product.
-        s_e = d_f * tl.load(p_ck).to(tl.float16, bitcast=True).to(tl.float32) + tl.dot(
-            tl.trans(wx), b_ring_e.to(tl.float32), input_precision="ieee"
-        )
-        s_o = d_f * tl.load(p_ck + 1).to(tl.float16, bitcast=True).to(tl.float32) + tl.dot(
-            tl.trans(wx), b_ring_o.to(tl.float32), input_precision="ieee"
-        )
-        if DEBUG:
-            p_s = p_dbg + (i_b.to(tl.int64) * H + i_h) * 8192 + o_p[:, None] * 128 + 2 * o_k[None, :]
-            tl.store(p_s, s_e)
-            tl.store(p_s + 1, s_o)
-        # FP16 checkpoint, stochastic rounding: word ((h + head_offset) 64 + p) 64 + k
-        # gives bits [12:0] to column 2k and [28:16] to 2k + 1 (quant/rng.py).
-        rw = random_word(key, ((i_h + head_offset) * 64 + o_p)[:, None] * 64 + o_k[None, :])
-        tl.store(p_ck, encode_fp16_sr(s_e, rw & 0x1FFF).to(tl.int16))
-        tl.store(p_ck + 1, encode_fp16_sr(s_o, (rw >> 16) & 0x1FFF).to(tl.int16))
-        a_e = s_e.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        a_o = s_o.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        rows = (i_h * 64 + o_p).to(tl.int64)
-        if NVFP4:
-            gbits = tl.load(p_meta + slot64 * s_meta + g * 2 + live).to(tl.int32, bitcast=True)
-            e_g = pow2_exponent_above(gbits, 0x280000, 7)
-            gs = f32_exp2(e_g)
-            igs = f32_exp2(-e_g)
-            bmax = tl.maximum(tl.max(tl.reshape(a_e, (64, 8, 8)), axis=2), tl.max(tl.reshape(a_o, (64, 8, 8)), axis=2))
-            one_sixth = tl.full([], ONE_SIXTH_BITS, tl.int32).to(tl.float32, bitcast=True)
-            s_code = encode_e4m3_rn((bmax.to(tl.float32, bitcast=True) * igs) * one_sixth)  # [64, 8]
-            d = decode_e4m3_pos(s_code) * gs
-            r = tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(d == 0, 1.0, d))
-            r = tl.where(d == 0, 0.0, r)
-            r = tl.reshape(tl.broadcast_to(r[:, :, None], (64, 8, 8)), (64, 64))
-            q_e = encode_e2m1_rn(s_e * r) & 0xF
-            q_o = encode_e2m1_rn(s_o * r) & 0xF
-            tl.store(p_read + slot64 * s_read + rows[:, None] * 64 + o_k[None, :], (q_e | (q_o << 4)).to(tl.uint8))
-            tl.store(p_scales + slot64 * s_scales + rows[:, None] * 8 + tl.arange(0, 8)[None, :], s_code.to(tl.uint8))
-            hmax = tl.max(tl.max(tl.maximum(a_e, a_o), axis=1), axis=0)
-            tl.atomic_max(p_meta_bits + slot64 * s_meta + g * 2 + (1 - live), hmax, sem="relaxed")
-        else:
-            e_r = pow2_exponent_above(tl.maximum(tl.max(a_e, axis=1), tl.max(a_o, axis=1)), 0x600000, 8)
-            inv = f32_exp2(-e_r)[:, None]
-            p_q = p_read + slot64 * s_read + rows[:, None] * 128 + 2 * o_k[None, :]
-            tl.store(p_q, encode_e4m3_rn(s_e * inv).to(tl.uint8))
-            tl.store(p_q + 1, encode_e4m3_rn(s_o * inv).to(tl.uint8))
-            tl.store(p_scales + slot64 * s_scales + rows, f32_exp2(e_r))
-        # Outputs from the unrounded S (FP32 dots): rc[t, p] = S[p] . C_t.
-        rc = tl.dot(c_e.to(tl.float32), tl.trans(s_e), input_precision="ieee")
-        rc += tl.dot(c_o.to(tl.float32), tl.trans(s_o), input_precision="ieee")
+    # S = exp(A pre_f) ckpt + sum_{j < nf} dt_j exp(A (pre_f - pre_j)) x_j (x) B_j, FP32; B of
+    # the ring entries only (a later token's B may be a NaN draft: never times a zero weight).
+    w_f = tl.where(o_j < nf, dt_w * tl.exp(a_h * (pre_f - pre)), 0.0)
+    wx = tl.where((o_j < nf)[:, None], w_f[:, None] * x_r.to(tl.float32), 0.0)  # [16, FP]
+    d_f = tl.exp(a_h * pre_f)
+    p_ck = p_ckpt + slot64 * s_ckpt + (h * 64 + o_r)[:, None].to(tl.int64) * 128 + 2 * o_k[None, :]
+    s_e = d_f * tl.load(p_ck).to(tl.float16, bitcast=True).to(tl.float32)
+    s_e += tl.dot(tl.trans(wx), b_ring_e.to(tl.float32), input_precision="ieee")
+    s_o = d_f * tl.load(p_ck + 1).to(tl.float16, bitcast=True).to(tl.float32)
+    s_o += tl.dot(tl.trans(wx), b_ring_o.to(tl.float32), input_precision="ieee")
+    if DEBUG:
+        p_s = p_dbg + (row * H + h) * 8192 + o_r[:, None] * 128 + 2 * o_k[None, :]
+        tl.store(p_s, s_e)
+        tl.store(p_s + 1, s_o)
+    # FP16 checkpoint, stochastic rounding: word ((h + head_offset) 64 + p) 64 + k gives
+    # bits [12:0] to column 2k and [28:16] to 2k + 1 (quant/rng.py).
+    rw = random_word(key, ((h + head_offset) * 64 + o_r)[:, None] * 64 + o_k[None, :])
+    tl.store(p_ck, encode_fp16_sr(s_e, rw & 0x1FFF).to(tl.int16))
+    tl.store(p_ck + 1, encode_fp16_sr(s_o, (rw >> 16) & 0x1FFF).to(tl.int16))
+    a_e = s_e.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    a_o = s_o.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    rows = (h * 64 + o_r).to(tl.int64)
+    if NVFP4:
+        gbits = tl.load(p_meta + slot64 * s_meta + g * 2 + live).to(tl.int32, bitcast=True)
+        e_g = pow2_exponent_above(gbits, 0x280000, 7)
+        gs = f32_exp2(e_g)
+        igs = f32_exp2(-e_g)
+        bmax = tl.maximum(tl.max(tl.reshape(a_e, (FP, 8, 8)), axis=2), tl.max(tl.reshape(a_o, (FP, 8, 8)), axis=2))
+        one_sixth = tl.full([], ONE_SIXTH_BITS, tl.int32).to(tl.float32, bitcast=True)
+        s_code = encode_e4m3_rn((bmax.to(tl.float32, bitcast=True) * igs) * one_sixth)  # [FP, 8]
+        d_blk = decode_e4m3_pos(s_code) * gs
+        rcp = tl.math.div_rn(tl.full(d_blk.shape, 1.0, tl.float32), tl.where(d_blk == 0, 1.0, d_blk))
+        rcp = tl.where(d_blk == 0, 0.0, rcp)
+        rcp = tl.reshape(tl.broadcast_to(rcp[:, :, None], (FP, 8, 8)), (FP, 64))
+        q_e = encode_e2m1_rn(s_e * rcp) & 0xF
+        q_o = encode_e2m1_rn(s_o * rcp) & 0xF
+        tl.store(p_read + slot64 * s_read + rows[:, None] * 64 + o_k[None, :], (q_e | (q_o << 4)).to(tl.uint8))
+        tl.store(p_scales + slot64 * s_scales + rows[:, None] * 8 + tl.arange(0, 8)[None, :], s_code.to(tl.uint8))
+        hmax = tl.max(tl.max(tl.maximum(a_e, a_o), axis=1), axis=0)
+        tl.atomic_max(p_meta_bits + slot64 * s_meta + g * 2 + (1 - live), hmax, sem="relaxed")
     else:
-        rows = (i_h * 64 + o_p).to(tl.int64)
-        if NVFP4:
-            packed = tl.load(p_read + slot64 * s_read + rows[:, None] * 64 + o_k[None, :]).to(tl.int32)
-            gbits = tl.load(p_meta + slot64 * s_meta + g * 2 + live).to(tl.int32, bitcast=True)
-            gs = f32_exp2(pow2_exponent_above(gbits, 0x280000, 7))
-            sc = tl.load(p_scales + slot64 * s_scales + rows[:, None] * 8 + (o_k // 8)[None, :]).to(tl.int32)
-            d = decode_e4m3_pos(sc) * gs
-            r_e = _decode_e2m1(packed & 0xF) * d
-            r_o = _decode_e2m1(packed >> 4) * d
-            rc = _dot(c_e, tl.trans(r_e), F32_DOTS) + _dot(c_o, tl.trans(r_o), F32_DOTS)
-        else:
-            p_q = p_read + slot64 * s_read + rows[:, None] * 128 + 2 * o_k[None, :]
-            q_e = tl.load(p_q).to(tl.int32)
-            q_o = tl.load(p_q + 1).to(tl.int32)
-            r_e = tl.where(q_e >= 128, -decode_e4m3_pos(q_e & 0x7F), decode_e4m3_pos(q_e))
-            r_o = tl.where(q_o >= 128, -decode_e4m3_pos(q_o & 0x7F), decode_e4m3_pos(q_o))
-            scale = tl.load(p_scales + slot64 * s_scales + rows)
-            rc = (_dot(c_e, tl.trans(r_e), F32_DOTS) + _dot(c_o, tl.trans(r_o), F32_DOTS)) * scale[None, :]
+        e_r = pow2_exponent_above(tl.maximum(tl.max(a_e, axis=1), tl.max(a_o, axis=1)), 0x600000, 8)
+        inv = f32_exp2(-e_r)[:, None]
+        p_q = p_read + slot64 * s_read + rows[:, None] * 128 + 2 * o_k[None, :]
+        tl.store(p_q, _e4m3_rn(s_e * inv, HW_CVT))
+        tl.store(p_q + 1, _e4m3_rn(s_o * inv, HW_CVT))
+        tl.store(p_scales + slot64 * s_scales + rows, f32_exp2(e_r))
 
-    # Replay: entries nf .. last of each token (B_j . C_t on the tensor cores, exact products).
-    bc = _dot(c_e, tl.trans(b_e), F32_DOTS) + _dot(c_o, tl.trans(b_o), F32_DOTS)  # [16 tokens, 16 entries]
+    # Outputs from the unrounded S: the base stands at f_new (window entry nf).
+    rc = tl.dot(c_e, tl.trans(s_e), input_precision="ieee") + tl.dot(c_o, tl.trans(s_o), input_precision="ieee")
+    b_e = tl.where(is_new[:, None], b_new_e, b_ring_e).to(tl.float32)
+    b_o = tl.where(is_new[:, None], b_new_o, b_ring_o).to(tl.float32)
+    bc = tl.dot(c_e, tl.trans(b_e), input_precision="ieee") + tl.dot(c_o, tl.trans(b_o), input_precision="ieee")
     inside = (o_j[None, :] >= nf) & (o_j[None, :] <= last[:, None]) & tok_ok[:, None]
     coef = tl.where(inside, dt_w[None, :] * tl.exp(a_h * (pre_last[:, None] - pre[None, :])) * bc, 0.0)
-    x_t = tl.load(
-        p_x + i_b.to(tl.int64) * sx_row + tok[:, None] * sx_tok + i_h * sx_h + o_p[None, :],
-        mask=tok_ok[:, None] & all_p,
-        other=0.0,
-    ).to(tl.float32)  # [16 tokens, 64]
-    # Committed ring entries by one product; the call's own tokens one at a time, selected
-    # (token t reads tokens s <= t only: a later draft may be NaN, and 0 * NaN is NaN).
-    coef_ring = tl.where(is_ring[None, :], coef, 0.0)
-    y = decay[:, None] * rc + tl.dot(coef_ring, x_ring.to(tl.float32), input_precision="ieee")
-    for s in tl.static_range(T):
-        c_s = tl.sum(tl.where(o_j[None, :] == u + s, coef, 0.0), axis=1)  # [16 tokens]
-        x_s = tl.sum(tl.where(o_t[:, None] == s, x_t, 0.0), axis=0)  # [64]
-        y += tl.where((o_t >= s)[:, None], c_s[:, None] * x_s[None, :], 0.0)
-    d_p = tl.load(p_D + i_h * sD_h + o_p * sD_p)
-    y += d_p[None, :] * x_t
-    tl.store(p_o, y.to(p_out.dtype.element_ty), mask=tok_ok[:, None] & all_p)
+    y = _replay(coef, inside, tl.where(is_new[:, None], x_n, x_r).to(tl.float32), tl.exp(a_h * (pre_last - pre_f))[:, None] * rc)
+    all_t = tok_ok[:, None] & all_r
+    x_t = tl.load(p_x + row * sx_row + tok[:, None] * sx_tok + h * sx_h + o_r[None, :], mask=all_t, other=0.0).to(tl.float32)
+    y += tl.load(p_D + h * sD_h + o_r * sD_p)[None, :] * x_t
+    tl.store(p_out + row * so_row + tok[:, None] * so_tok + h * so_h + o_r[None, :], y.to(p_out.dtype.element_ty), mask=all_t)
 
-    # Append the call's tokens at ring entries (c' + t) mod 16.
-    tl.store(p_xr + slot64 * s_xr + (i_h * 16 + phys)[:, None] * 64 + o_p[None, :], x_new, mask=is_new[:, None] & all_p)
-    tl.store(p_dtr + slot64 * s_dtr + i_h * 16 + phys, dt_sp, mask=is_new)
-    first = (o_k[None, :] < tl.where(i_h % HPG == 0, 64, 0)) & is_new[:, None]
+    # Append the call's tokens at ring entries (c' + t) mod 16: x by every program (its
+    # columns), dt by the head's first program, B by the group's first head's.
+    tl.store(p_xr + slot64 * s_xr + (h * 16 + phys)[:, None] * 64 + o_r[None, :], x_n, mask=is_new[:, None] & all_r)
+    tl.store(p_dtr + slot64 * s_dtr + h * 16 + phys, dt_sp, mask=is_new & (i_q == 0))
+    first = (o_k[None, :] < tl.where((i_q == 0) & (h % HPG == 0), 64, 0)) & is_new[:, None]
     tl.store(p_bw, b_new_e, mask=first)
     tl.store(p_bw + 1, b_new_o, mask=first)
 
 
+def _fold_programs(device: torch.device) -> int:
+    """Persistent fold programs: FOLD_CTAS_PER_SM an SM (one in the interpreter)."""
+    if interpreting() or device.type != "cuda":
+        return 1
+    return FOLD_CTAS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 class PendingPlan:
-    """Plan buffer for up to `rows` batch rows (int32 [rows, 8], the PLAN_* columns);
-    `view(batch)` is its first rows, so a call allocates nothing."""
+    """Plan buffers for up to `rows` batch rows: `buf` (int32 [rows, 8], the PLAN_*
+    columns; `view(batch)` is its first rows, so a call allocates nothing) and the fold
+    work list (int32 [rows + 1]: a count, zero between calls, then rows)."""
 
     def __init__(self, rows: int, device: torch.device | str) -> None:
         self.rows = rows
         self.buf = torch.zeros(rows, PLAN_COLS, dtype=torch.int32, device=device)
+        self.fold_list = torch.zeros(rows + 1, dtype=torch.int32, device=device)
 
     def view(self, batch: int) -> torch.Tensor:
         return self.buf[:batch]
@@ -408,6 +534,7 @@ def pending_decode(
     head_offset: int = 0,
     plan: PendingPlan | None = None,
     debug_state: torch.Tensor | None = None,
+    step_heads: int = STEP_HEADS,
 ) -> torch.Tensor:
     """One pending-mode call on the kernels (`pending.pending_decode`'s semantics).
 
@@ -449,28 +576,38 @@ def pending_decode(
     cu = cu_seqlens if varlen else ids
     block = 64 if interpreting() else 128
     _plan_kernel[(triton.cdiv(batch, block),)](
-        ids, pos, acc, cu, parity, meta, pv,
+        ids, pos, acc, cu, parity, meta, pv, plan.fold_list,
         batch, ids.stride(0), pos.stride(0), parity.stride(0), meta.stride(0), num_slots,
         pending_grid(max_seqlen), int32_pattern(seed_key(seed)),
         T=max_seqlen, G=groups, HAS_ACC=num_accepted_tokens is not None, VARLEN=varlen, NVFP4=nvfp4, BLOCK=block,
         num_warps=4,
     )
     dbg = debug_state if debug_state is not None else pv
-    _decode_kernel[(batch, heads)](
-        pv, x, dt, A, B, C, D, dt_bias, out_v,
-        ckpt.view(torch.int16), x_ring, dt_ring, b_ring, read.view(torch.uint8), scales_arg, meta,
-        meta.view(torch.int32), dbg,
+    inputs = (pv, plan.fold_list, x, dt, A, B, C, D, dt_bias, out_v)
+    strides = (
         *_tok_strides(x, varlen), x.stride(-2),
         *_tok_strides(dt, varlen), dt.stride(-1),
         *_tok_strides(B, varlen), B.stride(-2),
         *_tok_strides(C, varlen), C.stride(-2),
         *_tok_strides(out_v, varlen), out_v.stride(-2),
         D.stride(0), D.stride(1), A.stride(0), dt_bias.stride(0),
+    )
+    hpg = heads // groups
+    # The rows that fold, then the others (and the padding rows' zero outputs).
+    _fold_kernel[(min(batch * heads * (L.HEAD_DIM // FOLD_ROWS), _fold_programs(ids.device)),)](
+        *inputs, ckpt.view(torch.int16), x_ring, dt_ring, b_ring, read.view(torch.uint8), scales_arg, meta,
+        meta.view(torch.int32), dbg, *strides,
         ckpt.stride(0), x_ring.stride(0), dt_ring.stride(0), b_ring.stride(0), read.stride(0), scales.stride(0),
-        meta.stride(0),
-        num_slots, head_offset,
-        H=heads, HPG=heads // groups, T=max_seqlen, NVFP4=nvfp4, DEBUG=debug_state is not None, F32_DOTS=interpreting(),
-        num_warps=4,
+        meta.stride(0), num_slots, head_offset,
+        H=heads, HPG=hpg, FP=FOLD_ROWS, NVFP4=nvfp4, DEBUG=debug_state is not None, HW_CVT=not interpreting(),
+        num_warps=FOLD_WARPS,
+    )
+    hb = min(step_heads, hpg)
+    _step_kernel[(batch, heads // hb)](
+        *inputs, x_ring, dt_ring, b_ring, read.view(torch.uint8), scales_arg, meta, *strides,
+        x_ring.stride(0), dt_ring.stride(0), b_ring.stride(0), read.stride(0), scales.stride(0), meta.stride(0),
+        num_slots,
+        HPG=hpg, HB=hb, NVFP4=nvfp4, F32_DOTS=interpreting(), num_warps=STEP_WARPS,
     )
     return out
 
