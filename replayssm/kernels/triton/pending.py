@@ -67,7 +67,9 @@ from .launch import int32_pattern, interpreting
 PLAN_SLOT, PLAN_C, PLAN_F, PLAN_NF, PLAN_LIVE, PLAN_KEY, PLAN_START, PLAN_LEN = range(8)
 PLAN_COLS = 8
 STEP_WARPS, STEP_HEADS = 4, 2  # the step kernel: warps, heads a program
-FOLD_WARPS, FOLD_ROWS, FOLD_CTAS_PER_SM = 4, 32, 2  # the fold kernel: warps, state rows an item, programs an SM
+FOLD_WARPS, FOLD_ROWS, FOLD_CTAS_PER_SM = 8, 32, 1  # the fold kernel: warps, state rows an item, programs an SM
+# FP32 products: three-way split on the tensor cores (~2**-21 relative a product).
+PRECISION = "tf32x3"
 ONE_SIXTH_BITS = tl.constexpr(0x3E2AAAAB)  # FP32(1/6), as quant/formats.py multiplies by
 
 
@@ -200,14 +202,14 @@ def _window(p_xr, p_x, p_dtr, p_dt, p_bias, slot64, s_xr, s_dtr, row, sx_row, sx
 
 
 @triton.jit
-def _replay(coef, inside, x_w, y):
+def _replay(coef, inside, x_w, y, PRECISION: tl.constexpr):
     """y + coef @ x_w, NaN-safe: coef[t, j] is zero outside `inside`, and an entry holding
     a non-finite x (a later draft may be NaN) enters through a zero row, its tokens'
     outputs set to NaN instead (what the product gives where the entry counts)."""
     bad_j = tl.max(((x_w != x_w) | (tl.abs(x_w) == float("inf"))).to(tl.int32), axis=1)  # [16 entries]
     bad_t = tl.max(tl.where(inside, bad_j[None, :], 0), axis=1) > 0  # [16 tokens]
     x_c = tl.where(bad_j[:, None] > 0, 0.0, x_w)
-    y = y + tl.dot(coef, x_c, input_precision="ieee")
+    y = y + tl.dot(coef, x_c, input_precision=PRECISION)
     return tl.where(bad_t[:, None], float("nan"), y)
 
 
@@ -221,6 +223,7 @@ def _step_kernel(
     HB: tl.constexpr,
     NVFP4: tl.constexpr,
     F32_DOTS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Rows that do not fold, and the padding rows' zero outputs: program (b, i) takes
     heads HB i .. HB i + HB - 1 (one group) of row b; the group's B window, C and
@@ -302,7 +305,7 @@ def _step_kernel(
                 r = q.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
             scale = tl.load(scales_s + rows)
             rc = _dot(c, tl.trans(r), F32_DOTS) * scale[None, :]
-        y = _replay(coef, inside, tl.where(is_new[:, None], x_n, x_r).to(tl.float32), tl.exp(a_h * pre_last)[:, None] * rc)
+        y = _replay(coef, inside, tl.where(is_new[:, None], x_n, x_r).to(tl.float32), tl.exp(a_h * pre_last)[:, None] * rc, PRECISION)
         x_t = tl.load(
             p_x + row * sx_row + tok[:, None] * sx_tok + h * sx_h + o_p[None, :], mask=tok_ok[:, None] & all_p, other=0.0
         ).to(tl.float32)
@@ -327,6 +330,8 @@ def _fold_kernel(
     NVFP4: tl.constexpr,
     DEBUG: tl.constexpr,
     HW_CVT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    F32_DOTS: tl.constexpr,
 ):
     """Rows that fold, from the plan kernel's work list: persistent programs take work
     items (row, head h, state rows FP i .. FP i + FP - 1) in turn (every FP8 row scale,
@@ -344,7 +349,7 @@ def _fold_kernel(
             p_meta_bits, p_dbg,
             sx_row, sx_tok, sx_h, sdt_row, sdt_tok, sdt_h, sb_row, sb_tok, sb_g, sc_row, sc_tok, sc_g, so_row, so_tok,
             so_h, sD_h, sD_p, sA, sbias, s_ckpt, s_xr, s_dtr, s_br, s_read, s_scales, s_meta,
-            head_offset, i_b, h, i_q, H, HPG, FP, NVFP4, DEBUG, HW_CVT,
+            head_offset, i_b, h, i_q, H, HPG, FP, NVFP4, DEBUG, HW_CVT, PRECISION, F32_DOTS,
         )
         w += tl.num_programs(0)
 
@@ -362,8 +367,13 @@ def _fold_item(
     NVFP4: tl.constexpr,
     DEBUG: tl.constexpr,
     HW_CVT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    F32_DOTS: tl.constexpr,
 ):
-    """One fold work item (a row of the list, so live and folding)."""
+    """One fold work item (a row of the list, so live and folding): state rows o_r of
+    head h as full [FP, 128] tiles. The products run on the tensor cores: B_j . C_t in
+    bf16 (exact products), the fold and S . C_t with FP32 operands split three ways
+    (tf32x3: ~2**-21 relative a product, FP32 sums)."""
     g = h // HPG
     row = i_b.to(tl.int64)
     p_row = p_plan + row * 8
@@ -376,12 +386,12 @@ def _fold_item(
     start = tl.load(p_row + 6)
     tb = tl.load(p_row + 7)
     slot64 = slot.to(tl.int64)
-    o_r = i_q * FP + tl.arange(0, FP)  # this program's head rows p
-    o_k = tl.arange(0, 64)  # column pairs: columns 2k (even tiles) and 2k + 1 (odd tiles)
+    o_r = i_q * FP + tl.arange(0, FP)  # this item's head rows p
+    o_n = tl.arange(0, 128)
     o_t = tl.arange(0, 16)
     o_j = tl.arange(0, 16)
     all_r = o_r[None, :] >= 0
-    all_k = o_k[None, :] < 64
+    all_n = o_n[None, :] < 128
     tok_ok = o_t < tb
     tok = (start + o_t).to(tl.int64)
     u = cn - f_old
@@ -394,18 +404,10 @@ def _fold_item(
         p_xr, p_x, p_dtr, p_dt, p_bias, slot64, s_xr, s_dtr, row, sx_row, sx_tok, sx_h, sdt_row, sdt_tok, sdt_h,
         sbias, h, o_r, phys, tj, is_ring, is_new,
     )
-    p_bw = p_br + slot64 * s_br + (g * 16 + phys)[:, None] * 128 + 2 * o_k[None, :]
-    p_bi = p_B + row * sb_row + tj[:, None] * sb_tok + g * sb_g + 2 * o_k[None, :]
-    m_ring = is_ring[:, None] & all_k
-    m_new = is_new[:, None] & all_k
-    b_ring_e = tl.load(p_bw, mask=m_ring, other=0.0)
-    b_ring_o = tl.load(p_bw + 1, mask=m_ring, other=0.0)
-    b_new_e = tl.load(p_bi, mask=m_new, other=0.0)
-    b_new_o = tl.load(p_bi + 1, mask=m_new, other=0.0)
-    p_ci = p_C + row * sc_row + tok[:, None] * sc_tok + g * sc_g + 2 * o_k[None, :]
-    m_tok = tok_ok[:, None] & all_k
-    c_e = tl.load(p_ci, mask=m_tok, other=0.0).to(tl.float32)  # [16 tokens, 64]
-    c_o = tl.load(p_ci + 1, mask=m_tok, other=0.0).to(tl.float32)
+    p_bw = p_br + slot64 * s_br + (g * 16 + phys)[:, None] * 128 + o_n[None, :]
+    b_ring = tl.load(p_bw, mask=is_ring[:, None] & all_n, other=0.0)  # [16, 128] bf16
+    b_new = tl.load(p_B + row * sb_row + tj[:, None] * sb_tok + g * sb_g + o_n[None, :], mask=is_new[:, None] & all_n, other=0.0)
+    c = tl.load(p_C + row * sc_row + tok[:, None] * sc_tok + g * sc_g + o_n[None, :], mask=tok_ok[:, None] & all_n, other=0.0)
 
     a_h = tl.load(p_A + h * sA)
     pre = tl.cumsum(dt_w, axis=0)
@@ -417,70 +419,57 @@ def _fold_item(
     # the ring entries only (a later token's B may be a NaN draft: never times a zero weight).
     w_f = tl.where(o_j < nf, dt_w * tl.exp(a_h * (pre_f - pre)), 0.0)
     wx = tl.where((o_j < nf)[:, None], w_f[:, None] * x_r.to(tl.float32), 0.0)  # [16, FP]
-    d_f = tl.exp(a_h * pre_f)
-    p_ck = p_ckpt + slot64 * s_ckpt + (h * 64 + o_r)[:, None].to(tl.int64) * 128 + 2 * o_k[None, :]
-    s_e = d_f * tl.load(p_ck).to(tl.float16, bitcast=True).to(tl.float32)
-    s_e += tl.dot(tl.trans(wx), b_ring_e.to(tl.float32), input_precision="ieee")
-    s_o = d_f * tl.load(p_ck + 1).to(tl.float16, bitcast=True).to(tl.float32)
-    s_o += tl.dot(tl.trans(wx), b_ring_o.to(tl.float32), input_precision="ieee")
+    p_ck = p_ckpt + slot64 * s_ckpt + (h * 64 + o_r)[:, None] * 128 + o_n[None, :]
+    s_f = tl.exp(a_h * pre_f) * tl.load(p_ck).to(tl.float16, bitcast=True).to(tl.float32)
+    s_f = tl.dot(tl.trans(wx), b_ring.to(tl.float32), s_f, input_precision=PRECISION)  # [FP, 128]
     if DEBUG:
-        p_s = p_dbg + (row * H + h) * 8192 + o_r[:, None] * 128 + 2 * o_k[None, :]
-        tl.store(p_s, s_e)
-        tl.store(p_s + 1, s_o)
-    # FP16 checkpoint, stochastic rounding: word ((h + head_offset) 64 + p) 64 + k gives
-    # bits [12:0] to column 2k and [28:16] to 2k + 1 (quant/rng.py).
-    rw = random_word(key, ((h + head_offset) * 64 + o_r)[:, None] * 64 + o_k[None, :])
-    tl.store(p_ck, encode_fp16_sr(s_e, rw & 0x1FFF).to(tl.int16))
-    tl.store(p_ck + 1, encode_fp16_sr(s_o, (rw >> 16) & 0x1FFF).to(tl.int16))
-    a_e = s_e.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    a_o = s_o.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    rows = (h * 64 + o_r).to(tl.int64)
+        tl.store(p_dbg + (row * H + h) * 8192 + o_r[:, None] * 128 + o_n[None, :], s_f)
+    # FP16 checkpoint, stochastic rounding: word ((h + head_offset) 64 + p) 64 + n // 2
+    # gives bits [12:0] to the even column n and [28:16] to the odd one (quant/rng.py).
+    rw = random_word(key, ((h + head_offset) * 64 + o_r)[:, None] * 64 + tl.arange(0, 64)[None, :])
+    rbits = tl.reshape(tl.join(rw & 0x1FFF, (rw >> 16) & 0x1FFF), (FP, 128))
+    tl.store(p_ck, encode_fp16_sr(s_f, rbits).to(tl.int16))
+    a_f = s_f.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    rows = h * 64 + o_r
     if NVFP4:
         gbits = tl.load(p_meta + slot64 * s_meta + g * 2 + live).to(tl.int32, bitcast=True)
         e_g = pow2_exponent_above(gbits, 0x280000, 7)
         gs = f32_exp2(e_g)
         igs = f32_exp2(-e_g)
-        bmax = tl.maximum(tl.max(tl.reshape(a_e, (FP, 8, 8)), axis=2), tl.max(tl.reshape(a_o, (FP, 8, 8)), axis=2))
+        bmax = tl.max(tl.reshape(a_f, (FP, 8, 16)), axis=2)  # [FP, 8] block amax bits
         one_sixth = tl.full([], ONE_SIXTH_BITS, tl.int32).to(tl.float32, bitcast=True)
-        s_code = encode_e4m3_rn((bmax.to(tl.float32, bitcast=True) * igs) * one_sixth)  # [FP, 8]
+        s_code = encode_e4m3_rn((bmax.to(tl.float32, bitcast=True) * igs) * one_sixth)
         d_blk = decode_e4m3_pos(s_code) * gs
         rcp = tl.math.div_rn(tl.full(d_blk.shape, 1.0, tl.float32), tl.where(d_blk == 0, 1.0, d_blk))
         rcp = tl.where(d_blk == 0, 0.0, rcp)
-        rcp = tl.reshape(tl.broadcast_to(rcp[:, :, None], (FP, 8, 8)), (FP, 64))
-        q_e = encode_e2m1_rn(s_e * rcp) & 0xF
-        q_o = encode_e2m1_rn(s_o * rcp) & 0xF
-        tl.store(p_read + slot64 * s_read + rows[:, None] * 64 + o_k[None, :], (q_e | (q_o << 4)).to(tl.uint8))
+        rcp = tl.reshape(tl.broadcast_to(rcp[:, :, None], (FP, 8, 16)), (FP, 128))
+        q_lo, q_hi = tl.split(tl.reshape(encode_e2m1_rn(s_f * rcp) & 0xF, (FP, 64, 2)))
+        p_rd = p_read + slot64 * s_read + rows[:, None] * 64 + tl.arange(0, 64)[None, :]
+        tl.store(p_rd, (q_lo | (q_hi << 4)).to(tl.uint8))
         tl.store(p_scales + slot64 * s_scales + rows[:, None] * 8 + tl.arange(0, 8)[None, :], s_code.to(tl.uint8))
-        hmax = tl.max(tl.max(tl.maximum(a_e, a_o), axis=1), axis=0)
-        tl.atomic_max(p_meta_bits + slot64 * s_meta + g * 2 + (1 - live), hmax, sem="relaxed")
+        tl.atomic_max(p_meta_bits + slot64 * s_meta + g * 2 + (1 - live), tl.max(tl.max(a_f, axis=1), axis=0), sem="relaxed")
     else:
-        e_r = pow2_exponent_above(tl.maximum(tl.max(a_e, axis=1), tl.max(a_o, axis=1)), 0x600000, 8)
-        inv = f32_exp2(-e_r)[:, None]
-        p_q = p_read + slot64 * s_read + rows[:, None] * 128 + 2 * o_k[None, :]
-        tl.store(p_q, _e4m3_rn(s_e * inv, HW_CVT))
-        tl.store(p_q + 1, _e4m3_rn(s_o * inv, HW_CVT))
+        e_r = pow2_exponent_above(tl.max(a_f, axis=1), 0x600000, 8)
+        tl.store(p_read + slot64 * s_read + rows[:, None] * 128 + o_n[None, :], _e4m3_rn(s_f * f32_exp2(-e_r)[:, None], HW_CVT))
         tl.store(p_scales + slot64 * s_scales + rows, f32_exp2(e_r))
 
     # Outputs from the unrounded S: the base stands at f_new (window entry nf).
-    rc = tl.dot(c_e, tl.trans(s_e), input_precision="ieee") + tl.dot(c_o, tl.trans(s_o), input_precision="ieee")
-    b_e = tl.where(is_new[:, None], b_new_e, b_ring_e).to(tl.float32)
-    b_o = tl.where(is_new[:, None], b_new_o, b_ring_o).to(tl.float32)
-    bc = tl.dot(c_e, tl.trans(b_e), input_precision="ieee") + tl.dot(c_o, tl.trans(b_o), input_precision="ieee")
+    rc = tl.dot(c.to(tl.float32), tl.trans(s_f), input_precision=PRECISION)  # [16 tokens, FP]
+    bc = _dot(c, tl.trans(tl.where(is_new[:, None], b_new, b_ring)), F32_DOTS)
     inside = (o_j[None, :] >= nf) & (o_j[None, :] <= last[:, None]) & tok_ok[:, None]
     coef = tl.where(inside, dt_w[None, :] * tl.exp(a_h * (pre_last[:, None] - pre[None, :])) * bc, 0.0)
-    y = _replay(coef, inside, tl.where(is_new[:, None], x_n, x_r).to(tl.float32), tl.exp(a_h * (pre_last - pre_f))[:, None] * rc)
+    y = _replay(coef, inside, tl.where(is_new[:, None], x_n, x_r).to(tl.float32), tl.exp(a_h * (pre_last - pre_f))[:, None] * rc, PRECISION)
     all_t = tok_ok[:, None] & all_r
     x_t = tl.load(p_x + row * sx_row + tok[:, None] * sx_tok + h * sx_h + o_r[None, :], mask=all_t, other=0.0).to(tl.float32)
     y += tl.load(p_D + h * sD_h + o_r * sD_p)[None, :] * x_t
     tl.store(p_out + row * so_row + tok[:, None] * so_tok + h * so_h + o_r[None, :], y.to(p_out.dtype.element_ty), mask=all_t)
 
-    # Append the call's tokens at ring entries (c' + t) mod 16: x by every program (its
-    # columns), dt by the head's first program, B by the group's first head's.
+    # Append the call's tokens at ring entries (c' + t) mod 16: x by every item (its
+    # columns), dt by the head's first item, B by the group's first head's.
     tl.store(p_xr + slot64 * s_xr + (h * 16 + phys)[:, None] * 64 + o_r[None, :], x_n, mask=is_new[:, None] & all_r)
     tl.store(p_dtr + slot64 * s_dtr + h * 16 + phys, dt_sp, mask=is_new & (i_q == 0))
-    first = (o_k[None, :] < tl.where((i_q == 0) & (h % HPG == 0), 64, 0)) & is_new[:, None]
-    tl.store(p_bw, b_new_e, mask=first)
-    tl.store(p_bw + 1, b_new_o, mask=first)
+    first = (o_n[None, :] < tl.where((i_q == 0) & (h % HPG == 0), 128, 0)) & is_new[:, None]
+    tl.store(p_bw, b_new, mask=first)
 
 
 def _fold_programs(device: torch.device) -> int:
@@ -600,14 +589,14 @@ def pending_decode(
         ckpt.stride(0), x_ring.stride(0), dt_ring.stride(0), b_ring.stride(0), read.stride(0), scales.stride(0),
         meta.stride(0), num_slots, head_offset,
         H=heads, HPG=hpg, FP=FOLD_ROWS, NVFP4=nvfp4, DEBUG=debug_state is not None, HW_CVT=not interpreting(),
-        num_warps=FOLD_WARPS,
+        PRECISION=PRECISION, F32_DOTS=interpreting(), num_warps=FOLD_WARPS,
     )
     hb = min(step_heads, hpg)
     _step_kernel[(batch, heads // hb)](
         *inputs, x_ring, dt_ring, b_ring, read.view(torch.uint8), scales_arg, meta, *strides,
         x_ring.stride(0), dt_ring.stride(0), b_ring.stride(0), read.stride(0), scales.stride(0), meta.stride(0),
         num_slots,
-        HPG=hpg, HB=hb, NVFP4=nvfp4, F32_DOTS=interpreting(), num_warps=STEP_WARPS,
+        HPG=hpg, HB=hb, NVFP4=nvfp4, F32_DOTS=interpreting(), PRECISION=PRECISION, num_warps=STEP_WARPS,
     )
     return out
 
