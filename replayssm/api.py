@@ -301,9 +301,10 @@ def selective_state_update_replayssm(
     cu_seqlens[b] .. cu_seqlens[b+1]-1 (none at all still commits). Decode a cache's slots
     with one max_seqlen between inits (a slot whose pending count exceeds the call's
     max_seqlen is rejected; other changes go undetected here, `ReplaySSMCache` pins it).
-    Pending mode has no kernels yet: under every backend it runs the PyTorch reference
-    (`replayssm.pending`) on the cache's device; that path reads cu_seqlens and a few
-    values on the host (a sync on CUDA), so it is not CUDA-graph capturable.
+    The kernel backend runs pending mode on Triton kernels (no host sync; a CUDA graph
+    captures it once a call of the batch size has run eagerly: the host-side checks of
+    cu_seqlens and the pending counts are skipped while capturing); the reference backend
+    runs `replayssm.pending`, which reads a few values on the host.
     """
     nvfp4 = L.is_nvfp4(state_dtype)
     checks = debug()  # read (and validated) once per call
@@ -563,9 +564,8 @@ def materialize_replayssm_state(
 
     A pending-mode cache (positions [slots, 2]) needs the `max_seqlen` its slots are
     decoded with (where its checkpoints stand depends on it); it returns the states after
-    the committed tokens (drafts not yet accepted are left out), computed by the PyTorch
-    reference on the cache's device under every backend. A separate-mode cache takes
-    max_seqlen None or 1."""
+    the committed tokens (drafts not yet accepted are left out). A separate-mode cache
+    takes max_seqlen None or 1."""
     nvfp4 = L.is_nvfp4(state_dtype)
     debug()  # validates $REPLAYSSM_DEBUG, as every entry point does; no check here needs it
     geometry = L.check_cache(cache, nvfp4)

@@ -57,10 +57,8 @@ class ReplaySSMCache:
     (separate mode); k in 1..7 is pending mode for speculative decoding with k draft
     tokens: positions [S, 2], every call brings up to max_seqlen = k + 1 tokens a row
     (`decode` with `num_accepted_tokens` / `cu_seqlens`, `accept`), and the cache holds that
-    one max_seqlen for its lifetime. Pending mode's decode has no kernels yet: it runs the
-    PyTorch reference on the cache's device (GPU tensors stay on the GPU) under every
-    backend; materialize and the other operations use the chosen backend (the kernel
-    backend's materialize is the Triton kernel in either mode).
+    one max_seqlen for its lifetime. On a GPU the kernel backend runs pending mode on Triton
+    kernels (CUDA-graph capturable after one eager call of the batch size).
     """
 
     num_slots: int
@@ -221,8 +219,9 @@ class ReplaySSMCache:
         [total, heads, 64], dt [total, heads], B, C [total, groups, 128]; returns [total,
         heads, 64]. Token t's output is the layer's output after the committed tokens and
         the row's tokens 0..t. Padding rows output zeros and change nothing; a live row
-        with no tokens still commits. Runs the PyTorch reference on the cache's device
-        (no pending-mode kernels yet), reading a few values on the host (a sync on CUDA)."""
+        with no tokens still commits. The kernel backend runs it on Triton kernels; eager
+        calls read a few values on the host for their checks (skipped under a CUDA graph
+        capture)."""
         checks = debug()
         slots = self._slots(slots)
         batch = slots.numel()

@@ -488,11 +488,11 @@ def test_handoff_of_pending_slots(fmt):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_gpu_pending_mode_runs_the_reference_on_the_gpu(fmt):
-    """A CUDA cache with backend "auto" (the kernels where they can run): pending decode,
-    accept and materialize run `replayssm.pending` on the GPU tensors (no pending kernels
-    yet); 60 varlen calls with random lengths and verdicts match the exact recurrence of the
-    accepted stream at separate mode's floors, and the cache's tensors stay on the GPU."""
+def test_gpu_pending_mode_matches_the_exact_accepted_stream(fmt):
+    """A CUDA cache with backend "auto" (the pending kernels where the kernel backend can
+    run): 60 varlen calls with random lengths and verdicts, some committed by `accept`,
+    match the exact recurrence of the accepted stream at separate mode's floors, and
+    materialize matches the exact state."""
     import warnings
 
     M = 3

@@ -11,8 +11,8 @@ Two backends run the cache operations, with the same methods (`initialize`, `cle
   CuTe DSL installed and a 16-byte-aligned cache. On the CPU it runs only under the Triton
   interpreter (TRITON_INTERPRET=1, for tests): the bookkeeping kernels interpreted, the
   decode math from the reference fed the kernel-made plan. Pending mode (speculative
-  decoding) has no kernels yet: its decode and materialize run the PyTorch reference on
-  the cache's device under either backend.
+  decoding) runs on the Triton kernels of `triton.pending` (decode) and
+  `triton.materialize` on a CUDA cache; on the CPU its decode is the reference.
 
 `backend_for(device, backend, cache)` turns the caller's choice into one of them:
 "reference"; "kernels", a ValueError saying why where they cannot run; "auto" (the

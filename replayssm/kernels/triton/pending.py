@@ -1,43 +1,46 @@
 """Pending-mode kernels (speculative decoding, docs/format.md section 5b): a call of up to
-T = max_seqlen tokens a row in two launches, no host sync, no allocation after the first
-call of a batch size, so a CUDA graph captures it.
+T = max_seqlen tokens a row in three launches, no host sync, no allocation once a plan
+buffer of the batch size exists, so a CUDA graph captures it.
 
 1. `_plan_kernel`, grid (cdiv(batch, BLOCK),): per row, the commit and the fold decision
    of `pending.pending_decode` steps 1-2 from the device-resident positions (c, q):
    a = clamp(num_accepted, 0, q) (q when None), c' = c + a, f_old = f(c), f_new = f(c');
    positions become (c', T_b); NVFP4 rows that fold flip parity and zero the half of meta
-   that becomes the amax accumulator (separate mode's prepare does the same for its
-   flush). Writes the plan row (PLAN_* columns below) every later program reads.
-2. `_decode_kernel`, grid (batch, H): program (b, h) works in the window of 16 token
-   indices f_old .. f_old + 15 of row b's slot, which holds every entry the call reads or
-   writes (format.md proves it): window entry j is ring entry (f_old + j) mod 16 for
-   j < u = c' - f_old (committed) and token j - u of the call for u <= j < u + T_b. With
-   pre_j = dt_0 + .. + dt_j over the window:
+   that becomes the amax accumulator (as separate mode's prepare does for its flush).
+   Writes the plan row (PLAN_* columns) and appends the rows that fold to a work list.
+2. `_fold_kernel`, persistent (FOLD_CTAS_PER_SM programs an SM): the list's rows, work
+   items of FOLD_ROWS state rows of one head.
+3. `_step_kernel`, grid (batch, H / HB): the other rows, HB heads of one group a program
+   (the group's B window, C and B_j . C_t once), and the padding rows' zero outputs.
 
-     fold rows (nf = f_new - f_old > 0): S = exp(A pre_{nf-1}) ckpt
-                                             + sum_{j < nf} dt_j exp(A (pre_{nf-1} - pre_j)) x_j (x) B_j
-       in FP32; the checkpoint becomes fp16_sr(S) (hash tag (seed, slot, f_new)) and the
-       read copy is re-derived from S (NVFP4: with the live amax meta[slot, g, parity],
-       and the head's amax max-accumulated into the other half); R = S;
-     other rows: R = the dequantized read copy (nf = 0, pre_{-1} = 0);
-     token t (last = u + t):
-       y_t = exp(A (pre_last - pre_{nf-1})) R C_t
-             + sum_{nf <= j <= last} dt_j exp(A (pre_last - pre_j)) (B_j . C_t) x_j + D x_t
+Both work in the window of 16 token indices f_old .. f_old + 15 of a row's slot, which
+holds every entry the call reads or writes (format.md proves it): window entry j is ring
+entry (f_old + j) mod 16 for j < u = c' - f_old (committed) and token j - u of the call
+for u <= j < u + T_b. With pre_j = dt_0 + .. + dt_j over the window:
 
-   then tokens 0 .. T_b - 1 go to ring entries (c' + t) mod 16 (B by the group's first
-   head). Every entry the window reads lies at j < u + T_b; dead entries (rejected
-   drafts, NaN allowed) are never loaded, and masked terms are selected, never
-   multiplied, so NaN there reaches no output.
+  fold rows (nf = f_new - f_old > 0): S = exp(A pre_{nf-1}) ckpt
+                                          + sum_{j < nf} dt_j exp(A (pre_{nf-1} - pre_j)) x_j (x) B_j
+    in FP32; the checkpoint becomes fp16_sr(S) (hash tag (seed, slot, f_new)) and the read
+    copy is re-derived from S (NVFP4: with the live amax meta[slot, g, parity], and the
+    head's amax max-accumulated into the other half); R = S;
+  other rows: R = the dequantized read copy (nf = 0, pre_{-1} = 0);
+  token t (last = u + t):
+    y_t = exp(A (pre_last - pre_{nf-1})) R C_t
+          + sum_{nf <= j <= last} dt_j exp(A (pre_last - pre_j)) (B_j . C_t) x_j + D x_t
 
-State tiles are split into even and odd columns ([64, 64] each: element n = 2 k + e), the
-pairing the FP16 hash words and the NVFP4 byte packing share (initialize.py). The
-read-copy term of rows that do not fold runs on the tensor cores in bf16: a dequantized
-FP8 value (4 significant bits) or NVFP4 value (2 x 4 bits) is exact in bf16, C is bf16,
-and the products are exact in the FP32 accumulator; FP8's power-of-two row scale
-multiplies after the dot. Fold rows take their outputs from the unrounded FP32 S (FP32
-dots). The interpreter computes bf16 dots wrongly, so it takes FP32 operands there
-(`F32_DOTS`). softplus is log1p(exp(v)) with log1p by Goldberg's identity (log(1 + y) *
-y / ((1 + y) - 1)), linear above 20: a few FP32 ulps from PyTorch's.
+then tokens 0 .. T_b - 1 go to ring entries (c' + t) mod 16 (B by the group's first
+head). Dead entries (rejected drafts, NaN allowed) are never loaded; masked terms are
+selected, never multiplied, and an entry with a non-finite x reaches only the tokens that
+read it (`_replay`).
+
+Products on the tensor cores: R C_t of rows that do not fold and B_j . C_t in bf16 (a
+dequantized FP8 value has 4 significant bits, an NVFP4 value 2 x 4, C and B are bf16: the
+products are exact in the FP32 accumulator; FP8's power-of-two row scale multiplies after
+the dot); FP32 operands (the fold, S C_t, the replay) split three ways (`PRECISION`,
+tf32x3). The interpreter computes bf16 dots wrongly, so it takes FP32 operands there
+(`F32_DOTS`), and its e4m3 encode is the integer twin (`HW_CVT`). softplus is
+log1p(exp(v)) with log1p by Goldberg's identity (log(1 + y) * y / ((1 + y) - 1)), linear
+above 20: a few FP32 ulps from PyTorch's.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ from .launch import int32_pattern, interpreting
 PLAN_SLOT, PLAN_C, PLAN_F, PLAN_NF, PLAN_LIVE, PLAN_KEY, PLAN_START, PLAN_LEN = range(8)
 PLAN_COLS = 8
 STEP_WARPS, STEP_HEADS = 4, 2  # the step kernel: warps, heads a program
-FOLD_WARPS, FOLD_ROWS, FOLD_CTAS_PER_SM = 8, 32, 1  # the fold kernel: warps, state rows an item, programs an SM
+FOLD_WARPS, FOLD_ROWS, FOLD_CTAS_PER_SM = 4, 32, 2  # the fold kernel: warps, state rows an item, programs an SM
 # FP32 products: three-way split on the tensor cores (~2**-21 relative a product).
 PRECISION = "tf32x3"
 ONE_SIXTH_BITS = tl.constexpr(0x3E2AAAAB)  # FP32(1/6), as quant/formats.py multiplies by
