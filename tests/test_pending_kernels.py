@@ -15,8 +15,11 @@ import random
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from replayssm import layout as L, reference as ref
+from replayssm.kernels.triton.pending import _decode_e2m1
 from replayssm.layout import allocate_cache
 from replayssm.pending import checkpoint_index, fold_range, grid, pending_decode
 from replayssm.quant import formats as Q
@@ -203,22 +206,19 @@ def test_pending_decode_replays_in_a_cuda_graph(fmt):
             assert same_bits(te, tg)
 
 
+@triton.jit
+def _e2m1_probe(p_codes, p_vals):
+    o = tl.arange(0, 16)
+    tl.store(p_vals + o, _decode_e2m1(tl.load(p_codes + o)))
+
+
 def test_e2m1_decode_gives_every_codes_value():
     """The step kernel's e2m1 decode (FP16 bit placement times 2**14) against the
     reference decoder, all 16 codes, bit for bit (interpreter on the CPU, GPU otherwise)."""
-    import triton
-    import triton.language as tl
-
-    from replayssm.kernels.triton.pending import _decode_e2m1
     from replayssm.quant.minifloat import decode_e2m1
-
-    @triton.jit
-    def _probe(p_codes, p_vals):
-        o = tl.arange(0, 16)
-        tl.store(p_vals + o, _decode_e2m1(tl.load(p_codes + o)))
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     codes = torch.arange(16, dtype=torch.int32, device=dev)
     vals = torch.full((16,), NAN, device=dev)
-    _probe[(1,)](codes, vals)
+    _e2m1_probe[(1,)](codes, vals)
     assert same_bits(vals.cpu(), decode_e2m1(codes.cpu().long()).float())
