@@ -53,9 +53,25 @@ def _tokens(gen, lead, heads, groups, device):
     return [t.to(device) for t in (x, dt, B, C)]
 
 
-def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, cu=None):
-    """One call on the reference (`cache`) and the kernels (`kc`, a copy); compare; then
-    copy the reference's cache into `kc` (the next call starts from identical caches)."""
+def _engine_shaped(x, dt, B, C):
+    """The same values as a Mamba-2 mixer hands them over: x, B, C column slices of one
+    projection row (row stride = the projection's width), dt bf16 tied over 64 (stride 0)."""
+    lead = x.shape[:-2]
+    hp, gn = x.shape[-2] * x.shape[-1], B.shape[-2] * B.shape[-1]
+    proj = torch.zeros(*lead, hp + 2 * gn + 8, dtype=x.dtype, device=x.device)
+    proj[..., :hp] = x.reshape(*lead, hp)
+    proj[..., hp : hp + gn] = B.reshape(*lead, gn)
+    proj[..., hp + gn : hp + 2 * gn] = C.reshape(*lead, gn)
+    xs = proj[..., :hp].view(*lead, x.shape[-2], x.shape[-1])
+    Bs = proj[..., hp : hp + gn].view(*B.shape)
+    Cs = proj[..., hp + gn : hp + 2 * gn].view(*C.shape)
+    return xs, dt.to(torch.bfloat16).unsqueeze(-1).expand(*dt.shape, L.HEAD_DIM)[..., 0], Bs, Cs
+
+
+def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, cu=None, engine=False):
+    """One call on the reference (`cache`) and the kernels (`kc`, a copy; engine-shaped
+    inputs when `engine`); compare; then copy the reference's cache into `kc` (the next
+    call starts from identical caches)."""
     from replayssm.kernels.triton.pending import pending_decode as kernel_decode
 
     nv = fmt == "nvfp4"
@@ -70,7 +86,8 @@ def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, cu=None):
     pending_decode(cache, x, dt.float(), A, B, C, D, bias, ids, want, nvfp4=nv, seed=seed, max_seqlen=M,
                    num_accepted_tokens=acc, cu_seqlens=cu)  # fmt: skip
     dbg = torch.full((ids.numel(), heads, L.HEAD_DIM, L.STATE_DIM), NAN, device=dev)
-    kernel_decode(kc, x, dt, A, B, C, D, bias, ids, got, nvfp4=nv, seed=seed, max_seqlen=M,
+    kx, kdt, kB, kC = _engine_shaped(x, dt, B, C) if engine else (x, dt, B, C)
+    kernel_decode(kc, kx, kdt, A, kB, kC, D, bias, ids, got, nvfp4=nv, seed=seed, max_seqlen=M,
                   num_accepted_tokens=acc, cu_seqlens=cu, debug_state=dbg)  # fmt: skip
     assert not torch.isnan(got).any()
     scale = want.abs().amax().clamp_min(1e-30)
@@ -147,14 +164,15 @@ def _run(fmt, M, heads, groups, device, calls, varlen_every=3, seed=5):
         else:
             cu = None
             toks = _tokens(gen, (b, M), heads, groups, device)
-        folds += _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, cu)
+        folds += _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, cu, engine=call % 2 == 1)
     return folds
 
 
 @pytest.mark.parametrize("fmt,M", [("fp8", 3), ("fp8", 8), ("nvfp4", 2), ("nvfp4", 5)])
 def test_pending_kernels_match_the_reference_cpu(fmt, M):
-    """Triton interpreter, 8 heads / 1 group, seven calls (dense and varlen, random verdicts
-    with out-of-range ones, padding rows, NaN in every rejected draft); some rows fold."""
+    """Triton interpreter, 8 heads / 1 group, seven calls (dense and varlen, plain and
+    engine-shaped inputs, random verdicts with out-of-range ones, padding rows, NaN in
+    every rejected draft); some rows fold."""
     if torch.cuda.is_available():
         pytest.skip("the CPU variant (the GPU test covers CUDA)")
     assert _run(fmt, M, 8, 1, "cpu", calls=7) > 0
