@@ -116,8 +116,21 @@ def encode_minifloat(
 
 @triton.jit
 def encode_fp16_sr(x, rbits):
-    """FP32 -> FP16 codes, stochastic rounding with 13 random bits (cvt.rs.satfinite.f16x2)."""
-    return encode_minifloat(x, rbits, 5, 10, 15, 0x7BFF, 0x7FFF, 13, True)
+    """FP32 -> FP16 codes, stochastic rounding with 13 random bits (cvt.rs.satfinite.f16x2):
+    `encode_minifloat(x, rbits, 5, 10, 15, 0x7BFF, 0x7FFF, 13, True)` with the FP16 constants
+    folded in. Every FP16 shift is at least the 13 random bits, so only its rounding-up
+    form remains: code = (v + r) >> 13 with v the rebiased bits of a normal result, or the
+    explicit significand shifted right by the extra subnormal shift (clamped to [0, 31],
+    where the generic form clamps at 31 too), saturated at 0x7BFF; NaN -> 0x7FFF."""
+    bits = x.to(tl.int32, bitcast=True)
+    a = bits & 0x7FFFFFFF
+    ef = a >> 23
+    mant = (a & 0x7FFFFF) | tl.where(ef > 0, 0x800000, 0)
+    sub = mant >> tl.minimum(tl.maximum(113 - tl.maximum(ef, 1), 0), 31)
+    v = tl.where(ef >= 113, a - (112 << 23), sub)
+    r = rbits.to(tl.int32, bitcast=True) & 0x1FFF
+    code = tl.minimum((v + r) >> 13, 0x7BFF) | ((bits >> 16) & 0x8000)
+    return tl.where(a > 0x7F800000, 0x7FFF, code)
 
 
 @triton.jit
