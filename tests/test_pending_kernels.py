@@ -240,3 +240,60 @@ def test_e2m1_decode_gives_every_codes_value():
     vals = torch.full((16,), NAN, device=dev)
     _e2m1_probe[(1,)](codes, vals)
     assert same_bits(vals.cpu(), decode_e2m1(codes.cpu().long()).float())
+
+
+_COMPILE_SCRIPT = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from replayssm.kernels.triton import pending as PK
+
+PTR = {"p_plan": "*i32", "p_list": "*i32", "p_x": "*bf16", "p_dt": "*fp32", "p_A": "*fp32", "p_B": "*bf16",
+       "p_C": "*bf16", "p_D": "*fp32", "p_bias": "*fp32", "p_out": "*bf16", "p_xr": "*bf16", "p_dtr": "*fp32",
+       "p_br": "*bf16", "p_read": "*u8", "p_scales": "*fp32", "p_meta": "*fp32", "p_ckpt": "*i16",
+       "p_meta_bits": "*i32", "p_dbg": "*fp32"}
+
+def build(fn, constexprs, cc, warps, **ptr):
+    sig = {n: "constexpr" if n in constexprs else {**PTR, **ptr}.get(n, "i32") for n in fn.arg_names}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", cc, 32),
+                       options={"num_warps": warps})
+    ptx = k.asm["ptx"]
+    return {"target": re.findall(r"^\.target (\S+)", ptx, re.M), "cubin": len(k.asm["cubin"]),
+            "ops": sorted(set(re.findall(r"(?:cvt\.rn\.satfinite\.e4m3x2\.f32|mma\.sync\.aligned\.[a-z0-9.]+)", ptx)))}
+
+out = {}
+for cc in map(int, sys.argv[1:]):
+    out[cc] = {
+        "fold": build(PK._fold_kernel, {"H": 16, "HPG": 8, "FP": PK.FOLD_ROWS, "NVFP4": False, "DEBUG": False,
+                      "HW_CVT": True, "PRECISION": PK.PRECISION, "F32_DOTS": False}, cc, PK.FOLD_WARPS),
+        "step": build(PK._step_kernel, {"HPG": 8, "HB": PK.STEP_HEADS, "NVFP4": True, "F32_DOTS": False,
+                      "PRECISION": PK.PRECISION}, cc, PK.STEP_WARPS, p_scales="*u8"),
+    }
+print(json.dumps(out))
+"""
+
+
+def test_pending_kernels_compile_for_every_arch():
+    """Compile-only (no GPU needed; a subprocess, since this process may run Triton's
+    interpreter): the FP8 fold kernel and the NVFP4 step kernel build a cubin for sm_90a,
+    sm_100a and sm_103a, with the e4m3 hardware conversion of the read copy
+    (cvt.rn.satfinite.e4m3x2.f32), the tf32 tensor-core products of the fold and the bf16
+    ones of B . C and of the read copy (mma.sync)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, "90", "100", "103"], env=env, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    bf16 = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+    for cc in ("90", "100", "103"):
+        fold, step = out[cc]["fold"], out[cc]["step"]
+        for k in (fold, step):
+            assert k["target"] == [f"sm_{cc}a"] and k["cubin"] > 0 and bf16 in k["ops"]
+        assert "cvt.rn.satfinite.e4m3x2.f32" in fold["ops"]
+        assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in fold["ops"]

@@ -234,7 +234,9 @@ def _step_kernel(
     g = h0 // HPG
     row = i_b.to(tl.int64)
     # The fold kernel (launched before) has consumed the work list: reset its count.
-    tl.store(p_list, 0, mask=(i_b == 0) & (h0 == 0))
+    # (Vector masks throughout: a scalar condition as a mask is int32 to Triton 3.9's interpreter.)
+    o_1 = tl.arange(0, 1)
+    tl.store(p_list + o_1, tl.zeros([1], tl.int32), mask=o_1 < tl.where((i_b == 0) & (h0 == 0), 1, 0))
     p_row = p_plan + row * 8
     slot = tl.load(p_row + 0)
     cn = tl.load(p_row + 1)
@@ -468,7 +470,7 @@ def _fold_item(
     # Append the call's tokens at ring entries (c' + t) mod 16: x by every item (its
     # columns), dt by the head's first item, B by the group's first head's.
     tl.store(p_xr + slot64 * s_xr + (h * 16 + phys)[:, None] * 64 + o_r[None, :], x_n, mask=is_new[:, None] & all_r)
-    tl.store(p_dtr + slot64 * s_dtr + h * 16 + phys, dt_sp, mask=is_new & (i_q == 0))
+    tl.store(p_dtr + slot64 * s_dtr + h * 16 + phys, dt_sp, mask=is_new & (o_j < tl.where(i_q == 0, 16, 0)))
     first = (o_n[None, :] < tl.where((i_q == 0) & (h % HPG == 0), 128, 0)) & is_new[:, None]
     tl.store(p_bw, b_new, mask=first)
 
