@@ -1,6 +1,6 @@
-"""Speculative-decoding benchmark (GPU only): the intermediate-state baseline of
-benchmarks/spec_baseline.py beside the single-token steps, so that issue 30's pending-mode
-kernels have their targets.
+"""Speculative-decoding benchmark (GPU only): pending mode beside the intermediate-state
+baseline of benchmarks/spec_baseline.py and the single-token steps, with issue 30's
+targets for pending mode.
 
 Rows, per shape (HEADSxGROUPS) and batch, one layer's time:
 
@@ -13,15 +13,19 @@ Rows, per shape (HEADSxGROUPS) and batch, one layer's time:
   one commit for every layer (the order of a model's forward pass and the verification
   after it). us/call = replay time / (calls x layers); us/token = us/call / the mean
   number of tokens a row commits per call; `commit` = the commits alone, timed the same way.
+- `pending-fp8`, `pending-nvfp4` (per T): `ReplaySSMCache(spec_tokens=T - 1).decode` on the
+  kernel backend with the same verdicts as `spec-bf16` (each call's verdict is on the
+  row's previous call), timed like the baseline; rows start at committed counts i mod 16.
 - `replayssm-fp8`, `replayssm-nvfp4`: the single-token step, `ReplaySSMCache.decode` on the
   kernel backend (the CuTe kernels), whole 16-token periods (row i starts at ring position
   i mod 16) captured in one CUDA graph, token-major over the layers, as bench_decode.py
   times them; one committed token a row per step, so us/token = us/call.
 - `standard-bf16`: the single-token bf16-state decode (standard_decode.py), timed the same way.
 
-For each `spec-bf16` row the table also gives the time the future pending step must beat
-at the same shape, batch and T (issue 30): min(1.6 x the format's single-token step, the
-baseline's us/call / 3). Layer caches rotate so that a row's working set reaches
+For each `spec-bf16` row the table also gives the time the pending step must beat at the
+same shape, batch and T (issue 30): min(1.6 x the format's single-token step, the
+baseline's us/call / 3); each pending row its ratio to the single-token step, the
+baseline's speedup over it and whether it meets that bound. Layer caches rotate so that a row's working set reaches
 `--ws-factor` L2 sizes where `--max-layers` allows (rows below twice the L2 are flagged
 `(L2)`); a row that does not fit in the free GPU memory is skipped and says why. Bytes
 per call come from spec_baseline.step_bytes and byte_model.py; TB/s and the fraction of
@@ -259,6 +263,27 @@ def build_spec(shape, batch, T, layers, ctx):
     return run, run_commits, mean_acc, (caches, inters, calls, accs)
 
 
+def replayssm_caches(fmt, shape, batch, layers, states, gen, ctx, spec_tokens=0):
+    """`layers` ReplaySSMCaches (kernel backend on the GPU) with slots 1..batch prefilled
+    from `states` and random rings (entries of any position hold data)."""
+    from replayssm import ReplaySSMCache
+    from replayssm import layout as L
+
+    args, device = ctx["args"], ctx["device"]
+    heads, groups = shape
+    caches = []
+    for li in range(layers):
+        c = ReplaySSMCache(batch + 1, heads, groups, fmt, device, seed=args.seed + li, spec_tokens=spec_tokens,
+                           backend="kernels" if device.type == "cuda" else "reference")  # fmt: skip
+        c.prefill_init(states, c.allocate(batch))
+        t = c.tensors
+        t[L.X_RING].copy_(torch.randn(t[L.X_RING].shape, device=device, generator=gen))
+        t[L.DT_RING].copy_(torch.rand(t[L.DT_RING].shape, device=device, generator=gen) * 0.1 + 1e-3)
+        t[L.B_RING].copy_(torch.randn(t[L.B_RING].shape, device=device, generator=gen))
+        caches.append(c)
+    return caches
+
+
 def build_pending(provider, shape, batch, T, layers, ctx):
     """(call closure running `calls` pending-mode calls over every layer, mean tokens
     committed a row per call, what to keep alive): `ReplaySSMCache(spec_tokens=T - 1)` on
@@ -266,31 +291,21 @@ def build_pending(provider, shape, batch, T, layers, ctx):
     seed), each call's verdict being on the row's previous call. Rows start at committed
     counts i mod 16 with T tokens pending (random rings), so they reach the fold grid at
     different calls, as in a running engine."""
-    from replayssm import ReplaySSMCache
     from replayssm import layout as L
 
     args, device = ctx["args"], ctx["device"]
     heads, groups = shape
     fmt = provider.split("-")[1]
-    cuda = device.type == "cuda"
     gen = torch.Generator(device=device).manual_seed(args.seed + 6)
     hgen = torch.Generator().manual_seed(args.seed + 4)
     states = tiled(ctx["states"][shape], batch)
     params = layer_params(heads, layers, args.seed, device)
-    caches = []
-    for li in range(layers):
-        c = ReplaySSMCache(batch + 1, heads, groups, fmt, device, seed=args.seed + li, spec_tokens=T - 1,
-                           backend="kernels" if cuda else "reference")  # fmt: skip
-        slots = c.allocate(batch)
-        c.prefill_init(states, slots)
-        t = c.tensors
-        t[L.X_RING].copy_(torch.randn(t[L.X_RING].shape, device=device, generator=gen))
-        t[L.DT_RING].copy_(torch.rand(t[L.DT_RING].shape, device=device, generator=gen) * 0.1 + 1e-3)
-        t[L.B_RING].copy_(torch.randn(t[L.B_RING].shape, device=device, generator=gen))
-        pos = t[L.POSITIONS]
-        pos[slots.long(), 0] = (torch.arange(batch, device=device, dtype=torch.int32) % RING).to(pos.dtype)
-        pos[slots.long(), 1] = T
-        caches.append(c)
+    caches = replayssm_caches(fmt, shape, batch, layers, states, gen, ctx, spec_tokens=T - 1)
+    for c in caches:  # committed counts i mod 16, T tokens pending
+        pos = c.tensors[L.POSITIONS]
+        slots = torch.arange(1, batch + 1, device=device)
+        pos[slots, 0] = (torch.arange(batch, device=device, dtype=torch.int32) % RING).to(pos.dtype)
+        pos[slots, 1] = T
     ids = (torch.randperm(batch, device=device, generator=gen) + 1).to(torch.int32)
     calls = [tokens(batch, T, heads, groups, device, gen) for _ in range(args.calls)]
     accs = [verdicts(batch, T, args.accept, hgen).to(device) for _ in range(args.calls)]
@@ -333,21 +348,10 @@ def build_single(provider, shape, batch, layers, ctx):
                     fn(st, x, dt, p.A, B, C, p.D, p.dt_bias, ids, out)
 
         return period, caches
-    from replayssm import ReplaySSMCache
     from replayssm import layout as L
 
     fmt = provider.split("-")[1]
-    caches = []
-    for li in range(layers):
-        c = ReplaySSMCache(batch + 1, heads, groups, fmt, device, seed=args.seed + li,
-                           backend="kernels" if cuda else "reference")  # fmt: skip
-        slots = c.allocate(batch)
-        c.prefill_init(states, slots)
-        t = c.tensors
-        t[L.X_RING].copy_(torch.randn(t[L.X_RING].shape, device=device, generator=gen))
-        t[L.DT_RING].copy_(torch.rand(t[L.DT_RING].shape, device=device, generator=gen) * 0.1 + 1e-3)
-        t[L.B_RING].copy_(torch.randn(t[L.B_RING].shape, device=device, generator=gen))
-        caches.append(c)
+    caches = replayssm_caches(fmt, shape, batch, layers, states, gen, ctx)
     ids = torch.arange(1, batch + 1, dtype=torch.int32, device=device)[torch.randperm(batch, device=device, generator=gen)]
     for c in caches:  # desynchronized: batch row i starts at ring position i mod 16
         pos = c.tensors[L.POSITIONS]

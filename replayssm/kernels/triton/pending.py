@@ -339,7 +339,7 @@ def _fold_kernel(
     """Rows that fold, from the plan kernel's work list: persistent programs take work
     items (row, head h, state rows FP i .. FP i + FP - 1) in turn (every FP8 row scale,
     NVFP4 block and output element depends on its own state row; the NVFP4 group amax is
-    an order-free atomic max). Tiles split even / odd columns."""
+    an order-free atomic max)."""
     NQ: tl.constexpr = 64 // FP
     items = tl.load(p_list) * (H * NQ)
     w = tl.program_id(0)
