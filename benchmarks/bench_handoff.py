@@ -53,6 +53,7 @@ import torch  # noqa: E402
 
 import replayssm  # noqa: E402
 from benchmarks.common import commit  # noqa: E402
+from benchmarks.common import graph_seconds as common_graph_seconds  # noqa: E402
 from replayssm import ReplaySSMCache, materialize_replayssm_state  # noqa: E402
 from replayssm import layout as L  # noqa: E402
 from replayssm import reference as ref  # noqa: E402
@@ -109,33 +110,11 @@ def _wall(fn, reps: int) -> float:
 
 
 def graph_seconds(fn, inner: int, reps: int) -> float:
-    """GPU seconds per call of `fn`: `inner` calls captured in one CUDA graph, median of
-    `reps` replays timed with CUDA events, divided by `inner`."""
+    """GPU seconds per call of `fn` (`common.graph_seconds`: `inner` calls in one CUDA
+    graph, median of `reps` replays); wall-clock seconds on the CPU."""
     if not CUDA:
         return _wall(fn, reps)
-    fn()  # compile, build tables, warm allocators outside the capture
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm on a side stream, as torch's graph docs do
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3 / inner)
-    del graph
-    return statistics.median(times)
+    return common_graph_seconds(fn, reps, inner)
 
 
 def event_seconds(fn, reps: int) -> float:

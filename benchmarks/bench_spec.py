@@ -58,7 +58,7 @@ if str(_ROOT) not in sys.path:  # run as a script from a source checkout
 import torch  # noqa: E402
 
 from benchmarks import byte_model as bm  # noqa: E402
-from benchmarks.common import base_states, commit, version, write_json  # noqa: E402
+from benchmarks.common import base_states, commit, graph_seconds, version, write_json  # noqa: E402
 
 RING = 16
 SPEC = "spec-bf16"
@@ -121,28 +121,7 @@ def timed(fn, reps: int, cuda: bool) -> tuple[float, str]:
             fn()
             times.append(time.perf_counter() - t0)
         return statistics.median(times), "cpu"
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm on a side stream, as torch's graph docs do
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    del g
-    return statistics.median(times), "graph"
+    return graph_seconds(fn, reps), "graph"
 
 
 def copy_bandwidth(device, gib: float, reps: int) -> dict:

@@ -1,9 +1,10 @@
-"""Helpers the benchmark scripts share: the run's metadata and results files, and the
-realistic prefill states rows start from."""
+"""Helpers the benchmark scripts share: the run's metadata and results files, the
+realistic prefill states rows start from, and the CUDA-graph timer."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -40,3 +41,33 @@ def base_states(heads, groups, n, device, seed) -> torch.Tensor:
     gc = torch.Generator().manual_seed(seed + 2)
     params = synthetic.layer_params(heads, generator=gc)
     return synthetic.prefill_states(params, n, groups, 8, generator=gc).to(device)
+
+
+def graph_seconds(fn, reps: int, inner: int = 1) -> float:
+    """GPU seconds per call of `fn`: a call outside the capture (compiles, builds tables,
+    warms allocators) and one on a side stream, as torch's graph docs do, then `inner`
+    calls captured in one CUDA graph; median of `reps` replays timed with CUDA events,
+    divided by `inner`."""
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3 / inner)
+    del graph
+    return statistics.median(times)

@@ -16,6 +16,7 @@ import triton.language as tl
 GOLDEN = 0x9E3779B9
 MIX_M1 = 0x7FEB352D
 MIX_M2 = 0x846CA68B
+ONE_SIXTH_BITS = tl.constexpr(0x3E2AAAAB)  # FP32(1/6), the constant quant/formats.py multiplies by
 
 
 @triton.jit

@@ -26,6 +26,7 @@ import triton.language as tl
 from ... import layout as L
 from ...quant.rng import seed_key
 from .bits import (
+    ONE_SIXTH_BITS,
     decode_e4m3_pos,
     encode_e2m1_rn,
     encode_e4m3_rn,
@@ -39,7 +40,6 @@ from .clear import clear
 from .head_amax import head_amax
 from .launch import int32_pattern, interpreting
 
-ONE_SIXTH_BITS = tl.constexpr(0x3E2AAAAB)  # FP32(1/6), the constant quant/formats.py multiplies by
 
 
 @triton.jit(do_not_specialize=["num_slots", "seed_key"])

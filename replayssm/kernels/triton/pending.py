@@ -7,7 +7,7 @@ buffer of the batch size exists, so a CUDA graph captures it.
    a = clamp(num_accepted, 0, q) (q when None), c' = c + a, f_old = f(c), f_new = f(c');
    positions become (c', T_b); NVFP4 rows that fold flip parity and zero the half of meta
    that becomes the amax accumulator (as separate mode's prepare does for its flush).
-   Writes the plan row (PLAN_* columns) and appends the rows that fold to a work list.
+   Writes the plan row (`_plan_row`) and appends the rows that fold to a work list.
 2. `_fold_kernel`, persistent (FOLD_CTAS_PER_SM programs an SM): the list's rows, work
    items of FOLD_ROWS state rows of one head.
 3. `_step_kernel`, grid (batch, H / HB): the other rows, HB heads of one group a program
@@ -55,6 +55,7 @@ from ... import layout as L
 from ...pending import grid as pending_grid
 from ...quant.rng import seed_key
 from .bits import (
+    ONE_SIXTH_BITS,
     decode_e4m3_pos,
     encode_e2m1_rn,
     encode_e4m3_rn,
@@ -66,14 +67,12 @@ from .bits import (
 )
 from .launch import int32_pattern, interpreting
 
-# Plan columns (int32 [batch, PLAN_COLS]).
-PLAN_SLOT, PLAN_C, PLAN_F, PLAN_NF, PLAN_LIVE, PLAN_KEY, PLAN_START, PLAN_LEN = range(8)
+# Int32 words of a plan row (the kernels' row stride; `_plan_row` names them).
 PLAN_COLS = 8
 STEP_WARPS, STEP_HEADS = 4, 2  # the step kernel: warps, heads a program
 FOLD_WARPS, FOLD_ROWS, FOLD_CTAS_PER_SM = 4, 32, 2  # the fold kernel: warps, state rows an item, programs an SM
 # FP32 products: three-way split on the tensor cores (~2**-21 relative a product).
 PRECISION = "tf32x3"
-ONE_SIXTH_BITS = tl.constexpr(0x3E2AAAAB)  # FP32(1/6), as quant/formats.py multiplies by
 
 
 @triton.jit(do_not_specialize=["batch", "stride_ids", "stride_pos", "stride_parity", "stride_meta", "num_slots", "grid", "seed_key"])
@@ -148,6 +147,29 @@ def _plan_kernel(
     fold_row = nf > 0
     at = tl.atomic_add(p_list + tl.zeros([BLOCK], tl.int32), fold_row.to(tl.int32), mask=fold_row, sem="relaxed")
     tl.store(p_list + 1 + at, o_b, mask=fold_row)
+
+
+@triton.jit
+def _plan_row(p_plan, row):
+    """Plan row `row` (written by `_plan_kernel`): (slot, or -1 for padding; c'; f_old;
+    nf = f_new - f_old; the NVFP4 live parity after the call; the stream key of the fold;
+    the row's first token; T_b)."""
+    p = p_plan + row * 8
+    key = tl.load(p + 5).to(tl.uint32, bitcast=True)
+    return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3), tl.load(p + 4), key, tl.load(p + 6), tl.load(p + 7)
+
+
+@triton.jit
+def _window_index(cn, f_old, start, tb, o_j):
+    """Window entries o_j from the checkpoint f_old: (u = committed entries since it,
+    from the ring (j < u), the call's tokens (u <= j < u + T_b), their ring entries, the
+    input token of each (clamped; loads are masked by is_new))."""
+    u = cn - f_old
+    is_ring = o_j < u
+    is_new = (o_j >= u) & (o_j < u + tb)
+    phys = (f_old + o_j) & 15
+    tj = (start + tl.maximum(o_j - u, 0)).to(tl.int64)
+    return u, is_ring, is_new, phys, tj
 
 
 @triton.jit
@@ -237,14 +259,7 @@ def _step_kernel(
     # (Vector masks throughout: a scalar condition as a mask is int32 to Triton 3.9's interpreter.)
     o_1 = tl.arange(0, 1)
     tl.store(p_list + o_1, tl.zeros([1], tl.int32), mask=o_1 < tl.where((i_b == 0) & (h0 == 0), 1, 0))
-    p_row = p_plan + row * 8
-    slot = tl.load(p_row + 0)
-    cn = tl.load(p_row + 1)
-    f_old = tl.load(p_row + 2)
-    nf = tl.load(p_row + 3)
-    live = tl.load(p_row + 4)
-    start = tl.load(p_row + 6)
-    tb = tl.load(p_row + 7)
+    slot, cn, f_old, nf, live, _, start, tb = _plan_row(p_plan, row)
     o_p = tl.arange(0, 64)
     o_n = tl.arange(0, 128)
     o_t = tl.arange(0, 16)  # the call's tokens (T <= 8, padded for the dots)
@@ -261,11 +276,7 @@ def _step_kernel(
     if nf > 0:  # the fold kernel's row
         return
     slot64 = slot.to(tl.int64)
-    u = cn - f_old
-    is_ring = o_j < u
-    is_new = (o_j >= u) & (o_j < u + tb)
-    phys = (f_old + o_j) & 15
-    tj = (start + tl.maximum(o_j - u, 0)).to(tl.int64)
+    u, is_ring, is_new, phys, tj = _window_index(cn, f_old, start, tb, o_j)
 
     p_bw = p_br + slot64 * s_br + (g * 16 + phys)[:, None] * 128 + o_n[None, :]
     b_new = tl.load(p_B + row * sb_row + tj[:, None] * sb_tok + g * sb_g + o_n[None, :], mask=is_new[:, None] & all_n, other=0.0)
@@ -379,15 +390,7 @@ def _fold_item(
     (tf32x3: ~2**-21 relative a product, FP32 sums)."""
     g = h // HPG
     row = i_b.to(tl.int64)
-    p_row = p_plan + row * 8
-    slot = tl.load(p_row + 0)
-    nf = tl.load(p_row + 3)
-    cn = tl.load(p_row + 1)
-    f_old = tl.load(p_row + 2)
-    live = tl.load(p_row + 4)
-    key = tl.load(p_row + 5).to(tl.uint32, bitcast=True)
-    start = tl.load(p_row + 6)
-    tb = tl.load(p_row + 7)
+    slot, cn, f_old, nf, live, key, start, tb = _plan_row(p_plan, row)
     slot64 = slot.to(tl.int64)
     o_r = i_q * FP + tl.arange(0, FP)  # this item's head rows p
     o_n = tl.arange(0, 128)
@@ -397,11 +400,7 @@ def _fold_item(
     all_n = o_n[None, :] < 128
     tok_ok = o_t < tb
     tok = (start + o_t).to(tl.int64)
-    u = cn - f_old
-    is_ring = o_j < u
-    is_new = (o_j >= u) & (o_j < u + tb)
-    phys = (f_old + o_j) & 15
-    tj = (start + tl.maximum(o_j - u, 0)).to(tl.int64)
+    u, is_ring, is_new, phys, tj = _window_index(cn, f_old, start, tb, o_j)
 
     x_r, x_n, dt_w, dt_sp = _window(
         p_xr, p_x, p_dtr, p_dt, p_bias, slot64, s_xr, s_dtr, row, sx_row, sx_tok, sx_h, sdt_row, sdt_tok, sdt_h,
@@ -488,8 +487,8 @@ def _sm_count(index: int) -> int:
 
 
 class PendingPlan:
-    """Plan buffers for up to `rows` batch rows: `buf` (int32 [rows, 8], the PLAN_*
-    columns; `view(batch)` is its first rows, so a call allocates nothing) and the fold
+    """Plan buffers for up to `rows` batch rows: `buf` (int32 [rows, PLAN_COLS], the
+    words `_plan_row` names; `view(batch)` is its first rows, so a call allocates nothing) and the fold
     work list (int32 [rows + 1]: a count, zero between calls, then rows)."""
 
     def __init__(self, rows: int, device: torch.device | str) -> None:
