@@ -261,9 +261,8 @@ class ReplaySSMCache:
         """Pending mode: commit the verdict on each row's previous call without new tokens
         (for engines that learn it after the step). The cache then holds, after the next
         `decode` of these rows (whose own verdict no longer matters: nothing is pending),
-        the same bits as if `num_accepted_tokens` had been passed to that decode; the
-        outputs too, except where the commit folds: that decode reads the new read copy
-        instead of the unrounded FP32 state. A commit may fold the checkpoint, which needs
+        the same bits as if `num_accepted_tokens` had been passed to that decode, its
+        outputs included. A commit may fold the checkpoint, which needs
         `A` (default: the one seen by the last decode call). Slots and
         `num_accepted_tokens` as for `decode`."""
         if not self.spec_tokens:

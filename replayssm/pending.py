@@ -21,9 +21,9 @@ One call, per live row (slot in 1..S-1), in order:
    from the unrounded FP32 state (NVFP4: parity flip and delayed amax exactly as separate
    mode's flush, format.md section 4);
 3. outputs: token t's output is the Mamba-2 output after the committed stream and tokens
-   0..t. The base state is the dequantized read copy for rows that do not fold and the
-   unrounded FP32 folded state for rows that fold (like separate mode's flush); the
-   committed ring entries since the base, then tokens 0..t, are replayed exactly in FP32;
+   0..t. The base state is the dequantized read copy standing at f(c') for every row (for
+   rows that fold, the copy step 2 just re-derived: one kind of row for the kernels); the
+   committed ring entries f(c') .. c'-1, then tokens 0..t, are replayed exactly in FP32;
 4. append: token i goes to ring entry (c' + i) mod 16; positions become (c', T_b).
 
 Rows with T_b = 0 still commit (and may fold). Padding rows (slot <= 0 or >= S) output
@@ -295,17 +295,9 @@ def pending_decode(
     folds = f_new > f_old
     Tb = seq_lens[rows]
 
-    # Base state (FP32) standing at token index `base` for every live row.
-    base = f_old.clone()
-    state = torch.empty(n, heads, L.HEAD_DIM, L.STATE_DIM, device=slot.device)
-    keep = ~folds
-    if bool(keep.any()):
-        state[keep] = read_copy_state(cache, slot[keep], nvfp4=nvfp4)
     if bool(folds.any()):
         fs = slot[folds]
         folded = fold_range(cache, fs, f_old[folds], (f_new - f_old)[folds], A)
-        state[folds] = folded
-        base[folds] = f_new[folds]
         key = stream_key(seed, fs, f_new[folds])
         cache[L.CHECKPOINT][fs] = to_fp16(folded, checkpoint_rbits(key, heads, head_offset))
         live_amax = None
@@ -323,7 +315,11 @@ def pending_decode(
             cache[L.META][fs] = meta
         _write_read_copy(cache, fs, folded, nvfp4, live_amax)
 
-    # Replay: committed ring entries base .. c'-1 (m of them, m <= Gd - 1), then new tokens.
+    # Base state: every live row's dequantized read copy, standing at f(c') (rows that
+    # folded read the copy just re-derived). Replay: committed ring entries f(c') .. c'-1
+    # (m of them, m <= Gd - 1), then the new tokens.
+    base = f_new
+    state = read_copy_state(cache, slot, nvfp4=nvfp4)
     m = c_new - base
     x_e, dt_e, B_e = _ring_entries(cache, slot, base, m)
     xs = x[rows].float()  # [n, T, H, 64]

@@ -9,34 +9,33 @@ buffer of the batch size exists, so a CUDA graph captures it.
    that becomes the amax accumulator (as separate mode's prepare does for its flush).
    Writes the plan row (`_plan_row`) and appends the rows that fold to a work list.
 2. `_fold_kernel`, persistent (FOLD_CTAS_PER_SM programs an SM): the list's rows, work
-   items of FOLD_ROWS state rows of one head.
-3. `_step_kernel`, grid (batch, H / HB): the other rows, HB heads of one group a program
+   items of FOLD_ROWS state rows of one head: the checkpoint and the read copy.
+3. `_step_kernel`, grid (batch, H / HB): every live row's outputs and ring writes from
+   the read copy at f_new (the fold kernel ran before), HB heads of one group a program
    (the group's B window, C and B_j . C_t once), and the padding rows' zero outputs.
 
-Both work in the window of 16 token indices f_old .. f_old + 15 of a row's slot, which
-holds every entry the call reads or writes (format.md proves it): window entry j is ring
-entry (f_old + j) mod 16 for j < u = c' - f_old (committed) and token j - u of the call
-for u <= j < u + T_b. With pre_j = dt_0 + .. + dt_j over the window:
+The fold reads window entries j < nf = f_new - f_old of the 16 token indices f_old ..
+f_old + 15 (committed ring entries (f_old + j) mod 16); the step reads the window from
+f_new, which holds every entry it reads or writes (format.md proves it): window entry j
+is ring entry (f_new + j) mod 16 for j < u = c' - f_new (committed) and token j - u of
+the call for u <= j < u + T_b. With pre_j = dt_0 + .. + dt_j over a window:
 
-  fold rows (nf = f_new - f_old > 0): S = exp(A pre_{nf-1}) ckpt
-                                          + sum_{j < nf} dt_j exp(A (pre_{nf-1} - pre_j)) x_j (x) B_j
+  fold rows (nf > 0): S = exp(A pre_{nf-1}) ckpt + sum_{j < nf} dt_j exp(A (pre_{nf-1} - pre_j)) x_j (x) B_j
     in FP32; the checkpoint becomes fp16_sr(S) (hash tag (seed, slot, f_new)) and the read
     copy is re-derived from S (NVFP4: with the live amax meta[slot, g, parity], and the
-    head's amax max-accumulated into the other half); R = S;
-  other rows: R = the dequantized read copy (nf = 0, pre_{-1} = 0);
-  token t (last = u + t):
-    y_t = exp(A (pre_last - pre_{nf-1})) R C_t
-          + sum_{nf <= j <= last} dt_j exp(A (pre_last - pre_j)) (B_j . C_t) x_j + D x_t
+    head's amax max-accumulated into the other half);
+  every live row, R = the dequantized read copy, token t (last = u + t):
+    y_t = exp(A pre_last) R C_t + sum_{j <= last} dt_j exp(A (pre_last - pre_j)) (B_j . C_t) x_j + D x_t
 
 then tokens 0 .. T_b - 1 go to ring entries (c' + t) mod 16 (B by the group's first
 head). Dead entries (rejected drafts, NaN allowed) are never loaded; masked terms are
 selected, never multiplied, and an entry with a non-finite x reaches only the tokens that
 read it (`_replay`).
 
-Products on the tensor cores: R C_t of rows that do not fold and B_j . C_t in bf16 (a
+Products on the tensor cores: R C_t and B_j . C_t in bf16 (a
 dequantized FP8 value has 4 significant bits, an NVFP4 value 2 x 4, C and B are bf16: the
 products are exact in the FP32 accumulator; FP8's power-of-two row scale multiplies after
-the dot); FP32 operands (the fold, S C_t, the replay) split three ways (`PRECISION`,
+the dot); FP32 operands (the fold, the replay) split three ways (`PRECISION`,
 tf32x3). The interpreter computes bf16 dots wrongly, so it takes FP32 operands there
 (`F32_DOTS`), and its e4m3 encode is the integer twin (`HW_CVT`). softplus is
 log1p(exp(v)) with log1p by Goldberg's identity (log(1 + y) * y / ((1 + y) - 1)), linear
@@ -160,7 +159,7 @@ def _plan_row(p_plan, row):
 
 
 @triton.jit
-def _window_index(cn, f_old, start, tb, o_j):
+def _window_index(cn, f_old + nf, start, tb, o_j):
     """Window entries o_j from the checkpoint f_old: (u = committed entries since it,
     from the ring (j < u), the call's tokens (u <= j < u + T_b), their ring entries, the
     input token of each (clamped; loads are masked by is_new))."""
@@ -248,7 +247,7 @@ def _step_kernel(
     F32_DOTS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Rows that do not fold, and the padding rows' zero outputs: program (b, i) takes
+    """Every live row's outputs, and the padding rows' zeros: program (b, i) takes
     heads HB i .. HB i + HB - 1 (one group) of row b; the group's B window, C and
     B_j . C_t once, then per head the read-copy term, the replay and the ring writes."""
     i_b = tl.program_id(0)
@@ -273,10 +272,9 @@ def _step_kernel(
             p_o = p_out + row * so_row + tok[:, None] * so_tok + (h0 + hh) * so_h + o_p[None, :]
             tl.store(p_o, tl.zeros([16, 64], tl.float32).to(p_out.dtype.element_ty), mask=tok_ok[:, None] & all_p)
         return
-    if nf > 0:  # the fold kernel's row
-        return
     slot64 = slot.to(tl.int64)
-    u, is_ring, is_new, phys, tj = _window_index(cn, f_old, start, tb, o_j)
+    # The window from the checkpoint after the call's fold (the fold kernel ran before).
+    u, is_ring, is_new, phys, tj = _window_index(cn, f_old + nf, start, tb, o_j)
 
     p_bw = p_br + slot64 * s_br + (g * 16 + phys)[:, None] * 128 + o_n[None, :]
     b_new = tl.load(p_B + row * sb_row + tj[:, None] * sb_tok + g * sb_g + o_n[None, :], mask=is_new[:, None] & all_n, other=0.0)
@@ -330,13 +328,10 @@ def _step_kernel(
         tl.store(p_dtr + slot64 * s_dtr + h * 16 + phys, dt_sp, mask=is_new)
 
 
-@triton.jit(do_not_specialize=["num_slots", "head_offset"])
+@triton.jit(do_not_specialize=["head_offset"])
 def _fold_kernel(
-    p_plan, p_list, p_x, p_dt, p_A, p_B, p_C, p_D, p_bias, p_out, p_ckpt, p_xr, p_dtr, p_br, p_read, p_scales, p_meta,
-    p_meta_bits, p_dbg,
-    sx_row, sx_tok, sx_h, sdt_row, sdt_tok, sdt_h, sb_row, sb_tok, sb_g, sc_row, sc_tok, sc_g, so_row, so_tok, so_h,
-    sD_h, sD_p, sA, sbias, s_ckpt, s_xr, s_dtr, s_br, s_read, s_scales, s_meta,
-    num_slots,
+    p_plan, p_list, p_A, p_ckpt, p_xr, p_dtr, p_br, p_read, p_scales, p_meta, p_meta_bits, p_dbg,
+    sA, s_ckpt, s_xr, s_dtr, s_br, s_read, s_scales, s_meta,
     head_offset,
     H: tl.constexpr,
     HPG: tl.constexpr,
@@ -345,12 +340,11 @@ def _fold_kernel(
     DEBUG: tl.constexpr,
     HW_CVT: tl.constexpr,
     PRECISION: tl.constexpr,
-    F32_DOTS: tl.constexpr,
 ):
     """Rows that fold, from the plan kernel's work list: persistent programs take work
-    items (row, head h, state rows FP i .. FP i + FP - 1) in turn (every FP8 row scale,
-    NVFP4 block and output element depends on its own state row; the NVFP4 group amax is
-    an order-free atomic max)."""
+    items (row, head h, state rows FP i .. FP i + FP - 1) in turn (every FP8 row scale
+    and NVFP4 block depends on its own state row; the NVFP4 group amax is an order-free
+    atomic max). The fold only: the step kernel, launched after, reads the new read copy."""
     NQ: tl.constexpr = 64 // FP
     items = tl.load(p_list) * (H * NQ)
     w = tl.program_id(0)
@@ -359,21 +353,17 @@ def _fold_kernel(
         h = (w // NQ) % H
         i_q = w % NQ
         _fold_item(
-            p_plan, p_x, p_dt, p_A, p_B, p_C, p_D, p_bias, p_out, p_ckpt, p_xr, p_dtr, p_br, p_read, p_scales, p_meta,
-            p_meta_bits, p_dbg,
-            sx_row, sx_tok, sx_h, sdt_row, sdt_tok, sdt_h, sb_row, sb_tok, sb_g, sc_row, sc_tok, sc_g, so_row, so_tok,
-            so_h, sD_h, sD_p, sA, sbias, s_ckpt, s_xr, s_dtr, s_br, s_read, s_scales, s_meta,
-            head_offset, i_b, h, i_q, H, HPG, FP, NVFP4, DEBUG, HW_CVT, PRECISION, F32_DOTS,
+            p_plan, p_A, p_ckpt, p_xr, p_dtr, p_br, p_read, p_scales, p_meta, p_meta_bits, p_dbg,
+            sA, s_ckpt, s_xr, s_dtr, s_br, s_read, s_scales, s_meta,
+            head_offset, i_b, h, i_q, H, HPG, FP, NVFP4, DEBUG, HW_CVT, PRECISION,
         )
         w += tl.num_programs(0)
 
 
 @triton.jit
 def _fold_item(
-    p_plan, p_x, p_dt, p_A, p_B, p_C, p_D, p_bias, p_out, p_ckpt, p_xr, p_dtr, p_br, p_read, p_scales, p_meta,
-    p_meta_bits, p_dbg,
-    sx_row, sx_tok, sx_h, sdt_row, sdt_tok, sdt_h, sb_row, sb_tok, sb_g, sc_row, sc_tok, sc_g, so_row, so_tok, so_h,
-    sD_h, sD_p, sA, sbias, s_ckpt, s_xr, s_dtr, s_br, s_read, s_scales, s_meta,
+    p_plan, p_A, p_ckpt, p_xr, p_dtr, p_br, p_read, p_scales, p_meta, p_meta_bits, p_dbg,
+    sA, s_ckpt, s_xr, s_dtr, s_br, s_read, s_scales, s_meta,
     head_offset, i_b, h, i_q,
     H: tl.constexpr,
     HPG: tl.constexpr,
@@ -382,45 +372,30 @@ def _fold_item(
     DEBUG: tl.constexpr,
     HW_CVT: tl.constexpr,
     PRECISION: tl.constexpr,
-    F32_DOTS: tl.constexpr,
 ):
     """One fold work item (a row of the list, so live and folding): state rows o_r of
-    head h as full [FP, 128] tiles. The products run on the tensor cores: B_j . C_t in
-    bf16 (exact products), the fold and S . C_t with FP32 operands split three ways
-    (tf32x3: ~2**-21 relative a product, FP32 sums)."""
+    head h as a full [FP, 128] tile. The window entries j < nf are committed ring entries
+    (nf <= u), the fold a K = 16 product on the tensor cores with FP32 operands split
+    three ways (tf32x3: ~2**-21 relative a product, FP32 sums)."""
     g = h // HPG
     row = i_b.to(tl.int64)
     slot, cn, f_old, nf, live, key, start, tb = _plan_row(p_plan, row)
     slot64 = slot.to(tl.int64)
     o_r = i_q * FP + tl.arange(0, FP)  # this item's head rows p
     o_n = tl.arange(0, 128)
-    o_t = tl.arange(0, 16)
     o_j = tl.arange(0, 16)
-    all_r = o_r[None, :] >= 0
-    all_n = o_n[None, :] < 128
-    tok_ok = o_t < tb
-    tok = (start + o_t).to(tl.int64)
-    u, is_ring, is_new, phys, tj = _window_index(cn, f_old, start, tb, o_j)
+    fold_j = o_j < nf
+    phys = (f_old + o_j) & 15
+    x_r = tl.load(p_xr + slot64 * s_xr + (h * 16 + phys)[:, None] * 64 + o_r[None, :], mask=fold_j[:, None] & (o_r[None, :] >= 0), other=0.0)
+    dt_w = tl.load(p_dtr + slot64 * s_dtr + h * 16 + phys, mask=fold_j, other=0.0)
+    b_ring = tl.load(p_br + slot64 * s_br + (g * 16 + phys)[:, None] * 128 + o_n[None, :], mask=fold_j[:, None] & (o_n[None, :] < 128), other=0.0)
 
-    x_r, x_n, dt_w, dt_sp = _window(
-        p_xr, p_x, p_dtr, p_dt, p_bias, slot64, s_xr, s_dtr, row, sx_row, sx_tok, sx_h, sdt_row, sdt_tok, sdt_h,
-        sbias, h, o_r, phys, tj, is_ring, is_new,
-    )
-    p_bw = p_br + slot64 * s_br + (g * 16 + phys)[:, None] * 128 + o_n[None, :]
-    b_ring = tl.load(p_bw, mask=is_ring[:, None] & all_n, other=0.0)  # [16, 128] bf16
-    b_new = tl.load(p_B + row * sb_row + tj[:, None] * sb_tok + g * sb_g + o_n[None, :], mask=is_new[:, None] & all_n, other=0.0)
-    c = tl.load(p_C + row * sc_row + tok[:, None] * sc_tok + g * sc_g + o_n[None, :], mask=tok_ok[:, None] & all_n, other=0.0)
-
+    # S = exp(A pre_f) ckpt + sum_{j < nf} dt_j exp(A (pre_f - pre_j)) x_j (x) B_j, FP32.
     a_h = tl.load(p_A + h * sA)
     pre = tl.cumsum(dt_w, axis=0)
     pre_f = tl.sum(tl.where(o_j == nf - 1, pre, 0.0), axis=0)
-    last = u + o_t
-    pre_last = tl.sum(tl.where(o_j[None, :] == last[:, None], pre[None, :], 0.0), axis=1)
-
-    # S = exp(A pre_f) ckpt + sum_{j < nf} dt_j exp(A (pre_f - pre_j)) x_j (x) B_j, FP32; B of
-    # the ring entries only (a later token's B may be a NaN draft: never times a zero weight).
-    w_f = tl.where(o_j < nf, dt_w * tl.exp(a_h * (pre_f - pre)), 0.0)
-    wx = tl.where((o_j < nf)[:, None], w_f[:, None] * x_r.to(tl.float32), 0.0)  # [16, FP]
+    w_f = tl.where(fold_j, dt_w * tl.exp(a_h * (pre_f - pre)), 0.0)
+    wx = tl.where(fold_j[:, None], w_f[:, None] * x_r.to(tl.float32), 0.0)  # [16, FP]
     p_ck = p_ckpt + slot64 * s_ckpt + (h * 64 + o_r)[:, None] * 128 + o_n[None, :]
     s_f = tl.exp(a_h * pre_f) * tl.load(p_ck).to(tl.float16, bitcast=True).to(tl.float32)
     s_f = tl.dot(tl.trans(wx), b_ring.to(tl.float32), s_f, input_precision=PRECISION)  # [FP, 128]
@@ -454,24 +429,6 @@ def _fold_item(
         e_r = pow2_exponent_above(tl.max(a_f, axis=1), 0x600000, 8)
         tl.store(p_read + slot64 * s_read + rows[:, None] * 128 + o_n[None, :], _e4m3_rn(s_f * f32_exp2(-e_r)[:, None], HW_CVT))
         tl.store(p_scales + slot64 * s_scales + rows, f32_exp2(e_r))
-
-    # Outputs from the unrounded S: the base stands at f_new (window entry nf).
-    rc = tl.dot(c.to(tl.float32), tl.trans(s_f), input_precision=PRECISION)  # [16 tokens, FP]
-    bc = _dot(c, tl.trans(tl.where(is_new[:, None], b_new, b_ring)), F32_DOTS)
-    inside = (o_j[None, :] >= nf) & (o_j[None, :] <= last[:, None]) & tok_ok[:, None]
-    coef = tl.where(inside, dt_w[None, :] * tl.exp(a_h * (pre_last[:, None] - pre[None, :])) * bc, 0.0)
-    y = _replay(coef, inside, tl.where(is_new[:, None], x_n, x_r).to(tl.float32), tl.exp(a_h * (pre_last - pre_f))[:, None] * rc, PRECISION)
-    all_t = tok_ok[:, None] & all_r
-    x_t = tl.load(p_x + row * sx_row + tok[:, None] * sx_tok + h * sx_h + o_r[None, :], mask=all_t, other=0.0).to(tl.float32)
-    y += tl.load(p_D + h * sD_h + o_r * sD_p)[None, :] * x_t
-    tl.store(p_out + row * so_row + tok[:, None] * so_tok + h * so_h + o_r[None, :], y.to(p_out.dtype.element_ty), mask=all_t)
-
-    # Append the call's tokens at ring entries (c' + t) mod 16: x by every item (its
-    # columns), dt by the head's first item, B by the group's first head's.
-    tl.store(p_xr + slot64 * s_xr + (h * 16 + phys)[:, None] * 64 + o_r[None, :], x_n, mask=is_new[:, None] & all_r)
-    tl.store(p_dtr + slot64 * s_dtr + h * 16 + phys, dt_sp, mask=is_new & (o_j < tl.where(i_q == 0, 16, 0)))
-    first = (o_n[None, :] < tl.where((i_q == 0) & (h % HPG == 0), 128, 0)) & is_new[:, None]
-    tl.store(p_bw, b_new, mask=first)
 
 
 def _fold_programs(device: torch.device) -> int:
@@ -584,14 +541,14 @@ def pending_decode(
         D.stride(0), D.stride(1), A.stride(0), dt_bias.stride(0),
     )
     hpg = heads // groups
-    # The rows that fold, then the others (and the padding rows' zero outputs).
+    # The rows that fold (checkpoint and read copy), then every row's outputs and ring writes.
     _fold_kernel[(min(batch * heads * (L.HEAD_DIM // FOLD_ROWS), _fold_programs(ids.device)),)](
-        *inputs, ckpt.view(torch.int16), x_ring, dt_ring, b_ring, read.view(torch.uint8), scales_arg, meta,
-        meta.view(torch.int32), dbg, *strides,
-        ckpt.stride(0), x_ring.stride(0), dt_ring.stride(0), b_ring.stride(0), read.stride(0), scales.stride(0),
-        meta.stride(0), num_slots, head_offset,
+        pv, plan.fold_list, A, ckpt.view(torch.int16), x_ring, dt_ring, b_ring, read.view(torch.uint8), scales_arg, meta,
+        meta.view(torch.int32), dbg,
+        A.stride(0), ckpt.stride(0), x_ring.stride(0), dt_ring.stride(0), b_ring.stride(0), read.stride(0), scales.stride(0),
+        meta.stride(0), head_offset,
         H=heads, HPG=hpg, FP=FOLD_ROWS, NVFP4=nvfp4, DEBUG=debug_state is not None, HW_CVT=not interpreting(),
-        PRECISION=PRECISION, F32_DOTS=interpreting(), num_warps=FOLD_WARPS,
+        PRECISION=PRECISION, num_warps=FOLD_WARPS,
     )
     hb = min(step_heads, hpg)
     _step_kernel[(batch, heads // hb)](
