@@ -65,7 +65,7 @@ def _engine_shaped(x, dt, B, C):
     return xs, dt.to(torch.bfloat16).unsqueeze(-1).expand(*dt.shape, L.HEAD_DIM)[..., 0], Bs, Cs
 
 
-def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, cu=None, engine=False, kernel=None):
+def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, cu=None, engine=False, kernel=None, out_dtype=torch.float32):
     """One call on the kernels (`kc`, a copy of `cache`; engine-shaped inputs when
     `engine`; `kernel` the decode function, the Triton one by default) and on the
     reference (`cache`), whose fold is given the kernel's own FP32 state S (checked
@@ -85,8 +85,8 @@ def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, cu=None, engine
     dev = x.device
     before = [t.clone() for t in cache]
     out_shape = (*x.shape[:-1], L.HEAD_DIM) if x.dim() == 3 else (*x.shape[:2], heads, L.HEAD_DIM)
-    want = torch.full(out_shape, NAN, device=dev)
-    got = torch.full(out_shape, NAN, device=dev)
+    want = torch.full(out_shape, NAN, device=dev, dtype=out_dtype)
+    got = torch.full(out_shape, NAN, device=dev, dtype=out_dtype)
     dbg = torch.full((ids.numel(), heads, L.HEAD_DIM, L.STATE_DIM), NAN, device=dev)
     kx, kdt, kB, kC = _engine_shaped(x, dt, B, C) if engine else (x, dt, B, C)
     kernel(kc, kx, kdt, A, kB, kC, D, bias, ids, got, nvfp4=nv, seed=seed, max_seqlen=M,
@@ -117,8 +117,8 @@ def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, cu=None, engine
         pending_decode(cache, x, dt.float(), A, B, C, D, bias, ids, want, nvfp4=nv, seed=seed, max_seqlen=M,
                        num_accepted_tokens=acc, cu_seqlens=cu)  # fmt: skip
     assert not torch.isnan(got).any()
-    scale = want.abs().amax().clamp_min(1e-30)
-    assert float((got - want).abs().max()) <= tol.KERNEL_OUTPUT_BF16_ULPS * 2.0**-8 * float(scale)
+    scale = want.float().abs().amax().clamp_min(1e-30)
+    assert float((got.float() - want.float()).abs().max()) <= tol.KERNEL_OUTPUT_BF16_ULPS * 2.0**-8 * float(scale)
     for i in range(len(cache)):
         if i != L.DT_RING:
             assert same_bits(kc[i], cache[i]), i
@@ -132,7 +132,7 @@ def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, cu=None, engine
     return folds
 
 
-def _run(fmt, M, heads, groups, device, calls, varlen_every=3, seed=5):
+def _run(fmt, M, heads, groups, device, calls, varlen_every=3, seed=5, kernel=None, out_dtype=torch.float32):
     cache, params, gen = _world(fmt, heads, groups, device, slots=6, seed=seed)
     # Desynchronized rows: slot 3 starts just below a fold grid point (its committed entries
     # since the checkpoint are zero tokens), the others at 0.
@@ -160,7 +160,8 @@ def _run(fmt, M, heads, groups, device, calls, varlen_every=3, seed=5):
         else:
             cu = None
             toks = _tokens(gen, (b, M), heads, groups, device)
-        folds += _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, cu, engine=call % 2 == 1)
+        folds += _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, cu, engine=call % 2 == 1, kernel=kernel,
+                             out_dtype=out_dtype)  # fmt: skip
     return folds
 
 
@@ -180,6 +181,31 @@ def test_pending_kernels_match_the_reference_cpu(fmt, M):
 def test_pending_kernels_match_the_reference_gpu(fmt, M):
     """The same on the GPU, 16 heads / 2 groups, 24 calls."""
     assert _run(fmt, M, 16, 2, "cuda", calls=24) > 0
+
+
+def _cute_decode(cache, x, dt, A, B, C, D, bias, ids, out, *, nvfp4, **kw):
+    """The Triton plan and fold kernels, then the CuTe step (cute/pending.py)."""
+    from replayssm.kernels.cute.arch import arch_for
+    from replayssm.kernels.cute.pending import inputs_ok, pending_step
+    from replayssm.kernels.triton.pending import pending_decode as triton_decode
+
+    def step(x_, dt_, B_, C_, out_, rows, varlen):
+        assert inputs_ok(x_, B_, C_, out_)
+        pending_step(cache, x_, dt_, A, B_, C_, D, bias, out_, rows, state_dtype="nvfp4" if nvfp4 else "fp8",
+                     arch=arch_for(x_.device), varlen=varlen, stream=torch.cuda.current_stream().cuda_stream)  # fmt: skip
+        return True
+
+    return triton_decode(cache, x, dt, A, B, C, D, bias, ids, out, nvfp4=nvfp4, step=step, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("M", [2, 4, 8])
+def test_pending_cute_step_matches_the_reference_gpu(fmt, M):
+    """The CuTe step after the Triton plan and fold: 16 heads / 2 groups, 24 calls, bf16
+    outputs (dense and varlen, plain and engine-shaped inputs)."""
+    pytest.importorskip("cutlass")
+    assert _run(fmt, M, 16, 2, "cuda", calls=24, kernel=_cute_decode, out_dtype=torch.bfloat16) > 0
 
 
 @pytest.mark.gpu

@@ -228,10 +228,11 @@ class KernelBackend:
         return ctx
 
     def decode_pending(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs) -> None:
-        """Pending mode on a CUDA cache: the Triton plan and decode kernels of
-        kernels/triton/pending.py (two launches, no host sync; the plan buffer is the
-        cache context's, grown to the largest batch seen, so a captured CUDA graph replays
-        it). On the CPU the PyTorch reference (`pending.pending_decode`; the tests run the
+        """Pending mode on a CUDA cache: the Triton plan and fold kernels of
+        kernels/triton/pending.py, then the CuTe step (cute/pending.py; the Triton step
+        where the CuTe kernels cannot run the cache or the inputs' layout); three launches,
+        no host sync; the plan buffer is the cache context's, grown to the largest batch
+        seen, so a captured CUDA graph replays it. On the CPU the PyTorch reference (`pending.pending_decode`; the tests run the
         kernels in the interpreter themselves)."""
         if cache[L.CHECKPOINT].device.type != "cuda":
             REFERENCE.decode_pending(cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs)
@@ -242,7 +243,22 @@ class KernelBackend:
         batch = ids.numel()
         if ctx.pending is None or ctx.pending.rows < batch:
             ctx.pending = PendingPlan(max(batch, 64), cache[L.CHECKPOINT].device)
-        pending_decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, plan=ctx.pending, **kwargs)
+        step = None
+        if ctx.cute is not None:
+            arch = ctx.cute[1]
+            state_dtype = "nvfp4" if kwargs.get("nvfp4") else "fp8"
+
+            def step(x_, dt_, B_, C_, out_, rows, varlen):
+                from .cute.launch import current_stream
+                from .cute.pending import inputs_ok, pending_step
+
+                if not inputs_ok(x_, B_, C_, out_):
+                    return False
+                pending_step(cache, x_, dt_, A, B_, C_, D, dt_bias, out_, rows, state_dtype=state_dtype,
+                             arch=arch, varlen=varlen, stream=current_stream(out_.get_device()))  # fmt: skip
+                return True
+
+        pending_decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, plan=ctx.pending, step=step, **kwargs)
 
     def materialize_pending(self, cache, ids, A, *, max_seqlen: int, out=None) -> torch.Tensor:
         """The Triton materialize kernel in pending mode (the checkpoint at the fold grid

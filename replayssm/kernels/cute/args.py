@@ -80,6 +80,42 @@ class Inputs(NamedTuple):
     c_stride16: Int32
 
 
+class PendingInputs(NamedTuple):
+    """A pending-mode call's inputs (cute/pending.py): element strides of a row (dense
+    layout; 0 in the varlen layout) and of a token; heads (groups) contiguous at 64 (128)
+    elements; x, B, C and out at 16-byte-aligned rows and tokens."""
+
+    x: Pointer  # bf16 [rows, tokens, H, 64] or [total, H, 64]
+    dt: Pointer  # f32, bf16 or f16, raw dt
+    A: Pointer  # f32 [H]
+    B: Pointer  # bf16 [.., G, 128]
+    C: Pointer  # bf16 [.., G, 128]
+    D: Pointer  # f32 [H, 64]
+    dt_bias: Pointer  # f32 [H]
+    out: Pointer  # bf16 [.., H, 64]
+    x_row: Int64
+    x_tok: Int64
+    dt_row: Int64
+    dt_tok: Int64
+    dt_h: Int64
+    b_row: Int64
+    b_tok: Int64
+    c_row: Int64
+    c_tok: Int64
+    o_row: Int64
+    o_tok: Int64
+    a_stride: Int64
+    bias_stride: Int64
+    d_h: Int64
+    d_p: Int64
+
+
+class PendingPlan(NamedTuple):
+    """The pending plan kernel's rows (int32 [batch, 8], `triton.pending._plan_row`)."""
+
+    rows: Pointer
+
+
 class Plan(NamedTuple):
     """The prepare kernel's plan (`reference.Plan`), one entry a batch row."""
 
@@ -138,6 +174,12 @@ SPECS: dict[type, dict[str, tuple]] = {
     },
 }
 SPECS[DebugPlan] = {**SPECS[Plan], "state": (Float32, 16)}
+SPECS[PendingInputs] = {
+    "x": (BFloat16, 16), "dt": (INPUT_DTYPE, 0), "A": (Float32, 4), "B": (BFloat16, 16), "C": (BFloat16, 16),
+    "D": (Float32, 4), "dt_bias": (Float32, 4), "out": (BFloat16, 16),
+    **{name: (VALUE, Int64) for name in PendingInputs._fields[8:]},
+}
+SPECS[PendingPlan] = {"rows": (Int32, 16)}
 
 
 def dense_rows(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> bool:
@@ -261,4 +303,4 @@ def bind(struct: type, **tensors):
     return struct(*values)
 
 
-__all__ = ["bound", "raw", "widths", "dense_rows", "row_words", "DSL_DTYPES", "Ring", "Fp8Copy", "Nvfp4Copy", "Checkpoint", "Inputs", "Plan", "DebugPlan", "SPECS", "fake", "bind"]
+__all__ = ["PendingInputs", "PendingPlan", "bound", "raw", "widths", "dense_rows", "row_words", "DSL_DTYPES", "Ring", "Fp8Copy", "Nvfp4Copy", "Checkpoint", "Inputs", "Plan", "DebugPlan", "SPECS", "fake", "bind"]

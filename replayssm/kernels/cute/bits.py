@@ -426,6 +426,12 @@ def prmt(a: Uint32, b: Uint32, selector: int, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
+def mul_f16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
+    """Halfwise f16 product of two words (`mul.rn.f16x2`)."""
+    return inline_ptx("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [Uint32(a), Uint32(b)], [Uint32], loc=loc, ip=ip)
+
+
+@dsl_user_op
 def max_u16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
     """Halfwise unsigned maximum of two words (`max.u16x2`, sm_90+)."""
     return inline_ptx("max.u16x2 $0, $1, $2;", "=r,r,r", [Uint32(a), Uint32(b)], [Uint32], loc=loc, ip=ip)
@@ -466,6 +472,7 @@ __all__ = [
     "f32x2_to_bf16x2",
     "prmt",
     "max_u16x2",
+    "mul_f16x2",
     "st_global_v4_u32",
     "ld_global_v2_u32_if",
     "GOLDEN",

@@ -114,6 +114,44 @@ class Fp8(_Format):
             rd.append([acc[0], acc[2]])
         return rd, up, scales
 
+    # -- pending (cute/pending.py) ---------------------------------------------------------
+    @cute.jit
+    def pending_loads(self, copy, slot, hh, g, gq, q, hint: cutlass.Constexpr):
+        """`load_rows`' codes, and the scales of all eight rows 8 gq .. + 7 (two 16-byte
+        loads)."""
+        read_w = cute.recast_ptr(copy.codes, dtype=Uint32)
+        rc_base = (read_w + (slot * copy.codes_stride16 * 4 + hh * (P * N // 4) + Int64(gq * (8 * N // 4) + 4 * q))).toint()
+        rc = []
+        for i in cutlass.range_constexpr(8):
+            rc.append([bits.ld_global_v4_u32(rc_base + N * i + 64 * c, hint) for c in range(2)])
+        sc = (copy.scales + (slot * copy.scale_stride + hh * P + Int64(8 * gq))).toint()
+        return rc, bits.ld_global_v4_u32(sc) + bits.ld_global_v4_u32(sc + 16)
+
+    @cute.jit
+    def pending_dots(self, loaded, cw, down, gq, q):
+        """(acc, rf): acc[mt] the f16 MMA dots of m-tile mt against the tokens' C' (lane
+        (gq, q) supplies column gq: token gq's C' on its n-set): (row 8 gq + 2 mt, tokens
+        2 q, 2 q + 1), then (row + 1, the same tokens); rf[i] the factor of row 8 gq + i
+        (its power-of-two scale): R[p] C_t = rf (up_t acc)."""
+        rc, sc = loaded
+        ch = []
+        for c in cutlass.range_constexpr(2):
+            row = []
+            for v in cutlass.range_constexpr(8):
+                pair = bf16x2_to_f32x2(cw[c][v])
+                row.append(f32x2_to_f16x2(pair[0] * down, pair[1] * down))
+            ch.append(row)
+        acc_all = []
+        for mt in cutlass.range_constexpr(4):
+            acc = [Float32(0.0)] * 4
+            for s in cutlass.range_constexpr(K_STEPS):
+                c, v = s // 4, s % 4
+                lo = e4m3x4_to_f16x2x2(rc[2 * mt][c][v])
+                hi = e4m3x4_to_f16x2x2(rc[2 * mt + 1][c][v])
+                acc = mma_f16_16x8x16([lo[0], hi[0], lo[1], hi[1]], [ch[c][2 * v], ch[c][2 * v + 1]], acc)
+            acc_all.append(acc)
+        return acc_all, [w.bitcast(Float32) for w in sc]
+
     # -- flush ----------------------------------------------------------------------------
     def fp16x2_sr(self, lo, hi, word):
         """sm_90a: bits.fp16x2_sr_fma (about 8 instructions a value); sm_100a: cvt.rs."""
@@ -266,6 +304,42 @@ class Nvfp4(_Format):
             other = sel(b1, half[0][i], half[1][i])
             dots.append(mine + cute.arch.shuffle_sync_bfly(other, 2))
         return [dots] * 4, up * Float32(self.decode_factor), [g_scale, g_scale]
+
+    # -- pending (cute/pending.py) ---------------------------------------------------------
+    @cute.jit
+    def pending_loads(self, copy, slot, hh, g, gq, q, hint: cutlass.Constexpr):
+        return self.load_rows(copy, slot, hh, g, gq, q, hint)
+
+    @cute.jit
+    def pending_dots(self, loaded, cw, down, gq, q):
+        """(acc, rf) as `Fp8.pending_dots`, the MMA's columns the tokens: each decoded f16
+        pair is multiplied by its block's scale (f16x2, exact: an e2m1 value / decode_factor
+        times an e4m3 scale has at most 6 significant bits and lies within f16's range),
+        so the dots need no per-block sums; rf = g * decode_factor for every row."""
+        rc, bs4, g_scale = loaded
+        cf = []  # C'[32 q + m], m = 0..31
+        for c in cutlass.range_constexpr(2):
+            for v in cutlass.range_constexpr(8):
+                pair = bf16x2_to_f32x2(cw[c][v])
+                cf += [pair[0] * down, pair[1] * down]
+        order = self.decode_order
+        chm = []
+        for wd in cutlass.range_constexpr(4):
+            chm.append([f32x2_to_f16x2(cf[8 * wd + order[2 * j]], cf[8 * wd + order[2 * j + 1]]) for j in range(4)])
+        acc_all = []
+        for mt in cutlass.range_constexpr(4):
+            # Scale pairs of rows 2 mt (bytes 0, 1 of bs4: blocks 2 q, 2 q + 1) and 2 mt + 1.
+            s_lo = e4m3x4_to_f16x2x2(bits.prmt(bs4[mt], Uint32(0), 0x1100))
+            s_hi = e4m3x4_to_f16x2x2(bits.prmt(bs4[mt], Uint32(0), 0x3322))
+            acc = [Float32(0.0)] * 4
+            for wd in cutlass.range_constexpr(4):
+                lo = [bits.mul_f16x2(w, s_lo[wd // 2]) for w in self.e2m1x8_f16x2(rc[2 * mt][wd])]
+                hi = [bits.mul_f16x2(w, s_hi[wd // 2]) for w in self.e2m1x8_f16x2(rc[2 * mt + 1][wd])]
+                for j0 in cutlass.range_constexpr(0, 4, 2):
+                    acc = mma_f16_16x8x16([lo[j0], hi[j0], lo[j0 + 1], hi[j0 + 1]], [chm[wd][j0], chm[wd][j0 + 1]], acc)
+            acc_all.append(acc)
+        rf = g_scale * Float32(self.decode_factor)
+        return acc_all, [rf] * 8
 
     # -- flush ----------------------------------------------------------------------------
     # The flush writes the NVFP4 copy of S, exactly `formats.nvfp4_encode(S, A_live)`, with

@@ -159,7 +159,7 @@ def _plan_row(p_plan, row):
 
 
 @triton.jit
-def _window_index(cn, f_old + nf, start, tb, o_j):
+def _window_index(cn, f_old, start, tb, o_j):
     """Window entries o_j from the checkpoint f_old: (u = committed entries since it,
     from the ring (j < u), the call's tokens (u <= j < u + T_b), their ring entries, the
     input token of each (clamped; loads are masked by is_new))."""
@@ -483,6 +483,7 @@ def pending_decode(
     plan: PendingPlan | None = None,
     debug_state: torch.Tensor | None = None,
     step_heads: int = STEP_HEADS,
+    step=None,
 ) -> torch.Tensor:
     """One pending-mode call on the kernels (`pending.pending_decode`'s semantics).
 
@@ -493,7 +494,9 @@ def pending_decode(
     (others are copied). A, dt_bias [H] and D [H, 64] FP32, any strides.
     `num_accepted_tokens`: int [b] or None. `plan`: a `PendingPlan` with room for b rows
     (made when None). `debug_state`: FP32 [b, H, 64, 128] receiving the folded state S of
-    the rows that fold (tests). Two launches; returns `out`."""
+    the rows that fold (tests). `step`: launches the step in place of `_step_kernel`
+    (the CuTe kernel: step(x, dt, B, C, out, plan rows, varlen) -> whether it launched).
+    Three launches; returns `out`."""
     ids = ids.reshape(-1)
     batch = ids.shape[0]
     if batch == 0:
@@ -550,6 +553,8 @@ def pending_decode(
         H=heads, HPG=hpg, FP=FOLD_ROWS, NVFP4=nvfp4, DEBUG=debug_state is not None, HW_CVT=not interpreting(),
         PRECISION=PRECISION, num_warps=FOLD_WARPS,
     )
+    if step is not None and step(x, dt, B, C, out_v, pv, varlen):
+        return out
     hb = min(step_heads, hpg)
     _step_kernel[(batch, heads // hb)](
         *inputs, x_ring, dt_ring, b_ring, read.view(torch.uint8), scales_arg, meta, *strides,

@@ -1,0 +1,367 @@
+"""Pending-mode step kernel (CuTe DSL, speculative decoding, docs/format.md section 5b):
+every live row's T_b <= 8 outputs and ring writes, one warp per (row, head), the
+read-copy format (`read_copy.Fp8` / `read_copy.Nvfp4`) supplying the read-copy loads and
+row dots; the rest is `decode.Decode`'s lane map with the tokens in the MMA's n dimension.
+
+It runs after the Triton plan and fold kernels of `kernels/triton/pending.py` (same
+stream): the plan row (`_plan_row`: slot or -1, c', f_old, nf, parity, key, first token,
+T_b) gives the window of 16 token indices from the checkpoint f_new = f_old + nf, whose
+entry j is ring entry (f_new + j) mod 16 for j < u = c' - f_new (committed) and token
+j - u of the call for u <= j < u + T_b; rows that folded read the read copy the fold
+kernel has just written. For token t (last = u + t), with pre_j = dt_0 + .. + dt_j:
+
+    y_t[p] = exp(A pre_last) R[p] . C_t + sum_{j <= last} dt_j exp(A (pre_last - pre_j)) (B_j . C_t) x_j[p] + D[p] x_t[p]
+
+Per warp, lane (g, q) = (lane // 4, lane % 4) (fragment layouts in mma.py):
+
+1. Read-copy dots R C_t (the format's `pending_dots`): A rows are the read copy's rows as
+   in decode.py, B column g is token g's C' (lane (g, q) loads token g's C on its
+   n-set); one pass over the read copy serves all T tokens. Accumulator (m-tile mt):
+   rows 8 g + 2 mt, + 1 by tokens 2 q, 2 q + 1.
+2. B_j . C_t (bf16 MMA, exact products) for the 16 window entries, split over k between
+   the CTA's warps as decode.py's; the partial [16 entries, 8 tokens] tiles meet in shared
+   memory.
+3. The scan over the entries (lane k % 16 = entry k) gives pre; lane (g, q) forms the
+   coefficients of token g at entries 2 q, 2 q + 1, 2 q + 8, 2 q + 9 (zero past last_g),
+   the replay MMA's B fragment, split into bf16 and its bf16 remainder (two MMAs).
+4. Ring replay sum_j coef_j,t x_j (bf16 MMA, A = the window's x as decode.py's): the
+   accumulators land on step 1's (rows, tokens).
+5. Lane (g, q) writes rows 8 g .. + 7 of tokens 2 q, 2 q + 1 (16-byte stores), and those
+   tokens' x into the ring; lane k < 16 the processed dt of entry k; the group's first
+   head's warps B.
+
+A call's later draft may hold NaN or Inf: an entry's non-finite x is zeroed in the MMA and
+the tokens that read it output NaN, so it reaches only them (B, C and dt of an entry never
+meet another token's terms: selected, not multiplied). Padding rows (slot -1) write zeros
+to their T_b outputs; live rows with T_b = 0 return.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cuda.bindings import driver as cuda_driver
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass.cute.runtime import make_fake_stream
+from cutlass.memory import SmemAllocator
+
+from ... import layout as L
+from ...layout import HEAD_DIM as P
+from ...layout import RING
+from ...layout import STATE_DIM as N
+from . import args as A
+from . import bits
+from .read_copy import read_copy_format
+from .bits import bf16x2_to_f32x2, f32x2_to_bf16x2, prmt, sel, softplus
+from .decode import C_TARGET_EXP, heads_per_cta
+from .mma import mma_bf16_16x8x16
+
+# CTAs an SM the register budget is set for (65536 / (32 x heads_per_cta x this)).
+CTAS_PER_SM = 3
+TOKENS = 8  # the MMA's n: max_seqlen <= 8
+
+
+class PendingStep:
+    """The pending-mode step for one (format, heads, groups)."""
+
+    def __init__(self, fmt, heads: int, groups: int, *, read_hint: str = "") -> None:
+        self.fmt = fmt
+        self.heads, self.groups = heads, groups
+        self.hpg = heads // groups
+        self.hpc = heads_per_cta(self.hpg)
+        self.read_hint = read_hint
+
+    @cute.jit
+    def __call__(self, ring, copy, inputs, plan, batch: Int32, stream: cuda_driver.CUstream):
+        self.kernel(ring, copy, inputs, plan).launch(
+            grid=[self.heads // self.hpc, batch, 1],
+            block=[32 * self.hpc, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=CTAS_PER_SM,
+            preferred_smem_carveout=-1,
+        )
+
+    @property
+    def vh_per_warp(self) -> int:
+        return 4 // self.hpc
+
+    def vh_word(self, vh, q):
+        return self.fmt.c_word(vh // 2, q) + 4 * (vh % 2)
+
+    @cute.kernel
+    def kernel(self, ring, copy, inputs, plan):
+        t, _, _ = cute.arch.thread_idx()
+        bx, b, _ = cute.arch.block_idx()
+        bb = Int64(b)
+        pw = cute.recast_ptr(plan.rows, dtype=Uint32)
+        row0 = bits.ld_global_v4_u32((pw + bb * 8).toint())
+        row1 = bits.ld_global_v4_u32((pw + bb * 8 + 4).toint())
+        slot32 = Int32(row0[0])
+        cn, f_old, nf = Int32(row0[1]), Int32(row0[2]), Int32(row0[3])
+        start, tb = Int32(row1[2]), Int32(row1[3])
+        lane = t % 32
+        gq, q = lane // 4, lane % 4
+        hh = Int64(bx * self.hpc + t // 32)
+        w = Int32(t // 32)
+        if slot32 < Int32(0):
+            # Padding row: zeros for its T_b tokens (tokens 2 q, 2 q + 1, rows 8 gq .. + 7).
+            ow = cute.recast_ptr(inputs.out, dtype=Uint32)
+            for s in cutlass.range_constexpr(2):
+                tt = 2 * q + s
+                if tt < tb:
+                    o = bb * inputs.o_row + Int64(start + tt) * inputs.o_tok + hh * P + Int64(8 * gq)
+                    bits.st_global_v4_u32((ow + o // 2).toint(), [Uint32(0)] * 4)
+        elif tb > Int32(0):
+            s_bc = SmemAllocator().allocate_tensor(Float32, cute.make_layout(RING * TOKENS * self.hpc), byte_alignment=16)
+            self.live_row(ring, copy, inputs, bb, Int64(slot32), cn, f_old + nf, start, tb, lane, gq, q, hh, w, s_bc)
+
+    @cute.jit
+    def live_row(self, ring, copy, inputs, bb, slot, cn, f_new, start, tb, lane, gq, q, hh, w, s_bc):
+        H, HPG = self.heads, self.hpg
+        g = hh // HPG
+        u = cn - f_new  # committed entries in the window
+        one, zero = Int32(1), Int32(0)
+
+        # C of token gq on lane q's n-set (zeros past T_b).
+        c_w = cute.recast_ptr(inputs.C, dtype=Uint32)
+        c_on = sel(gq < tb, one, zero)
+        c_row = (bb * inputs.c_row + Int64(start + gq) * inputs.c_tok + g * N) // 2
+        cw = []
+        for c in cutlass.range_constexpr(2):
+            base = (c_w + (c_row + Int64(self.fmt.c_word(c, q)))).toint()
+            cw.append(bits.ld_global_v4_u32_if(base, c_on) + bits.ld_global_v4_u32_if(base + 16, c_on))
+
+        # B of window entries gq, gq + 8: this warp's vector halves.
+        br_w = cute.recast_ptr(ring.b, dtype=Uint32)
+        b_w = cute.recast_ptr(inputs.B, dtype=Uint32)
+        br_row0 = slot * ring.b_stride16 * 4 + g * (RING * N // 2)
+        bq = []
+        for e in cutlass.range_constexpr(2):
+            j = gq + 8 * e
+            on = sel(j < u + tb, one, zero)
+            phys = Int64((f_new + j) % RING)
+            b_tok = (bb * inputs.b_row + Int64(start + cutlass.max(j - u, zero)) * inputs.b_tok + g * N) // 2
+            row = []
+            for i in cutlass.range_constexpr(self.vh_per_warp):
+                wo = Int64(self.vh_word(w * self.vh_per_warp + i, q))
+                src = sel(j < u, (br_w + (br_row0 + phys * (N // 2) + wo)).toint(), (b_w + (b_tok + wo)).toint())
+                row.append(bits.ld_global_v4_u32_if(src, on))
+            bq.append(row)
+
+        # The read copy.
+        loaded = self.fmt.pending_loads(copy, slot, hh, g, gq, q, self.read_hint)
+
+        # x of window entries 2 q + v % 2 + 8 (v // 2) at rows 8 gq .. + 7.
+        xr_w = cute.recast_ptr(ring.x, dtype=Uint32)
+        x_w = cute.recast_ptr(inputs.x, dtype=Uint32)
+        xr_head = slot * ring.x_stride16 * 4 + hh * (RING * P // 2) + Int64(4 * gq)
+        xw = []
+        for v in cutlass.range_constexpr(4):
+            j = 2 * q + (v % 2) + 8 * (v // 2)
+            phys = Int64((f_new + j) % RING)
+            x_tok = (bb * inputs.x_row + Int64(start + cutlass.max(j - u, zero)) * inputs.x_tok + hh * P) // 2 + Int64(4 * gq)
+            src = sel(j < u, (xr_w + (xr_head + phys * (P // 2))).toint(), (x_w + x_tok).toint())
+            xw.append(bits.ld_global_v4_u32_if(src, sel(j < u + tb, one, zero)))
+        # x of this lane's output tokens 2 q, 2 q + 1 (the D term and the ring writes).
+        xt = []
+        for s in cutlass.range_constexpr(2):
+            tt = 2 * q + s
+            x_tok = (bb * inputs.x_row + Int64(start + tt) * inputs.x_tok + hh * P) // 2 + Int64(4 * gq)
+            xt.append(bits.ld_global_v4_u32_if((x_w + x_tok).toint(), sel(tt < tb, one, zero)))
+
+        # dt of entry k = lane % 16 (processed; zero outside the window's live entries).
+        k = lane % 16
+        dt_ring = bits.ld_global_u32_if(
+            (ring.dt + (slot * ring.dt_stride + hh * RING + Int64((f_new + k) % RING))).toint(), sel(k < u, one, zero)
+        ).bitcast(Float32)
+        is_new = (k >= u) & (k < u + tb)
+        dt_off = bb * inputs.dt_row + Int64(start + cutlass.max(k - u, zero)) * inputs.dt_tok + hh * inputs.dt_h
+        dt_raw = bits.ld_global_dt_if(inputs.dt, dt_off, sel(is_new, one, zero))
+        bias = inputs.dt_bias[hh * inputs.bias_stride]
+        a_h = inputs.A[hh * inputs.a_stride]
+        dd = [inputs.D[hh * inputs.d_h + Int64(8 * gq + i) * inputs.d_p] for i in range(8)]
+
+        # C' = C down (per token: max |C_gq| over the lane's quad), up = 1 / down.
+        m = Uint32(0)
+        for c in cutlass.range_constexpr(2):
+            for v in cutlass.range_constexpr(8):
+                m = bits.max_u16x2(m, cw[c][v] & Uint32(0x7FFF7FFF))
+        amax = Int32(cutlass.max(m >> 16, m & Uint32(0xFFFF)) << 16)
+        amax = bits.xor_reduce(amax, 4, cutlass.max)
+        ef = amax >> 23
+        down = (cutlass.min(Int32(127 + 127 + C_TARGET_EXP) - ef, Int32(254)) << 23).bitcast(Float32)
+        up_field = ef - Int32(C_TARGET_EXP)
+        up = sel(up_field >= Int32(1), up_field << 23, Int32(0)).bitcast(Float32)
+
+        rd, rf = self.fmt.pending_dots(loaded, cw, down, gq, q)
+
+        # B_j . C_t, this warp's k share; partial tiles [entry, token] meet in shared memory.
+        acc_bc = [Float32(0.0)] * 4
+        for i in cutlass.range_constexpr(self.vh_per_warp):
+            vh = w * self.vh_per_warp + i
+            for hs in cutlass.range_constexpr(2):
+                a = [bq[0][i][2 * hs], bq[1][i][2 * hs], bq[0][i][2 * hs + 1], bq[1][i][2 * hs + 1]]
+                b0, b1 = cw[0][2 * hs], cw[0][2 * hs + 1]
+                for cand in cutlass.range_constexpr(1, 4):
+                    vv = 4 * (cand % 2) + 2 * hs
+                    b0 = sel(vh == cand, cw[cand // 2][vv], b0)
+                    b1 = sel(vh == cand, cw[cand // 2][vv + 1], b1)
+                acc_bc = mma_bf16_16x8x16(a, [b0, b1], acc_bc)
+        tile = w * (RING * TOKENS)
+        s_bc[tile + gq * TOKENS + 2 * q] = acc_bc[0]
+        s_bc[tile + gq * TOKENS + 2 * q + 1] = acc_bc[1]
+        s_bc[tile + (gq + 8) * TOKENS + 2 * q] = acc_bc[2]
+        s_bc[tile + (gq + 8) * TOKENS + 2 * q + 1] = acc_bc[3]
+        cute.arch.sync_threads()
+
+        # Scan over the entries (lane k % 16 = entry k).
+        dt_k = sel(is_new, softplus(dt_raw + bias), sel(k < u, dt_ring, Float32(0.0)))
+        pre = dt_k
+        off = 1
+        while off < RING:
+            prev = cute.arch.shuffle_sync_up(pre, off)
+            pre = sel(k >= off, pre + prev, pre)
+            off *= 2
+        # Token gq's coefficients at entries 2 q, 2 q + 1, 2 q + 8, 2 q + 9.
+        last_g = u + gq
+        pre_last = cute.arch.shuffle_sync(pre, last_g % RING)
+        coef = []
+        for v in cutlass.range_constexpr(4):
+            j = 2 * q + (v % 2) + 8 * (v // 2)
+            pre_j = cute.arch.shuffle_sync(pre, j)
+            dt_j = cute.arch.shuffle_sync(dt_k, j)
+            bc = s_bc[j * TOKENS + gq]
+            for ww in cutlass.range_constexpr(1, self.hpc):
+                bc = bc + s_bc[ww * (RING * TOKENS) + j * TOKENS + gq]
+            inside = (j <= last_g) & (gq < tb)
+            coef.append(sel(inside, dt_j * cute.math.exp(a_h * (pre_last - pre_j)) * bc, Float32(0.0)))
+        b_hi, b_lo = [], []
+        for h2 in cutlass.range_constexpr(2):
+            w_hi = f32x2_to_bf16x2(coef[2 * h2], coef[2 * h2 + 1])
+            back = bf16x2_to_f32x2(w_hi)
+            b_hi.append(w_hi)
+            b_lo.append(f32x2_to_bf16x2(coef[2 * h2] - back[0], coef[2 * h2 + 1] - back[1]))
+
+        # Non-finite x of an entry: zeroed in the MMA; tokens reading it output NaN.
+        bad = Int32(0)
+        for v in cutlass.range_constexpr(4):
+            j = 2 * q + (v % 2) + 8 * (v // 2)
+            nf_v = Int32(0)
+            for i in cutlass.range_constexpr(4):
+                wv = xw[v][i]
+                nf_v = nf_v | sel(((wv & Uint32(0x7F80)) == Uint32(0x7F80)) | ((wv & Uint32(0x7F800000)) == Uint32(0x7F800000)), one, zero)
+            xw[v] = [sel(nf_v != zero, Uint32(0), xw[v][i]) for i in range(4)]
+            bad = bad | (nf_v << j)
+        bad = bits.xor_reduce(bad, 32, lambda a_, b_: a_ | b_)
+
+        rs = []
+        for mt in cutlass.range_constexpr(4):
+            a = [
+                prmt(xw[0][mt], xw[1][mt], 0x5410),
+                prmt(xw[0][mt], xw[1][mt], 0x7632),
+                prmt(xw[2][mt], xw[3][mt], 0x5410),
+                prmt(xw[2][mt], xw[3][mt], 0x7632),
+            ]
+            acc = mma_bf16_16x8x16(a, b_hi, [Float32(0.0)] * 4)
+            rs.append(mma_bf16_16x8x16(a, b_lo, acc))
+
+        # Outputs: tokens 2 q + s, rows 8 gq + i (accumulator 2 (i % 2) + s of m-tile i // 2).
+        ow = cute.recast_ptr(inputs.out, dtype=Uint32)
+        for s in cutlass.range_constexpr(2):
+            tt = 2 * q + s
+            pre_t = cute.arch.shuffle_sync(pre_last, 4 * tt)
+            up_t = cute.arch.shuffle_sync(up, 4 * tt)
+            decay = cute.math.exp(a_h * pre_t)
+            nan_t = (bad & ((Int32(2) << cutlass.min(u + tt, Int32(RING - 1))) - one)) != zero
+            xo = []
+            for wd in cutlass.range_constexpr(4):
+                xo += bf16x2_to_f32x2(xt[s][wd])
+            y = []
+            for i in cutlass.range_constexpr(8):
+                mt, r = i // 2, i % 2
+                yi = decay * (rf[i] * (up_t * rd[mt][2 * r + s])) + rs[mt][2 * r + s] + dd[i] * xo[i]
+                y.append(sel(nan_t, Float32(float("nan")), yi))
+            if tt < tb:
+                o = bb * inputs.o_row + Int64(start + tt) * inputs.o_tok + hh * P + Int64(8 * gq)
+                bits.st_global_v4_u32((ow + o // 2).toint(), [f32x2_to_bf16x2(y[2 * i], y[2 * i + 1]) for i in range(4)])
+                dst = xr_head + Int64((cn + tt) % RING) * (P // 2)
+                bits.st_global_v4_u32((xr_w + dst).toint(), xt[s])
+        if lane < RING:
+            if is_new:
+                ring.dt[slot * ring.dt_stride + hh * RING + Int64((f_new + k) % RING)] = dt_k
+        if (hh - Int64(w)) % HPG == 0:  # the CTA holding the group's first head: each warp its share
+            for e in cutlass.range_constexpr(2):
+                j = gq + 8 * e
+                if (j >= u) & (j < u + tb):
+                    dst_row = br_row0 + Int64((f_new + j) % RING) * (N // 2)
+                    for i in cutlass.range_constexpr(self.vh_per_warp):
+                        dst = (br_w + (dst_row + Int64(self.vh_word(w * self.vh_per_warp + i, q)))).toint()
+                        bits.st_global_v4_u32(dst, bq[e][i])
+
+
+_COMPILED: dict[tuple, object] = {}
+
+
+def pending_kernel(state_dtype: str, arch: str, heads: int, groups: int, dt_dtype: torch.dtype = torch.float32):
+    """The kernel object and its compile-time arguments."""
+    fmt = read_copy_format(state_dtype, arch)
+    obj = PendingStep(fmt, heads, groups)
+    fake = [A.fake(A.Ring), A.fake(fmt.Args), A.fake(A.PendingInputs, dt=dt_dtype), A.fake(A.PendingPlan), Int32(0), make_fake_stream()]
+    return obj, fake
+
+
+def compiled_pending(state_dtype: str, arch: str, heads: int, groups: int, dt_dtype: torch.dtype):
+    """The compiled launcher (compiled on first use)."""
+    key = (state_dtype, arch, heads, groups, dt_dtype)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        obj, fake = pending_kernel(state_dtype, arch, heads, groups, dt_dtype)
+        fn = _COMPILED[key] = cute.compile(obj, *fake, options=f"--gpu-arch {arch}")
+    return fn
+
+
+def _tok_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int]:
+    return (0, t.stride(0)) if varlen else (t.stride(0), t.stride(1))
+
+
+def inputs_ok(x, B, C, out) -> bool:
+    """Whether the kernel reads these as they are: heads (groups) contiguous at 64 (128)
+    elements, 16-byte-aligned bases, row and token strides (bf16: multiples of 8)."""
+    for t, width in ((x, P), (B, N), (C, N), (out, P)):
+        if t.dtype != torch.bfloat16 or t.stride(-1) != 1 or t.stride(-2) != width or t.data_ptr() % 16:
+            return False
+        if any(st % 8 for st in t.stride()[:-2]):
+            return False
+    return True
+
+
+def pending_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, *, state_dtype: str, arch: str, varlen: bool, stream: int) -> None:
+    """Launch the step for a call whose plan and fold kernels have run: x [b, T, H, 64]
+    (varlen [total, H, 64]), B, C [.., G, 128], out like x, dt [b, T, H] ([total, H]),
+    A, dt_bias [H], D [H, 64]; `plan_rows` the plan kernel's int32 [b, 8] rows. The caller
+    checked `inputs_ok`."""
+    batch = plan_rows.shape[0]
+    heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
+    if dt.dtype not in A.DSL_DTYPES:
+        dt = dt.float()
+    fn = compiled_pending(state_dtype, arch, heads, groups, dt.dtype)
+    fmt = read_copy_format(state_dtype, arch)
+    ring = A.bound(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
+    copy = A.bound(fmt.Args, **fmt.tensors(cache, L))
+    x_row, x_tok = _tok_strides(x, varlen)
+    dt_row, dt_tok = _tok_strides(dt, varlen)
+    b_row, b_tok = _tok_strides(B, varlen)
+    c_row, c_tok = _tok_strides(C, varlen)
+    o_row, o_tok = _tok_strides(out, varlen)
+    inputs = A.bind(
+        A.PendingInputs, x=x, dt=dt, A=A_, B=B, C=C, D=D, dt_bias=dt_bias, out=out,
+        x_row=x_row, x_tok=x_tok, dt_row=dt_row, dt_tok=dt_tok, dt_h=dt.stride(-1), b_row=b_row, b_tok=b_tok,
+        c_row=c_row, c_tok=c_tok, o_row=o_row, o_tok=o_tok, a_stride=A_.stride(0), bias_stride=dt_bias.stride(0),
+        d_h=D.stride(0), d_p=D.stride(1),
+    )
+    plan = A.bound(A.PendingPlan, rows=plan_rows)
+    fn(ring, copy, inputs, plan, Int32(batch), cuda_driver.CUstream(stream))
+
+
+__all__ = ["PendingStep", "CTAS_PER_SM", "TOKENS", "pending_kernel", "compiled_pending", "inputs_ok", "pending_step"]
