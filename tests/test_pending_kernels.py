@@ -65,9 +65,11 @@ def _engine_shaped(x, dt, B, C):
     return xs, dt.to(torch.bfloat16).unsqueeze(-1).expand(*dt.shape, L.HEAD_DIM)[..., 0], Bs, Cs
 
 
-def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, cu=None, engine=False, kernel=None, out_dtype=torch.float32):
+def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, plan, cu=None, engine=False, kernel=None,
+                out_dtype=torch.float32):  # fmt: skip
     """One call on the kernels (`kc`, a copy of `cache`; engine-shaped inputs when
-    `engine`; `kernel` the decode function, the Triton one by default) and on the
+    `engine`; `kernel` the decode function, the Triton one by default; `plan` the plan
+    buffer every call of a run shares, as a cache's) and on the
     reference (`cache`), whose fold is given the kernel's own FP32 state S (checked
     against the reference fold first), so every state tensor compares bit for bit and
     the outputs within KERNEL_OUTPUT_BF16_ULPS; then `kc` takes the reference's cache
@@ -90,7 +92,7 @@ def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, cu=None, engine
     dbg = torch.full((ids.numel(), heads, L.HEAD_DIM, L.STATE_DIM), NAN, device=dev)
     kx, kdt, kB, kC = _engine_shaped(x, dt, B, C) if engine else (x, dt, B, C)
     kernel(kc, kx, kdt, A, kB, kC, D, bias, ids, got, nvfp4=nv, seed=seed, max_seqlen=M,
-           num_accepted_tokens=acc, cu_seqlens=cu, debug_state=dbg)  # fmt: skip
+           num_accepted_tokens=acc, cu_seqlens=cu, debug_state=dbg, plan=plan)  # fmt: skip
 
     num_slots = cache[L.CHECKPOINT].shape[0]
     pos0 = before[L.POSITIONS]
@@ -142,6 +144,9 @@ def _run(fmt, M, heads, groups, device, calls, varlen_every=3, seed=5, kernel=No
     ids = torch.tensor([1, 0, 3, 4, 9, 2], device=device)  # padding rows 0 and 9
     b = ids.numel()
     folds = 0
+    from replayssm.kernels.triton.pending import PendingPlan
+
+    plan = PendingPlan(b, device)
     for call in range(calls):
         acc = None if call == 0 else torch.tensor([rng.randint(-1, M) for _ in range(b)], dtype=torch.int32, device=device)
         pos = cache[L.POSITIONS]
@@ -160,8 +165,8 @@ def _run(fmt, M, heads, groups, device, calls, varlen_every=3, seed=5, kernel=No
         else:
             cu = None
             toks = _tokens(gen, (b, M), heads, groups, device)
-        folds += _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, cu, engine=call % 2 == 1, kernel=kernel,
-                             out_dtype=out_dtype)  # fmt: skip
+        folds += _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, plan, cu, engine=call % 2 == 1,
+                             kernel=kernel, out_dtype=out_dtype)  # fmt: skip
     return folds
 
 
@@ -189,9 +194,9 @@ def _cute_decode(cache, x, dt, A, B, C, D, bias, ids, out, *, nvfp4, **kw):
     from replayssm.kernels.cute.pending import inputs_ok, pending_step
     from replayssm.kernels.triton.pending import pending_decode as triton_decode
 
-    def step(x_, dt_, B_, C_, out_, rows, varlen):
+    def step(x_, dt_, B_, C_, out_, rows, fold_list, varlen):
         assert inputs_ok(x_, B_, C_, out_)
-        pending_step(cache, x_, dt_, A, B_, C_, D, bias, out_, rows, state_dtype="nvfp4" if nvfp4 else "fp8",
+        pending_step(cache, x_, dt_, A, B_, C_, D, bias, out_, rows, fold_list, state_dtype="nvfp4" if nvfp4 else "fp8",
                      arch=arch_for(x_.device), varlen=varlen, stream=torch.cuda.current_stream().cuda_stream)  # fmt: skip
         return True
 

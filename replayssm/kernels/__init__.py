@@ -248,13 +248,13 @@ class KernelBackend:
             arch = ctx.cute[1]
             state_dtype = "nvfp4" if kwargs.get("nvfp4") else "fp8"
 
-            def step(x_, dt_, B_, C_, out_, rows, varlen):
+            def step(x_, dt_, B_, C_, out_, rows, fold_list, varlen):
                 from .cute.launch import current_stream
                 from .cute.pending import inputs_ok, pending_step
 
                 if not inputs_ok(x_, B_, C_, out_):
                     return False
-                pending_step(cache, x_, dt_, A, B_, C_, D, dt_bias, out_, rows, state_dtype=state_dtype,
+                pending_step(cache, x_, dt_, A, B_, C_, D, dt_bias, out_, rows, fold_list, state_dtype=state_dtype,
                              arch=arch, varlen=varlen, stream=current_stream(out_.get_device()))  # fmt: skip
                 return True
 

@@ -111,9 +111,11 @@ class PendingInputs(NamedTuple):
 
 
 class PendingPlan(NamedTuple):
-    """The pending plan kernel's rows (int32 [batch, 8], `triton.pending._plan_row`)."""
+    """The pending plan kernel's rows (int32 [batch, 8], `triton.pending._plan_row`) and
+    the fold kernel's work list (int32; the step resets its count, word 0)."""
 
     rows: Pointer
+    fold_list: Pointer
 
 
 class Plan(NamedTuple):
@@ -179,7 +181,7 @@ SPECS[PendingInputs] = {
     "D": (Float32, 4), "dt_bias": (Float32, 4), "out": (BFloat16, 16),
     **{name: (VALUE, Int64) for name in PendingInputs._fields[8:]},
 }
-SPECS[PendingPlan] = {"rows": (Int32, 16)}
+SPECS[PendingPlan] = {"rows": (Int32, 16), "fold_list": (Int32, 4)}
 
 
 def dense_rows(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> bool:

@@ -4,7 +4,7 @@ read-copy format (`read_copy.Fp8` / `read_copy.Nvfp4`) supplying the read-copy l
 row dots; the rest is `decode.Decode`'s lane map with the tokens in the MMA's n dimension.
 
 It runs after the Triton plan and fold kernels of `kernels/triton/pending.py` (same
-stream): the plan row (`_plan_row`: slot or -1, c', f_old, nf, parity, key, first token,
+stream), and resets the fold kernel's work list for the next call: the plan row (`_plan_row`: slot or -1, c', f_old, nf, parity, key, first token,
 T_b) gives the window of 16 token indices from the checkpoint f_new = f_old + nf, whose
 entry j is ring entry (f_new + j) mod 16 for j < u = c' - f_new (committed) and token
 j - u of the call for u <= j < u + T_b; rows that folded read the read copy the fold
@@ -104,6 +104,8 @@ class PendingStep:
         gq, q = lane // 4, lane % 4
         hh = Int64(bx * self.hpc + t // 32)
         w = Int32(t // 32)
+        if (bx == 0) & (b == 0) & (t == 0):  # the fold kernel (launched before) has consumed its list
+            plan.fold_list[0] = Int32(0)
         if slot32 < Int32(0):
             # Padding row: zeros for its T_b tokens (tokens 2 q, 2 q + 1, rows 8 gq .. + 7).
             ow = cute.recast_ptr(inputs.out, dtype=Uint32)
@@ -336,10 +338,11 @@ def inputs_ok(x, B, C, out) -> bool:
     return True
 
 
-def pending_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, *, state_dtype: str, arch: str, varlen: bool, stream: int) -> None:
+def pending_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, *, state_dtype: str, arch: str, varlen: bool, stream: int) -> None:
     """Launch the step for a call whose plan and fold kernels have run: x [b, T, H, 64]
     (varlen [total, H, 64]), B, C [.., G, 128], out like x, dt [b, T, H] ([total, H]),
-    A, dt_bias [H], D [H, 64]; `plan_rows` the plan kernel's int32 [b, 8] rows. The caller
+    A, dt_bias [H], D [H, 64]; `plan_rows` the plan kernel's int32 [b, 8] rows and
+    `fold_list` the fold kernel's work list, whose count the step resets. The caller
     checked `inputs_ok`."""
     batch = plan_rows.shape[0]
     heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
@@ -360,7 +363,7 @@ def pending_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, *, state_dt
         c_row=c_row, c_tok=c_tok, o_row=o_row, o_tok=o_tok, a_stride=A_.stride(0), bias_stride=dt_bias.stride(0),
         d_h=D.stride(0), d_p=D.stride(1),
     )
-    plan = A.bound(A.PendingPlan, rows=plan_rows)
+    plan = A.bound(A.PendingPlan, rows=plan_rows, fold_list=fold_list)
     fn(ring, copy, inputs, plan, Int32(batch), cuda_driver.CUstream(stream))
 
 

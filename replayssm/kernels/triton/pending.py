@@ -495,7 +495,8 @@ def pending_decode(
     `num_accepted_tokens`: int [b] or None. `plan`: a `PendingPlan` with room for b rows
     (made when None). `debug_state`: FP32 [b, H, 64, 128] receiving the folded state S of
     the rows that fold (tests). `step`: launches the step in place of `_step_kernel`
-    (the CuTe kernel: step(x, dt, B, C, out, plan rows, varlen) -> whether it launched).
+    (the CuTe kernel: step(x, dt, B, C, out, plan rows, fold list, varlen) -> whether it
+    launched; it resets the fold list's count).
     Three launches; returns `out`."""
     ids = ids.reshape(-1)
     batch = ids.shape[0]
@@ -553,7 +554,7 @@ def pending_decode(
         H=heads, HPG=hpg, FP=FOLD_ROWS, NVFP4=nvfp4, DEBUG=debug_state is not None, HW_CVT=not interpreting(),
         PRECISION=PRECISION, num_warps=FOLD_WARPS,
     )
-    if step is not None and step(x, dt, B, C, out_v, pv, varlen):
+    if step is not None and step(x, dt, B, C, out_v, pv, plan.fold_list, varlen):
         return out
     hb = min(step_heads, hpg)
     _step_kernel[(batch, heads // hb)](
