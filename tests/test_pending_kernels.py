@@ -189,10 +189,14 @@ def test_pending_kernels_match_the_reference_gpu(fmt, M):
 
 
 def _cute_decode(cache, x, dt, A, B, C, D, bias, ids, out, *, nvfp4, **kw):
-    """The Triton plan and fold kernels, then the CuTe step (cute/pending.py)."""
+    """The Triton plan kernel, then the CuTe fold and step (cute/pending.py)."""
     from replayssm.kernels.cute.arch import arch_for
-    from replayssm.kernels.cute.pending import inputs_ok, pending_step
+    from replayssm.kernels.cute.pending import inputs_ok, pending_fold, pending_step
     from replayssm.kernels.triton.pending import pending_decode as triton_decode
+
+    def fold(rows, fold_list, debug_state):
+        pending_fold(cache, A, rows, fold_list, state_dtype="nvfp4" if nvfp4 else "fp8", arch=arch_for(x.device),
+                     head_offset=0, stream=torch.cuda.current_stream().cuda_stream, debug_state=debug_state)  # fmt: skip
 
     def step(x_, dt_, B_, C_, out_, rows, fold_list, varlen):
         assert inputs_ok(x_, B_, C_, out_)
@@ -200,14 +204,14 @@ def _cute_decode(cache, x, dt, A, B, C, D, bias, ids, out, *, nvfp4, **kw):
                      arch=arch_for(x_.device), varlen=varlen, stream=torch.cuda.current_stream().cuda_stream)  # fmt: skip
         return True
 
-    return triton_decode(cache, x, dt, A, B, C, D, bias, ids, out, nvfp4=nvfp4, step=step, **kw)
+    return triton_decode(cache, x, dt, A, B, C, D, bias, ids, out, nvfp4=nvfp4, step=step, fold=fold, **kw)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("M", [2, 4, 8])
-def test_pending_cute_step_matches_the_reference_gpu(fmt, M):
-    """The CuTe step after the Triton plan and fold: 16 heads / 2 groups, 24 calls, bf16
+def test_pending_cute_kernels_match_the_reference_gpu(fmt, M):
+    """The CuTe fold and step after the Triton plan: 16 heads / 2 groups, 24 calls, bf16
     outputs (dense and varlen, plain and engine-shaped inputs)."""
     pytest.importorskip("cutlass")
     assert _run(fmt, M, 16, 2, "cuda", calls=24, kernel=_cute_decode, out_dtype=torch.bfloat16) > 0

@@ -228,9 +228,10 @@ class KernelBackend:
         return ctx
 
     def decode_pending(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs) -> None:
-        """Pending mode on a CUDA cache: the Triton plan and fold kernels of
-        kernels/triton/pending.py, then the CuTe step (cute/pending.py; the Triton step
-        where the CuTe kernels cannot run the cache or the inputs' layout); three launches,
+        """Pending mode on a CUDA cache: the Triton plan kernel of kernels/triton/pending.py,
+        then the CuTe fold and step (cute/pending.py; where the CuTe kernels cannot run
+        the cache, Triton's fold and step, and Triton's step where they cannot read the
+        inputs' layout); three launches,
         no host sync; the plan buffer is the cache context's, grown to the largest batch
         seen, so a captured CUDA graph replays it. On the CPU the PyTorch reference (`pending.pending_decode`; the tests run the
         kernels in the interpreter themselves)."""
@@ -243,10 +244,18 @@ class KernelBackend:
         batch = ids.numel()
         if ctx.pending is None or ctx.pending.rows < batch:
             ctx.pending = PendingPlan(max(batch, 64), cache[L.CHECKPOINT].device)
-        step = None
+        step = fold = None
         if ctx.cute is not None:
             arch = ctx.cute[1]
             state_dtype = "nvfp4" if kwargs.get("nvfp4") else "fp8"
+
+            def fold(rows, fold_list, debug_state):
+                from .cute.launch import current_stream
+                from .cute.pending import pending_fold
+
+                pending_fold(cache, A, rows, fold_list, state_dtype=state_dtype, arch=arch,
+                             head_offset=kwargs.get("head_offset", 0), stream=current_stream(A.get_device()),
+                             debug_state=debug_state)  # fmt: skip
 
             def step(x_, dt_, B_, C_, out_, rows, fold_list, varlen):
                 from .cute.launch import current_stream
@@ -258,7 +267,7 @@ class KernelBackend:
                              arch=arch, varlen=varlen, stream=current_stream(out_.get_device()))  # fmt: skip
                 return True
 
-        pending_decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, plan=ctx.pending, step=step, **kwargs)
+        pending_decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, plan=ctx.pending, step=step, fold=fold, **kwargs)
 
     def materialize_pending(self, cache, ids, A, *, max_seqlen: int, out=None) -> torch.Tensor:
         """The Triton materialize kernel in pending mode (the checkpoint at the fold grid

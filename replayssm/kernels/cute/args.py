@@ -118,6 +118,22 @@ class PendingPlan(NamedTuple):
     fold_list: Pointer
 
 
+class PendingDebugPlan(NamedTuple):
+    """`PendingPlan` of the pending fold's test variant, and a buffer for the FP32 state of
+    every folded row."""
+
+    rows: Pointer
+    fold_list: Pointer
+    state: Pointer  # f32 [batch, H, 64, 128]
+
+
+class FoldParams(NamedTuple):
+    """The one layer parameter the pending fold reads."""
+
+    A: Pointer  # f32 [H]
+    a_stride: Int64
+
+
 class Plan(NamedTuple):
     """The prepare kernel's plan (`reference.Plan`), one entry a batch row."""
 
@@ -182,6 +198,8 @@ SPECS[PendingInputs] = {
     **{name: (VALUE, Int64) for name in PendingInputs._fields[8:]},
 }
 SPECS[PendingPlan] = {"rows": (Int32, 16), "fold_list": (Int32, 4)}
+SPECS[PendingDebugPlan] = {**SPECS[PendingPlan], "state": (Float32, 16)}
+SPECS[FoldParams] = {"A": (Float32, 4), "a_stride": ("A", 0, 1)}
 
 
 def dense_rows(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> bool:
@@ -305,4 +323,4 @@ def bind(struct: type, **tensors):
     return struct(*values)
 
 
-__all__ = ["PendingInputs", "PendingPlan", "bound", "raw", "widths", "dense_rows", "row_words", "DSL_DTYPES", "Ring", "Fp8Copy", "Nvfp4Copy", "Checkpoint", "Inputs", "Plan", "DebugPlan", "SPECS", "fake", "bind"]
+__all__ = ["PendingInputs", "PendingPlan", "PendingDebugPlan", "FoldParams", "bound", "raw", "widths", "dense_rows", "row_words", "DSL_DTYPES", "Ring", "Fp8Copy", "Nvfp4Copy", "Checkpoint", "Inputs", "Plan", "DebugPlan", "SPECS", "fake", "bind"]

@@ -137,7 +137,8 @@ class Flush:
     the FP32 state S of every flushed row, so tests can apply the reference quantizers
     to the kernel's own S) and `dense_rows` (as `decode.Decode`'s)."""
 
-    def __init__(self, fmt, heads: int, groups: int, *, pdl: bool = False, rows: int = 16, debug: bool = False, dense_rows: bool = True) -> None:
+    def __init__(self, fmt, heads: int, groups: int, *, pdl: bool = False, rows: int = 16, debug: bool = False, dense_rows: bool = True, pending: bool = False) -> None:
+        self.pending = pending
         self.fmt = fmt
         self.dense_rows = dense_rows
         self.heads, self.groups = heads, groups
@@ -215,7 +216,7 @@ class Flush:
         q, nq, rows, col0 = self.lane_geometry(t, mh)
         key = Uint32(plan.key[bb])
         ctx = fmt.begin_row(copy, plan, slot, bb, hh // self.hpg)
-        acc, r_c, ck_w, ck_head = self.fold(t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, ring, inputs)
+        acc, r_c, ck_w, ck_head = self.fold(t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, ring, inputs, 0, RING - 1)
         self.row_partials(t, mh, acc, r_c, s_dot, s_amax, fmt.row_amax)
         stats = fmt.lane_stats(acc, 2, NT)
         cute.arch.sync_threads()
@@ -268,10 +269,16 @@ class Flush:
         for k in cutlass.range_constexpr(2):
             _vec_a(s_x.iterator, jx * X_ROW + xs + 4 * k, 4).store(_vec(r_xs.iterator, 4 * k, 4).load())
 
+    def entry(self, base, j):
+        """Ring entry of staged entry j: j itself (a flush folds the ring in order), or
+        (base + j) mod 16 (pending: the committed entries from the checkpoint's index)."""
+        return (base + j) % RING if self.pending else j
+
     @cute.jit
-    def fold(self, t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, ring, inputs):
+    def fold(self, t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, ring, inputs, base, count):
         """S of this lane's 32 elements, from the checkpoint and the 16 ring entries (the
-        current token as entry 15), on the tensor cores. Returns (acc, this lane's C words,
+        current token as entry 15; pending: ring entries `entry(base, j)` for j < count,
+        zeros beyond), on the tensor cores. Returns (acc, this lane's C words,
         the checkpoint as words, the head's first checkpoint word); acc[nt][2 i + e] is
         row i at lane column 2 nt + e. Leaves s_x (x_j of this CTA's state rows, FP32)
         and s_dt[RING:] (their D[p]) staged for the outputs."""
@@ -290,24 +297,28 @@ class Flush:
         # here. Loaded inside the `t < RING` branch below, they were issued only after
         # the x_j / B_j stores to shared memory, a memory round trip of their own before
         # the barrier.
-        ring_dt = bits.ld_global_u32_if((ring.dt + (slot * ring.dt_stride + hh * RING + Int64(t))).toint(), sel(t < RING - 1, Int32(1), Int32(0)))
-        last = sel(t == RING - 1, Int32(1), Int32(0))
-        raw_dt = bits.ld_global_dt_if(inputs.dt, bb * inputs.dt_stride_b + hh * inputs.dt_stride_h, last)
-        bias_dt = bits.ld_global_u32_if((inputs.dt_bias + hh * inputs.dt_bias_stride).toint(), last)
+        ring_dt = bits.ld_global_u32_if((ring.dt + (slot * ring.dt_stride + hh * RING + Int64(self.entry(base, t)))).toint(), sel(t < count, Int32(1), Int32(0)))
         a_h = bits.ld_global_u32_if((inputs.A + hh * inputs.a_stride).toint(), Int32(1)).bitcast(Float32)
-        # D[p] of the CTA's state rows (threads 0..31), staged for the outputs. Loaded in
-        # row_output, after the barrier that precedes it, D was a round trip inside every
-        # flushed row's chain.
-        d_row = bits.ld_global_u32_if((inputs.D + (hh * inputs.d_stride_h + Int64(mh * ROWS_HALF + t % ROWS_HALF) * inputs.d_stride_p)).toint(), sel(t < ROWS_HALF, Int32(1), Int32(0)))
-        c_w = cute.recast_ptr(inputs.C, dtype=Uint32)
-        r_c = self.words(c_w, A.row_words(self.dense_rows, bb, inputs.c_stride16, self.groups * N // 2) + g * (N // 2) + Int64(col0 // 2), NT)
+        raw_dt, bias_dt, d_row, r_c = Float32(0.0), Uint32(0), Uint32(0), None
+        if cutlass.const_expr(not self.pending):
+            last = sel(t == RING - 1, Int32(1), Int32(0))
+            raw_dt = bits.ld_global_dt_if(inputs.dt, bb * inputs.dt_stride_b + hh * inputs.dt_stride_h, last)
+            bias_dt = bits.ld_global_u32_if((inputs.dt_bias + hh * inputs.dt_bias_stride).toint(), last)
+            # D[p] of the CTA's state rows (threads 0..31), staged for the outputs. Loaded in
+            # row_output, after the barrier that precedes it, D was a round trip inside every
+            # flushed row's chain.
+            d_row = bits.ld_global_u32_if((inputs.D + (hh * inputs.d_stride_h + Int64(mh * ROWS_HALF + t % ROWS_HALF) * inputs.d_stride_p)).toint(), sel(t < ROWS_HALF, Int32(1), Int32(0)))
+            c_w = cute.recast_ptr(inputs.C, dtype=Uint32)
+            r_c = self.words(c_w, A.row_words(self.dense_rows, bb, inputs.c_stride16, self.groups * N // 2) + g * (N // 2) + Int64(col0 // 2), NT)
 
         # Stage x_j (FP32) of this CTA's 32 state rows and B_j (FP32, fragment order) of
         # entries 0..15: 15 from the rings, the current token as entry 15; and dt_j.
         xw = cute.recast_ptr(ring.x, dtype=Uint32)
-        xcur = cute.recast_ptr(inputs.x, dtype=Uint32)
         bw = cute.recast_ptr(ring.b, dtype=Uint32)
-        bcur = cute.recast_ptr(inputs.B, dtype=Uint32)
+        xcur = bcur = None
+        if cutlass.const_expr(not self.pending):
+            xcur = cute.recast_ptr(inputs.x, dtype=Uint32)
+            bcur = cute.recast_ptr(inputs.B, dtype=Uint32)
         ch = t % 16  # columns 8 ch .. 8 ch + 7
         # B_j staging: 16 entries x 16 chunks of 8 columns, `reps` a thread (entry jb of
         # rep: t // 16 + rep * threads // 16; only the last rep holds entry 15).
@@ -321,14 +332,18 @@ class Flush:
             # 0..14, the step's input for entry 15; the other load gives zeros), in
             # straight-line code, so that ptxas issues the x_j and B_j loads together.
             x_on = sel(t < RING * ROWS_HALF // 8, Int32(1), Int32(0))
-            x_ring_on = sel(jx < RING - 1, x_on, Int32(0))
-            x_ring_w = bits.ld_global_v4_u32_if((xw + (slot * ring.x_stride16 * 4 + (hh * RING + Int64(jx)) * (P // 2) + Int64(xs // 2))).toint(), x_ring_on)
-            x_cur_w = bits.ld_global_v4_u32_if((xcur + (A.row_words(self.dense_rows, bb, inputs.x_stride16, self.heads * P // 2) + hh * (P // 2) + Int64(xs // 2))).toint(), x_on - x_ring_on)
+            x_ring_on = sel(jx < count, x_on, Int32(0))
+            x_ring_w = bits.ld_global_v4_u32_if((xw + (slot * ring.x_stride16 * 4 + (hh * RING + Int64(self.entry(base, jx))) * (P // 2) + Int64(xs // 2))).toint(), x_ring_on)
+            x_cur_w = [Uint32(0)] * 4
+            if cutlass.const_expr(not self.pending):
+                x_cur_w = bits.ld_global_v4_u32_if((xcur + (A.row_words(self.dense_rows, bb, inputs.x_stride16, self.heads * P // 2) + hh * (P // 2) + Int64(xs // 2))).toint(), x_on - x_ring_on)
             b_words = []
             for rep in cutlass.range_constexpr(reps):
                 jb = t // 16 + rep * (THREADS // 16)
-                b_src = (bw + (slot * ring.b_stride16 * 4 + (g * RING + Int64(jb)) * (N // 2) + Int64(ch * 4))).toint()
-                if cutlass.const_expr(rep == reps - 1):
+                b_src = (bw + (slot * ring.b_stride16 * 4 + (g * RING + Int64(self.entry(base, jb))) * (N // 2) + Int64(ch * 4))).toint()
+                if cutlass.const_expr(self.pending):
+                    b_words.append(bits.ld_global_v4_u32_if(b_src, sel(jb < count, Int32(1), Int32(0))))
+                elif cutlass.const_expr(rep == reps - 1):
                     b_ring_on = sel(jb < RING - 1, Int32(1), Int32(0))
                     b_ring_w = bits.ld_global_v4_u32_if(b_src, b_ring_on)
                     b_cur_w = bits.ld_global_v4_u32_if((bcur + (A.row_words(self.dense_rows, bb, inputs.b_stride16, self.groups * N // 2) + g * (N // 2) + Int64(ch * 4))).toint(), Int32(1) - b_ring_on)
@@ -345,16 +360,26 @@ class Flush:
                     r_rep[4 + k] = v[1]  # column 8 ch + 2 k + 1
                 r_bs.append(r_rep)
         else:
-            # Both sources loaded by every staging thread, the entry picked by a select.
+            # Both sources loaded by every staging thread, the entry picked by a select
+            # (pending: the ring's entries j < count, zeros beyond: later entries may be
+            # rejected drafts holding NaN).
             if t < RING * ROWS_HALF // 8:
-                from_ring = _vec_a(xw, slot * ring.x_stride16 * 4 + (hh * RING + Int64(jx)) * (P // 2) + Int64(xs // 2), 4).load()
-                cur = _vec_a(xcur, A.row_words(self.dense_rows, bb, inputs.x_stride16, self.heads * P // 2) + hh * (P // 2) + Int64(xs // 2), 4).load()
-                self.stage_x(s_x, jx, xs, [sel(jx == RING - 1, cur[k], from_ring[k]) for k in range(4)])
+                from_ring = _vec_a(xw, slot * ring.x_stride16 * 4 + (hh * RING + Int64(self.entry(base, jx))) * (P // 2) + Int64(xs // 2), 4).load()
+                if cutlass.const_expr(self.pending):
+                    self.stage_x(s_x, jx, xs, [sel(jx < count, from_ring[k], Uint32(0)) for k in range(4)])
+                else:
+                    cur = _vec_a(xcur, A.row_words(self.dense_rows, bb, inputs.x_stride16, self.heads * P // 2) + hh * (P // 2) + Int64(xs // 2), 4).load()
+                    self.stage_x(s_x, jx, xs, [sel(jx == RING - 1, cur[k], from_ring[k]) for k in range(4)])
             for rep in cutlass.range_constexpr(reps):
                 jb = t // 16 + rep * (THREADS // 16)
-                from_ring = _vec_a(bw, slot * ring.b_stride16 * 4 + (g * RING + Int64(jb)) * (N // 2) + Int64(ch * 4), 4).load()
+                from_ring = _vec_a(bw, slot * ring.b_stride16 * 4 + (g * RING + Int64(self.entry(base, jb))) * (N // 2) + Int64(ch * 4), 4).load()
                 r_rep = cute.make_rmem_tensor(cute.make_layout(8), Float32)
-                if cutlass.const_expr(rep == reps - 1):
+                if cutlass.const_expr(self.pending):
+                    for k in cutlass.range_constexpr(4):
+                        v = _bf16x2(sel(jb < count, from_ring[k], Uint32(0)))
+                        r_rep[k] = v[0]
+                        r_rep[4 + k] = v[1]
+                elif cutlass.const_expr(rep == reps - 1):
                     cur = _vec_a(bcur, A.row_words(self.dense_rows, bb, inputs.b_stride16, self.groups * N // 2) + g * (N // 2) + Int64(ch * 4), 4).load()
                     for k in cutlass.range_constexpr(4):
                         v = _bf16x2(sel(jb == RING - 1, cur[k], from_ring[k]))
@@ -373,11 +398,13 @@ class Flush:
                 _vec_a(s_b.iterator, b_base + 4 * k, 4).store(_vec(r_bs[rep].iterator, 4 * k, 4).load())
         if t < RING:
             dt_t = ring_dt.bitcast(Float32)
-            if t == RING - 1:
-                dt_t = softplus(raw_dt + bias_dt.bitcast(Float32))
+            if cutlass.const_expr(not self.pending):
+                if t == RING - 1:
+                    dt_t = softplus(raw_dt + bias_dt.bitcast(Float32))
             s_dt[t] = dt_t
-        if t < ROWS_HALF:
-            s_dt[RING + t] = d_row.bitcast(Float32)
+        if cutlass.const_expr(not self.pending):
+            if t < ROWS_HALF:
+                s_dt[RING + t] = d_row.bitcast(Float32)
         cute.arch.sync_threads()
 
         # pre_k = dt_0 + .. + dt_k (in order, the reference's sum), w_j = dt_j
@@ -437,7 +464,7 @@ class Flush:
         return acc, r_c, ck_w, ck_head
 
     @cute.jit
-    def row_partials(self, t, mh, acc, r_c, s_dot, s_amax, row_amax: cutlass.Constexpr = True):
+    def row_partials(self, t, mh, acc, r_c, s_dot, s_amax, row_amax: cutlass.Constexpr = True, dots: cutlass.Constexpr = True):
         """Row dots with C and (`row_amax`) amaxes of this column part: over the 4
         lanes of a row, into s_dot / s_amax[half * 64 + row] (a barrier must follow
         before they are read)."""
@@ -446,16 +473,18 @@ class Flush:
             dot = Float32(0.0)
             amax = Int32(0)
             for nt in cutlass.range_constexpr(NT):
-                cv = _bf16x2(r_c[nt])
                 for e in cutlass.range_constexpr(2):
                     v = acc[nt][2 * i + e]
-                    dot = dot + v * cv[e]
+                    if cutlass.const_expr(dots):
+                        dot = dot + v * _bf16x2(r_c[nt])[e]
                     amax = cutlass.max(amax, v.bitcast(Int32) & Int32(0x7FFFFFFF))
-            dot = _xor_reduce(dot, 4, lambda a, c: a + c)
+            if cutlass.const_expr(dots):
+                dot = _xor_reduce(dot, 4, lambda a, c: a + c)
             if cutlass.const_expr(row_amax):
                 amax = _xor_reduce(amax, 4, cutlass.max)
             if q == 0:
-                s_dot[nq * P + rows[i]] = dot
+                if cutlass.const_expr(dots):
+                    s_dot[nq * P + rows[i]] = dot
                 if cutlass.const_expr(row_amax):
                     s_amax[nq * P + rows[i]] = amax
 
@@ -503,4 +532,70 @@ class Flush:
             _vec_a(ck_w, ck_head + pp * (N // 2) + Int64(col0 // 2 + 4 * k), 4).store(_vec(r_ck_out.iterator, 4 * k, 4).load())
 
 
-__all__ = ["Flush", "flush_columns", "flush_mask", "M_SPLIT"]
+class PendingFold(Flush):
+    """Pending mode's fold (kernels/triton/pending.py's plan kernel lists the rows that
+    fold): per listed row and head, S = exp(A pre) ckpt + sum_{j < nf} w_j x_j (x) B_j over
+    the committed ring entries (f_old + j) mod 16, j < nf (dt from the ring; later entries
+    are zeros: they may be rejected drafts holding NaN), then the checkpoint (stochastic
+    rounding, the plan row's key) and the read copy exactly as the flush writes them; no
+    outputs (the step kernel reads the new read copy). Work items (listed row, head half)
+    over a persistent grid of `ctas` CTAs. `debug`: `PendingDebugPlan`, S of every folded
+    row to its state buffer."""
+
+    def __init__(self, fmt, heads: int, groups: int, *, debug: bool = False) -> None:
+        super().__init__(fmt, heads, groups, debug=debug, pending=True)
+
+    @cute.jit
+    def __call__(self, ckpt, ring, copy, params, plan, ctas: Int32, stream: cuda_driver.CUstream):
+        self.kernel(ckpt, ring, copy, params, plan).launch(
+            grid=[ctas, 1, 1],
+            block=[THREADS, 1, 1],
+            min_blocks_per_mp=MIN_CTAS_PER_SM,
+            preferred_smem_carveout=-1,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, ckpt, ring, copy, params, plan):
+        t, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        n_ctas, _, _ = cute.arch.grid_dim()
+        smem = SmemAllocator()
+        s_x, s_b, s_dt, s_dot, s_amax = self.shared_buffers(smem)
+        s_fmt = self.fmt.shared(smem, WARPS)
+        hm = Int32(self.heads * M_SPLIT)
+        pw = cute.recast_ptr(plan.rows, dtype=Uint32)
+        for it in range(Int32(bid), Int32(plan.fold_list[0]) * hm, Int32(n_ctas)):
+            bb = Int64(plan.fold_list[it // hm + 1])
+            hx = it % hm
+            row0 = bits.ld_global_v4_u32((pw + bb * 8).toint())
+            row1 = bits.ld_global_v4_u32((pw + bb * 8 + 4).toint())
+            self.fold_row(
+                t, Int64(hx // M_SPLIT), hx % M_SPLIT, bb, Int64(Int32(row0[0])), Int32(row0[2]), Int32(row0[3]),
+                Int32(row1[0]), row1[1], s_x, s_b, s_dt, s_dot, s_amax, s_fmt, ckpt, ring, copy, params, plan,
+            )
+
+    @cute.jit
+    def fold_row(self, t, hh, mh, bb, slot, f_old, nf, live, key, s_x, s_b, s_dt, s_dot, s_amax, s_fmt, ckpt, ring, copy, params, plan):
+        """State rows 32 mh .. + 31 of head hh of one folding row (the whole CTA): the
+        flush's `flush_row` without the output."""
+        fmt = self.fmt
+        q, nq, rows, col0 = self.lane_geometry(t, mh)
+        ctx = fmt.begin_fold(copy, Int64(Int32(1) - (live & Int32(1))), slot, hh // self.hpg)
+        acc, _, ck_w, ck_head = self.fold(t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, ring, params, f_old, nf)
+        self.row_partials(t, mh, acc, None, s_dot, s_amax, fmt.row_amax, False)
+        stats = fmt.lane_stats(acc, 2, NT)
+        cute.arch.sync_threads()
+        scodes = fmt.block_scales(stats, ctx)
+        for i in cutlass.range_constexpr(2):
+            pp = Int64(rows[i])
+            if cutlass.const_expr(self.debug):
+                self.store_state(hh, bb, pp, col0, acc, i, plan)
+            fmt.store_row(copy, slot, hh, pp, col0, q, nq, acc, i, s_amax, ctx, scodes, NT)
+            self.store_checkpoint(hh + Int64(ckpt.head_offset), pp, col0, Uint32(key), acc, i, ck_w, ck_head)
+        fmt.before_barrier(t, stats, s_fmt)
+        cute.arch.sync_threads()  # the next item restages the shared buffers
+        fmt.after_barrier(t, ctx, s_fmt, copy, WARPS)
+
+
+__all__ = ["Flush", "PendingFold", "flush_columns", "flush_mask", "M_SPLIT", "MIN_CTAS_PER_SM"]

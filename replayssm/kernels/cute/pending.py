@@ -38,6 +38,8 @@ to their T_b outputs; live rows with T_b = 0 return.
 
 from __future__ import annotations
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 import torch
@@ -52,6 +54,7 @@ from ...layout import RING
 from ...layout import STATE_DIM as N
 from . import args as A
 from . import bits
+from .flush import M_SPLIT, MIN_CTAS_PER_SM, PendingFold
 from .read_copy import read_copy_format
 from .bits import bf16x2_to_f32x2, f32x2_to_bf16x2, prmt, sel, softplus
 from .decode import C_TARGET_EXP, heads_per_cta
@@ -323,6 +326,50 @@ def compiled_pending(state_dtype: str, arch: str, heads: int, groups: int, dt_dt
     return fn
 
 
+def fold_kernel(state_dtype: str, arch: str, heads: int, groups: int, debug: bool = False):
+    """The pending fold (flush.PendingFold) and its compile-time arguments."""
+    fmt = read_copy_format(state_dtype, arch)
+    obj = PendingFold(fmt, heads, groups, debug=debug)
+    plan = A.fake(A.PendingDebugPlan if debug else A.PendingPlan)
+    fake = [A.fake(A.Checkpoint), A.fake(A.Ring), A.fake(fmt.Args), A.fake(A.FoldParams), plan, Int32(0), make_fake_stream()]
+    return obj, fake
+
+
+def compiled_fold(state_dtype: str, arch: str, heads: int, groups: int, debug: bool = False):
+    key = ("fold", state_dtype, arch, heads, groups, debug)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        obj, fake = fold_kernel(state_dtype, arch, heads, groups, debug)
+        fn = _COMPILED[key] = cute.compile(obj, *fake, options=f"--gpu-arch {arch}")
+    return fn
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def pending_fold(cache, A_, plan_rows, fold_list, *, state_dtype: str, arch: str, head_offset: int, stream: int, debug_state=None) -> None:
+    """Launch the fold of the rows the plan kernel listed (before the step): a persistent
+    grid of MIN_CTAS_PER_SM CTAs an SM (fewer for small batches). `debug_state`: FP32
+    [b, H, 64, 128] receiving S of every folded row (tests)."""
+    batch = plan_rows.shape[0]
+    heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
+    debug = debug_state is not None
+    fn = compiled_fold(state_dtype, arch, heads, groups, debug)
+    fmt = read_copy_format(state_dtype, arch)
+    ckpt = A.bound(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=head_offset)
+    ring = A.bound(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
+    copy = A.bound(fmt.Args, **fmt.tensors(cache, L))
+    params = A.bound(A.FoldParams, A=A_)
+    if debug:
+        plan = A.bind(A.PendingDebugPlan, rows=plan_rows, fold_list=fold_list, state=debug_state)
+    else:
+        plan = A.bound(A.PendingPlan, rows=plan_rows, fold_list=fold_list)
+    ctas = min(batch * heads * M_SPLIT, MIN_CTAS_PER_SM * _sm_count(cache[L.CHECKPOINT].get_device()))
+    fn(ckpt, ring, copy, params, plan, Int32(ctas), cuda_driver.CUstream(stream))
+
+
 def _tok_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int]:
     return (0, t.stride(0)) if varlen else (t.stride(0), t.stride(1))
 
@@ -367,4 +414,7 @@ def pending_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, 
     fn(ring, copy, inputs, plan, Int32(batch), cuda_driver.CUstream(stream))
 
 
-__all__ = ["PendingStep", "CTAS_PER_SM", "TOKENS", "pending_kernel", "compiled_pending", "inputs_ok", "pending_step"]
+__all__ = [
+    "PendingStep", "CTAS_PER_SM", "TOKENS", "pending_kernel", "compiled_pending", "inputs_ok", "pending_step",
+    "fold_kernel", "compiled_fold", "pending_fold",
+]

@@ -163,6 +163,9 @@ class Fp8(_Format):
     def begin_row(self, copy, plan, slot, bb, g):
         return None
 
+    def begin_fold(self, copy, old, slot, g):
+        return None
+
     def lane_stats(self, acc, rows: int, nt: int):
         return None
 
@@ -365,7 +368,11 @@ class Nvfp4(_Format):
     def begin_row(self, copy, plan, slot, bb, g):
         """(old parity, meta row, g = 2**E, 1 / g) from the live amax: the half the prepare
         kernel did not reset (`& 1`: stay inside the slot's meta)."""
-        old = Int64(Int32(plan.old_parity[bb]) & Int32(1))
+        return self.begin_fold(copy, Int64(Int32(plan.old_parity[bb]) & Int32(1)), slot, g)
+
+    @cute.jit
+    def begin_fold(self, copy, old, slot, g):
+        """`begin_row` given the old parity (Int64, 0 or 1)."""
         meta_row = slot * copy.meta_stride + g * 2
         a_live = copy.meta[meta_row + 1 - old].bitcast(Int32) & Int32(0x7FFFFFFF)
         e = bits.pow2_exponent_above(a_live, bits_nvfp4.NVFP4_MANT_LIMIT, bits_nvfp4.NVFP4_E_OFF)

@@ -484,6 +484,7 @@ def pending_decode(
     debug_state: torch.Tensor | None = None,
     step_heads: int = STEP_HEADS,
     step=None,
+    fold=None,
 ) -> torch.Tensor:
     """One pending-mode call on the kernels (`pending.pending_decode`'s semantics).
 
@@ -494,7 +495,8 @@ def pending_decode(
     (others are copied). A, dt_bias [H] and D [H, 64] FP32, any strides.
     `num_accepted_tokens`: int [b] or None. `plan`: a `PendingPlan` with room for b rows
     (made when None). `debug_state`: FP32 [b, H, 64, 128] receiving the folded state S of
-    the rows that fold (tests). `step`: launches the step in place of `_step_kernel`
+    the rows that fold (tests). `fold`: launches the fold in place of `_fold_kernel` (the
+    CuTe kernel: fold(plan rows, fold list, debug_state)). `step`: launches the step in place of `_step_kernel`
     (the CuTe kernel: step(x, dt, B, C, out, plan rows, fold list, varlen) -> whether it
     launched; it resets the fold list's count).
     Three launches; returns `out`."""
@@ -546,14 +548,17 @@ def pending_decode(
     )
     hpg = heads // groups
     # The rows that fold (checkpoint and read copy), then every row's outputs and ring writes.
-    _fold_kernel[(min(batch * heads * (L.HEAD_DIM // FOLD_ROWS), _fold_programs(ids.device)),)](
-        pv, plan.fold_list, A, ckpt.view(torch.int16), x_ring, dt_ring, b_ring, read.view(torch.uint8), scales_arg, meta,
-        meta.view(torch.int32), dbg,
-        A.stride(0), ckpt.stride(0), x_ring.stride(0), dt_ring.stride(0), b_ring.stride(0), read.stride(0), scales.stride(0),
-        meta.stride(0), head_offset,
-        H=heads, HPG=hpg, FP=FOLD_ROWS, NVFP4=nvfp4, DEBUG=debug_state is not None, HW_CVT=not interpreting(),
-        PRECISION=PRECISION, num_warps=FOLD_WARPS,
-    )
+    if fold is not None:
+        fold(pv, plan.fold_list, debug_state)
+    else:
+        _fold_kernel[(min(batch * heads * (L.HEAD_DIM // FOLD_ROWS), _fold_programs(ids.device)),)](
+            pv, plan.fold_list, A, ckpt.view(torch.int16), x_ring, dt_ring, b_ring, read.view(torch.uint8), scales_arg,
+            meta, meta.view(torch.int32), dbg,
+            A.stride(0), ckpt.stride(0), x_ring.stride(0), dt_ring.stride(0), b_ring.stride(0), read.stride(0),
+            scales.stride(0), meta.stride(0), head_offset,
+            H=heads, HPG=hpg, FP=FOLD_ROWS, NVFP4=nvfp4, DEBUG=debug_state is not None, HW_CVT=not interpreting(),
+            PRECISION=PRECISION, num_warps=FOLD_WARPS,
+        )
     if step is not None and step(x, dt, B, C, out_v, pv, plan.fold_list, varlen):
         return out
     hb = min(step_heads, hpg)
