@@ -61,7 +61,7 @@ from .decode import C_TARGET_EXP, heads_per_cta
 from .mma import mma_bf16_16x8x16
 
 # CTAs an SM the register budget is set for (65536 / (32 x heads_per_cta x this)).
-CTAS_PER_SM = 3
+CTAS_PER_SM = 4
 TOKENS = 8  # the MMA's n: max_seqlen <= 8
 
 
