@@ -1,0 +1,87 @@
+"""Compile-only checks of the CuTe DSL pending-mode kernels (cute/pending.py: the step;
+flush.py `PendingFold`: the fold), both formats, every target (CPU CI).
+
+The counts follow from the kernels' thread maps: a step lane holds 8 state rows of the read
+copy and the call's tokens sit in the MMA's n dimension, so its MMAs are the single-token
+kernel's read-copy dots (4 m-tiles x 8 k-steps, f16), its share of B_j . C_t (2, bf16) and
+the replay (4 m-tiles x 2 bf16 terms); the fold is the flush's (8 n-tiles x 2 k-steps x 2
+tf32 terms) with the flush's conversions and no output. sm_100a / sm_103a take the
+hardware conversions, sm_90a none of them (the GPU tests check its software paths).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="needs nvidia-cutlass-dsl (pip install -e '.[cute]')")
+
+ARCHS = ("sm_90a", "sm_100a", "sm_103a")
+F16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+BF16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+TF32_MMA = "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"
+STEP_F16_MMAS, STEP_BF16_MMAS, FOLD_TF32_MMAS = 32, 2 + 4 * 2, 32
+ROWS, WORDS = 8, 4  # a step lane's state rows; code words a row (16 bytes)
+PAIRS = 16  # a fold thread's FP16 checkpoint pairs (2 rows x 16 columns)
+
+
+@pytest.fixture(scope="module")
+def ptx(tmp_path_factory):
+    import torch
+
+    from replayssm.kernels.cute.launch import compile_into
+    from replayssm.kernels.cute.pending import fold_kernel, pending_kernel
+
+    out = {}
+    root = tmp_path_factory.mktemp("pending")
+    for arch in ARCHS:
+        for fmt in ("fp8", "nvfp4"):
+            for kind in ("step", "fold"):
+                obj, fake = pending_kernel(fmt, arch, 16, 2, torch.bfloat16) if kind == "step" else fold_kernel(fmt, arch, 16, 2)
+                paths = [Path(p) for p in compile_into(obj, fake, arch, root / f"{kind}-{fmt}-{arch}")]
+                assert sorted(p.suffix for p in paths) == [".cubin", ".ptx"]
+                out[arch, fmt, kind] = next(p for p in paths if p.suffix == ".ptx").read_text()
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_step_reads_the_read_copy_once_for_all_tokens(ptx, arch, fmt):
+    text = ptx[arch, fmt, "step"]
+    assert re.search(rf"^\.target {arch}\b", text, re.M) and text.count(".entry kernel_") == 1
+    assert text.count(F16_MMA) == STEP_F16_MMAS and text.count(BF16_MMA) == STEP_BF16_MMAS
+    assert text.count(TF32_MMA) == 0 and text.count("bar.sync") == 1  # the B_j . C_t partial tiles
+    assert "cvt.rs" not in text and not re.search(r"\b(atom|red)\.", text)  # writes no state
+    # Outputs of 2 tokens (and a padding row's zeros), their x and the B entries to the rings.
+    assert text.count("st.global.v4.b32") == 8
+    if fmt == "fp8":
+        assert text.count("cvt.rn.f16x2.e4m3x2") == ROWS * 2 * WORDS * 2 and "mul.rn.f16x2" not in text
+    else:
+        # Each decoded pair times its block's scale (exact f16 products); 16 scale pairs.
+        assert text.count("mul.rn.f16x2") == ROWS * WORDS * 4
+        if arch == "sm_90a":
+            assert "e2m1" not in text and text.count("cvt.rn.f16x2.e4m3x2") == ROWS * WORDS * 4 + 16
+        else:
+            assert text.count("cvt.rn.f16x2.e2m1x2") == ROWS * WORDS * 4 and text.count("cvt.rn.f16x2.e4m3x2") == 16
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_fold_is_the_flush_fold_without_outputs(ptx, arch, fmt):
+    text = ptx[arch, fmt, "fold"]
+    assert re.search(rf"^\.target {arch}\b", text, re.M) and text.count(".entry kernel_") == 1
+    assert text.count(TF32_MMA) == FOLD_TF32_MMAS and F16_MMA not in text and BF16_MMA not in text
+    assert "2146121005" in text  # the hash's lowbias32 constant 0x7FEB352D
+    assert "popc.b32" not in text  # a work list, not the flush's per-group flag ballot
+    hw = arch != "sm_90a"
+    assert text.count("cvt.rs.satfinite.f16x2.f32") == (PAIRS if hw else 0)
+    if fmt == "fp8":
+        assert text.count("cvt.rn.satfinite.e4m3x2.f32") == PAIRS
+        assert not re.search(r"\b(atom|red)\.", text)
+    else:
+        assert text.count("cvt.rn.satfinite.e2m1x2.f32") == (PAIRS if hw else 0)
+        assert text.count("vote.sync.all.pred") == (0 if hw else 2)
+        assert len(re.findall(r"\b(atom|red)(\.\w+)*\.global(\.\w+)*\.max\.s32\b", text)) == 1  # the group amax
