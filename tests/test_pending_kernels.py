@@ -1,6 +1,8 @@
-"""The pending-mode kernels (kernels/triton/pending.py) against the reference
-(`replayssm.pending`), one call at a time from identical caches: on the CPU in the Triton
-interpreter (tiny shapes), on the GPU at 16 heads / 2 groups with a CUDA-graph replay.
+"""The pending-mode kernels against the reference (`replayssm.pending`), one call at a time
+from identical caches: the Triton plan, fold and step (kernels/triton/pending.py) on the
+CPU in the Triton interpreter (tiny shapes) and on the GPU, and on the GPU the Triton plan
+with the CuTe fold and step (cute/pending.py), at 16 heads / 2 groups, with a CUDA-graph
+replay of a cache's calls.
 
 Per call: rows that fold give the kernel's own FP32 state S (debug dump) within
 FOLD_REL_TOL of the reference fold; the reference then runs the call with that S as its

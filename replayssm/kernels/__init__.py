@@ -11,7 +11,8 @@ Two backends run the cache operations, with the same methods (`initialize`, `cle
   CuTe DSL installed and a 16-byte-aligned cache. On the CPU it runs only under the Triton
   interpreter (TRITON_INTERPRET=1, for tests): the bookkeeping kernels interpreted, the
   decode math from the reference fed the kernel-made plan. Pending mode (speculative
-  decoding) runs on the Triton kernels of `triton.pending` (decode) and
+  decoding) runs on the Triton plan kernel of `triton.pending` and the CuTe fold and step
+  of `cute.pending` (Triton twins where the CuTe kernels cannot run) and
   `triton.materialize` on a CUDA cache; on the CPU its decode is the reference.
 
 `backend_for(device, backend, cache)` turns the caller's choice into one of them:

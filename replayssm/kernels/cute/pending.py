@@ -3,9 +3,10 @@ every live row's T_b <= 8 outputs and ring writes, one warp per (row, head), the
 read-copy format (`read_copy.Fp8` / `read_copy.Nvfp4`) supplying the read-copy loads and
 row dots; the rest is `decode.Decode`'s lane map with the tokens in the MMA's n dimension.
 
-It runs after the Triton plan and fold kernels of `kernels/triton/pending.py` (same
-stream), and resets the fold kernel's work list for the next call: the plan row (`_plan_row`: slot or -1, c', f_old, nf, parity, key, first token,
-T_b) gives the window of 16 token indices from the checkpoint f_new = f_old + nf, whose
+It runs after the Triton plan kernel of `kernels/triton/pending.py` and the fold
+(`flush.PendingFold`, or its Triton twin) on the same stream, and resets the fold's work
+list for the next call. The plan row (`_plan_row`: slot or -1, c', f_old, nf, parity,
+key, first token, T_b) gives the window of 16 token indices from the checkpoint f_new = f_old + nf, whose
 entry j is ring entry (f_new + j) mod 16 for j < u = c' - f_new (committed) and token
 j - u of the call for u <= j < u + T_b; rows that folded read the read copy the fold
 kernel has just written. For token t (last = u + t), with pre_j = dt_0 + .. + dt_j:
@@ -57,7 +58,7 @@ from . import bits
 from .flush import M_SPLIT, MIN_CTAS_PER_SM, PendingFold
 from .read_copy import read_copy_format
 from .bits import bf16x2_to_f32x2, f32x2_to_bf16x2, prmt, sel, softplus
-from .decode import C_TARGET_EXP, heads_per_cta
+from .decode import Decode
 from .mma import mma_bf16_16x8x16
 
 # CTAs an SM the register budget is set for (65536 / (32 x heads_per_cta x this)).
@@ -65,15 +66,9 @@ CTAS_PER_SM = 4
 TOKENS = 8  # the MMA's n: max_seqlen <= 8
 
 
-class PendingStep:
-    """The pending-mode step for one (format, heads, groups)."""
-
-    def __init__(self, fmt, heads: int, groups: int, *, read_hint: str = "") -> None:
-        self.fmt = fmt
-        self.heads, self.groups = heads, groups
-        self.hpg = heads // groups
-        self.hpc = heads_per_cta(self.hpg)
-        self.read_hint = read_hint
+class PendingStep(Decode):
+    """The pending-mode step for one (format, heads, groups): `decode.Decode`'s CTA (the
+    heads of one group of one row, a warp each), lane map and helpers."""
 
     @cute.jit
     def __call__(self, ring, copy, inputs, plan, batch: Int32, stream: cuda_driver.CUstream):
@@ -84,13 +79,6 @@ class PendingStep:
             min_blocks_per_mp=CTAS_PER_SM,
             preferred_smem_carveout=-1,
         )
-
-    @property
-    def vh_per_warp(self) -> int:
-        return 4 // self.hpc
-
-    def vh_word(self, vh, q):
-        return self.fmt.c_word(vh // 2, q) + 4 * (vh % 2)
 
     @cute.kernel
     def kernel(self, ring, copy, inputs, plan):
@@ -187,18 +175,7 @@ class PendingStep:
         a_h = inputs.A[hh * inputs.a_stride]
         dd = [inputs.D[hh * inputs.d_h + Int64(8 * gq + i) * inputs.d_p] for i in range(8)]
 
-        # C' = C down (per token: max |C_gq| over the lane's quad), up = 1 / down.
-        m = Uint32(0)
-        for c in cutlass.range_constexpr(2):
-            for v in cutlass.range_constexpr(8):
-                m = bits.max_u16x2(m, cw[c][v] & Uint32(0x7FFF7FFF))
-        amax = Int32(cutlass.max(m >> 16, m & Uint32(0xFFFF)) << 16)
-        amax = bits.xor_reduce(amax, 4, cutlass.max)
-        ef = amax >> 23
-        down = (cutlass.min(Int32(127 + 127 + C_TARGET_EXP) - ef, Int32(254)) << 23).bitcast(Float32)
-        up_field = ef - Int32(C_TARGET_EXP)
-        up = sel(up_field >= Int32(1), up_field << 23, Int32(0)).bitcast(Float32)
-
+        down, up = self.c_prime(cw)  # per token: lane (gq, q) holds token gq's C
         rd, rf = self.fmt.pending_dots(loaded, cw, down, gq, q)
 
         # B_j . C_t, this warp's k share; partial tiles [entry, token] meet in shared memory.
