@@ -227,17 +227,34 @@ class Decode:
         up = sel(up_field >= Int32(1), up_field << 23, Int32(0)).bitcast(Float32)
         return down, up
 
+    @staticmethod
+    def prefix_sum(v, k):
+        """Inclusive prefix sums of v over the 16 entries, lane k % 16 = entry k (both half
+        warps alike), by shuffles."""
+        off = 1
+        while off < RING:
+            prev = cute.arch.shuffle_sync_up(v, off)
+            v = sel(k >= off, v + prev, v)
+            off *= 2
+        return v
+
+    @staticmethod
+    def x_fragment(xw, mt):
+        """The replay MMA's A fragment of m-tile mt from the x words xw (`head_loads`):
+        rows 8 gq + 2 mt (+ 1 for the high halves) by entries 2 q, 2 q + 1 (+ 8, + 9)."""
+        return [
+            prmt(xw[0][mt], xw[1][mt], 0x5410),
+            prmt(xw[0][mt], xw[1][mt], 0x7632),
+            prmt(xw[2][mt], xw[3][mt], 0x5410),
+            prmt(xw[2][mt], xw[3][mt], 0x7632),
+        ]
+
     @cute.jit
-    def finish(self, cw, bq, w, s_bc, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, inner, outer, bb, hh, gq, q, lane, r, slot, out, ring):
-        """B_j . C, the scan, the ring replay, the outputs and the ring writes. rd[mt]: the
-        MMA row dots of m-tile mt (rows 8 gq + 2 mt, + 1); the read-copy term of output
-        row p0 + i is outer[i] * (inner * dot), in that order (no intermediate overflow
-        where the term itself is finite)."""
-        H, HPG = self.heads, self.hpg
-        g = hh // HPG
-        # B_j . C (bf16 MMA), split over k between the CTA's warps: this warp's k-steps
-        # (two per vector half of bq), entries gq (acc[0]) and gq + 8 (acc[2]); the
-        # partial sums meet in shared memory.
+    def bc_partial(self, bq, cw, w):
+        """This warp's k share of B_j . C (bf16 MMA): its vector halves of the entries'
+        B (bq, `group_loads`) against the same words of the lane's C (cw; lane gq's own
+        C column in the pending step). Accumulators: entries gq, gq + 8 by the MMA's
+        columns 2 q, 2 q + 1."""
         acc_bc = [Float32(0.0)] * 4
         for i in cutlass.range_constexpr(self.vh_per_warp):
             vh = w * self.vh_per_warp + i
@@ -250,6 +267,20 @@ class Decode:
                     b0 = sel(vh == cand, cw[cand // 2][v], b0)
                     b1 = sel(vh == cand, cw[cand // 2][v + 1], b1)
                 acc_bc = mma_bf16_16x8x16(a, [b0, b1], acc_bc)
+        return acc_bc
+
+    @cute.jit
+    def finish(self, cw, bq, w, s_bc, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, inner, outer, bb, hh, gq, q, lane, r, slot, out, ring):
+        """B_j . C, the scan, the ring replay, the outputs and the ring writes. rd[mt]: the
+        MMA row dots of m-tile mt (rows 8 gq + 2 mt, + 1); the read-copy term of output
+        row p0 + i is outer[i] * (inner * dot), in that order (no intermediate overflow
+        where the term itself is finite)."""
+        H, HPG = self.heads, self.hpg
+        g = hh // HPG
+        # B_j . C (bf16 MMA), split over k between the CTA's warps: this warp's k-steps
+        # (two per vector half of bq), entries gq (acc[0]) and gq + 8 (acc[2]); the
+        # partial sums meet in shared memory.
+        acc_bc = self.bc_partial(bq, cw, w)
         if q == 0:
             s_bc[w * RING + gq] = acc_bc[0]
             s_bc[w * RING + gq + 8] = acc_bc[2]
@@ -261,12 +292,7 @@ class Decode:
         for ww in cutlass.range_constexpr(1, self.hpc):
             bc_k = bc_k + s_bc[ww * RING + k]
         dt_k = sel(k == r, softplus(dt_raw + bias), dt_k)
-        pre = dt_k
-        off = 1
-        while off < RING:
-            prev = cute.arch.shuffle_sync_up(pre, off)
-            pre = sel(k >= off, pre + prev, pre)
-            off *= 2
+        pre = self.prefix_sum(dt_k, k)
         pre_r = cute.arch.shuffle_sync(pre, r)
         coef = dt_k * cute.math.exp(a_h * (pre_r - pre)) * bc_k
         decay = cute.math.exp(a_h * pre_r)
@@ -281,15 +307,7 @@ class Decode:
             back = bf16x2_to_f32x2(w_hi)
             w_lo = f32x2_to_bf16x2(c_lo - back[0], c_hi - back[1])
             bfr.append(sel(odd, w_lo, w_hi))
-        acc_x = []
-        for mt in cutlass.range_constexpr(4):
-            a = [
-                prmt(xw[0][mt], xw[1][mt], 0x5410),
-                prmt(xw[0][mt], xw[1][mt], 0x7632),
-                prmt(xw[2][mt], xw[3][mt], 0x5410),
-                prmt(xw[2][mt], xw[3][mt], 0x7632),
-            ]
-            acc_x.append(mma_bf16_16x8x16(a, bfr, [Float32(0.0)] * 4))
+        acc_x = [mma_bf16_16x8x16(self.x_fragment(xw, mt), bfr, [Float32(0.0)] * 4) for mt in range(4)]
 
         # Outputs p0 = 8 gq + 2 q, p0 + 1: m-tile q.
         rd0, rd1 = rd[0]

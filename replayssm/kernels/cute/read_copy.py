@@ -79,14 +79,19 @@ class Fp8(_Format):
         return 32 * c + 8 * q
 
     @cute.jit
-    def load_rows(self, copy, slot, hh, g, gq, q, hint: cutlass.Constexpr):
-        """rc[i][c]: row 8 gq + i, bytes 64 c + 16 q .. + 15 (four words); the scales of
-        the lane's output rows 8 gq + 2 q, + 1."""
+    def code_rows(self, copy, slot, hh, gq, q, hint: cutlass.Constexpr):
+        """rc[i][c]: row 8 gq + i, bytes 64 c + 16 q .. + 15 (four words)."""
         read_w = cute.recast_ptr(copy.codes, dtype=Uint32)
         rc_base = (read_w + (slot * copy.codes_stride16 * 4 + hh * (P * N // 4) + Int64(gq * (8 * N // 4) + 4 * q))).toint()
         rc = []
         for i in cutlass.range_constexpr(8):
             rc.append([bits.ld_global_v4_u32(rc_base + N * i + 64 * c, hint) for c in range(2)])
+        return rc
+
+    @cute.jit
+    def load_rows(self, copy, slot, hh, g, gq, q, hint: cutlass.Constexpr):
+        """`code_rows`; the scales of the lane's output rows 8 gq + 2 q, + 1."""
+        rc = self.code_rows(copy, slot, hh, gq, q, hint)
         sc_off = slot * copy.scale_stride + hh * P + Int64(8 * gq + 2 * q)
         return rc, [copy.scales[sc_off], copy.scales[sc_off + 1]]
 
@@ -96,6 +101,12 @@ class Fp8(_Format):
         pairs (k-step s takes word s % 4 of chunk s // 4 of rows 2 mt, 2 mt + 1; its codes
         0, 1 are k = 2 q, 2 q + 1); R[p] = scale[p] (dot 2**e)."""
         rc, scales = loaded
+        return [[acc[0], acc[2]] for acc in self.code_dots(rc, cw, down)], up, scales
+
+    @cute.jit
+    def code_dots(self, rc, cw, down):
+        """The f16 MMA accumulators of the four m-tiles: the codes of rows 2 mt, 2 mt + 1
+        (rc, `code_rows`) against C' = C down from the lane's words cw."""
         ch = []
         for c in cutlass.range_constexpr(2):
             row = []
@@ -103,7 +114,7 @@ class Fp8(_Format):
                 pair = bf16x2_to_f32x2(cw[c][v])
                 row.append(f32x2_to_f16x2(pair[0] * down, pair[1] * down))
             ch.append(row)
-        rd = []
+        accs = []
         for mt in cutlass.range_constexpr(4):
             acc = [Float32(0.0)] * 4
             for s in cutlass.range_constexpr(K_STEPS):
@@ -111,19 +122,14 @@ class Fp8(_Format):
                 lo = e4m3x4_to_f16x2x2(rc[2 * mt][c][v])
                 hi = e4m3x4_to_f16x2x2(rc[2 * mt + 1][c][v])
                 acc = mma_f16_16x8x16([lo[0], hi[0], lo[1], hi[1]], [ch[c][2 * v], ch[c][2 * v + 1]], acc)
-            rd.append([acc[0], acc[2]])
-        return rd, up, scales
+            accs.append(acc)
+        return accs
 
     # -- pending (cute/pending.py) ---------------------------------------------------------
     @cute.jit
     def pending_loads(self, copy, slot, hh, g, gq, q, hint: cutlass.Constexpr):
-        """`load_rows`' codes, and the scales of all eight rows 8 gq .. + 7 (two 16-byte
-        loads)."""
-        read_w = cute.recast_ptr(copy.codes, dtype=Uint32)
-        rc_base = (read_w + (slot * copy.codes_stride16 * 4 + hh * (P * N // 4) + Int64(gq * (8 * N // 4) + 4 * q))).toint()
-        rc = []
-        for i in cutlass.range_constexpr(8):
-            rc.append([bits.ld_global_v4_u32(rc_base + N * i + 64 * c, hint) for c in range(2)])
+        """`code_rows`, and the scales of all eight rows 8 gq .. + 7 (two 16-byte loads)."""
+        rc = self.code_rows(copy, slot, hh, gq, q, hint)
         sc = (copy.scales + (slot * copy.scale_stride + hh * P + Int64(8 * gq))).toint()
         return rc, bits.ld_global_v4_u32(sc) + bits.ld_global_v4_u32(sc + 16)
 
@@ -134,23 +140,7 @@ class Fp8(_Format):
         2 q, 2 q + 1), then (row + 1, the same tokens); rf[i] the factor of row 8 gq + i
         (its power-of-two scale): R[p] C_t = rf (up_t acc)."""
         rc, sc = loaded
-        ch = []
-        for c in cutlass.range_constexpr(2):
-            row = []
-            for v in cutlass.range_constexpr(8):
-                pair = bf16x2_to_f32x2(cw[c][v])
-                row.append(f32x2_to_f16x2(pair[0] * down, pair[1] * down))
-            ch.append(row)
-        acc_all = []
-        for mt in cutlass.range_constexpr(4):
-            acc = [Float32(0.0)] * 4
-            for s in cutlass.range_constexpr(K_STEPS):
-                c, v = s // 4, s % 4
-                lo = e4m3x4_to_f16x2x2(rc[2 * mt][c][v])
-                hi = e4m3x4_to_f16x2x2(rc[2 * mt + 1][c][v])
-                acc = mma_f16_16x8x16([lo[0], hi[0], lo[1], hi[1]], [ch[c][2 * v], ch[c][2 * v + 1]], acc)
-            acc_all.append(acc)
-        return acc_all, [w.bitcast(Float32) for w in sc]
+        return self.code_dots(rc, cw, down), [w.bitcast(Float32) for w in sc]
 
     # -- flush ----------------------------------------------------------------------------
     def fp16x2_sr(self, lo, hi, word):
@@ -232,6 +222,19 @@ class Nvfp4(_Format):
         return 16 * q + 8 * c
 
     @cute.jit
+    def c_decoded(self, cw, downs):
+        """The lane's C[32 q + m] times downs[m // 16] as f16 pairs in the decoded order:
+        chm[wd][j] holds elements order[2 j], order[2 j + 1] of code word wd (elements
+        n = 32 q + 8 wd + e), as the decode of that word returns its values."""
+        cf = []
+        for c in cutlass.range_constexpr(2):
+            for v in cutlass.range_constexpr(8):
+                pair = bf16x2_to_f32x2(cw[c][v])
+                cf += [pair[0] * downs[c], pair[1] * downs[c]]
+        order = self.decode_order
+        return [[f32x2_to_f16x2(cf[8 * wd + order[2 * j]], cf[8 * wd + order[2 * j + 1]]) for j in range(4)] for wd in range(4)]
+
+    @cute.jit
     def load_rows(self, copy, slot, hh, g, gq, q, hint: cutlass.Constexpr):
         """rc[i]: codes of row 8 gq + i, elements 32 q .. + 31 (bytes 16 q .. + 15); the
         block scales of blocks 2 q, 2 q + 1 of the same rows (two bytes); the live
@@ -263,18 +266,8 @@ class Nvfp4(_Format):
         butterfly over the quad sums the 8 blocks. R[p] = g (dot' 2**e), the dots being
         sum v s C' / decode_factor."""
         rc, bs4, g_scale = loaded
-        cf = []  # C[32 q + m] * down or * 0, m = 0..31 (FP32)
-        for c in cutlass.range_constexpr(2):
-            down_c = sel(gq == 2 * q + c, down, Float32(0.0))
-            for v in cutlass.range_constexpr(8):
-                pair = bf16x2_to_f32x2(cw[c][v])
-                cf += [pair[0] * down_c, pair[1] * down_c]
-        # C' pairs in the decoded order: code word wd (elements n = 32 q + 8 wd + e)
-        # decodes to f16 words j = (element order[2 j], order[2 j + 1]).
-        order = self.decode_order
-        chm = []
-        for wd in cutlass.range_constexpr(4):
-            chm.append([f32x2_to_f16x2(cf[8 * wd + order[2 * j]], cf[8 * wd + order[2 * j + 1]]) for j in range(4)])
+        # C[32 q + m] * down or * 0 (chunk c of the lane's n-set: block 2 q + c).
+        chm = self.c_decoded(cw, [sel(gq == 2 * q + c, down, Float32(0.0)) for c in range(2)])
         # The k-steps of code word wd take its decoded words j0 (k = 2 q, 2 q + 1) and
         # j0 + 1 (k = 2 q + 8, + 9), j0 = 0, 2. acc = (rows 8 gq + 2 mt, + 1) x (blocks
         # 2 q, 2 q + 1).
@@ -320,15 +313,7 @@ class Nvfp4(_Format):
         times an e4m3 scale has at most 6 significant bits and lies within f16's range),
         so the dots need no per-block sums; rf = g * decode_factor for every row."""
         rc, bs4, g_scale = loaded
-        cf = []  # C'[32 q + m], m = 0..31
-        for c in cutlass.range_constexpr(2):
-            for v in cutlass.range_constexpr(8):
-                pair = bf16x2_to_f32x2(cw[c][v])
-                cf += [pair[0] * down, pair[1] * down]
-        order = self.decode_order
-        chm = []
-        for wd in cutlass.range_constexpr(4):
-            chm.append([f32x2_to_f16x2(cf[8 * wd + order[2 * j]], cf[8 * wd + order[2 * j + 1]]) for j in range(4)])
+        chm = self.c_decoded(cw, [down, down])
         acc_all = []
         for mt in cutlass.range_constexpr(4):
             # Scale pairs of rows 2 mt (bytes 0, 1 of bs4: blocks 2 q, 2 q + 1) and 2 mt + 1.
