@@ -4,7 +4,9 @@
   per (row, head) on the tensor cores.
 - `flush.Flush`: the flush (fold 16 tokens into the FP16 checkpoint on the tensor cores,
   stochastic rounding, re-derive the read copy).
-- `read_copy.Fp8` / `read_copy.Nvfp4`: the format strategies both kernels take (loads,
+- `pending`: pending mode's step (`PendingStep`, every row's T tokens in one pass over
+  the read copy) and the launchers of it and of the fold (`flush.PendingFold`).
+- `read_copy.Fp8` / `read_copy.Nvfp4`: the format strategies the kernels take (loads,
   row dots, encoders, scale handling); the arch picks their conversion instructions.
 - `args`: the kernels' argument structs and their one spec.
 - `config`: `StepConfig`, the launch variants of a step, chosen by rule.

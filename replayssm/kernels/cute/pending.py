@@ -39,8 +39,6 @@ to their T_b outputs; live rows with T_b = 0 return.
 
 from __future__ import annotations
 
-import functools
-
 import cutlass
 import cutlass.cute as cute
 import torch
@@ -53,13 +51,15 @@ from ... import layout as L
 from ...layout import HEAD_DIM as P
 from ...layout import RING
 from ...layout import STATE_DIM as N
+from ..triton.pending import _tok_strides
 from . import args as A
 from . import bits
-from .flush import M_SPLIT, MIN_CTAS_PER_SM, PendingFold
-from .read_copy import read_copy_format
 from .bits import bf16x2_to_f32x2, f32x2_to_bf16x2, sel, softplus
 from .decode import Decode
+from .flush import M_SPLIT, MIN_CTAS_PER_SM, PendingFold
+from .launch import _sm_count
 from .mma import mma_bf16_16x8x16
+from .read_copy import read_copy_format
 
 TOKENS = 8  # the MMA's n: max_seqlen <= 8
 
@@ -291,11 +291,6 @@ def compiled_fold(state_dtype: str, arch: str, heads: int, groups: int, debug: b
     return fn
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def pending_fold(cache, A_, plan_rows, fold_list, *, state_dtype: str, arch: str, head_offset: int, stream: int, debug_state=None) -> None:
     """Launch the fold of the rows the plan kernel listed (before the step): a persistent
     grid of MIN_CTAS_PER_SM CTAs an SM (fewer for small batches). `debug_state`: FP32
@@ -315,10 +310,6 @@ def pending_fold(cache, A_, plan_rows, fold_list, *, state_dtype: str, arch: str
         plan = A.bound(A.PendingPlan, rows=plan_rows, fold_list=fold_list)
     ctas = min(batch * heads * M_SPLIT, MIN_CTAS_PER_SM * _sm_count(cache[L.CHECKPOINT].get_device()))
     fn(ckpt, ring, copy, params, plan, Int32(ctas), cuda_driver.CUstream(stream))
-
-
-def _tok_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int]:
-    return (0, t.stride(0)) if varlen else (t.stride(0), t.stride(1))
 
 
 def inputs_ok(x, B, C, out) -> bool:
@@ -362,6 +353,6 @@ def pending_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, 
 
 
 __all__ = [
-    "PendingStep", "CTAS_PER_SM", "TOKENS", "pending_kernel", "compiled_pending", "inputs_ok", "pending_step",
+    "PendingStep", "TOKENS", "pending_kernel", "compiled_pending", "inputs_ok", "pending_step",
     "fold_kernel", "compiled_fold", "pending_fold",
 ]
