@@ -232,9 +232,9 @@ class KernelBackend:
         """Pending mode on a CUDA cache: the Triton plan kernel of kernels/triton/pending.py,
         then the CuTe fold and step (cute/pending.py; where the CuTe kernels cannot run
         the cache, Triton's fold and step, and Triton's step where they cannot read the
-        inputs' layout); three launches,
-        no host sync; the plan buffer is the cache context's, grown to the largest batch
-        seen, so a captured CUDA graph replays it. On the CPU the PyTorch reference (`pending.pending_decode`; the tests run the
+        inputs' layout); three launches, no host sync; the plan buffer is the cache
+        context's, grown to the largest batch seen, so a captured CUDA graph replays it.
+        On the CPU the PyTorch reference (`pending.pending_decode`; the tests run the
         kernels in the interpreter themselves)."""
         if cache[L.CHECKPOINT].device.type != "cuda":
             REFERENCE.decode_pending(cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs)
@@ -247,21 +247,18 @@ class KernelBackend:
             ctx.pending = PendingPlan(max(batch, 64), cache[L.CHECKPOINT].device)
         step = fold = None
         if ctx.cute is not None:
+            from .cute.launch import current_stream
+            from .cute.pending import inputs_ok, pending_fold, pending_step
+
             arch = ctx.cute[1]
             state_dtype = "nvfp4" if kwargs.get("nvfp4") else "fp8"
 
             def fold(rows, fold_list, debug_state):
-                from .cute.launch import current_stream
-                from .cute.pending import pending_fold
-
                 pending_fold(cache, A, rows, fold_list, state_dtype=state_dtype, arch=arch,
                              head_offset=kwargs.get("head_offset", 0), stream=current_stream(A.get_device()),
                              debug_state=debug_state)  # fmt: skip
 
             def step(x_, dt_, B_, C_, out_, rows, fold_list, varlen):
-                from .cute.launch import current_stream
-                from .cute.pending import inputs_ok, pending_step
-
                 if not inputs_ok(x_, B_, C_, out_):
                     return False
                 pending_step(cache, x_, dt_, A, B_, C_, D, dt_bias, out_, rows, fold_list, state_dtype=state_dtype,

@@ -101,7 +101,7 @@ class PendingStep(Decode):
 
     @cute.jit
     def live_row(self, ring, copy, inputs, bb, slot, cn, f_new, start, tb, lane, gq, q, hh, w, s_bc):
-        H, HPG = self.heads, self.hpg
+        HPG = self.hpg
         g = hh // HPG
         u = cn - f_new  # committed entries in the window
         one, zero = Int32(1), Int32(0)

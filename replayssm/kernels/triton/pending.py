@@ -496,10 +496,10 @@ def pending_decode(
     `num_accepted_tokens`: int [b] or None. `plan`: a `PendingPlan` with room for b rows
     (made when None). `debug_state`: FP32 [b, H, 64, 128] receiving the folded state S of
     the rows that fold (tests). `fold`: launches the fold in place of `_fold_kernel` (the
-    CuTe kernel: fold(plan rows, fold list, debug_state)). `step`: launches the step in place of `_step_kernel`
-    (the CuTe kernel: step(x, dt, B, C, out, plan rows, fold list, varlen) -> whether it
-    launched; it resets the fold list's count).
-    Three launches; returns `out`."""
+    CuTe kernel: fold(plan rows, fold list, debug_state)). `step`: launches the step in
+    place of `_step_kernel` (the CuTe kernel: step(x, dt, B, C, out, plan rows, fold
+    list, varlen) -> whether it launched; it resets the fold list's count). Three
+    launches; returns `out`."""
     ids = ids.reshape(-1)
     batch = ids.shape[0]
     if batch == 0:
@@ -536,21 +536,12 @@ def pending_decode(
         T=max_seqlen, G=groups, HAS_ACC=num_accepted_tokens is not None, VARLEN=varlen, NVFP4=nvfp4, BLOCK=block,
         num_warps=4,
     )
-    dbg = debug_state if debug_state is not None else pv
-    inputs = (pv, plan.fold_list, x, dt, A, B, C, D, dt_bias, out_v)
-    strides = (
-        *_tok_strides(x, varlen), x.stride(-2),
-        *_tok_strides(dt, varlen), dt.stride(-1),
-        *_tok_strides(B, varlen), B.stride(-2),
-        *_tok_strides(C, varlen), C.stride(-2),
-        *_tok_strides(out_v, varlen), out_v.stride(-2),
-        D.stride(0), D.stride(1), A.stride(0), dt_bias.stride(0),
-    )
     hpg = heads // groups
     # The rows that fold (checkpoint and read copy), then every row's outputs and ring writes.
     if fold is not None:
         fold(pv, plan.fold_list, debug_state)
     else:
+        dbg = debug_state if debug_state is not None else pv
         _fold_kernel[(min(batch * heads * (L.HEAD_DIM // FOLD_ROWS), _fold_programs(ids.device)),)](
             pv, plan.fold_list, A, ckpt.view(torch.int16), x_ring, dt_ring, b_ring, read.view(torch.uint8), scales_arg,
             meta, meta.view(torch.int32), dbg,
@@ -561,6 +552,15 @@ def pending_decode(
         )
     if step is not None and step(x, dt, B, C, out_v, pv, plan.fold_list, varlen):
         return out
+    inputs = (pv, plan.fold_list, x, dt, A, B, C, D, dt_bias, out_v)
+    strides = (
+        *_tok_strides(x, varlen), x.stride(-2),
+        *_tok_strides(dt, varlen), dt.stride(-1),
+        *_tok_strides(B, varlen), B.stride(-2),
+        *_tok_strides(C, varlen), C.stride(-2),
+        *_tok_strides(out_v, varlen), out_v.stride(-2),
+        D.stride(0), D.stride(1), A.stride(0), dt_bias.stride(0),
+    )
     hb = min(step_heads, hpg)
     _step_kernel[(batch, heads // hb)](
         *inputs, x_ring, dt_ring, b_ring, read.view(torch.uint8), scales_arg, meta, *strides,
