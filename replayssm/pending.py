@@ -4,17 +4,18 @@ A pending cache has positions [S, 2] = (c, q): c tokens committed since init, q 
 appended by the last call and not yet accepted or rejected. Token index i (counted from
 init) lives at ring entry i mod 16. The FP16 checkpoint stands at token index
 
-    f(c) = Gd * (c div Gd),   Gd = grid(max_seqlen) = 17 - 2 * max_seqlen,
+    f(c) = Gd * (c div Gd),   Gd = grid(max_seqlen) = 17 - max_seqlen,
 
 so where it stands follows from (c, max_seqlen) alone. docs/format.md, "Pending mode",
-proves that every ring entry one call reads or writes lies in a window of 16 token
-indices starting at the checkpoint, so no draft overwrites a live entry.
+proves that no ring entry is overwritten while it is live: a call's fold reads entries
+f(c) .. f(c')-1 before any of its writes, and its replay and writes lie in a window of 16
+token indices from f(c').
 
 One call, per live row (slot in 1..S-1), in order:
 
 1. commit a = clamp(num_accepted_tokens[b], 0, q) (a = q when None); c' = c + a;
 2. fold when f(c') > f(c): the committed entries f(c) .. f(c')-1 are folded into the
-   checkpoint in FP32 (one fold, however many grid points c' crossed); the FP16 checkpoint
+   checkpoint in FP32 (a commit crosses at most one grid point); the FP16 checkpoint
    is written with stochastic rounding, stream tag stream_key(seed, slot, f(c')) (f(c') >= 1
    and strictly increasing over a slot's lifetime, so it never equals init's tag
    INIT_POSITION = 2**32 - 1 before 2**32 - 1 tokens), and the read copy is re-derived
@@ -58,8 +59,8 @@ _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 def grid(max_seqlen: int) -> int:
-    """The fold grid Gd = 17 - 2 * max_seqlen (15 for max_seqlen 1, 1 for 8)."""
-    return L.RING + 1 - 2 * max_seqlen
+    """The fold grid Gd = 17 - max_seqlen (16 for max_seqlen 1, 9 for 8)."""
+    return L.RING + 1 - max_seqlen
 
 
 def checkpoint_index(c: torch.Tensor, max_seqlen: int) -> torch.Tensor:

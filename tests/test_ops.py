@@ -24,6 +24,7 @@ from replayssm import (
 )
 from replayssm import reference as ref
 from replayssm.api import normalize_decode_inputs
+from replayssm.pending import grid
 from replayssm.kernels import REFERENCE
 from replayssm.synthetic import layer_params, prefill_states, token
 
@@ -237,12 +238,12 @@ def test_a_step_from_inputs_that_require_grad_leaves_no_autograd_history(fmt):
 
 # -- pending mode: replayssm::decode_pending and ::materialize_pending ------------------------
 
-PENDING_M = 3  # max_seqlen of the pending world (fold grid 11)
+PENDING_M = 3  # max_seqlen of the pending world (fold grid 14)
 
 
 def _pending_world(fmt, seed=0, heads=8, groups=1, slots=5):
-    """A pending cache (max_seqlen 3, fold grid 11): slots 1..3 live at (c, q) = (9, 3),
-    (3, 3), (0, 3), so that accepting slot 1's drafts at the next call folds it. Returns the cache, dense and varlen normalized
+    """A pending cache (max_seqlen 3, fold grid 14): slots 1..3 live at (c, q) = (12, 3),
+    (4, 3), (0, 3), so that accepting slot 1's drafts at the next call folds it. Returns the cache, dense and varlen normalized
     inputs for the rows [1, 0, 2, 3, 9] (two padding rows), the verdicts, cu_seqlens and A."""
     from replayssm.pending import pending_decode
 
@@ -258,14 +259,14 @@ def _pending_world(fmt, seed=0, heads=8, groups=1, slots=5):
         B, C = (torch.randn(*lead, groups, N, generator=g).to(torch.bfloat16) for _ in range(2))
         return x, dt, B, C
 
-    for _ in range(4):
+    for _ in range(5):
         x, dt, B, C = tokens(3, (3, PENDING_M))
         out = torch.empty(3, PENDING_M, heads, P, dtype=torch.bfloat16)
         pending_decode(cache, x, dt, p.A, B, C, p.D, p.dt_bias, live, out, nvfp4=fmt == "nvfp4", seed=seed,
                        max_seqlen=PENDING_M, num_accepted_tokens=torch.tensor([3, 1, 0], dtype=torch.int32))
-    assert cache[L.POSITIONS][1:4].tolist() == [[9, 3], [3, 3], [0, 3]]
+    assert cache[L.POSITIONS][1:4].tolist() == [[12, 3], [4, 3], [0, 3]]
     ids = torch.tensor([1, 0, 2, 3, 9], dtype=torch.int32)
-    accepted = torch.tensor([3, 2, 1, 0, 5], dtype=torch.int32)  # slot 1: c 9 -> 12 crosses the grid point 11
+    accepted = torch.tensor([3, 2, 1, 0, 5], dtype=torch.int32)  # slot 1: c 12 -> 15 crosses the grid point 14
     D = p.D[:, None].expand(heads, P).float()
     dense = (*tokens(5, (5, PENDING_M)),)
     dense = (dense[0], dense[1], p.A, dense[2], dense[3], D, p.dt_bias)
@@ -573,7 +574,7 @@ def test_compiled_pending_decode_matches_eager_bit_for_bit(fmt, compile_backend)
             yc = compiled(twins[1], x, dt, B, C, acc, cu)
             assert same_bits(ye, yc), f"step {i}: outputs differ"
             assert_cache_equal(twins[0].tensors, twins[1].tensors)
-    assert max(twins[1].positions[1:4, 0].tolist()) >= 11  # past the fold grid (17 - 2 * 3): folds ran
+    assert max(twins[1].positions[1:4, 0].tolist()) >= grid(PENDING_M)  # past the fold grid: folds ran
     assert counter.frame_count == 2  # dense and varlen
     pend = [n for gr in counter.graphs for n in gr.graph.nodes if str(n.target) == "replayssm.decode_pending.default"]
     assert len(counter.graphs) == 2 and len(pend) == 2

@@ -29,9 +29,10 @@ CALLS, LIVE = 240, [1, 2, 3, 4, 5, 6, 7, 8]
 @pytest.mark.parametrize("max_seqlen", range(1, 9))
 def test_grid_rule_never_overwrites_a_live_entry(max_seqlen):
     """A scalar FP64 recurrence per row with a 16-entry ring, the checkpoint at f(c), NaN
-    written into every rejected draft's entry: the window bound holds for every entry a call
-    reads or writes, no live entry is overwritten, and the outputs match the sequential
-    recurrence exactly up to FP64 rounding."""
+    written into every rejected draft's entry, each call's fold before its writes: the live
+    entries between calls fit the ring, the fold's reads lie in one window of 16 from f(c),
+    the replay and the writes in one window of 16 from f(c'), no live entry is overwritten,
+    and the outputs match the sequential recurrence exactly up to FP64 rounding."""
     rng = random.Random(max_seqlen)
     g = grid(max_seqlen)
     a_decay = 0.9
@@ -51,12 +52,10 @@ def test_grid_rule_never_overwrites_a_live_entry(max_seqlen):
             c_new = c + acc
             f_new = int(checkpoint_index(torch.tensor(c_new), max_seqlen))
             assert f_new == g * (c_new // g) and f_new >= ckpt_at
+            assert c + q - ckpt_at <= L.RING, "live entries fit the ring"
             reads = list(range(ckpt_at, c_new))
             T = rng.randint(0, max_seqlen)
-            writes = list(range(c_new, c_new + T))
-            touched = reads + writes
-            if touched:
-                assert max(touched) - ckpt_at < L.RING, "window bound"
+            assert c_new + T - f_new <= L.RING, "replay and writes in one window from f(c')"
             for i in reads:  # every committed entry since the checkpoint is intact
                 assert ring_tok[i % L.RING] == i and ring[i % L.RING] == ring[i % L.RING]
             while ckpt_at < f_new:  # fold
@@ -188,25 +187,23 @@ def test_reference_matches_exact_accepted_stream(fmt, M):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-@pytest.mark.parametrize("M", [2, 5, 7])
+@pytest.mark.parametrize("M", [2, 5, 8])
 def test_accepting_every_token_matches_one_token_per_call(fmt, M):
     """With every draft accepted, T tokens per call leave the checkpoint, read copy, meta,
     parity and rings bit for bit as one token per call (same max_seqlen), compared at equal
-    committed counts -- by construction when every call's commit crosses at most one grid
-    point, i.e. T <= Gd (all T for M <= 5; T <= Gd for larger M, tested here). A commit
-    that crosses two grid points folds once (one rounding) where the one-token run folds
-    twice, so it is not bit-identical (checked below for M = 7)."""
+    committed counts: a commit of a <= M tokens crosses at most one grid point (Gd = 17 - M
+    >= M), so both runs fold at the same grid points with the same stream tags."""
     live = [1, 2]
     _, params, multi, _ = _make(fmt, 4, live, seed=7)
     _, _, single, _ = _make(fmt, 4, live, seed=7)
     gen = torch.Generator().manual_seed(11)
     rng = random.Random(M)
     g = grid(M)
-    tmax = min(M, g)
+    assert g >= M
     committed = 0
     chunks = []
     for _ in range(30):
-        T = rng.randint(1, tmax)
+        T = rng.randint(1, M)
         chunks.append((T, _tokens(gen, len(live), M)))
     idx = [L.CHECKPOINT, L.READ_COPY, L.SCALES, L.X_RING, L.DT_RING, L.B_RING, L.POSITIONS]
     if fmt == "nvfp4":
@@ -227,22 +224,7 @@ def test_accepting_every_token_matches_one_token_per_call(fmt, M):
         assert multi[L.POSITIONS][live, 0].tolist() == [committed] * 2
         for i in idx:
             assert torch.equal(view(multi[i]), view(single[i])), (i, committed)
-    if M == 7:  # T = M > Gd = 3 crosses two grid points from c = 2: not bit-identical
-        _, _, m2, _ = _make(fmt, 4, live, seed=7)
-        _, _, s2, _ = _make(fmt, 4, live, seed=7)
-        toks = _tokens(gen, 2, M)
-        for cache, lens in ((m2, [[2, 2], [0, 0], [7, 7], [0, 0]]), (s2, None)):
-            if lens:
-                for k, ln in enumerate(lens):
-                    _call(cache, params, fmt, live, toks, M, ln, None)
-            else:
-                for t in list(range(2)) + list(range(7)):
-                    one = tuple(v[:, t : t + 1].expand(-1, M, *v.shape[2:]).contiguous() for v in toks)
-                    _call(cache, params, fmt, live, one, M, [1, 1], None)
-                _call(cache, params, fmt, live, toks, M, [0, 0], None)
-        assert m2[L.POSITIONS][live, 0].tolist() == s2[L.POSITIONS][live, 0].tolist() == [9, 9]
-        assert torch.equal(m2[L.X_RING], s2[L.X_RING])
-        assert not torch.equal(m2[L.CHECKPOINT], s2[L.CHECKPOINT])
+    assert committed > 2 * g  # the runs folded at least twice
 
 
 # -- (d) validation ------------------------------------------------------------------------

@@ -436,7 +436,7 @@ def test_handoff_of_pending_slots(fmt):
     dirty = cache.allocate(5)  # destinations, first used so their positions and rings are not zero
     cache.prefill_init(prefill_states(p, 5, GROUPS, 4, generator=gen), dirty)
     everyone = torch.cat([slots, dirty])
-    for i in range(6):
+    for i in range(8):
         x, dt, B, C = (v.reshape(8, M, *v.shape[1:]) for v in _tokens(gen, 8 * M))
         cache.decode(x, dt, p.A, B, C, p.D, p.dt_bias, everyone, num_accepted_tokens=torch.full((8,), 2 + i % 2))
     c_src, q_src = cache.positions[src].tolist()
