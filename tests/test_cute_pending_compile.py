@@ -85,3 +85,14 @@ def test_fold_is_the_flush_fold_without_outputs(ptx, arch, fmt):
         assert text.count("cvt.rn.satfinite.e2m1x2.f32") == (PAIRS if hw else 0)
         assert text.count("vote.sync.all.pred") == (0 if hw else 2)
         assert len(re.findall(r"\b(atom|red)(\.\w+)*\.global(\.\w+)*\.max\.s32\b", text)) == 1  # the group amax
+
+
+@pytest.mark.parametrize("kind", ["step", "fold"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_pending_kernels_wait_for_the_kernel_before_them(ptx, fmt, kind):
+    """Both launch with programmatic dependent launch (the fold behind the plan kernel, the
+    step behind the fold): one griddepcontrol.wait, before the kernel's first global load."""
+    text = ptx["sm_90a", fmt, kind]
+    body = text[text.index(".entry kernel_"):]
+    assert body.count("griddepcontrol.wait") == 1
+    assert body.index("griddepcontrol.wait") < body.index("ld.global")

@@ -542,8 +542,8 @@ class PendingFold(Flush):
     over a persistent grid of `ctas` CTAs. `debug`: `PendingDebugPlan`, S of every folded
     row to its state buffer."""
 
-    def __init__(self, fmt, heads: int, groups: int, *, debug: bool = False) -> None:
-        super().__init__(fmt, heads, groups, debug=debug, pending=True)
+    def __init__(self, fmt, heads: int, groups: int, *, pdl: bool = True, debug: bool = False) -> None:
+        super().__init__(fmt, heads, groups, pdl=pdl, debug=debug, pending=True)
 
     @cute.jit
     def __call__(self, ckpt, ring, copy, params, plan, ctas: Int32, stream: cuda_driver.CUstream):
@@ -553,6 +553,7 @@ class PendingFold(Flush):
             min_blocks_per_mp=MIN_CTAS_PER_SM,
             preferred_smem_carveout=-1,
             stream=stream,
+            **({"use_pdl": True} if self.pdl else {}),
         )
 
     @cute.kernel
@@ -560,6 +561,8 @@ class PendingFold(Flush):
         t, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         n_ctas, _, _ = cute.arch.grid_dim()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # the plan kernel's list, before the first global access
         smem = SmemAllocator()
         s_x, s_b, s_dt, s_dot, s_amax = self.shared_buffers(smem)
         s_fmt = self.fmt.shared(smem, WARPS)

@@ -74,6 +74,8 @@ class PendingStep(Decode):
     def kernel(self, ring, copy, inputs, plan):
         t, _, _ = cute.arch.thread_idx()
         bx, b, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # the fold (and plan) kernels, before the first global access
         bb = Int64(b)
         pw = cute.recast_ptr(plan.rows, dtype=Uint32)
         row0 = bits.ld_global_v4_u32((pw + bb * 8).toint())
@@ -258,7 +260,7 @@ _COMPILED: dict[tuple, object] = {}
 def pending_kernel(state_dtype: str, arch: str, heads: int, groups: int, dt_dtype: torch.dtype = torch.float32):
     """The kernel object and its compile-time arguments."""
     fmt = read_copy_format(state_dtype, arch)
-    obj = PendingStep(fmt, heads, groups)
+    obj = PendingStep(fmt, heads, groups, pdl=True)
     fake = [A.fake(A.Ring), A.fake(fmt.Args), A.fake(A.PendingInputs, dt=dt_dtype), A.fake(A.PendingPlan), Int32(0), make_fake_stream()]
     return obj, fake
 
