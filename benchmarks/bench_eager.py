@@ -1,11 +1,11 @@
 """Eager calls, host and GPU time per call (GPU only): what a caller without CUDA graphs
 (Hugging Face `generate`, prefill/decode mixing, notebooks) pays per layer and token.
 
-For each format and batch: `ReplaySSMCache.decode` (out given) called `--calls` times in
-a row on the same inputs, shaped as an engine passes them (`--inputs engine`, the
-default) or plain; host us a call = the time for the calls to return (launches are
-asynchronous; the GPU queue never fills at these counts), GPU us a call = CUDA events
-around the same calls. Beside it, in the same run, the standard decode's eager call
+For each format and batch: `ReplaySSMCache.decode` (out given) on the same inputs, shaped
+as an engine passes them (`--inputs engine`, the default) or plain. Host us a call = the
+median time for one call to return, each call started with the GPU idle (the host's own
+cost); b2b us = wall time a call of `--calls` calls in a row until the GPU has run them;
+GPU us = CUDA events around those calls. Beside it, in the same run, the standard decode's eager call
 (benchmarks/standard_decode.py: one Triton kernel, fp32 and bf16 state), and
 `prefill_init` / `release` of a few slots.
 
@@ -15,6 +15,7 @@ around the same calls. Beside it, in the same run, the standard decode's eager c
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,19 +30,29 @@ from replayssm import ReplaySSMCache  # noqa: E402
 from replayssm.synthetic import engine_inputs, layer_params, plain_inputs, prefill_states, token  # noqa: E402
 
 
-def timed(fn, calls: int) -> tuple[float, float]:
-    """(host us a call, GPU us a call) of `calls` back-to-back calls of `fn`."""
+def timed(fn, calls: int) -> tuple[float, float, float]:
+    """(host us, back-to-back us, GPU us) a call of `fn`: host = the median time for one
+    call to return, each call started with the GPU idle (the host's own cost, whatever the
+    GPU queue holds); back-to-back = wall time a call of `calls` calls in a row until the
+    GPU finishes them; GPU = CUDA events around those calls."""
     fn()
     torch.cuda.synchronize()
+    alone = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        alone.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
     t0 = time.perf_counter()
+    a.record()
     for _ in range(calls):
         fn()
-    host = (time.perf_counter() - t0) / calls * 1e6
     b.record()
     b.synchronize()
-    return host, a.elapsed_time(b) * 1e3 / calls
+    wall = (time.perf_counter() - t0) / calls * 1e6
+    return statistics.median(alone) * 1e6, wall, a.elapsed_time(b) * 1e3 / calls
 
 
 def main(argv=None) -> list[dict]:
@@ -61,38 +72,39 @@ def main(argv=None) -> list[dict]:
     params = layer_params(H, generator=gen, device="cuda")
     rows = []
     print(f"# {torch.cuda.get_device_name()}  heads={H} groups={G}  {args.inputs} inputs, {args.calls} calls")
-    print(f"{'call':34}{'batch':>6}{'host us':>10}{'GPU us':>10}")
+    print(f"{'call':34}{'batch':>6}{'host us':>10}{'b2b us':>10}{'GPU us':>10}")
     for batch in args.batch:
         tok = token(batch, H, G, generator=gen, device="cuda")
         inputs = engine_inputs(tok, params) if args.inputs == "engine" else plain_inputs(tok, params)
         states = prefill_states(params, batch, G, 4, generator=gen, device="cuda")
         out = torch.empty(batch, H, 64, dtype=torch.bfloat16, device="cuda")
         for fmt in ("fp8", "nvfp4"):
-            cache = ReplaySSMCache(batch + 1, H, G, fmt, "cuda", backend="kernels")
+            cache = ReplaySSMCache(batch + 5, H, G, fmt, "cuda", backend="kernels")
             cache.warmup()
             slots = cache.allocate(batch)
             cache.prefill_init(states, slots)
-            host, gpu = timed(lambda: cache.decode(*inputs, slots, out=out), args.calls)
-            rows.append({"call": f"replayssm {fmt} decode", "batch": batch, "host_us": host, "gpu_us": gpu})
-            few = slots[: min(4, batch)]
-            host_i, gpu_i = timed(lambda: cache.prefill_init(states[: few.numel()], few), max(10, args.calls // 10))
-            rows.append({"call": f"replayssm {fmt} prefill_init({few.numel()})", "batch": few.numel(), "host_us": host_i, "gpu_us": gpu_i})
+            host, wall, gpu = timed(lambda: cache.decode(*inputs, slots, out=out), args.calls)
+            rows.append({"call": f"replayssm {fmt} decode", "batch": batch, "host_us": host, "b2b_us": wall, "gpu_us": gpu})
+            few = cache.allocate(min(4, batch))  # a request admitted: ids as `allocate` returns them
+            host_i, wall_i, gpu_i = timed(lambda: cache.prefill_init(states[: few.numel()], few), max(10, args.calls // 10))
+            rows.append({"call": f"replayssm {fmt} prefill_init({few.numel()})", "batch": few.numel(), "host_us": host_i, "b2b_us": wall_i, "gpu_us": gpu_i})
 
-            t0 = time.perf_counter()
-            for _ in range(max(10, args.calls // 10)):
-                cache.release(few)
-                few = cache.allocate(few.numel())
-            torch.cuda.synchronize()
-            host_r = (time.perf_counter() - t0) / max(10, args.calls // 10) * 1e6
-            rows.append({"call": f"replayssm {fmt} release+allocate({few.numel()})", "batch": few.numel(), "host_us": host_r, "gpu_us": float("nan")})
+            held = [few]
+
+            def cycle():
+                cache.release(held[0])
+                held[0] = cache.allocate(few.numel())
+
+            host_r, wall_r, gpu_r = timed(cycle, max(10, args.calls // 10))
+            rows.append({"call": f"replayssm {fmt} release+allocate({few.numel()})", "batch": few.numel(), "host_us": host_r, "b2b_us": wall_r, "gpu_us": gpu_r})
         x, dt, A, B, C, D, dt_bias = plain_inputs(tok, params)
         ids = torch.arange(1, batch + 1, dtype=torch.int32, device="cuda")
         for dtype in (torch.float32, torch.bfloat16):
             state = torch.zeros(batch + 1, H, 64, 128, dtype=dtype, device="cuda")
-            host, gpu = timed(lambda: standard_decode(state, x, dt, A, B, C, D, dt_bias, ids, out), args.calls)
-            rows.append({"call": f"standard decode {str(dtype)[6:]} state", "batch": batch, "host_us": host, "gpu_us": gpu})
+            host, wall, gpu = timed(lambda: standard_decode(state, x, dt, A, B, C, D, dt_bias, ids, out), args.calls)
+            rows.append({"call": f"standard decode {str(dtype)[6:]} state", "batch": batch, "host_us": host, "b2b_us": wall, "gpu_us": gpu})
     for r in rows:
-        print(f"{r['call']:34}{r['batch']:>6}{r['host_us']:>10.1f}{r['gpu_us']:>10.1f}")
+        print(f"{r['call']:34}{r['batch']:>6}{r['host_us']:>10.1f}{r['b2b_us']:>10.1f}{r['gpu_us']:>10.1f}")
     return rows
 
 

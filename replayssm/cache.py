@@ -26,6 +26,7 @@ Vocabulary (used the same way everywhere in replayssm):
 from __future__ import annotations
 
 import math
+import weakref
 
 import attrs
 import torch
@@ -86,6 +87,8 @@ class ReplaySSMCache:
     _last_A: torch.Tensor = attrs.field(init=False, repr=False)
     _scratch: object = attrs.field(init=False, default=None, repr=False)
     _have_A: bool = attrs.field(init=False, default=False, repr=False)
+    # id -> (weak reference, version, host values) of the id tensors `allocate` returned.
+    _issued: dict = attrs.field(init=False, factory=dict, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self._nvfp4 = L.is_nvfp4(self.state_dtype)
@@ -159,24 +162,40 @@ class ReplaySSMCache:
         except (TypeError, ValueError, RuntimeError) as e:
             raise TypeError(f"slots must be a tensor, an int or a sequence of ints; got {type(slots).__name__}") from e
 
+    def _host_ids(self, ids: torch.Tensor) -> list[int]:
+        """The values of slot ids on the host: a tensor this cache's `allocate` returned and
+        nothing has changed since (the same object at the same version) from its record,
+        anything else read from its device (a sync on CUDA)."""
+        hit = self._issued.get(id(ids))
+        if hit is not None and hit[0]() is ids and hit[1] == ids._version:
+            return hit[2]
+        return ids.tolist()
+
     def _check_live(self, ids: torch.Tensor) -> None:
-        """Host-side check (it synchronizes on CUDA) that the live ids are allocated and
-        unique; padding ids pass."""
+        """Host-side check that the live ids are allocated and unique; padding ids pass.
+        It synchronizes on CUDA unless the ids are a tensor from `allocate`."""
         if ids.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"slots must be int32 or int64; got {ids.dtype}")
-        self.allocator.check_live(ids.tolist())
+        self.allocator.check_live(self._host_ids(ids))
 
     # -- slots --------------------------------------------------------------------------
     def allocate(self, n: int) -> torch.Tensor:
-        """n unique free slot ids (int32, on the cache device)."""
-        return self.allocator.allocate(n, device=self.device)
+        """n unique free slot ids (int32, on the cache device). The copy to a GPU does not
+        wait for the GPU, and this cache remembers the values, so passing the tensor back
+        (to `prefill_init`, `release`, ...) reads nothing from the device."""
+        host = self.allocator.allocate(n)
+        ids = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        if len(self._issued) >= 1024:  # drop the records of tensors gone
+            self._issued = {k: v for k, v in self._issued.items() if v[0]() is not None}
+        self._issued[id(ids)] = (weakref.ref(ids), ids._version, host.tolist())
+        return ids
 
     def release(self, slots: torch.Tensor) -> None:
         """Return slots to the pool and clear their rings and positions."""
         ids = self._slots(slots)
         if ids.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"slots must be int32 or int64; got {ids.dtype}")
-        self.allocator.release(ids)  # validates every id before changing anything
+        self.allocator.release(self._host_ids(ids))  # validates every id before changing anything
         api._clear(self.tensors, self._backend, ids)
 
     # -- operations ---------------------------------------------------------------------

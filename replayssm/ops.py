@@ -321,7 +321,15 @@ _materialize_pending_op = _register("materialize_pending", _materialize_pending_
 
 
 def initialize(cache, states, state_indices, *, state_dtype: str, seed: int, backend: str, head_offset: int = 0) -> None:
-    """`replayssm::initialize` on a validated cache tuple (`backend`: a resolved name)."""
+    """`replayssm::initialize` on a validated cache tuple (`backend`: a resolved name).
+    Eager calls go to the backend directly, as the op's implementation does, without the
+    dispatcher (most of a small call's host time); torch.compile traces the op."""
+    if not torch.compiler.is_compiling():
+        with torch.no_grad():
+            _backend(backend).initialize(
+                cache, states, state_indices, nvfp4=state_dtype == "nvfp4", seed=_int64(seed), head_offset=head_offset
+            )
+        return
     _initialize_op(
         *cache_args(cache), states, state_indices, state_dtype=state_dtype, seed=_int64(seed), backend=backend,
         head_offset=head_offset,
@@ -329,7 +337,12 @@ def initialize(cache, states, state_indices, *, state_dtype: str, seed: int, bac
 
 
 def clear(cache, state_indices, *, backend: str) -> None:
-    """`replayssm::clear` on a validated cache tuple."""
+    """`replayssm::clear` on a validated cache tuple (eager calls: the backend directly,
+    as `initialize`)."""
+    if not torch.compiler.is_compiling():
+        with torch.no_grad():
+            _backend(backend).clear(cache, state_indices)
+        return
     _clear_op(*cache_args(cache), state_indices, backend=backend)
 
 

@@ -66,3 +66,21 @@ def test_allocate_rejects_bad_count(n):
 def test_constructor_needs_two_slots():
     with pytest.raises(ValueError, match="num_slots must be an int >= 2"):
         SlotAllocator(1)
+
+
+def test_cache_remembers_allocated_ids_until_changed():
+    """ReplaySSMCache.release and prefill_init read the ids `allocate` returned from the
+    cache's record (no device read), and an in-place change of the tensor voids it."""
+    from replayssm import ReplaySSMCache
+
+    cache = ReplaySSMCache(8, 8, 1, "fp8", "cpu", backend="reference")
+    ids = cache.allocate(3)
+    assert cache._host_ids(ids) == ids.tolist()
+    other = cache.allocate(2)
+    cache.release(other)
+    assert cache.allocator.num_used == 3
+    ids[0] = 7  # not allocated: the record no longer describes the tensor
+    assert cache._host_ids(ids) == ids.tolist()
+    with pytest.raises(ValueError, match="not allocated"):
+        cache.release(ids)
+    assert cache.allocator.num_used == 3

@@ -464,6 +464,30 @@ def test_gpu_initialize(fmt, heads, groups, id_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_gpu_repeated_launches_match_reference(fmt):
+    """Launches after the first of a variant skip Triton's dispatch (`launch.Relaunch`):
+    initialize and clear repeated on new ids and states, bits against the reference."""
+    from replayssm.kernels.triton.clear import _CLEAR
+    from replayssm.kernels.triton.initialize import _INITIALIZE
+
+    nvfp4 = fmt == "nvfp4"
+    gen = torch.Generator().manual_seed(22)
+    got, want = twin_caches(256, 16, 2, fmt, "cuda", fill=float("nan"), slot_padding=128, gen=gen)
+    for i in range(4):
+        ids = _gpu_ids(24, 256, gen, torch.int32)
+        states = prefill_like(24, 16, gen, "cuda")
+        initialize(got, states, ids, nvfp4=nvfp4, seed=9)
+        ref.initialize(want, states, ids, nvfp4=nvfp4, seed=9)
+        assert_same_cache(got, want)
+        gone = _gpu_ids(12, 256, gen, torch.int32)
+        clear(got, gone)
+        ref.clear(want, gone)
+        assert_same_cache(got, want)
+    assert _INITIALIZE.compiled and _CLEAR.compiled  # the later launches took the direct path
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("pending", [False, True], ids=["separate", "pending"])
 def test_gpu_clear(pending):
     gen = torch.Generator().manual_seed(21)

@@ -9,12 +9,14 @@ are the value 0 in every dtype.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from ... import layout as L
-from .launch import interpreting
+from .launch import Relaunch, current_stream, interpreting
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -57,26 +59,19 @@ def clear(cache, ids: torch.Tensor) -> None:
     if batch == 0:
         return
     x_ring, dt_ring, b_ring, pos = cache[L.X_RING], cache[L.DT_RING], cache[L.B_RING], cache[L.POSITIONS]
-    n_x, n_dt, n_b = (t[0].numel() for t in (x_ring, dt_ring, b_ring))
+    n_x, n_dt, n_b = (math.prod(t.shape[1:]) for t in (x_ring, dt_ring, b_ring))
     n_max = max(n_x, n_dt, n_b)
     block = triton.next_power_of_2(n_max) if interpreting() else min(4096, triton.next_power_of_2(n_max))
     pos_width = 2 if pos.dim() == 2 else 1
-    _clear_kernel[(batch, triton.cdiv(n_max, block))](
-        ids,
-        x_ring.view(torch.int16),
-        dt_ring.view(torch.int32),
-        b_ring.view(torch.int16),
-        pos,
-        ids.stride(0),
-        x_ring.stride(0),
-        dt_ring.stride(0),
-        b_ring.stride(0),
-        pos.stride(0),
-        cache[L.CHECKPOINT].shape[0],
-        N_X=n_x,
-        N_DT=n_dt,
-        N_B=n_b,
-        POS_WIDTH=pos_width,
-        BLOCK=block,
-        num_warps=4,
+    _CLEAR(
+        (batch, triton.cdiv(n_max, block)),
+        current_stream(ids.device),
+        (
+            ids, x_ring.view(torch.int16), dt_ring.view(torch.int32), b_ring.view(torch.int16), pos,
+            ids.stride(0), x_ring.stride(0), dt_ring.stride(0), b_ring.stride(0), pos.stride(0), cache[L.CHECKPOINT].shape[0],
+        ),
+        dict(N_X=n_x, N_DT=n_dt, N_B=n_b, POS_WIDTH=pos_width, BLOCK=block),
     )
+
+
+_CLEAR = Relaunch(_clear_kernel, num_warps=4)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import interpreting
+from .launch import Relaunch, current_stream, interpreting
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -62,16 +62,13 @@ def head_amax(states: torch.Tensor, ids: torch.Tensor, num_slots: int) -> torch.
     hmax = torch.empty(batch, heads, dtype=torch.int32, device=states.device)
     # Interpreter: one program per batch row (H is a multiple of 8); GPU: one per head.
     block_h, block_p = (min(16, heads & -heads), 64) if interpreting() else (1, 16)
-    _head_amax_kernel[(batch, heads // block_h)](
-        states,
-        ids,
-        hmax,
-        ids.stride(0),
-        *states.stride(),
-        num_slots,
-        H=heads,
-        BLOCK_H=block_h,
-        BLOCK_P=block_p,
-        num_warps=4,
+    _HEAD_AMAX(
+        (batch, heads // block_h),
+        current_stream(states.device),
+        (states, ids, hmax, ids.stride(0), *states.stride(), num_slots),
+        dict(H=heads, BLOCK_H=block_h, BLOCK_P=block_p),
     )
     return hmax
+
+
+_HEAD_AMAX = Relaunch(_head_amax_kernel, num_warps=4)

@@ -38,7 +38,7 @@ from .bits import (
 )
 from .clear import clear
 from .head_amax import head_amax
-from .launch import int32_pattern, interpreting
+from .launch import Relaunch, current_stream, int32_pattern, interpreting
 
 
 
@@ -166,30 +166,17 @@ def initialize(cache, states: torch.Tensor, ids: torch.Tensor, *, nvfp4: bool, s
     # The interpreter pays per program: one program per batch row (up to 1024 state rows)
     # there; 16 rows (2048 elements) per program on the GPU.
     block_r = min(1024, rows & -rows) if interpreting() else 16
-    _initialize_kernel[(batch, rows // block_r)](
-        states,
-        ids,
-        hmax,
-        ckpt.view(torch.int16),
-        read.view(torch.uint8),
-        scales_arg,
-        meta,
-        parity,
-        ids.stride(0),
-        *states.stride(),
-        ckpt.stride(0),
-        read.stride(0),
-        scales.stride(0),
-        meta.stride(0),
-        parity.stride(0),
-        num_slots,
-        int32_pattern(seed_key(seed)),
-        head_offset,
-        H=heads,
-        HPG=heads // groups,
-        NVFP4=nvfp4,
-        BLOCK_R=block_r,
-        num_warps=4,
-        enable_fp_fusion=False,
+    _INITIALIZE(
+        (batch, rows // block_r),
+        current_stream(ids.device),
+        (
+            states, ids, hmax, ckpt.view(torch.int16), read.view(torch.uint8), scales_arg, meta, parity,
+            ids.stride(0), *states.stride(), ckpt.stride(0), read.stride(0), scales.stride(0), meta.stride(0),
+            parity.stride(0), num_slots, int32_pattern(seed_key(seed)), head_offset,
+        ),
+        dict(H=heads, HPG=heads // groups, NVFP4=nvfp4, BLOCK_R=block_r),
     )
     clear(cache, ids)
+
+
+_INITIALIZE = Relaunch(_initialize_kernel, num_warps=4, enable_fp_fusion=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import triton
 
 
@@ -18,3 +19,53 @@ def int32_pattern(value: int) -> int:
     seed shares one compiled variant)."""
     value &= 0xFFFFFFFF
     return value - (1 << 32) if value >= (1 << 31) else value
+
+
+def current_stream(device: torch.device) -> int | None:
+    """The raw handle of the current CUDA stream of `device` (torch's raw-stream query),
+    or None off CUDA and in the interpreter (launches then take Triton's own path)."""
+    if device.type != "cuda" or interpreting():
+        return None
+    return torch._C._cuda_getCurrentRawStream(device.index)
+
+
+class Relaunch:
+    """Repeated launches of one Triton kernel without Triton's per-call dispatch (binding,
+    specialization key, cache lookup: most of a small launch's host time).
+
+    A launch's variant key is, per argument, a tensor's dtype and 16-byte alignment (all
+    Triton specializes a pointer on) or an integer's exact value (finer than Triton's
+    specialization on divisibility by 16 and equality to 1), plus the constexprs. The first
+    launch of a key goes through Triton's launcher with tensors and returns the compiled
+    kernel, kept here; later ones make the call Triton's launcher makes (launch metadata
+    and hooks included) with the tensors' addresses. Launches without a stream (CPU, the
+    interpreter) always take Triton's path."""
+
+    def __init__(self, fn, **options) -> None:
+        self.fn = fn
+        self.options = options
+        self.names = list(fn.arg_names)
+        self.compiled: dict[tuple, object] = {}
+
+    def __call__(self, grid: tuple, stream: int | None, args: tuple, constexprs: dict) -> None:
+        values = list(args) + [constexprs[n] for n in self.names[len(args):]]
+        if stream is None:
+            self.fn[grid](*args, **constexprs, **self.options)
+            return
+        key = tuple((v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor) else (type(v), v) for v in values)
+        kernel = self.compiled.get(key)
+        if kernel is None:
+            kernel = self.fn[grid](*args, **constexprs, **self.options)
+            if hasattr(kernel, "result"):  # an asynchronous compile's future
+                kernel = kernel.result()
+            if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
+                self.compiled[key] = kernel
+            return
+        raw = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values]
+        full = (tuple(grid) + (1, 1))[:3]
+        hooks = triton.knobs.runtime
+        metadata = kernel.launch_metadata(full, stream, *raw)
+        kernel.run(
+            full[0], full[1], full[2], stream, kernel.function, kernel.packed_metadata, metadata,
+            hooks.launch_enter_hook, hooks.launch_exit_hook, *raw,
+        )
