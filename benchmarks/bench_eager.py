@@ -6,8 +6,8 @@ as an engine passes them (`--inputs engine`, the default) or plain. Host us a ca
 median time for one call to return, each call started with the GPU idle (the host's own
 cost); b2b us = wall time a call of `--calls` calls in a row until the GPU has run them;
 GPU us = CUDA events around those calls. Beside it, in the same run, the standard decode's eager call
-(benchmarks/standard_decode.py: one Triton kernel, fp32 and bf16 state), and
-`prefill_init` / `release` of a few slots.
+(benchmarks/standard_decode.py: one Triton kernel, fp32 and bf16 state), `prefill_init` /
+`release` of a few slots, and a pending-mode call (4 tokens a row, speculative decoding).
 
     python benchmarks/bench_eager.py                       # 16 heads / 2 groups, batch 1 and 256
 """
@@ -97,6 +97,21 @@ def main(argv=None) -> list[dict]:
 
             host_r, wall_r, gpu_r = timed(cycle, max(10, args.calls // 10))
             rows.append({"call": f"replayssm {fmt} release+allocate({few.numel()})", "batch": few.numel(), "host_us": host_r, "b2b_us": wall_r, "gpu_us": gpu_r})
+            # Pending mode (speculative decoding): T = 4 tokens a row, every draft accepted.
+            spec = ReplaySSMCache(batch + 1, H, G, fmt, "cuda", backend="kernels", spec_tokens=3)
+            sslots = spec.allocate(batch)
+            spec.prefill_init(states, sslots)
+            T = spec.max_seqlen
+            xs = torch.randn(batch, T, H, 64, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+            dts = (0.5 * torch.randn(batch, T, H, generator=gen)).to(device="cuda", dtype=torch.bfloat16)
+            Bs, Cs = (torch.randn(batch, T, G, 128, generator=gen).to(device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            outs = torch.empty(batch, T, H, 64, dtype=torch.bfloat16, device="cuda")
+            acc = torch.full((batch,), T, dtype=torch.int32, device="cuda")
+            A_, D_, bias_ = params.A, params.D, params.dt_bias
+            host_p, wall_p, gpu_p = timed(
+                lambda: spec.decode(xs, dts, A_, Bs, Cs, D_, bias_, sslots, outs, num_accepted_tokens=acc), args.calls
+            )
+            rows.append({"call": f"replayssm {fmt} pending T={T}", "batch": batch, "host_us": host_p, "b2b_us": wall_p, "gpu_us": gpu_p})
         x, dt, A, B, C, D, dt_bias = plain_inputs(tok, params)
         ids = torch.arange(1, batch + 1, dtype=torch.int32, device="cuda")
         for dtype in (torch.float32, torch.bfloat16):

@@ -492,10 +492,12 @@ def _host_reads_allowed() -> bool:
 def _decode_pending(
     cache, geometry: Geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
     *, nvfp4: bool, seed: int, checks: bool, max_seqlen: int, num_accepted_tokens=None, cu_seqlens=None,
-    head_offset: int = 0,
+    head_offset: int = 0, own_seqlen: bool = False, own_cu: bool = False,
 ) -> torch.Tensor:
     """Validate a pending-mode call (everything before anything is written), then run
-    `replayssm::decode_pending`."""
+    `replayssm::decode_pending`. The eager checks that read the GPU are skipped where the
+    caller guarantees them: `own_seqlen` (the cache holds one max_seqlen for its slots'
+    lifetime: `ReplaySSMCache`), `own_cu` (cu_seqlens built by the caller: `accept`)."""
     slots, heads, groups = geometry
     device = cache[L.CHECKPOINT].device
     ids = _check_indices(state_indices, device)
@@ -526,13 +528,14 @@ def _decode_pending(
         lay = "varlen: one row a token" if varlen else "dense, T == max_seqlen"
         raise ValueError(f"out must be contiguous bfloat16 {[*lead, heads, P]} ({lay}); got {_describe(out)}")
     _check_accepted(num_accepted_tokens, batch, device)
-    if varlen:
+    if varlen and not own_cu:
         _check_cu_seqlens(cu_seqlens, batch, lead[0], max_seqlen, device)
     if batch == 0:
         return out
     if _host_reads_allowed():  # eager, not under torch.compile (ops.py) or a CUDA graph capture
         if checks:
             _check_unique(ids, slots)
+    if _host_reads_allowed() and not own_seqlen:
         # The pending counts must fit this call's max_seqlen (a changed max_seqlen
         # otherwise); the op checks it again inside torch.compile.
         live = ids[(ids > 0) & (ids < slots)].long()

@@ -257,6 +257,7 @@ class ReplaySSMCache:
                 self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
                 nvfp4=self._nvfp4, seed=self.seed, checks=checks, max_seqlen=self.max_seqlen,
                 num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=self.head_offset,
+                own_seqlen=True,
             )
         else:
             if num_accepted_tokens is not None or cu_seqlens is not None:
@@ -309,6 +310,7 @@ class ReplaySSMCache:
             self.tensors, self._geometry, self._backend, x, dt, A, BC, BC, D, D, slots, out,
             nvfp4=self._nvfp4, seed=self.seed, checks=debug(), max_seqlen=self.max_seqlen,
             num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu, head_offset=self.head_offset,
+            own_seqlen=True, own_cu=True,
         )
 
     def materialize(self, slots: torch.Tensor, A: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -507,6 +509,14 @@ class ReplaySSMCache:
         ids = self._handoff_ids("slots", slots)
         self._check_handoff_live(ids, "slots")
         compact = handoff.check_export(data, self.tensors, self._nvfp4, ids.numel())
+        if self.spec_tokens and not compact:
+            # Drafts awaiting a verdict must fit this cache's max_seqlen (decode trusts it).
+            q = data["positions"][:, 1]
+            if q.numel() and int(q.max()) > self.max_seqlen:
+                raise ValueError(
+                    f"data['positions'] holds a slot with {int(q.max())} pending tokens; this cache decodes "
+                    f"max_seqlen={self.max_seqlen} (spec_tokens={self.spec_tokens})"
+                )
         d = ids.to(self.device, torch.int64)
         if not compact and handoff._use_kernel(self.device, "auto", (self,)):
             plan = handoff.copy_plan((self,))

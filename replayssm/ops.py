@@ -371,7 +371,15 @@ def decode_pending(
     """`replayssm::decode_pending` on a validated pending cache tuple (positions [S, 2]) and
     normalized inputs (`api.normalize_pending_inputs`): dense x [b, T, H, 64] with
     `cu_seqlens` None, or varlen x [total, H, 64] with `cu_seqlens` int32 [b + 1]; writes
-    `out` and the cache."""
+    `out` and the cache. Eager calls go to the backend directly (as `initialize`)."""
+    if not torch.compiler.is_compiling():
+        with torch.no_grad():
+            _backend(backend).decode_pending(
+                cache, x, dt, A, B, C, D, dt_bias, state_indices, out, nvfp4=state_dtype == "nvfp4", seed=_int64(seed),
+                max_seqlen=max_seqlen, num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens,
+                head_offset=head_offset,
+            )
+        return
     _decode_pending_op(
         *cache_args(cache), x, dt, A, B, C, D, dt_bias, state_indices, out, num_accepted_tokens, cu_seqlens,
         state_dtype=state_dtype, seed=_int64(seed), backend=backend, max_seqlen=max_seqlen, head_offset=head_offset,

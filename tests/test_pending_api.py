@@ -614,3 +614,21 @@ def test_materialize_kernel_in_pending_mode_matches_the_reference(fmt, M):
     assert torch.equal(got[[0, 4]], torch.zeros(2, HEADS, P, N))
     with pytest.raises(ValueError, match="max_seqlen"):
         materialize(cache.tensors, ids, p.A)
+
+
+def test_import_rejects_drafts_beyond_the_caches_max_seqlen():
+    """ReplaySSMCache.decode trusts its one max_seqlen (no device read a call), so import_
+    checks that the imported slots' pending counts fit it, and changes nothing otherwise."""
+    big, slots, p, _, gen = _cache("fp8", 3, live=2)  # max_seqlen 4
+    x, dt, B, C = (v.reshape(2, 4, *v.shape[1:]) for v in _tokens(gen, 8))
+    big.decode(x, dt, p.A, B, C, p.D, p.dt_bias, slots)
+    data = big.export(slots)
+    assert data["positions"][:, 1].tolist() == [4, 4]
+    small, dst, _, _, _ = _cache("fp8", 2, live=2)  # max_seqlen 3
+    before = snapshot(small.tensors)
+    with pytest.raises(ValueError, match=r"data\['positions'\] holds a slot with 4 pending tokens; this cache decodes max_seqlen=3"):
+        small.import_(data, dst)
+    assert_cache_equal(small.tensors, before)
+    same, dst2, _, _, _ = _cache("fp8", 3, live=2)
+    same.import_(data, dst2)
+    assert torch.equal(same.positions[dst2.long()], big.positions[slots.long()])
