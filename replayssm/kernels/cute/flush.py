@@ -539,7 +539,8 @@ class PendingFold(Flush):
     are zeros: they may be rejected drafts holding NaN), then the checkpoint (stochastic
     rounding, the plan row's key) and the read copy exactly as the flush writes them; no
     outputs (the step kernel reads the new read copy). Work items (listed row, head half)
-    over a persistent grid of `ctas` CTAs. `debug`: `PendingDebugPlan`, S of every folded
+    over a persistent grid of `ctas` CTAs; `pdl` (the default): launched with programmatic
+    dependent launch behind the plan kernel. `debug`: `PendingDebugPlan`, S of every folded
     row to its state buffer."""
 
     def __init__(self, fmt, heads: int, groups: int, *, pdl: bool = True, debug: bool = False) -> None:

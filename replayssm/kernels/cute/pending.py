@@ -4,8 +4,9 @@ read-copy format (`read_copy.Fp8` / `read_copy.Nvfp4`) supplying the read-copy l
 row dots; the rest is `decode.Decode`'s lane map with the tokens in the MMA's n dimension.
 
 It runs after the Triton plan kernel of `kernels/triton/pending.py` and the fold
-(`flush.PendingFold`, or its Triton twin) on the same stream, and resets the fold's work
-list for the next call. The plan row (`_plan_row`: slot or -1, c', f_old, nf, parity,
+(`flush.PendingFold`, or its Triton twin) on the same stream, launched with programmatic
+dependent launch (griddepcontrol.wait before its first global access), and resets the
+fold's work list for the next call. The plan row (`_plan_row`: slot or -1, c', f_old, nf, parity,
 key, first token, T_b) gives the window of 16 token indices from the checkpoint f_new = f_old + nf, whose
 entry j is ring entry (f_new + j) mod 16 for j < u = c' - f_new (committed) and token
 j - u of the call for u <= j < u + T_b; rows that folded read the read copy the fold
