@@ -158,14 +158,24 @@ class ReplaySSMCache:
         if isinstance(slots, int) and not isinstance(slots, bool):
             slots = [slots]
         try:
-            return torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+            host = torch.tensor(list(slots), dtype=torch.int64)
         except (TypeError, ValueError, RuntimeError) as e:
             raise TypeError(f"slots must be a tensor, an int or a sequence of ints; got {type(slots).__name__}") from e
+        return self._issue(host)
+
+    def _issue(self, host: torch.Tensor) -> torch.Tensor:
+        """Host ids on the cache device, copied without waiting for the GPU, and remembered
+        so that the checks of the calls they go to read nothing back (`_host_ids`)."""
+        ids = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        if len(self._issued) >= 1024:  # drop the records of tensors gone
+            self._issued = {k: v for k, v in self._issued.items() if v[0]() is not None}
+        self._issued[id(ids)] = (weakref.ref(ids), ids._version, host.tolist())
+        return ids
 
     def _host_ids(self, ids: torch.Tensor) -> list[int]:
-        """The values of slot ids on the host: a tensor this cache's `allocate` returned and
-        nothing has changed since (the same object at the same version) from its record,
-        anything else read from its device (a sync on CUDA)."""
+        """The values of slot ids on the host: a tensor this cache made (`allocate`, or from a
+        list of ids) and nothing has changed since (the same object at the same version)
+        from its record, anything else read from its device (a sync on CUDA)."""
         hit = self._issued.get(id(ids))
         if hit is not None and hit[0]() is ids and hit[1] == ids._version:
             return hit[2]
@@ -183,12 +193,7 @@ class ReplaySSMCache:
         """n unique free slot ids (int32, on the cache device). The copy to a GPU does not
         wait for the GPU, and this cache remembers the values, so passing the tensor back
         (to `prefill_init`, `release`, ...) reads nothing from the device."""
-        host = self.allocator.allocate(n)
-        ids = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
-        if len(self._issued) >= 1024:  # drop the records of tensors gone
-            self._issued = {k: v for k, v in self._issued.items() if v[0]() is not None}
-        self._issued[id(ids)] = (weakref.ref(ids), ids._version, host.tolist())
-        return ids
+        return self._issue(self.allocator.allocate(n))
 
     def release(self, slots: torch.Tensor) -> None:
         """Return slots to the pool and clear their rings and positions."""

@@ -84,3 +84,19 @@ def test_cache_remembers_allocated_ids_until_changed():
     with pytest.raises(ValueError, match="not allocated"):
         cache.release(ids)
     assert cache.allocator.num_used == 3
+
+
+def test_cache_remembers_ids_given_as_a_list():
+    """Ids passed as a list become a device tensor whose values the cache records, so the
+    ownership checks of prefill_init / release need no device read; the checks still run."""
+    from replayssm import ReplaySSMCache
+
+    cache = ReplaySSMCache(8, 8, 1, "fp8", "cpu", backend="reference")
+    ids = cache.allocate(2).tolist()
+    t = cache._slots(ids)
+    assert t.tolist() == ids and cache._host_ids(t) == ids
+    with pytest.raises(ValueError, match="not allocated"):
+        cache.release([ids[0], 7])
+    assert cache.allocator.num_used == 2
+    cache.release(ids)
+    assert cache.allocator.num_used == 0
