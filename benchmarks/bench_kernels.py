@@ -33,6 +33,7 @@ if str(_ROOT) not in sys.path:  # run as a script from a source checkout
 import torch  # noqa: E402
 
 from benchmarks import byte_model as bm  # noqa: E402
+from benchmarks.common import replay_seconds  # noqa: E402
 from replayssm import layout as L  # noqa: E402
 from replayssm.api import initialize_replayssm_state, selective_state_update_replayssm  # noqa: E402
 from replayssm.kernels import kernel_backend  # noqa: E402
@@ -67,17 +68,7 @@ def graph_us(fn, reps: int) -> float:
     with torch.cuda.stream(stream), torch.cuda.graph(g, stream=stream):
         fn()
     torch.cuda.current_stream().wait_stream(stream)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    return replay_seconds(g, reps) * 1e6
 
 
 def make_layer(fmt: str, batch: int, heads: int, groups: int, padding: int, gen: torch.Generator, device: str = "cuda"):

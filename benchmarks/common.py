@@ -59,6 +59,14 @@ def graph_seconds(fn, reps: int, inner: int = 1) -> float:
     with torch.cuda.graph(graph):
         for _ in range(inner):
             fn()
+    seconds = replay_seconds(graph, reps) / inner
+    del graph
+    return seconds
+
+
+def replay_seconds(graph, reps: int) -> float:
+    """Median GPU seconds of one replay of a captured CUDA graph: one warm replay, then
+    `reps` replays timed with CUDA events."""
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -68,6 +76,5 @@ def graph_seconds(fn, reps: int, inner: int = 1) -> float:
         graph.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3 / inner)
-    del graph
+        times.append(a.elapsed_time(b) * 1e-3)
     return statistics.median(times)

@@ -532,10 +532,10 @@ def _decode_pending(
         _check_cu_seqlens(cu_seqlens, batch, lead[0], max_seqlen, device)
     if batch == 0:
         return out
-    if _host_reads_allowed():  # eager, not under torch.compile (ops.py) or a CUDA graph capture
-        if checks:
-            _check_unique(ids, slots)
-    if _host_reads_allowed() and not own_seqlen:
+    host_reads = _host_reads_allowed()  # eager, not under torch.compile (ops.py) or a CUDA graph capture
+    if host_reads and checks:
+        _check_unique(ids, slots)
+    if host_reads and not own_seqlen:
         # The pending counts must fit this call's max_seqlen (a changed max_seqlen
         # otherwise); the op checks it again inside torch.compile.
         live = ids[(ids > 0) & (ids < slots)].long()

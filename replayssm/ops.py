@@ -225,6 +225,12 @@ def _initialize_kernel(
     states, state_indices, *, state_dtype, seed, backend, head_offset=0,
 ) -> None:
     cache = _cache_tuple(conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions)
+    _run_initialize(cache, states, state_indices, state_dtype, seed, backend, head_offset)
+
+
+def _run_initialize(cache, states, state_indices, state_dtype, seed, backend, head_offset) -> None:
+    """The body of `replayssm::initialize` on a cache tuple (the op's implementation and
+    the eager wrapper's)."""
     with torch.no_grad():
         _backend(backend).initialize(
             cache, states, state_indices, nvfp4=state_dtype == "nvfp4", seed=seed, head_offset=head_offset
@@ -235,6 +241,11 @@ def _clear_kernel(
     conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions, state_indices, *, backend,
 ) -> None:
     cache = _cache_tuple(conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions)
+    _run_clear(cache, state_indices, backend)
+
+
+def _run_clear(cache, state_indices, backend) -> None:
+    """The body of `replayssm::clear` on a cache tuple."""
     with torch.no_grad():
         _backend(backend).clear(cache, state_indices)
 
@@ -271,6 +282,17 @@ def _decode_pending_kernel(
     *, state_dtype, seed, backend, max_seqlen, head_offset=0,
 ) -> None:
     cache = _cache_tuple(conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions)
+    _run_decode_pending(
+        cache, x, dt, A, B, C, D, dt_bias, state_indices, out, num_accepted_tokens, cu_seqlens,
+        state_dtype, seed, backend, max_seqlen, head_offset,
+    )
+
+
+def _run_decode_pending(
+    cache, x, dt, A, B, C, D, dt_bias, state_indices, out, num_accepted_tokens, cu_seqlens,
+    state_dtype, seed, backend, max_seqlen, head_offset,
+) -> None:
+    """The body of `replayssm::decode_pending` on a cache tuple."""
     with torch.no_grad():
         _backend(backend).decode_pending(
             cache, x, dt, A, B, C, D, dt_bias, state_indices, out, nvfp4=state_dtype == "nvfp4", seed=seed,
@@ -325,10 +347,7 @@ def initialize(cache, states, state_indices, *, state_dtype: str, seed: int, bac
     Eager calls go to the backend directly, as the op's implementation does, without the
     dispatcher (most of a small call's host time); torch.compile traces the op."""
     if not torch.compiler.is_compiling():
-        with torch.no_grad():
-            _backend(backend).initialize(
-                cache, states, state_indices, nvfp4=state_dtype == "nvfp4", seed=_int64(seed), head_offset=head_offset
-            )
+        _run_initialize(cache, states, state_indices, state_dtype, _int64(seed), backend, head_offset)
         return
     _initialize_op(
         *cache_args(cache), states, state_indices, state_dtype=state_dtype, seed=_int64(seed), backend=backend,
@@ -340,8 +359,7 @@ def clear(cache, state_indices, *, backend: str) -> None:
     """`replayssm::clear` on a validated cache tuple (eager calls: the backend directly,
     as `initialize`)."""
     if not torch.compiler.is_compiling():
-        with torch.no_grad():
-            _backend(backend).clear(cache, state_indices)
+        _run_clear(cache, state_indices, backend)
         return
     _clear_op(*cache_args(cache), state_indices, backend=backend)
 
@@ -373,12 +391,10 @@ def decode_pending(
     `cu_seqlens` None, or varlen x [total, H, 64] with `cu_seqlens` int32 [b + 1]; writes
     `out` and the cache. Eager calls go to the backend directly (as `initialize`)."""
     if not torch.compiler.is_compiling():
-        with torch.no_grad():
-            _backend(backend).decode_pending(
-                cache, x, dt, A, B, C, D, dt_bias, state_indices, out, nvfp4=state_dtype == "nvfp4", seed=_int64(seed),
-                max_seqlen=max_seqlen, num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens,
-                head_offset=head_offset,
-            )
+        _run_decode_pending(
+            cache, x, dt, A, B, C, D, dt_bias, state_indices, out, num_accepted_tokens, cu_seqlens,
+            state_dtype, _int64(seed), backend, max_seqlen, head_offset,
+        )
         return
     _decode_pending_op(
         *cache_args(cache), x, dt, A, B, C, D, dt_bias, state_indices, out, num_accepted_tokens, cu_seqlens,

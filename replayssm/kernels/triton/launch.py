@@ -29,6 +29,28 @@ def current_stream(device: torch.device) -> int | None:
     return torch._C._cuda_getCurrentRawStream(device.index)
 
 
+def relaunchable(kernel):
+    """The compiled kernel a launch through Triton's launcher returned (an asynchronous
+    compile's future resolved), or None where it lacks what `launch_compiled` calls."""
+    if hasattr(kernel, "result"):
+        kernel = kernel.result()
+    if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
+        return kernel
+    return None
+
+
+def launch_compiled(kernel, grid: tuple, stream: int, args) -> None:
+    """Launch a compiled kernel as Triton's launcher does (launch metadata and hooks
+    included): `grid` three sizes, `args` every parameter in order (constexprs too), with
+    tensors given as addresses."""
+    hooks = triton.knobs.runtime
+    metadata = kernel.launch_metadata(grid, stream, *args)
+    kernel.run(
+        grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, metadata,
+        hooks.launch_enter_hook, hooks.launch_exit_hook, *args,
+    )
+
+
 class Relaunch:
     """Repeated launches of one Triton kernel without Triton's per-call dispatch (binding,
     specialization key, cache lookup: most of a small launch's host time).
@@ -48,24 +70,16 @@ class Relaunch:
         self.compiled: dict[tuple, object] = {}
 
     def __call__(self, grid: tuple, stream: int | None, args: tuple, constexprs: dict) -> None:
-        values = list(args) + [constexprs[n] for n in self.names[len(args):]]
         if stream is None:
             self.fn[grid](*args, **constexprs, **self.options)
             return
+        values = list(args) + [constexprs[n] for n in self.names[len(args):]]
         key = tuple((v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor) else (type(v), v) for v in values)
         kernel = self.compiled.get(key)
         if kernel is None:
-            kernel = self.fn[grid](*args, **constexprs, **self.options)
-            if hasattr(kernel, "result"):  # an asynchronous compile's future
-                kernel = kernel.result()
-            if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
+            kernel = relaunchable(self.fn[grid](*args, **constexprs, **self.options))
+            if kernel is not None:
                 self.compiled[key] = kernel
             return
         raw = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values]
-        full = (tuple(grid) + (1, 1))[:3]
-        hooks = triton.knobs.runtime
-        metadata = kernel.launch_metadata(full, stream, *raw)
-        kernel.run(
-            full[0], full[1], full[2], stream, kernel.function, kernel.packed_metadata, metadata,
-            hooks.launch_enter_hook, hooks.launch_exit_hook, *raw,
-        )
+        launch_compiled(kernel, (tuple(grid) + (1, 1))[:3], stream, raw)

@@ -23,13 +23,12 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
 from ... import layout as L
 from ...quant.rng import seed_key
 from ...reference import Plan
 from .bits import stream_key
-from .launch import int32_pattern, interpreting
+from .launch import int32_pattern, interpreting, launch_compiled, relaunchable
 
 
 @triton.jit(do_not_specialize=["stride_ids", "stride_pos", "stride_parity", "stride_meta", "num_slots", "seed_key"])
@@ -219,15 +218,9 @@ class Prepare:
             kernel = _prepare_kernel[(self.batch,)](*args, num_warps=4)
             if stream is None or interpreting():
                 return
-            if hasattr(kernel, "result"):  # an asynchronous compile's future
-                kernel = kernel.result()
-            if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
+            kernel = relaunchable(kernel)
+            if kernel is not None:
                 self.compiled[align] = kernel
             return
         args = (ids_ptr, *self.head, out_ptr, *self.tail, ids.stride(0), *self.strides, *self.constexprs)
-        hooks = knobs.runtime
-        metadata = kernel.launch_metadata((self.batch, 1, 1), stream, *args)
-        kernel.run(
-            self.batch, 1, 1, stream, kernel.function, kernel.packed_metadata, metadata,
-            hooks.launch_enter_hook, hooks.launch_exit_hook, *args,
-        )
+        launch_compiled(kernel, (self.batch, 1, 1), stream, args)
