@@ -96,3 +96,29 @@ def test_pending_kernels_wait_for_the_kernel_before_them(ptx, fmt, kind):
     body = text[text.index(".entry kernel_"):]
     assert body.count("griddepcontrol.wait") == 1
     assert body.index("griddepcontrol.wait") < body.index("ld.global")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_split_step_variants_are_the_step_with_a_row_filter(ptx, fmt, tmp_path):
+    """The two launches of a split step (cute/pending.py `fold_and_step`): the same MMAs,
+    vector stores and PDL wait as the one-launch step; the one beside the fold ("rest")
+    leaves the fold's work list alone (one scalar store fewer: the count reset), the one
+    after it ("fold") resets it."""
+    import torch
+
+    from replayssm.kernels.cute.launch import compile_into
+    from replayssm.kernels.cute.pending import pending_kernel
+
+    def counts(text):
+        body = text[text.index(".entry kernel_"):]
+        return {
+            "mma": body.count("mma.sync"), "v4": body.count("st.global.v4.b32"), "wait": body.count("griddepcontrol.wait"),
+            "b32": len(re.findall(r"\bst\.global\.b32\b", body)),
+        }  # fmt: skip
+
+    whole = counts(ptx["sm_90a", fmt, "step"])
+    for rows, resets in (("rest", 0), ("fold", 1)):
+        obj, fake = pending_kernel(fmt, "sm_90a", 16, 2, torch.bfloat16, rows)
+        paths = compile_into(obj, fake, "sm_90a", tmp_path / rows)
+        got = counts(next(Path(p) for p in paths if p.endswith(".ptx")).read_text())
+        assert got == {**whole, "b32": whole["b32"] - 1 + resets}, rows

@@ -13,6 +13,7 @@ within KERNEL_OUTPUT_BF16_ULPS of the call's max."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -190,20 +191,22 @@ def test_pending_kernels_match_the_reference_gpu(fmt, M):
     assert _run(fmt, M, 16, 2, "cuda", calls=24) > 0
 
 
-def _cute_decode(cache, x, dt, A, B, C, D, bias, ids, out, *, nvfp4, **kw):
-    """The Triton plan kernel, then the CuTe fold and step (cute/pending.py)."""
+def _cute_decode(cache, x, dt, A, B, C, D, bias, ids, out, *, nvfp4, split=None, **kw):
+    """The Triton plan kernel, then the CuTe fold and step (cute/pending.py
+    `fold_and_step`; `split` as it takes it)."""
     from replayssm.kernels.cute.arch import arch_for
-    from replayssm.kernels.cute.pending import inputs_ok, pending_fold, pending_step
+    from replayssm.kernels.cute.pending import fold_and_step, inputs_ok, pending_fold
     from replayssm.kernels.triton.pending import pending_decode as triton_decode
 
     def fold(rows, fold_list, debug_state):
         pending_fold(cache, A, rows, fold_list, state_dtype="nvfp4" if nvfp4 else "fp8", arch=arch_for(x.device),
                      head_offset=0, stream=torch.cuda.current_stream().cuda_stream, debug_state=debug_state)  # fmt: skip
 
-    def step(x_, dt_, B_, C_, out_, rows, fold_list, varlen):
+    def step(x_, dt_, B_, C_, out_, rows, fold_list, varlen, launch_fold):
         assert inputs_ok(x_, B_, C_, out_)
-        pending_step(cache, x_, dt_, A, B_, C_, D, bias, out_, rows, fold_list, state_dtype="nvfp4" if nvfp4 else "fp8",
-                     arch=arch_for(x_.device), varlen=varlen, stream=torch.cuda.current_stream().cuda_stream)  # fmt: skip
+        fold_and_step(cache, x_, dt_, A, B_, C_, D, bias, out_, rows, fold_list, launch_fold,
+                      state_dtype="nvfp4" if nvfp4 else "fp8", arch=arch_for(x_.device), varlen=varlen,
+                      stream=torch.cuda.current_stream().cuda_stream, split=split)  # fmt: skip
         return True
 
     return triton_decode(cache, x, dt, A, B, C, D, bias, ids, out, nvfp4=nvfp4, step=step, fold=fold, **kw)
@@ -212,11 +215,49 @@ def _cute_decode(cache, x, dt, A, B, C, D, bias, ids, out, *, nvfp4, **kw):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("M", [2, 4, 8])
-def test_pending_cute_kernels_match_the_reference_gpu(fmt, M):
+@pytest.mark.parametrize("split", [False, True])
+def test_pending_cute_kernels_match_the_reference_gpu(fmt, M, split):
     """The CuTe fold and step after the Triton plan: 16 heads / 2 groups, 24 calls, bf16
-    outputs (dense and varlen, plain and engine-shaped inputs)."""
+    outputs (dense and varlen, plain and engine-shaped inputs); `split`: the step in two
+    launches, the rows that do not fold beside the fold."""
     pytest.importorskip("cutlass")
-    assert _run(fmt, M, 16, 2, "cuda", calls=24, kernel=_cute_decode, out_dtype=torch.bfloat16) > 0
+    kernel = functools.partial(_cute_decode, split=split)
+    assert _run(fmt, M, 16, 2, "cuda", calls=24, kernel=kernel, out_dtype=torch.bfloat16) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_pending_cute_split_step_equals_one_step_bit_for_bit(fmt):
+    """The step split in two launches (beside and after the fold) gives the one-launch
+    step's outputs and cache bit for bit: 12 calls of 6 rows (padding rows, random
+    verdicts, varlen every third call) on two copies of one cache, M = 4."""
+    pytest.importorskip("cutlass")
+    from replayssm.kernels.triton.pending import PendingPlan
+
+    M = 4
+    cache, (A, D, bias), gen = _world(fmt, 16, 2, "cuda", slots=6, seed=7)
+    cache[L.POSITIONS][3, 0] = grid(M) - 2
+    twin = [t.clone() for t in cache]
+    plans = PendingPlan(6, "cuda"), PendingPlan(6, "cuda")
+    ids = torch.tensor([1, 0, 3, 4, 9, 2], device="cuda")
+    rng = random.Random(3)
+    for call in range(12):
+        acc = None if call == 0 else torch.tensor([rng.randint(0, M) for _ in range(6)], dtype=torch.int32, device="cuda")
+        cu = None
+        if call % 3 == 2:
+            lens = [rng.randint(0, M) for _ in range(6)]
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        x, dt, B, C = _tokens(gen, (6, M) if cu is None else (int(cu[-1]),), 16, 2, "cuda")
+        outs = []
+        for c, plan, split in ((cache, plans[0], False), (twin, plans[1], True)):
+            out = torch.full((*x.shape[:-1], L.HEAD_DIM), NAN, dtype=torch.bfloat16, device="cuda")
+            _cute_decode(c, x, dt, A, B, C, D, bias, ids, out, nvfp4=fmt == "nvfp4", split=split, seed=5,
+                         max_seqlen=M, num_accepted_tokens=acc, cu_seqlens=cu, plan=plan)  # fmt: skip
+            outs.append(out)
+        torch.cuda.synchronize()
+        assert same_bits(outs[0], outs[1])
+        for a, b in zip(cache, twin):
+            assert same_bits(a, b)
 
 
 @pytest.mark.gpu

@@ -40,6 +40,8 @@ to their T_b outputs; live rows with T_b = 0 return.
 
 from __future__ import annotations
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 import torch
@@ -58,18 +60,29 @@ from . import bits
 from .bits import bf16x2_to_f32x2, f32x2_to_bf16x2, sel, softplus
 from .decode import Decode
 from .flush import M_SPLIT, MIN_CTAS_PER_SM, PendingFold
-from .launch import _sm_count
+from .launch import _sm_count, fork_streams, join_streams
 from .mma import mma_bf16_16x8x16
 from .read_copy import read_copy_format
 
 TOKENS = 8  # the MMA's n: max_seqlen <= 8
 
 
+ROWS = ("all", "rest", "fold")  # the rows a step launch takes: every row, those that do not fold, those that fold
+
+
 class PendingStep(Decode):
     """The pending-mode step for one (format, heads, groups): `decode.Decode`'s launch
     (grid heads / heads-per-CTA x batch, registers for decode.CTAS_PER_SM CTAs an SM: 4
     measured 5% faster than 3), CTA (the heads of one group of one row, a warp each), lane
-    map and helpers."""
+    map and helpers. `rows` (one of ROWS): the rows it computes, the others return at
+    once; "rest" (padding included) may run beside the fold, "fold" after it. Each row's
+    code is the same in every variant, so is its output."""
+
+    def __init__(self, fmt, heads: int, groups: int, *, pdl: bool = True, rows: str = "all") -> None:
+        if rows not in ROWS:
+            raise ValueError(f"rows must be one of {ROWS}; got {rows!r}")
+        super().__init__(fmt, heads, groups, pdl=pdl)
+        self.rows = rows
 
     @cute.kernel
     def kernel(self, ring, copy, inputs, plan):
@@ -88,9 +101,15 @@ class PendingStep(Decode):
         gq, q = lane // 4, lane % 4
         hh = Int64(bx * self.hpc + t // 32)
         w = Int32(t // 32)
-        if (bx == 0) & (b == 0) & (t == 0):  # the fold kernel (launched before) has consumed its list
-            plan.fold_list[0] = Int32(0)
-        if slot32 < Int32(0):
+        if cutlass.const_expr(self.rows != "rest"):
+            if (bx == 0) & (b == 0) & (t == 0):  # the fold kernel (launched before) has consumed its list
+                plan.fold_list[0] = Int32(0)
+        take = Int32(1)  # whether this launch computes the row (padding rows have nf = 0)
+        if cutlass.const_expr(self.rows == "rest"):
+            take = sel(nf == Int32(0), Int32(1), Int32(0))
+        if cutlass.const_expr(self.rows == "fold"):
+            take = sel(nf > Int32(0), Int32(1), Int32(0))
+        if (take != Int32(0)) & (slot32 < Int32(0)):
             # Padding row: zeros for its T_b tokens (tokens 2 q, 2 q + 1, rows 8 gq .. + 7).
             ow = cute.recast_ptr(inputs.out, dtype=Uint32)
             for s in cutlass.range_constexpr(2):
@@ -98,7 +117,7 @@ class PendingStep(Decode):
                 if tt < tb:
                     o = bb * inputs.o_row + Int64(start + tt) * inputs.o_tok + hh * P + Int64(8 * gq)
                     bits.st_global_v4_u32((ow + o // 2).toint(), [Uint32(0)] * 4)
-        elif tb > Int32(0):
+        elif (take != Int32(0)) & (tb > Int32(0)):
             s_bc = SmemAllocator().allocate_tensor(Float32, cute.make_layout(RING * TOKENS * self.hpc), byte_alignment=16)
             self.live_row(ring, copy, inputs, bb, Int64(slot32), cn, f_old + nf, start, tb, lane, gq, q, hh, w, s_bc)
 
@@ -258,20 +277,20 @@ class PendingStep(Decode):
 _COMPILED: dict[tuple, object] = {}
 
 
-def pending_kernel(state_dtype: str, arch: str, heads: int, groups: int, dt_dtype: torch.dtype = torch.float32):
-    """The kernel object and its compile-time arguments."""
+def pending_kernel(state_dtype: str, arch: str, heads: int, groups: int, dt_dtype: torch.dtype = torch.float32, rows: str = "all"):
+    """The kernel object (`rows`: as PendingStep takes it) and its compile-time arguments."""
     fmt = read_copy_format(state_dtype, arch)
-    obj = PendingStep(fmt, heads, groups, pdl=True)
+    obj = PendingStep(fmt, heads, groups, pdl=True, rows=rows)
     fake = [A.fake(A.Ring), A.fake(fmt.Args), A.fake(A.PendingInputs, dt=dt_dtype), A.fake(A.PendingPlan), Int32(0), make_fake_stream()]
     return obj, fake
 
 
-def compiled_pending(state_dtype: str, arch: str, heads: int, groups: int, dt_dtype: torch.dtype):
+def compiled_pending(state_dtype: str, arch: str, heads: int, groups: int, dt_dtype: torch.dtype, rows: str = "all"):
     """The compiled launcher (compiled on first use)."""
-    key = (state_dtype, arch, heads, groups, dt_dtype)
+    key = (state_dtype, arch, heads, groups, dt_dtype, rows)
     fn = _COMPILED.get(key)
     if fn is None:
-        obj, fake = pending_kernel(state_dtype, arch, heads, groups, dt_dtype)
+        obj, fake = pending_kernel(state_dtype, arch, heads, groups, dt_dtype, rows)
         fn = _COMPILED[key] = cute.compile(obj, *fake, options=f"--gpu-arch {arch}")
     return fn
 
@@ -326,17 +345,17 @@ def inputs_ok(x, B, C, out) -> bool:
     return True
 
 
-def pending_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, *, state_dtype: str, arch: str, varlen: bool, stream: int) -> None:
-    """Launch the step for a call whose plan and fold kernels have run: x [b, T, H, 64]
-    (varlen [total, H, 64]), B, C [.., G, 128], out like x, dt [b, T, H] ([total, H]),
-    A, dt_bias [H], D [H, 64]; `plan_rows` the plan kernel's int32 [b, 8] rows and
-    `fold_list` the fold kernel's work list, whose count the step resets. The caller
-    checked `inputs_ok`."""
+def pending_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, *, state_dtype: str, arch: str, varlen: bool, stream: int, rows: str = "all") -> None:
+    """Launch the step for a call whose plan kernel has run, and whose fold has unless
+    `rows` is "rest" (PendingStep's `rows`): x [b, T, H, 64] (varlen [total, H, 64]), B,
+    C [.., G, 128], out like x, dt [b, T, H] ([total, H]), A, dt_bias [H], D [H, 64];
+    `plan_rows` the plan kernel's int32 [b, 8] rows and `fold_list` the fold kernel's
+    work list, whose count the step resets (not "rest"). The caller checked `inputs_ok`."""
     batch = plan_rows.shape[0]
     heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
     if dt.dtype not in A.DSL_DTYPES:
         dt = dt.float()
-    fn = compiled_pending(state_dtype, arch, heads, groups, dt.dtype)
+    fn = compiled_pending(state_dtype, arch, heads, groups, dt.dtype, rows)
     fmt = read_copy_format(state_dtype, arch)
     ring = A.bound(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
     copy = A.bound(fmt.Args, **fmt.tensors(cache, L))
@@ -355,7 +374,38 @@ def pending_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, 
     fn(ring, copy, inputs, plan, Int32(batch), cuda_driver.CUstream(stream))
 
 
+# From this batch on, a captured call's step runs in two launches: the rows that do not
+# fold on the device's side stream beside the fold, the rows that fold after it. Eager
+# calls keep one step launch: their host time is several times the kernels' GPU time.
+SPLIT_MIN_BATCH = 64
+
+
+def fold_and_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, launch_fold, *, state_dtype: str,
+                  arch: str, varlen: bool, stream: int, split: bool | None = None) -> None:  # fmt: skip
+    """Launch a call's fold (`launch_fold()`, on `stream`, right behind the plan kernel)
+    and step (`pending_step`'s arguments). `split` (None: from SPLIT_MIN_BATCH rows on,
+    while a CUDA graph is being captured):
+    the step of the rows that do not fold goes on the device's side stream, forked after
+    the plan, beside the fold, and the step of the rows that fold follows the fold on
+    `stream`; the side stream joins `stream` after both (as the single-token step's
+    flush and non-flush kernels). Else one step after the fold."""
+    if split is None:
+        split = plan_rows.shape[0] >= SPLIT_MIN_BATCH and torch.cuda.is_current_stream_capturing()
+    step = functools.partial(pending_step, cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list,
+                             state_dtype=state_dtype, arch=arch, varlen=varlen)  # fmt: skip
+    if not split:
+        launch_fold()
+        step(stream=stream)
+        return
+    index = out.get_device()
+    side = fork_streams(index, True, stream)[1]  # before the fold: the side stream waits for the plan only
+    launch_fold()
+    step(stream=side, rows="rest")
+    step(stream=stream, rows="fold")
+    join_streams(index, stream)
+
+
 __all__ = [
-    "PendingStep", "TOKENS", "pending_kernel", "compiled_pending", "inputs_ok", "pending_step",
+    "PendingStep", "ROWS", "SPLIT_MIN_BATCH", "TOKENS", "fold_and_step", "pending_kernel", "compiled_pending", "inputs_ok", "pending_step",
     "fold_kernel", "compiled_fold", "pending_fold",
 ]

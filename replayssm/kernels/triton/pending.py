@@ -496,10 +496,11 @@ def pending_decode(
     `num_accepted_tokens`: int [b] or None. `plan`: a `PendingPlan` with room for b rows
     (made when None). `debug_state`: FP32 [b, H, 64, 128] receiving the folded state S of
     the rows that fold (tests). `fold`: launches the fold in place of `_fold_kernel` (the
-    CuTe kernel: fold(plan rows, fold list, debug_state)). `step`: launches the step in
-    place of `_step_kernel` (the CuTe kernel: step(x, dt, B, C, out, plan rows, fold
-    list, varlen) -> whether it launched; it resets the fold list's count). Three
-    launches; returns `out`."""
+    CuTe kernel: fold(plan rows, fold list, debug_state)). `step`: launches the fold and
+    the step in place of `_step_kernel` (the CuTe kernels: step(x, dt, B, C, out, plan
+    rows, fold list, varlen, launch_fold) -> whether it launched; it calls launch_fold()
+    for the fold, and its step resets the fold list's count; False: it launched nothing).
+    Three launches (the CuTe pair may split its step in two); returns `out`."""
     ids = ids.reshape(-1)
     batch = ids.shape[0]
     if batch == 0:
@@ -537,10 +538,11 @@ def pending_decode(
         num_warps=4,
     )
     hpg = heads // groups
-    # The rows that fold (checkpoint and read copy), then every row's outputs and ring writes.
-    if fold is not None:
-        fold(pv, plan.fold_list, debug_state)
-    else:
+
+    def launch_fold() -> None:  # the rows that fold (checkpoint and read copy)
+        if fold is not None:
+            fold(pv, plan.fold_list, debug_state)
+            return
         dbg = debug_state if debug_state is not None else pv
         _fold_kernel[(min(batch * heads * (L.HEAD_DIM // FOLD_ROWS), _fold_programs(ids.device)),)](
             pv, plan.fold_list, A, ckpt.view(torch.int16), x_ring, dt_ring, b_ring, read.view(torch.uint8), scales_arg,
@@ -550,8 +552,11 @@ def pending_decode(
             H=heads, HPG=hpg, FP=FOLD_ROWS, NVFP4=nvfp4, DEBUG=debug_state is not None, HW_CVT=not interpreting(),
             PRECISION=PRECISION, num_warps=FOLD_WARPS,
         )
-    if step is not None and step(x, dt, B, C, out_v, pv, plan.fold_list, varlen):
+
+    # The fold, then every row's outputs and ring writes (a `step` launches both).
+    if step is not None and step(x, dt, B, C, out_v, pv, plan.fold_list, varlen, launch_fold):
         return out
+    launch_fold()
     inputs = (pv, plan.fold_list, x, dt, A, B, C, D, dt_bias, out_v)
     strides = (
         *_tok_strides(x, varlen), x.stride(-2),
