@@ -466,7 +466,8 @@ def test_gpu_initialize(fmt, heads, groups, id_dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_gpu_repeated_launches_match_reference(fmt):
-    """Launches after the first of a variant skip Triton's dispatch (`launch.Relaunch`):
+    """Launches after the first of a variant skip Triton's dispatch (`launch.Relaunch`)
+    and launcher (`launch.Compiled`: cuLaunchKernel on a proven parameter layout):
     initialize and clear repeated on new ids and states, bits against the reference."""
     from replayssm.kernels.triton.clear import _CLEAR
     from replayssm.kernels.triton.initialize import _INITIALIZE
@@ -485,6 +486,8 @@ def test_gpu_repeated_launches_match_reference(fmt):
         ref.clear(want, gone)
         assert_same_cache(got, want)
     assert _INITIALIZE.compiled and _CLEAR.compiled  # the later launches took the direct path
+    for k in (*_INITIALIZE.compiled.values(), *_CLEAR.compiled.values()):
+        assert k.launch is not None  # through cuLaunchKernel: their parameter layout was proven
 
 
 @pytest.mark.gpu

@@ -79,6 +79,13 @@ class ReferenceBackend:
         return states if out is None else out.copy_(states)
 
 
+# An eager step below this batch launches its two CuTe kernels one after the other on the
+# current stream: there the call's host time exceeds the kernels' GPU time, and the side
+# stream's fork and join cost more host time (H200 host: 6-7 us a call) than running the
+# kernels side by side saves. A captured step (CUDA graph) always runs them side by side.
+EAGER_FORK_MIN_BATCH = 512
+
+
 class _TritonKernels(NamedTuple):
     initialize: Callable
     clear: Callable
@@ -207,7 +214,8 @@ class KernelBackend:
             step = ctx.steps.get(key)
             if step is None:
                 step = ctx.steps[key] = launch.Step(cache, prep.plan, "nvfp4" if nvfp4 else "fp8", arch, head_offset)
-            step(cache, prep.plan, x, dt, A, B, C, D, dt_bias, out, stream)
+            fork = batch >= EAGER_FORK_MIN_BATCH or torch.cuda.is_current_stream_capturing()
+            step(cache, prep.plan, x, dt, A, B, C, D, dt_bias, out, stream, fork=fork)
             return
         plan = self.prepare(cache, ids, out, nvfp4=nvfp4, seed=seed, scratch=scratch)
         ref.decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4)
@@ -230,10 +238,12 @@ class KernelBackend:
 
     def decode_pending(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs) -> None:
         """Pending mode on a CUDA cache: the Triton plan kernel of kernels/triton/pending.py,
-        then the CuTe fold and step (cute/pending.py; where the CuTe kernels cannot run
-        the cache, Triton's fold and step, and Triton's step where they cannot read the
-        inputs' layout); three launches, no host sync; the plan buffer is the cache
-        context's, grown to the largest batch seen, so a captured CUDA graph replays it.
+        then the CuTe fold and step (cute/pending.py `fold_and_step`: from its
+        SPLIT_MIN_BATCH rows on, the step of the rows that do not fold beside the fold;
+        where the CuTe kernels cannot run the cache, Triton's fold and step, and Triton's
+        step where they cannot read the inputs' layout); no host sync; the plan buffer is
+        the cache context's, grown to the largest batch seen, so a captured CUDA graph
+        replays it.
         On the CPU the PyTorch reference (`pending.pending_decode`; the tests run the
         kernels in the interpreter themselves)."""
         if cache[L.CHECKPOINT].device.type != "cuda":
@@ -248,7 +258,7 @@ class KernelBackend:
         step = fold = None
         if ctx.cute is not None:
             from .cute.launch import current_stream
-            from .cute.pending import inputs_ok, pending_fold, pending_step
+            from .cute.pending import fold_and_step, inputs_ok, pending_fold
 
             arch = ctx.cute[1]
             state_dtype = "nvfp4" if kwargs.get("nvfp4") else "fp8"
@@ -258,11 +268,11 @@ class KernelBackend:
                              head_offset=kwargs.get("head_offset", 0), stream=current_stream(A.get_device()),
                              debug_state=debug_state)  # fmt: skip
 
-            def step(x_, dt_, B_, C_, out_, rows, fold_list, varlen):
+            def step(x_, dt_, B_, C_, out_, rows, fold_list, varlen, launch_fold):
                 if not inputs_ok(x_, B_, C_, out_):
                     return False
-                pending_step(cache, x_, dt_, A, B_, C_, D, dt_bias, out_, rows, fold_list, state_dtype=state_dtype,
-                             arch=arch, varlen=varlen, stream=current_stream(out_.get_device()))  # fmt: skip
+                fold_and_step(cache, x_, dt_, A, B_, C_, D, dt_bias, out_, rows, fold_list, launch_fold, state_dtype=state_dtype,
+                              arch=arch, varlen=varlen, stream=current_stream(out_.get_device()))  # fmt: skip
                 return True
 
         pending_decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, plan=ctx.pending, step=step, fold=fold, **kwargs)

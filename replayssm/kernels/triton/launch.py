@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import operator
+import re
+import struct
+
 import torch
 import triton
 
@@ -29,13 +34,14 @@ def current_stream(device: torch.device) -> int | None:
     return torch._C._cuda_getCurrentRawStream(device.index)
 
 
-def relaunchable(kernel):
-    """The compiled kernel a launch through Triton's launcher returned (an asynchronous
-    compile's future resolved), or None where it lacks what `launch_compiled` calls."""
+def relaunchable(kernel) -> "Compiled | None":
+    """The repeated launch (`Compiled`) of the compiled kernel a launch through Triton's
+    launcher returned (an asynchronous compile's future resolved), or None where it lacks
+    what Triton's launch calls."""
     if hasattr(kernel, "result"):
         kernel = kernel.result()
     if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
-        return kernel
+        return Compiled(kernel)
     return None
 
 
@@ -49,6 +55,109 @@ def launch_compiled(kernel, grid: tuple, stream: int, args) -> None:
         grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, metadata,
         hooks.launch_enter_hook, hooks.launch_exit_hook, *args,
     )
+
+
+# A compiled kernel's parameters as Triton's launcher passes them to cuLaunchKernelEx: the
+# non-constexpr arguments in order, then its scratch pointers (NULL when the kernel needs
+# no scratch). `param_layout` reads that list from the kernel's signature and proves it
+# against the parameters of the kernel's PTX entry (count and widths), so a Triton whose
+# convention differs keeps Triton's own launch.
+_SIG_FORMATS = {"i32": "i4x", "u32": "I4x", "i64": "q", "u64": "Q", "fp32": "f4x"}  # one 8-byte slot each
+_PTX_WIDTHS = {"u64": 8, "b64": 8, "s64": 8, "u32": 4, "b32": 4, "s32": 4, "f32": 4}
+
+
+def param_layout(kernel) -> tuple[str, tuple[int, ...], int] | None:
+    """(struct format of the argument slots, indices of the launch arguments that fill
+    them, number of parameter slots) of a compiled Triton kernel whose PTX entry takes exactly its non-constexpr
+    arguments (pointers, 32/64-bit integers, fp32) and up to two scratch pointers it does
+    not use, launched without cluster, cooperative or PDL attributes; else None."""
+    src, meta, asm = getattr(kernel, "src", None), getattr(kernel, "metadata", None), getattr(kernel, "asm", None)
+    sig = getattr(src, "signature", None)
+    names = getattr(getattr(src, "fn", None), "arg_names", None)
+    if not isinstance(sig, dict) or names is None or list(sig) != list(names) or meta is None or not asm or "ptx" not in asm:
+        return None
+    if getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_pdl", False) or getattr(meta, "launch_cooperative_grid", False):
+        return None
+    if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
+        return None
+    entry = re.search(r"\.entry\s+" + re.escape(str(getattr(meta, "name", ""))) + r"\s*\((.*?)\)", asm["ptx"], re.S)
+    if entry is None:
+        return None
+    widths = [_PTX_WIDTHS.get(t) for t in re.findall(r"\.param\s+\.(\w+)", entry.group(1))]
+    fmts, take = [], []
+    for i, ty in enumerate(sig.values()):
+        if ty == "constexpr":
+            continue
+        fmt = "Q" if isinstance(ty, str) and ty.startswith("*") else _SIG_FORMATS.get(ty)
+        if fmt is None:
+            return None
+        fmts.append(fmt)
+        take.append(i)
+    extra = len(widths) - len(fmts)
+    if not 0 <= extra <= 2:
+        return None
+    fmts += ["Q"] * extra  # the scratch pointers: NULL (the buffer starts zeroed)
+    if widths != [8 if f in ("q", "Q") else 4 for f in fmts]:
+        return None
+    return "<" + "".join(fmts[: len(take)]), tuple(take), len(fmts)
+
+
+class _CuLaunch:
+    """cuLaunchKernel of the CUDA driver through ctypes (None where it cannot be loaded)."""
+
+    fn = None
+
+    @classmethod
+    def get(cls):
+        if cls.fn is None:
+            try:
+                fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+                fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+                fn.restype = ctypes.c_int
+                cls.fn = fn
+            except (OSError, AttributeError):
+                cls.fn = False
+        return cls.fn or None
+
+
+class Compiled:
+    """Repeated launches of one compiled Triton kernel. Where `param_layout` proves its
+    parameters, a launch writes them into a fixed buffer and calls cuLaunchKernel (one
+    ctypes call: Triton's launcher adds a Python frame, the launch metadata and the
+    parsing of every argument, constexprs included); with a launch hook set (a profiler),
+    or an unproven layout, it is Triton's launch (`launch_compiled`)."""
+
+    __slots__ = ("kernel", "pack", "take", "buf", "params", "block", "shared", "function", "launch")
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        layout = param_layout(kernel)
+        self.launch = _CuLaunch.get() if layout is not None else None
+        if self.launch is None:
+            return
+        fmt, take, count = layout
+        self.pack = struct.Struct(fmt).pack_into
+        self.take = operator.itemgetter(*take) if len(take) > 1 else (lambda args, i=take[0]: (args[i],))
+        self.buf = (ctypes.c_uint64 * count)()
+        base = ctypes.addressof(self.buf)
+        self.params = (ctypes.c_void_p * count)(*(base + 8 * i for i in range(count)))
+        self.block = 32 * kernel.metadata.num_warps
+        self.shared = kernel.metadata.shared
+        self.function = kernel.function
+
+    def __call__(self, grid: tuple, stream: int, args) -> None:
+        """Launch on stream handle `stream`: `grid` three sizes, `args` every parameter in
+        order (constexprs too), tensors as addresses."""
+        hooks = triton.knobs.runtime
+        if self.launch is None or hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None:
+            launch_compiled(self.kernel, grid, stream, args)
+            return
+        if grid[0] * grid[1] * grid[2] == 0:
+            return
+        self.pack(self.buf, 0, *self.take(args))
+        err = self.launch(self.function, grid[0], grid[1], grid[2], self.block, 1, 1, self.shared, stream, self.params, None)
+        if err:
+            raise RuntimeError(f"CUDA error {err} launching Triton kernel {self.kernel.metadata.name}")
 
 
 class Relaunch:
@@ -82,4 +191,4 @@ class Relaunch:
                 self.compiled[key] = kernel
             return
         raw = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values]
-        launch_compiled(kernel, (tuple(grid) + (1, 1))[:3], stream, raw)
+        kernel((tuple(grid) + (1, 1))[:3], stream, raw)

@@ -28,7 +28,7 @@ from ... import layout as L
 from ...quant.rng import seed_key
 from ...reference import Plan
 from .bits import stream_key
-from .launch import int32_pattern, interpreting, launch_compiled, relaunchable
+from .launch import int32_pattern, interpreting, relaunchable
 
 
 @triton.jit(do_not_specialize=["stride_ids", "stride_pos", "stride_parity", "stride_meta", "num_slots", "seed_key"])
@@ -222,5 +222,4 @@ class Prepare:
             if kernel is not None:
                 self.compiled[align] = kernel
             return
-        args = (ids_ptr, *self.head, out_ptr, *self.tail, ids.stride(0), *self.strides, *self.constexprs)
-        launch_compiled(kernel, (self.batch, 1, 1), stream, args)
+        kernel((self.batch, 1, 1), stream, (ids_ptr, *self.head, out_ptr, *self.tail, ids.stride(0), *self.strides, *self.constexprs))
