@@ -87,6 +87,8 @@ class ReplaySSMCache:
     _last_A: torch.Tensor = attrs.field(init=False, repr=False)
     _scratch: object = attrs.field(init=False, default=None, repr=False)
     _have_A: bool = attrs.field(init=False, default=False, repr=False)
+    # Whether eager decode calls may take api._direct_decode (kernel backend, CUDA cache).
+    _direct: bool = attrs.field(init=False, default=False, repr=False)
     # id -> (weak reference, version, host values) of the id tensors `allocate` returned.
     _issued: dict = attrs.field(init=False, factory=dict, repr=False)
 
@@ -141,6 +143,7 @@ class ReplaySSMCache:
         )
         self._geometry = L.check_cache(self.tensors, self._nvfp4)
         self._backend = backend_for(self.device, self.backend, self.tensors)
+        self._direct = getattr(self._backend, "name", None) == "kernels" and self.device.type == "cuda"
         self.allocator = SlotAllocator(self.num_slots)
         # Plan scratch for the kernel backend, owned by this cache and sized for
         # max_batch, so a decode step allocates nothing (None on the reference backend).
@@ -272,10 +275,16 @@ class ReplaySSMCache:
                 )
             if out is None:
                 out = torch.empty(batch, self.num_heads, L.HEAD_DIM, dtype=torch.bfloat16, device=self.device)
-            api._decode(
-                self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
-                nvfp4=self._nvfp4, seed=self.seed, checks=checks, scratch=self._scratch, head_offset=self.head_offset,
-            )
+            # api._decode's eager fast path, taken here without its keyword call.
+            if not (
+                not checks and self._direct and not torch.compiler.is_compiling()
+                and api._direct_decode(self.tensors, self.num_heads, self.num_groups, self._backend, x, dt, A, B, C, D,
+                                       dt_bias, slots, out, self._nvfp4, self.seed, self._scratch, self.head_offset)
+            ):  # fmt: skip
+                api._decode(
+                    self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
+                    nvfp4=self._nvfp4, seed=self.seed, checks=checks, scratch=self._scratch, head_offset=self.head_offset,
+                )
         # A reference, not a copy: no extra launch per step. Stored with object.__setattr__:
         # torch 2.13's dynamo recurses without end into the __setattr__ that attrs generates
         # for this class (the `device` converter), so `self._last_A = A` breaks the graph.

@@ -201,13 +201,14 @@ class Prepare:
         self.strides = (pos.stride(0), parity.stride(0), meta.stride(0), cache[L.CHECKPOINT].shape[0], int32_pattern(seed_key(seed)))
         self.constexprs = (groups, triton.next_power_of_2(groups), out_row, triton.next_power_of_2(out_row), nvfp4, prepare_trigger(ids.device))
         self.compiled: dict[tuple, object] = {}
+        self.interpreting = interpreting()
 
     def __call__(self, ids: torch.Tensor, out: torch.Tensor, stream: int | None, cache, scratch: PlanScratch) -> None:
         """Launch for `ids` and `out`; `cache` and `scratch` (those this launch was made
         for) are passed as tensors to a launch through Triton's path."""
         kernel = None
         ids_ptr, out_ptr = ids.data_ptr(), out.data_ptr()
-        if stream is not None and not interpreting():
+        if stream is not None and not self.interpreting:
             align = (ids_ptr % 16 == 0, out_ptr % 16 == 0)
             kernel = self.compiled.get(align)
         if kernel is None:
@@ -216,7 +217,7 @@ class Prepare:
             tail = (scratch.valid.view(torch.int8), scratch.slot, scratch.ring_index, scratch.flush.view(torch.int8), scratch.key, scratch.old_parity)
             args = (ids, *head, out.view(torch.int16), *tail, ids.stride(0), *self.strides, *self.constexprs)
             kernel = _prepare_kernel[(self.batch,)](*args, num_warps=4)
-            if stream is None or interpreting():
+            if stream is None or self.interpreting:
                 return
             kernel = relaunchable(kernel)
             if kernel is not None:
