@@ -5,7 +5,8 @@ For each format and batch: `ReplaySSMCache.decode` (out given) on the same input
 as an engine passes them (`--inputs engine`, the default) or plain. Host us a call = the
 median time for one call to return, each call started with the GPU idle (the host's own
 cost); b2b us = wall time a call of `--calls` calls in a row until the GPU has run them;
-GPU us = CUDA events around those calls. Beside it, in the same run, the standard decode's eager call
+GPU us = CUDA events around those calls; with `--rounds N` every call is measured N times,
+the calls interleaved, and the medians reported. Beside it, in the same run, the standard decode's eager call
 (benchmarks/standard_decode.py: one Triton kernel, fp32 and bf16 state), `prefill_init` /
 `release` of a few slots, and a pending-mode call (4 tokens a row, speculative decoding).
 
@@ -61,6 +62,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--groups", type=int, default=2)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 256])
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every call this many times, the calls interleaved; report the medians (the lent hosts drift)")
     ap.add_argument("--inputs", default="engine", choices=["engine", "plain"])
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -70,9 +73,8 @@ def main(argv=None) -> list[dict]:
     H, G = args.heads, args.groups
     gen = torch.Generator().manual_seed(0)
     params = layer_params(H, generator=gen, device="cuda")
-    rows = []
-    print(f"# {torch.cuda.get_device_name()}  heads={H} groups={G}  {args.inputs} inputs, {args.calls} calls")
-    print(f"{'call':34}{'batch':>6}{'host us':>10}{'b2b us':>10}{'GPU us':>10}")
+    calls: list[tuple[str, int, object, int]] = []  # (call, batch, fn, calls timed)
+    keep = []  # what the calls use, alive until the end
     for batch in args.batch:
         tok = token(batch, H, G, generator=gen, device="cuda")
         inputs = engine_inputs(tok, params) if args.inputs == "engine" else plain_inputs(tok, params)
@@ -83,20 +85,18 @@ def main(argv=None) -> list[dict]:
             cache.warmup()
             slots = cache.allocate(batch)
             cache.prefill_init(states, slots)
-            host, wall, gpu = timed(lambda: cache.decode(*inputs, slots, out=out), args.calls)
-            rows.append({"call": f"replayssm {fmt} decode", "batch": batch, "host_us": host, "b2b_us": wall, "gpu_us": gpu})
+            calls.append((f"replayssm {fmt} decode", batch, lambda c=cache, s=slots, i=inputs, o=out: c.decode(*i, s, out=o), args.calls))
             few = cache.allocate(min(4, batch))  # a request admitted: ids as `allocate` returns them
-            host_i, wall_i, gpu_i = timed(lambda: cache.prefill_init(states[: few.numel()], few), max(10, args.calls // 10))
-            rows.append({"call": f"replayssm {fmt} prefill_init({few.numel()})", "batch": few.numel(), "host_us": host_i, "b2b_us": wall_i, "gpu_us": gpu_i})
-
+            n = few.numel()
+            calls.append((f"replayssm {fmt} prefill_init({n})", n, lambda c=cache, f=few, st=states[:n]: c.prefill_init(st, f),
+                          max(10, args.calls // 10)))  # fmt: skip
             held = [few]
 
-            def cycle():
-                cache.release(held[0])
-                held[0] = cache.allocate(few.numel())
+            def cycle(c=cache, held=held, n=n):
+                c.release(held[0])
+                held[0] = c.allocate(n)
 
-            host_r, wall_r, gpu_r = timed(cycle, max(10, args.calls // 10))
-            rows.append({"call": f"replayssm {fmt} release+allocate({few.numel()})", "batch": few.numel(), "host_us": host_r, "b2b_us": wall_r, "gpu_us": gpu_r})
+            calls.append((f"replayssm {fmt} release+allocate({n})", n, cycle, max(10, args.calls // 10)))
             # Pending mode (speculative decoding): T = 4 tokens a row, every draft accepted.
             spec = ReplaySSMCache(batch + 1, H, G, fmt, "cuda", backend="kernels", spec_tokens=3)
             sslots = spec.allocate(batch)
@@ -107,17 +107,27 @@ def main(argv=None) -> list[dict]:
             Bs, Cs = (torch.randn(batch, T, G, 128, generator=gen).to(device="cuda", dtype=torch.bfloat16) for _ in range(2))
             outs = torch.empty(batch, T, H, 64, dtype=torch.bfloat16, device="cuda")
             acc = torch.full((batch,), T, dtype=torch.int32, device="cuda")
-            A_, D_, bias_ = params.A, params.D, params.dt_bias
-            host_p, wall_p, gpu_p = timed(
-                lambda: spec.decode(xs, dts, A_, Bs, Cs, D_, bias_, sslots, outs, num_accepted_tokens=acc), args.calls
-            )
-            rows.append({"call": f"replayssm {fmt} pending T={T}", "batch": batch, "host_us": host_p, "b2b_us": wall_p, "gpu_us": gpu_p})
+            pend = (xs, dts, params.A, Bs, Cs, params.D, params.dt_bias, sslots, outs)
+            calls.append((f"replayssm {fmt} pending T={T}", batch,
+                          lambda c=spec, p=pend, a=acc: c.decode(*p, num_accepted_tokens=a), args.calls))  # fmt: skip
+            keep += [cache, spec]
         x, dt, A, B, C, D, dt_bias = plain_inputs(tok, params)
         ids = torch.arange(1, batch + 1, dtype=torch.int32, device="cuda")
         for dtype in (torch.float32, torch.bfloat16):
             state = torch.zeros(batch + 1, H, 64, 128, dtype=dtype, device="cuda")
-            host, wall, gpu = timed(lambda: standard_decode(state, x, dt, A, B, C, D, dt_bias, ids, out), args.calls)
-            rows.append({"call": f"standard decode {str(dtype)[6:]} state", "batch": batch, "host_us": host, "b2b_us": wall, "gpu_us": gpu})
+            calls.append((f"standard decode {str(dtype)[6:]} state", batch,
+                          lambda st=state, p=(x, dt, A, B, C, D, dt_bias, ids, out): standard_decode(st, *p), args.calls))  # fmt: skip
+    times: dict[int, list[tuple[float, float, float]]] = {}
+    for _ in range(args.rounds):
+        for i, (_, _, fn, n) in enumerate(calls):
+            times.setdefault(i, []).append(timed(fn, n))
+    rows = []
+    for i, (name, batch, _, _) in enumerate(calls):
+        host, wall, gpu = (statistics.median(t[k] for t in times[i]) for k in range(3))
+        rows.append({"call": name, "batch": batch, "host_us": host, "b2b_us": wall, "gpu_us": gpu,
+                     "host_us_rounds": [t[0] for t in times[i]]})  # fmt: skip
+    print(f"# {torch.cuda.get_device_name()}  heads={H} groups={G}  {args.inputs} inputs, {args.calls} calls, {args.rounds} rounds")
+    print(f"{'call':34}{'batch':>6}{'host us':>10}{'b2b us':>10}{'GPU us':>10}")
     for r in rows:
         print(f"{r['call']:34}{r['batch']:>6}{r['host_us']:>10.1f}{r['b2b_us']:>10.1f}{r['gpu_us']:>10.1f}")
     return rows

@@ -45,7 +45,6 @@ import functools
 import cutlass
 import cutlass.cute as cute
 import torch
-from cuda.bindings import driver as cuda_driver
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.runtime import make_fake_stream
 from cutlass.memory import SmemAllocator
@@ -60,7 +59,7 @@ from . import bits
 from .bits import bf16x2_to_f32x2, f32x2_to_bf16x2, sel, softplus
 from .decode import Decode
 from .flush import M_SPLIT, MIN_CTAS_PER_SM, PendingFold
-from .launch import _sm_count, fork_streams, join_streams
+from .launch import _launch, _sm_count, fork_streams, join_streams
 from .mma import mma_bf16_16x8x16
 from .read_copy import read_copy_format
 
@@ -322,16 +321,21 @@ def pending_fold(cache, A_, plan_rows, fold_list, *, state_dtype: str, arch: str
     debug = debug_state is not None
     fn = compiled_fold(state_dtype, arch, heads, groups, debug)
     fmt = read_copy_format(state_dtype, arch)
-    ckpt = A.bound(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=head_offset)
-    ring = A.bound(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
-    copy = A.bound(fmt.Args, **fmt.tensors(cache, L))
-    params = A.bound(A.FoldParams, A=A_)
-    if debug:
-        plan = A.bind(A.PendingDebugPlan, rows=plan_rows, fold_list=fold_list, state=debug_state)
-    else:
-        plan = A.bound(A.PendingPlan, rows=plan_rows, fold_list=fold_list)
+    ckpt = dict(state=cache[L.CHECKPOINT], head_offset=head_offset)
+    ring = dict(x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
+    copy = fmt.tensors(cache, L)
+    plan = dict(rows=plan_rows, fold_list=fold_list)
     ctas = min(batch * heads * M_SPLIT, MIN_CTAS_PER_SM * _sm_count(cache[L.CHECKPOINT].get_device()))
-    fn(ckpt, ring, copy, params, plan, Int32(ctas), cuda_driver.CUstream(stream))
+
+    def structs():  # the executor path's arguments (a kernel's first launch; the test variant)
+        p = A.bind(A.PendingDebugPlan, **plan, state=debug_state) if debug else A.bound(A.PendingPlan, **plan)
+        return (A.bound(A.Checkpoint, **ckpt), A.bound(A.Ring, **ring), A.bound(fmt.Args, **copy), A.bound(A.FoldParams, A=A_), p)
+
+    words = None
+    if not debug:
+        words = (*A.raw(A.Checkpoint, **ckpt), *A.raw(A.Ring, **ring), *A.raw(fmt.Args, **copy), *A.raw(A.FoldParams, A=A_),
+                 *A.raw(A.PendingPlan, **plan), ctas)  # fmt: skip
+    _launch(fn, structs, (ctas,), words, stream)
 
 
 def inputs_ok(x, B, C, out) -> bool:
@@ -357,21 +361,26 @@ def pending_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, 
         dt = dt.float()
     fn = compiled_pending(state_dtype, arch, heads, groups, dt.dtype, rows)
     fmt = read_copy_format(state_dtype, arch)
-    ring = A.bound(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
-    copy = A.bound(fmt.Args, **fmt.tensors(cache, L))
+    ring = dict(x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
+    copy = fmt.tensors(cache, L)
     x_row, x_tok = _tok_strides(x, varlen)
     dt_row, dt_tok = _tok_strides(dt, varlen)
     b_row, b_tok = _tok_strides(B, varlen)
     c_row, c_tok = _tok_strides(C, varlen)
     o_row, o_tok = _tok_strides(out, varlen)
-    inputs = A.bind(
-        A.PendingInputs, x=x, dt=dt, A=A_, B=B, C=C, D=D, dt_bias=dt_bias, out=out,
+    inputs = dict(
+        x=x, dt=dt, A=A_, B=B, C=C, D=D, dt_bias=dt_bias, out=out,
         x_row=x_row, x_tok=x_tok, dt_row=dt_row, dt_tok=dt_tok, dt_h=dt.stride(-1), b_row=b_row, b_tok=b_tok,
         c_row=c_row, c_tok=c_tok, o_row=o_row, o_tok=o_tok, a_stride=A_.stride(0), bias_stride=dt_bias.stride(0),
         d_h=D.stride(0), d_p=D.stride(1),
-    )
-    plan = A.bound(A.PendingPlan, rows=plan_rows, fold_list=fold_list)
-    fn(ring, copy, inputs, plan, Int32(batch), cuda_driver.CUstream(stream))
+    )  # fmt: skip
+    plan = dict(rows=plan_rows, fold_list=fold_list)
+
+    def structs():  # the executor path's arguments (a kernel's first launch)
+        return (A.bound(A.Ring, **ring), A.bound(fmt.Args, **copy), A.bind(A.PendingInputs, **inputs), A.bound(A.PendingPlan, **plan))
+
+    words = (*A.raw(A.Ring, **ring), *A.raw(fmt.Args, **copy), *A.raw(A.PendingInputs, **inputs), *A.raw(A.PendingPlan, **plan), batch)
+    _launch(fn, structs, (batch,), words, stream)
 
 
 # From this batch on, a captured call's step runs in two launches: the rows that do not
