@@ -56,13 +56,20 @@ def timed(fn, calls: int) -> tuple[float, float, float]:
     return statistics.median(alone) * 1e6, wall, a.elapsed_time(b) * 1e3 / calls
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
+    return value
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--groups", type=int, default=2)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 256])
     ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=1,
+    ap.add_argument("--rounds", type=_positive, default=1,
                     help="measure every call this many times, the calls interleaved; report the medians (the lent hosts drift)")
     ap.add_argument("--inputs", default="engine", choices=["engine", "plain"])
     args = ap.parse_args(argv)
@@ -86,11 +93,10 @@ def main(argv=None) -> list[dict]:
             slots = cache.allocate(batch)
             cache.prefill_init(states, slots)
             calls.append((f"replayssm {fmt} decode", batch, lambda c=cache, s=slots, i=inputs, o=out: c.decode(*i, s, out=o), args.calls))
-            few = cache.allocate(min(4, batch))  # a request admitted: ids as `allocate` returns them
-            n = few.numel()
-            calls.append((f"replayssm {fmt} prefill_init({n})", n, lambda c=cache, f=few, st=states[:n]: c.prefill_init(st, f),
+            held = [cache.allocate(min(4, batch))]  # a request admitted: ids as `allocate` returns them
+            n = held[0].numel()
+            calls.append((f"replayssm {fmt} prefill_init({n})", n, lambda c=cache, h=held, st=states[:n]: c.prefill_init(st, h[0]),
                           max(10, args.calls // 10)))  # fmt: skip
-            held = [few]
 
             def cycle(c=cache, held=held, n=n):
                 c.release(held[0])

@@ -338,12 +338,15 @@ def selective_state_update_replayssm(
 
 def _decode(
     cache, geometry: Geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
-    *, nvfp4: bool, seed: int, checks: bool, scratch=None, head_offset: int = 0,
+    *, nvfp4: bool, seed: int, checks: bool, scratch=None, head_offset: int = 0, try_direct: bool = True,
 ) -> torch.Tensor:
+    """One step: the eager fast path (`_direct_decode`, unless `try_direct` is False: the
+    caller tried it), else the validating path through the op."""
     slots, heads, groups = geometry
     device = cache[L.CHECKPOINT].device
     if (
-        not checks
+        try_direct
+        and not checks
         and impl.name == "kernels"
         and device.type == "cuda"
         and not torch.compiler.is_compiling()

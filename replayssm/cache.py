@@ -276,14 +276,16 @@ class ReplaySSMCache:
             if out is None:
                 out = torch.empty(batch, self.num_heads, L.HEAD_DIM, dtype=torch.bfloat16, device=self.device)
             # api._decode's eager fast path, taken here without its keyword call.
+            tried = not checks and self._direct and not torch.compiler.is_compiling()
             if not (
-                not checks and self._direct and not torch.compiler.is_compiling()
+                tried
                 and api._direct_decode(self.tensors, self.num_heads, self.num_groups, self._backend, x, dt, A, B, C, D,
                                        dt_bias, slots, out, self._nvfp4, self.seed, self._scratch, self.head_offset)
             ):  # fmt: skip
                 api._decode(
                     self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
                     nvfp4=self._nvfp4, seed=self.seed, checks=checks, scratch=self._scratch, head_offset=self.head_offset,
+                    try_direct=not tried,
                 )
         # A reference, not a copy: no extra launch per step. Stored with object.__setattr__:
         # torch 2.13's dynamo recurses without end into the __setattr__ that attrs generates

@@ -124,7 +124,8 @@ def test_the_eager_fast_path_gives_the_ops_bits_and_launches_directly(fmt, monke
     """An eager `ReplaySSMCache.decode` on the kernel backend skips the custom op
     (`api._direct_decode`) and, after each kernel's first launch, launches the CuTe kernels
     from argument words (`launch._Direct`) and the prepare kernel past Triton's dispatch
-    (`prepare.Prepare`, kept in the backend's context of the cache): over 34 steps with engine-shaped inputs and a padding row, the
+    and launcher (`prepare.Prepare` through `launch.Compiled`, kept in the backend's
+    context of the cache): over 34 steps with engine-shaped inputs and a padding row, the
     outputs and every cache tensor equal, bit for bit, those of a twin cache decoded
     through the op (the general path)."""
     from replayssm import api, ops
@@ -156,3 +157,4 @@ def test_the_eager_fast_path_gives_the_ops_bits_and_launches_directly(fmt, monke
     assert len(direct) >= 2 and all(isinstance(d, launch._Direct) for d in direct)
     prepares = kernel_backend()._context(caches[0].tensors).prepares.values()
     assert prepares and all(p.compiled for p in prepares)
+    assert all(k.launch is not None for p in prepares for k in p.compiled.values())  # through cuLaunchKernel

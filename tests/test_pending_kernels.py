@@ -261,6 +261,72 @@ def test_pending_cute_split_step_equals_one_step_bit_for_bit(fmt):
 
 
 @pytest.mark.gpu
+def test_pending_split_step_variants_take_their_rows():
+    """Each launch of a split step computes its rows only: from the same cache and inputs,
+    the fold followed by the "rest" step alone writes the outputs of the live rows that do
+    not fold (and zeros for padding rows) and leaves those of folding rows untouched; the
+    "fold" step alone the reverse; each written output equals the one-launch step's, bit
+    for bit. FP8, 16 heads / 2 groups, M = 4, the first call where some rows fold and
+    others do not."""
+    pytest.importorskip("cutlass")
+    from replayssm.kernels.cute.arch import arch_for
+    from replayssm.kernels.cute.pending import inputs_ok, pending_fold, pending_step
+    from replayssm.kernels.triton.pending import PendingPlan
+    from replayssm.kernels.triton.pending import pending_decode as triton_decode
+
+    M, b = 4, 6
+    cache, (A, D, bias), gen = _world("fp8", 16, 2, "cuda", slots=6, seed=11)
+    cache[L.POSITIONS][3, 0] = grid(M) - 2
+    ids = torch.tensor([1, 0, 3, 4, 9, 2], device="cuda")
+    rng = random.Random(5)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def only(rows):
+        def step(x_, dt_, B_, C_, out_, plan_rows, fold_list, varlen, launch_fold, cache_):
+            assert inputs_ok(x_, B_, C_, out_)
+            launch_fold()
+            pending_step(cache_, x_, dt_, A, B_, C_, D, bias, out_, plan_rows, fold_list, state_dtype="fp8",
+                         arch=arch_for(x_.device), varlen=varlen, stream=stream, rows=rows)  # fmt: skip
+            return True
+        return step
+
+    def call(c, x, dt, B, C, acc, rows):
+        plan = PendingPlan(b, "cuda")
+        out = torch.full((b, M, 16, L.HEAD_DIM), NAN, dtype=torch.bfloat16, device="cuda")
+
+        def fold(plan_rows, fold_list, debug_state):
+            pending_fold(c, A, plan_rows, fold_list, state_dtype="fp8", arch=arch_for(x.device), head_offset=0,
+                         stream=stream, debug_state=debug_state)  # fmt: skip
+
+        step = functools.partial(only(rows), cache_=c)
+        triton_decode(c, x, dt, A, B, C, D, bias, ids, out, nvfp4=False, seed=5, max_seqlen=M,
+                      num_accepted_tokens=acc, plan=plan, step=step, fold=fold)  # fmt: skip
+        torch.cuda.synchronize()
+        return out, plan.view(b).cpu()
+
+    for n in range(16):
+        acc = None if n == 0 else torch.tensor([rng.randint(0, M) for _ in range(b)], dtype=torch.int32, device="cuda")
+        x, dt, B, C = _tokens(gen, (b, M), 16, 2, "cuda")
+        before = [t.clone() for t in cache]
+        whole, plan = call(cache, x, dt, B, C, acc, "all")
+        live = plan[:, 0] >= 0
+        folds = live & (plan[:, 3] > 0)
+        if not (folds.any() and (live & ~folds).any()):
+            continue
+        rest, _ = call([t.clone() for t in before], x, dt, B, C, acc, "rest")
+        fold, _ = call([t.clone() for t in before], x, dt, B, C, acc, "fold")
+        for r in range(b):
+            took_rest, took_fold = not bool(folds[r]), bool(folds[r]) and bool(live[r])
+            for got, took in ((rest, took_rest), (fold, took_fold)):
+                if took:
+                    assert same_bits(got[r], whole[r]), r
+                else:
+                    assert torch.isnan(got[r].float()).all(), r
+        return
+    pytest.fail("no call had both folding and non-folding rows")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_pending_decode_replays_in_a_cuda_graph(fmt):
     """`ReplaySSMCache.decode` in pending mode captured in a CUDA graph: replays give the

@@ -238,8 +238,9 @@ class KernelBackend:
 
     def decode_pending(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs) -> None:
         """Pending mode on a CUDA cache: the Triton plan kernel of kernels/triton/pending.py,
-        then the CuTe fold and step (cute/pending.py `fold_and_step`: from its
-        SPLIT_MIN_BATCH rows on, the step of the rows that do not fold beside the fold;
+        then the CuTe fold and step (cute/pending.py `fold_and_step`: in a captured call
+        of SPLIT_MIN_BATCH rows or more, the step of the rows that do not fold beside the
+        fold;
         where the CuTe kernels cannot run the cache, Triton's fold and step, and Triton's
         step where they cannot read the inputs' layout); no host sync; the plan buffer is
         the cache context's, grown to the largest batch seen, so a captured CUDA graph

@@ -434,7 +434,10 @@ def _kernels(config: StepConfig, dt_dtype: torch.dtype, dense: bool, debug: bool
 # pointers must read back exactly the words (struct fields in order, the scalars, the
 # stream), or the kernel keeps the executor path. Only a DSL with the executor internals
 # below (nvidia-cutlass-dsl as pinned in pyproject.toml) gets the direct path.
-_SCALAR_WIDTHS = {"decode": (4,), "flush": (8, 4)}  # (batch,) and (columns, batch); the stream is 8
+# Byte widths of a launch's scalars, by their count: one Int32 (the non-flush kernel's and
+# the pending step's batch, the pending fold's CTA count) or the flush's (columns, batch);
+# the stream is 8.
+_SCALAR_WIDTHS = {1: (4,), 2: (8, 4)}
 _TLS = threading.local()
 
 
@@ -500,7 +503,7 @@ def _launch(fn, structs, scalars: tuple, words: tuple | None, stream: int) -> No
     fn.run_compiled_program(exe_args)
     if direct is None and words is not None:
         widths = tuple(w for s in args[: -1 - len(scalars)] for w in A.widths(type(s)))
-        widths += _SCALAR_WIDTHS["flush" if len(scalars) == 2 else "decode"] + (8,)
+        widths += _SCALAR_WIDTHS[len(scalars)] + (8,)
         table[id(fn)] = _direct_for(fn, exe_args, (*words, handle), widths) or False
     del adapted  # the executor's converted objects live until the launch is queued
 

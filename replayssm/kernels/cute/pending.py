@@ -6,7 +6,9 @@ row dots; the rest is `decode.Decode`'s lane map with the tokens in the MMA's n 
 It runs after the Triton plan kernel of `kernels/triton/pending.py` and the fold
 (`flush.PendingFold`, or its Triton twin) on the same stream, launched with programmatic
 dependent launch (griddepcontrol.wait before its first global access), and resets the
-fold's work list for the next call. The plan row (`_plan_row`: slot or -1, c', f_old, nf, parity,
+fold's work list for the next call; or, split (`fold_and_step`), as two launches that
+take the rows that do not fold (beside the fold, on another stream, the list left alone)
+and the rows that fold (after the fold, resetting the list). The plan row (`_plan_row`: slot or -1, c', f_old, nf, parity,
 key, first token, T_b) gives the window of 16 token indices from the checkpoint f_new = f_old + nf, whose
 entry j is ring entry (f_new + j) mod 16 for j < u = c' - f_new (committed) and token
 j - u of the call for u <= j < u + T_b; rows that folded read the read copy the fold
@@ -393,13 +395,21 @@ def fold_and_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list,
                   arch: str, varlen: bool, stream: int, split: bool | None = None) -> None:  # fmt: skip
     """Launch a call's fold (`launch_fold()`, on `stream`, right behind the plan kernel)
     and step (`pending_step`'s arguments). `split` (None: from SPLIT_MIN_BATCH rows on,
-    while a CUDA graph is being captured):
-    the step of the rows that do not fold goes on the device's side stream, forked after
-    the plan, beside the fold, and the step of the rows that fold follows the fold on
-    `stream`; the side stream joins `stream` after both (as the single-token step's
-    flush and non-flush kernels). Else one step after the fold."""
+    while a CUDA graph is being captured): the step of the rows that do not fold goes on
+    the device's side stream, forked after the plan, beside the fold, and the step of the
+    rows that fold follows the fold on `stream`; the side stream joins `stream` after both
+    (as the single-token step's flush and non-flush kernels). Else one step after the
+    fold (eager calls of SPLIT_MIN_BATCH rows or more compile the split variants, so that
+    a capture compiles nothing)."""
+    if dt.dtype not in A.DSL_DTYPES:
+        dt = dt.float()  # before the fork: the side stream's step reads it
+    big = plan_rows.shape[0] >= SPLIT_MIN_BATCH
     if split is None:
-        split = plan_rows.shape[0] >= SPLIT_MIN_BATCH and torch.cuda.is_current_stream_capturing()
+        split = big and torch.cuda.is_current_stream_capturing()
+    if big and not split:  # compiled by the eager calls, not inside a capture
+        heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
+        for rows in ("rest", "fold"):
+            compiled_pending(state_dtype, arch, heads, groups, dt.dtype, rows)
     step = functools.partial(pending_step, cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list,
                              state_dtype=state_dtype, arch=arch, varlen=varlen)  # fmt: skip
     if not split:

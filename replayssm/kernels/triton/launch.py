@@ -64,6 +64,7 @@ def launch_compiled(kernel, grid: tuple, stream: int, args) -> None:
 # convention differs keeps Triton's own launch.
 _SIG_FORMATS = {"i32": "i4x", "u32": "I4x", "i64": "q", "u64": "Q", "fp32": "f4x"}  # one 8-byte slot each
 _PTX_WIDTHS = {"u64": 8, "b64": 8, "s64": 8, "u32": 4, "b32": 4, "s32": 4, "f32": 4}
+_NO_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 
 
 def param_layout(kernel) -> tuple[str, tuple[int, ...], int] | None:
@@ -94,7 +95,7 @@ def param_layout(kernel) -> tuple[str, tuple[int, ...], int] | None:
         fmts.append(fmt)
         take.append(i)
     extra = len(widths) - len(fmts)
-    if not 0 <= extra <= 2:
+    if not take or not 0 <= extra <= 2:
         return None
     fmts += ["Q"] * extra  # the scratch pointers: NULL (the buffer starts zeroed)
     if widths != [8 if f in ("q", "Q") else 4 for f in fmts]:
@@ -103,7 +104,9 @@ def param_layout(kernel) -> tuple[str, tuple[int, ...], int] | None:
 
 
 class _CuLaunch:
-    """cuLaunchKernel of the CUDA driver through ctypes (None where it cannot be loaded)."""
+    """cuLaunchKernel of the CUDA driver through ctypes (None where it cannot be loaded),
+    called holding the GIL (`PyDLL`): no other thread repacks a `Compiled`'s buffer while
+    the driver reads it."""
 
     fn = None
 
@@ -111,7 +114,7 @@ class _CuLaunch:
     def get(cls):
         if cls.fn is None:
             try:
-                fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+                fn = ctypes.PyDLL("libcuda.so.1").cuLaunchKernel
                 fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
                 fn.restype = ctypes.c_int
                 cls.fn = fn
@@ -156,7 +159,9 @@ class Compiled:
             return
         self.pack(self.buf, 0, *self.take(args))
         err = self.launch(self.function, grid[0], grid[1], grid[2], self.block, 1, 1, self.shared, stream, self.params, None)
-        if err:
+        if err == _NO_CONTEXT:  # a thread without a current context: Triton's launch makes one current
+            launch_compiled(self.kernel, grid, stream, args)
+        elif err:
             raise RuntimeError(f"CUDA error {err} launching Triton kernel {self.kernel.metadata.name}")
 
 
@@ -166,11 +171,11 @@ class Relaunch:
 
     A launch's variant key is, per argument, a tensor's dtype and 16-byte alignment (all
     Triton specializes a pointer on) or an integer's exact value (finer than Triton's
-    specialization on divisibility by 16 and equality to 1), plus the constexprs. The first
-    launch of a key goes through Triton's launcher with tensors and returns the compiled
-    kernel, kept here; later ones make the call Triton's launcher makes (launch metadata
-    and hooks included) with the tensors' addresses. Launches without a stream (CPU, the
-    interpreter) always take Triton's path."""
+    specialization on divisibility by 16 and equality to 1), plus the constexprs and the
+    device of the first tensor. The first launch of a key goes through Triton's launcher
+    with tensors and returns the compiled kernel, kept here (`Compiled`); later ones launch
+    it with the tensors' addresses. Launches without a stream (CPU, the interpreter) always
+    take Triton's path."""
 
     def __init__(self, fn, **options) -> None:
         self.fn = fn
@@ -184,6 +189,7 @@ class Relaunch:
             return
         values = list(args) + [constexprs[n] for n in self.names[len(args):]]
         key = tuple((v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor) else (type(v), v) for v in values)
+        key += (next((v.get_device() for v in values if isinstance(v, torch.Tensor)), None),)
         kernel = self.compiled.get(key)
         if kernel is None:
             kernel = relaunchable(self.fn[grid](*args, **constexprs, **self.options))

@@ -179,10 +179,10 @@ class Prepare:
     dtypes and the 16-byte alignment of the pointers (Triton specializes pointers on it);
     only the ids' and the output's alignment can change between calls, and with them the
     compiled kernel, kept here per alignment. The first launch of each goes through
-    Triton's launcher with tensors and returns the compiled kernel; later ones make the
-    call Triton's launcher makes (launch metadata and hooks included), with the fixed
-    pointers as addresses, which Triton's launcher takes as they are. The interpreter, and
-    calls without a stream, take Triton's path."""
+    Triton's launcher with tensors and returns the compiled kernel; later ones launch it
+    with the fixed pointers as addresses (`launch.Compiled`: cuLaunchKernel on a proven
+    parameter layout, else Triton's launch). The interpreter, and calls without a stream,
+    take Triton's path."""
 
     def __init__(self, cache, scratch: PlanScratch, batch: int, nvfp4: bool, seed: int, ids: torch.Tensor) -> None:
         self.batch = batch
