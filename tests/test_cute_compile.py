@@ -456,21 +456,23 @@ def test_streams_fork_and_join(monkeypatch):
             return 0
 
     driver = launch._Driver()
-    driver.lib = Lib()
+    lib = Lib()
+    driver.record, driver.wait = lib.cuEventRecord, lib.cuStreamWaitEvent
     monkeypatch.setattr(launch, "_DRIVER", driver)
     monkeypatch.setattr(launch, "_side_stream", lambda index: (200, 11, 12))
     for flush_pdl in (False, True):
-        driver.lib.calls.clear()
+        lib.calls.clear()
         f, n = launch.fork_streams(0, flush_pdl, 100)
         launch.join_streams(0, 100)
         assert (f, n) == ((100, 200) if flush_pdl else (200, 100))
-        assert driver.lib.calls == [("record", 11, 100), ("wait", 200, 11), ("record", 12, 200), ("wait", 100, 12)]
+        assert lib.calls == [("record", 11, 100), ("wait", 200, 11), ("record", 12, 200), ("wait", 100, 12)]
 
     class Failing(Lib):
         def cuStreamWaitEvent(self, stream, event, flags):
             return 1
 
-    driver.lib = Failing()
+    failing = Failing()
+    driver.record, driver.wait = failing.cuEventRecord, failing.cuStreamWaitEvent
     with pytest.raises(RuntimeError, match="CUDA driver error 1"):
         launch.fork_streams(0, True, 100)
 

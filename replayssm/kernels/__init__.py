@@ -25,6 +25,7 @@ The Triton kernels live in `replayssm.kernels.triton` and are imported on first 
 TRITON_INTERPRET=1 (CPU tests) must be set before then; importing replayssm alone never
 imports Triton. The CuTe DSL decode kernels (`replayssm.kernels.cute`, FP8 and NVFP4 read
 copies) are imported on first use too; `compile_all` builds them for any target without a GPU.
+`replayssm.kernels.driver` holds the CUDA driver calls both launchers make through ctypes.
 """
 
 from __future__ import annotations
@@ -240,13 +241,11 @@ class KernelBackend:
         """Pending mode on a CUDA cache: the Triton plan kernel of kernels/triton/pending.py,
         then the CuTe fold and step (cute/pending.py `fold_and_step`: in a captured call
         of SPLIT_MIN_BATCH rows or more, the step of the rows that do not fold beside the
-        fold;
-        where the CuTe kernels cannot run the cache, Triton's fold and step, and Triton's
-        step where they cannot read the inputs' layout); no host sync; the plan buffer is
-        the cache context's, grown to the largest batch seen, so a captured CUDA graph
-        replays it.
-        On the CPU the PyTorch reference (`pending.pending_decode`; the tests run the
-        kernels in the interpreter themselves)."""
+        fold; where the CuTe kernels cannot run the cache, Triton's fold and step, and
+        Triton's step where they cannot read the inputs' layout); no host sync; the plan
+        buffer is the cache context's, grown to the largest batch seen, so a captured CUDA
+        graph replays it. On the CPU the PyTorch reference (`pending.pending_decode`; the
+        tests run the kernels in the interpreter themselves)."""
         if cache[L.CHECKPOINT].device.type != "cuda":
             REFERENCE.decode_pending(cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs)
             return

@@ -35,6 +35,7 @@ from cutlass import Int32, Int64
 from cutlass.cute.runtime import make_fake_stream
 
 from ... import layout as L
+from .. import driver
 from . import args as A
 from .arch import arch_for, check_arch
 from .config import StepConfig, step_config, step_configs
@@ -230,25 +231,21 @@ class _Driver:
     driver library cannot be loaded."""
 
     def __init__(self) -> None:
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-            lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-            lib.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
-            self.lib = lib
-        except (OSError, AttributeError):
-            self.lib = None
+        vp = ctypes.c_void_p
+        self.record = driver.function("cuEventRecord", [vp, vp])
+        self.wait = driver.function("cuStreamWaitEvent", [vp, vp, ctypes.c_uint])
 
     def fork_join(self, side: tuple, first: int, second: int, event: int) -> None:
         """Record `side`'s event `event` (1: fork, 2: join) on stream handle `first` and make
         stream `second` wait for it."""
-        if self.lib is None:
+        if self.record is None or self.wait is None:
             streams = {side[0]: side[3]}
             first_s = streams.get(first) or torch.cuda.ExternalStream(first)
             second_s = streams.get(second) or torch.cuda.ExternalStream(second)
             side[3 + event].record(first_s)
             second_s.wait_event(side[3 + event])
             return
-        err = self.lib.cuEventRecord(side[event], first) or self.lib.cuStreamWaitEvent(second, side[event], 0)
+        err = self.record(side[event], first) or self.wait(second, side[event], 0)
         if err:
             raise RuntimeError(f"CUDA driver error {err} forking / joining a replayssm step's streams")
 

@@ -8,11 +8,11 @@ It runs after the Triton plan kernel of `kernels/triton/pending.py` and the fold
 dependent launch (griddepcontrol.wait before its first global access), and resets the
 fold's work list for the next call; or, split (`fold_and_step`), as two launches that
 take the rows that do not fold (beside the fold, on another stream, the list left alone)
-and the rows that fold (after the fold, resetting the list). The plan row (`_plan_row`: slot or -1, c', f_old, nf, parity,
-key, first token, T_b) gives the window of 16 token indices from the checkpoint f_new = f_old + nf, whose
-entry j is ring entry (f_new + j) mod 16 for j < u = c' - f_new (committed) and token
-j - u of the call for u <= j < u + T_b; rows that folded read the read copy the fold
-kernel has just written. For token t (last = u + t), with pre_j = dt_0 + .. + dt_j:
+and the rows that fold (after the fold, resetting the list). The plan row (`_plan_row`:
+slot or -1, c', f_old, nf, parity, key, first token, T_b) gives the window of 16 token
+indices from the checkpoint f_new = f_old + nf, whose entry j is ring entry (f_new + j)
+mod 16 for j < u = c' - f_new (committed) and token j - u of the call for u <= j < u +
+T_b; rows that folded read the read copy the fold kernel has just written. For token t (last = u + t), with pre_j = dt_0 + .. + dt_j:
 
     y_t[p] = exp(A pre_last) R[p] . C_t + sum_{j <= last} dt_j exp(A (pre_last - pre_j)) (B_j . C_t) x_j[p] + D[p] x_t[p]
 

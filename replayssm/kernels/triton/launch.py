@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import operator
 import re
 import struct
 
 import torch
 import triton
+
+from .. import driver
 
 
 def interpreting() -> bool:
@@ -69,9 +72,10 @@ _NO_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 
 def param_layout(kernel) -> tuple[str, tuple[int, ...], int] | None:
     """(struct format of the argument slots, indices of the launch arguments that fill
-    them, number of parameter slots) of a compiled Triton kernel whose PTX entry takes exactly its non-constexpr
-    arguments (pointers, 32/64-bit integers, fp32) and up to two scratch pointers it does
-    not use, launched without cluster, cooperative or PDL attributes; else None."""
+    them, number of parameter slots) of a compiled Triton kernel whose PTX entry takes
+    exactly its non-constexpr arguments (pointers, 32/64-bit integers, fp32) and up to two
+    scratch pointers it does not use, launched without cluster, cooperative or PDL
+    attributes; else None."""
     src, meta, asm = getattr(kernel, "src", None), getattr(kernel, "metadata", None), getattr(kernel, "asm", None)
     sig = getattr(src, "signature", None)
     names = getattr(getattr(src, "fn", None), "arg_names", None)
@@ -103,24 +107,11 @@ def param_layout(kernel) -> tuple[str, tuple[int, ...], int] | None:
     return "<" + "".join(fmts[: len(take)]), tuple(take), len(fmts)
 
 
-class _CuLaunch:
-    """cuLaunchKernel of the CUDA driver through ctypes (None where it cannot be loaded),
-    called holding the GIL (`PyDLL`): no other thread repacks a `Compiled`'s buffer while
-    the driver reads it."""
-
-    fn = None
-
-    @classmethod
-    def get(cls):
-        if cls.fn is None:
-            try:
-                fn = ctypes.PyDLL("libcuda.so.1").cuLaunchKernel
-                fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-                fn.restype = ctypes.c_int
-                cls.fn = fn
-            except (OSError, AttributeError):
-                cls.fn = False
-        return cls.fn or None
+@functools.cache
+def _cu_launch():
+    """cuLaunchKernel (None where it cannot be loaded), called holding the GIL: no other
+    thread repacks a `Compiled`'s buffer while the driver reads it."""
+    return driver.function("cuLaunchKernel", [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3, hold_gil=True)
 
 
 class Compiled:
@@ -135,7 +126,7 @@ class Compiled:
     def __init__(self, kernel) -> None:
         self.kernel = kernel
         layout = param_layout(kernel)
-        self.launch = _CuLaunch.get() if layout is not None else None
+        self.launch = _cu_launch() if layout is not None else None
         if self.launch is None:
             return
         fmt, take, count = layout
