@@ -131,6 +131,7 @@ def test_the_eager_fast_path_gives_the_ops_bits_and_launches_directly(fmt, monke
     from replayssm import api, ops
     from replayssm.kernels import kernel_backend
     from replayssm.kernels.cute import launch
+    from replayssm.kernels.triton import launch as triton_launch
 
     batch = 6
     caches, slots, params, gen = _pair(fmt, "cuda", "kernels", batch=batch)
@@ -138,6 +139,9 @@ def test_the_eager_fast_path_gives_the_ops_bits_and_launches_directly(fmt, monke
     through_op = []
     real_op = ops.decode
     monkeypatch.setattr(ops, "decode", lambda *a, **k: (through_op.append(1), real_op(*a, **k)))
+    fallbacks = []  # launches of compiled Triton kernels through Triton's launcher
+    real_launch = triton_launch.launch_compiled
+    monkeypatch.setattr(triton_launch, "launch_compiled", lambda *a: (fallbacks.append(a[0]), real_launch(*a)))
     out = [torch.empty(batch, HEADS, L.HEAD_DIM, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
     for step in range(34):
         tok = token(batch, HEADS, GROUPS, generator=gen, device="cuda")
@@ -158,3 +162,4 @@ def test_the_eager_fast_path_gives_the_ops_bits_and_launches_directly(fmt, monke
     prepares = kernel_backend()._context(caches[0].tensors).prepares.values()
     assert prepares and all(p.compiled for p in prepares)
     assert all(k.launch is not None for p in prepares for k in p.compiled.values())  # through cuLaunchKernel
+    assert not fallbacks, [k.metadata.name for k in fallbacks]

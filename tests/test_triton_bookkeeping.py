@@ -259,6 +259,33 @@ def test_clear_strided_ids():
     assert_same_cache(got, want)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_bound_launches_match_reference(fmt):
+    """The kernel backend's per-cache launches (`Initialize`, `Clear`: arguments made
+    once, the ids and states per call) write what the reference writes, on a
+    slot-padded cache with strided ids, a broadcast state and a head offset (tensor
+    parallel shard). Here they launch through Triton's path (no stream: the interpreter,
+    or the GPU's first launch of a variant); the GPU tests repeat them past it."""
+    from replayssm.kernels.triton.clear import Clear
+    from replayssm.kernels.triton.initialize import Initialize
+    from replayssm.kernels.triton.launch import current_stream
+
+    nvfp4 = fmt == "nvfp4"
+    gen = torch.Generator().manual_seed(8)
+    got, want = twin_caches(9, 16, 2, fmt, fill=float("nan"), slot_padding=64, gen=gen)
+    stream = current_stream(got[L.CHECKPOINT].device)
+    init, clr = Initialize(got, nvfp4, 31, 16), Clear(got)
+    ids = torch.tensor([5, 99, 0, 99, 8, 99, 2, 99], dtype=torch.int64, device=DEV)[::2]  # [5, 0, 8, 2]
+    for states in (_states("contiguous", 4, 16, gen), _states("broadcast", 4, 16, gen)):
+        init(got, states, ids, stream)
+        ref.initialize(want, states, ids.contiguous(), nvfp4=nvfp4, seed=31, head_offset=16)
+        assert_same_cache(got, want)
+        gone = torch.tensor([8, -1, 3], dtype=torch.int32, device=DEV)
+        clr(got, gone, stream)
+        ref.clear(want, gone)
+        assert_same_cache(got, want)
+
+
 # ---------------------------------------------------------------------------------------
 # prepare
 
@@ -465,29 +492,48 @@ def test_gpu_initialize(fmt, heads, groups, id_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-def test_gpu_repeated_launches_match_reference(fmt):
-    """Launches after the first of a variant skip Triton's dispatch (`launch.Relaunch`)
-    and launcher (`launch.Compiled`: cuLaunchKernel on a proven parameter layout):
-    initialize and clear repeated on new ids and states, bits against the reference."""
+@pytest.mark.parametrize("via", ["functions", "backend"])
+def test_gpu_repeated_launches_match_reference(fmt, via, monkeypatch):
+    """Launches after the first of a variant skip Triton's dispatch and launcher
+    (`launch.Compiled`: cuLaunchKernel on a proven parameter layout, none falling back to
+    Triton's launch): initialize and clear repeated on new ids and states, through the
+    module functions (`launch.Relaunch`) and through the kernel backend (the cache
+    context's `Initialize` / `Clear`), bits against the reference."""
+    from replayssm.kernels.triton import launch
     from replayssm.kernels.triton.clear import _CLEAR
     from replayssm.kernels.triton.initialize import _INITIALIZE
 
+    fallbacks = []
+    real = launch.launch_compiled
+    monkeypatch.setattr(launch, "launch_compiled", lambda *a: (fallbacks.append(a[0]), real(*a)))
+    backend = KernelBackend()
     nvfp4 = fmt == "nvfp4"
     gen = torch.Generator().manual_seed(22)
     got, want = twin_caches(256, 16, 2, fmt, "cuda", fill=float("nan"), slot_padding=128, gen=gen)
     for i in range(4):
-        ids = _gpu_ids(24, 256, gen, torch.int32)
+        ids = _gpu_ids(24, 256, gen, torch.int32 if i % 2 else torch.int64)
         states = prefill_like(24, 16, gen, "cuda")
-        initialize(got, states, ids, nvfp4=nvfp4, seed=9)
+        if i == 3:  # one state for every row, as `ReplaySSMCache.reset` passes it
+            states = states[:1].expand(24, -1, -1, -1)
+        if via == "functions":
+            initialize(got, states, ids, nvfp4=nvfp4, seed=9)
+        else:
+            backend.initialize(got, states, ids, nvfp4=nvfp4, seed=9)
         ref.initialize(want, states, ids, nvfp4=nvfp4, seed=9)
         assert_same_cache(got, want)
         gone = _gpu_ids(12, 256, gen, torch.int32)
-        clear(got, gone)
+        (clear if via == "functions" else backend.clear)(got, gone)
         ref.clear(want, gone)
         assert_same_cache(got, want)
-    assert _INITIALIZE.compiled and _CLEAR.compiled  # the later launches took the direct path
-    for k in (*_INITIALIZE.compiled.values(), *_CLEAR.compiled.values()):
-        assert k.launch is not None  # through cuLaunchKernel: their parameter layout was proven
+    if via == "functions":
+        variants = [*_INITIALIZE.compiled.values(), *_CLEAR.compiled.values()]
+    else:
+        ctx = backend._context(got)
+        (init,) = ctx.initializes.values()
+        variants = [*init.compiled.values(), *ctx.clear.compiled.values(), *(init.amax.compiled.values() if nvfp4 else ())]
+        assert init.compiled and ctx.clear.compiled
+    assert variants and all(k.launch is not None for k in variants)  # cuLaunchKernel: their parameter layout was proven
+    assert not fallbacks, [k.metadata.name for k in fallbacks]
 
 
 @pytest.mark.gpu

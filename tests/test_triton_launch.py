@@ -81,3 +81,64 @@ def test_param_layout_reads_slots_from_the_signature():
 )
 def test_param_layout_refuses_what_it_cannot_prove(sig, ptx, meta):
     assert param_layout(_fake(sig, ptx, **meta)) is None
+
+
+def _compiled_with_recorder(monkeypatch):
+    """A `Compiled` of a fake kernel (SIG, two scratch pointers) whose cuLaunchKernel
+    records the grid, block, stream and the parameter slots' bytes; Triton's launch
+    records its arguments."""
+    import ctypes
+
+    from replayssm.kernels.triton import launch
+
+    calls = {"driver": [], "triton": []}
+
+    def driver(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        slots = [ctypes.c_uint64.from_address(params[i]).value for i in range(6)]
+        calls["driver"].append(((gx, gy, gz), (bx, by, bz), shared, stream, slots))
+        return 0
+
+    monkeypatch.setattr(launch, "_cu_launch", lambda: driver)
+    monkeypatch.setattr(launch, "launch_compiled", lambda kernel, grid, stream, args: calls["triton"].append((grid, stream, list(args))))
+    kernel = _fake(SIG, ["u64", "u32", "u64", "f32", "u64", "u64"], num_warps=4, shared=256)
+    kernel.function = 1234
+    return launch.Compiled(kernel), calls
+
+
+def test_compiled_launch_packs_the_slots_and_calls_the_driver(monkeypatch):
+    """With no launch hook (Triton's hook chains empty, as they are by default) a launch
+    is one driver call: pointer and int64 slots whole, int32 and fp32 in the low four
+    bytes, the two scratch slots NULL, block = 32 * num_warps."""
+    import struct
+
+    import triton
+
+    runtime = triton.knobs.runtime
+    monkeypatch.setattr(runtime, "launch_enter_hook", type(runtime.launch_enter_hook)(), raising=False)
+    monkeypatch.setattr(runtime, "launch_exit_hook", type(runtime.launch_exit_hook)(), raising=False)
+    compiled, calls = _compiled_with_recorder(monkeypatch)
+    compiled((3, 2, 1), 77, (0xDEAD0000BEEF, -5, 128, -(2**40) - 3, 0.75))
+    assert not calls["triton"]
+    ((grid, block, shared, stream, slots),) = calls["driver"]
+    assert (grid, block, shared, stream) == ((3, 2, 1), (128, 1, 1), 256, 77)
+    f32 = struct.unpack("<I", struct.pack("<f", 0.75))[0]
+    assert slots == [0xDEAD0000BEEF, (-5) & 0xFFFFFFFF, (-(2**40) - 3) & (2**64 - 1), f32, 0, 0]
+
+
+def test_compiled_launch_takes_tritons_path_when_a_hook_is_set(monkeypatch):
+    """A launch hook (a profiler) sends launches through Triton's launcher, which calls it."""
+    import triton
+
+    runtime = triton.knobs.runtime
+    hook = lambda *a, **k: None  # noqa: E731
+    enter = runtime.launch_enter_hook
+    if hasattr(enter, "add"):  # Triton's hook chains
+        chain = type(enter)()
+        chain.add(hook)
+        monkeypatch.setattr(runtime, "launch_enter_hook", chain)
+    else:
+        monkeypatch.setattr(runtime, "launch_enter_hook", hook)
+    compiled, calls = _compiled_with_recorder(monkeypatch)
+    args = (16, 1, 128, 2, 0.5)
+    compiled((1, 1, 1), 5, args)
+    assert not calls["driver"] and calls["triton"] == [((1, 1, 1), 5, list(args))]

@@ -93,17 +93,22 @@ class _TritonKernels(NamedTuple):
     prepare_decode: Callable
     PlanScratch: type
     Prepare: type
+    Initialize: type
+    Clear: type
+    current_stream: Callable
 
 
 class _CacheContext:
     """What the kernel backend knows of one CUDA cache tuple between decode calls: whether
     the CuTe kernels can run it ((launch module, arch), or the reason they cannot) and its
     prepare launches (`triton.prepare.Prepare`) by batch, format, seed, ids dtype and plan
-    scratch, and its CuTe launches (`cute.launch.Step`) by batch, format, head offset and
-    plan scratch. Holds weak references only: a context never keeps a cache alive (its
-    launches hold addresses and are given the tensors on each call)."""
+    scratch, its CuTe launches (`cute.launch.Step`) by batch, format, head offset and
+    plan scratch, and its initialize (`triton.initialize.Initialize`, by format, seed and
+    head offset) and clear (`triton.clear.Clear`) launches. Holds weak references only: a
+    context never keeps a cache alive (its launches hold addresses and are given the
+    tensors on each call)."""
 
-    __slots__ = ("refs", "cute", "reason", "prepares", "steps", "pending")
+    __slots__ = ("refs", "cute", "reason", "prepares", "steps", "pending", "initializes", "clear")
 
     def __init__(self, cache, cute, reason: str | None) -> None:
         self.refs = tuple(weakref.ref(t) for t in cache)
@@ -111,6 +116,8 @@ class _CacheContext:
         self.prepares: dict[tuple, object] = {}
         self.steps: dict[tuple, object] = {}
         self.pending = None  # its pending-mode plan buffer (triton.pending.PendingPlan)
+        self.initializes: dict[tuple, object] = {}
+        self.clear = None
 
     def holds(self, cache) -> bool:
         """Whether `cache` is the tuple of tensors this context was made for."""
@@ -152,9 +159,12 @@ class KernelBackend:
     @staticmethod
     @functools.cache
     def _kernels():
-        from .triton import clear, initialize, prepare
+        from .triton import clear, initialize, launch, prepare
 
-        return _TritonKernels(initialize.initialize, clear.clear, prepare.prepare_decode, prepare.PlanScratch, prepare.Prepare)
+        return _TritonKernels(
+            initialize.initialize, clear.clear, prepare.prepare_decode, prepare.PlanScratch, prepare.Prepare,
+            initialize.Initialize, clear.Clear, launch.current_stream,
+        )
 
     def new_scratch(self, device: torch.device | str, rows: int):
         """A private `PlanScratch` for `rows` rows (ReplaySSMCache owns one, sized for its
@@ -176,10 +186,30 @@ class KernelBackend:
         return buf
 
     def initialize(self, cache, states, ids, *, nvfp4: bool, seed: int, head_offset: int = 0) -> None:
-        self._kernels().initialize(cache, states, ids, nvfp4=nvfp4, seed=seed, head_offset=head_offset)
+        """The Triton initialize launches (kernels/triton/initialize.py); on a GPU through
+        the cache context's `Initialize`, made once per format, seed and head offset."""
+        kernels = self._kernels()
+        stream = kernels.current_stream(cache[L.CHECKPOINT].device)
+        if stream is None:  # the interpreter
+            kernels.initialize(cache, states, ids, nvfp4=nvfp4, seed=seed, head_offset=head_offset)
+            return
+        inits = self._context(cache).initializes
+        launch = inits.get((nvfp4, seed, head_offset))
+        if launch is None:
+            launch = inits[(nvfp4, seed, head_offset)] = kernels.Initialize(cache, nvfp4, seed, head_offset)
+        launch(cache, states, ids if ids.dim() == 1 else ids.reshape(-1), stream)
 
     def clear(self, cache, ids) -> None:
-        self._kernels().clear(cache, ids)
+        """The Triton clear launch; on a GPU through the cache context's `Clear`."""
+        kernels = self._kernels()
+        stream = kernels.current_stream(cache[L.CHECKPOINT].device)
+        if stream is None:
+            kernels.clear(cache, ids)
+            return
+        ctx = self._context(cache)
+        if ctx.clear is None:
+            ctx.clear = kernels.Clear(cache)
+        ctx.clear(cache, ids if ids.dim() == 1 else ids.reshape(-1), stream)
 
     def prepare(self, cache, ids, out, *, nvfp4: bool, seed: int, scratch=None, stream: int | None = None) -> ref.Plan:
         """Kernel twin of `reference.prepare_decode`; returns views into the scratch.

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ... import layout as L
-from .launch import Relaunch, current_stream, interpreting
+from .launch import Relaunch, current_stream, interpreting, keep
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -52,26 +52,62 @@ def _clear_kernel(
     tl.store(p_pos + slot * stride_pos + o_w, tl.zeros([POS_WIDTH], tl.int32), mask=o_w < tl.where(i_c == 0, POS_WIDTH, 0))  # one program writes positions
 
 
-def clear(cache, ids: torch.Tensor) -> None:
-    """Zero rings and positions of the valid slots in `ids` (int32/int64 [batch])."""
-    ids = ids.reshape(-1)
-    batch = ids.numel()
-    if batch == 0:
-        return
+def _arguments(cache) -> tuple[tuple, dict]:
+    """The clear kernel's arguments after the ids and their stride: (ring views, positions,
+    their strides, num_slots) and the constexprs."""
     x_ring, dt_ring, b_ring, pos = cache[L.X_RING], cache[L.DT_RING], cache[L.B_RING], cache[L.POSITIONS]
     n_x, n_dt, n_b = (math.prod(t.shape[1:]) for t in (x_ring, dt_ring, b_ring))
     n_max = max(n_x, n_dt, n_b)
     block = triton.next_power_of_2(n_max) if interpreting() else min(4096, triton.next_power_of_2(n_max))
-    pos_width = 2 if pos.dim() == 2 else 1
-    _CLEAR(
-        (batch, triton.cdiv(n_max, block)),
-        current_stream(ids.device),
-        (
-            ids, x_ring.view(torch.int16), dt_ring.view(torch.int32), b_ring.view(torch.int16), pos,
-            ids.stride(0), x_ring.stride(0), dt_ring.stride(0), b_ring.stride(0), pos.stride(0), cache[L.CHECKPOINT].shape[0],
-        ),
-        dict(N_X=n_x, N_DT=n_dt, N_B=n_b, POS_WIDTH=pos_width, BLOCK=block),
-    )
+    tensors = (x_ring.view(torch.int16), dt_ring.view(torch.int32), b_ring.view(torch.int16), pos)
+    scalars = (x_ring.stride(0), dt_ring.stride(0), b_ring.stride(0), pos.stride(0), cache[L.CHECKPOINT].shape[0])
+    constexprs = dict(N_X=n_x, N_DT=n_dt, N_B=n_b, POS_WIDTH=2 if pos.dim() == 2 else 1, BLOCK=block)
+    return tensors, scalars, constexprs
+
+
+def clear(cache, ids: torch.Tensor) -> None:
+    """Zero rings and positions of the valid slots in `ids` (int32/int64 [batch]). One
+    launch through `Relaunch`; a caller clearing one cache repeatedly keeps a `Clear`
+    (the kernel backend does, per cache)."""
+    ids = ids.reshape(-1)
+    batch = ids.numel()
+    if batch == 0:
+        return
+    tensors, scalars, constexprs = _arguments(cache)
+    chunks = triton.cdiv(max(constexprs["N_X"], constexprs["N_DT"], constexprs["N_B"]), constexprs["BLOCK"])
+    _CLEAR((batch, chunks), current_stream(ids.device), (ids, *tensors, ids.stride(0), *scalars), constexprs)
+
+
+class Clear:
+    """The clear launch of one cache, every argument but the ids made once. It holds
+    addresses, not tensors (it keeps no cache alive); its keeper gives it the cache it was
+    made for. The compiled kernel depends on the ids' dtype, 16-byte alignment and stride
+    only (kept per the three); the first launch of each goes through Triton's launcher with
+    tensors, later ones launch it with addresses (`launch.Compiled`)."""
+
+    def __init__(self, cache) -> None:
+        tensors, scalars, constexprs = _arguments(cache)
+        self.addresses = tuple(t.data_ptr() for t in tensors)
+        self.scalars = scalars
+        self.constexprs = tuple(constexprs.values())
+        self.chunks = triton.cdiv(max(constexprs["N_X"], constexprs["N_DT"], constexprs["N_B"]), constexprs["BLOCK"])
+        self.compiled: dict[tuple, object] = {}
+
+    def __call__(self, cache, ids: torch.Tensor, stream: int | None) -> None:
+        """Clear the valid slots of `ids` (1-D) on stream handle `stream` (None: Triton's
+        launch path)."""
+        batch = ids.shape[0]
+        if batch == 0:
+            return
+        ptr, stride = ids.data_ptr(), ids.stride(0)
+        key = (ids.dtype, ptr % 16 == 0, stride)
+        kernel = self.compiled.get(key) if stream is not None else None
+        if kernel is None:
+            tensors, scalars, constexprs = _arguments(cache)
+            launched = _clear_kernel[(batch, self.chunks)](ids, *tensors, ids.stride(0), *scalars, **constexprs, num_warps=4)
+            keep(self.compiled, key, launched, stream)
+            return
+        kernel((batch, self.chunks, 1), stream, (ptr, *self.addresses, stride, *self.scalars, *self.constexprs))
 
 
 _CLEAR = Relaunch(_clear_kernel, num_warps=4)

@@ -36,9 +36,9 @@ from .bits import (
     random_word,
     stream_key,
 )
-from .clear import clear
-from .head_amax import head_amax
-from .launch import Relaunch, current_stream, int32_pattern, interpreting
+from .clear import Clear, clear
+from .head_amax import HeadAmax, head_amax
+from .launch import Relaunch, current_stream, int32_pattern, interpreting, keep
 
 
 
@@ -142,41 +142,96 @@ def _initialize_kernel(
         tl.store(p_scales + slot * stride_scales + o_r, f32_exp2(e_r))
 
 
-def initialize(cache, states: torch.Tensor, ids: torch.Tensor, *, nvfp4: bool, seed: int, head_offset: int = 0) -> None:
-    """Checkpoint, read copy and scales (NVFP4: meta and parity too) of the valid slots in
-    `ids` from FP32 `states` [batch, H, 64, 128] (any strides, stride 0 on the batch dim
-    included), then rings and positions cleared. Launches: head amax (NVFP4 only), encode,
-    clear, in stream order."""
-    ids = ids.reshape(-1)
-    batch, heads = states.shape[:2]
-    if batch == 0:
-        return
-    num_slots = cache[L.CHECKPOINT].shape[0]
+def _arguments(cache, heads: int, nvfp4: bool, seed: int, head_offset: int):
+    """The initialize kernel's cache arguments (views), the scalars after the states'
+    strides, and the constexprs; the hmax, meta and parity slots hold the checkpoint in
+    FP8 (unused: the NVFP4 branch is compiled out)."""
     ckpt, read, scales = cache[L.CHECKPOINT], cache[L.READ_COPY], cache[L.SCALES]
     if nvfp4:
         groups = cache[L.META].shape[1]
-        hmax = head_amax(states, ids, num_slots)
         meta, parity = cache[L.META], cache[L.PARITY]
         scales_arg = scales.view(torch.uint8)
     else:
         groups = cache[L.B_RING].shape[1]
-        hmax = meta = parity = ids  # unused (the NVFP4 branch is compiled out)
+        meta = parity = ckpt
         scales_arg = scales
     rows = heads * L.HEAD_DIM
     # The interpreter pays per program: one program per batch row (up to 1024 state rows)
     # there; 16 rows (2048 elements) per program on the GPU.
     block_r = min(1024, rows & -rows) if interpreting() else 16
+    tensors = (ckpt.view(torch.int16), read.view(torch.uint8), scales_arg, meta, parity)
+    scalars = (ckpt.stride(0), read.stride(0), scales.stride(0), meta.stride(0), parity.stride(0), ckpt.shape[0],
+               int32_pattern(seed_key(seed)), head_offset)  # fmt: skip
+    return tensors, scalars, dict(H=heads, HPG=heads // groups, NVFP4=nvfp4, BLOCK_R=block_r)
+
+
+def initialize(cache, states: torch.Tensor, ids: torch.Tensor, *, nvfp4: bool, seed: int, head_offset: int = 0) -> None:
+    """Checkpoint, read copy and scales (NVFP4: meta and parity too) of the valid slots in
+    `ids` from FP32 `states` [batch, H, 64, 128] (any strides, stride 0 on the batch dim
+    included), then rings and positions cleared. Launches: head amax (NVFP4 only), encode,
+    clear, in stream order, through `Relaunch`; a caller initializing one cache
+    repeatedly keeps an `Initialize` (the kernel backend does, per cache)."""
+    ids = ids.reshape(-1)
+    batch, heads = states.shape[:2]
+    if batch == 0:
+        return
+    num_slots = cache[L.CHECKPOINT].shape[0]
+    tensors, scalars, constexprs = _arguments(cache, heads, nvfp4, seed, head_offset)
+    hmax = head_amax(states, ids, num_slots) if nvfp4 else tensors[0]
+    stream = current_stream(ids.device)
     _INITIALIZE(
-        (batch, rows // block_r),
-        current_stream(ids.device),
-        (
-            states, ids, hmax, ckpt.view(torch.int16), read.view(torch.uint8), scales_arg, meta, parity,
-            ids.stride(0), *states.stride(), ckpt.stride(0), read.stride(0), scales.stride(0), meta.stride(0),
-            parity.stride(0), num_slots, int32_pattern(seed_key(seed)), head_offset,
-        ),
-        dict(H=heads, HPG=heads // groups, NVFP4=nvfp4, BLOCK_R=block_r),
+        (batch, heads * L.HEAD_DIM // constexprs["BLOCK_R"]),
+        stream,
+        (states, ids, hmax, *tensors, ids.stride(0), *states.stride(), *scalars),
+        constexprs,
     )
     clear(cache, ids)
+
+
+class Initialize:
+    """The initialize launches (head amax for NVFP4, encode, clear) of one cache, format,
+    seed and head offset, with every argument but the states and the ids made once. It
+    holds addresses, not tensors (it keeps no cache alive); its keeper gives it the cache
+    it was made for. The encode kernel compiles per dtype and 16-byte alignment of the ids
+    and states and the ids' and states' strides (all runtime integers but num_slots and the seed
+    key are specialized); each variant's first launch goes through Triton's launcher with
+    tensors, later ones launch it with addresses (`launch.Compiled`)."""
+
+    def __init__(self, cache, nvfp4: bool, seed: int, head_offset: int) -> None:
+        self.heads = cache[L.CHECKPOINT].shape[1]
+        self.args = (nvfp4, seed, head_offset)
+        tensors, self.scalars, constexprs = _arguments(cache, self.heads, nvfp4, seed, head_offset)
+        self.addresses = tuple(t.data_ptr() for t in tensors)
+        self.constexprs = tuple(constexprs.values())
+        self.chunks = self.heads * L.HEAD_DIM // constexprs["BLOCK_R"]
+        self.num_slots = cache[L.CHECKPOINT].shape[0]
+        self.nvfp4 = nvfp4
+        self.amax = HeadAmax(self.heads, self.num_slots) if nvfp4 else None
+        self.clear = Clear(cache)
+        self.compiled: dict[tuple, object] = {}
+
+    def __call__(self, cache, states: torch.Tensor, ids: torch.Tensor, stream: int | None) -> None:
+        """Initialize the valid slots of `ids` (1-D) from `states` [batch, H, 64, 128] FP32
+        on stream handle `stream` (None: Triton's launch path)."""
+        batch = ids.shape[0]
+        if batch == 0:
+            return
+        hmax = self.amax(states, ids, stream) if self.nvfp4 else None
+        s_ptr, i_ptr = states.data_ptr(), ids.data_ptr()
+        strides = states.stride()
+        key = (ids.dtype, i_ptr % 16 == 0, ids.stride(0), s_ptr % 16 == 0, strides)
+        kernel = self.compiled.get(key) if stream is not None else None
+        if kernel is None:
+            tensors, scalars, constexprs = _arguments(cache, self.heads, *self.args)
+            launched = _initialize_kernel[(batch, self.chunks)](
+                states, ids, tensors[0] if hmax is None else hmax, *tensors, ids.stride(0), *strides, *scalars,
+                **constexprs, num_warps=4, enable_fp_fusion=False,
+            )
+            keep(self.compiled, key, launched, stream)
+        else:
+            h_ptr = self.addresses[0] if hmax is None else hmax.data_ptr()
+            kernel((batch, self.chunks, 1), stream, (s_ptr, i_ptr, h_ptr, *self.addresses, ids.stride(0), *strides, *self.scalars, *self.constexprs))
+        self.clear(cache, ids, stream)
 
 
 _INITIALIZE = Relaunch(_initialize_kernel, num_warps=4, enable_fp_fusion=False)

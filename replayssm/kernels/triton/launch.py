@@ -37,6 +37,18 @@ def current_stream(device: torch.device) -> int | None:
     return torch._C._cuda_getCurrentRawStream(device.index)
 
 
+def launch_hooked() -> bool:
+    """Whether a Triton launch hook is set (a profiler such as proton): then launches go
+    through Triton's launcher, which calls it. Triton keeps its hooks in chains (empty:
+    none set) or, in older releases, as a callable or None."""
+    runtime = triton.knobs.runtime
+    return _hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook)
+
+
+def _hook_set(hook) -> bool:
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def relaunchable(kernel) -> "Compiled | None":
     """The repeated launch (`Compiled`) of the compiled kernel a launch through Triton's
     launcher returned (an asynchronous compile's future resolved), or None where it lacks
@@ -46,6 +58,17 @@ def relaunchable(kernel) -> "Compiled | None":
     if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
         return Compiled(kernel)
     return None
+
+
+def keep(compiled: dict, key, launched, stream: int | None) -> None:
+    """After a launch through Triton's launcher (`launched`: what it returned) on stream
+    handle `stream`, keep its repeated launch (`Compiled`) in `compiled` under `key`;
+    launches without a stream (the interpreter, the CPU) keep nothing."""
+    if stream is None or interpreting():
+        return
+    kernel = relaunchable(launched)
+    if kernel is not None:
+        compiled[key] = kernel
 
 
 def launch_compiled(kernel, grid: tuple, stream: int, args) -> None:
@@ -142,8 +165,7 @@ class Compiled:
     def __call__(self, grid: tuple, stream: int, args) -> None:
         """Launch on stream handle `stream`: `grid` three sizes, `args` every parameter in
         order (constexprs too), tensors as addresses."""
-        hooks = triton.knobs.runtime
-        if self.launch is None or hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None:
+        if self.launch is None or launch_hooked():
             launch_compiled(self.kernel, grid, stream, args)
             return
         if grid[0] * grid[1] * grid[2] == 0:
