@@ -8,7 +8,9 @@ cost); b2b us = wall time a call of `--calls` calls in a row until the GPU has r
 GPU us = CUDA events around those calls; with `--rounds N` every call is measured N times,
 the calls interleaved, and the medians reported. Beside it, in the same run, the standard decode's eager call
 (benchmarks/standard_decode.py: one Triton kernel, fp32 and bf16 state), `prefill_init` /
-`release` of a few slots, and a pending-mode call (4 tokens a row, speculative decoding).
+`release` of a few slots (`release` timed with the `allocate` that refills the ids, and
+`allocate` alone with a host-only return of its ids), and a pending-mode call (4 tokens a
+row, speculative decoding). `--out FILE` writes the rows and the run's meta as JSON.
 
     python benchmarks/bench_eager.py                       # 16 heads / 2 groups, batch 1 and 256
 """
@@ -16,6 +18,7 @@ the calls interleaved, and the medians reported. Beside it, in the same run, the
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
 import sys
 import time
@@ -29,6 +32,8 @@ import torch  # noqa: E402
 
 from replayssm import ReplaySSMCache  # noqa: E402
 from replayssm.synthetic import engine_inputs, layer_params, plain_inputs, prefill_states, token  # noqa: E402
+
+from benchmarks.common import commit, version, write_json  # noqa: E402
 
 
 def timed(fn, calls: int) -> tuple[float, float, float]:
@@ -72,6 +77,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--rounds", type=_positive, default=1,
                     help="measure every call this many times, the calls interleaved; report the medians (the lent hosts drift)")
     ap.add_argument("--inputs", default="engine", choices=["engine", "plain"])
+    ap.add_argument("--out", default=None, help="JSON file for the rows and the run's meta (default: print only)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_eager needs a CUDA GPU")
@@ -103,6 +109,11 @@ def main(argv=None) -> list[dict]:
                 held[0] = c.allocate(n)
 
             calls.append((f"replayssm {fmt} release+allocate({n})", n, cycle, max(10, args.calls // 10)))
+
+            def allocate_only(c=cache, n=n):  # the ids back to the pool on the host, no kernel
+                c.allocator.release(c._host_ids(c.allocate(n)))
+
+            calls.append((f"replayssm {fmt} allocate({n})", n, allocate_only, max(10, args.calls // 10)))
             # Pending mode (speculative decoding): T = 4 tokens a row, every draft accepted.
             spec = ReplaySSMCache(batch + 1, H, G, fmt, "cuda", backend="kernels", spec_tokens=3)
             sslots = spec.allocate(batch)
@@ -123,6 +134,7 @@ def main(argv=None) -> list[dict]:
             state = torch.zeros(batch + 1, H, 64, 128, dtype=dtype, device="cuda")
             calls.append((f"standard decode {str(dtype)[6:]} state", batch,
                           lambda st=state, p=(x, dt, A, B, C, D, dt_bias, ids, out): standard_decode(st, *p), args.calls))  # fmt: skip
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
     times: dict[int, list[tuple[float, float, float]]] = {}
     for _ in range(args.rounds):
         for i, (_, _, fn, n) in enumerate(calls):
@@ -136,6 +148,15 @@ def main(argv=None) -> list[dict]:
     print(f"{'call':34}{'batch':>6}{'host us':>10}{'b2b us':>10}{'GPU us':>10}")
     for r in rows:
         print(f"{r['call']:34}{r['batch']:>6}{r['host_us']:>10.1f}{r['b2b_us']:>10.1f}{r['gpu_us']:>10.1f}")
+    if args.out:
+        meta = {
+            "device": torch.cuda.get_device_name(), "host": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "triton": version("triton"), "commit": commit(),
+            "command": " ".join(["python benchmarks/bench_eager.py", *(sys.argv[1:] if argv is None else argv)]),
+            "args": vars(args), "started": started,
+        }  # fmt: skip
+        write_json({"meta": meta, "rows": rows}, Path(args.out))
+        print(f"wrote {args.out}")
     return rows
 
 
