@@ -1,5 +1,5 @@
-"""Time the Triton bookkeeping kernels (GPU only): initialize (head amax + encode + clear),
-clear and prepare, at batch 256 and 1024 (all rows live, unique slots).
+"""Time the Triton bookkeeping kernels (GPU only): initialize (NVFP4 head amax, then
+encode-and-clear), clear and prepare, at batch 256 and 1024 (all rows live, unique slots).
 
 Each kernel is captured `--reps` times in one CUDA graph and the graph replayed; the time
 per call is the replay time over `--reps`, measured with CUDA events (so launch overhead

@@ -658,11 +658,14 @@ out = {}
 for nv in (False, True):
     for ids in ("*i32", "*i64"):
         sig = dict(p_states="*fp32", p_ids=ids, p_hmax="*i32", p_ckpt="*i16", p_read="*u8",
-                   p_scales="*u8" if nv else "*fp32", p_meta="*fp32", p_parity="*i32")
+                   p_scales="*u8" if nv else "*fp32", p_meta="*fp32", p_parity="*i32", p_xr="*i16", p_dtr="*i32",
+                   p_br="*i16", p_pos="*i32")
         sig.update(strides("stride_ids", "stride_sb", "stride_sh", "stride_sp", "stride_sn", "stride_ckpt",
-                           "stride_read", "stride_scales", "stride_meta", "stride_parity", "num_slots", "seed_key", "head_offset"))
+                           "stride_read", "stride_scales", "stride_meta", "stride_parity", "stride_xr", "stride_dtr",
+                           "stride_br", "stride_pos", "num_slots", "seed_key", "head_offset"))
+        const = dict(H=64, HPG=8, NVFP4=nv, BLOCK_R=16, N_X=65536, N_DT=1024, N_B=16384, POS_WIDTH=1, CLEAR_BLOCK=256)
         out[f"initialize-{'nvfp4' if nv else 'fp8'}-{ids}"] = build(
-            mods["initialize"]._initialize_kernel, sig, dict(H=64, HPG=8, NVFP4=nv, BLOCK_R=16), enable_fp_fusion=False)
+            mods["initialize"]._initialize_kernel, sig, const, enable_fp_fusion=False)
         sig = dict(p_ids=ids, p_pos="*i32", p_parity="*i32", p_meta="*fp32", p_out="*i16", p_valid="*i8",
                    p_slot="*i64", p_ring="*i64", p_flush="*i8", p_key="*i64", p_old="*i64")
         sig.update(strides("stride_ids", "stride_pos", "stride_parity", "stride_meta", "num_slots", "seed_key"))

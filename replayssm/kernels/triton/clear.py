@@ -19,6 +19,21 @@ from ... import layout as L
 from .launch import Relaunch, current_stream, interpreting, keep
 
 
+@triton.jit
+def zero_slot(
+    slot, i_c, p_x, p_dt, p_b, p_pos, stride_x, stride_dt, stride_b, stride_pos,
+    N_X: tl.constexpr, N_DT: tl.constexpr, N_B: tl.constexpr, POS_WIDTH: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Zero elements [i_c * BLOCK, (i_c + 1) * BLOCK) of each ring of `slot` (int64), and
+    its positions when i_c == 0 (the clear kernel's body; the initialize kernel's too)."""
+    o = i_c * BLOCK + tl.arange(0, BLOCK)
+    tl.store(p_x + slot * stride_x + o, tl.zeros([BLOCK], tl.int16), mask=o < N_X)
+    tl.store(p_dt + slot * stride_dt + o, tl.zeros([BLOCK], tl.int32), mask=o < N_DT)
+    tl.store(p_b + slot * stride_b + o, tl.zeros([BLOCK], tl.int16), mask=o < N_B)
+    o_w = tl.arange(0, POS_WIDTH)
+    tl.store(p_pos + slot * stride_pos + o_w, tl.zeros([POS_WIDTH], tl.int32), mask=o_w < tl.where(i_c == 0, POS_WIDTH, 0))
+
+
 @triton.jit(do_not_specialize=["num_slots"])
 def _clear_kernel(
     p_ids,
@@ -43,22 +58,21 @@ def _clear_kernel(
     slot = tl.load(p_ids + i_b.to(tl.int64) * stride_ids)
     if (slot <= 0) | (slot >= num_slots):  # padding row
         return
-    slot = slot.to(tl.int64)
-    o = i_c * BLOCK + tl.arange(0, BLOCK)
-    tl.store(p_x + slot * stride_x + o, tl.zeros([BLOCK], tl.int16), mask=o < N_X)
-    tl.store(p_dt + slot * stride_dt + o, tl.zeros([BLOCK], tl.int32), mask=o < N_DT)
-    tl.store(p_b + slot * stride_b + o, tl.zeros([BLOCK], tl.int16), mask=o < N_B)
-    o_w = tl.arange(0, POS_WIDTH)
-    tl.store(p_pos + slot * stride_pos + o_w, tl.zeros([POS_WIDTH], tl.int32), mask=o_w < tl.where(i_c == 0, POS_WIDTH, 0))  # one program writes positions
+    zero_slot(slot.to(tl.int64), i_c, p_x, p_dt, p_b, p_pos, stride_x, stride_dt, stride_b, stride_pos, N_X, N_DT, N_B, POS_WIDTH, BLOCK)
 
 
-def _arguments(cache) -> tuple[tuple, dict]:
-    """The clear kernel's arguments after the ids and their stride: (ring views, positions,
-    their strides, num_slots) and the constexprs."""
+def ring_arguments(cache, programs: int | None = None) -> tuple[tuple, tuple, dict]:
+    """The clear kernel's arguments after the ids and their stride: (ring views and
+    positions), (their strides, num_slots), constexprs. `programs`: the programs a slot's
+    clear is split into (a caller with its own grid; BLOCK then covers the rings in that
+    many), else BLOCK is the clear kernel's own."""
     x_ring, dt_ring, b_ring, pos = cache[L.X_RING], cache[L.DT_RING], cache[L.B_RING], cache[L.POSITIONS]
     n_x, n_dt, n_b = (math.prod(t.shape[1:]) for t in (x_ring, dt_ring, b_ring))
     n_max = max(n_x, n_dt, n_b)
-    block = triton.next_power_of_2(n_max) if interpreting() else min(4096, triton.next_power_of_2(n_max))
+    if programs is not None:
+        block = triton.next_power_of_2(triton.cdiv(n_max, programs))
+    else:
+        block = triton.next_power_of_2(n_max) if interpreting() else min(4096, triton.next_power_of_2(n_max))
     tensors = (x_ring.view(torch.int16), dt_ring.view(torch.int32), b_ring.view(torch.int16), pos)
     scalars = (x_ring.stride(0), dt_ring.stride(0), b_ring.stride(0), pos.stride(0), cache[L.CHECKPOINT].shape[0])
     constexprs = dict(N_X=n_x, N_DT=n_dt, N_B=n_b, POS_WIDTH=2 if pos.dim() == 2 else 1, BLOCK=block)
@@ -73,7 +87,7 @@ def clear(cache, ids: torch.Tensor) -> None:
     batch = ids.numel()
     if batch == 0:
         return
-    tensors, scalars, constexprs = _arguments(cache)
+    tensors, scalars, constexprs = ring_arguments(cache)
     chunks = triton.cdiv(max(constexprs["N_X"], constexprs["N_DT"], constexprs["N_B"]), constexprs["BLOCK"])
     _CLEAR((batch, chunks), current_stream(ids.device), (ids, *tensors, ids.stride(0), *scalars), constexprs)
 
@@ -86,7 +100,7 @@ class Clear:
     tensors, later ones launch it with addresses (`launch.Compiled`)."""
 
     def __init__(self, cache) -> None:
-        tensors, scalars, constexprs = _arguments(cache)
+        tensors, scalars, constexprs = ring_arguments(cache)
         self.addresses = tuple(t.data_ptr() for t in tensors)
         self.scalars = scalars
         self.constexprs = tuple(constexprs.values())
@@ -103,7 +117,7 @@ class Clear:
         key = (ids.dtype, ptr % 16 == 0, stride)
         kernel = self.compiled.get(key) if stream is not None else None
         if kernel is None:
-            tensors, scalars, constexprs = _arguments(cache)
+            tensors, scalars, constexprs = ring_arguments(cache)
             launched = _clear_kernel[(batch, self.chunks)](ids, *tensors, ids.stride(0), *scalars, **constexprs, num_warps=4)
             keep(self.compiled, key, launched, stream)
             return

@@ -14,7 +14,9 @@ NVFP4 needs the amax over a whole group (8 or 16 heads, many programs): `head_am
 reduces it per head in an earlier launch, and every program takes the max over its group's
 heads from there, so all programs of a group agree on the second-level scale without
 atomics. The group's first row writes meta[slot, g, 0] = meta[slot, g, 1] = group amax,
-and the program holding row 0 writes parity[slot] = 0.
+and the program holding row 0 writes parity[slot] = 0. Each program also zeroes its share
+(CLEAR_BLOCK elements of each ring; program 0 the positions) of the slot's rings, the
+clear kernel's body (`clear.zero_slot`), so an initialize is one launch (two for NVFP4).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from .bits import (
     random_word,
     stream_key,
 )
-from .clear import Clear, clear
+from .clear import ring_arguments, zero_slot
 from .head_amax import HeadAmax, head_amax
 from .launch import Relaunch, current_stream, int32_pattern, interpreting, keep
 
@@ -52,6 +54,10 @@ def _initialize_kernel(
     p_scales,
     p_meta,
     p_parity,
+    p_xr,
+    p_dtr,
+    p_br,
+    p_pos,
     stride_ids,
     stride_sb,
     stride_sh,
@@ -62,6 +68,10 @@ def _initialize_kernel(
     stride_scales,
     stride_meta,
     stride_parity,
+    stride_xr,
+    stride_dtr,
+    stride_br,
+    stride_pos,
     num_slots,
     seed_key,
     head_offset,
@@ -69,6 +79,11 @@ def _initialize_kernel(
     HPG: tl.constexpr,
     NVFP4: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    N_X: tl.constexpr,
+    N_DT: tl.constexpr,
+    N_B: tl.constexpr,
+    POS_WIDTH: tl.constexpr,
+    CLEAR_BLOCK: tl.constexpr,
 ):
     i_b = tl.program_id(0)
     i_r = tl.program_id(1)
@@ -76,6 +91,8 @@ def _initialize_kernel(
     if (slot <= 0) | (slot >= num_slots):  # padding row: writes nothing
         return
     slot = slot.to(tl.int64)
+    # Rings and positions cleared: this program's share of the slot's ring elements.
+    zero_slot(slot, i_r, p_xr, p_dtr, p_br, p_pos, stride_xr, stride_dtr, stride_br, stride_pos, N_X, N_DT, N_B, POS_WIDTH, CLEAR_BLOCK)
 
     o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)  # state rows h * 64 + p of the slot
     o_bk = tl.arange(0, 8)  # 16-element blocks of a row
@@ -159,18 +176,20 @@ def _arguments(cache, heads: int, nvfp4: bool, seed: int, head_offset: int):
     # The interpreter pays per program: one program per batch row (up to 1024 state rows)
     # there; 16 rows (2048 elements) per program on the GPU.
     block_r = min(1024, rows & -rows) if interpreting() else 16
-    tensors = (ckpt.view(torch.int16), read.view(torch.uint8), scales_arg, meta, parity)
-    scalars = (ckpt.stride(0), read.stride(0), scales.stride(0), meta.stride(0), parity.stride(0), ckpt.shape[0],
-               int32_pattern(seed_key(seed)), head_offset)  # fmt: skip
-    return tensors, scalars, dict(H=heads, HPG=heads // groups, NVFP4=nvfp4, BLOCK_R=block_r)
+    rings, ring_scalars, ring_consts = ring_arguments(cache, programs=rows // block_r)
+    tensors = (ckpt.view(torch.int16), read.view(torch.uint8), scales_arg, meta, parity, *rings)
+    scalars = (ckpt.stride(0), read.stride(0), scales.stride(0), meta.stride(0), parity.stride(0), *ring_scalars[:4],
+               ckpt.shape[0], int32_pattern(seed_key(seed)), head_offset)  # fmt: skip
+    clear_block = ring_consts.pop("BLOCK")
+    return tensors, scalars, dict(H=heads, HPG=heads // groups, NVFP4=nvfp4, BLOCK_R=block_r, **ring_consts, CLEAR_BLOCK=clear_block)
 
 
 def initialize(cache, states: torch.Tensor, ids: torch.Tensor, *, nvfp4: bool, seed: int, head_offset: int = 0) -> None:
     """Checkpoint, read copy and scales (NVFP4: meta and parity too) of the valid slots in
     `ids` from FP32 `states` [batch, H, 64, 128] (any strides, stride 0 on the batch dim
-    included), then rings and positions cleared. Launches: head amax (NVFP4 only), encode,
-    clear, in stream order, through `Relaunch`; a caller initializing one cache
-    repeatedly keeps an `Initialize` (the kernel backend does, per cache)."""
+    included), and their rings and positions cleared. Launches: head amax (NVFP4 only),
+    then encode-and-clear, through `Relaunch`; a caller initializing one cache repeatedly
+    keeps an `Initialize` (the kernel backend does, per cache)."""
     ids = ids.reshape(-1)
     batch, heads = states.shape[:2]
     if batch == 0:
@@ -185,11 +204,10 @@ def initialize(cache, states: torch.Tensor, ids: torch.Tensor, *, nvfp4: bool, s
         (states, ids, hmax, *tensors, ids.stride(0), *states.stride(), *scalars),
         constexprs,
     )
-    clear(cache, ids)
 
 
 class Initialize:
-    """The initialize launches (head amax for NVFP4, encode, clear) of one cache, format,
+    """The initialize launches (NVFP4: head amax, then encode-and-clear) of one cache, format,
     seed and head offset, with every argument but the states and the ids made once. It
     holds addresses, not tensors (it keeps no cache alive); its keeper gives it the cache
     it was made for. The encode kernel compiles per dtype and 16-byte alignment of the ids
@@ -207,7 +225,6 @@ class Initialize:
         self.num_slots = cache[L.CHECKPOINT].shape[0]
         self.nvfp4 = nvfp4
         self.amax = HeadAmax(self.heads, self.num_slots) if nvfp4 else None
-        self.clear = Clear(cache)
         self.compiled: dict[tuple, object] = {}
 
     def __call__(self, cache, states: torch.Tensor, ids: torch.Tensor, stream: int | None) -> None:
@@ -231,7 +248,6 @@ class Initialize:
         else:
             h_ptr = self.addresses[0] if hmax is None else hmax.data_ptr()
             kernel((batch, self.chunks, 1), stream, (s_ptr, i_ptr, h_ptr, *self.addresses, ids.stride(0), *strides, *self.scalars, *self.constexprs))
-        self.clear(cache, ids, stream)
 
 
 _INITIALIZE = Relaunch(_initialize_kernel, num_warps=4, enable_fp_fusion=False)
