@@ -219,20 +219,30 @@ def _cute_decode(cache, x, dt, A, B, C, D, bias, ids, out, *, nvfp4, split=None,
 def test_pending_cute_kernels_match_the_reference_gpu(fmt, M, split):
     """The CuTe fold and step after the Triton plan: 16 heads / 2 groups, 24 calls, bf16
     outputs (dense and varlen, plain and engine-shaped inputs); `split`: the step in two
-    launches, the rows that do not fold beside the fold."""
+    launches, the rows that do not fold beside the fold. The plan kernel is relaunched
+    from its compiled kernel (`PlanLaunch`) after its first call."""
     pytest.importorskip("cutlass")
-    kernel = functools.partial(_cute_decode, split=split)
+    kernel = functools.partial(_cute_decode, split=split, plan_launches={})
     assert _run(fmt, M, 16, 2, "cuda", calls=24, kernel=kernel, out_dtype=torch.bfloat16) > 0
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-def test_pending_cute_split_step_equals_one_step_bit_for_bit(fmt):
+def test_pending_cute_split_step_equals_one_step_bit_for_bit(fmt, monkeypatch):
     """The step split in two launches (beside and after the fold) gives the one-launch
     step's outputs and cache bit for bit: 12 calls of 6 rows (padding rows, random
-    verdicts, varlen every third call) on two copies of one cache, M = 4."""
+    verdicts, varlen every third call) on two copies of one cache, M = 4. The one-launch
+    side's plan kernel is relaunched past Triton's launcher (`PlanLaunch`, a compiled
+    kernel per verdicts / cu_seqlens variant, none falling back), the split side's goes
+    through Triton's dispatch on every call."""
     pytest.importorskip("cutlass")
+    from replayssm.kernels.triton import launch
     from replayssm.kernels.triton.pending import PendingPlan
+
+    fallbacks = []
+    real = launch.launch_compiled
+    monkeypatch.setattr(launch, "launch_compiled", lambda *a: (fallbacks.append(a[0]), real(*a)))
+    launches = {}
 
     M = 4
     cache, (A, D, bias), gen = _world(fmt, 16, 2, "cuda", slots=6, seed=7)
@@ -249,15 +259,18 @@ def test_pending_cute_split_step_equals_one_step_bit_for_bit(fmt):
             cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
         x, dt, B, C = _tokens(gen, (6, M) if cu is None else (int(cu[-1]),), 16, 2, "cuda")
         outs = []
-        for c, plan, split in ((cache, plans[0], False), (twin, plans[1], True)):
+        for c, plan, split, kept in ((cache, plans[0], False, launches), (twin, plans[1], True, None)):
             out = torch.full((*x.shape[:-1], L.HEAD_DIM), NAN, dtype=torch.bfloat16, device="cuda")
             _cute_decode(c, x, dt, A, B, C, D, bias, ids, out, nvfp4=fmt == "nvfp4", split=split, seed=5,
-                         max_seqlen=M, num_accepted_tokens=acc, cu_seqlens=cu, plan=plan)  # fmt: skip
+                         max_seqlen=M, num_accepted_tokens=acc, cu_seqlens=cu, plan=plan, plan_launches=kept)  # fmt: skip
             outs.append(out)
         torch.cuda.synchronize()
         assert same_bits(outs[0], outs[1])
         for a, b in zip(cache, twin):
             assert same_bits(a, b)
+    (plan_launch,) = launches.values()
+    assert len(plan_launch.compiled) == 3  # verdicts none / given, cu_seqlens given
+    assert all(k.launch is not None for k in plan_launch.compiled.values()) and not fallbacks
 
 
 @pytest.mark.gpu

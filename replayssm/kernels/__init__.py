@@ -104,11 +104,12 @@ class _CacheContext:
     prepare launches (`triton.prepare.Prepare`) by batch, format, seed, ids dtype and plan
     scratch, its CuTe launches (`cute.launch.Step`) by batch, format, head offset and
     plan scratch, and its initialize (`triton.initialize.Initialize`, by format, seed and
-    head offset) and clear (`triton.clear.Clear`) launches. Holds weak references only: a
+    head offset), clear (`triton.clear.Clear`) and pending-mode plan
+    (`triton.pending.PlanLaunch`) launches. Holds weak references only: a
     context never keeps a cache alive (its launches hold addresses and are given the
     tensors on each call)."""
 
-    __slots__ = ("refs", "cute", "reason", "prepares", "steps", "pending", "initializes", "clear")
+    __slots__ = ("refs", "cute", "reason", "prepares", "steps", "pending", "initializes", "clear", "plan_launches")
 
     def __init__(self, cache, cute, reason: str | None) -> None:
         self.refs = tuple(weakref.ref(t) for t in cache)
@@ -118,6 +119,7 @@ class _CacheContext:
         self.pending = None  # its pending-mode plan buffer (triton.pending.PendingPlan)
         self.initializes: dict[tuple, object] = {}
         self.clear = None
+        self.plan_launches: dict[tuple, object] = {}
 
     def holds(self, cache) -> bool:
         """Whether `cache` is the tuple of tensors this context was made for."""
@@ -305,7 +307,10 @@ class KernelBackend:
                               arch=arch, varlen=varlen, stream=current_stream(out_.get_device()))  # fmt: skip
                 return True
 
-        pending_decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, plan=ctx.pending, step=step, fold=fold, **kwargs)
+        pending_decode(
+            cache, x, dt, A, B, C, D, dt_bias, ids, out, plan=ctx.pending, step=step, fold=fold, plan_launches=ctx.plan_launches,
+            **kwargs,
+        )
 
     def materialize_pending(self, cache, ids, A, *, max_seqlen: int, out=None) -> torch.Tensor:
         """The Triton materialize kernel in pending mode (the checkpoint at the fold grid

@@ -64,7 +64,7 @@ from .bits import (
     random_word,
     stream_key,
 )
-from .launch import int32_pattern, interpreting
+from .launch import current_stream, int32_pattern, interpreting, keep
 
 # Int32 words of a plan row (the kernels' row stride; `_plan_row` names them).
 PLAN_COLS = 8
@@ -462,6 +462,66 @@ def _tok_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int]:
     return (0, t.stride(0)) if varlen else (t.stride(0), t.stride(1))
 
 
+def _plan_arguments(cache, plan: PendingPlan, ids, accepted, cu_seqlens, nvfp4: bool, seed: int, max_seqlen: int):
+    """The plan kernel's arguments (tensors, then its scalars) and constexprs for a call
+    of `ids` (1-D) with verdicts `accepted` and `cu_seqlens` (None: not given; the ids
+    fill their slots, unread)."""
+    pos = cache[L.POSITIONS]
+    meta, parity = (cache[L.META], cache[L.PARITY]) if nvfp4 else (pos, pos)  # unused for FP8
+    batch = ids.shape[0]
+    acc = accepted if accepted is not None else ids
+    cu = cu_seqlens if cu_seqlens is not None else ids
+    args = (
+        ids, pos, acc, cu, parity, meta, plan.view(batch), plan.fold_list,
+        batch, ids.stride(0), pos.stride(0), parity.stride(0), meta.stride(0), cache[L.CHECKPOINT].shape[0],
+        pending_grid(max_seqlen), int32_pattern(seed_key(seed)),
+    )  # fmt: skip
+    constexprs = dict(T=max_seqlen, G=cache[L.B_RING].shape[1], HAS_ACC=accepted is not None,
+                      VARLEN=cu_seqlens is not None, NVFP4=nvfp4, BLOCK=64 if interpreting() else 128)  # fmt: skip
+    return args, constexprs
+
+
+class PlanLaunch:
+    """The plan launch of one cache, plan buffer, format, seed and max_seqlen, with every
+    argument but the ids, the verdicts and cu_seqlens made once (addresses, not tensors:
+    its keeper gives it the cache and plan it was made for). Every runtime integer of the
+    plan kernel is unspecialized, so the compiled kernel depends on the dtypes and 16-byte
+    alignment of the three per-call tensors and on whether verdicts and cu_seqlens are
+    given; the first launch of each goes through Triton's launcher with tensors, later
+    ones launch it with addresses (`launch.Compiled`)."""
+
+    def __init__(self, cache, plan: PendingPlan, nvfp4: bool, seed: int, max_seqlen: int) -> None:
+        self.args = (nvfp4, seed, max_seqlen)
+        ids = plan.fold_list[:1]  # stands in for the per-call tensors
+        args, constexprs = _plan_arguments(cache, plan, ids, None, None, nvfp4, seed, max_seqlen)
+        self.middle = tuple(t.data_ptr() for t in args[4:8])  # parity, meta, plan rows, fold list
+        self.pos = args[1].data_ptr()
+        self.scalars = args[10:]
+        self.constexprs = constexprs
+        self.compiled: dict[tuple, object] = {}
+
+    def __call__(self, cache, plan: PendingPlan, ids, accepted, cu_seqlens, stream: int) -> None:
+        """Launch for `ids` (1-D), `accepted` and `cu_seqlens` (None: not given) on stream
+        handle `stream`."""
+        batch = ids.shape[0]
+        acc = accepted if accepted is not None else ids
+        cu = cu_seqlens if cu_seqlens is not None else ids
+        ptrs = (ids.data_ptr(), acc.data_ptr(), cu.data_ptr())
+        key = (ids.dtype, acc.dtype, cu.dtype, accepted is None, cu_seqlens is None, *(p % 16 == 0 for p in ptrs))
+        kernel = self.compiled.get(key)
+        blocks = triton.cdiv(batch, self.constexprs["BLOCK"])
+        if kernel is None:
+            args, constexprs = _plan_arguments(cache, plan, ids, accepted, cu_seqlens, *self.args)
+            keep(self.compiled, key, _plan_kernel[(blocks,)](*args, **constexprs, num_warps=4), stream)
+            return
+        c = self.constexprs
+        kernel(
+            (blocks, 1, 1), stream,
+            (ptrs[0], self.pos, ptrs[1], ptrs[2], *self.middle, batch, ids.stride(0), *self.scalars,
+             c["T"], c["G"], accepted is not None, cu_seqlens is not None, c["NVFP4"], c["BLOCK"]),
+        )  # fmt: skip
+
+
 def pending_decode(
     cache,
     x: torch.Tensor,
@@ -485,6 +545,7 @@ def pending_decode(
     step_heads: int = STEP_HEADS,
     step=None,
     fold=None,
+    plan_launches: dict | None = None,
 ) -> torch.Tensor:
     """One pending-mode call on the kernels (`pending.pending_decode`'s semantics).
 
@@ -500,6 +561,8 @@ def pending_decode(
     the step in place of `_step_kernel` (the CuTe kernels: step(x, dt, B, C, out, plan
     rows, fold list, varlen, launch_fold) -> whether it launched; it calls launch_fold()
     for the fold, and its step resets the fold list's count; False: it launched nothing).
+    `plan_launches`: a dict owned with the cache (the kernel backend's context) keeping
+    its `PlanLaunch`es, so repeated calls launch the plan kernel past Triton's dispatch.
     Three launches (the CuTe pair may split its step in two); returns `out`."""
     ids = ids.reshape(-1)
     batch = ids.shape[0]
@@ -522,21 +585,21 @@ def pending_decode(
         plan = PendingPlan(batch, ids.device)
     pv = plan.view(batch)
     if nvfp4:
-        meta, parity = cache[L.META], cache[L.PARITY]
+        meta = cache[L.META]
         scales_arg = scales.view(torch.uint8)
     else:
-        meta = parity = pos  # unused (the NVFP4 branches are compiled out)
+        meta = pos  # unused (the NVFP4 branches are compiled out)
         scales_arg = scales
-    acc = num_accepted_tokens if num_accepted_tokens is not None else ids
-    cu = cu_seqlens if varlen else ids
-    block = 64 if interpreting() else 128
-    _plan_kernel[(triton.cdiv(batch, block),)](
-        ids, pos, acc, cu, parity, meta, pv, plan.fold_list,
-        batch, ids.stride(0), pos.stride(0), parity.stride(0), meta.stride(0), num_slots,
-        pending_grid(max_seqlen), int32_pattern(seed_key(seed)),
-        T=max_seqlen, G=groups, HAS_ACC=num_accepted_tokens is not None, VARLEN=varlen, NVFP4=nvfp4, BLOCK=block,
-        num_warps=4,
-    )
+    stream = current_stream(ids.device) if plan_launches is not None else None
+    if stream is None:
+        args, constexprs = _plan_arguments(cache, plan, ids, num_accepted_tokens, cu_seqlens, nvfp4, seed, max_seqlen)
+        _plan_kernel[(triton.cdiv(batch, constexprs["BLOCK"]),)](*args, **constexprs, num_warps=4)
+    else:
+        key = (nvfp4, seed, max_seqlen, plan.buf.data_ptr(), plan.fold_list.data_ptr())
+        launch = plan_launches.get(key)
+        if launch is None:
+            launch = plan_launches[key] = PlanLaunch(cache, plan, nvfp4, seed, max_seqlen)
+        launch(cache, plan, ids, num_accepted_tokens, cu_seqlens, stream)
     hpg = heads // groups
 
     def launch_fold() -> None:  # the rows that fold (checkpoint and read copy)
