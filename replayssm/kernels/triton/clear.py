@@ -79,6 +79,11 @@ def ring_arguments(cache, programs: int | None = None) -> tuple[tuple, tuple, di
     return tensors, scalars, constexprs
 
 
+def _chunks(constexprs: dict) -> int:
+    """Programs a slot's clear takes at the clear kernel's BLOCK."""
+    return triton.cdiv(max(constexprs["N_X"], constexprs["N_DT"], constexprs["N_B"]), constexprs["BLOCK"])
+
+
 def clear(cache, ids: torch.Tensor) -> None:
     """Zero rings and positions of the valid slots in `ids` (int32/int64 [batch]). One
     launch through `Relaunch`; a caller clearing one cache repeatedly keeps a `Clear`
@@ -88,7 +93,7 @@ def clear(cache, ids: torch.Tensor) -> None:
     if batch == 0:
         return
     tensors, scalars, constexprs = ring_arguments(cache)
-    chunks = triton.cdiv(max(constexprs["N_X"], constexprs["N_DT"], constexprs["N_B"]), constexprs["BLOCK"])
+    chunks = _chunks(constexprs)
     _CLEAR((batch, chunks), current_stream(ids.device), (ids, *tensors, ids.stride(0), *scalars), constexprs)
 
 
@@ -104,7 +109,7 @@ class Clear:
         self.addresses = tuple(t.data_ptr() for t in tensors)
         self.scalars = scalars
         self.constexprs = tuple(constexprs.values())
-        self.chunks = triton.cdiv(max(constexprs["N_X"], constexprs["N_DT"], constexprs["N_B"]), constexprs["BLOCK"])
+        self.chunks = _chunks(constexprs)
         self.compiled: dict[tuple, object] = {}
 
     def __call__(self, cache, ids: torch.Tensor, stream: int | None) -> None:

@@ -205,9 +205,7 @@ class Relaunch:
         key += (next((v.get_device() for v in values if isinstance(v, torch.Tensor)), None),)
         kernel = self.compiled.get(key)
         if kernel is None:
-            kernel = relaunchable(self.fn[grid](*args, **constexprs, **self.options))
-            if kernel is not None:
-                self.compiled[key] = kernel
+            keep(self.compiled, key, self.fn[grid](*args, **constexprs, **self.options), stream)
             return
         raw = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values]
         kernel((tuple(grid) + (1, 1))[:3], stream, raw)

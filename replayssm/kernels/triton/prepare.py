@@ -28,7 +28,7 @@ from ... import layout as L
 from ...quant.rng import seed_key
 from ...reference import Plan
 from .bits import stream_key
-from .launch import int32_pattern, interpreting, relaunchable
+from .launch import int32_pattern, interpreting, keep
 
 
 @triton.jit(do_not_specialize=["stride_ids", "stride_pos", "stride_parity", "stride_meta", "num_slots", "seed_key"])
@@ -206,21 +206,14 @@ class Prepare:
     def __call__(self, ids: torch.Tensor, out: torch.Tensor, stream: int | None, cache, scratch: PlanScratch) -> None:
         """Launch for `ids` and `out`; `cache` and `scratch` (those this launch was made
         for) are passed as tensors to a launch through Triton's path."""
-        kernel = None
         ids_ptr, out_ptr = ids.data_ptr(), out.data_ptr()
-        if stream is not None and not self.interpreting:
-            align = (ids_ptr % 16 == 0, out_ptr % 16 == 0)
-            kernel = self.compiled.get(align)
+        align = (ids_ptr % 16 == 0, out_ptr % 16 == 0)
+        kernel = self.compiled.get(align) if stream is not None and not self.interpreting else None
         if kernel is None:
             pos = cache[L.POSITIONS]
             head = (pos, cache[L.PARITY], cache[L.META]) if self.nvfp4 else (pos, pos, pos)
             tail = (scratch.valid.view(torch.int8), scratch.slot, scratch.ring_index, scratch.flush.view(torch.int8), scratch.key, scratch.old_parity)
             args = (ids, *head, out.view(torch.int16), *tail, ids.stride(0), *self.strides, *self.constexprs)
-            kernel = _prepare_kernel[(self.batch,)](*args, num_warps=4)
-            if stream is None or self.interpreting:
-                return
-            kernel = relaunchable(kernel)
-            if kernel is not None:
-                self.compiled[align] = kernel
+            keep(self.compiled, align, _prepare_kernel[(self.batch,)](*args, num_warps=4), None if self.interpreting else stream)
             return
         kernel((self.batch, 1, 1), stream, (ids_ptr, *self.head, out_ptr, *self.tail, ids.stride(0), *self.strides, *self.constexprs))
