@@ -146,6 +146,7 @@ class Flush:
         self.pdl = pdl
         self.rows = rows
         self.debug = debug
+        self.sr_voted = fmt.sr_voted  # the checkpoint's rounding through the warp-voted normal-range path
 
     @cute.jit
     def __call__(self, ckpt, ring, copy, inputs, plan, columns: Int64, batch: Int32, stream: cuda_driver.CUstream):
@@ -272,7 +273,7 @@ class Flush:
     def entry(self, base, j):
         """Ring entry of staged entry j: j itself (a flush folds the ring in order), or
         (base + j) mod 16 (pending: the committed entries from the checkpoint's index)."""
-        return (base + j) % RING if self.pending else j
+        return (base + j) & Int32(RING - 1) if self.pending else j  # base, j >= 0
 
     @cute.jit
     def fold(self, t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, ring, inputs, base, count):
@@ -519,7 +520,7 @@ class Flush:
         unsharded cache would."""
         r_ck_out = cute.make_rmem_tensor(cute.make_layout(NT), Uint32)
         w0 = Uint32((h_model * P + pp) * (N // 2)) + Uint32(col0 // 2)
-        if cutlass.const_expr(self.fmt.sr_voted):
+        if cutlass.const_expr(self.sr_voted):
             words = [bits.random_word(key, w0 + Uint32(nt)) for nt in range(NT)]
             codes = bits.fp16x2_sr_voted([(acc[nt][2 * i], acc[nt][2 * i + 1]) for nt in range(NT)], words)
             for nt in cutlass.range_constexpr(NT):
@@ -545,13 +546,17 @@ class PendingFold(Flush):
 
     def __init__(self, fmt, heads: int, groups: int, *, pdl: bool = True, debug: bool = False) -> None:
         super().__init__(fmt, heads, groups, pdl=pdl, debug=debug, pending=True)
+        # sm_90a: the warp-voted rounding (the fold bounds a pending call; the flush is a
+        # sixteenth of a step's rows). CTAs an SM: the format's (its grid and register bound).
+        self.sr_voted = not fmt.hw
+        self.ctas_per_sm = fmt.fold_ctas_per_sm
 
     @cute.jit
     def __call__(self, ckpt, ring, copy, params, plan, ctas: Int32, stream: cuda_driver.CUstream):
         self.kernel(ckpt, ring, copy, params, plan).launch(
             grid=[ctas, 1, 1],
             block=[THREADS, 1, 1],
-            min_blocks_per_mp=MIN_CTAS_PER_SM,
+            min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=-1,
             stream=stream,
             **({"use_pdl": True} if self.pdl else {}),

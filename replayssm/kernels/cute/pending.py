@@ -60,7 +60,7 @@ from . import args as A
 from . import bits
 from .bits import bf16x2_to_f32x2, f32x2_to_bf16x2, sel, softplus
 from .decode import Decode
-from .flush import M_SPLIT, MIN_CTAS_PER_SM, PendingFold
+from .flush import M_SPLIT, PendingFold
 from .launch import _launch, _sm_count, fork_streams, join_streams
 from .mma import mma_bf16_16x8x16
 from .read_copy import read_copy_format
@@ -316,7 +316,7 @@ def compiled_fold(state_dtype: str, arch: str, heads: int, groups: int, debug: b
 
 def pending_fold(cache, A_, plan_rows, fold_list, *, state_dtype: str, arch: str, head_offset: int, stream: int, debug_state=None) -> None:
     """Launch the fold of the rows the plan kernel listed (before the step): a persistent
-    grid of MIN_CTAS_PER_SM CTAs an SM (fewer for small batches). `debug_state`: FP32
+    grid of the format's `fold_ctas_per_sm` CTAs an SM (fewer for small batches). `debug_state`: FP32
     [b, H, 64, 128] receiving S of every folded row (tests)."""
     batch = plan_rows.shape[0]
     heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
@@ -327,7 +327,7 @@ def pending_fold(cache, A_, plan_rows, fold_list, *, state_dtype: str, arch: str
     ring = dict(x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
     copy = fmt.tensors(cache, L)
     plan = dict(rows=plan_rows, fold_list=fold_list)
-    ctas = min(batch * heads * M_SPLIT, MIN_CTAS_PER_SM * _sm_count(cache[L.CHECKPOINT].get_device()))
+    ctas = min(batch * heads * M_SPLIT, fmt.fold_ctas_per_sm * _sm_count(cache[L.CHECKPOINT].get_device()))
 
     def structs():  # the executor path's arguments (a kernel's first launch; the test variant)
         p = A.bind(A.PendingDebugPlan, **plan, state=debug_state) if debug else A.bound(A.PendingPlan, **plan)

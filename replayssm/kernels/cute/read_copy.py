@@ -69,6 +69,13 @@ class Fp8(_Format):
     row_amax = True  # the flush reduces a row's amax across its column parts
     sr_voted = False
 
+    def __init__(self, arch: str) -> None:
+        super().__init__(arch)
+        # The pending fold (flush.PendingFold): CTAs an SM of its persistent grid, so its
+        # register bound. sm_90a: 5 (96 registers, 8 bytes spilled; docs/design.md section
+        # 10); sm_100a / sm_103a: 4 (5 spills 40 bytes there; not measured).
+        self.fold_ctas_per_sm = 4 if self.hw else 5
+
     def tensors(self, cache, L) -> dict:
         """The cache tensors of `Args`, by field."""
         return {"codes": cache[L.READ_COPY], "scales": cache[L.SCALES]}
@@ -195,6 +202,7 @@ class Nvfp4(_Format):
     name = "nvfp4"
     Args = A.Nvfp4Copy
     ctas_per_sm = 4.0
+    fold_ctas_per_sm = 6  # 80 registers (sm_90a spills 16 bytes); docs/design.md section 10
     stage_one_source = True
     row_amax = False
 
