@@ -316,8 +316,8 @@ def compiled_fold(state_dtype: str, arch: str, heads: int, groups: int, debug: b
 
 def pending_fold(cache, A_, plan_rows, fold_list, *, state_dtype: str, arch: str, head_offset: int, stream: int, debug_state=None) -> None:
     """Launch the fold of the rows the plan kernel listed (before the step): a persistent
-    grid of the format's `fold_ctas_per_sm` CTAs an SM (fewer for small batches). `debug_state`: FP32
-    [b, H, 64, 128] receiving S of every folded row (tests)."""
+    grid of the format's `fold_ctas_per_sm` CTAs an SM (fewer for small batches).
+    `debug_state`: FP32 [b, H, 64, 128] receiving S of every folded row (tests)."""
     batch = plan_rows.shape[0]
     heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
     debug = debug_state is not None
