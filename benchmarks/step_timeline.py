@@ -6,12 +6,20 @@ first decode kernel's start, the gap to the next step's prepare, and when the fl
 starts and ends relative to the non-flush kernel.
 
     python benchmarks/step_timeline.py --formats fp8 nvfp4 --batch 256 1024
+    python benchmarks/step_timeline.py --pending-tokens 4 --batch 256   # pending mode
 
 Columns: us/step, then the medians of prepare, flush and nonflush (each kernel's
 duration, including the time it shares the GPU with the other), gap (prepare's end to
 the first decode kernel's start), next (the last decode kernel's end to the next step's
 prepare), flush-start and flush-end (the flush's start and end minus the non-flush
 kernel's). docs/design.md says what these showed on the H200.
+
+With `--pending-tokens T`, pending-mode calls instead (bench_spec.py's setup: `--calls`
+calls of T tokens a row over `--layers` layers, drafts accepted with p 0.7): per call the
+medians of the plan, fold and step kernels' durations, the call's span (the plan's start
+to the last kernel's end), and each kernel's start and end from the plan's start; the
+step's first and second launch (a captured call of 64+ rows splits it: the rows that do
+not fold, then the rows that fold) as step1 / step2.
 """
 
 from __future__ import annotations
@@ -37,9 +45,14 @@ COLUMNS = ("prepare", "flush", "nonflush")
 
 def kernel_tag(name: str) -> str:
     """The kernel a profiler record names: the CuTe DSL names a kernel after its module
-    and class (kernels/cute/flush.py's Flush, decode.py's Decode) and its argument types."""
+    and class (kernels/cute/flush.py's Flush and PendingFold, decode.py's Decode,
+    pending.py's PendingStep) and its argument types; the Triton kernels by function."""
     n = name.lower()
-    return "flush" if "cuteflushflush" in n else "nonflush" if "cutedecodedecode" in n else "prepare" if "prepare" in n else "other"
+    for key, tag in (("cuteflushflush", "flush"), ("cutedecodedecode", "nonflush"), ("prepare", "prepare"),
+                     ("cuteflushpendingfold", "fold"), ("cutependingpendingstep", "step"), ("_plan_kernel", "plan")):  # fmt: skip
+        if key in n:
+            return tag
+    return "other"
 
 
 def step_stats(events: list[tuple[str, float, float]]) -> dict[str, float]:
@@ -59,6 +72,70 @@ def step_stats(events: list[tuple[str, float, float]]) -> dict[str, float]:
     out["flush_start"] = med([s["flush"][0] - s["nonflush"][0] for s in full])
     out["flush_end"] = med([s["flush"][1] - s["nonflush"][1] for s in full])
     return out
+
+
+PENDING_COLUMNS = ("plan", "fold", "step1", "step2")
+
+
+def pending_stats(events: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Median per-call figures from (tag, start, end) kernel records in time order (us); a
+    call starts at each plan kernel. For each kernel of PENDING_COLUMNS (the step's first
+    and second launch as step1 / step2): its duration, and its start and end from the
+    plan's start (`<kernel>_start`, `<kernel>_end`); `span`, the plan's start to the last
+    kernel's end. A call without a kernel leaves it out of that kernel's medians."""
+    calls: list[dict] = []
+    for tag, start, end in events:
+        if tag == "plan":
+            calls.append({})
+        if not calls or tag not in ("plan", "fold", "step"):
+            continue
+        if tag == "step":
+            tag = "step1" if "step1" not in calls[-1] else "step2"
+        calls[-1][tag] = (start, end)
+    med = lambda v: statistics.median(v) if v else float("nan")  # noqa: E731
+    out = {k: med([c[k][1] - c[k][0] for c in calls if k in c]) for k in PENDING_COLUMNS}
+    for k in PENDING_COLUMNS:
+        out[k + "_start"] = med([c[k][0] - c["plan"][0] for c in calls if k in c])
+        out[k + "_end"] = med([c[k][1] - c["plan"][0] for c in calls if k in c])
+    out["span"] = med([max(e for _, e in c.values()) - c["plan"][0] for c in calls])
+    return out
+
+
+def run_pending(fmt: str, batch: int, T: int, layers: int, heads: int, groups: int, calls: int = 4) -> dict[str, float]:
+    """Pending-mode calls as bench_spec.py times them (its `build_pending`), captured in one
+    CUDA graph; us a call from 10 replays, and pending_stats of one traced replay."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks import bench_spec
+    from benchmarks.common import base_states
+
+    args = bench_spec.parse_args(["--calls", str(calls)])
+    device = torch.device("cuda")
+    ctx = {"args": args, "device": device, "states": {(heads, groups): base_states(heads, groups, 16, device, args.seed)}}
+    call, _, keep = bench_spec.build_pending(f"pending-{fmt}", (heads, groups), batch, T, layers, ctx)
+    call()  # compiles every variant
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        call()
+    for _ in range(3):
+        g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    us_call = start.elapsed_time(end) * 1000 / 10 / (calls * layers)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        g.replay()
+        torch.cuda.synchronize()
+    events = sorted(
+        ((kernel_tag(e.name), e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"),
+        key=lambda e: e[1],
+    )
+    del keep
+    return {"us_call": us_call, **pending_stats(events)}
 
 
 def capture_period(fmt: str, batch: int, layers: int, heads: int, groups: int, sync: bool = False):
@@ -120,11 +197,22 @@ def step_args(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--groups", type=int, default=2)
+    ap.add_argument("--pending-tokens", nargs="*", type=int, default=[], help="pending-mode calls of T tokens a row instead")
     return ap
 
 
 def main(argv=None) -> None:
     a = step_args(__doc__.split("\n\n")[0]).parse_args(argv)
+    if a.pending_tokens:
+        cols = PENDING_COLUMNS
+        print("   fmt batch  T  us/call   span " + " ".join(f"{c:>17}" for c in cols) + "   (duration: start-end)")
+        for fmt in a.formats:
+            for batch in a.batch:
+                for T in a.pending_tokens:
+                    r = run_pending(fmt, batch, T, a.layers, a.heads, a.groups)
+                    cells = " ".join(f"{r[c]:5.2f}:{r[c + '_start']:5.1f}-{r[c + '_end']:5.1f}" for c in cols)
+                    print(f"{fmt:>6} {batch:5d} {T:2d} {r['us_call']:8.2f} {r['span']:6.2f} {cells}", flush=True)
+        return
     print("   fmt batch  us/step prepare  flush nonflush  gap  next  flush-start  flush-end")
     for fmt in a.formats:
         for batch in a.batch:

@@ -233,6 +233,28 @@ def test_step_timeline_statistics():
     assert got["flush_start"] == -0.5 and got["flush_end"] == (-10.0 - 8.0) / 2
 
 
+def test_pending_timeline_statistics():
+    """benchmarks/step_timeline.py's per-call figures of pending mode: the kernel names it
+    tags, and two calls (the first with the step split in two launches, the second with
+    one step and no fold) with hand-computed durations, offsets from the plan and spans."""
+    pytest.importorskip("cutlass", reason="benchmarks/step_timeline.py imports the CuTe launchers (the cute extra)")
+    from benchmarks.step_timeline import kernel_tag, pending_stats
+
+    fold = "kernel_cutlass_kernel_replayssmkernelscuteflushPendingFold_object_at__ptrf16"
+    step = "kernel_cutlass_kernel_replayssmkernelscutependingPendingStep_object_at__ptrbf16"
+    assert [kernel_tag(n) for n in ("_plan_kernel", fold, step)] == ["plan", "fold", "step"]
+    events = [
+        ("plan", 0.0, 2.0), ("fold", 1.5, 20.0), ("step", 10.0, 30.0), ("other", 12.0, 13.0), ("step", 21.0, 32.0),
+        ("plan", 40.0, 43.0), ("step", 42.0, 50.0),
+    ]  # fmt: skip
+    got = pending_stats(events)
+    assert got["plan"] == 2.5 and got["plan_start"] == 0.0 and got["plan_end"] == 2.5
+    assert got["fold"] == 18.5 and got["fold_start"] == 1.5 and got["fold_end"] == 20.0
+    assert got["step1"] == (20.0 + 8.0) / 2 and got["step1_start"] == (10.0 + 2.0) / 2 and got["step1_end"] == (30.0 + 10.0) / 2
+    assert got["step2"] == 11.0 and got["step2_start"] == 21.0 and got["step2_end"] == 32.0
+    assert got["span"] == (32.0 + 10.0) / 2
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_profile_steps_runs_the_layer_for_the_given_steps(fmt):
     """benchmarks/profile_steps.py (the ncu driver) on the CPU reference: every live row's
