@@ -104,8 +104,6 @@ def pending_stats(events: list[tuple[str, float, float]]) -> dict[str, float]:
 def run_pending(fmt: str, batch: int, T: int, layers: int, heads: int, groups: int, calls: int = 4) -> dict[str, float]:
     """Pending-mode calls as bench_spec.py times them (its `build_pending`), captured in one
     CUDA graph; us a call from 10 replays, and pending_stats of one traced replay."""
-    from torch.profiler import ProfilerActivity, profile
-
     from benchmarks import bench_spec
     from benchmarks.common import base_states
 
@@ -113,29 +111,10 @@ def run_pending(fmt: str, batch: int, T: int, layers: int, heads: int, groups: i
     device = torch.device("cuda")
     ctx = {"args": args, "device": device, "states": {(heads, groups): base_states(heads, groups, 16, device, args.seed)}}
     call, _, keep = bench_spec.build_pending(f"pending-{fmt}", (heads, groups), batch, T, layers, ctx)
-    call()  # compiles every variant
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        call()
-    for _ in range(3):
-        g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    us_call = start.elapsed_time(end) * 1000 / 10 / (calls * layers)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        g.replay()
-        torch.cuda.synchronize()
-    events = sorted(
-        ((kernel_tag(e.name), e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"),
-        key=lambda e: e[1],
-    )
-    del keep
-    return {"us_call": us_call, **pending_stats(events)}
+    g, us_call = capture(call, calls * layers)
+    stats = pending_stats(traced(g))
+    del keep, g
+    return {"us_call": us_call, **stats}
 
 
 def capture_period(fmt: str, batch: int, layers: int, heads: int, groups: int, sync: bool = False):
@@ -159,11 +138,17 @@ def capture_period(fmt: str, batch: int, layers: int, heads: int, groups: int, s
             for cache, ids in caches:
                 selective_state_update_replayssm(cache, t.x, t.dt, p.A, t.B, t.C, p.D, p.dt_bias, ids, out, state_dtype=fmt, seed=0)
 
-    period()  # compiles every variant
+    return capture(period, RING * layers)
+
+
+def capture(fn, units: int):
+    """(CUDA graph of `fn` captured after one eager call, which compiles every variant; us
+    a unit from 10 replays, `units` units a replay)."""
+    fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        period()
+        fn()
     for _ in range(3):
         g.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -172,21 +157,25 @@ def capture_period(fmt: str, batch: int, layers: int, heads: int, groups: int, s
         g.replay()
     end.record()
     torch.cuda.synchronize()
-    return g, start.elapsed_time(end) * 1000 / 10 / (RING * layers)
+    return g, start.elapsed_time(end) * 1000 / 10 / units
 
 
-def run(fmt: str, batch: int, layers: int, heads: int, groups: int) -> dict[str, float]:
+def traced(g) -> list[tuple[str, float, float]]:
+    """(kernel_tag, start, end) of every kernel of one replay of `g`, in time order (us)."""
     from torch.profiler import ProfilerActivity, profile
 
-    g, us_step = capture_period(fmt, batch, layers, heads, groups)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         g.replay()
         torch.cuda.synchronize()
-    events = sorted(
+    return sorted(
         ((kernel_tag(e.name), e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"),
         key=lambda e: e[1],
     )
-    return {"us_step": us_step, **step_stats(events)}
+
+
+def run(fmt: str, batch: int, layers: int, heads: int, groups: int) -> dict[str, float]:
+    g, us_step = capture_period(fmt, batch, layers, heads, groups)
+    return {"us_step": us_step, **step_stats(traced(g))}
 
 
 def step_args(description: str) -> argparse.ArgumentParser:
