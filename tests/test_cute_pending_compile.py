@@ -122,3 +122,65 @@ def test_split_step_variants_are_the_step_with_a_row_filter(ptx, fmt, tmp_path):
         paths = compile_into(obj, fake, "sm_90a", tmp_path / rows)
         got = counts(next(Path(p) for p in paths if p.endswith(".ptx")).read_text())
         assert got == {**whole, "b32": whole["b32"] - 1 + resets}, rows
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_pending_launch_words_are_the_specs(monkeypatch, varlen):
+    """A `PendingLaunch`'s argument words (the cache's and the plan buffer's made once, a
+    call's inputs' read per call by `step_words`) are `args.raw` of the same tensors in
+    the kernels' field order, for engine-shaped inputs (x, B, C column slices of one
+    projection, dt tied over the head dim, A and dt_bias strided), dense and varlen;
+    the launches themselves are recorded, not run (CPU)."""
+    import torch
+
+    from replayssm import layout as L
+    from replayssm.kernels.cute import args as A
+    from replayssm.kernels.cute import pending as pm
+    from replayssm.kernels.cute.read_copy import read_copy_format
+    from replayssm.kernels.triton.pending import PendingPlan
+
+    launches = []
+    monkeypatch.setattr(pm, "_launch", lambda fn, structs, scalars, words, stream: launches.append((fn, scalars, words, stream)))
+    monkeypatch.setattr(pm, "compiled_fold", lambda *a: ("fold", *a))
+    monkeypatch.setattr(pm, "compiled_pending", lambda *a: ("step", *a))
+    monkeypatch.setattr(pm, "_sm_count", lambda index: 132)
+    b, T, H, G = 3, 4, 16, 2
+    lead = (b * T,) if varlen else (b, T)
+    width = H * 64 + 2 * G * 128 + 8  # one projection row: x | B | C | 8 more columns
+    proj = torch.randn(*lead, width).to(torch.bfloat16)
+    x = proj[..., : H * 64].unflatten(-1, (H, 64))
+    B = proj[..., H * 64 : H * 64 + G * 128].unflatten(-1, (G, 128))
+    C = proj[..., H * 64 + G * 128 : H * 64 + 2 * G * 128].unflatten(-1, (G, 128))
+    dt = torch.randn(*lead, H, 1).to(torch.bfloat16).expand(*lead, H, 64)[..., 0]
+    A_ = torch.randn(H, 64)[:, 0]  # columns of wider parameters: strided
+    dt_bias = torch.randn(H, 64)[:, 1]
+    D = torch.randn(H, 64)
+    out = torch.empty(*lead, H, 64, dtype=torch.bfloat16)
+    row, tok = (0, width) if varlen else (T * width, width)
+    inputs = dict(x=x, dt=dt, A=A_, B=B, C=C, D=D, dt_bias=dt_bias, out=out,
+                  x_row=row, x_tok=tok, dt_row=0 if varlen else T * H, dt_tok=H, dt_h=1, b_row=row, b_tok=tok,
+                  c_row=row, c_tok=tok, o_row=0 if varlen else T * H * 64, o_tok=H * 64,
+                  a_stride=64, bias_stride=64, d_h=64, d_p=1)  # fmt: skip
+    got = pm.step_inputs(x, dt, A_, B, C, D, dt_bias, out, varlen)
+    assert list(got) == list(inputs) and all(got[k] is v if torch.is_tensor(v) else got[k] == v for k, v in inputs.items())
+    assert list(pm.step_words(x, dt, A_, B, C, D, dt_bias, out, varlen)) == A.raw(A.PendingInputs, **inputs)
+    plan = PendingPlan(64, "cpu")
+    rows = plan.view(b)
+    for fmt_name in ("fp8", "nvfp4"):
+        fmt = read_copy_format(fmt_name, "sm_90a")
+        cache = L.allocate_cache(5, H, G, fmt_name, "cpu", slot_padding=64, pending=True)
+        launcher = pm.PendingLaunch(cache, plan.buf, plan.fold_list, fmt_name, "sm_90a", head_offset=3)
+        launches.clear()
+        launcher.fold(cache, A_, rows, plan.fold_list, 11)
+        launcher.step(cache, x, dt, A_, B, C, D, dt_bias, out, rows, plan.fold_list, varlen, 12, "rest")
+        ring = A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
+        copy = A.raw(fmt.Args, **fmt.tensors(cache, L))
+        plan_words = A.raw(A.PendingPlan, rows=rows, fold_list=plan.fold_list)
+        ctas = min(b * H * 2, fmt.fold_ctas_per_sm * 132)
+        fold_words = A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=3) + ring + copy
+        fold_words += A.raw(A.FoldParams, A=A_) + plan_words + [ctas]
+        step_words = ring + copy + A.raw(A.PendingInputs, **inputs) + plan_words + [b]
+        assert launches == [
+            (("fold", fmt_name, "sm_90a", H, G, False), (ctas,), tuple(fold_words), 11),
+            (("step", fmt_name, "sm_90a", H, G, torch.bfloat16, "rest"), (b,), tuple(step_words), 12),
+        ]

@@ -103,13 +103,14 @@ class _CacheContext:
     the CuTe kernels can run it ((launch module, arch), or the reason they cannot) and its
     prepare launches (`triton.prepare.Prepare`) by batch, format, seed, ids dtype and plan
     scratch, its CuTe launches (`cute.launch.Step`) by batch, format, head offset and
-    plan scratch, and its initialize (`triton.initialize.Initialize`, by format, seed and
+    plan scratch, its initialize (`triton.initialize.Initialize`, by format, seed and
     head offset), clear (`triton.clear.Clear`) and pending-mode plan
-    (`triton.pending.PlanLaunch`) launches. Holds weak references only: a
+    (`triton.pending.PlanLaunch`) launches, and its pending-mode CuTe launches
+    (`cute.pending.PendingLaunch`, by format, head offset and plan buffer). Holds weak references only: a
     context never keeps a cache alive (its launches hold addresses and are given the
     tensors on each call)."""
 
-    __slots__ = ("refs", "cute", "reason", "prepares", "steps", "pending", "initializes", "clear", "plan_launches")
+    __slots__ = ("refs", "cute", "reason", "prepares", "steps", "pending", "initializes", "clear", "plan_launches", "pending_launches")
 
     def __init__(self, cache, cute, reason: str | None) -> None:
         self.refs = tuple(weakref.ref(t) for t in cache)
@@ -120,6 +121,7 @@ class _CacheContext:
         self.initializes: dict[tuple, object] = {}
         self.clear = None
         self.plan_launches: dict[tuple, object] = {}
+        self.pending_launches: dict[tuple, object] = {}
 
     def holds(self, cache) -> bool:
         """Whether `cache` is the tuple of tensors this context was made for."""
@@ -290,21 +292,26 @@ class KernelBackend:
         step = fold = None
         if ctx.cute is not None:
             from .cute.launch import current_stream
-            from .cute.pending import fold_and_step, inputs_ok, pending_fold
+            from .cute.pending import PendingLaunch, fold_and_step, inputs_ok
 
             arch = ctx.cute[1]
             state_dtype = "nvfp4" if kwargs.get("nvfp4") else "fp8"
+            head_offset = kwargs.get("head_offset", 0)
+            plan = ctx.pending
+            key = (state_dtype, head_offset, plan.buf.data_ptr(), plan.fold_list.data_ptr())
+            launcher = ctx.pending_launches.get(key)
+            if launcher is None:
+                launcher = ctx.pending_launches[key] = PendingLaunch(cache, plan.buf, plan.fold_list, state_dtype, arch, head_offset)
+            stream = current_stream(A.get_device())
 
             def fold(rows, fold_list, debug_state):
-                pending_fold(cache, A, rows, fold_list, state_dtype=state_dtype, arch=arch,
-                             head_offset=kwargs.get("head_offset", 0), stream=current_stream(A.get_device()),
-                             debug_state=debug_state)  # fmt: skip
+                launcher.fold(cache, A, rows, fold_list, stream, debug_state)
 
             def step(x_, dt_, B_, C_, out_, rows, fold_list, varlen, launch_fold):
                 if not inputs_ok(x_, B_, C_, out_):
                     return False
                 fold_and_step(cache, x_, dt_, A, B_, C_, D, dt_bias, out_, rows, fold_list, launch_fold, state_dtype=state_dtype,
-                              arch=arch, varlen=varlen, stream=current_stream(out_.get_device()))  # fmt: skip
+                              arch=arch, varlen=varlen, stream=stream, launcher=launcher)  # fmt: skip
                 return True
 
         pending_decode(

@@ -42,7 +42,6 @@ to their T_b outputs; live rows with T_b = 0 return.
 
 from __future__ import annotations
 
-import functools
 
 import cutlass
 import cutlass.cute as cute
@@ -317,30 +316,111 @@ def compiled_fold(state_dtype: str, arch: str, heads: int, groups: int, debug: b
     return fn
 
 
+class PendingLaunch:
+    """The CuTe fold and step launches of pending-mode calls on one cache, plan buffer,
+    format and head offset, with the argument words that repeat between calls made once:
+    the cache's (checkpoint, rings, read copy) and the plan buffer's. A call's own words
+    (its inputs' addresses and strides, A's) are read per call (`step_words`). It holds no
+    tensor (as `launch.Step`): its keeper (the kernel backend's per-cache context) keys it
+    by the plan buffer, and passes the cache it was made for to each call, whose first
+    launch of a kernel goes through the executor with the tensors."""
+
+    __slots__ = ("state_dtype", "arch", "heads", "groups", "head_offset", "fold_ctas", "fold_head", "step_head", "plan_words", "kernels")
+
+    def __init__(self, cache, plan_rows, fold_list, state_dtype: str, arch: str, head_offset: int = 0) -> None:
+        self.state_dtype, self.arch, self.head_offset = state_dtype, arch, head_offset
+        self.heads, self.groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
+        fmt = read_copy_format(state_dtype, arch)
+        ring = A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
+        copy = A.raw(fmt.Args, **fmt.tensors(cache, L))
+        self.fold_head = (*A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=head_offset), *ring, *copy)
+        self.step_head = (*ring, *copy)
+        self.plan_words = tuple(A.raw(A.PendingPlan, rows=plan_rows, fold_list=fold_list))
+        self.fold_ctas = fmt.fold_ctas_per_sm * _sm_count(cache[L.CHECKPOINT].get_device())
+        self.kernels: dict[tuple, object] = {}
+
+    def _kernel(self, key: tuple):
+        fn = self.kernels.get(key)
+        if fn is None:
+            if key[0] == "fold":
+                fn = compiled_fold(self.state_dtype, self.arch, self.heads, self.groups, key[1])
+            else:
+                fn = compiled_pending(self.state_dtype, self.arch, self.heads, self.groups, *key)
+            self.kernels[key] = fn
+        return fn
+
+    def fold(self, cache, A_, plan_rows, fold_list, stream: int, debug_state=None) -> None:
+        """Launch the fold of the rows the plan kernel listed (before the step): a persistent
+        grid of the format's `fold_ctas_per_sm` CTAs an SM (fewer for small batches).
+        `debug_state`: FP32 [b, H, 64, 128] receiving S of every folded row (tests)."""
+        batch = plan_rows.shape[0]
+        debug = debug_state is not None
+        fn = self._kernel(("fold", debug))
+        ctas = min(batch * self.heads * M_SPLIT, self.fold_ctas)
+
+        def structs():  # the executor path's arguments (a kernel's first launch; the test variant)
+            fmt = read_copy_format(self.state_dtype, self.arch)
+            plan = dict(rows=plan_rows, fold_list=fold_list)
+            p = A.bind(A.PendingDebugPlan, **plan, state=debug_state) if debug else A.bound(A.PendingPlan, **plan)
+            ckpt = A.bound(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=self.head_offset)
+            ring = A.bound(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
+            return (ckpt, ring, A.bound(fmt.Args, **fmt.tensors(cache, L)), A.bound(A.FoldParams, A=A_), p)
+
+        words = None if debug else (*self.fold_head, A_.data_ptr(), A_.stride(0), *self.plan_words, ctas)
+        _launch(fn, structs, (ctas,), words, stream)
+
+    def step(self, cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, varlen: bool, stream: int, rows: str = "all") -> None:
+        """Launch the step for a call whose plan kernel has run, and whose fold has unless
+        `rows` is "rest" (PendingStep's `rows`): x [b, T, H, 64] (varlen [total, H, 64]), B,
+        C [.., G, 128], out like x, dt [b, T, H] ([total, H]), A, dt_bias [H], D [H, 64];
+        `plan_rows` the plan kernel's int32 [b, 8] rows and `fold_list` the fold kernel's
+        work list, whose count the step resets (not "rest"). The caller checked `inputs_ok`."""
+        batch = plan_rows.shape[0]
+        if dt.dtype not in A.DSL_DTYPES:
+            dt = dt.float()
+        fn = self._kernel((dt.dtype, rows))
+
+        def structs():  # the executor path's arguments (a kernel's first launch)
+            fmt = read_copy_format(self.state_dtype, self.arch)
+            ring = A.bound(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
+            inputs = A.bind(A.PendingInputs, **step_inputs(x, dt, A_, B, C, D, dt_bias, out, varlen))
+            return (ring, A.bound(fmt.Args, **fmt.tensors(cache, L)), inputs, A.bound(A.PendingPlan, rows=plan_rows, fold_list=fold_list))
+
+        words = (*self.step_head, *step_words(x, dt, A_, B, C, D, dt_bias, out, varlen), *self.plan_words, batch)
+        _launch(fn, structs, (batch,), words, stream)
+
+
+def step_inputs(x, dt, A_, B, C, D, dt_bias, out, varlen: bool) -> dict:
+    """The `A.PendingInputs` fields of a call, by name (tensors and strides)."""
+    x_row, x_tok = _tok_strides(x, varlen)
+    dt_row, dt_tok = _tok_strides(dt, varlen)
+    b_row, b_tok = _tok_strides(B, varlen)
+    c_row, c_tok = _tok_strides(C, varlen)
+    o_row, o_tok = _tok_strides(out, varlen)
+    return dict(
+        x=x, dt=dt, A=A_, B=B, C=C, D=D, dt_bias=dt_bias, out=out,
+        x_row=x_row, x_tok=x_tok, dt_row=dt_row, dt_tok=dt_tok, dt_h=dt.stride(-1), b_row=b_row, b_tok=b_tok,
+        c_row=c_row, c_tok=c_tok, o_row=o_row, o_tok=o_tok, a_stride=A_.stride(0), bias_stride=dt_bias.stride(0),
+        d_h=D.stride(0), d_p=D.stride(1),
+    )  # fmt: skip
+
+
+def step_words(x, dt, A_, B, C, D, dt_bias, out, varlen: bool) -> tuple:
+    """`A.raw(A.PendingInputs, **step_inputs(...))` written out for the eager hot path."""
+    xs, ds, bs, cs, os_ = x.stride(), dt.stride(), B.stride(), C.stride(), out.stride()
+    if varlen:  # row strides 0, token strides the leading ones
+        tok = (0, xs[0], 0, ds[0], ds[-1], 0, bs[0], 0, cs[0], 0, os_[0])
+    else:
+        tok = (xs[0], xs[1], ds[0], ds[1], ds[-1], bs[0], bs[1], cs[0], cs[1], os_[0], os_[1])
+    return (
+        x.data_ptr(), dt.data_ptr(), A_.data_ptr(), B.data_ptr(), C.data_ptr(), D.data_ptr(), dt_bias.data_ptr(), out.data_ptr(),
+        *tok, A_.stride(0), dt_bias.stride(0), D.stride(0), D.stride(1),
+    )  # fmt: skip
+
+
 def pending_fold(cache, A_, plan_rows, fold_list, *, state_dtype: str, arch: str, head_offset: int, stream: int, debug_state=None) -> None:
-    """Launch the fold of the rows the plan kernel listed (before the step): a persistent
-    grid of the format's `fold_ctas_per_sm` CTAs an SM (fewer for small batches).
-    `debug_state`: FP32 [b, H, 64, 128] receiving S of every folded row (tests)."""
-    batch = plan_rows.shape[0]
-    heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
-    debug = debug_state is not None
-    fn = compiled_fold(state_dtype, arch, heads, groups, debug)
-    fmt = read_copy_format(state_dtype, arch)
-    ckpt = dict(state=cache[L.CHECKPOINT], head_offset=head_offset)
-    ring = dict(x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
-    copy = fmt.tensors(cache, L)
-    plan = dict(rows=plan_rows, fold_list=fold_list)
-    ctas = min(batch * heads * M_SPLIT, fmt.fold_ctas_per_sm * _sm_count(cache[L.CHECKPOINT].get_device()))
-
-    def structs():  # the executor path's arguments (a kernel's first launch; the test variant)
-        p = A.bind(A.PendingDebugPlan, **plan, state=debug_state) if debug else A.bound(A.PendingPlan, **plan)
-        return (A.bound(A.Checkpoint, **ckpt), A.bound(A.Ring, **ring), A.bound(fmt.Args, **copy), A.bound(A.FoldParams, A=A_), p)
-
-    words = None
-    if not debug:
-        words = (*A.raw(A.Checkpoint, **ckpt), *A.raw(A.Ring, **ring), *A.raw(fmt.Args, **copy), *A.raw(A.FoldParams, A=A_),
-                 *A.raw(A.PendingPlan, **plan), ctas)  # fmt: skip
-    _launch(fn, structs, (ctas,), words, stream)
+    """`PendingLaunch.fold` with a launcher made for this call."""
+    PendingLaunch(cache, plan_rows, fold_list, state_dtype, arch, head_offset).fold(cache, A_, plan_rows, fold_list, stream, debug_state)
 
 
 def inputs_ok(x, B, C, out) -> bool:
@@ -355,37 +435,9 @@ def inputs_ok(x, B, C, out) -> bool:
 
 
 def pending_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, *, state_dtype: str, arch: str, varlen: bool, stream: int, rows: str = "all") -> None:
-    """Launch the step for a call whose plan kernel has run, and whose fold has unless
-    `rows` is "rest" (PendingStep's `rows`): x [b, T, H, 64] (varlen [total, H, 64]), B,
-    C [.., G, 128], out like x, dt [b, T, H] ([total, H]), A, dt_bias [H], D [H, 64];
-    `plan_rows` the plan kernel's int32 [b, 8] rows and `fold_list` the fold kernel's
-    work list, whose count the step resets (not "rest"). The caller checked `inputs_ok`."""
-    batch = plan_rows.shape[0]
-    heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
-    if dt.dtype not in A.DSL_DTYPES:
-        dt = dt.float()
-    fn = compiled_pending(state_dtype, arch, heads, groups, dt.dtype, rows)
-    fmt = read_copy_format(state_dtype, arch)
-    ring = dict(x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
-    copy = fmt.tensors(cache, L)
-    x_row, x_tok = _tok_strides(x, varlen)
-    dt_row, dt_tok = _tok_strides(dt, varlen)
-    b_row, b_tok = _tok_strides(B, varlen)
-    c_row, c_tok = _tok_strides(C, varlen)
-    o_row, o_tok = _tok_strides(out, varlen)
-    inputs = dict(
-        x=x, dt=dt, A=A_, B=B, C=C, D=D, dt_bias=dt_bias, out=out,
-        x_row=x_row, x_tok=x_tok, dt_row=dt_row, dt_tok=dt_tok, dt_h=dt.stride(-1), b_row=b_row, b_tok=b_tok,
-        c_row=c_row, c_tok=c_tok, o_row=o_row, o_tok=o_tok, a_stride=A_.stride(0), bias_stride=dt_bias.stride(0),
-        d_h=D.stride(0), d_p=D.stride(1),
-    )  # fmt: skip
-    plan = dict(rows=plan_rows, fold_list=fold_list)
-
-    def structs():  # the executor path's arguments (a kernel's first launch)
-        return (A.bound(A.Ring, **ring), A.bound(fmt.Args, **copy), A.bind(A.PendingInputs, **inputs), A.bound(A.PendingPlan, **plan))
-
-    words = (*A.raw(A.Ring, **ring), *A.raw(fmt.Args, **copy), *A.raw(A.PendingInputs, **inputs), *A.raw(A.PendingPlan, **plan), batch)
-    _launch(fn, structs, (batch,), words, stream)
+    """`PendingLaunch.step` with a launcher made for this call."""
+    launcher = PendingLaunch(cache, plan_rows, fold_list, state_dtype, arch)
+    launcher.step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, varlen, stream, rows)
 
 
 # From this batch on, a captured call's step runs in two launches: the rows that do not
@@ -395,39 +447,40 @@ SPLIT_MIN_BATCH = 64
 
 
 def fold_and_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, launch_fold, *, state_dtype: str,
-                  arch: str, varlen: bool, stream: int, split: bool | None = None) -> None:  # fmt: skip
+                  arch: str, varlen: bool, stream: int, split: bool | None = None, launcher: PendingLaunch | None = None) -> None:  # fmt: skip
     """Launch a call's fold (`launch_fold()`, on `stream`, right behind the plan kernel)
-    and step (`pending_step`'s arguments). `split` (None: from SPLIT_MIN_BATCH rows on,
-    while a CUDA graph is being captured): the step of the rows that do not fold goes on
-    the device's side stream, forked after the plan, beside the fold, and the step of the
-    rows that fold follows the fold on `stream`; the side stream joins `stream` after both
-    (as the single-token step's flush and non-flush kernels). Else one step after the
-    fold (eager calls of SPLIT_MIN_BATCH rows or more compile the split variants, so that
-    a capture compiles nothing)."""
+    and step (`PendingLaunch.step`'s arguments; `launcher`: the cache's, else one made for
+    this call). `split` (None: from SPLIT_MIN_BATCH rows on, while a CUDA graph is being
+    captured): the step of the rows that do not fold goes on the device's side stream,
+    forked after the plan, beside the fold, and the step of the rows that fold follows the
+    fold on `stream`; the side stream joins `stream` after both (as the single-token step's
+    flush and non-flush kernels). Else one step after the fold (eager calls of
+    SPLIT_MIN_BATCH rows or more compile the split variants, so that a capture compiles
+    nothing)."""
+    if launcher is None:
+        launcher = PendingLaunch(cache, plan_rows, fold_list, state_dtype, arch)
     if dt.dtype not in A.DSL_DTYPES:
         dt = dt.float()  # before the fork: the side stream's step reads it
     big = plan_rows.shape[0] >= SPLIT_MIN_BATCH
     if split is None:
         split = big and torch.cuda.is_current_stream_capturing()
     if big and not split:  # compiled by the eager calls, not inside a capture
-        heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
         for rows in ("rest", "fold"):
-            compiled_pending(state_dtype, arch, heads, groups, dt.dtype, rows)
-    step = functools.partial(pending_step, cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list,
-                             state_dtype=state_dtype, arch=arch, varlen=varlen)  # fmt: skip
+            launcher._kernel((dt.dtype, rows))
+    args = (cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, varlen)
     if not split:
         launch_fold()
-        step(stream=stream)
+        launcher.step(*args, stream)
         return
     index = out.get_device()
     side = fork_streams(index, True, stream)[1]  # before the fold: the side stream waits for the plan only
     launch_fold()
-    step(stream=side, rows="rest")
-    step(stream=stream, rows="fold")
+    launcher.step(*args, side, "rest")
+    launcher.step(*args, stream, "fold")
     join_streams(index, stream)
 
 
 __all__ = [
-    "PendingStep", "ROWS", "SPLIT_MIN_BATCH", "STEP_READ_HINT", "TOKENS", "fold_and_step", "pending_kernel", "compiled_pending", "inputs_ok", "pending_step",
+    "PendingLaunch", "PendingStep", "step_inputs", "step_words", "ROWS", "SPLIT_MIN_BATCH", "STEP_READ_HINT", "TOKENS", "fold_and_step", "pending_kernel", "compiled_pending", "inputs_ok", "pending_step",
     "fold_kernel", "compiled_fold", "pending_fold",
 ]
