@@ -457,6 +457,57 @@ def _direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, 
     return True
 
 
+def _direct_decode_pending(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4, seed, max_seqlen,
+                           num_accepted_tokens, head_offset) -> bool:  # fmt: skip
+    """`_direct_decode` of a pending-mode call of the dense layout on a cache that holds one
+    max_seqlen for its slots (`ReplaySSMCache`): x [b, T, H, 64] or [b, T, H * 64], B, C
+    [b, T, G, 128] or [b, T, G * 128] bf16, dt [b, T, H] (or tied over 64), out contiguous
+    bf16 [b, T, H, 64] or [b, T, H * 64], T == max_seqlen, `num_accepted_tokens` None or
+    int32 / int64 [b], every tensor on the cache device; False (nothing done) otherwise."""
+    index = cache[L.CHECKPOINT].get_device()
+    T = torch.Tensor
+    if type(ids) is not T or ids.dim() != 1 or ids.dtype not in _IDS_DTYPES or ids.get_device() != index:
+        return False
+    batch = ids.shape[0]
+    if batch == 0:
+        return False
+    acc = num_accepted_tokens
+    if acc is not None and (
+        type(acc) is not T or acc.dtype not in _IDS_DTYPES or acc.dim() != 1 or acc.shape[0] != batch or acc.get_device() != index
+    ):
+        return False
+    for t, n, width in ((out, heads, L.HEAD_DIM), (x, heads, L.HEAD_DIM), (B, groups, L.STATE_DIM), (C, groups, L.STATE_DIM)):
+        if type(t) is not T or t.dtype != torch.bfloat16 or t.get_device() != index:
+            return False
+        shape = t.shape
+        if not (
+            shape[:2] == (batch, max_seqlen)
+            and (shape[2:] == (n, width) if len(shape) == 4 else len(shape) == 3 and shape[2] == n * width)
+        ):  # fmt: skip
+            return False
+    if not out.is_contiguous():
+        return False
+    if type(dt) is not T or dt.dtype not in _DT_DTYPES or dt.get_device() != index:
+        return False
+    shape = dt.shape
+    if not (
+        len(shape) in (3, 4) and shape[0] == batch and shape[1] == max_seqlen and shape[2] == heads
+        and (len(shape) == 3 or shape[3] == 1 or (shape[3] == L.HEAD_DIM and dt.stride(3) == 0))
+    ):  # fmt: skip
+        return False
+    params = _layer_params(A, D, dt_bias, heads, index)
+    if params is None:
+        return False
+    A, D, dt_bias = params
+    if len(shape) == 4:
+        dt = dt[..., 0]
+    impl.decode_pending(
+        cache, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4=nvfp4, seed=seed, max_seqlen=max_seqlen,
+        num_accepted_tokens=acc, cu_seqlens=None, head_offset=head_offset,
+    )
+    return True
+
+
 def _check_accepted(num_accepted_tokens: object, batch: int, device: torch.device) -> None:
     if num_accepted_tokens is None:
         return

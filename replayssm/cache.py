@@ -261,12 +261,19 @@ class ReplaySSMCache:
             if out is None:
                 lead = (x.shape[0],) if cu_seqlens is not None and isinstance(x, torch.Tensor) else (batch, self.max_seqlen)
                 out = torch.empty(*lead, self.num_heads, L.HEAD_DIM, dtype=torch.bfloat16, device=self.device)
-            api._decode_pending(
-                self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
-                nvfp4=self._nvfp4, seed=self.seed, checks=checks, max_seqlen=self.max_seqlen,
-                num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=self.head_offset,
-                own_seqlen=True,
-            )
+            # The eager fast path of the dense layout (api._direct_decode_pending), else the op.
+            if not (
+                not checks and self._direct and cu_seqlens is None and not torch.compiler.is_compiling()
+                and api._direct_decode_pending(self.tensors, self.num_heads, self.num_groups, self._backend, x, dt, A, B, C,
+                                               D, dt_bias, slots, out, self._nvfp4, self.seed, self.max_seqlen,
+                                               num_accepted_tokens, self.head_offset)
+            ):  # fmt: skip
+                api._decode_pending(
+                    self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
+                    nvfp4=self._nvfp4, seed=self.seed, checks=checks, max_seqlen=self.max_seqlen,
+                    num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=self.head_offset,
+                    own_seqlen=True,
+                )
         else:
             if num_accepted_tokens is not None or cu_seqlens is not None:
                 raise ValueError(

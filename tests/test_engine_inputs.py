@@ -163,3 +163,52 @@ def test_the_eager_fast_path_gives_the_ops_bits_and_launches_directly(fmt, monke
     assert prepares and all(p.compiled for p in prepares)
     assert all(k.launch is not None for p in prepares for k in p.compiled.values())  # through cuLaunchKernel
     assert not fallbacks, [k.metadata.name for k in fallbacks]
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_the_eager_pending_fast_path_gives_the_ops_bits(fmt, monkeypatch):
+    """Pending mode (spec_tokens 3): an eager `ReplaySSMCache.decode` of the dense layout
+    on the kernel backend skips the custom op (`api._direct_decode_pending`) and launches
+    the CuTe fold and step from the cache context's `PendingLaunch`; over 24 calls with
+    engine-shaped inputs (a projection's column slices, dt tied), random verdicts and a
+    padding row, the outputs and every cache tensor equal, bit for bit, those of a twin
+    cache decoded through the op."""
+    from replayssm import api, ops
+    from replayssm.kernels import kernel_backend
+
+    batch, T = 6, 4
+    gen = torch.Generator().manual_seed(3)
+    params = layer_params(HEADS, generator=gen, device="cuda")
+    states = prefill_states(params, batch, GROUPS, 8, generator=gen, device="cuda")
+    caches = [ReplaySSMCache(batch + 2, HEADS, GROUPS, fmt, "cuda", backend="kernels", seed=7, spec_tokens=T - 1) for _ in range(2)]
+    slots = []
+    for c in caches:
+        s = c.allocate(batch)
+        c.prefill_init(states, s)
+        s = s.clone()
+        s[2] = 0  # a padding row
+        slots.append(s)
+    through_op = []
+    real_op = ops.decode_pending
+    monkeypatch.setattr(ops, "decode_pending", lambda *a, **k: (through_op.append(1), real_op(*a, **k)))
+    out = [torch.empty(batch, T, HEADS, L.HEAD_DIM, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    acc = None
+    for call in range(24):
+        tok = token(batch * T, HEADS, GROUPS, generator=gen, device="cuda")
+        x, dt, A, B, C, D, dt_bias = engine_inputs(tok, params)
+        inputs = (x.unflatten(0, (batch, T)), dt.unflatten(0, (batch, T)), A, B.unflatten(0, (batch, T)), C.unflatten(0, (batch, T)), D, dt_bias)
+        caches[0].decode(*inputs, slots[0], out=out[0], num_accepted_tokens=acc)
+        assert not through_op, "the eager call went through the op"
+        with monkeypatch.context() as m:
+            m.setattr(api, "_direct_decode_pending", lambda *a, **k: False)
+            caches[1].decode(*inputs, slots[1], out=out[1], num_accepted_tokens=acc)
+        assert through_op == [1]
+        through_op.clear()
+        assert same_bits(out[0], out[1]), call
+        acc = torch.randint(0, T + 1, (batch,), generator=gen, dtype=torch.int32).cuda()
+    torch.cuda.synchronize()
+    for x, y in zip(caches[0].tensors[1:], caches[1].tensors[1:]):
+        assert same_bits(x, y)
+    assert kernel_backend()._context(caches[0].tensors).pending_launches

@@ -632,3 +632,77 @@ def test_import_rejects_drafts_beyond_the_caches_max_seqlen():
     same, dst2, _, _, _ = _cache("fp8", 3, live=2)
     same.import_(data, dst2)
     assert torch.equal(same.positions[dst2.long()], big.positions[slots.long()])
+
+
+def test_eager_fast_path_takes_the_dense_engine_layouts_and_nothing_else():
+    """`api._direct_decode_pending` (ReplaySSMCache's eager pending call on the kernel
+    backend) hands the backend what the op's path would (`normalize_pending_inputs`: the
+    same values; x, B, C views of the caller's tensors) for the dense layouts engines pass
+    (x, B, C [b, T, n * w] column slices of one projection or plain [b, T, n, w]; dt tied
+    over the head dim or [b, T, H]; verdicts None, int32 or int64), and takes nothing else:
+    it returns False without calling the backend, so the general path validates the call
+    and names the argument. CPU tensors (device index -1 on both sides) and a recording
+    backend."""
+    from replayssm import api
+    from replayssm.synthetic import Token, engine_inputs
+
+    calls = []
+
+    class Recorder:
+        name = "kernels"
+
+        def decode_pending(self, *args, **kwargs):
+            calls.append((args, kwargs))
+
+    b, T = 3, VM
+    gen = torch.Generator().manual_seed(5)
+    p = layer_params(HEADS, generator=gen)
+    cache = L.allocate_cache(6, HEADS, GROUPS, "fp8", "cpu", pending=True)
+    x, dt, B, C = _tokens(gen, b * T)
+    eng = engine_inputs(Token(x, dt, B, C), p)
+    ex, edt, eA, eB, eC, eD, ebias = eng
+    engine = (ex.unflatten(0, (b, T)), edt.unflatten(0, (b, T)), eA, eB.unflatten(0, (b, T)), eC.unflatten(0, (b, T)), eD, ebias)
+    plain = (x.reshape(b, T, HEADS, P), dt.reshape(b, T, HEADS), p.A, B.reshape(b, T, GROUPS, N), C.reshape(b, T, GROUPS, N), p.D, p.dt_bias)
+    ids = torch.tensor([1, 0, 3], dtype=torch.int32)
+    out = torch.empty(b, T, HEADS, P, dtype=torch.bfloat16)
+
+    def direct(inputs, ids=ids, out=out, acc=None):
+        calls.clear()
+        took = api._direct_decode_pending(cache, HEADS, GROUPS, Recorder(), *inputs, ids, out, False, 1, VM, acc, 0)
+        assert took == bool(calls)
+        return took
+
+    for inputs in (engine, plain):
+        for acc in (None, ACC, ACC.long()):
+            assert direct(inputs, acc=acc)
+            (_, gx, gdt, gA, gB, gC, gD, gbias, gids, gout), kw = calls[0]
+            want = api.normalize_pending_inputs(*inputs, (b, T), HEADS, GROUPS)
+            got = (gx.reshape(b, T, HEADS, P), gdt, gA, gB.reshape(b, T, GROUPS, N), gC.reshape(b, T, GROUPS, N), gD, gbias)
+            for name, w, g in zip(("x", "dt", "A", "B", "C", "D", "dt_bias"), want, got):
+                assert g.shape == w.shape and g.dtype == w.dtype and torch.equal(g, w), name
+            for g, given in ((gx, inputs[0]), (gB, inputs[3]), (gC, inputs[4])):
+                assert g.data_ptr() == given.data_ptr()
+            assert gids is ids and gout is out and kw["num_accepted_tokens"] is acc
+            assert kw == dict(nvfp4=False, seed=1, max_seqlen=VM, num_accepted_tokens=acc, cu_seqlens=None, head_offset=0)
+    ex4 = engine[0]
+    rejected = {
+        "x float32": dict(inputs=(ex4.float(), *engine[1:])),
+        "x T - 1": dict(inputs=(ex4[:, :-1], *engine[1:])),
+        "x heads": dict(inputs=(ex4[..., :-64], *engine[1:])),
+        "dt untied": dict(inputs=(ex4, edt.unflatten(0, (b, T)).contiguous(), *engine[2:])),
+        "dt int": dict(inputs=(ex4, plain[1].int(), *engine[2:])),
+        "B groups": dict(inputs=(*engine[:3], torch.cat([plain[3]] * 2, dim=2), *engine[4:])),
+        "C bf16 -> f16": dict(inputs=(*engine[:4], plain[4].half(), *engine[5:])),
+        "A a list": dict(inputs=(*engine[:2], p.A.tolist(), *engine[3:])),
+        "out separate": dict(inputs=engine, out=torch.empty(b, HEADS, P, dtype=torch.bfloat16)),
+        "out strided": dict(inputs=engine, out=torch.empty(b, T, HEADS, 2 * P, dtype=torch.bfloat16)[..., :P]),
+        "out float": dict(inputs=engine, out=out.float()),
+        "ids 2-D": dict(inputs=engine, ids=ids.view(3, 1)),
+        "ids float": dict(inputs=engine, ids=ids.float()),
+        "no rows": dict(inputs=tuple(t[:0] if i in (0, 1, 3, 4) else t for i, t in enumerate(engine)), ids=ids[:0], out=out[:0]),
+        "acc float": dict(inputs=engine, acc=ACC.float()),
+        "acc short": dict(inputs=engine, acc=ACC[:2]),
+        "acc 2-D": dict(inputs=engine, acc=ACC.view(3, 1)),
+    }
+    for name, kw in rejected.items():
+        assert not direct(**kw), name
