@@ -492,7 +492,7 @@ def _direct_decode_pending(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bia
     shape = dt.shape
     if not (
         len(shape) in (3, 4) and shape[0] == batch and shape[1] == max_seqlen and shape[2] == heads
-        and (len(shape) == 3 or shape[3] == 1 or (shape[3] == L.HEAD_DIM and dt.stride(3) == 0))
+        and (len(shape) == 3 or (shape[3] == L.HEAD_DIM and dt.stride(3) == 0))
     ):  # fmt: skip
         return False
     params = _layer_params(A, D, dt_bias, heads, index)

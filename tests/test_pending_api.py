@@ -691,6 +691,7 @@ def test_eager_fast_path_takes_the_dense_engine_layouts_and_nothing_else():
         "x heads": dict(inputs=(ex4[..., :-64], *engine[1:])),
         "dt untied": dict(inputs=(ex4, edt.unflatten(0, (b, T)).contiguous(), *engine[2:])),
         "dt int": dict(inputs=(ex4, plain[1].int(), *engine[2:])),
+        "dt [b, T, H, 1]": dict(inputs=(ex4, plain[1][..., None], *engine[2:])),  # the op refuses it too
         "B groups": dict(inputs=(*engine[:3], torch.cat([plain[3]] * 2, dim=2), *engine[4:])),
         "C bf16 -> f16": dict(inputs=(*engine[:4], plain[4].half(), *engine[5:])),
         "A a list": dict(inputs=(*engine[:2], p.A.tolist(), *engine[3:])),
