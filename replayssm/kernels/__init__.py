@@ -106,9 +106,9 @@ class _CacheContext:
     plan scratch, its initialize (`triton.initialize.Initialize`, by format, seed and
     head offset), clear (`triton.clear.Clear`) and pending-mode plan
     (`triton.pending.PlanLaunch`) launches, and its pending-mode CuTe launches
-    (`cute.pending.PendingLaunch`, by format, head offset and plan buffer). Holds weak references only: a
-    context never keeps a cache alive (its launches hold addresses and are given the
-    tensors on each call)."""
+    (`cute.pending.PendingLaunch`, by format, head offset and plan buffer). Holds weak
+    references only: a context never keeps a cache alive (its launches hold addresses and
+    are given the tensors on each call)."""
 
     __slots__ = ("refs", "cute", "reason", "prepares", "steps", "pending", "initializes", "clear", "plan_launches", "pending_launches")
 

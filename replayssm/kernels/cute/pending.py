@@ -42,7 +42,6 @@ to their T_b outputs; live rows with T_b = 0 return.
 
 from __future__ import annotations
 
-
 import cutlass
 import cutlass.cute as cute
 import torch
@@ -339,7 +338,8 @@ class PendingLaunch:
         self.fold_ctas = fmt.fold_ctas_per_sm * _sm_count(cache[L.CHECKPOINT].get_device())
         self.kernels: dict[tuple, object] = {}
 
-    def _kernel(self, key: tuple):
+    def compiled(self, key: tuple):
+        """The compiled kernel of `key`: ("fold", debug) or (dt dtype, rows), compiled on first use."""
         fn = self.kernels.get(key)
         if fn is None:
             if key[0] == "fold":
@@ -355,7 +355,7 @@ class PendingLaunch:
         `debug_state`: FP32 [b, H, 64, 128] receiving S of every folded row (tests)."""
         batch = plan_rows.shape[0]
         debug = debug_state is not None
-        fn = self._kernel(("fold", debug))
+        fn = self.compiled(("fold", debug))
         ctas = min(batch * self.heads * M_SPLIT, self.fold_ctas)
 
         def structs():  # the executor path's arguments (a kernel's first launch; the test variant)
@@ -378,7 +378,7 @@ class PendingLaunch:
         batch = plan_rows.shape[0]
         if dt.dtype not in A.DSL_DTYPES:
             dt = dt.float()
-        fn = self._kernel((dt.dtype, rows))
+        fn = self.compiled((dt.dtype, rows))
 
         def structs():  # the executor path's arguments (a kernel's first launch)
             fmt = read_copy_format(self.state_dtype, self.arch)
@@ -466,7 +466,7 @@ def fold_and_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list,
         split = big and torch.cuda.is_current_stream_capturing()
     if big and not split:  # compiled by the eager calls, not inside a capture
         for rows in ("rest", "fold"):
-            launcher._kernel((dt.dtype, rows))
+            launcher.compiled((dt.dtype, rows))
     args = (cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, varlen)
     if not split:
         launch_fold()
