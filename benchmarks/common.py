@@ -13,13 +13,18 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def commit() -> str | None:
-    """The short commit of the source checkout, None outside one."""
+def commit(root: Path = ROOT) -> str | None:
+    """The short commit of the source checkout at `root`, with "+dirty" when its tracked
+    files differ from that commit (a copied tree whose .git lags, an uncommitted change);
+    None outside a checkout."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        if head.returncode != 0 or not head.stdout.strip():
+            return None
+        diff = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=root, capture_output=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    return head.stdout.strip() + ("+dirty" if diff.returncode == 1 else "")
 
 
 def version(mod: str) -> str | None:

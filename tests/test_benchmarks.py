@@ -345,3 +345,31 @@ def test_bench_spec_dry_run_rows_bytes_and_targets(tmp_path):
     assert data["rows"] == json.loads(json.dumps(res["rows"], default=str))
     assert data["meta"]["command"].startswith("python benchmarks/bench_spec.py --dry-run")
     assert "commit" in data["meta"]
+
+
+def test_results_record_the_commit_and_whether_the_tree_differs(tmp_path):
+    """`benchmarks.common.commit`: the short HEAD of a checkout, "+dirty" once a tracked file
+    differs from it (the GPU machine's copy of a tree whose .git lags), None outside a
+    checkout."""
+    import subprocess
+
+    from benchmarks.common import commit
+
+    outside = tmp_path / "plain"
+    outside.mkdir()
+    in_checkout = subprocess.run(["git", "rev-parse", "--is-inside-work-tree"], cwd=outside, capture_output=True).returncode == 0
+    if not in_checkout:  # pytest's tmp_path lies outside any checkout on CI and here
+        assert commit(outside) is None
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "init.defaultBranch=main"]
+    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
+    (repo / "a.txt").write_text("one\n")
+    subprocess.run([*git, "add", "a.txt"], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-qm", "a"], cwd=repo, check=True)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+    assert commit(repo) == head
+    (repo / "b.txt").write_text("untracked\n")  # untracked files do not count
+    assert commit(repo) == head
+    (repo / "a.txt").write_text("two\n")
+    assert commit(repo) == head + "+dirty"
