@@ -184,3 +184,94 @@ def test_pending_launch_words_are_the_specs(monkeypatch, varlen):
             (("fold", fmt_name, "sm_90a", H, G, False), (ctas,), tuple(fold_words), 11),
             (("step", fmt_name, "sm_90a", H, G, torch.bfloat16, "rest"), (b,), tuple(step_words), 12),
         ]
+
+
+def test_the_dense_launch_path_launches_what_the_general_path_does(monkeypatch):
+    """`KernelBackend._pending_dense` (a dense call whose inputs the step reads as they
+    are, launched without `triton.pending.pending_decode`) makes the plan, fold and step
+    launches of `_pending_general` (the path through it), words and streams alike, for
+    engine-shaped inputs ([b, T, n * w] column slices of one projection, dt tied) and
+    plain [b, T, n, w] ones, one step launch (3 rows) and the eager launches of a batch
+    that captured calls split (64 rows); and launches nothing for inputs the step cannot
+    read as they are (those then take the general path, which hands them to Triton's
+    step). Launches recorded, not run (CPU)."""
+    import torch
+
+    import replayssm.kernels as K
+    from replayssm import layout as L
+    from replayssm.kernels.cute import pending as pm
+    from replayssm.kernels.triton import pending as tp
+
+    launches = []
+
+    class Plan:  # stands in for triton.pending.PlanLaunch
+        def __init__(self, cache, plan, nvfp4, seed, max_seqlen):
+            self.args = (nvfp4, seed, max_seqlen)
+
+        def __call__(self, cache, plan, ids, accepted, cu_seqlens, stream):
+            launches.append(("plan", self.args, ids.data_ptr(), tuple(ids.shape), accepted, cu_seqlens, stream))
+
+    monkeypatch.setattr(pm, "_launch", lambda fn, structs, scalars, words, stream: launches.append((fn, scalars, words, stream)))
+    monkeypatch.setattr(pm, "compiled_fold", lambda *a: ("fold", *a))
+    monkeypatch.setattr(pm, "compiled_pending", lambda *a: ("step", *a))
+    monkeypatch.setattr(pm, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(tp, "PlanLaunch", Plan)
+    monkeypatch.setattr(tp, "current_stream", lambda device: 9)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # eager calls (a CPU build has no query)
+    monkeypatch.setattr(K, "_pending_triton", lambda real=K._pending_triton(): real._replace(PlanLaunch=Plan, interpreting=lambda: False))
+    monkeypatch.setattr(K, "_pending_cute", lambda real=K._pending_cute(): real._replace(current_stream=lambda index: 9))
+    H, G, T = 16, 2, 4
+    kb = K.KernelBackend()
+    A_, D, dt_bias = torch.randn(H, 64)[:, 0], torch.randn(H, 64), torch.randn(H, 64)[:, 1]
+
+    def inputs(b, engine):
+        width = H * 64 + 2 * G * 128 + 8  # one projection row: x | B | C | 8 more columns
+        proj = torch.randn(b, T, width).to(torch.bfloat16)
+        x, B, C = proj[..., : H * 64], proj[..., H * 64 : H * 64 + G * 128], proj[..., H * 64 + G * 128 : -8]
+        dt = torch.randn(b, T, H, 1).to(torch.bfloat16).expand(b, T, H, 64)[..., 0]
+        out = torch.empty(b, T, H * 64, dtype=torch.bfloat16)
+        if not engine:
+            x, B, C, out = x.unflatten(-1, (H, 64)), B.unflatten(-1, (G, 128)), C.unflatten(-1, (G, 128)), out.view(b, T, H, 64)
+        return x, dt, B, C, out
+
+    caches = {fmt: L.allocate_cache(70, H, G, fmt, "cpu", slot_padding=64, pending=True) for fmt in ("fp8", "nvfp4")}
+    plan = tp.PendingPlan(64, "cpu")
+
+    def run(path, fmt, x, dt, B, C, out, ids, acc):  # each path in a context of its own, one cache and plan buffer
+        cache = caches[fmt]
+        ctx = K._CacheContext(cache, (None, "sm_90a"), None)
+        ctx.pending = plan
+        launches.clear()
+        kw = dict(nvfp4=fmt == "nvfp4", seed=5, max_seqlen=T, num_accepted_tokens=acc, head_offset=3)
+        if path == "dense":
+            took = kb._pending_dense(ctx, cache, x, dt, A_, B, C, D, dt_bias, ids, out, *kw.values())
+        else:
+            took = kb._pending_general(ctx, cache, x, dt, A_, B, C, D, dt_bias, ids, out, cu_seqlens=None, **kw)
+        return took, list(launches)
+
+    for fmt in ("fp8", "nvfp4"):
+        for b in (3, 64):
+            for engine in (True, False):
+                x, dt, B, C, out = inputs(b, engine)
+                ids = torch.arange(1, b + 1, dtype=torch.int32)
+                acc = torch.full((b,), 2, dtype=torch.int64)
+                took, dense = run("dense", fmt, x, dt, B, C, out, ids, acc)
+                _, general = run("general", fmt, x, dt, B, C, out, ids, acc)
+                assert took and dense == general, (fmt, b, engine)
+                assert [r[0] for r in dense] == ["plan", ("fold", fmt, "sm_90a", H, G, False), ("step", fmt, "sm_90a", H, G, torch.bfloat16, "all")]
+                assert dense[0][1:] == ((fmt == "nvfp4", 5, T), ids.data_ptr(), (b,), acc, None, 9)
+                assert all(r[-1] == 9 for r in dense)
+    x, dt, B, C, out = inputs(3, True)
+    ids, acc = torch.arange(1, 4), None
+    wide = torch.empty(3, T, H * 64 + 8, dtype=torch.bfloat16)
+    refused = {
+        "x float32": (x.float(), dt, B, C, out),
+        "x unaligned": (wide[..., 4 : 4 + H * 64], dt, B, C, out),
+        "x token stride": (torch.empty(3, T, H * 64 + 4, dtype=torch.bfloat16)[..., : H * 64], dt, B, C, out),
+        "B last dim strided": (x, dt, torch.empty(3, T, G * 128, 2, dtype=torch.bfloat16)[..., 0], C, out),
+        "C heads apart": (x, dt, B, torch.empty(3, T, G, 256, dtype=torch.bfloat16)[..., :128], out),
+        "out float": (x, dt, B, C, out.float()),
+    }
+    for name, args in refused.items():
+        took, dense = run("dense", "fp8", *args, ids, acc)
+        assert not took and dense == [], name

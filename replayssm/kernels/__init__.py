@@ -271,50 +271,103 @@ class KernelBackend:
         ctx = self._contexts[key] = _CacheContext(cache, cute, reason)
         return ctx
 
-    def decode_pending(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs) -> None:
+    def decode_pending(
+        self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, nvfp4: bool, seed: int, max_seqlen: int,
+        num_accepted_tokens=None, cu_seqlens=None, head_offset: int = 0,
+    ) -> None:  # fmt: skip
         """Pending mode on a CUDA cache: the Triton plan kernel of kernels/triton/pending.py,
         then the CuTe fold and step (cute/pending.py `fold_and_step`: in a captured call
         of SPLIT_MIN_BATCH rows or more, the step of the rows that do not fold beside the
         fold; where the CuTe kernels cannot run the cache, Triton's fold and step, and
         Triton's step where they cannot read the inputs' layout); no host sync; the plan
         buffer is the cache context's, grown to the largest batch seen, so a captured CUDA
-        graph replays it. On the CPU the PyTorch reference (`pending.pending_decode`; the
-        tests run the kernels in the interpreter themselves)."""
+        graph replays it. A dense call whose x, B, C and out the CuTe step reads as they
+        are goes straight to the launches (`_pending_dense`), any other through
+        `triton.pending.pending_decode` (`_pending_general`). On the CPU the PyTorch
+        reference (`pending.pending_decode`; the tests run the kernels in the interpreter
+        themselves)."""
         if cache[L.CHECKPOINT].device.type != "cuda":
-            REFERENCE.decode_pending(cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs)
+            REFERENCE.decode_pending(
+                cache, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4=nvfp4, seed=seed, max_seqlen=max_seqlen,
+                num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=head_offset,
+            )  # fmt: skip
             return
-        from .triton.pending import PendingPlan, pending_decode
-
         ctx = self._context(cache)
-        batch = ids.numel()
+        if ids.dim() != 1:
+            ids = ids.reshape(-1)
+        batch = ids.shape[0]
         if ctx.pending is None or ctx.pending.rows < batch:
-            ctx.pending = PendingPlan(max(batch, 64), cache[L.CHECKPOINT].device)
+            ctx.pending = _pending_triton().PendingPlan(max(batch, 64), cache[L.CHECKPOINT].device)
+        if not (
+            ctx.cute is not None and cu_seqlens is None and batch > 0
+            and self._pending_dense(ctx, cache, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4, seed, max_seqlen, num_accepted_tokens, head_offset)
+        ):  # fmt: skip
+            self._pending_general(
+                ctx, cache, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4=nvfp4, seed=seed, max_seqlen=max_seqlen,
+                num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=head_offset,
+            )  # fmt: skip
+
+    @staticmethod
+    def _pending_launcher(ctx, cache, state_dtype: str, head_offset: int):
+        """The cache context's `cute.pending.PendingLaunch` for its plan buffer (made on first use)."""
+        plan = ctx.pending
+        key = (state_dtype, head_offset, plan.buf.data_ptr(), plan.fold_list.data_ptr())
+        launcher = ctx.pending_launches.get(key)
+        if launcher is None:
+            launcher = ctx.pending_launches[key] = _pending_cute().PendingLaunch(
+                cache, plan.buf, plan.fold_list, state_dtype, ctx.cute[1], head_offset
+            )
+        return launcher
+
+    def _pending_dense(self, ctx, cache, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4, seed, max_seqlen, accepted, head_offset) -> bool:
+        """The launches of a dense call (x, B, C, out [b, T, n, w] or [b, T, n * w], dt [b,
+        T, H], ids 1-D and not empty) on a cache the CuTe kernels run: the plan (the
+        context's `PlanLaunch`), then `fold_and_step` from the context's `PendingLaunch`,
+        on the current stream, read once; x, B, C and out go as they are (the step reads
+        their row and token strides). False (nothing launched) when the step cannot read
+        one of them as it is (`cute.pending.dense_ok`) or Triton runs in its interpreter."""
+        k, tk = _pending_cute(), _pending_triton()
+        ok = k.dense_ok
+        if not (ok(x, L.HEAD_DIM) and ok(B, L.STATE_DIM) and ok(C, L.STATE_DIM) and ok(out, L.HEAD_DIM)) or tk.interpreting():
+            return False
+        plan = ctx.pending
+        stream = k.current_stream(cache[L.CHECKPOINT].get_device())
+        key = (nvfp4, seed, max_seqlen, plan.buf.data_ptr(), plan.fold_list.data_ptr())
+        launch = ctx.plan_launches.get(key)
+        if launch is None:
+            launch = ctx.plan_launches[key] = tk.PlanLaunch(cache, plan, nvfp4, seed, max_seqlen)
+        launch(cache, plan, ids, accepted, None, stream)
+        state_dtype = "nvfp4" if nvfp4 else "fp8"
+        launcher = self._pending_launcher(ctx, cache, state_dtype, head_offset)
+        rows, fold_list = plan.buf[: ids.shape[0]], plan.fold_list
+        k.fold_and_step(
+            cache, x, dt, A, B, C, D, dt_bias, out, rows, fold_list, lambda: launcher.fold(cache, A, rows, fold_list, stream),
+            state_dtype=state_dtype, arch=ctx.cute[1], varlen=False, stream=stream, launcher=launcher,
+        )  # fmt: skip
+        return True
+
+    def _pending_general(self, ctx, cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs) -> None:
+        """Any pending call on a CUDA cache through `triton.pending.pending_decode`, with
+        the CuTe fold and step where they can run the cache and read the inputs."""
         step = fold = None
         if ctx.cute is not None:
-            from .cute.launch import current_stream
-            from .cute.pending import PendingLaunch, fold_and_step, inputs_ok
-
+            k = _pending_cute()
             arch = ctx.cute[1]
-            state_dtype = "nvfp4" if kwargs.get("nvfp4") else "fp8"
-            head_offset = kwargs.get("head_offset", 0)
-            plan = ctx.pending
-            key = (state_dtype, head_offset, plan.buf.data_ptr(), plan.fold_list.data_ptr())
-            launcher = ctx.pending_launches.get(key)
-            if launcher is None:
-                launcher = ctx.pending_launches[key] = PendingLaunch(cache, plan.buf, plan.fold_list, state_dtype, arch, head_offset)
-            stream = current_stream(A.get_device())
+            state_dtype = "nvfp4" if kwargs["nvfp4"] else "fp8"
+            launcher = self._pending_launcher(ctx, cache, state_dtype, kwargs["head_offset"])
+            stream = k.current_stream(A.get_device())
 
             def fold(rows, fold_list, debug_state):
                 launcher.fold(cache, A, rows, fold_list, stream, debug_state)
 
             def step(x_, dt_, B_, C_, out_, rows, fold_list, varlen, launch_fold):
-                if not inputs_ok(x_, B_, C_, out_):
+                if not k.inputs_ok(x_, B_, C_, out_):
                     return False
-                fold_and_step(cache, x_, dt_, A, B_, C_, D, dt_bias, out_, rows, fold_list, launch_fold, state_dtype=state_dtype,
-                              arch=arch, varlen=varlen, stream=stream, launcher=launcher)  # fmt: skip
+                k.fold_and_step(cache, x_, dt_, A, B_, C_, D, dt_bias, out_, rows, fold_list, launch_fold, state_dtype=state_dtype,
+                                arch=arch, varlen=varlen, stream=stream, launcher=launcher)  # fmt: skip
                 return True
 
-        pending_decode(
+        _pending_triton().pending_decode(
             cache, x, dt, A, B, C, D, dt_bias, ids, out, plan=ctx.pending, step=step, fold=fold, plan_launches=ctx.plan_launches,
             **kwargs,
         )
@@ -420,6 +473,40 @@ def compile_all(arch: str, dump_dir) -> list[str]:
     from .cute.launch import compile_all as _compile_all
 
     return _compile_all(arch, dump_dir)
+
+
+class _PendingTriton(NamedTuple):
+    PendingPlan: type
+    PlanLaunch: type
+    pending_decode: Callable
+    interpreting: Callable
+
+
+class _PendingCute(NamedTuple):
+    PendingLaunch: type
+    fold_and_step: Callable
+    inputs_ok: Callable
+    dense_ok: Callable
+    current_stream: Callable
+
+
+@functools.cache
+def _pending_triton() -> _PendingTriton:
+    """Pending mode's Triton plan launchers, imported on first use."""
+    from .triton.launch import interpreting
+    from .triton.pending import PendingPlan, PlanLaunch, pending_decode
+
+    return _PendingTriton(PendingPlan, PlanLaunch, pending_decode, interpreting)
+
+
+@functools.cache
+def _pending_cute() -> _PendingCute:
+    """Pending mode's CuTe launchers, imported on first use (only for caches the CuTe
+    kernels run: the CuTe DSL is then installed)."""
+    from .cute.launch import current_stream
+    from .cute.pending import PendingLaunch, dense_ok, fold_and_step, inputs_ok
+
+    return _PendingCute(PendingLaunch, fold_and_step, inputs_ok, dense_ok, current_stream)
 
 
 REFERENCE = ReferenceBackend()

@@ -434,6 +434,18 @@ def inputs_ok(x, B, C, out) -> bool:
     return True
 
 
+def dense_ok(t, width: int) -> bool:
+    """Whether the step reads a dense [b, T, n, width] or [b, T, n * width] tensor as it
+    is: bf16, the last dim contiguous (n, width: heads or groups contiguous at width
+    elements), a 16-byte-aligned base, row and token strides multiples of 8 (`inputs_ok`
+    of its [b, T, n, width] view)."""
+    s = t.stride()
+    return (
+        t.dtype == torch.bfloat16 and s[-1] == 1 and (len(s) == 3 or s[2] == width)
+        and s[0] % 8 == 0 and s[1] % 8 == 0 and t.data_ptr() % 16 == 0
+    )  # fmt: skip
+
+
 def pending_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, *, state_dtype: str, arch: str, varlen: bool, stream: int, rows: str = "all") -> None:
     """`PendingLaunch.step` with a launcher made for this call."""
     launcher = PendingLaunch(cache, plan_rows, fold_list, state_dtype, arch)
@@ -482,5 +494,5 @@ def fold_and_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list,
 
 __all__ = [
     "PendingLaunch", "PendingStep", "step_inputs", "step_words", "ROWS", "SPLIT_MIN_BATCH", "STEP_READ_HINT", "TOKENS", "fold_and_step", "pending_kernel", "compiled_pending", "inputs_ok", "pending_step",
-    "fold_kernel", "compiled_fold", "pending_fold",
+    "fold_kernel", "compiled_fold", "pending_fold", "dense_ok",
 ]
