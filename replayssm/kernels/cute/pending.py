@@ -423,27 +423,26 @@ def pending_fold(cache, A_, plan_rows, fold_list, *, state_dtype: str, arch: str
     PendingLaunch(cache, plan_rows, fold_list, state_dtype, arch, head_offset).fold(cache, A_, plan_rows, fold_list, stream, debug_state)
 
 
+def _read_as_is(t, width: int, split: bool) -> bool:
+    """Whether the kernel reads `t` as it is: bf16, its last dims (n, width) (`split`) or
+    n * width contiguous (heads or groups at width elements), a 16-byte-aligned base, the
+    leading (row and token) strides multiples of 8."""
+    s = t.stride()
+    if t.dtype != torch.bfloat16 or s[-1] != 1 or (split and s[-2] != width) or t.data_ptr() % 16:
+        return False
+    return not any(v % 8 for v in s[: -2 if split else -1])
+
+
 def inputs_ok(x, B, C, out) -> bool:
-    """Whether the kernel reads these as they are: heads (groups) contiguous at 64 (128)
-    elements, 16-byte-aligned bases, row and token strides (bf16: multiples of 8)."""
-    for t, width in ((x, P), (B, N), (C, N), (out, P)):
-        if t.dtype != torch.bfloat16 or t.stride(-1) != 1 or t.stride(-2) != width or t.data_ptr() % 16:
-            return False
-        if any(st % 8 for st in t.stride()[:-2]):
-            return False
-    return True
+    """Whether the kernel reads these as they are (`_read_as_is`): x, out [.., H, 64], B,
+    C [.., G, 128], dense or varlen."""
+    return _read_as_is(x, P, True) and _read_as_is(B, N, True) and _read_as_is(C, N, True) and _read_as_is(out, P, True)
 
 
 def dense_ok(t, width: int) -> bool:
     """Whether the step reads a dense [b, T, n, width] or [b, T, n * width] tensor as it
-    is: bf16, the last dim contiguous (n, width: heads or groups contiguous at width
-    elements), a 16-byte-aligned base, row and token strides multiples of 8 (`inputs_ok`
-    of its [b, T, n, width] view)."""
-    s = t.stride()
-    return (
-        t.dtype == torch.bfloat16 and s[-1] == 1 and (len(s) == 3 or s[2] == width)
-        and s[0] % 8 == 0 and s[1] % 8 == 0 and t.data_ptr() % 16 == 0
-    )  # fmt: skip
+    is (`inputs_ok` of its [b, T, n, width] view)."""
+    return _read_as_is(t, width, len(t.shape) == 4)
 
 
 def pending_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, *, state_dtype: str, arch: str, varlen: bool, stream: int, rows: str = "all") -> None:

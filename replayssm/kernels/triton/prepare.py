@@ -214,6 +214,6 @@ class Prepare:
             head = (pos, cache[L.PARITY], cache[L.META]) if self.nvfp4 else (pos, pos, pos)
             tail = (scratch.valid.view(torch.int8), scratch.slot, scratch.ring_index, scratch.flush.view(torch.int8), scratch.key, scratch.old_parity)
             args = (ids, *head, out.view(torch.int16), *tail, ids.stride(0), *self.strides, *self.constexprs)
-            keep(self.compiled, align, _prepare_kernel[(self.batch,)](*args, num_warps=4), None if self.interpreting else stream)
+            keep(self.compiled, align, _prepare_kernel[(self.batch,)](*args, num_warps=4), stream)
             return
         kernel((self.batch, 1, 1), stream, (ids_ptr, *self.head, out_ptr, *self.tail, ids.stride(0), *self.strides, *self.constexprs))
