@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import checks as chk
 from . import layout as L
 from . import ops
 from .kernels import backend_for
@@ -29,29 +30,11 @@ Geometry = tuple[int, int, int]  # (num_slots, heads, groups), as layout.check_c
 _FORMAT = {False: "fp8", True: "nvfp4"}  # state_dtype by `nvfp4`, for the ops
 
 
-def _describe(t: torch.Tensor) -> str:
-    return f"{t.dtype} {list(t.shape)} on {t.device}"
+_describe = chk.describe
 
 
-def _check_tensor(name: str, t: object) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-    return t
-
-
-def _check_seed(seed: object) -> int:
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise TypeError(f"seed must be a Python int; got {type(seed).__name__}")
-    return seed
-
-
-def _check_indices(state_indices: torch.Tensor, device: torch.device) -> torch.Tensor:
-    _check_tensor("state_indices", state_indices)
-    if state_indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"state_indices must be int32 or int64; got {state_indices.dtype}")
-    if state_indices.device != device:
-        raise ValueError(f"state_indices must be on the cache device {device}; got {state_indices.device}")
-    return state_indices.reshape(-1)
+def _check_indices(state_indices: torch.Tensor, device: torch.device, name: str = "state_indices") -> torch.Tensor:
+    return chk.slot_ids(name, state_indices, device)
 
 
 def _check_unique(ids: torch.Tensor, num_slots: int) -> None:
@@ -95,32 +78,26 @@ def initialize_replayssm_state(
     """
     nvfp4 = L.is_nvfp4(state_dtype)
     checks = debug()  # read (and validated) once per call
-    _check_seed(seed)
-    _check_head_offset(head_offset)
+    chk.seed(seed)
+    chk.head_offset(head_offset)
     geometry = L.check_cache(cache, nvfp4)
     impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
     _initialize(cache, geometry, impl, states, state_indices, nvfp4=nvfp4, seed=seed, checks=checks, head_offset=head_offset)
 
 
-def _check_head_offset(head_offset: object) -> int:
-    if not isinstance(head_offset, int) or isinstance(head_offset, bool):
-        raise TypeError(f"head_offset must be a Python int; got {type(head_offset).__name__}")
-    if not 0 <= head_offset < 2**24:
-        raise ValueError(f"head_offset must be in [0, 2**24); got {head_offset}")
-    return head_offset
-
-
 def _initialize(
-    cache, geometry: Geometry, impl, states, state_indices, *, nvfp4: bool, seed: int, checks: bool, head_offset: int = 0
+    cache, geometry: Geometry, impl, states, state_indices, *, nvfp4: bool, seed: int, checks: bool, head_offset: int = 0,
+    ids_name: str = "state_indices",
 ) -> None:
     slots, heads, _ = geometry
     device = cache[L.CHECKPOINT].device
-    _check_tensor("states", states)
-    if states.dtype != torch.float32 or states.dim() != 4 or states.shape[1:] != (heads, L.HEAD_DIM, L.STATE_DIM):
-        raise ValueError(f"states must be float32 [batch, {heads}, 64, 128]; got {states.dtype} {list(states.shape)}")
-    if states.device != device:
-        raise ValueError(f"states must be on the cache device {device}; got {states.device}")
-    ids = _check_indices(state_indices, device)
+    chk.tensor("states", states)
+    if states.dtype != torch.float32:
+        raise chk.DTypeError(f"states must be float32 [batch, {heads}, 64, 128]; got {_describe(states)}")
+    if states.dim() != 4 or states.shape[1:] != (heads, L.HEAD_DIM, L.STATE_DIM):
+        raise ValueError(f"states must be float32 [batch, {heads}, 64, 128]; got {_describe(states)}")
+    chk.on_device("states", states, device)
+    ids = _check_indices(state_indices, device, ids_name)
     if ids.numel() != states.shape[0]:
         raise ValueError(f"state_indices must hold one slot per state ({states.shape[0]}); got {ids.numel()}")
     if ids.numel() == 0:
@@ -157,62 +134,43 @@ def normalize_decode_inputs(x, dt, A, B, C, D, dt_bias, batch: int, heads: int, 
     slices of one projection) keep their strides; tied (stride-0) views are read at their
     first element."""
     P, N = L.HEAD_DIM, L.STATE_DIM
-    for name, t in (("x", x), ("B", B), ("C", C)):
-        _check_tensor(name, t)
-        if t.dtype != torch.bfloat16:
-            raise ValueError(f"{name} must be bfloat16; got {_describe(t)}")
-    if x.numel() != batch * heads * P or x.shape[0] != batch:
-        raise ValueError(f"x must be bfloat16 [{batch}, {heads}, 64] or [{batch}, {heads * P}]; got {_describe(x)}")
-    for name, t in (("B", B), ("C", C)):
-        if t.numel() != batch * groups * N or t.shape[0] != batch:
-            raise ValueError(f"{name} must be bfloat16 [{batch}, {groups}, 128]; got {_describe(t)}")
-    _check_float("dt", dt)
-    if dt.shape[0] != batch or dt.numel() not in (batch * heads, batch * heads * P):
-        raise ValueError(f"dt must be [{batch}, {heads}] or [{batch}, {heads}, 64] (tied); got {_describe(dt)}")
-    _check_tied("dt", dt, dt.reshape(batch, heads, -1))
-    A, D, dt_bias = _normalize_params(A, D, dt_bias, heads)
+    _check_rows(x, B, C, (batch,), heads, groups, "")
+    chk.floating("dt", dt)
+    if tuple(dt.shape) not in ((batch, heads), (batch, heads, P)):
+        raise ValueError(f"dt must be [{batch}, {heads}] or a tied [{batch}, {heads}, 64] view; got {_describe(dt)}")
+    chk.tied("dt", dt, dt if dt.dim() == 3 else dt.unsqueeze(-1))
+    A, D, dt_bias = chk.params(A, D, dt_bias, heads)
     x = x.reshape(batch, heads, P)
     B = B.reshape(batch, groups, N)
     C = C.reshape(batch, groups, N)
-    dt = dt.reshape(batch, heads, -1)[:, :, 0]
+    dt = dt[:, :, 0] if dt.dim() == 3 else dt
     if dt.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         dt = dt.float()
     return x, dt, A, B, C, D, dt_bias
 
 
-def _check_float(name: str, t: object) -> None:
-    _check_tensor(name, t)
-    if not t.dtype.is_floating_point:
-        raise ValueError(f"{name} must be a floating-point tensor; got {_describe(t)}")
+def _check_out(out: object, lead: tuple[int, ...], heads: int, lay: str) -> None:
+    """`out` of a decode call: contiguous bf16 lead + [H, 64] (or lead + [H*64])."""
+    P = L.HEAD_DIM
+    chk.tensor("out", out)
+    want = f"contiguous bfloat16 {[*lead, heads, P]} or {[*lead, heads * P]}{lay}"
+    if out.dtype != torch.bfloat16:
+        raise chk.DTypeError(f"out must be {want}; got {_describe(out)}")
+    if tuple(out.shape) not in (lead + (heads, P), lead + (heads * P,)) or not out.is_contiguous():
+        raise ValueError(f"out must be {want}; got {_describe(out)}")
 
 
-def _check_tied(name: str, t: torch.Tensor, flat: torch.Tensor) -> None:
-    """`flat` (t with its per-head values on the last dim) holds one value per head."""
-    if flat.shape[-1] != 1 and flat.stride(-1) != 0:
-        raise ValueError(
-            f"{name} must hold one value per head: extra dims must be tied views (stride 0); "
-            f"got shape {list(t.shape)} with strides {list(t.stride())}"
-        )
-
-
-def _normalize_params(A, D, dt_bias, heads: int):
-    """The per-head parameters of a decode call, validated: A [H] f32, D [H, 64] f32,
-    dt_bias [H] f32 (tied views read at their first element)."""
+def _check_rows(x, B, Cm, lead: tuple[int, ...], heads: int, groups: int, lay: str) -> None:
+    """x lead + [H, 64] or lead + [H*64], B and C lead + [G, 128] or lead + [G*128], all
+    bf16 (DTypeError for another dtype, ValueError for another shape)."""
     P, N = L.HEAD_DIM, L.STATE_DIM
-    for name, t in (("A", A), ("D", D), ("dt_bias", dt_bias)):
-        _check_float(name, t)
-    if A.numel() not in (heads, heads * P, heads * P * N) or A.shape[0] != heads:
-        raise ValueError(f"A must be [{heads}] or a tied [{heads}, 64(, 128)] view; got {_describe(A)}")
-    if dt_bias.numel() not in (heads, heads * P) or dt_bias.shape[0] != heads:
-        raise ValueError(f"dt_bias must be [{heads}] or a tied [{heads}, 64] view; got {_describe(dt_bias)}")
-    if D.numel() not in (heads, heads * P) or D.shape[0] != heads:
-        raise ValueError(f"D must be [{heads}] or [{heads}, 64]; got {_describe(D)}")
-    _check_tied("A", A, A.reshape(heads, -1))
-    _check_tied("dt_bias", dt_bias, dt_bias.reshape(heads, -1))
-    A = A.reshape(heads, -1)[:, 0].float()
-    dt_bias = dt_bias.reshape(heads, -1)[:, 0].float()
-    D = D.reshape(heads, -1).expand(heads, P).float()
-    return A, D, dt_bias
+    for name, t, n, w in (("x", x, heads, P), ("B", B, groups, N), ("C", Cm, groups, N)):
+        chk.tensor(name, t)
+        want = f"bfloat16 {[*lead, n, w]} or {[*lead, n * w]}{lay}"
+        if t.dtype != torch.bfloat16:
+            raise chk.DTypeError(f"{name} must be {want}; got {_describe(t)}")
+        if tuple(t.shape) not in (lead + (n, w), lead + (n * w,)):
+            raise ValueError(f"{name} must be {want}; got {_describe(t)}")
 
 
 def normalize_pending_inputs(x, dt, A, B, C, D, dt_bias, lead: tuple[int, ...], heads: int, groups: int):
@@ -225,23 +183,13 @@ def normalize_pending_inputs(x, dt, A, B, C, D, dt_bias, lead: tuple[int, ...], 
     P, N = L.HEAD_DIM, L.STATE_DIM
     lead = tuple(int(v) for v in lead)
     lay = "dense [b, T, ...] with T == max_seqlen" if len(lead) == 2 else "varlen [total, ...]"
-    for name, t in (("x", x), ("B", B), ("C", C)):
-        _check_tensor(name, t)
-        if t.dtype != torch.bfloat16:
-            raise ValueError(f"{name} must be bfloat16; got {_describe(t)}")
-    if tuple(x.shape) not in (lead + (heads, P), lead + (heads * P,)):
-        raise ValueError(
-            f"x must be bfloat16 {[*lead, heads, P]} or {[*lead, heads * P]} ({lay}); got {_describe(x)}"
-        )
-    for name, t in (("B", B), ("C", C)):
-        if tuple(t.shape) not in (lead + (groups, N), lead + (groups * N,)):
-            raise ValueError(f"{name} must be bfloat16 {[*lead, groups, N]} ({lay}); got {_describe(t)}")
-    _check_float("dt", dt)
+    _check_rows(x, B, C, lead, heads, groups, f" ({lay})")
+    chk.floating("dt", dt)
     if tuple(dt.shape) not in (lead + (heads,), lead + (heads, P)):
         raise ValueError(f"dt must be {[*lead, heads]} or {[*lead, heads, P]} (tied) ({lay}); got {_describe(dt)}")
     dt_flat = dt if dt.dim() == len(lead) + 2 else dt.unsqueeze(-1)  # lead + [H, 1 or 64]
-    _check_tied("dt", dt, dt_flat)
-    A, D, dt_bias = _normalize_params(A, D, dt_bias, heads)
+    chk.tied("dt", dt, dt_flat)
+    A, D, dt_bias = chk.params(A, D, dt_bias, heads)
     x = x.reshape(*lead, heads, P)
     B = B.reshape(*lead, groups, N)
     C = C.reshape(*lead, groups, N)
@@ -308,8 +256,8 @@ def selective_state_update_replayssm(
     """
     nvfp4 = L.is_nvfp4(state_dtype)
     checks = debug()  # read (and validated) once per call
-    _check_seed(seed)
-    _check_head_offset(head_offset)
+    chk.seed(seed)
+    chk.head_offset(head_offset)
     geometry = L.check_cache(cache, nvfp4)
     if cache[L.POSITIONS].dim() == 2:
         check_max_seqlen(max_seqlen)
@@ -339,6 +287,7 @@ def selective_state_update_replayssm(
 def _decode(
     cache, geometry: Geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
     *, nvfp4: bool, seed: int, checks: bool, scratch=None, head_offset: int = 0, try_direct: bool = True,
+    ids_name: str = "state_indices",
 ) -> torch.Tensor:
     """One step: the eager fast path (`_direct_decode`, unless `try_direct` is False: the
     caller tried it), else the validating path through the op."""
@@ -353,19 +302,15 @@ def _decode(
         and _direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, state_indices, out, nvfp4, seed, scratch, head_offset)
     ):
         return out
-    ids = _check_indices(state_indices, device)
+    ids = _check_indices(state_indices, device, ids_name)
     batch = ids.numel()
-    _check_tensor("out", out)
-    if out.dtype != torch.bfloat16 or out.numel() != batch * heads * L.HEAD_DIM or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous bfloat16 [{batch}, {heads}, 64]; got {_describe(out)}")
+    _check_out(out, (batch,), heads, "")
     tensors = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "dt_bias": dt_bias, "out": out}
     for name, t in tensors.items():
-        _check_tensor(name, t)
-        if t.device != device:
-            raise ValueError(f"{name} must be on the cache device {device}; got {t.device}")
+        chk.on_device(name, chk.tensor(name, t), device)
+    norm = normalize_decode_inputs(x, dt, A, B, C, D, dt_bias, batch, heads, groups)
     if batch == 0:
         return out
-    norm = normalize_decode_inputs(x, dt, A, B, C, D, dt_bias, batch, heads, groups)
     if checks and not torch.compiler.is_compiling():  # host reads: eager only (ops.py)
         _check_unique(ids, slots)
     if scratch is not None and getattr(scratch, "rows", batch) < batch:
@@ -412,7 +357,7 @@ def _layer_params(A, D, dt_bias, heads: int, index: int):
         return hit[2]
     if any(type(t) is not torch.Tensor or t.get_device() != index for t in (A, D, dt_bias)):
         return None
-    norm = _normalize_params(A, D, dt_bias, heads)
+    norm = chk.params(A, D, dt_bias, heads)
     if len(_PARAMS) >= _PARAMS_MAX:
         _PARAMS.clear()
     _PARAMS[key] = ((A, D, dt_bias), (A._version, D._version, dt_bias._version), norm)
@@ -431,8 +376,8 @@ def _direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, 
     if batch == 0 or (scratch is not None and scratch.rows < batch):
         return False
     if (
-        type(out) is not T or out.dtype != torch.bfloat16 or out.get_device() != index
-        or out.numel() != batch * heads * L.HEAD_DIM or not out.is_contiguous()
+        type(out) is not T or out.dtype != torch.bfloat16 or out.get_device() != index or not out.is_contiguous()
+        or out.shape not in ((batch, heads, L.HEAD_DIM), (batch, heads * L.HEAD_DIM))
     ):
         return False
     if not (
@@ -445,7 +390,7 @@ def _direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, 
     shape = dt.shape
     if not (
         len(shape) in (2, 3) and shape[0] == batch and shape[1] == heads
-        and (len(shape) == 2 or shape[2] == 1 or dt.stride(2) == 0)
+        and (len(shape) == 2 or (shape[2] == L.HEAD_DIM and dt.stride(2) == 0))
     ):
         return False  # the kernels read dt[b, h] through dt's first two strides
     params = _layer_params(A, D, dt_bias, heads, index)
@@ -508,45 +453,28 @@ def _direct_decode_pending(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bia
     return True
 
 
-def _check_accepted(num_accepted_tokens: object, batch: int, device: torch.device) -> None:
-    if num_accepted_tokens is None:
-        return
-    _check_tensor("num_accepted_tokens", num_accepted_tokens)
-    t = num_accepted_tokens
-    if t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (batch,):
-        raise ValueError(f"num_accepted_tokens must be int32 or int64 [{batch}] (one per row); got {_describe(t)}")
-    if t.device != device:
-        raise ValueError(f"num_accepted_tokens must be on the cache device {device}; got {t.device}")
-
-
 def _check_cu_seqlens(cu_seqlens: object, batch: int, total: int, max_seqlen: int, device: torch.device) -> None:
     """cu_seqlens' type, dtype, shape and device; its values too (a host read) outside
     torch.compile (inside it the op checks them before writing anything)."""
-    _check_tensor("cu_seqlens", cu_seqlens)
-    if cu_seqlens.dtype != torch.int32 or tuple(cu_seqlens.shape) != (batch + 1,):
+    chk.tensor("cu_seqlens", cu_seqlens)
+    if cu_seqlens.dtype != torch.int32:
+        raise chk.DTypeError(f"cu_seqlens must be int32 [{batch + 1}] (batch + 1); got {_describe(cu_seqlens)}")
+    if tuple(cu_seqlens.shape) != (batch + 1,):
         raise ValueError(f"cu_seqlens must be int32 [{batch + 1}] (batch + 1); got {_describe(cu_seqlens)}")
-    if cu_seqlens.device != device:
-        raise ValueError(f"cu_seqlens must be on the cache device {device}; got {cu_seqlens.device}")
+    chk.on_device("cu_seqlens", cu_seqlens, device)
     if _host_reads_allowed():
         from .pending import check_cu_seqlens
 
         check_cu_seqlens(cu_seqlens, batch, total, max_seqlen)
 
 
-def _host_reads_allowed() -> bool:
-    """Whether a pending-mode call may read device values on the host for its checks: not
-    while torch.compile traces it (the op repeats the checks it can) and not while a CUDA
-    graph is being captured (a host read would end the capture; the kernels read
-    everything on the device)."""
-    if torch.compiler.is_compiling():
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+_host_reads_allowed = chk.host_reads_allowed
 
 
 def _decode_pending(
     cache, geometry: Geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
     *, nvfp4: bool, seed: int, checks: bool, max_seqlen: int, num_accepted_tokens=None, cu_seqlens=None,
-    head_offset: int = 0, own_seqlen: bool = False, own_cu: bool = False,
+    head_offset: int = 0, own_seqlen: bool = False, own_cu: bool = False, ids_name: str = "state_indices",
 ) -> torch.Tensor:
     """Validate a pending-mode call (everything before anything is written), then run
     `replayssm::decode_pending`. The eager checks that read the GPU are skipped where the
@@ -554,11 +482,11 @@ def _decode_pending(
     lifetime: `ReplaySSMCache`), `own_cu` (cu_seqlens built by the caller: `accept`)."""
     slots, heads, groups = geometry
     device = cache[L.CHECKPOINT].device
-    ids = _check_indices(state_indices, device)
+    ids = _check_indices(state_indices, device, ids_name)
     batch = ids.numel()
     P = L.HEAD_DIM
     varlen = cu_seqlens is not None
-    _check_tensor("x", x)
+    chk.tensor("x", x)
     if varlen:
         if x.dim() not in (2, 3):
             raise ValueError(
@@ -570,18 +498,10 @@ def _decode_pending(
         lead = (batch, max_seqlen)
     tensors = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "dt_bias": dt_bias, "out": out}
     for name, t in tensors.items():
-        _check_tensor(name, t)
-        if t.device != device:
-            raise ValueError(f"{name} must be on the cache device {device}; got {t.device}")
+        chk.on_device(name, chk.tensor(name, t), device)
     norm = normalize_pending_inputs(x, dt, A, B, C, D, dt_bias, lead, heads, groups)
-    if (
-        out.dtype != torch.bfloat16
-        or tuple(out.shape) not in (lead + (heads, P), lead + (heads * P,))
-        or not out.is_contiguous()
-    ):
-        lay = "varlen: one row a token" if varlen else "dense, T == max_seqlen"
-        raise ValueError(f"out must be contiguous bfloat16 {[*lead, heads, P]} ({lay}); got {_describe(out)}")
-    _check_accepted(num_accepted_tokens, batch, device)
+    _check_out(out, lead, heads, " (varlen: one row a token)" if varlen else " (dense, T == max_seqlen)")
+    chk.verdicts(num_accepted_tokens, batch, device, max_seqlen)
     if varlen and not own_cu:
         _check_cu_seqlens(cu_seqlens, batch, lead[0], max_seqlen, device)
     if batch == 0:
@@ -645,14 +565,13 @@ def _check_materialize_seqlen(cache, max_seqlen: object) -> int | None:
     return None
 
 
-def _materialize(cache, geometry: Geometry, impl, state_indices, A, out=None, *, max_seqlen=None) -> torch.Tensor:
+def _materialize(
+    cache, geometry: Geometry, impl, state_indices, A, out=None, *, max_seqlen=None, ids_name: str = "state_indices"
+) -> torch.Tensor:
     _, heads, _ = geometry
     pending_seqlen = _check_materialize_seqlen(cache, max_seqlen)
-    ids = _check_indices(state_indices, cache[L.CHECKPOINT].device)
-    _check_tensor("A", A)
-    if A.numel() not in (heads, heads * L.HEAD_DIM, heads * L.HEAD_DIM * L.STATE_DIM) or A.shape[0] != heads:
-        raise ValueError(f"A must be [{heads}] or a tied [{heads}, 64(, 128)] view; got {_describe(A)}")
-    A1 = A.reshape(heads, -1)[:, 0].float().to(ids.device)
+    ids = _check_indices(state_indices, cache[L.CHECKPOINT].device, ids_name)
+    A1 = chk.A_param(A, heads).to(ids.device)
     if out is not None:
         # Into the caller's buffer: the backend writes it directly (the op returns a new
         # tensor, which torch.compile can trace; `out` is for eager and captured calls).
@@ -667,9 +586,10 @@ def _materialize(cache, geometry: Geometry, impl, state_indices, A, out=None, *,
 
 def _check_materialize_out(out: object, n: int, heads: int, device: torch.device) -> None:
     """`out` of materialize: contiguous float32 [n, heads, 64, 128] on the cache device."""
-    _check_tensor("out", out)
+    chk.tensor("out", out)
     shape = (n, heads, L.HEAD_DIM, L.STATE_DIM)
-    if out.dtype != torch.float32 or tuple(out.shape) != shape or not out.is_contiguous():
+    if out.dtype != torch.float32:
+        raise chk.DTypeError(f"out must be contiguous float32 {list(shape)}; got {_describe(out)}")
+    if tuple(out.shape) != shape or not out.is_contiguous():
         raise ValueError(f"out must be contiguous float32 {list(shape)}; got {_describe(out)}")
-    if out.device != device:
-        raise ValueError(f"out must be on the cache device {device}; got {out.device}")
+    chk.on_device("out", out, device)

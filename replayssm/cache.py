@@ -32,6 +32,7 @@ import attrs
 import torch
 
 from . import api
+from . import checks as chk
 from . import layout as L
 from . import ops
 from .kernels import backend_for, check_backend
@@ -96,22 +97,10 @@ class ReplaySSMCache:
         self._nvfp4 = L.is_nvfp4(self.state_dtype)
         check_backend(self.backend)
         arch_override()  # a bad $REPLAYSSM_ARCH fails here, on any device, not at the first GPU launch
-        for name in ("num_slots", "num_heads", "num_groups"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise TypeError(f"{name} must be an int; got {type(v).__name__}")
-            if v <= 0:
-                raise ValueError(f"{name} must be positive; got {v}")
-        if self.num_slots < 2:
-            raise ValueError(f"num_slots must be >= 2 (slot 0 is the padding slot); got {self.num_slots}")
-        if self.num_heads % self.num_groups or self.num_heads // self.num_groups not in L.HEADS_PER_GROUP:
-            raise ValueError(
-                f"heads per group must be one of {L.HEADS_PER_GROUP}; "
-                f"got {self.num_heads} heads in {self.num_groups} groups"
-            )
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise TypeError(f"seed must be a Python int; got {type(self.seed).__name__}")
-        api._check_head_offset(self.head_offset)
+        debug()  # a bad $REPLAYSSM_DEBUG fails here too
+        L.check_geometry(self.num_slots, self.num_heads, self.num_groups)
+        chk.seed(self.seed)
+        chk.head_offset(self.head_offset)
         from .pending import MAX_SEQLEN
 
         if not isinstance(self.spec_tokens, int) or isinstance(self.spec_tokens, bool):
@@ -156,8 +145,10 @@ class ReplaySSMCache:
         """Slot ids as a 1-D integer tensor on the cache device (lists and ints accepted)."""
         if isinstance(slots, torch.Tensor):
             if slots.dim() == 1 and slots.get_device() == self.tensors[L.CHECKPOINT].get_device():
+                if slots.dtype not in (torch.int32, torch.int64):
+                    chk.int_ids("slots", slots)
                 return slots  # already on the cache device (the common case: no view made)
-            return slots.to(self.device).reshape(-1)
+            return chk.int_ids("slots", slots).to(self.device)
         if isinstance(slots, int) and not isinstance(slots, bool):
             slots = [slots]
         try:
@@ -187,8 +178,7 @@ class ReplaySSMCache:
     def _check_live(self, ids: torch.Tensor) -> None:
         """Host-side check that the live ids are allocated and unique; padding ids pass.
         It synchronizes on CUDA unless the ids are a tensor from `allocate`."""
-        if ids.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"slots must be int32 or int64; got {ids.dtype}")
+        chk.int_ids("slots", ids)
         self.allocator.check_live(self._host_ids(ids))
 
     # -- slots --------------------------------------------------------------------------
@@ -196,13 +186,13 @@ class ReplaySSMCache:
         """n unique free slot ids (int32, on the cache device). The copy to a GPU does not
         wait for the GPU, and this cache remembers the values, so passing the tensor back
         (to `prefill_init`, `release`, ...) reads nothing from the device."""
+        debug()
         return self._issue(self.allocator.allocate(n))
 
     def release(self, slots: torch.Tensor) -> None:
         """Return slots to the pool and clear their rings and positions."""
+        debug()
         ids = self._slots(slots)
-        if ids.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"slots must be int32 or int64; got {ids.dtype}")
         self.allocator.release(self._host_ids(ids))  # validates every id before changing anything
         api._clear(self.tensors, self._backend, ids)
 
@@ -217,12 +207,13 @@ class ReplaySSMCache:
         self._check_live(slots)
         api._initialize(
             self.tensors, self._geometry, self._backend, states, slots,
-            nvfp4=self._nvfp4, seed=self.seed, checks=debug(), head_offset=self.head_offset,
+            nvfp4=self._nvfp4, seed=self.seed, checks=debug(), head_offset=self.head_offset, ids_name="slots",
         )
 
     def reset(self, slots: torch.Tensor) -> None:
         """Start `slots` from a zero state (a request with no prefill); slots as for
         `prefill_init`."""
+        debug()
         slots = self._slots(slots)
         n = slots.numel()
         zero = torch.zeros(1, self.num_heads, L.HEAD_DIM, L.STATE_DIM, device=self.device)
@@ -272,7 +263,7 @@ class ReplaySSMCache:
                     self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
                     nvfp4=self._nvfp4, seed=self.seed, checks=checks, max_seqlen=self.max_seqlen,
                     num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=self.head_offset,
-                    own_seqlen=True,
+                    own_seqlen=True, ids_name="slots",
                 )
         else:
             if num_accepted_tokens is not None or cu_seqlens is not None:
@@ -292,7 +283,7 @@ class ReplaySSMCache:
                 api._decode(
                     self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
                     nvfp4=self._nvfp4, seed=self.seed, checks=checks, scratch=self._scratch, head_offset=self.head_offset,
-                    try_direct=not tried,
+                    try_direct=not tried, ids_name="slots",
                 )
         # A reference, not a copy: no extra launch per step. Stored with object.__setattr__:
         # torch 2.13's dynamo recurses without end into the __setattr__ that attrs generates
@@ -309,12 +300,15 @@ class ReplaySSMCache:
         outputs included. A commit may fold the checkpoint, which needs
         `A` (default: the one seen by the last decode call). Slots and
         `num_accepted_tokens` as for `decode`."""
+        checks = debug()
         if not self.spec_tokens:
             raise ValueError("accept is pending mode's: this cache has spec_tokens=0 (separate mode)")
         slots = self._slots(slots)
         n = slots.numel()
         if n > self.max_batch:
             raise ValueError(f"slots must hold at most max_batch={self.max_batch} rows; got {n}")
+        if checks and not torch.compiler.is_compiling():  # host reads: eager only
+            self._check_live(slots)
         if A is None:
             if not self._have_A:
                 live = slots[(slots > 0) & (slots < self.num_slots)].long()
@@ -331,9 +325,9 @@ class ReplaySSMCache:
         D = torch.zeros(h, device=self.device)
         api._decode_pending(
             self.tensors, self._geometry, self._backend, x, dt, A, BC, BC, D, D, slots, out,
-            nvfp4=self._nvfp4, seed=self.seed, checks=debug(), max_seqlen=self.max_seqlen,
+            nvfp4=self._nvfp4, seed=self.seed, checks=checks, max_seqlen=self.max_seqlen,
             num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu, head_offset=self.head_offset,
-            own_seqlen=True, own_cu=True,
+            own_seqlen=True, own_cu=True, ids_name="slots",
         )
 
     def materialize(self, slots: torch.Tensor, A: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -343,6 +337,7 @@ class ReplaySSMCache:
         (<= 0 or >= num_slots) read as zero states, as decode writes zero outputs for
         them. `A` defaults to the one seen by the last decode call; `out` (contiguous FP32
         [n, heads, 64, 128]) receives the states when given."""
+        debug()
         slots = self._slots(slots)
         self._check_live(slots)
         if A is None:
@@ -361,12 +356,13 @@ class ReplaySSMCache:
             A = self._last_A
         return api._materialize(
             self.tensors, self._geometry, self._backend, slots, A, out,
-            max_seqlen=self.max_seqlen if self.spec_tokens else None,
+            max_seqlen=self.max_seqlen if self.spec_tokens else None, ids_name="slots",
         )
 
     def warmup(self) -> list[str]:
         """Compile every kernel variant this cache will launch (before CUDA-graph capture).
         Returns the names of the variants compiled (empty where none are needed)."""
+        debug()
         warm = getattr(self._backend, "warmup", None)
         return list(warm(self)) if warm else []
 
@@ -449,6 +445,7 @@ class ReplaySSMCache:
         tensor; its table is built on the first call (make it before capturing a graph)."""
         from . import handoff
 
+        debug()
         src, dst = self._handoff_ids("src", src), self._handoff_ids("dst", dst)
         device = self.tensors[L.CHECKPOINT].device  # with its index: device ids compare equal to it
         kernel = handoff._use_kernel(device, "auto", (self,))
@@ -474,8 +471,8 @@ class ReplaySSMCache:
         are [i * n, (i + 1) * n)."""
         from . import handoff
 
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"n must be an int >= 1; got {n!r}")
+        debug()
+        chk.integer("n", n, low=1)
         src = self._handoff_ids("src", src)
         self._check_handoff_live(src, "src")
         kernel = handoff._use_kernel(self.device, "auto", (self,))
@@ -491,13 +488,15 @@ class ReplaySSMCache:
         src and dst unique, allocated, disjoint."""
         from . import handoff
 
+        checks = debug()
         src, dst = self._handoff_ids("src", src), self._handoff_ids("dst", dst)
         s, d = handoff._validate_pair(src, dst, self.tensors[L.CHECKPOINT].device, self.num_slots)
         self._check_handoff_live(src, "src")
         self._check_handoff_live(dst, "dst")
         states = self.materialize(s, A)
         api._initialize(
-            self.tensors, self._geometry, self._backend, states, d, nvfp4=self._nvfp4, seed=self.seed, checks=debug(), head_offset=self.head_offset
+            self.tensors, self._geometry, self._backend, states, d, nvfp4=self._nvfp4, seed=self.seed, checks=checks,
+            head_offset=self.head_offset,
         )
 
     def export(self, slots, compact: bool = False, A: torch.Tensor | None = None, *, non_blocking: bool = False) -> dict:
@@ -509,6 +508,7 @@ class ReplaySSMCache:
         With `non_blocking` the copies are only queued: synchronize before reading."""
         from . import handoff
 
+        debug()
         ids = self._handoff_ids("slots", slots)
         self._check_handoff_live(ids, "slots")
         d = ids.to(self.device, torch.int64)
@@ -529,17 +529,11 @@ class ReplaySSMCache:
         Shapes, dtypes and the format are checked against this cache first."""
         from . import handoff
 
+        checks = debug()
         ids = self._handoff_ids("slots", slots)
         self._check_handoff_live(ids, "slots")
-        compact = handoff.check_export(data, self.tensors, self._nvfp4, ids.numel())
-        if self.spec_tokens and not compact:
-            # Drafts awaiting a verdict must fit this cache's max_seqlen (decode trusts it).
-            q = data["positions"][:, 1]
-            if q.numel() and int(q.max()) > self.max_seqlen:
-                raise ValueError(
-                    f"data['positions'] holds a slot with {int(q.max())} pending tokens; this cache decodes "
-                    f"max_seqlen={self.max_seqlen} (spec_tokens={self.spec_tokens})"
-                )
+        # Drafts awaiting a verdict must fit this cache's max_seqlen (decode trusts it).
+        compact = handoff.check_export(data, self.tensors, self._nvfp4, ids.numel(), self.max_seqlen)
         d = ids.to(self.device, torch.int64)
         if not compact and handoff._use_kernel(self.device, "auto", (self,)):
             plan = handoff.copy_plan((self,))
@@ -547,7 +541,7 @@ class ReplaySSMCache:
                 return
         handoff._import(
             self.tensors, self._geometry, self._backend, data, d, compact,
-            nvfp4=self._nvfp4, seed=self.seed, checks=debug(), head_offset=self.head_offset,
+            nvfp4=self._nvfp4, seed=self.seed, checks=checks, head_offset=self.head_offset,
         )
 
 

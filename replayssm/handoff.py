@@ -47,6 +47,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import api
+from . import checks as chk
 from . import layout as L
 from .kernels import _triton_interpreting, backend_for, check_backend
 from .kernels.env import debug
@@ -76,9 +77,7 @@ def tensor_specs_for(cache, nvfp4: bool, heads: int, groups: int):
 # -- validation ---------------------------------------------------------------------------
 def _ids(name: str, ids: object, device: torch.device) -> torch.Tensor:
     """`ids` as a 1-D integer tensor, on the cache device or on the host (CPU)."""
-    api._check_tensor(name, ids)
-    if ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be int32 or int64; got {ids.dtype}")
+    ids = chk.int_ids(name, ids)
     if ids.device != device and ids.device.type != "cpu":
         raise ValueError(f"{name} must be on the cache device {device} or on the host; got {ids.device}")
     return ids.reshape(-1)
@@ -431,7 +430,7 @@ def snapshot_replayssm_slots(
     after the committed tokens."""
     nvfp4 = L.is_nvfp4(state_dtype)
     checks = debug()
-    api._check_seed(seed)
+    chk.seed(seed)
     geometry = L.check_cache(cache, nvfp4)
     device = cache[L.CHECKPOINT].device
     src, dst = _validate_pair(src, dst, device, geometry[0])
@@ -440,7 +439,7 @@ def snapshot_replayssm_slots(
     impl = backend_for(device, backend, cache)
     _snapshot(
         cache, geometry, impl, src, dst, A, nvfp4=nvfp4, seed=seed, checks=checks,
-        head_offset=api._check_head_offset(head_offset), max_seqlen=max_seqlen,
+        head_offset=chk.head_offset(head_offset), max_seqlen=max_seqlen,
     )
 
 
@@ -522,10 +521,14 @@ def _finish(cache, non_blocking: bool) -> None:
         torch.cuda.current_stream(cache[L.CHECKPOINT].device).synchronize()
 
 
-def check_export(data: object, cache, nvfp4: bool, n: int) -> bool:
+def check_export(data: object, cache, nvfp4: bool, n: int, max_pending: int | None = None) -> bool:
     """Validate exported `data` for `n` slots of `cache`; True when it is the compact form
-    ({"state": FP32 [n, H, 64, 128]}), False for the full form. ValueError / TypeError
-    naming the key, what was expected and what was given."""
+    ({"state": FP32 [n, H, 64, 128]}), False for the full form. Every tensor on the host
+    or the cache device, of the cache's dtype and shape; the values that the cache's
+    operations trust (positions >= 0, pending counts in 0..`max_pending`, default
+    pending.MAX_SEQLEN; NVFP4 parity 0 or 1) where they can be read without a GPU read
+    (`checks.host_values`). TypeError / ValueError naming the key, what was expected and
+    what was given."""
     if not isinstance(data, dict):
         raise TypeError(f"data must be a dict of tensors (from export); got {type(data).__name__}")
     heads = cache[L.CHECKPOINT].shape[1]
@@ -540,12 +543,38 @@ def check_export(data: object, cache, nvfp4: bool, n: int) -> bool:
                 f"data must hold the {fmt} cache's tensors {sorted(want)} (or only {COMPACT_KEY!r}, the compact "
                 f"form); got keys {sorted(data)}"
             )
+    device = cache[L.CHECKPOINT].device
     for name, (shape, dt) in want.items():
-        t = data[name]
-        api._check_tensor(f"data[{name!r}]", t)
-        if t.dtype != dt or tuple(t.shape) != shape:
-            raise ValueError(f"data[{name!r}] must be {dt} {list(shape)}; got {t.dtype} {list(t.shape)}")
-    return COMPACT_KEY in want
+        t = chk.tensor(f"data[{name!r}]", data[name])
+        if t.dtype != dt:
+            raise chk.DTypeError(f"data[{name!r}] must be {dt} {list(shape)}; got {chk.describe(t)}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"data[{name!r}] must be {dt} {list(shape)}; got {chk.describe(t)}")
+        if t.device != device and t.device.type != "cpu":
+            raise ValueError(f"data[{name!r}] must be on the host or the cache device {device}; got {t.device}")
+    if COMPACT_KEY in want:
+        return True
+    from .pending import MAX_SEQLEN
+
+    pos = chk.host_values(data["positions"])
+    if pos is not None:
+        pending = data["positions"].dim() == 2
+        committed = [p[0] for p in pos] if pending else pos
+        bad = sorted({c for c in committed if c < 0})
+        if bad:
+            raise ValueError(f"data['positions'] must hold token counts >= 0; got {bad}")
+        q_max = MAX_SEQLEN if max_pending is None else max_pending
+        bad = sorted({p[1] for p in pos if not 0 <= p[1] <= q_max}) if pending else []
+        if bad:
+            raise ValueError(
+                f"data['positions'][:, 1] (tokens awaiting a verdict) must be in 0..{q_max} for this cache; got {bad}"
+            )
+    if nvfp4:
+        par = chk.host_values(data["parity"])
+        bad = sorted({p for p in par if p not in (0, 1)}) if par is not None else []
+        if bad:
+            raise ValueError(f"data['parity'] must be 0 or 1 (the live half of the NVFP4 scales); got {bad}")
+    return False
 
 
 def import_replayssm_slots(
@@ -564,8 +593,8 @@ def import_replayssm_slots(
     serve it as they serve `initialize_replayssm_state`)."""
     nvfp4 = L.is_nvfp4(state_dtype)
     checks = debug()
-    api._check_seed(seed)
-    head_offset = api._check_head_offset(head_offset)
+    chk.seed(seed)
+    head_offset = chk.head_offset(head_offset)
     geometry = L.check_cache(cache, nvfp4)
     device = cache[L.CHECKPOINT].device
     ids = _validate_slots(slots, device, geometry[0])
@@ -577,16 +606,26 @@ def import_replayssm_slots(
     _import(cache, geometry, impl, data, ids, compact, nvfp4=nvfp4, seed=seed, checks=checks, head_offset=head_offset)
 
 
-def _import(cache, geometry, impl, data, ids, compact: bool, *, nvfp4: bool, seed: int, checks: bool, head_offset: int = 0) -> None:
+def _stage_import(cache, data: dict, compact: bool, nvfp4: bool):
+    """Checked `data` copied to the cache device, before anything is written (so that a
+    copy that fails, from a device it cannot come from or for want of memory, fails
+    first): the compact form's states, or [(cache index, tensor as its integer type)]."""
     device = cache[L.CHECKPOINT].device
     if compact:
-        states = data[COMPACT_KEY].to(device, non_blocking=data[COMPACT_KEY].is_pinned())
-        api._initialize(cache, geometry, impl, states, ids, nvfp4=nvfp4, seed=seed, checks=checks, head_offset=head_offset)
+        return data[COMPACT_KEY].to(device, non_blocking=data[COMPACT_KEY].is_pinned())
+    return [(i, _bits(data[name]).to(device, non_blocking=data[name].is_pinned())) for name, i in per_slot_names(cache, nvfp4)]
+
+
+def _import(cache, geometry, impl, data, ids, compact: bool, *, nvfp4: bool, seed: int, checks: bool, head_offset: int = 0,
+            staged=None) -> None:  # fmt: skip
+    """Write checked `data` (`staged` by `_stage_import` if the caller did) into slots `ids`."""
+    if staged is None:
+        staged = _stage_import(cache, data, compact, nvfp4)
+    if compact:
+        api._initialize(cache, geometry, impl, staged, ids, nvfp4=nvfp4, seed=seed, checks=checks, head_offset=head_offset)
         return
-    for name, i in per_slot_names(cache, nvfp4):
-        src = data[name]
-        b = _bits(cache[i])
-        b.index_copy_(0, ids, _bits(src).to(device, non_blocking=src.is_pinned()))
+    for i, src in staged:
+        _bits(cache[i]).index_copy_(0, ids, src)
 
 
 def _layer_ids(caches: Sequence, slots, device: torch.device) -> torch.Tensor:
@@ -646,15 +685,16 @@ def import_slots(caches: Sequence, data: Sequence[dict], slots, *, backend: str 
     if len(data) != len(caches):
         raise ValueError(f"data must hold one dict per cache; got {len(data)} for {len(caches)} caches")
     ids = _layer_ids(caches, slots, device)
-    compact = [check_export(d, c.tensors, c._nvfp4, ids.numel()) for c, d in zip(caches, data)]
+    compact = [check_export(d, c.tensors, c._nvfp4, ids.numel(), c.max_seqlen) for c, d in zip(caches, data)]
     if kernel and not any(compact):
         tuples = [c.tensors for c in caches]
         if _import_staged(copy_plan(caches), tuples, [c._nvfp4 for c in caches], data, ids):
             return
-    for c, d, small in zip(caches, data, compact):
+    staged = [_stage_import(c.tensors, d, small, c._nvfp4) for c, d, small in zip(caches, data, compact)]
+    for c, d, small, st in zip(caches, data, compact, staged):
         _import(
             c.tensors, c._geometry, c._backend, d, ids, small,
-            nvfp4=c._nvfp4, seed=c.seed, checks=debug(), head_offset=c.head_offset,
+            nvfp4=c._nvfp4, seed=c.seed, checks=debug(), head_offset=c.head_offset, staged=st,
         )  # fmt: skip
 
 

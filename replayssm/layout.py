@@ -106,6 +106,16 @@ def allocate_cache(
     """
     nvfp4 = is_nvfp4(state_dtype)
     device = check_device(device)
+    check_geometry(num_slots, heads, groups)
+    conv_shape = check_conv(conv_shape, conv_dtype)
+    if not isinstance(slot_padding, int) or isinstance(slot_padding, bool):
+        raise TypeError(f"slot_padding must be an int (bytes); got {type(slot_padding).__name__}")
+    if slot_padding < 0:
+        raise ValueError(f"slot_padding must be >= 0 (bytes of slack after each tensor of a slot); got {slot_padding}")
+    if fill is not None and (not isinstance(fill, (int, float)) or isinstance(fill, bool)):
+        raise TypeError(f"fill must be a float or None; got {type(fill).__name__}")
+    if not isinstance(pending, bool):
+        raise TypeError(f"pending must be a bool; got {type(pending).__name__}")
     specs = tensor_specs(heads, groups, nvfp4, pending)
     conv = torch.zeros(num_slots, *(conv_shape or (0,)), dtype=conv_dtype, device=device)
     if slot_padding <= 0:
@@ -134,6 +144,36 @@ def allocate_cache(
         else:
             t.zero_()
     return [conv, *tensors]
+
+
+def check_geometry(num_slots: object, heads: object, groups: object) -> None:
+    """Slots (>= 2: slot 0 is the padding slot), heads and groups: Python ints, heads
+    a multiple of groups with a heads-per-group ratio in HEADS_PER_GROUP."""
+    for name, v in (("num_slots", num_slots), ("num_heads", heads), ("num_groups", groups)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{name} must be an int; got {type(v).__name__}")
+        if v <= 0:
+            raise ValueError(f"{name} must be positive; got {v}")
+    if num_slots < 2:
+        raise ValueError(f"num_slots must be >= 2 (slot 0 is the padding slot); got {num_slots}")
+    if heads % groups or heads // groups not in HEADS_PER_GROUP:
+        raise ValueError(f"heads per group must be one of {HEADS_PER_GROUP}; got {heads} heads in {groups} groups")
+
+
+def check_conv(shape: object, dtype: object) -> tuple[int, ...] | None:
+    """The caller's conv-state shape per slot (a sequence of ints >= 0, or None) and dtype
+    (a torch.dtype); returns the shape as a tuple."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"conv_state_dtype must be a torch.dtype (e.g. torch.bfloat16); got {dtype!r}")
+    if shape is None:
+        return None
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+        raise TypeError(f"conv_state_shape must be a sequence of ints or None; got {type(shape).__name__}")
+    if any(not isinstance(v, int) or isinstance(v, bool) for v in shape):
+        raise TypeError(f"conv_state_shape must hold ints; got {tuple(shape)!r}")
+    if any(v < 0 for v in shape):
+        raise ValueError(f"conv_state_shape must hold sizes >= 0; got {tuple(shape)}")
+    return tuple(shape)
 
 
 def slot_stride_ok(t: torch.Tensor) -> bool:

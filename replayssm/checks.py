@@ -1,0 +1,176 @@
+"""Argument checks shared by every public entry point.
+
+One check per kind of argument (slot ids, the per-head parameters, verdicts, Python ints,
+tensors), used by the functional API, `ReplaySSMCache` and the hand-off functions alike,
+so the same fault gives the same exception and message wherever it is made. Messages
+name the caller's argument, what it accepts and what it got. The kinds of fault:
+
+- not a tensor / not an int where one is needed: `TypeError`;
+- a tensor of the wrong dtype: `DTypeError`, which is a `TypeError` and also a
+  `ValueError` (the serving engine's contract raises ValueError for a dtype);
+- a wrong shape, device, layout or value: `ValueError`.
+
+Checks that read values (ids, A, verdicts) read them only where that needs no read of
+GPU memory: host tensors always, device tensors with REPLAYSSM_DEBUG=1 (eager calls).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import layout as L
+
+
+class DTypeError(TypeError, ValueError):
+    """A tensor argument of the wrong dtype."""
+
+
+def describe(t: torch.Tensor) -> str:
+    return f"{t.dtype} {list(t.shape)} on {t.device}"
+
+
+def tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    return t
+
+
+def integer(name: str, v: object, *, low: int | None = None, high: int | None = None) -> int:
+    """A Python int (not a bool) in [low, high] (either bound optional)."""
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise TypeError(f"{name} must be a Python int; got {type(v).__name__}")
+    if (low is not None and v < low) or (high is not None and v > high):
+        lo = "" if low is None else f">= {low}"
+        hi = "" if high is None else f"<= {high}"
+        raise ValueError(f"{name} must be {' and '.join(s for s in (lo, hi) if s)}; got {v}")
+    return v
+
+
+def seed(v: object) -> int:
+    return integer("seed", v)
+
+
+def head_offset(v: object) -> int:
+    return integer("head_offset", v, low=0, high=2**24 - 1)
+
+
+def on_device(name: str, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device != device:
+        raise ValueError(f"{name} must be on the cache device {device}; got {t.device}")
+    return t
+
+
+def floating(name: str, t: object) -> torch.Tensor:
+    tensor(name, t)
+    if not t.dtype.is_floating_point:
+        raise DTypeError(f"{name} must be a floating-point tensor; got {describe(t)}")
+    return t
+
+
+def int_ids(name: str, t: object) -> torch.Tensor:
+    """An int32 / int64 tensor of ids, 1-D (0-D is taken as one id)."""
+    tensor(name, t)
+    if t.dtype not in (torch.int32, torch.int64):
+        raise DTypeError(f"{name} must be int32 or int64; got {describe(t)}")
+    if t.dim() > 1:
+        raise ValueError(f"{name} must be 1-D [batch]; got {describe(t)}")
+    return t.reshape(-1)
+
+
+def slot_ids(name: str, t: object, device: torch.device) -> torch.Tensor:
+    """Slot ids of a decode / init / clear / materialize call: int32 or int64, 1-D, on the
+    cache device."""
+    ids = int_ids(name, t)
+    return on_device(name, ids, device)
+
+
+def host_values(t: torch.Tensor) -> list | None:
+    """The values of `t` where reading them needs no read of GPU memory (a host tensor),
+    or with REPLAYSSM_DEBUG=1 outside torch.compile and CUDA graph capture; None
+    otherwise."""
+    from .kernels.env import debug
+
+    if host_reads_allowed() and (t.device.type == "cpu" or debug()):
+        return t.tolist()
+    return None
+
+
+def host_reads_allowed() -> bool:
+    """Whether a call may read device values on the host for its checks: not while
+    torch.compile traces it and not while a CUDA graph is being captured."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def tied(name: str, t: torch.Tensor, flat: torch.Tensor) -> None:
+    """`flat` (t with its per-head values on the last dim) holds one value per head."""
+    if flat.shape[-1] != 1 and flat.stride(-1) != 0:
+        raise ValueError(
+            f"{name} must hold one value per head: extra dims must be tied views (stride 0); "
+            f"got shape {list(t.shape)} with strides {list(t.stride())}"
+        )
+
+
+def per_head(name: str, t: object, heads: int, shapes: tuple[tuple[int, ...], ...], *, tie: bool) -> torch.Tensor:
+    """A floating per-head parameter of exactly one of `shapes`; with `tie`, every dim
+    after the first a tied (stride-0) view. Returns it as [heads, -1]."""
+    floating(name, t)
+    if tuple(t.shape) not in shapes:
+        want = " or ".join(str(list(s)) for s in shapes)
+        kind = " (extra dims tied, stride 0)" if tie and len(shapes) > 1 else ""
+        raise ValueError(f"{name} must be {want}{kind}; got {describe(t)}")
+    flat = t.reshape(heads, -1)
+    if tie:
+        tied(name, t, flat)
+    return flat
+
+
+def A_param(A: object, heads: int) -> torch.Tensor:
+    """A: float [H], or a tied [H, 64] / [H, 64, 128] view, every value finite and <= 0
+    (A = -exp(A_log); 0, no decay, is allowed), checked where the values can be read without a GPU read (a host
+    tensor; device tensors with REPLAYSSM_DEBUG=1). Returns A [H] float32."""
+    P, N = L.HEAD_DIM, L.STATE_DIM
+    flat = per_head("A", A, heads, ((heads,), (heads, P), (heads, P, N)), tie=True)
+    a = flat[:, 0].float()
+    values = host_values(a)
+    if values is not None and not all(-float("inf") < v <= 0 for v in values):
+        raise ValueError(f"A must be finite and <= 0 in every head (A = -exp(A_log)); got {values}")
+    return a
+
+
+def params(A: object, D: object, dt_bias: object, heads: int):
+    """The per-head parameters of a decode call, validated: A [H] f32, D [H, 64] f32,
+    dt_bias [H] f32 (tied views read at their first element)."""
+    P = L.HEAD_DIM
+    a = A_param(A, heads)
+    bias = per_head("dt_bias", dt_bias, heads, ((heads,), (heads, P)), tie=True)[:, 0].float()
+    d = per_head("D", D, heads, ((heads,), (heads, P)), tie=False)
+    return a, d.expand(heads, P).float(), bias
+
+
+def verdicts(t: object, batch: int, device: torch.device, max_seqlen: int) -> None:
+    """num_accepted_tokens: None, or an int32 / int64 [batch] tensor on the cache device.
+    Values outside 0..max_seqlen are clamped by the call (docs/format.md section 5b);
+    with REPLAYSSM_DEBUG=1 (eager) they are an error instead."""
+    if t is None:
+        return
+    name = "num_accepted_tokens"
+    tensor(name, t)
+    if t.dtype not in (torch.int32, torch.int64):
+        raise DTypeError(f"{name} must be int32 or int64 [{batch}] (one per row); got {describe(t)}")
+    if tuple(t.shape) != (batch,):
+        raise ValueError(f"{name} must be int32 or int64 [{batch}] (one per row); got {describe(t)}")
+    on_device(name, t, device)
+    from .kernels.env import debug
+
+    if debug() and host_reads_allowed() and t.numel():
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi > max_seqlen:
+            raise ValueError(
+                f"{name} must be in 0..max_seqlen={max_seqlen} (REPLAYSSM_DEBUG=1; otherwise clamped); "
+                f"got {t.tolist()}"
+            )
+
+
+__all__ = ["DTypeError"]
