@@ -1,5 +1,29 @@
-"""replayssm: fast Mamba-2 decoding with an FP16 checkpoint, a 16-entry input ring and an
-FP8 / NVFP4 read copy of the recurrent state."""
+"""A decode-state cache for Mamba-2 layers.
+
+Per request slot the cache keeps an FP16 checkpoint of the recurrent state (heads x 64 x
+128), a ring of the last 16 inputs and an FP8 or NVFP4 read copy. A decode step reads the
+read copy and the ring and writes no state; every 16th token a flush folds the ring into
+the checkpoint. CUDA kernels (CuTe DSL, Triton) on H100 / H200 and B200 / B300; the
+PyTorch reference of every operation on the CPU and other GPUs.
+
+Names:
+
+- `ReplaySSMCache`: one layer's cache: `allocate`, `prefill_init`, `decode`,
+  `materialize`, `release`; `spec_tokens=k` for speculative decoding (pending mode);
+  `copy_slots`, `fork`, `snapshot`, `export`, `import_` to hand slots off.
+- `SlotAllocator`, `NULL_SLOT`: slot ids; slot 0 is padding and never handed out.
+- `allocate_cache`, `initialize_replayssm_state`, `selective_state_update_replayssm`,
+  `materialize_replayssm_state`, `clear_replayssm_slots`: the functional API on the cache
+  tensors, for engines that own their memory.
+- `copy_slots`, `export_slots`, `import_slots`: slot hand-off over every layer of a model;
+  `copy_replayssm_slots`, `snapshot_replayssm_slots`, `export_replayssm_slots`,
+  `import_replayssm_slots`: their functional forms on one layer's tensors.
+
+`python -m replayssm demo` decodes a synthetic layer and reports speed and accuracy.
+README.md has a worked example (allocate, prefill, decode, materialize) and the decode
+inputs; docs/format.md specifies every cache tensor and bit; docs/design.md explains the
+design.
+"""
 
 from . import ops  # registers the torch custom ops replayssm::* (ops.py)
 from .api import (
@@ -9,6 +33,7 @@ from .api import (
     selective_state_update_replayssm,
 )
 from .cache import ReplaySSMCache
+from .checks import DTypeError
 from .handoff import (
     copy_replayssm_slots,
     copy_slots,
@@ -27,6 +52,7 @@ __all__ = [
     "ReplaySSMCache",
     "SlotAllocator",
     "NULL_SLOT",
+    "DTypeError",
     "allocate_cache",
     "initialize_replayssm_state",
     "selective_state_update_replayssm",

@@ -241,7 +241,8 @@ def selective_state_update_replayssm(
     A cache whose positions are [slots, 2] is in pending mode (speculative decoding;
     docs/format.md section 5b): each row brings up to `max_seqlen` (1..8) tokens, and
     `num_accepted_tokens` (int32 / int64 [b], or None: accept all) is the verdict on each
-    row's previous call. Dense layout (`cu_seqlens` None): x [b, max_seqlen, H, 64] (or
+    row's previous call, clamped to 0..(the tokens the row has pending) (with
+    REPLAYSSM_DEBUG=1 a verdict outside 0..max_seqlen is a ValueError). Dense layout (`cu_seqlens` None): x [b, max_seqlen, H, 64] (or
     [b, max_seqlen, H*64]), dt [b, max_seqlen, H] (or tied over 64), B, C [b, max_seqlen, G,
     128], out [b, max_seqlen, H, 64]; every live row brings max_seqlen tokens. Varlen layout:
     `cu_seqlens` int32 [b + 1] (0 first, non-decreasing, x.shape[0] last), x [total, H, 64],

@@ -231,7 +231,9 @@ class ReplaySSMCache:
 
         Pending mode (`spec_tokens` = k > 0, max_seqlen = k + 1): `num_accepted_tokens`
         (int32 / int64 [batch], None: accept all) is the verdict on each row's previous
-        call, counting its first token; the rejected tokens are dropped. Dense layout
+        call, counting its first token; the rejected tokens are dropped. A verdict is
+        clamped to 0..(the tokens the row has pending); with REPLAYSSM_DEBUG=1 one outside
+        0..max_seqlen is a ValueError instead. Dense layout
         (`cu_seqlens` None): x [batch, max_seqlen, heads, 64] (or [.., heads*64]), dt [batch,
         max_seqlen, heads] (or tied over 64), B, C [batch, max_seqlen, groups, 128]; returns
         [batch, max_seqlen, heads, 64]. Varlen layout: `cu_seqlens` int32 [batch + 1], x
