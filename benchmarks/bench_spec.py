@@ -1,6 +1,6 @@
 """Speculative-decoding benchmark (GPU only): pending mode beside the intermediate-state
-baseline of benchmarks/spec_baseline.py and the single-token steps, with issue 30's
-targets for pending mode.
+baseline of benchmarks/spec_baseline.py and the single-token steps, with pending mode's
+targets.
 
 Rows, per shape (HEADSxGROUPS) and batch, one layer's time:
 
@@ -23,7 +23,7 @@ Rows, per shape (HEADSxGROUPS) and batch, one layer's time:
 - `standard-bf16`: the single-token bf16-state decode (standard_decode.py), timed the same way.
 
 For each `spec-bf16` row the table also gives the time the pending step must beat at the
-same shape, batch and T (issue 30): min(1.6 x the format's single-token step, the
+same shape, batch and T: min(1.6 x the format's single-token step, the
 baseline's us/call / 3); each pending row its ratio to the single-token step, the
 baseline's speedup over it and whether it meets that bound. Layer caches rotate so that a row's working set reaches
 `--ws-factor` L2 sizes where `--max-layers` allows (rows below twice the L2 are flagged
@@ -68,7 +68,7 @@ STANDARD = "standard-bf16"
 PROVIDERS = (SPEC, *PENDING, *REPLAY, STANDARD)
 MULTI = (SPEC, *PENDING)  # providers with T tokens a row per call
 BATCH_PRIORITY = (256, 32, 1024)
-TARGET_STEP_RATIO = 1.6  # issue 30: pending step at most 1.6x the format's single-token step
+TARGET_STEP_RATIO = 1.6  # the aim: a pending step at most 1.6x the format's single-token step
 TARGET_BASELINE_SPEEDUP = 3.0  # ... and at least 3x faster than the baseline
 
 

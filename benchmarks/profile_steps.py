@@ -5,7 +5,7 @@ A `fmt` cache of `batch` live slots at ring positions i mod 16 (bench_kernels.ma
 1/16 of the rows flush each step), then `--steps` eager calls of
 `selective_state_update_replayssm`, cycling through four tokens. Every step launches the
 prepare kernel, the flush and the non-flush kernel, so ncu can pick kernels by name and
-launch index (two CuTe kernels a step). The profile in docs/design.md (section 3) ran:
+launch index (two CuTe kernels a step). A profile as docs/design.md (section 3) uses:
 
     ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \\
         --section SchedulerStats --section WarpStateStats --section Occupancy \\
@@ -13,8 +13,7 @@ launch index (two CuTe kernels a step). The profile in docs/design.md (section 3
         -k "regex:cutedecodeDecode|cuteflushFlush" --launch-skip 32 -c 4 --page raw --csv \\
         python benchmarks/profile_steps.py nvfp4 1024
 
-(that profile ran on the earlier per-format kernels, `DecodeNvfp4Warp|FlushNvfp4`; one
-kernel's name alone with `--launch-skip 16 -c 2`.)
+(one kernel's name alone with `--launch-skip 16 -c 2`.)
 """
 
 from __future__ import annotations

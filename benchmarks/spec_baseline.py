@@ -1,6 +1,6 @@
 """Speculative Mamba-2 decode as engines run it today: a bf16-state step that writes an
 intermediate state per draft token, then a commit of the accepted one (the baseline of
-issue 30's pending mode; no ReplaySSM).
+pending mode; no ReplaySSM).
 
 A speculative step gives each batch row T tokens (the last verified token and T - 1
 drafts). The engine does not yet know how many will be accepted, so it must be able to

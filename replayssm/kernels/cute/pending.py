@@ -67,8 +67,9 @@ TOKENS = 8  # the MMA's n: max_seqlen <= 8
 
 
 ROWS = ("all", "rest", "fold")  # the rows a step launch takes: every row, those that do not fold, those that fold
-# PTX cache qualifier of the step's read-copy loads: streaming (evict first), measured
-# 1-3% faster than none at 16h/2g batch 256 and 1024, both formats (docs/design.md section 10).
+# PTX cache qualifier of the step's read-copy loads: streaming (evict first); faster than
+# none at 16h/2g batch 256 (both formats) and NVFP4 batch 1024, level at FP8 batch 1024
+# (docs/design.md section 10).
 STEP_READ_HINT = ".cs"
 
 
