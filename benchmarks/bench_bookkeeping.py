@@ -20,6 +20,7 @@ from replayssm import layout as L
 from replayssm.kernels.triton.clear import clear
 from replayssm.kernels.triton.initialize import initialize
 from replayssm.kernels.triton.prepare import PlanScratch, prepare_decode
+from replayssm.formats import FP8, NVFP4
 
 
 def time_ms(fn, reps: int, graph: bool) -> float:
@@ -84,11 +85,11 @@ def main() -> None:
             if nvfp4:
                 init_bytes += batch * H * P * N * 4  # the head-amax pass reads the states once more
             cases = [
-                ("initialize", lambda: initialize(cache, states, ids, nvfp4=nvfp4, seed=1), init_bytes),
+                ("initialize", lambda: initialize(cache, states, ids, fmt=(NVFP4 if nvfp4 else FP8), seed=1), init_bytes),
                 ("clear", lambda: clear(cache, ids), batch * ring_bytes),
                 (
                     "prepare",
-                    lambda: prepare_decode(cache, ids, out, scratch, nvfp4=nvfp4, seed=1),
+                    lambda: prepare_decode(cache, ids, out, scratch, fmt=(NVFP4 if nvfp4 else FP8), seed=1),
                     batch * (4 + 4 + 8 * 4 + 2),
                 ),
             ]

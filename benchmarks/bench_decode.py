@@ -48,6 +48,7 @@ import torch  # noqa: E402
 
 from benchmarks import byte_model as bm  # noqa: E402
 from benchmarks.common import base_states, version, write_json  # noqa: E402
+from replayssm.formats import FORMATS, FP8, NVFP4
 
 RING = 16
 STANDARD = ("standard-fp32", "standard-bf16", "standard-fp16")
@@ -508,7 +509,7 @@ def check_replay(provider, shape, device, states, args) -> dict:
         y_ref = torch.empty_like(inp.out)
         norm = api.normalize_decode_inputs(inp.x[t], inp.dt[t], prm["A"], inp.B[t], inp.C[t], prm["D"],
                                            prm["dt_bias"], batch, heads, groups)  # fmt: skip
-        ref.decode(twin, *norm, inp.ids, y_ref, nvfp4=fmt == "nvfp4", seed=args.seed)
+        ref.decode(twin, *norm, inp.ids, y_ref, fmt=FORMATS[fmt], seed=args.seed)
         err = max(err, float((y.float() - y_ref.float()).abs().max()))
         amax = max(amax, float(y_ref.float().abs().max()))
     return {"check": f"{provider} h{heads}g{groups} one period vs reference", "max_abs_err_y": err, "max_abs_y": amax}

@@ -57,7 +57,7 @@ from benchmarks.common import graph_seconds as common_graph_seconds  # noqa: E40
 from replayssm import ReplaySSMCache, materialize_replayssm_state  # noqa: E402
 from replayssm import layout as L  # noqa: E402
 from replayssm import reference as ref  # noqa: E402
-from replayssm.handoff import CopyPlan, _bits  # noqa: E402
+from replayssm.handoff import CopyPlan, as_bits  # noqa: E402
 from replayssm.kernels import kernel_backend  # noqa: E402
 
 
@@ -165,7 +165,7 @@ def make_layers(fmt: str, args, device: str) -> list[ReplaySSMCache]:
         c = ReplaySSMCache(args.slots, args.heads, args.groups, fmt, device, seed=args.seed, backend="reference")
         c.allocator.allocate(args.slots - 1)
         for t in c.tensors[1:]:
-            b = _bits(t)
+            b = as_bits(t)
             b.copy_(torch.randint(-(2**15), 2**15, b.shape, device=device, dtype=torch.int32).to(b.dtype))
         ckpt = c.tensors[L.CHECKPOINT]
         ckpt.normal_(0.0, 0.5)
@@ -195,7 +195,7 @@ def bench_copy(caches, args, gen, checks: list) -> list[dict]:
     # correctness before timing: the kernel's copy equals the sources' bits
     want = [[t[src].clone() for t in c.tensors[1:]] for c in caches]
     replayssm.copy_slots(caches, src, dst, backend="kernels")
-    ok = all(torch.equal(_bits(t[dst]), _bits(w)) for c, ws in zip(caches, want) for t, w in zip(c.tensors[1:], ws))
+    ok = all(torch.equal(as_bits(t[dst]), as_bits(w)) for c, ws in zip(caches, want) for t, w in zip(c.tensors[1:], ws))
     checks.append({"check": f"{caches[0].state_dtype} copy_slots kernel == sources", "ok": ok})
     del want
     peer_src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 256)
@@ -235,13 +235,13 @@ def bench_swap(caches, args, gen, checks: list) -> list[dict]:
         before = [[t[slot].clone() for t in c.tensors[1:]] for c in caches]
         for c in caches:  # the import must write: clobber the slot first
             for t in c.tensors[1:]:
-                _bits(t)[slot] = 0
+                as_bits(t)[slot] = 0
         replayssm.import_slots(caches, data, [slot], backend=backend)
         sync()
-        return all(torch.equal(_bits(t[slot]), _bits(b)) for c, bs in zip(caches, before) for t, b in zip(c.tensors[1:], bs))
+        return all(torch.equal(as_bits(t[slot]), as_bits(b)) for c, bs in zip(caches, before) for t, b in zip(c.tensors[1:], bs))
 
     staged, per_tensor = export("kernels"), export("reference")
-    same = all(torch.equal(_bits(s[k]), _bits(p[k])) for s, p in zip(staged, per_tensor) for k in p)
+    same = all(torch.equal(as_bits(s[k]), as_bits(p[k])) for s, p in zip(staged, per_tensor) for k in p)
     buffers = {t.untyped_storage().data_ptr() for d in staged for t in d.values()}
     checks.append({"check": f"{fmt} export_slots == per-tensor export, in one host buffer", "ok": same and len(buffers) == 1})
     for backend, how in (("kernels", "one buffer"), ("reference", "per tensor")):

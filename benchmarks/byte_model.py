@@ -48,6 +48,7 @@ as desynchronized ones (1/16 of the rows flush each step); only the per-step pea
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from replayssm.formats import FORMATS, FP8, NVFP4
 
 HEAD_DIM = 64
 STATE_DIM = 128
@@ -177,7 +178,7 @@ def cache_bytes_per_slot(provider: str, s: Shape) -> int:
 
     from replayssm import layout
 
-    specs = layout.tensor_specs(s.heads, s.groups, fmt == "nvfp4")
+    specs = layout.tensor_specs(s.heads, s.groups, FORMATS[fmt])
     return sum(math.prod(shape) * dt.itemsize for _, shape, dt in specs)
 
 

@@ -18,6 +18,8 @@ Names:
 - `copy_slots`, `export_slots`, `import_slots`: slot hand-off over every layer of a model;
   `copy_replayssm_slots`, `snapshot_replayssm_slots`, `export_replayssm_slots`,
   `import_replayssm_slots`: their functional forms on one layer's tensors.
+- `DTypeError`: a tensor argument of the wrong dtype (both a TypeError and a ValueError);
+  other faults raise TypeError or ValueError naming the argument.
 
 `python -m replayssm demo` decodes a synthetic layer and reports speed and accuracy.
 README.md has a worked example (allocate, prefill, decode, materialize) and the decode
@@ -32,15 +34,12 @@ from .api import (
     materialize_replayssm_state,
     selective_state_update_replayssm,
 )
-from .cache import ReplaySSMCache
+from .cache import ReplaySSMCache, copy_slots, export_slots, import_slots
 from .checks import DTypeError
 from .handoff import (
     copy_replayssm_slots,
-    copy_slots,
     export_replayssm_slots,
-    export_slots,
     import_replayssm_slots,
-    import_slots,
     snapshot_replayssm_slots,
 )
 from .layout import allocate_cache

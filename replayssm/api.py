@@ -23,11 +23,11 @@ import torch
 from . import checks as chk
 from . import layout as L
 from . import ops
+from .formats import Format, format_of
 from .kernels import backend_for
 from .kernels.env import debug
 
 Geometry = tuple[int, int, int]  # (num_slots, heads, groups), as layout.check_cache returns it
-_FORMAT = {False: "fp8", True: "nvfp4"}  # state_dtype by `nvfp4`, for the ops
 
 
 _describe = chk.describe
@@ -76,17 +76,17 @@ def initialize_replayssm_state(
     of this cache's head 0 when the cache is one tensor-parallel shard of a layer's heads
     (the checkpoint's random bits follow the model's head; docs/format.md section 6).
     """
-    nvfp4 = L.is_nvfp4(state_dtype)
+    fmt = format_of(state_dtype)
     checks = debug()  # read (and validated) once per call
     chk.seed(seed)
     chk.head_offset(head_offset)
-    geometry = L.check_cache(cache, nvfp4)
+    geometry = L.check_cache(cache, fmt)
     impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
-    _initialize(cache, geometry, impl, states, state_indices, nvfp4=nvfp4, seed=seed, checks=checks, head_offset=head_offset)
+    _initialize(cache, geometry, impl, states, state_indices, fmt=fmt, seed=seed, checks=checks, head_offset=head_offset)
 
 
 def _initialize(
-    cache, geometry: Geometry, impl, states, state_indices, *, nvfp4: bool, seed: int, checks: bool, head_offset: int = 0,
+    cache, geometry: Geometry, impl, states, state_indices, *, fmt: Format, seed: int, checks: bool, head_offset: int = 0,
     ids_name: str = "state_indices",
 ) -> None:
     slots, heads, _ = geometry
@@ -105,7 +105,7 @@ def _initialize(
     if checks and not torch.compiler.is_compiling():  # host reads: eager only (ops.py)
         _check_unique(ids, slots)
         _check_finite(states, ids, slots)
-    ops.initialize(cache, states, ids, state_dtype=_FORMAT[nvfp4], seed=seed, backend=impl.name, head_offset=head_offset)
+    ops.initialize(cache, states, ids, state_dtype=fmt.name, seed=seed, backend=impl.name, head_offset=head_offset)
 
 
 def clear_replayssm_slots(
@@ -113,9 +113,9 @@ def clear_replayssm_slots(
 ) -> None:
     """Zero the rings and positions of the given slots (invalid ids ignored). `backend`
     as for `initialize_replayssm_state`."""
-    nvfp4 = L.is_nvfp4(state_dtype)
+    fmt = format_of(state_dtype)
     debug()  # validates $REPLAYSSM_DEBUG, as every entry point does; no check here needs it
-    L.check_cache(cache, nvfp4)
+    L.check_cache(cache, fmt)
     impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
     _clear(cache, impl, state_indices)
 
@@ -255,17 +255,17 @@ def selective_state_update_replayssm(
     cu_seqlens and the pending counts are skipped while capturing); the reference backend
     runs `replayssm.pending`, which reads a few values on the host.
     """
-    nvfp4 = L.is_nvfp4(state_dtype)
+    fmt = format_of(state_dtype)
     checks = debug()  # read (and validated) once per call
     chk.seed(seed)
     chk.head_offset(head_offset)
-    geometry = L.check_cache(cache, nvfp4)
+    geometry = L.check_cache(cache, fmt)
     if cache[L.POSITIONS].dim() == 2:
         check_max_seqlen(max_seqlen)
         impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
         return _decode_pending(
             cache, geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
-            nvfp4=nvfp4, seed=seed, checks=checks, max_seqlen=max_seqlen,
+            fmt=fmt, seed=seed, checks=checks, max_seqlen=max_seqlen,
             num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=head_offset,
         )
     if num_accepted_tokens is not None or cu_seqlens is not None:
@@ -281,13 +281,13 @@ def selective_state_update_replayssm(
     impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
     return _decode(
         cache, geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
-        nvfp4=nvfp4, seed=seed, checks=checks, scratch=scratch, head_offset=head_offset,
+        fmt=fmt, seed=seed, checks=checks, scratch=scratch, head_offset=head_offset,
     )
 
 
 def _decode(
     cache, geometry: Geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
-    *, nvfp4: bool, seed: int, checks: bool, scratch=None, head_offset: int = 0, try_direct: bool = True,
+    *, fmt: Format, seed: int, checks: bool, scratch=None, head_offset: int = 0, try_direct: bool = True,
     ids_name: str = "state_indices",
 ) -> torch.Tensor:
     """One step: the eager fast path (`_direct_decode`, unless `try_direct` is False: the
@@ -300,7 +300,7 @@ def _decode(
         and impl.name == "kernels"
         and device.type == "cuda"
         and not torch.compiler.is_compiling()
-        and _direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, state_indices, out, nvfp4, seed, scratch, head_offset)
+        and _direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, state_indices, out, fmt, seed, scratch, head_offset)
     ):
         return out
     ids = _check_indices(state_indices, device, ids_name)
@@ -317,7 +317,7 @@ def _decode(
     if scratch is not None and getattr(scratch, "rows", batch) < batch:
         raise ValueError(f"scratch holds {scratch.rows} rows; the batch has {batch}")
     ops.decode(
-        cache, *norm, ids, out, state_dtype=_FORMAT[nvfp4], seed=seed, backend=impl.name,
+        cache, *norm, ids, out, state_dtype=fmt.name, seed=seed, backend=impl.name,
         scratch=ops.scratch_handle(scratch), head_offset=head_offset,
     )
     return out
@@ -365,7 +365,7 @@ def _layer_params(A, D, dt_bias, heads: int, index: int):
     return norm
 
 
-def _direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4, seed, scratch, head_offset) -> bool:
+def _direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, scratch, head_offset) -> bool:
     """Run the step on the kernel backend directly when the inputs are in an accepted
     layout (see above); False (nothing done) otherwise. x, B and C go as they are ([b, n,
     w] or [b, n * w]: the launcher reads their row strides)."""
@@ -399,11 +399,11 @@ def _direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, 
         return False
     A, D, dt_bias = params
     # No no_grad: the kernels write through raw pointers and record no autograd history.
-    impl.decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4=nvfp4, seed=seed, scratch=scratch, head_offset=head_offset)
+    impl.decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt=fmt, seed=seed, scratch=scratch, head_offset=head_offset)
     return True
 
 
-def _direct_decode_pending(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4, seed, max_seqlen,
+def _direct_decode_pending(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, max_seqlen,
                            num_accepted_tokens, head_offset) -> bool:  # fmt: skip
     """`_direct_decode` of a pending-mode call of the dense layout on a cache that holds one
     max_seqlen for its slots (`ReplaySSMCache`): x [b, T, H, 64] or [b, T, H * 64], B, C
@@ -448,7 +448,7 @@ def _direct_decode_pending(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bia
     if len(shape) == 4:
         dt = dt[..., 0]
     impl.decode_pending(
-        cache, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4=nvfp4, seed=seed, max_seqlen=max_seqlen,
+        cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt=fmt, seed=seed, max_seqlen=max_seqlen,
         num_accepted_tokens=acc, cu_seqlens=None, head_offset=head_offset,
     )
     return True
@@ -474,7 +474,7 @@ _host_reads_allowed = chk.host_reads_allowed
 
 def _decode_pending(
     cache, geometry: Geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
-    *, nvfp4: bool, seed: int, checks: bool, max_seqlen: int, num_accepted_tokens=None, cu_seqlens=None,
+    *, fmt: Format, seed: int, checks: bool, max_seqlen: int, num_accepted_tokens=None, cu_seqlens=None,
     head_offset: int = 0, own_seqlen: bool = False, own_cu: bool = False, ids_name: str = "state_indices",
 ) -> torch.Tensor:
     """Validate a pending-mode call (everything before anything is written), then run
@@ -521,7 +521,7 @@ def _decode_pending(
                 f"{int(q.max())} pending tokens; got max_seqlen={max_seqlen}"
             )
     ops.decode_pending(
-        cache, *norm, ids, out, num_accepted_tokens, cu_seqlens, state_dtype=_FORMAT[nvfp4], seed=seed,
+        cache, *norm, ids, out, num_accepted_tokens, cu_seqlens, state_dtype=fmt.name, seed=seed,
         backend=impl.name, max_seqlen=max_seqlen, head_offset=head_offset,
     )
     return out
@@ -544,9 +544,9 @@ def materialize_replayssm_state(
     decoded with (where its checkpoints stand depends on it); it returns the states after
     the committed tokens (drafts not yet accepted are left out). A separate-mode cache
     takes max_seqlen None or 1."""
-    nvfp4 = L.is_nvfp4(state_dtype)
+    fmt = format_of(state_dtype)
     debug()  # validates $REPLAYSSM_DEBUG, as every entry point does; no check here needs it
-    geometry = L.check_cache(cache, nvfp4)
+    geometry = L.check_cache(cache, fmt)
     impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
     return _materialize(cache, geometry, impl, state_indices, A, out, max_seqlen=max_seqlen)
 

@@ -26,15 +26,16 @@ Vocabulary (used the same way everywhere in replayssm):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 import weakref
 
 import attrs
 import torch
 
-from . import api
+from . import api, handoff, ops
 from . import checks as chk
 from . import layout as L
-from . import ops
+from .formats import Format, format_of
 from .kernels import backend_for, check_backend
 from .kernels.env import arch_override, debug
 from .slots import NULL_SLOT, SlotAllocator
@@ -82,7 +83,7 @@ class ReplaySSMCache:
     spec_tokens: int = attrs.field(default=0, kw_only=True)
     tensors: tuple[torch.Tensor, ...] = attrs.field(init=False)
     allocator: SlotAllocator = attrs.field(init=False)
-    _nvfp4: bool = attrs.field(init=False, repr=False)
+    _format: Format = attrs.field(init=False, repr=False)
     _geometry: tuple[int, int, int] = attrs.field(init=False, repr=False)
     _backend: object = attrs.field(init=False, repr=False)
     _last_A: torch.Tensor = attrs.field(init=False, repr=False)
@@ -94,7 +95,7 @@ class ReplaySSMCache:
     _issued: dict = attrs.field(init=False, factory=dict, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        self._nvfp4 = L.is_nvfp4(self.state_dtype)
+        self._format = format_of(self.state_dtype)
         check_backend(self.backend)
         arch_override()  # a bad $REPLAYSSM_ARCH fails here, on any device, not at the first GPU launch
         debug()  # a bad $REPLAYSSM_DEBUG fails here too
@@ -130,7 +131,7 @@ class ReplaySSMCache:
                 pending=self.spec_tokens > 0,
             )
         )
-        self._geometry = L.check_cache(self.tensors, self._nvfp4)
+        self._geometry = L.check_cache(self.tensors, self._format)
         self._backend = backend_for(self.device, self.backend, self.tensors)
         self._direct = getattr(self._backend, "name", None) == "kernels" and self.device.type == "cuda"
         self.allocator = SlotAllocator(self.num_slots)
@@ -207,7 +208,7 @@ class ReplaySSMCache:
         self._check_live(slots)
         api._initialize(
             self.tensors, self._geometry, self._backend, states, slots,
-            nvfp4=self._nvfp4, seed=self.seed, checks=debug(), head_offset=self.head_offset, ids_name="slots",
+            fmt=self._format, seed=self.seed, checks=debug(), head_offset=self.head_offset, ids_name="slots",
         )
 
     def reset(self, slots: torch.Tensor) -> None:
@@ -258,12 +259,12 @@ class ReplaySSMCache:
             if not (
                 not checks and self._direct and cu_seqlens is None and not torch.compiler.is_compiling()
                 and api._direct_decode_pending(self.tensors, self.num_heads, self.num_groups, self._backend, x, dt, A, B, C,
-                                               D, dt_bias, slots, out, self._nvfp4, self.seed, self.max_seqlen,
+                                               D, dt_bias, slots, out, self._format, self.seed, self.max_seqlen,
                                                num_accepted_tokens, self.head_offset)
             ):  # fmt: skip
                 api._decode_pending(
                     self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
-                    nvfp4=self._nvfp4, seed=self.seed, checks=checks, max_seqlen=self.max_seqlen,
+                    fmt=self._format, seed=self.seed, checks=checks, max_seqlen=self.max_seqlen,
                     num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=self.head_offset,
                     own_seqlen=True, ids_name="slots",
                 )
@@ -280,11 +281,11 @@ class ReplaySSMCache:
             if not (
                 tried
                 and api._direct_decode(self.tensors, self.num_heads, self.num_groups, self._backend, x, dt, A, B, C, D,
-                                       dt_bias, slots, out, self._nvfp4, self.seed, self._scratch, self.head_offset)
+                                       dt_bias, slots, out, self._format, self.seed, self._scratch, self.head_offset)
             ):  # fmt: skip
                 api._decode(
                     self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
-                    nvfp4=self._nvfp4, seed=self.seed, checks=checks, scratch=self._scratch, head_offset=self.head_offset,
+                    fmt=self._format, seed=self.seed, checks=checks, scratch=self._scratch, head_offset=self.head_offset,
                     try_direct=not tried, ids_name="slots",
                 )
         # A reference, not a copy: no extra launch per step. Stored with object.__setattr__:
@@ -327,7 +328,7 @@ class ReplaySSMCache:
         D = torch.zeros(h, device=self.device)
         api._decode_pending(
             self.tensors, self._geometry, self._backend, x, dt, A, BC, BC, D, D, slots, out,
-            nvfp4=self._nvfp4, seed=self.seed, checks=checks, max_seqlen=self.max_seqlen,
+            fmt=self._format, seed=self.seed, checks=checks, max_seqlen=self.max_seqlen,
             num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu, head_offset=self.head_offset,
             own_seqlen=True, own_cu=True, ids_name="slots",
         )
@@ -394,6 +395,11 @@ class ReplaySSMCache:
         return f"ReplaySSMCache({', '.join(parts)})"
 
     @property
+    def format(self) -> Format:
+        """The read-copy format (`replayssm.formats.Format`) of `state_dtype`."""
+        return self._format
+
+    @property
     def backend_name(self) -> str:
         """The backend that runs this cache's operations: "kernels" or "reference"."""
         return self._backend.name
@@ -429,8 +435,6 @@ class ReplaySSMCache:
     def _check_handoff_live(self, ids: torch.Tensor, name: str, *, unique: bool = True) -> None:
         """Host check (a sync for CUDA ids): every id in [1, num_slots - 1], allocated, and
         (with `unique`) named once; a ValueError naming `name` otherwise."""
-        from . import handoff
-
         values = [int(v) for v in ids.tolist()]
         handoff.check_host_ids(name, values, self.num_slots, unique=unique)
         stray = sorted({s for s in values if not self.allocator.is_allocated(s)})
@@ -445,13 +449,11 @@ class ReplaySSMCache:
         the GPU are checked only with REPLAYSSM_DEBUG=1, so the copy can be captured. On a
         CUDA device (unless backend="reference") one launch of the copy kernel moves every
         tensor; its table is built on the first call (make it before capturing a graph)."""
-        from . import handoff
-
         debug()
         src, dst = self._handoff_ids("src", src), self._handoff_ids("dst", dst)
         device = self.tensors[L.CHECKPOINT].device  # with its index: device ids compare equal to it
-        kernel = handoff._use_kernel(device, "auto", (self,))
-        s, d = handoff._validate_pair(src, dst, device, self.num_slots, keep_dtype=kernel)
+        kernel = handoff.use_kernel(device, "auto", (self,))
+        s, d = handoff.validate_pair(src, dst, device, self.num_slots, keep_dtype=kernel)
         if (src.device.type == "cpu" and dst.device.type == "cpu") or debug():
             self._check_handoff_live(src, "src", unique=False)
             self._check_handoff_live(dst, "dst")
@@ -460,24 +462,20 @@ class ReplaySSMCache:
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, kernel: bool) -> None:
         """Validated device ids: one copy-kernel launch (table cached per cache), or the
         per-tensor copies (int64 ids)."""
-        from . import handoff
-
         if kernel:
             handoff.copy_plan((self,)).copy(src, dst)
         else:
-            handoff._copy(self.tensors, src.to(torch.int64), dst.to(torch.int64))
+            handoff.copy_rows(self.tensors, src.to(torch.int64), dst.to(torch.int64))
 
     def fork(self, src, n: int = 1) -> torch.Tensor:
         """Allocate `n` slots per slot of `src` (allocated, unique) and copy it into them;
         returns the new ids (int32 on the cache device), src-major: the forks of src[i]
         are [i * n, (i + 1) * n)."""
-        from . import handoff
-
         debug()
         chk.integer("n", n, low=1)
         src = self._handoff_ids("src", src)
         self._check_handoff_live(src, "src")
-        kernel = handoff._use_kernel(self.device, "auto", (self,))
+        kernel = handoff.use_kernel(self.device, "auto", (self,))
         dst = self.allocate(n * src.numel())  # raises before changing anything if too few are free
         s = src.to(self.device, torch.int64).repeat_interleave(n)
         self._copy(s, dst, kernel)
@@ -488,16 +486,14 @@ class ReplaySSMCache:
         prefilled with them: materialize src (FP32; `A` as for `materialize`), initialize
         dst from it (checkpoint and read copy derived from it, rings and positions cleared).
         src and dst unique, allocated, disjoint."""
-        from . import handoff
-
         checks = debug()
         src, dst = self._handoff_ids("src", src), self._handoff_ids("dst", dst)
-        s, d = handoff._validate_pair(src, dst, self.tensors[L.CHECKPOINT].device, self.num_slots)
+        s, d = handoff.validate_pair(src, dst, self.tensors[L.CHECKPOINT].device, self.num_slots)
         self._check_handoff_live(src, "src")
         self._check_handoff_live(dst, "dst")
         states = self.materialize(s, A)
         api._initialize(
-            self.tensors, self._geometry, self._backend, states, d, nvfp4=self._nvfp4, seed=self.seed, checks=checks,
+            self.tensors, self._geometry, self._backend, states, d, fmt=self._format, seed=self.seed, checks=checks,
             head_offset=self.head_offset,
         )
 
@@ -508,20 +504,18 @@ class ReplaySSMCache:
         gather launch and one device-to-host copy). `compact=True`: only the materialized FP32 state
         {"state": [n, heads, 64, 128]} (`A` as for `materialize`), restored as a snapshot.
         With `non_blocking` the copies are only queued: synchronize before reading."""
-        from . import handoff
-
         debug()
         ids = self._handoff_ids("slots", slots)
         self._check_handoff_live(ids, "slots")
         d = ids.to(self.device, torch.int64)
         if not compact:
-            if handoff._use_kernel(self.device, "auto", (self,)):  # one gather launch, one device-to-host copy
-                return handoff._export_staged(handoff.copy_plan((self,)), [self.tensors], [self._nvfp4], d, non_blocking)[0]
-            return handoff._export(self.tensors, d, self._nvfp4, non_blocking)
+            if handoff.use_kernel(self.device, "auto", (self,)):  # one gather launch, one device-to-host copy
+                return handoff.export_staged(handoff.copy_plan((self,)), [self.tensors], [self._format], d, non_blocking)[0]
+            return handoff.export_rows(self.tensors, d, self._format, non_blocking)
         states = self.materialize(d, A)
-        host = handoff._host_empty(states.shape, states.dtype)
+        host = handoff.host_empty(states.shape, states.dtype)
         host.copy_(states, non_blocking=non_blocking and host.is_pinned())
-        handoff._finish(self.tensors, non_blocking)
+        handoff.finish(self.tensors, non_blocking)
         return {handoff.COMPACT_KEY: host}
 
     def import_(self, data: dict, slots) -> None:
@@ -529,22 +523,142 @@ class ReplaySSMCache:
         exported slot): every per-slot tensor (same slot id: continues bit-identically; another
         id: with the same accuracy), or, for the compact form, initialized from the state.
         Shapes, dtypes and the format are checked against this cache first."""
-        from . import handoff
-
         checks = debug()
         ids = self._handoff_ids("slots", slots)
         self._check_handoff_live(ids, "slots")
         # Drafts awaiting a verdict must fit this cache's max_seqlen (decode trusts it).
-        compact = handoff.check_export(data, self.tensors, self._nvfp4, ids.numel(), self.max_seqlen)
+        compact = handoff.check_export(data, self.tensors, self._format, ids.numel(), self.max_seqlen)
         d = ids.to(self.device, torch.int64)
-        if not compact and handoff._use_kernel(self.device, "auto", (self,)):
+        if not compact and handoff.use_kernel(self.device, "auto", (self,)):
             plan = handoff.copy_plan((self,))
-            if handoff._import_staged(plan, [self.tensors], [self._nvfp4], [data], d):  # an export's one buffer
+            if handoff.import_staged(plan, [self.tensors], [self._format], [data], d):  # an export's one buffer
                 return
-        handoff._import(
+        handoff.import_rows(
             self.tensors, self._geometry, self._backend, data, d, compact,
-            nvfp4=self._nvfp4, seed=self.seed, checks=checks, head_offset=self.head_offset,
+            fmt=self._format, seed=self.seed, checks=checks, head_offset=self.head_offset,
         )
 
 
-__all__ = ["ReplaySSMCache", "NULL_SLOT"]
+# -- slot hand-off over every layer of a model (docs/format.md "Slot hand-off") -------------
+def _check_layers(caches: Sequence, backend: str) -> torch.device | None:
+    """Check a list of layer caches (ReplaySSMCache, same num_slots, one device) and
+    `backend`; their device (with its index: "cuda" caches hold "cuda:0" tensors), None
+    for an empty list."""
+    if isinstance(caches, ReplaySSMCache) or not isinstance(caches, Sequence):
+        raise TypeError(f"caches must be a sequence of ReplaySSMCache; got {type(caches).__name__}")
+    for i, c in enumerate(caches):
+        if not isinstance(c, ReplaySSMCache):
+            raise TypeError(f"caches[{i}] must be a ReplaySSMCache; got {type(c).__name__}")
+    check_backend(backend)
+    if not caches:
+        return None
+    first = caches[0]
+    device = first.tensors[L.CHECKPOINT].device
+    for i, c in enumerate(caches):
+        if c.num_slots != first.num_slots or c.tensors[L.CHECKPOINT].device != device:
+            raise ValueError(
+                f"caches must share num_slots and device; caches[{i}] has {c.num_slots} slots on "
+                f"{c.tensors[L.CHECKPOINT].device}, caches[0] {first.num_slots} on {device}"
+            )
+    return device
+
+
+def copy_slots(caches: Sequence, src, dst, *, backend: str = "auto") -> None:
+    """`ReplaySSMCache.copy_slots(src, dst)` over all layers' caches (a list of
+    ReplaySSMCache with the same number of slots on one device): the ids are validated
+    against every layer's allocator and moved to the device once; then one launch of the
+    copy kernel copies every per-slot tensor of every layer (on a CUDA device; no host
+    sync after the validation; graph-capturable once a first call has built the list's
+    copy table). `backend`: "auto" (the default) the kernel where it can run and no cache
+    chose backend="reference", per-tensor copies otherwise; "kernels" the kernel or a
+    ValueError; "reference" per-tensor copies."""
+    device = _check_layers(caches, backend)
+    if device is None:
+        return
+    first = caches[0]
+    kernel = handoff.use_kernel(device, backend, caches)
+    src_t, dst_t = first._handoff_ids("src", src), first._handoff_ids("dst", dst)  # lists stay on the host
+    s, d = handoff.validate_pair(src_t, dst_t, device, first.num_slots, keep_dtype=kernel)
+    if src_t.device.type == "cpu" or debug():
+        for c in caches:
+            c._check_handoff_live(src_t, "src", unique=False)
+            c._check_handoff_live(dst_t, "dst")
+    if kernel:
+        handoff.copy_plan(caches).copy(s, d)
+        return
+    for c in caches:
+        handoff.copy_rows(c.tensors, s, d)
+
+
+
+def _layer_ids(caches: Sequence, slots, device: torch.device) -> torch.Tensor:
+    """`slots` of a call over layers: validated (in range, unique, allocated in every
+    layer; ids on the device only with REPLAYSSM_DEBUG=1), as int64 on the device."""
+    first = caches[0]
+    ids = first._handoff_ids("slots", slots)  # lists stay on the host
+    d = handoff.validate_slots(ids, device, first.num_slots)
+    if ids.device.type == "cpu" or debug():
+        values = [int(v) for v in ids.tolist()]  # in range and unique: validate_slots
+        for c in caches:
+            stray = sorted({s for s in values if not c.allocator.is_allocated(s)})
+            if stray:
+                raise ValueError(f"slots must be allocated slots; slot(s) {stray} are not allocated; got {values}")
+    return d
+
+
+def export_slots(caches: Sequence, slots, *, non_blocking: bool = False, backend: str = "auto") -> list[dict[str, torch.Tensor]]:
+    """`ReplaySSMCache.export(slots)` over all layers' caches (a list of ReplaySSMCache
+    with the same number of slots on one device): one dict per layer, {name: host tensor
+    [n, *per-slot shape]} as `export` gives it. On a CUDA device (backend "auto" or
+    "kernels"; no cache chose backend="reference") one gather launch copies every
+    per-slot tensor of every layer into one device staging buffer and one device-to-host
+    copy brings it into one host buffer (pinned): every returned tensor is a view of that
+    buffer (`import_slots` of the list takes it back in one host-to-device copy and one
+    scatter launch). `backend="reference"`: per-tensor copies, a host tensor each. With
+    `non_blocking` the copies are only queued on the current stream: synchronize before
+    reading them. The ids are checked (in range, unique, allocated in every layer)."""
+    device = _check_layers(caches, backend)
+    if device is None:
+        return []
+    kernel = handoff.use_kernel(device, backend, caches)
+    ids = _layer_ids(caches, slots, device)
+    if kernel:
+        plan = handoff.copy_plan(caches)
+        return handoff.export_staged(plan, [c.tensors for c in caches], [c.format for c in caches], ids, non_blocking)
+    data = [handoff.export_rows(c.tensors, ids, c.format, True) for c in caches]
+    handoff.finish(caches[0].tensors, non_blocking)
+    return data
+
+
+def import_slots(caches: Sequence, data: Sequence[dict], slots, *, backend: str = "auto") -> None:
+    """`ReplaySSMCache.import_(data[i], slots)` for every layer i: `data` one dict per
+    cache (from `export_slots`, or any full or compact `export` dicts). Everything is
+    checked first (ids allocated in every layer, each dict's keys, shapes and dtypes
+    against its cache); a rejected call changes nothing. When every dict is full and all
+    are views of one buffer at the staging layout (as `export_slots` returns them), one
+    host-to-device copy of that buffer and one scatter launch write every layer (a CUDA
+    device; backend "auto" or "kernels"); otherwise each layer is imported as `import_`
+    imports it."""
+    device = _check_layers(caches, backend)
+    if device is None:
+        return
+    kernel = handoff.use_kernel(device, backend, caches)
+    if isinstance(data, dict) or not isinstance(data, Sequence):
+        raise TypeError(f"data must be a sequence of dicts (one per cache, from export_slots); got {type(data).__name__}")
+    if len(data) != len(caches):
+        raise ValueError(f"data must hold one dict per cache; got {len(data)} for {len(caches)} caches")
+    ids = _layer_ids(caches, slots, device)
+    compact = [handoff.check_export(d, c.tensors, c.format, ids.numel(), c.max_seqlen) for c, d in zip(caches, data)]
+    if kernel and not any(compact):
+        tuples = [c.tensors for c in caches]
+        if handoff.import_staged(handoff.copy_plan(caches), tuples, [c.format for c in caches], data, ids):
+            return
+    staged = [handoff.stage_import(c.tensors, d, small, c.format) for c, d, small in zip(caches, data, compact)]
+    for c, d, small, st in zip(caches, data, compact, staged):
+        handoff.import_rows(
+            c.tensors, c._geometry, c._backend, d, ids, small,
+            fmt=c.format, seed=c.seed, checks=debug(), head_offset=c.head_offset, staged=st,
+        )  # fmt: skip
+
+
+__all__ = ["ReplaySSMCache", "NULL_SLOT", "copy_slots", "export_slots", "import_slots"]

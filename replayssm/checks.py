@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import layout as L
+from .kernels.env import debug
 
 
 class DTypeError(TypeError, ValueError):
@@ -88,8 +89,6 @@ def host_values(t: torch.Tensor) -> list | None:
     """The values of `t` where reading them needs no read of GPU memory (a host tensor),
     or with REPLAYSSM_DEBUG=1 outside torch.compile and CUDA graph capture; None
     otherwise."""
-    from .kernels.env import debug
-
     if host_reads_allowed() and (t.device.type == "cpu" or debug()):
         return t.tolist()
     return None
@@ -162,8 +161,6 @@ def verdicts(t: object, batch: int, device: torch.device, max_seqlen: int) -> No
     if tuple(t.shape) != (batch,):
         raise ValueError(f"{name} must be int32 or int64 [{batch}] (one per row); got {describe(t)}")
     on_device(name, t, device)
-    from .kernels.env import debug
-
     if debug() and host_reads_allowed() and t.numel():
         lo, hi = int(t.min()), int(t.max())
         if lo < 0 or hi > max_seqlen:

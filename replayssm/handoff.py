@@ -27,7 +27,7 @@ Copies on a CUDA device run the copy kernel (kernels/triton/copy_slots.py): one 
 moves every per-slot tensor of every cache in the call, from a table of the tensors'
 addresses and slot strides built on the first copy of a cache list (`copy_plan`; a
 host-to-device copy, so the first copy must come before any graph capture) and kept
-while the caches live. The per-tensor index copies (`_copy`) serve the CPU and
+while the caches live. The per-tensor index copies (`copy_rows`) serve the CPU and
 backend="reference".
 
 Host swap on a CUDA device goes through one buffer: an export (`export_slots` over
@@ -49,29 +49,30 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import api
 from . import checks as chk
 from . import layout as L
-from .kernels import _triton_interpreting, backend_for, check_backend
+from .formats import Format, format_of
+from .kernels import triton_interpreting, backend_for, check_backend
 from .kernels.env import debug
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 COMPACT_KEY = "state"  # export(compact=True): the materialized FP32 state alone
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def as_bits(t: torch.Tensor) -> torch.Tensor:
     """`t` viewed as the integer type of its width: copies move bits (NaN poison, FP8 and
     FP4 codes included) and every dtype has index_select / index_copy_ on every device."""
     return t.view(_INT_VIEW[t.element_size()])
 
 
-def per_slot_names(cache: Sequence[torch.Tensor], nvfp4: bool) -> list[tuple[str, int]]:
+def per_slot_names(cache: Sequence[torch.Tensor], fmt: Format) -> list[tuple[str, int]]:
     """[(name, cache index)] of every per-slot tensor (the conv state excluded), named as
     `layout.tensor_specs` names them."""
     heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
-    specs = tensor_specs_for(cache, nvfp4, heads, groups)
+    specs = tensor_specs_for(cache, fmt, heads, groups)
     return [(name, i if i < len(specs) else len(cache) - 1) for i, (name, _, _) in enumerate(specs, start=1)]
 
 
-def tensor_specs_for(cache, nvfp4: bool, heads: int, groups: int):
-    return L.tensor_specs(heads, groups, nvfp4, cache[L.POSITIONS].dim() == 2)
+def tensor_specs_for(cache, fmt: Format, heads: int, groups: int):
+    return L.tensor_specs(heads, groups, fmt, cache[L.POSITIONS].dim() == 2)
 
 
 # -- validation ---------------------------------------------------------------------------
@@ -95,7 +96,7 @@ def check_host_ids(name: str, values: list[int], num_slots: int, *, unique: bool
         raise ValueError(f"{name} must name each slot once; slot(s) {rep} repeat; got {values}")
 
 
-def _validate_pair(src, dst, device, num_slots: int, *, keep_dtype: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def validate_pair(src, dst, device, num_slots: int, *, keep_dtype: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """src / dst ids of a copy or snapshot: same count; with host values, in range, dst
     unique, src and dst disjoint. Returns both on the cache device, as int64 (or, with
     `keep_dtype`, as given when already there: the copy kernel reads int32 and int64; host
@@ -120,7 +121,7 @@ def _validate_pair(src, dst, device, num_slots: int, *, keep_dtype: bool = False
     return src.to(device), dst.to(device)
 
 
-def _validate_slots(slots, device, num_slots: int) -> torch.Tensor:
+def validate_slots(slots, device, num_slots: int) -> torch.Tensor:
     slots = _ids("slots", slots, device)
     if slots.device.type == "cpu" or debug():
         check_host_ids("slots", slots.tolist(), num_slots)
@@ -128,14 +129,14 @@ def _validate_slots(slots, device, num_slots: int) -> torch.Tensor:
 
 
 # -- copy -----------------------------------------------------------------------------------
-def _copy(cache: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+def copy_rows(cache: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
     """Every per-slot tensor: dst rows <- src rows (int64 ids on the cache device, valid).
     Two launches a tensor (gather, scatter); no host sync. The per-tensor path: the CPU,
     backend="reference", and wherever the copy kernel cannot run."""
     if src.numel() == 0:
         return
     for t in cache[1:]:
-        b = _bits(t)
+        b = as_bits(t)
         b.index_copy_(0, dst, b.index_select(0, src))
 
 
@@ -143,7 +144,7 @@ def kernel_copy_unavailable(device: torch.device) -> str | None:
     """None when the Triton copy kernel (kernels/triton/copy_slots.py) can run on `device`:
     a CUDA device with Triton compiling, or the CPU under the Triton interpreter
     (TRITON_INTERPRET=1, tests); else the reason, in words."""
-    interpreting = _triton_interpreting()
+    interpreting = triton_interpreting()
     if device.type == "cuda" and interpreting:
         return "TRITON_INTERPRET=1 runs Triton kernels on host memory only; the cache is on the GPU"
     if device.type != "cuda" and not interpreting:
@@ -155,7 +156,7 @@ def kernel_copy_unavailable(device: torch.device) -> str | None:
     return None
 
 
-def _use_kernel(device: torch.device, backend: str, caches: Sequence = ()) -> bool:
+def use_kernel(device: torch.device, backend: str, caches: Sequence = ()) -> bool:
     """Whether a copy runs on the copy kernel. backend "reference": never (per-tensor
     PyTorch copies); "kernels": always, a ValueError where it cannot run; "auto": on a
     CUDA device unless a cache of `caches` chose backend="reference", on the CPU only when
@@ -210,11 +211,11 @@ class CopyPlan:
         validated; padding pairs are skipped)."""
         self._launch(self._kernels.copy_slots, self.table, src, dst, self.num_slots, chunk=self.chunk)
 
-    def stage_plan(self, tuples: Sequence[Sequence[torch.Tensor]], nvfp4: Sequence[bool]) -> StagePlan:
-        """The staging table of the same tuples (those this plan was built for; `nvfp4`
+    def stage_plan(self, tuples: Sequence[Sequence[torch.Tensor]], formats: Sequence[Format]) -> StagePlan:
+        """The staging table of the same tuples (those this plan was built for; `formats`
         each tuple's format), built on first use (a host-to-device copy) and kept."""
         if self.staging is None:
-            self.staging = StagePlan(tuples, nvfp4, self.device, self.chunk)
+            self.staging = StagePlan(tuples, formats, self.device, self.chunk)
         return self.staging
 
     def stage(self, plan: StagePlan, slots: torch.Tensor, staging: torch.Tensor, *, to_staging: bool) -> None:
@@ -233,12 +234,12 @@ class StagePlan:
     it; the same tensor of every layer (same name, shape, dtype) one after another;
     `table` the kernel's staging table."""
 
-    def __init__(self, tuples, nvfp4: Sequence[bool], device: torch.device, chunk: int):
+    def __init__(self, tuples, formats: Sequence[Format], device: torch.device, chunk: int):
         from .kernels.triton import copy_slots as K
 
         tensors, names = [], []
-        for layer, (cache, fp4) in enumerate(zip(tuples, nvfp4)):
-            for name, i in per_slot_names(cache, fp4):
+        for layer, (cache, fmt) in enumerate(zip(tuples, formats)):
+            for name, i in per_slot_names(cache, fmt):
                 tensors.append(cache[i])
                 names.append((layer, name))
         kinds = [(name, tuple(t.shape[1:]), t.dtype) for (_, name), t in zip(names, tensors)]
@@ -324,7 +325,7 @@ def copy_plan(caches: Sequence) -> CopyPlan:
     return plan
 
 
-def _tuple_plan(cache: Sequence[torch.Tensor], num_slots: int) -> CopyPlan:
+def tuple_plan(cache: Sequence[torch.Tensor], num_slots: int) -> CopyPlan:
     layout = tuple((t.data_ptr(), t.stride(0), t.shape, t.dtype) for t in cache[1:])
     entry = _TUPLE_PLANS.get(cache[L.CHECKPOINT])
     if entry is not None and entry[0] == layout:
@@ -346,67 +347,15 @@ def copy_replayssm_slots(
     copy-kernel launch on a CUDA device (its table is built on the first call for a
     tuple: call once before capturing a graph), per-tensor copies elsewhere; "kernels" the
     kernel or a ValueError; "reference" the per-tensor copies."""
-    nvfp4 = L.is_nvfp4(state_dtype)
-    num_slots, _, _ = L.check_cache(cache, nvfp4)
+    fmt = format_of(state_dtype)
+    num_slots, _, _ = L.check_cache(cache, fmt)
     device = cache[L.CHECKPOINT].device
-    kernel = _use_kernel(device, backend)
-    src, dst = _validate_pair(src, dst, device, num_slots, keep_dtype=kernel)
+    kernel = use_kernel(device, backend)
+    src, dst = validate_pair(src, dst, device, num_slots, keep_dtype=kernel)
     if kernel:
-        _tuple_plan(cache, num_slots).copy(src, dst)
+        tuple_plan(cache, num_slots).copy(src, dst)
     else:
-        _copy(cache, src, dst)
-
-
-def _check_layers(caches: Sequence, backend: str) -> torch.device | None:
-    """Check a list of layer caches (ReplaySSMCache, same num_slots, one device) and
-    `backend`; their device (with its index: "cuda" caches hold "cuda:0" tensors), None
-    for an empty list."""
-    from .cache import ReplaySSMCache
-
-    if isinstance(caches, ReplaySSMCache) or not isinstance(caches, Sequence):
-        raise TypeError(f"caches must be a sequence of ReplaySSMCache; got {type(caches).__name__}")
-    for i, c in enumerate(caches):
-        if not isinstance(c, ReplaySSMCache):
-            raise TypeError(f"caches[{i}] must be a ReplaySSMCache; got {type(c).__name__}")
-    check_backend(backend)
-    if not caches:
-        return None
-    first = caches[0]
-    device = first.tensors[L.CHECKPOINT].device
-    for i, c in enumerate(caches):
-        if c.num_slots != first.num_slots or c.tensors[L.CHECKPOINT].device != device:
-            raise ValueError(
-                f"caches must share num_slots and device; caches[{i}] has {c.num_slots} slots on "
-                f"{c.tensors[L.CHECKPOINT].device}, caches[0] {first.num_slots} on {device}"
-            )
-    return device
-
-
-def copy_slots(caches: Sequence, src, dst, *, backend: str = "auto") -> None:
-    """`ReplaySSMCache.copy_slots(src, dst)` over all layers' caches (a list of
-    ReplaySSMCache with the same number of slots on one device): the ids are validated
-    against every layer's allocator and moved to the device once; then one launch of the
-    copy kernel copies every per-slot tensor of every layer (on a CUDA device; no host
-    sync after the validation; graph-capturable once a first call has built the list's
-    copy table). `backend`: "auto" (the default) the kernel where it can run and no cache
-    chose backend="reference", per-tensor copies otherwise; "kernels" the kernel or a
-    ValueError; "reference" per-tensor copies."""
-    device = _check_layers(caches, backend)
-    if device is None:
-        return
-    first = caches[0]
-    kernel = _use_kernel(device, backend, caches)
-    src_t, dst_t = first._handoff_ids("src", src), first._handoff_ids("dst", dst)  # lists stay on the host
-    s, d = _validate_pair(src_t, dst_t, device, first.num_slots, keep_dtype=kernel)
-    if src_t.device.type == "cpu" or debug():
-        for c in caches:
-            c._check_handoff_live(src_t, "src", unique=False)
-            c._check_handoff_live(dst_t, "dst")
-    if kernel:
-        copy_plan(caches).copy(s, d)
-        return
-    for c in caches:
-        _copy(c.tensors, s, d)
+        copy_rows(cache, src, dst)
 
 
 # -- snapshot -------------------------------------------------------------------------------
@@ -428,30 +377,30 @@ def snapshot_replayssm_slots(
     dst). `A` as for decode; `src` unique, `dst` unique, disjoint. A pending-mode cache
     needs `max_seqlen` (as `materialize_replayssm_state`); its snapshot holds the state
     after the committed tokens."""
-    nvfp4 = L.is_nvfp4(state_dtype)
+    fmt = format_of(state_dtype)
     checks = debug()
     chk.seed(seed)
-    geometry = L.check_cache(cache, nvfp4)
+    geometry = L.check_cache(cache, fmt)
     device = cache[L.CHECKPOINT].device
-    src, dst = _validate_pair(src, dst, device, geometry[0])
+    src, dst = validate_pair(src, dst, device, geometry[0])
     if src.device.type == "cpu" or checks:
         check_host_ids("src", src.tolist(), geometry[0])
     impl = backend_for(device, backend, cache)
     _snapshot(
-        cache, geometry, impl, src, dst, A, nvfp4=nvfp4, seed=seed, checks=checks,
+        cache, geometry, impl, src, dst, A, fmt=fmt, seed=seed, checks=checks,
         head_offset=chk.head_offset(head_offset), max_seqlen=max_seqlen,
     )
 
 
 def _snapshot(
-    cache, geometry, impl, src, dst, A, *, nvfp4: bool, seed: int, checks: bool, head_offset: int = 0, max_seqlen=None
+    cache, geometry, impl, src, dst, A, *, fmt: Format, seed: int, checks: bool, head_offset: int = 0, max_seqlen=None
 ) -> None:
     states = api._materialize(cache, geometry, impl, src, A, max_seqlen=max_seqlen)
-    api._initialize(cache, geometry, impl, states, dst, nvfp4=nvfp4, seed=seed, checks=checks, head_offset=head_offset)
+    api._initialize(cache, geometry, impl, states, dst, fmt=fmt, seed=seed, checks=checks, head_offset=head_offset)
 
 
 # -- host swap ------------------------------------------------------------------------------
-def _host_empty(shape, dtype) -> torch.Tensor:
+def host_empty(shape, dtype) -> torch.Tensor:
     """A host tensor, pinned when CUDA is available (asynchronous copies both ways)."""
     return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
 
@@ -465,47 +414,47 @@ def export_replayssm_slots(
     gather launch and one device-to-host copy (`import_replayssm_slots` takes it back the
     same way); elsewhere one host tensor each. With `non_blocking` the copies are only
     queued on the current stream: synchronize before reading them."""
-    nvfp4 = L.is_nvfp4(state_dtype)
-    num_slots, _, _ = L.check_cache(cache, nvfp4)
+    fmt = format_of(state_dtype)
+    num_slots, _, _ = L.check_cache(cache, fmt)
     device = cache[L.CHECKPOINT].device
-    ids = _validate_slots(slots, device, num_slots)
-    if _use_kernel(device, "auto"):
-        return _export_staged(_tuple_plan(cache, num_slots), [cache], [nvfp4], ids, non_blocking)[0]
-    return _export(cache, ids, nvfp4, non_blocking)
+    ids = validate_slots(slots, device, num_slots)
+    if use_kernel(device, "auto"):
+        return export_staged(tuple_plan(cache, num_slots), [cache], [fmt], ids, non_blocking)[0]
+    return export_rows(cache, ids, fmt, non_blocking)
 
 
-def _export(cache, ids: torch.Tensor, nvfp4: bool, non_blocking: bool) -> dict[str, torch.Tensor]:
+def export_rows(cache, ids: torch.Tensor, fmt: Format, non_blocking: bool) -> dict[str, torch.Tensor]:
     """The per-tensor export: an index_select and a device-to-host copy per tensor (the
     CPU, backend="reference")."""
     data = {}
-    for name, i in per_slot_names(cache, nvfp4):
+    for name, i in per_slot_names(cache, fmt):
         t = cache[i]
-        host = _host_empty((ids.numel(), *t.shape[1:]), t.dtype)
-        _bits(host).copy_(_bits(t).index_select(0, ids), non_blocking=non_blocking and host.is_pinned())
+        host = host_empty((ids.numel(), *t.shape[1:]), t.dtype)
+        as_bits(host).copy_(as_bits(t).index_select(0, ids), non_blocking=non_blocking and host.is_pinned())
         data[name] = host
-    _finish(cache, non_blocking)
+    finish(cache, non_blocking)
     return data
 
 
-def _export_staged(plan: CopyPlan, tuples, nvfp4: Sequence[bool], ids: torch.Tensor, non_blocking: bool) -> list[dict]:
+def export_staged(plan: CopyPlan, tuples, formats: Sequence[Format], ids: torch.Tensor, non_blocking: bool) -> list[dict]:
     """Every per-slot tensor of slots `ids` (validated, on the device) of every tuple: one
     gather launch into a device staging buffer, one copy of it into one (pinned) host
     buffer; per-tuple dicts of views of that buffer (`StagePlan.views`)."""
-    staged = plan.stage_plan(tuples, nvfp4)
+    staged = plan.stage_plan(tuples, formats)
     n = ids.numel()
     staging = torch.empty(n * staged.slot_bytes, dtype=torch.uint8, device=plan.device)
     plan.stage(staged, ids, staging, to_staging=True)
-    host = _host_empty((n * staged.slot_bytes,), torch.uint8)
+    host = host_empty((n * staged.slot_bytes,), torch.uint8)
     host.copy_(staging, non_blocking=non_blocking and host.is_pinned())
-    _finish(tuples[0], non_blocking)
+    finish(tuples[0], non_blocking)
     return staged.views(host, n)
 
 
-def _import_staged(plan: CopyPlan, tuples, nvfp4: Sequence[bool], data: Sequence[dict], ids: torch.Tensor) -> bool:
+def import_staged(plan: CopyPlan, tuples, formats: Sequence[Format], data: Sequence[dict], ids: torch.Tensor) -> bool:
     """When `data` (checked, full form, one dict per tuple) are views of one buffer at the
     staging layout (an export's): one copy of that buffer to the device and one scatter
     launch into slots `ids` (validated, on the device); True. Else nothing, False."""
-    staged = plan.stage_plan(tuples, nvfp4)
+    staged = plan.stage_plan(tuples, formats)
     buffer = staged.buffer_of(data, ids.numel())
     if buffer is None:
         return False
@@ -516,12 +465,12 @@ def _import_staged(plan: CopyPlan, tuples, nvfp4: Sequence[bool], data: Sequence
     return True
 
 
-def _finish(cache, non_blocking: bool) -> None:
+def finish(cache, non_blocking: bool) -> None:
     if not non_blocking and cache[L.CHECKPOINT].device.type == "cuda":
         torch.cuda.current_stream(cache[L.CHECKPOINT].device).synchronize()
 
 
-def check_export(data: object, cache, nvfp4: bool, n: int, max_pending: int | None = None) -> bool:
+def check_export(data: object, cache, fmt: Format, n: int, max_pending: int | None = None) -> bool:
     """Validate exported `data` for `n` slots of `cache`; True when it is the compact form
     ({"state": FP32 [n, H, 64, 128]}), False for the full form. Every tensor on the host
     or the cache device, of the cache's dtype and shape; the values that the cache's
@@ -535,12 +484,11 @@ def check_export(data: object, cache, nvfp4: bool, n: int, max_pending: int | No
     if set(data) == {COMPACT_KEY}:
         want = {COMPACT_KEY: ((n, heads, L.HEAD_DIM, L.STATE_DIM), torch.float32)}
     else:
-        specs = tensor_specs_for(cache, nvfp4, heads, cache[L.B_RING].shape[1])
+        specs = tensor_specs_for(cache, fmt, heads, cache[L.B_RING].shape[1])
         want = {name: ((n, *shape), dt) for name, shape, dt in specs}
         if set(data) != set(want):
-            fmt = "nvfp4" if nvfp4 else "fp8"
             raise ValueError(
-                f"data must hold the {fmt} cache's tensors {sorted(want)} (or only {COMPACT_KEY!r}, the compact "
+                f"data must hold the {fmt.name} cache's tensors {sorted(want)} (or only {COMPACT_KEY!r}, the compact "
                 f"form); got keys {sorted(data)}"
             )
     device = cache[L.CHECKPOINT].device
@@ -569,7 +517,7 @@ def check_export(data: object, cache, nvfp4: bool, n: int, max_pending: int | No
             raise ValueError(
                 f"data['positions'][:, 1] (tokens awaiting a verdict) must be in 0..{q_max} for this cache; got {bad}"
             )
-    if nvfp4:
+    if fmt.two_level:
         par = chk.host_values(data["parity"])
         bad = sorted({p for p in par if p not in (0, 1)}) if par is not None else []
         if bad:
@@ -591,111 +539,41 @@ def import_replayssm_slots(
     full form restores every per-slot tensor (same slot id: bit-identical continuation);
     the compact form is initialized as a prefill state (a snapshot; `seed` and `backend`
     serve it as they serve `initialize_replayssm_state`)."""
-    nvfp4 = L.is_nvfp4(state_dtype)
+    fmt = format_of(state_dtype)
     checks = debug()
     chk.seed(seed)
     head_offset = chk.head_offset(head_offset)
-    geometry = L.check_cache(cache, nvfp4)
+    geometry = L.check_cache(cache, fmt)
     device = cache[L.CHECKPOINT].device
-    ids = _validate_slots(slots, device, geometry[0])
-    compact = check_export(data, cache, nvfp4, ids.numel())
+    ids = validate_slots(slots, device, geometry[0])
+    compact = check_export(data, cache, fmt, ids.numel())
     impl = backend_for(device, backend, cache)
-    if not compact and backend != "reference" and _use_kernel(device, "auto"):
-        if _import_staged(_tuple_plan(cache, geometry[0]), [cache], [nvfp4], [data], ids):
+    if not compact and backend != "reference" and use_kernel(device, "auto"):
+        if import_staged(tuple_plan(cache, geometry[0]), [cache], [fmt], [data], ids):
             return
-    _import(cache, geometry, impl, data, ids, compact, nvfp4=nvfp4, seed=seed, checks=checks, head_offset=head_offset)
+    import_rows(cache, geometry, impl, data, ids, compact, fmt=fmt, seed=seed, checks=checks, head_offset=head_offset)
 
 
-def _stage_import(cache, data: dict, compact: bool, nvfp4: bool):
+def stage_import(cache, data: dict, compact: bool, fmt: Format):
     """Checked `data` copied to the cache device, before anything is written (so that a
     copy that fails, from a device it cannot come from or for want of memory, fails
     first): the compact form's states, or [(cache index, tensor as its integer type)]."""
     device = cache[L.CHECKPOINT].device
     if compact:
         return data[COMPACT_KEY].to(device, non_blocking=data[COMPACT_KEY].is_pinned())
-    return [(i, _bits(data[name]).to(device, non_blocking=data[name].is_pinned())) for name, i in per_slot_names(cache, nvfp4)]
+    return [(i, as_bits(data[name]).to(device, non_blocking=data[name].is_pinned())) for name, i in per_slot_names(cache, fmt)]
 
 
-def _import(cache, geometry, impl, data, ids, compact: bool, *, nvfp4: bool, seed: int, checks: bool, head_offset: int = 0,
+def import_rows(cache, geometry, impl, data, ids, compact: bool, *, fmt: Format, seed: int, checks: bool, head_offset: int = 0,
             staged=None) -> None:  # fmt: skip
-    """Write checked `data` (`staged` by `_stage_import` if the caller did) into slots `ids`."""
+    """Write checked `data` (`staged` by `stage_import` if the caller did) into slots `ids`."""
     if staged is None:
-        staged = _stage_import(cache, data, compact, nvfp4)
+        staged = stage_import(cache, data, compact, fmt)
     if compact:
-        api._initialize(cache, geometry, impl, staged, ids, nvfp4=nvfp4, seed=seed, checks=checks, head_offset=head_offset)
+        api._initialize(cache, geometry, impl, staged, ids, fmt=fmt, seed=seed, checks=checks, head_offset=head_offset)
         return
     for i, src in staged:
-        _bits(cache[i]).index_copy_(0, ids, src)
-
-
-def _layer_ids(caches: Sequence, slots, device: torch.device) -> torch.Tensor:
-    """`slots` of a call over layers: validated (in range, unique, allocated in every
-    layer; ids on the device only with REPLAYSSM_DEBUG=1), as int64 on the device."""
-    first = caches[0]
-    ids = first._handoff_ids("slots", slots)  # lists stay on the host
-    d = _validate_slots(ids, device, first.num_slots)
-    if ids.device.type == "cpu" or debug():
-        values = [int(v) for v in ids.tolist()]  # in range and unique: _validate_slots
-        for c in caches:
-            stray = sorted({s for s in values if not c.allocator.is_allocated(s)})
-            if stray:
-                raise ValueError(f"slots must be allocated slots; slot(s) {stray} are not allocated; got {values}")
-    return d
-
-
-def export_slots(caches: Sequence, slots, *, non_blocking: bool = False, backend: str = "auto") -> list[dict[str, torch.Tensor]]:
-    """`ReplaySSMCache.export(slots)` over all layers' caches (a list of ReplaySSMCache
-    with the same number of slots on one device): one dict per layer, {name: host tensor
-    [n, *per-slot shape]} as `export` gives it. On a CUDA device (backend "auto" or
-    "kernels"; no cache chose backend="reference") one gather launch copies every
-    per-slot tensor of every layer into one device staging buffer and one device-to-host
-    copy brings it into one host buffer (pinned): every returned tensor is a view of that
-    buffer (`import_slots` of the list takes it back in one host-to-device copy and one
-    scatter launch). `backend="reference"`: per-tensor copies, a host tensor each. With
-    `non_blocking` the copies are only queued on the current stream: synchronize before
-    reading them. The ids are checked (in range, unique, allocated in every layer)."""
-    device = _check_layers(caches, backend)
-    if device is None:
-        return []
-    kernel = _use_kernel(device, backend, caches)
-    ids = _layer_ids(caches, slots, device)
-    if kernel:
-        plan = copy_plan(caches)
-        return _export_staged(plan, [c.tensors for c in caches], [c._nvfp4 for c in caches], ids, non_blocking)
-    data = [_export(c.tensors, ids, c._nvfp4, True) for c in caches]
-    _finish(caches[0].tensors, non_blocking)
-    return data
-
-
-def import_slots(caches: Sequence, data: Sequence[dict], slots, *, backend: str = "auto") -> None:
-    """`ReplaySSMCache.import_(data[i], slots)` for every layer i: `data` one dict per
-    cache (from `export_slots`, or any full or compact `export` dicts). Everything is
-    checked first (ids allocated in every layer, each dict's keys, shapes and dtypes
-    against its cache); a rejected call changes nothing. When every dict is full and all
-    are views of one buffer at the staging layout (as `export_slots` returns them), one
-    host-to-device copy of that buffer and one scatter launch write every layer (a CUDA
-    device; backend "auto" or "kernels"); otherwise each layer is imported as `import_`
-    imports it."""
-    device = _check_layers(caches, backend)
-    if device is None:
-        return
-    kernel = _use_kernel(device, backend, caches)
-    if isinstance(data, dict) or not isinstance(data, Sequence):
-        raise TypeError(f"data must be a sequence of dicts (one per cache, from export_slots); got {type(data).__name__}")
-    if len(data) != len(caches):
-        raise ValueError(f"data must hold one dict per cache; got {len(data)} for {len(caches)} caches")
-    ids = _layer_ids(caches, slots, device)
-    compact = [check_export(d, c.tensors, c._nvfp4, ids.numel(), c.max_seqlen) for c, d in zip(caches, data)]
-    if kernel and not any(compact):
-        tuples = [c.tensors for c in caches]
-        if _import_staged(copy_plan(caches), tuples, [c._nvfp4 for c in caches], data, ids):
-            return
-    staged = [_stage_import(c.tensors, d, small, c._nvfp4) for c, d, small in zip(caches, data, compact)]
-    for c, d, small, st in zip(caches, data, compact, staged):
-        _import(
-            c.tensors, c._geometry, c._backend, d, ids, small,
-            nvfp4=c._nvfp4, seed=c.seed, checks=debug(), head_offset=c.head_offset, staged=st,
-        )  # fmt: skip
+        as_bits(cache[i]).index_copy_(0, ids, src)
 
 
 __all__ = [
@@ -703,10 +581,7 @@ __all__ = [
     "StagePlan",
     "copy_plan",
     "copy_replayssm_slots",
-    "copy_slots",
     "export_replayssm_slots",
-    "export_slots",
     "import_replayssm_slots",
-    "import_slots",
     "snapshot_replayssm_slots",
 ]

@@ -9,27 +9,26 @@ from collections.abc import Sequence
 
 import torch
 
-HEAD_DIM = 64  # P: head dimension
-STATE_DIM = 128  # N: state dimension
-RING = 16  # L: ring entries; one flush every RING tokens
-NVFP4_BLOCK = 16
-HEADS_PER_GROUP = (8, 16)
-STATE_DTYPES = ("fp8", "nvfp4")
+from .formats import FORMATS, Format, format_of
+from .geometry import (  # noqa: F401  (the cache tuple's names, re-exported)
+    B_RING,
+    CHECKPOINT,
+    CONV,
+    DT_RING,
+    HEAD_DIM,
+    HEADS_PER_GROUP,
+    META,
+    NVFP4_BLOCK,
+    PARITY,
+    POSITIONS,
+    READ_COPY,
+    RING,
+    SCALES,
+    STATE_DIM,
+    X_RING,
+)
 
-# Cache tuple indices shared by both formats.
-CONV, CHECKPOINT, X_RING, DT_RING, B_RING, READ_COPY, SCALES = 0, 1, 2, 3, 4, 5, 6
-# NVFP4 only.
-META, PARITY = 7, 8
-POSITIONS = -1
-
-
-def is_nvfp4(state_dtype: object) -> bool:
-    """Parse `state_dtype`; raise a clear error for anything but "fp8" / "nvfp4"."""
-    if not isinstance(state_dtype, str):
-        raise TypeError(f"state_dtype must be a str in {STATE_DTYPES}; got {type(state_dtype).__name__}")
-    if state_dtype not in STATE_DTYPES:
-        raise ValueError(f"state_dtype must be one of {STATE_DTYPES}; got {state_dtype!r}")
-    return state_dtype == "nvfp4"
+STATE_DTYPES = tuple(FORMATS)
 
 
 def check_device(device: object) -> torch.device:
@@ -59,28 +58,17 @@ def check_device(device: object) -> torch.device:
     return dev
 
 
-def tensor_specs(heads: int, groups: int, nvfp4: bool, pending: bool = False):
+def tensor_specs(heads: int, groups: int, fmt: Format, pending: bool = False):
     """[(name, per-slot shape, dtype)] for cache indices 1.. (index 0, the conv state, is
-    the caller's)."""
+    the caller's): checkpoint, rings, the format's tensors, positions."""
     specs = [
         ("checkpoint", (heads, HEAD_DIM, STATE_DIM), torch.float16),
         ("x_ring", (heads, RING, HEAD_DIM), torch.bfloat16),
         ("dt_ring", (heads, RING), torch.float32),
         ("b_ring", (groups, RING, STATE_DIM), torch.bfloat16),
+        *fmt.specs(heads, groups),
+        ("positions", (2,) if pending else (), torch.int32),
     ]
-    if nvfp4:
-        specs += [
-            ("read_copy", (heads, HEAD_DIM, STATE_DIM // 2), torch.uint8),
-            ("block_scales", (heads, HEAD_DIM, STATE_DIM // NVFP4_BLOCK), torch.float8_e4m3fn),
-            ("meta", (groups, 2), torch.float32),
-            ("parity", (), torch.int32),
-        ]
-    else:
-        specs += [
-            ("read_copy", (heads, HEAD_DIM, STATE_DIM), torch.float8_e4m3fn),
-            ("row_scales", (heads, HEAD_DIM), torch.float32),
-        ]
-    specs.append(("positions", (2,) if pending else (), torch.int32))
     return specs
 
 
@@ -104,7 +92,7 @@ def allocate_cache(
     tensor has a slot stride larger than its per-slot size. `fill` (e.g. NaN) poisons the
     state tensors; rings and positions are always zeroed.
     """
-    nvfp4 = is_nvfp4(state_dtype)
+    fmt = format_of(state_dtype)
     device = check_device(device)
     check_geometry(num_slots, heads, groups)
     conv_shape = check_conv(conv_shape, conv_dtype)
@@ -116,7 +104,7 @@ def allocate_cache(
         raise TypeError(f"fill must be a float or None; got {type(fill).__name__}")
     if not isinstance(pending, bool):
         raise TypeError(f"pending must be a bool; got {type(pending).__name__}")
-    specs = tensor_specs(heads, groups, nvfp4, pending)
+    specs = tensor_specs(heads, groups, fmt, pending)
     conv = torch.zeros(num_slots, *(conv_shape or (0,)), dtype=conv_dtype, device=device)
     if slot_padding <= 0:
         tensors = [torch.empty(num_slots, *shape, dtype=dt, device=device) for _, shape, dt in specs]
@@ -187,14 +175,13 @@ def slot_stride_ok(t: torch.Tensor) -> bool:
     return t.stride(0) >= expect or t.shape[0] <= 1
 
 
-def check_cache(cache: Sequence[torch.Tensor], nvfp4: bool) -> tuple[int, int, int]:
-    """Validate a cache tuple; return (num_slots, heads, groups)."""
+def check_cache(cache: Sequence[torch.Tensor], fmt: Format) -> tuple[int, int, int]:
+    """Validate a cache tuple of format `fmt`; return (num_slots, heads, groups)."""
     if isinstance(cache, torch.Tensor) or not isinstance(cache, Sequence):
         raise TypeError(f"cache must be a sequence of tensors; got {type(cache).__name__}")
-    want = 10 if nvfp4 else 8
+    want = fmt.cache_len()
     if len(cache) != want:
-        fmt = "nvfp4" if nvfp4 else "fp8"
-        raise ValueError(f"cache for state_dtype {fmt!r} must hold {want} tensors; got {len(cache)}")
+        raise ValueError(f"cache for state_dtype {fmt.name!r} must hold {want} tensors; got {len(cache)}")
     for i, t in enumerate(cache):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"cache[{i}] must be a torch.Tensor; got {type(t).__name__}")
@@ -212,7 +199,7 @@ def check_cache(cache: Sequence[torch.Tensor], nvfp4: bool) -> tuple[int, int, i
         )
     pos = cache[POSITIONS]
     pending = pos.dim() == 2
-    specs = tensor_specs(heads, groups, nvfp4, pending)
+    specs = tensor_specs(heads, groups, fmt, pending)
     device = ckpt.device
     for i, (name, shape, dt) in enumerate(specs, start=1):
         idx = i if i < len(specs) else len(cache) - 1

@@ -72,6 +72,7 @@ from collections.abc import Sequence
 import torch
 
 from . import layout as L
+from .formats import format_of
 from .kernels import REFERENCE, kernel_backend
 
 # The cache tuple as op arguments, in tuple order: (name, optional). `meta` and `parity`
@@ -233,7 +234,7 @@ def _run_initialize(cache, states, state_indices, state_dtype, seed, backend, he
     the eager wrapper's)."""
     with torch.no_grad():
         _backend(backend).initialize(
-            cache, states, state_indices, nvfp4=state_dtype == "nvfp4", seed=seed, head_offset=head_offset
+            cache, states, state_indices, fmt=format_of(state_dtype), seed=seed, head_offset=head_offset
         )
 
 
@@ -264,7 +265,7 @@ def _decode_kernel(
     with torch.no_grad():
         _backend(backend).decode(
             cache, x, dt, A, B, C, D, dt_bias, state_indices, out.view(batch, checkpoint.shape[1], L.HEAD_DIM),
-            nvfp4=state_dtype == "nvfp4", seed=seed, head_offset=head_offset, **extra,
+            fmt=format_of(state_dtype), seed=seed, head_offset=head_offset, **extra,
         )
 
 
@@ -295,7 +296,7 @@ def _run_decode_pending(
     """The body of `replayssm::decode_pending` on a cache tuple."""
     with torch.no_grad():
         _backend(backend).decode_pending(
-            cache, x, dt, A, B, C, D, dt_bias, state_indices, out, nvfp4=state_dtype == "nvfp4", seed=seed,
+            cache, x, dt, A, B, C, D, dt_bias, state_indices, out, fmt=format_of(state_dtype), seed=seed,
             max_seqlen=max_seqlen, num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens,
             head_offset=head_offset,
         )

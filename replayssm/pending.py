@@ -46,13 +46,8 @@ import torch.nn.functional as F
 from . import layout as L
 from .quant.minifloat import to_fp16
 from .quant.rng import checkpoint_rbits, stream_key
-from .reference import (
-    _expand_groups,
-    _group_amax,
-    _write_read_copy,
-    read_copy_state,
-    valid_rows,
-)
+from .formats import Format
+from .reference import _expand_groups, valid_rows
 
 MAX_SEQLEN = 8
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -79,12 +74,12 @@ def _check_int_vector(name: str, t, batch: int, device) -> torch.Tensor:
     return t.to(device=device, dtype=torch.int64)
 
 
-def _validate(cache, x, dt, A, B, C, D, dt_bias, slots, out, nvfp4, max_seqlen, num_accepted_tokens, seq_lens):
+def _validate(cache, x, dt, A, B, C, D, dt_bias, slots, out, fmt, max_seqlen, num_accepted_tokens, seq_lens):
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or not 1 <= max_seqlen <= MAX_SEQLEN:
         raise ValueError(f"max_seqlen must be an int in 1..{MAX_SEQLEN}; got {max_seqlen!r}")
-    want = 10 if nvfp4 else 8
+    want = fmt.cache_len()
     if len(cache) != want:
-        raise ValueError(f"cache must hold {want} tensors for nvfp4={nvfp4}; got {len(cache)}")
+        raise ValueError(f"cache must hold {want} tensors for state_dtype {fmt.name!r}; got {len(cache)}")
     num_slots, heads = cache[L.CHECKPOINT].shape[:2]
     groups = cache[L.B_RING].shape[1]
     pos = cache[L.POSITIONS]
@@ -237,7 +232,7 @@ def pending_decode(
     slots: torch.Tensor,
     out: torch.Tensor,
     *,
-    nvfp4: bool,
+    fmt: Format,
     seed: int,
     max_seqlen: int,
     num_accepted_tokens: torch.Tensor | None = None,
@@ -264,13 +259,13 @@ def pending_decode(
         lens, ok, (xd, dtd, Bd, Cd) = varlen_to_dense(cu_seqlens, max_seqlen, x, dt, B, C)
         dense_out = torch.empty(xd.shape[0], max_seqlen, heads, L.HEAD_DIM, dtype=out.dtype, device=out.device)
         pending_decode(
-            cache, xd, dtd, A, Bd, Cd, D, dt_bias, slots, dense_out, nvfp4=nvfp4, seed=seed, max_seqlen=max_seqlen,
+            cache, xd, dtd, A, Bd, Cd, D, dt_bias, slots, dense_out, fmt=fmt, seed=seed, max_seqlen=max_seqlen,
             num_accepted_tokens=num_accepted_tokens, seq_lens=lens, head_offset=head_offset,
         )
         out.copy_(dense_out[ok].reshape(out.shape))
         return out
     x, num_accepted_tokens, seq_lens = _validate(
-        cache, x, dt, A, B, C, D, dt_bias, slots, out, nvfp4, max_seqlen, num_accepted_tokens, seq_lens
+        cache, x, dt, A, B, C, D, dt_bias, slots, out, fmt, max_seqlen, num_accepted_tokens, seq_lens
     )
     num_slots, heads = cache[L.CHECKPOINT].shape[:2]
     groups = cache[L.B_RING].shape[1]
@@ -301,26 +296,15 @@ def pending_decode(
         folded = fold_range(cache, fs, f_old[folds], (f_new - f_old)[folds], A)
         key = stream_key(seed, fs, f_new[folds])
         cache[L.CHECKPOINT][fs] = to_fp16(folded, checkpoint_rbits(key, heads, head_offset))
-        live_amax = None
-        if nvfp4:
-            # Separate mode's flush, prepare and flush launches in one (format.md section 4):
-            # flip parity, encode with the amax of the previous fold (the new live half),
-            # store the new state's amax in the half that was live.
-            p_old = cache[L.PARITY][fs].to(torch.int64)
-            new_live = 1 - p_old
-            cache[L.PARITY][fs] = new_live.to(torch.int32)
-            meta = cache[L.META][fs]  # [m, G, 2]
-            live_amax = meta.gather(2, new_live.view(-1, 1, 1).expand(-1, groups, 1)).squeeze(-1)
-            measured = _group_amax(folded, groups)
-            meta.scatter_(2, p_old.view(-1, 1, 1).expand(-1, groups, 1), measured.unsqueeze(-1))
-            cache[L.META][fs] = meta
-        _write_read_copy(cache, fs, folded, nvfp4, live_amax)
+        # Separate mode's prepare and flush in one (format.md section 4): NVFP4's parity
+        # flips, the copy is encoded with the previous fold's amax, the new one stored.
+        fmt.refresh(cache, fs, folded, fmt.flip(cache, fs))
 
     # Base state: every live row's dequantized read copy, standing at f(c') (rows that
     # folded read the copy just re-derived). Replay: committed ring entries f(c') .. c'-1
     # (m of them, m <= Gd - 1), then the new tokens.
     base = f_new
-    state = read_copy_state(cache, slot, nvfp4=nvfp4)
+    state = fmt.read(cache, slot)
     m = c_new - base
     x_e, dt_e, B_e = _ring_entries(cache, slot, base, m)
     xs = x[rows].float()  # [n, T, H, 64]

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import layout as L
-from .quant import formats as Q
+from .formats import Format
 from .quant.minifloat import to_fp16
 from .quant.rng import INIT_POSITION, checkpoint_rbits, stream_key
 
@@ -45,32 +45,6 @@ def valid_rows(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
     return (slots > 0) & (slots < num_slots)
 
 
-def _head_group(heads: int, groups: int, device) -> torch.Tensor:
-    return torch.arange(heads, device=device) // (heads // groups)
-
-
-def _group_amax(state: torch.Tensor, groups: int) -> torch.Tensor:
-    """[n, H, 64, 128] -> [n, G] max |value| over each group's heads."""
-    n, heads = state.shape[:2]
-    # An explicit group size: with n = 0 (a batch of padding rows only) -1 is ambiguous.
-    per_group = (heads // groups) * state.shape[2] * state.shape[3]
-    return state.abs().reshape(n, groups, per_group).amax(dim=-1)
-
-
-def _write_read_copy(cache, slot, state, nvfp4: bool, live_amax: torch.Tensor | None) -> None:
-    if nvfp4:
-        heads = state.shape[1]
-        groups = cache[L.META].shape[1]
-        amax_h = live_amax[:, _head_group(heads, groups, state.device)]
-        codes, bscales = Q.nvfp4_encode(state, amax_h)
-        cache[L.READ_COPY][slot] = codes
-        cache[L.SCALES][slot] = bscales
-    else:
-        codes, scales = Q.fp8_encode(state)
-        cache[L.READ_COPY][slot] = codes
-        cache[L.SCALES][slot] = scales
-
-
 def clear(cache: Sequence[torch.Tensor], slots: torch.Tensor) -> None:
     """Zero the rings and positions of the valid `slots` (both position layouts)."""
     slot = slots.to(torch.int64)
@@ -80,7 +54,7 @@ def clear(cache: Sequence[torch.Tensor], slots: torch.Tensor) -> None:
 
 
 def initialize(
-    cache: Sequence[torch.Tensor], states: torch.Tensor, slots: torch.Tensor, *, nvfp4: bool, seed: int, head_offset: int = 0
+    cache: Sequence[torch.Tensor], states: torch.Tensor, slots: torch.Tensor, *, fmt: Format, seed: int, head_offset: int = 0
 ) -> None:
     """FP16 checkpoint (stochastic rounding, position tag INIT_POSITION), read copy and
     its scales from FP32 `states` [batch, H, 64, 128]; rings and positions cleared.
@@ -92,18 +66,12 @@ def initialize(
     heads = state.shape[1]
     key = stream_key(seed, slot, torch.full_like(slot, INIT_POSITION))
     cache[L.CHECKPOINT][slot] = to_fp16(state, checkpoint_rbits(key, heads, head_offset))
-    live_amax = None
-    if nvfp4:
-        groups = cache[L.META].shape[1]
-        live_amax = _group_amax(state, groups)
-        cache[L.META][slot] = live_amax.unsqueeze(-1).expand(-1, -1, 2)
-        cache[L.PARITY][slot] = 0
-    _write_read_copy(cache, slot, state, nvfp4, live_amax)
+    fmt.init(cache, slot, state)
     clear(cache, slot)
 
 
 def prepare_decode(
-    cache: Sequence[torch.Tensor], slots: torch.Tensor, out: torch.Tensor, *, nvfp4: bool, seed: int
+    cache: Sequence[torch.Tensor], slots: torch.Tensor, out: torch.Tensor, *, fmt: Format, seed: int
 ) -> Plan:
     """Per-row plan; zero the output rows of padding rows; advance positions; for NVFP4
     flush rows flip the parity and zero the half that becomes the amax accumulator."""
@@ -121,14 +89,7 @@ def prepare_decode(
     out.reshape(slot.shape[0], -1)[~valid] = 0
     live = slot[valid]
     pos_t[live] = (pos[valid] + 1).to(torch.int32)
-    if nvfp4:
-        fl = slot[flush]
-        old_parity = torch.where(flush, cache[L.PARITY][slot].to(torch.int64), old_parity)
-        p_old = old_parity[flush]
-        cache[L.PARITY][fl] = (1 - p_old).to(torch.int32)
-        meta = cache[L.META]
-        for g in range(meta.shape[1]):
-            meta[fl, g, p_old] = 0.0
+    old_parity[flush] = fmt.flip(cache, slot[flush])
     return Plan(valid, slot, ring_index, flush, key, old_parity)
 
 
@@ -168,18 +129,6 @@ def _expand_groups(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.repeat_interleave(heads // groups, dim=1)
 
 
-def read_copy_state(cache: Sequence[torch.Tensor], slot: torch.Tensor, *, nvfp4: bool) -> torch.Tensor:
-    """Dequantized read copy [n, H, 64, 128] (FP32) of the given slots."""
-    if nvfp4:
-        heads = cache[L.CHECKPOINT].shape[1]
-        groups = cache[L.META].shape[1]
-        par = cache[L.PARITY][slot].to(torch.int64)
-        live_amax = cache[L.META][slot].gather(2, par.view(-1, 1, 1).expand(-1, groups, 1)).squeeze(-1)
-        amax_h = live_amax[:, _head_group(heads, groups, slot.device)]
-        return Q.nvfp4_decode(cache[L.READ_COPY][slot], cache[L.SCALES][slot], amax_h)
-    return Q.fp8_decode(cache[L.READ_COPY][slot], cache[L.SCALES][slot])
-
-
 def _select(rows, plan: Plan, x, dt, B, C, dt_bias):
     """The plan's slot and ring index and the step's inputs for the selected `rows`
     (x, B bf16; processed dt FP32; C as FP32)."""
@@ -187,7 +136,7 @@ def _select(rows, plan: Plan, x, dt, B, C, dt_bias):
     return plan.slot[rows], plan.ring_index[rows], x[rows], dts, B[rows], C[rows].float()
 
 
-def decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan: Plan, out, *, nvfp4: bool) -> None:
+def decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan: Plan, out, *, fmt: Format) -> None:
     """Rows that do not flush: y = exp(A pre_k) (read copy . C) + ring replay + D x;
     the token's (x, processed dt, B) is stored at ring entry `ring_index`."""
     rows = plan.valid & ~plan.flush
@@ -197,7 +146,7 @@ def decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan: Plan, out, *, nvfp4
     heads = xs.shape[1]
     x_e, dt_e, B_e = _entries(cache, slot, xs, dts, Bs, r, r)
     decay, w = _replay_weights(dt_e, A, r)
-    state = read_copy_state(cache, slot, nvfp4=nvfp4)
+    state = fmt.read(cache, slot)
     Ch = _expand_groups(Cs, heads)  # [n, H, 128]
     y = decay.unsqueeze(-1) * torch.einsum("nhpk,nhk->nhp", state, Ch)
     bc = torch.einsum("ngjk,ngk->ngj", B_e, Cs)  # B_j . C, shared by a group's heads
@@ -220,7 +169,7 @@ def fold(cache, slot, x, dts, B, A, last) -> torch.Tensor:
     return decay[:, :, None, None] * s0 + upd
 
 
-def decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan: Plan, out, *, nvfp4: bool, seed: int, head_offset: int = 0) -> None:
+def decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan: Plan, out, *, fmt: Format, seed: int, head_offset: int = 0) -> None:
     """Rows at ring index 15: fold 16 tokens into the checkpoint in FP32, output from the
     unrounded state, checkpoint written with stochastic rounding, read copy re-derived."""
     rows = plan.flush
@@ -232,24 +181,14 @@ def decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan: Plan, out, *, nvfp4: b
     y = torch.einsum("nhpk,nhk->nhp", state, _expand_groups(Cs, heads)) + D.view(1, heads, -1) * xs.float()
     out[rows] = y.to(out.dtype)
     cache[L.CHECKPOINT][slot] = to_fp16(state, checkpoint_rbits(plan.key[rows], heads, head_offset))
-    live_amax = None
-    if nvfp4:
-        groups = cache[L.META].shape[1]
-        p_old = plan.old_parity[rows]
-        new_live = 1 - p_old
-        meta = cache[L.META][slot]  # [n, G, 2]
-        live_amax = meta.gather(2, new_live.view(-1, 1, 1).expand(-1, groups, 1)).squeeze(-1)
-        measured = _group_amax(state, groups)
-        for g in range(groups):
-            cache[L.META][slot, g, p_old] = measured[:, g]
-    _write_read_copy(cache, slot, state, nvfp4, live_amax)
+    fmt.refresh(cache, slot, state, plan.old_parity[rows])
 
 
-def decode(cache, x, dt, A, B, C, D, dt_bias, slots, out, *, nvfp4: bool, seed: int, head_offset: int = 0) -> torch.Tensor:
+def decode(cache, x, dt, A, B, C, D, dt_bias, slots, out, *, fmt: Format, seed: int, head_offset: int = 0) -> torch.Tensor:
     """One decode step for a batch (normalized inputs); returns `out` [batch, H, 64]."""
-    plan = prepare_decode(cache, slots, out, nvfp4=nvfp4, seed=seed)
-    decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4)
-    decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4, seed=seed, head_offset=head_offset)
+    plan = prepare_decode(cache, slots, out, fmt=fmt, seed=seed)
+    decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan, out, fmt=fmt)
+    decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan, out, fmt=fmt, seed=seed, head_offset=head_offset)
     return out
 
 

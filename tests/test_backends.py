@@ -66,7 +66,7 @@ def test_kernels_on_the_cpu_need_the_interpreter(monkeypatch):
 def test_cpu_reasons_of_the_kernel_backend():
     assert kernel_backend().cute_unavailable(device="cpu") == "the CuTe decode kernels need a CUDA device; got cpu"
     cache = allocate_cache(4, H, G, "nvfp4")
-    assert kernel_backend().cute_for(cache, nvfp4=True) is None
+    assert kernel_backend().cute_for(cache) is None
     assert "need a CUDA device; got cpu" in kernel_backend().cute_unavailable(cache)
 
 
@@ -148,15 +148,15 @@ def test_cache_validates_its_tuple_once_and_the_functional_api_every_call(monkey
     calls = []
     check = replayssm.layout.check_cache
 
-    def counting(cache, nvfp4):
-        calls.append(nvfp4)
-        return check(cache, nvfp4)
+    def counting(cache, fmt):
+        calls.append(fmt.name)
+        return check(cache, fmt)
 
     monkeypatch.setattr(replayssm.layout, "check_cache", counting)
     g = torch.Generator().manual_seed(6)
     p = layer_params(H, generator=g)
     cache = ReplaySSMCache(5, H, G, "fp8", "cpu", backend="reference")
-    assert calls == [False]
+    assert calls == ["fp8"]
     slots = cache.allocate(2)
     cache.prefill_init(prefill_states(p, 2, G, 8, generator=g), slots)
     tok = token(2, H, G, generator=g)
@@ -164,7 +164,7 @@ def test_cache_validates_its_tuple_once_and_the_functional_api_every_call(monkey
     cache.materialize(slots)
     cache.reset(slots[:1])
     cache.release(slots)
-    assert calls == [False]
+    assert calls == ["fp8"]
     tensors = list(cache.tensors)
     out = torch.empty(2, H, 64, dtype=torch.bfloat16)
     kw = dict(state_dtype="fp8", backend="reference")
@@ -172,7 +172,7 @@ def test_cache_validates_its_tuple_once_and_the_functional_api_every_call(monkey
     selective_state_update_replayssm(tensors, tok.x, tok.dt, p.A, tok.B, tok.C, p.D, p.dt_bias, torch.tensor([1, 2]), out, **kw)
     materialize_replayssm_state(tensors, torch.tensor([1]), p.A, **kw)
     clear_replayssm_slots(tensors, torch.tensor([1]), **kw)
-    assert calls == [False] * 5
+    assert calls == ["fp8"] * 5
 
 
 def test_the_owned_tuple_cannot_be_swapped():

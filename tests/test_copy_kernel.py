@@ -34,7 +34,7 @@ interpreted = pytest.mark.skipif(
 def randomize(tensors, gen, device="cpu"):
     """Random bits in every tensor (through integer views: any pattern, NaN included)."""
     for t in tensors:
-        b = handoff._bits(t)
+        b = handoff.as_bits(t)
         lo, hi = (0, 256) if b.dtype == torch.uint8 else (-(2**15), 2**15)
         b.copy_(torch.randint(lo, hi, b.shape, generator=gen).to(device, b.dtype))
 
@@ -54,7 +54,7 @@ def expected_after(before, src, dst, first=1):
 def count_launches(monkeypatch):
     """Count launches of the copy kernel and calls of the per-tensor path."""
     calls = {"kernel": 0, "per_tensor": 0}
-    launch, per_tensor = K.copy_slots, handoff._copy
+    launch, per_tensor = K.copy_slots, handoff.copy_rows
 
     def kernel(*a, **k):
         calls["kernel"] += 1
@@ -65,7 +65,7 @@ def count_launches(monkeypatch):
         return per_tensor(*a, **k)
 
     monkeypatch.setattr(K, "copy_slots", kernel)
-    monkeypatch.setattr(handoff, "_copy", torch_copy)
+    monkeypatch.setattr(handoff, "copy_rows", torch_copy)
     return calls
 
 
@@ -208,7 +208,7 @@ def test_functional_copy_backend_choice(monkeypatch):
         copy_replayssm_slots(a, src, dst, state_dtype="nvfp4", backend="triton")
     with pytest.raises(TypeError, match="backend must be a str"):
         replayssm.copy_slots([], [1], [2], backend=1)
-    monkeypatch.setattr(handoff, "_triton_interpreting", lambda: False)
+    monkeypatch.setattr(handoff, "triton_interpreting", lambda: False)
     with pytest.raises(ValueError, match="backend='kernels' cannot copy here: the copy kernel needs a CUDA device"):
         copy_replayssm_slots(a, src, dst, state_dtype="nvfp4", backend="kernels")
     assert_cache_equal(a, b)
@@ -265,11 +265,11 @@ def test_tuple_plan_follows_the_tuple_layout():
     """The functional API's table is kept per checkpoint tensor and rebuilt when another
     tensor of the tuple changes (its rows always those of the tuple's tensors)."""
     cache = allocate_cache(4, 8, 1, "fp8")
-    plan = handoff._tuple_plan(cache, 4)
-    assert handoff._tuple_plan(cache, 4) is plan
+    plan = handoff.tuple_plan(cache, 4)
+    assert handoff.tuple_plan(cache, 4) is plan
     moved = list(cache)
     moved[L.READ_COPY] = moved[L.READ_COPY].clone()
-    other = handoff._tuple_plan(moved, 4)
+    other = handoff.tuple_plan(moved, 4)
     assert other is not plan
     assert other.table.tolist() == [list(r) for r in K.table_rows(moved[1:], other.chunk)]
 
@@ -339,7 +339,7 @@ def test_gpu_copy_slots_over_layers_one_launch_in_a_cuda_graph(fmt):
     for c, b in zip(caches, before):
         assert_cache_equal(expected_after(b, *pairs), c.tensors)
         twin = [t.clone() for t in b]
-        handoff._copy(twin, torch.tensor([1, 2, 3, 3], device="cuda"), torch.tensor([20, 21, 22, 23], device="cuda"))
+        handoff.copy_rows(twin, torch.tensor([1, 2, 3, 3], device="cuda"), torch.tensor([20, 21, 22, 23], device="cuda"))
         assert_cache_equal(twin, c.tensors)
     # a "cuda" cache (device without an index) takes ids on cuda:0 in its own copy too
     c = caches[1]

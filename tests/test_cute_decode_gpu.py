@@ -33,6 +33,7 @@ from replayssm import reference as ref
 from replayssm.quant import formats as Q
 from replayssm.quant.minifloat import to_fp16
 from replayssm.quant.rng import checkpoint_rbits
+from replayssm.formats import FORMATS, FP8, NVFP4
 
 from . import tolerances as tol
 from .gpu_harness import DEVICE, MANY_LIVE, MANY_SLOTS, NAN, World, check_graph_replays_whole_periods, check_warmup, ulp_bf16
@@ -66,7 +67,7 @@ def _step(w: World, out, state, cfg):
     x, dt, A, B, C, D, dt_bias = w.inputs(w.token())
     out.fill_(NAN)
     state.fill_(NAN)
-    plan = kernel_backend().prepare(w.cache, w.ids, out, nvfp4=w.fmt == "nvfp4", seed=w.seed)
+    plan = kernel_backend().prepare(w.cache, w.ids, out, fmt=FORMATS[w.fmt], seed=w.seed)
     launch.decode_step(w.cache, x, dt, A, B, C, D, dt_bias, plan, out, state_dtype=w.fmt, config=cfg, state_out=state)
     return (x, dt, A, B, C, D, dt_bias), plan
 
@@ -130,7 +131,7 @@ def test_kernels_match_reference_over_three_periods(fmt, heads, groups, case, mo
         (x, dt, A, B, C, D, dt_bias), plan = _step(w, out, state, cfg)
         expect = [t.clone() for t in before]
         out_ref = torch.full_like(out, NAN)
-        ref.decode(expect, x, dt, A, B, C, D, dt_bias, w.ids, out_ref, nvfp4=nvfp4, seed=w.seed)
+        ref.decode(expect, x, dt, A, B, C, D, dt_bias, w.ids, out_ref, fmt=(NVFP4 if nvfp4 else FP8), seed=w.seed)
         torch.cuda.synchronize()
 
         valid = ref.valid_rows(w.ids.long(), cache[1].shape[0])

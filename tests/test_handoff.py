@@ -23,6 +23,7 @@ from replayssm import (
 from replayssm import layout as L
 from replayssm import reference as ref
 from replayssm.synthetic import ExactRecurrence, layer_params, prefill_states, sqnr_db, token
+from replayssm.formats import FP8
 from tests.helpers import assert_cache_equal, same_bits, snapshot
 from tests.tolerances import FOLD_REL_TOL, OUTPUT_SQNR_FLOOR_DB, STATE_SQNR_FLOOR_DB
 
@@ -444,7 +445,7 @@ def test_functional_export_import_round_trip():
     g = torch.Generator().manual_seed(42)
     cache, req = start("fp8", gen=g, steps=4)
     data = export_replayssm_slots(cache.tensors, torch.tensor([req.slot]), state_dtype="fp8")
-    assert set(data) == {name for name, _, _ in L.tensor_specs(H, G, False)}
+    assert set(data) == {name for name, _, _ in L.tensor_specs(H, G, FP8)}
     import_replayssm_slots(cache.tensors, data, torch.tensor([5]), state_dtype="fp8")
     assert_slot_equal(cache, req.slot, cache, 5)
 

@@ -27,6 +27,7 @@ from replayssm.api import normalize_decode_inputs
 from replayssm.pending import grid
 from replayssm.kernels import REFERENCE
 from replayssm.synthetic import layer_params, prefill_states, token
+from replayssm.formats import FP8, NVFP4, format_of
 
 from .helpers import assert_cache_equal, same_bits, snapshot
 
@@ -78,7 +79,7 @@ def _world(fmt, seed=0, heads=8, groups=1, slots=5):
     p = layer_params(heads, generator=g)
     cache = allocate_cache(slots, heads, groups, fmt)
     live = torch.tensor([1, 2, 3], dtype=torch.int32)
-    REFERENCE.initialize(cache, prefill_states(p, 3, groups, 4, generator=g), live, nvfp4=fmt == "nvfp4", seed=seed)
+    REFERENCE.initialize(cache, prefill_states(p, 3, groups, 4, generator=g), live, fmt=format_of(fmt), seed=seed)
     ids = torch.tensor([1, 0, 2, 3, 9], dtype=torch.int32)
     for pos_of_slot1 in range(15):  # real ring entries below each slot's position
         tok = token(2, heads, groups, generator=g)
@@ -86,7 +87,7 @@ def _world(fmt, seed=0, heads=8, groups=1, slots=5):
         n = ids12.numel()
         out = torch.empty(n, heads, P, dtype=torch.bfloat16)
         REFERENCE.decode(cache, tok.x[:n], tok.dt[:n], p.A, tok.B[:n], tok.C[:n], p.D[:, None].expand(heads, P),
-                         p.dt_bias, ids12, out, nvfp4=fmt == "nvfp4", seed=seed)
+                         p.dt_bias, ids12, out, fmt=format_of(fmt), seed=seed)
     assert cache[L.POSITIONS][1:4].tolist() == [15, 3, 0]
     tok = token(ids.numel(), heads, groups, generator=g)
     norm = normalize_decode_inputs(tok.x, tok.dt, p.A, tok.B, tok.C, p.D, p.dt_bias, ids.numel(), heads, groups)
@@ -174,12 +175,12 @@ def test_op_equals_the_backend_called_directly(name, fmt):
     c_args = args[:10]
     got_cache = [t for t in c_args if t is not None]
     if name == "initialize":
-        REFERENCE.initialize(want, states, ids, nvfp4=nvfp4, seed=7)
+        REFERENCE.initialize(want, states, ids, fmt=(NVFP4 if nvfp4 else FP8), seed=7)
     elif name == "clear":
         REFERENCE.clear(want, ids)
     elif name == "decode":
         out = torch.full_like(args[-1], float("nan"))
-        REFERENCE.decode(want, *norm, ids, out.view(ids.numel(), -1, P), nvfp4=nvfp4, seed=7)
+        REFERENCE.decode(want, *norm, ids, out.view(ids.numel(), -1, P), fmt=(NVFP4 if nvfp4 else FP8), seed=7)
         assert got is None and same_bits(args[-1], out)
     else:
         assert same_bits(got, REFERENCE.materialize(want, ids, A))
@@ -231,7 +232,7 @@ def test_a_step_from_inputs_that_require_grad_leaves_no_autograd_history(fmt):
     selective_state_update_replayssm(cache, *norm[:2], A, *norm[3:], ids, out, state_dtype=fmt, backend="reference")
     assert not any(t.requires_grad for t in cache) and not out.requires_grad
     with torch.no_grad():
-        REFERENCE.decode(want, *norm, ids, out_want, nvfp4=fmt == "nvfp4", seed=0)
+        REFERENCE.decode(want, *norm, ids, out_want, fmt=format_of(fmt), seed=0)
     assert same_bits(out, out_want)
     assert_cache_equal(want, cache)
 
@@ -251,7 +252,7 @@ def _pending_world(fmt, seed=0, heads=8, groups=1, slots=5):
     p = layer_params(heads, generator=g)
     cache = allocate_cache(slots, heads, groups, fmt, pending=True)
     live = torch.tensor([1, 2, 3], dtype=torch.int32)
-    REFERENCE.initialize(cache, prefill_states(p, 3, groups, 4, generator=g), live, nvfp4=fmt == "nvfp4", seed=seed)
+    REFERENCE.initialize(cache, prefill_states(p, 3, groups, 4, generator=g), live, fmt=format_of(fmt), seed=seed)
 
     def tokens(n, lead):
         x = torch.randn(*lead, heads, P, generator=g).to(torch.bfloat16)
@@ -262,7 +263,7 @@ def _pending_world(fmt, seed=0, heads=8, groups=1, slots=5):
     for _ in range(5):
         x, dt, B, C = tokens(3, (3, PENDING_M))
         out = torch.empty(3, PENDING_M, heads, P, dtype=torch.bfloat16)
-        pending_decode(cache, x, dt, p.A, B, C, p.D, p.dt_bias, live, out, nvfp4=fmt == "nvfp4", seed=seed,
+        pending_decode(cache, x, dt, p.A, B, C, p.D, p.dt_bias, live, out, fmt=format_of(fmt), seed=seed,
                        max_seqlen=PENDING_M, num_accepted_tokens=torch.tensor([3, 1, 0], dtype=torch.int32))
     assert cache[L.POSITIONS][1:4].tolist() == [[12, 3], [4, 3], [0, 3]]
     ids = torch.tensor([1, 0, 2, 3, 9], dtype=torch.int32)
@@ -331,7 +332,7 @@ def test_pending_op_equals_the_reference(name, layout, fmt):
     if name == "decode_pending":
         out = torch.full_like(args[18], float("nan"))
         inputs = dense if layout == "dense" else var
-        pending.pending_decode(want, *inputs, ids, out, nvfp4=fmt == "nvfp4", seed=7, max_seqlen=PENDING_M,
+        pending.pending_decode(want, *inputs, ids, out, fmt=format_of(fmt), seed=7, max_seqlen=PENDING_M,
                                num_accepted_tokens=accepted, cu_seqlens=None if layout == "dense" else cu)
         assert got is None and same_bits(args[18], out)
         assert not same_bits(want[L.CHECKPOINT][1], cache[L.CHECKPOINT][1])  # slot 1 folded
@@ -356,11 +357,11 @@ def test_any_python_int_seed_gives_the_references_bits(fmt, seed):
     cache, norm, ids, states, _ = _world(fmt)
     want = snapshot(cache)
     initialize_replayssm_state(cache, states[:2], ids[2:4], state_dtype=fmt, seed=seed, backend="reference")
-    REFERENCE.initialize(want, states[:2], ids[2:4], nvfp4=fmt == "nvfp4", seed=seed)
+    REFERENCE.initialize(want, states[:2], ids[2:4], fmt=format_of(fmt), seed=seed)
     assert_cache_equal(want, cache)
     out, out_want = (torch.empty(ids.numel(), 8, P, dtype=torch.bfloat16) for _ in range(2))
     selective_state_update_replayssm(cache, *norm, ids, out, state_dtype=fmt, seed=seed, backend="reference")
-    REFERENCE.decode(want, *norm, ids, out_want, nvfp4=fmt == "nvfp4", seed=seed)
+    REFERENCE.decode(want, *norm, ids, out_want, fmt=format_of(fmt), seed=seed)
     assert same_bits(out, out_want)
     assert_cache_equal(want, cache)
 
@@ -391,10 +392,10 @@ def test_the_decode_op_fills_the_scratch_it_is_given(fmt):
     scratch.slot.fill_(-1)
     out, out_want = (torch.empty(ids.numel(), 8, P, dtype=torch.bfloat16) for _ in range(2))
     selective_state_update_replayssm(cache, *norm, ids, out, state_dtype=fmt, seed=1, backend="kernels", scratch=scratch)
-    plan = ref.prepare_decode(snapshot(want), ids, out_want.clone(), nvfp4=fmt == "nvfp4", seed=1)
+    plan = ref.prepare_decode(snapshot(want), ids, out_want.clone(), fmt=format_of(fmt), seed=1)
     for got_t, want_t in zip(scratch.plan(ids.numel()), plan):
         assert torch.equal(got_t.to(want_t.dtype), want_t)
-    REFERENCE.decode(want, *norm, ids, out_want, nvfp4=fmt == "nvfp4", seed=1)
+    REFERENCE.decode(want, *norm, ids, out_want, fmt=format_of(fmt), seed=1)
     assert same_bits(out, out_want)
     assert_cache_equal(want, cache)
 

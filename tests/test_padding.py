@@ -18,6 +18,7 @@ from replayssm import (
 from replayssm import layout as L
 from replayssm.kernels import backend_for
 from replayssm.synthetic import layer_params, prefill_states, token
+from replayssm.formats import FP8, NVFP4, format_of
 
 from .helpers import assert_cache_equal, snapshot
 
@@ -72,8 +73,8 @@ def test_padding_only_batch_changes_nothing(fmt, backend, ids, dtype):
     g = torch.Generator().manual_seed(1)
 
     # init: contiguous states and a broadcast zero state (as reset passes)
-    impl.initialize(cache, torch.randn(n, H, 64, 128, generator=g).to(DEV), ids, nvfp4=nvfp4, seed=0)
-    impl.initialize(cache, torch.zeros(1, H, 64, 128, device=DEV).expand(n, -1, -1, -1), ids, nvfp4=nvfp4, seed=0)
+    impl.initialize(cache, torch.randn(n, H, 64, 128, generator=g).to(DEV), ids, fmt=(NVFP4 if nvfp4 else FP8), seed=0)
+    impl.initialize(cache, torch.zeros(1, H, 64, 128, device=DEV).expand(n, -1, -1, -1), ids, fmt=(NVFP4 if nvfp4 else FP8), seed=0)
     assert_cache_equal(before, cache)
     # clear
     impl.clear(cache, ids)
@@ -82,7 +83,7 @@ def test_padding_only_batch_changes_nothing(fmt, backend, ids, dtype):
     tok = token(n, H, G, generator=g, device=DEV)
     out = torch.full((n, H, 64), float("nan"), dtype=torch.bfloat16, device=DEV)
     D = p.D[:, None].expand(H, 64).to(DEV)
-    impl.decode(cache, tok.x, tok.dt, p.A.to(DEV), tok.B, tok.C, D, p.dt_bias.to(DEV), ids, out, nvfp4=nvfp4, seed=0)
+    impl.decode(cache, tok.x, tok.dt, p.A.to(DEV), tok.B, tok.C, D, p.dt_bias.to(DEV), ids, out, fmt=(NVFP4 if nvfp4 else FP8), seed=0)
     assert torch.equal(out, torch.zeros_like(out))
     assert_cache_equal(before, cache)
 

@@ -16,6 +16,7 @@ from replayssm import layout as L, reference as ref
 from replayssm.layout import allocate_cache
 from replayssm.pending import checkpoint_index, grid, pending_decode, pending_materialize
 from replayssm.synthetic import ExactRecurrence, Token, layer_params, prefill_states, sqnr_db
+from replayssm.formats import FORMATS, FP8
 
 from . import tolerances as tol
 
@@ -81,7 +82,7 @@ def _make(fmt, num_slots, live, seed=0, prompt=32):
     params = layer_params(HEADS, generator=gen)
     cache = allocate_cache(num_slots, HEADS, GROUPS, fmt, pending=True)
     states = prefill_states(params, len(live), GROUPS, prompt, generator=gen)
-    ref.initialize(cache, states, torch.tensor(live), nvfp4=fmt == "nvfp4", seed=seed)
+    ref.initialize(cache, states, torch.tensor(live), fmt=FORMATS[fmt], seed=seed)
     return gen, params, cache, states
 
 
@@ -98,7 +99,7 @@ def _call(cache, params, fmt, slots, toks, M, seq_lens, acc, seed=0):
     out = torch.full((len(slots), M, HEADS, L.HEAD_DIM), float("nan"), dtype=torch.bfloat16)
     return pending_decode(
         cache, x, dt, params.A, B, C, params.D, params.dt_bias, torch.tensor(slots), out,
-        nvfp4=fmt == "nvfp4", seed=seed, max_seqlen=M,
+        fmt=FORMATS[fmt], seed=seed, max_seqlen=M,
         num_accepted_tokens=None if acc is None else torch.tensor(acc, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
     )
@@ -241,7 +242,7 @@ def test_invalid_inputs_raise():
 
     def call(**kw):
         args = dict(x=x, dt=dt, B=B, C=C, out=out, slots=slots)
-        opts = dict(nvfp4=False, seed=0, max_seqlen=M)
+        opts = dict(fmt=FP8, seed=0, max_seqlen=M)
         for k in list(kw):
             (args if k in args else opts)[k] = kw[k]
         pending_decode(cache, args["x"], args["dt"], p.A, args["B"], args["C"], p.D, p.dt_bias, args["slots"], args["out"], **opts)
@@ -267,7 +268,7 @@ def test_invalid_inputs_raise():
         call(seq_lens=torch.tensor([4, 1]))
     sep = allocate_cache(4, HEADS, GROUPS, "fp8")
     with pytest.raises(ValueError, match="positions"):
-        pending_decode(sep, x, dt, p.A, B, C, p.D, p.dt_bias, slots, out, nvfp4=False, seed=0, max_seqlen=M)
+        pending_decode(sep, x, dt, p.A, B, C, p.D, p.dt_bias, slots, out, fmt=FP8, seed=0, max_seqlen=M)
     call()  # valid: q = 3 pending now
     with pytest.raises(ValueError, match="max_seqlen"):
         call(max_seqlen=2, x=x[:, :2], dt=dt[:, :2], B=B[:, :2], C=C[:, :2], out=out[:, :2])

@@ -25,6 +25,7 @@ from replayssm import (
 )
 from replayssm.pending import checkpoint_index, grid, pending_decode, pending_materialize
 from replayssm.synthetic import ExactRecurrence, Token, layer_params, prefill_states, sqnr_db
+from replayssm.formats import FP8, format_of
 
 from . import tolerances as tol
 from .helpers import assert_cache_equal, same_bits, snapshot
@@ -245,7 +246,7 @@ def test_varlen_equals_dense_bit_for_bit(fmt):
             cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32)
             want = snapshot(cd.tensors)
             od = torch.full((b, M, HEADS, P), NAN, dtype=torch.bfloat16)
-            pending_decode(want, x, dt, p.A, B, C, p.D, p.dt_bias, ids, od, nvfp4=fmt == "nvfp4", seed=cd.seed,
+            pending_decode(want, x, dt, p.A, B, C, p.D, p.dt_bias, ids, od, fmt=format_of(fmt), seed=cd.seed,
                            max_seqlen=M, num_accepted_tokens=acc, seq_lens=lens)
             ov = cv.decode(x[ok], dt[ok], p.A, B[ok], C[ok], p.D, p.dt_bias, ids, num_accepted_tokens=acc, cu_seqlens=cu)
             assert same_bits(od[ok], ov), step
@@ -328,11 +329,11 @@ BAD_PENDING_CALLS = [
     pytest.param("dense", {"num_accepted_tokens": ACC.to(torch.int16)}, ValueError, r"num_accepted_tokens must be int32 or int64 \[3\] \(one per row\); got torch.int16", id="acc-int16"),
     pytest.param("dense", {"num_accepted_tokens": [1, 2, 3]}, TypeError, "num_accepted_tokens must be a torch.Tensor; got list", id="acc-list"),
     pytest.param("dense-T2", {}, ValueError, r"x must be bfloat16 \[3, 3, 8, 64\] or \[3, 3, 512\] \(dense \[b, T, \.\.\.\] with T == max_seqlen\); got torch.bfloat16 \[3, 2, 8, 64\]", id="x-T-not-max-seqlen"),
-    pytest.param("dense", {"x": "x32"}, ValueError, r"x must be bfloat16; got torch.float32 \[3, 3, 8, 64\]", id="x-dtype"),
+    pytest.param("dense", {"x": "x32"}, ValueError, r"x must be bfloat16 \[3, 3, 8, 64\] or \[3, 3, 512\] .*; got torch.float32 \[3, 3, 8, 64\]", id="x-dtype"),
     pytest.param("dense", {"dt": "untied"}, ValueError, r"dt must hold one value per head", id="dt-untied"),
     pytest.param("dense", {"B": "groups2"}, ValueError, r"B must be bfloat16 \[3, 3, 1, 128\]", id="B-shape"),
-    pytest.param("dense", {"out": "sep"}, ValueError, r"out must be contiguous bfloat16 \[3, 3, 8, 64\] \(dense, T == max_seqlen\); got torch.bfloat16 \[3, 8, 64\]", id="out-separate-shape"),
-    pytest.param("varlen", {"out": "short"}, ValueError, r"out must be contiguous bfloat16 \[5, 8, 64\] \(varlen: one row a token\); got torch.bfloat16 \[4, 8, 64\]", id="out-varlen-shape"),
+    pytest.param("dense", {"out": "sep"}, ValueError, r"out must be contiguous bfloat16 \[3, 3, 8, 64\] or \[3, 3, 512\] \(dense, T == max_seqlen\); got torch.bfloat16 \[3, 8, 64\]", id="out-separate-shape"),
+    pytest.param("varlen", {"out": "short"}, ValueError, r"out must be contiguous bfloat16 \[5, 8, 64\] or \[5, 512\] \(varlen: one row a token\); got torch.bfloat16 \[4, 8, 64\]", id="out-varlen-shape"),
     pytest.param("varlen", {"x": "dense"}, ValueError, r"x must be bfloat16 \[total, 8, 64\] or \[total, 512\] \(varlen layout: cu_seqlens given\); got torch.bfloat16 \[1, 5, 8, 64\]", id="x-dense-with-cu"),
 ]
 
@@ -626,7 +627,7 @@ def test_import_rejects_drafts_beyond_the_caches_max_seqlen():
     assert data["positions"][:, 1].tolist() == [4, 4]
     small, dst, _, _, _ = _cache("fp8", 2, live=2)  # max_seqlen 3
     before = snapshot(small.tensors)
-    with pytest.raises(ValueError, match=r"data\['positions'\] holds a slot with 4 pending tokens; this cache decodes max_seqlen=3"):
+    with pytest.raises(ValueError, match=r"data\['positions'\]\[:, 1\] \(tokens awaiting a verdict\) must be in 0\.\.3 for this cache; got \[4\]"):
         small.import_(data, dst)
     assert_cache_equal(small.tensors, before)
     same, dst2, _, _, _ = _cache("fp8", 3, live=2)
@@ -668,7 +669,7 @@ def test_eager_fast_path_takes_the_dense_engine_layouts_and_nothing_else():
 
     def direct(inputs, ids=ids, out=out, acc=None):
         calls.clear()
-        took = api._direct_decode_pending(cache, HEADS, GROUPS, Recorder(), *inputs, ids, out, False, 1, VM, acc, 0)
+        took = api._direct_decode_pending(cache, HEADS, GROUPS, Recorder(), *inputs, ids, out, FP8, 1, VM, acc, 0)
         assert took == bool(calls)
         return took
 
@@ -683,7 +684,7 @@ def test_eager_fast_path_takes_the_dense_engine_layouts_and_nothing_else():
             for g, given in ((gx, inputs[0]), (gB, inputs[3]), (gC, inputs[4])):
                 assert g.data_ptr() == given.data_ptr()
             assert gids is ids and gout is out and kw["num_accepted_tokens"] is acc
-            assert kw == dict(nvfp4=False, seed=1, max_seqlen=VM, num_accepted_tokens=acc, cu_seqlens=None, head_offset=0)
+            assert kw == dict(fmt=FP8, seed=1, max_seqlen=VM, num_accepted_tokens=acc, cu_seqlens=None, head_offset=0)
     ex4 = engine[0]
     rejected = {
         "x float32": dict(inputs=(ex4.float(), *engine[1:])),

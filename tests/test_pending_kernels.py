@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from replayssm import layout as L, reference as ref
+from replayssm.formats import FORMATS, FP8, NVFP4
 from replayssm.kernels.triton.pending import _decode_e2m1
 from replayssm.layout import allocate_cache
 from replayssm.pending import checkpoint_index, fold_range, grid, pending_decode
@@ -39,7 +40,7 @@ def _world(fmt, heads, groups, device, slots, seed=5):
     cache = allocate_cache(slots, heads, groups, fmt, pending=True, device=device)
     live = list(range(1, slots - 1))
     st = prefill_states(p, len(live), groups, 16, generator=gen).to(device)
-    ref.initialize(cache, st, torch.tensor(live, device=device), nvfp4=fmt == "nvfp4", seed=seed)
+    ref.initialize(cache, st, torch.tensor(live, device=device), fmt=FORMATS[fmt], seed=seed)
     params = (p.A.float().to(device), p.D.float().reshape(heads, -1).expand(heads, L.HEAD_DIM).to(device),
               p.dt_bias.float().to(device))  # fmt: skip
     return cache, params, gen
@@ -94,7 +95,7 @@ def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, plan, cu=None, 
     got = torch.full(out_shape, NAN, device=dev, dtype=out_dtype)
     dbg = torch.full((ids.numel(), heads, L.HEAD_DIM, L.STATE_DIM), NAN, device=dev)
     kx, kdt, kB, kC = _engine_shaped(x, dt, B, C) if engine else (x, dt, B, C)
-    kernel(kc, kx, kdt, A, kB, kC, D, bias, ids, got, nvfp4=nv, seed=seed, max_seqlen=M,
+    kernel(kc, kx, kdt, A, kB, kC, D, bias, ids, got, fmt=(NVFP4 if nv else FP8), seed=seed, max_seqlen=M,
            num_accepted_tokens=acc, cu_seqlens=cu, debug_state=dbg, plan=plan)  # fmt: skip
 
     num_slots = cache[L.CHECKPOINT].shape[0]
@@ -119,7 +120,7 @@ def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, plan, cu=None, 
         return torch.stack([dbg[row_of[s]] for s in slots.tolist()])
 
     with mock.patch.object(pend, "fold_range", kernel_fold):
-        pending_decode(cache, x, dt.float(), A, B, C, D, bias, ids, want, nvfp4=nv, seed=seed, max_seqlen=M,
+        pending_decode(cache, x, dt.float(), A, B, C, D, bias, ids, want, fmt=(NVFP4 if nv else FP8), seed=seed, max_seqlen=M,
                        num_accepted_tokens=acc, cu_seqlens=cu)  # fmt: skip
     assert not torch.isnan(got).any()
     scale = want.float().abs().amax().clamp_min(1e-30)
@@ -191,7 +192,7 @@ def test_pending_kernels_match_the_reference_gpu(fmt, M):
     assert _run(fmt, M, 16, 2, "cuda", calls=24) > 0
 
 
-def _cute_decode(cache, x, dt, A, B, C, D, bias, ids, out, *, nvfp4, split=None, **kw):
+def _cute_decode(cache, x, dt, A, B, C, D, bias, ids, out, *, fmt, split=None, **kw):
     """The Triton plan kernel, then the CuTe fold and step (cute/pending.py
     `fold_and_step`; `split` as it takes it)."""
     from replayssm.kernels.cute.arch import arch_for
@@ -199,17 +200,17 @@ def _cute_decode(cache, x, dt, A, B, C, D, bias, ids, out, *, nvfp4, split=None,
     from replayssm.kernels.triton.pending import pending_decode as triton_decode
 
     def fold(rows, fold_list, debug_state):
-        pending_fold(cache, A, rows, fold_list, state_dtype="nvfp4" if nvfp4 else "fp8", arch=arch_for(x.device),
+        pending_fold(cache, A, rows, fold_list, state_dtype=fmt.name, arch=arch_for(x.device),
                      head_offset=0, stream=torch.cuda.current_stream().cuda_stream, debug_state=debug_state)  # fmt: skip
 
     def step(x_, dt_, B_, C_, out_, rows, fold_list, varlen, launch_fold):
         assert inputs_ok(x_, B_, C_, out_)
         fold_and_step(cache, x_, dt_, A, B_, C_, D, bias, out_, rows, fold_list, launch_fold,
-                      state_dtype="nvfp4" if nvfp4 else "fp8", arch=arch_for(x_.device), varlen=varlen,
+                      state_dtype=fmt.name, arch=arch_for(x_.device), varlen=varlen,
                       stream=torch.cuda.current_stream().cuda_stream, split=split)  # fmt: skip
         return True
 
-    return triton_decode(cache, x, dt, A, B, C, D, bias, ids, out, nvfp4=nvfp4, step=step, fold=fold, **kw)
+    return triton_decode(cache, x, dt, A, B, C, D, bias, ids, out, fmt=fmt, step=step, fold=fold, **kw)
 
 
 @pytest.mark.gpu
@@ -261,7 +262,7 @@ def test_pending_cute_split_step_equals_one_step_bit_for_bit(fmt, monkeypatch):
         outs = []
         for c, plan, split, kept in ((cache, plans[0], False, launches), (twin, plans[1], True, None)):
             out = torch.full((*x.shape[:-1], L.HEAD_DIM), NAN, dtype=torch.bfloat16, device="cuda")
-            _cute_decode(c, x, dt, A, B, C, D, bias, ids, out, nvfp4=fmt == "nvfp4", split=split, seed=5,
+            _cute_decode(c, x, dt, A, B, C, D, bias, ids, out, fmt=FORMATS[fmt], split=split, seed=5,
                          max_seqlen=M, num_accepted_tokens=acc, cu_seqlens=cu, plan=plan, plan_launches=kept)  # fmt: skip
             outs.append(out)
         torch.cuda.synchronize()
@@ -312,7 +313,7 @@ def test_pending_split_step_variants_take_their_rows():
                          stream=stream, debug_state=debug_state)  # fmt: skip
 
         step = functools.partial(only(rows), cache_=c)
-        triton_decode(c, x, dt, A, B, C, D, bias, ids, out, nvfp4=False, seed=5, max_seqlen=M,
+        triton_decode(c, x, dt, A, B, C, D, bias, ids, out, fmt=FP8, seed=5, max_seqlen=M,
                       num_accepted_tokens=acc, plan=plan, step=step, fold=fold)  # fmt: skip
         torch.cuda.synchronize()
         return out, plan.view(b).cpu()

@@ -9,6 +9,7 @@ from replayssm import allocate_cache, initialize_replayssm_state, layout as L, r
 from replayssm import materialize_replayssm_state
 from replayssm.quant import formats as Q
 from replayssm.synthetic import sqnr_db
+from replayssm.formats import FP8, NVFP4, format_of
 
 from .helpers import Layer, assert_cache_equal, same_bits, snapshot
 from . import tolerances as tol
@@ -273,7 +274,7 @@ def test_pending_positions_layout_is_initialized_and_decode_routes_to_pending_mo
     selective_state_update_replayssm(cache, x, torch.zeros(1, 1, 16), h, bc, bc, h, h, torch.tensor([2]), out, state_dtype="fp8")
     want = [t.clone() for t in before]
     want_out = torch.empty_like(x)
-    pending_decode(want, x, torch.zeros(1, 1, 16), h, bc, bc, h, h, torch.tensor([2]), want_out, nvfp4=False, seed=0, max_seqlen=1)
+    pending_decode(want, x, torch.zeros(1, 1, 16), h, bc, bc, h, h, torch.tensor([2]), want_out, fmt=FP8, seed=0, max_seqlen=1)
     assert cache[L.POSITIONS][2].tolist() == [0, 1]
     assert torch.equal(out, want_out)
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(want, cache))

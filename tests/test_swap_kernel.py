@@ -1,7 +1,7 @@
 """Staged host swap (kernels/triton/copy_slots.py `stage_slots`; replayssm.export_slots /
 import_slots over layers, ReplaySSMCache.export / import_, the functional export / import
 on the copy kernel): one gather launch into one staging buffer and one copy to one host
-buffer, and back. Against the per-tensor export (`handoff._export`) bit for bit, on caches
+buffer, and back. Against the per-tensor export (`handoff.export_rows`) bit for bit, on caches
 of random bits (NaN and Inf patterns included). CPU: the Triton interpreter (tiny shapes:
 8 heads, 1 group); `gpu` tests: compiled, 16 heads / 2 groups, several layers."""
 
@@ -29,7 +29,7 @@ def count_staging(monkeypatch):
     """Count launches of the staging kernel (gathers and scatters), of the copy kernel and
     calls of the per-tensor export."""
     calls = {"gather": 0, "scatter": 0, "copy": 0, "per_tensor_export": 0}
-    stage, copy, export = K.stage_slots, K.copy_slots, handoff._export
+    stage, copy, export = K.stage_slots, K.copy_slots, handoff.export_rows
 
     def staged(*a, **k):
         calls["gather" if k["to_staging"] else "scatter"] += 1
@@ -45,7 +45,7 @@ def count_staging(monkeypatch):
 
     monkeypatch.setattr(K, "stage_slots", staged)
     monkeypatch.setattr(K, "copy_slots", copied)
-    monkeypatch.setattr(handoff, "_export", exported)
+    monkeypatch.setattr(handoff, "export_rows", exported)
     return calls
 
 
@@ -57,14 +57,26 @@ def layers(fmt, n, *, num_slots=6, gen, device="cpu", backend="kernels", heads=8
     ]  # fmt: skip
     for c in caches:
         randomize(c.tensors, gen, device)
+        valid_bookkeeping(c.tensors)
         c.allocator.allocate(num_slots - 1)
     return caches
+
+
+def valid_bookkeeping(cache) -> None:
+    """Random bits everywhere but in the values an import checks: positions >= 0 (pending
+    counts 0..1), NVFP4 parity 0 or 1."""
+    pos = cache[-1]
+    pos.copy_(pos.abs() % 4096)
+    if pos.dim() == 2:
+        pos[:, 1] %= 2
+    if len(cache) == 10:
+        cache[8].copy_(cache[8].abs() % 2)
 
 
 def per_tensor(caches, slots):
     """The per-tensor export of every layer (the reference for the staged one)."""
     ids = torch.tensor(slots, device=caches[0].tensors[1].device)
-    return [handoff._export(c.tensors, ids, c._nvfp4, False) for c in caches]
+    return [handoff.export_rows(c.tensors, ids, c.format, False) for c in caches]
 
 
 def assert_same_export(got, want):
@@ -197,6 +209,7 @@ def test_import_slots_after_release_and_reuse_restores_the_bits(fmt, monkeypatch
     for c in caches:
         c.release([2, 5])
         randomize([t[2:3] for t in c.tensors[1:]] + [t[5:6] for t in c.tensors[1:]], gen)  # another request's bits
+        valid_bookkeeping(c.tensors)
         c.allocator.allocate(2)
     others = [snapshot(c.tensors) for c in caches]
     calls = count_staging(monkeypatch)
@@ -418,7 +431,7 @@ def test_gpu_functional_export_import_of_a_padded_tuple(fmt):
     randomize(cache, gen, "cuda")
     data = export_replayssm_slots(cache, torch.tensor([2, 9]), state_dtype=fmt)
     assert one_buffer([data])
-    ref = handoff._export(cache, torch.tensor([2, 9], device="cuda"), fmt == "nvfp4", False)
+    ref = handoff.export_rows(cache, torch.tensor([2, 9], device="cuda"), fmt == "nvfp4", False)
     assert_same_export([data], [ref])
     import_replayssm_slots(cache, data, torch.tensor([10, 11]), state_dtype=fmt)
     torch.cuda.synchronize()

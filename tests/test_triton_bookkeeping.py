@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from replayssm import layout as L
+from replayssm.formats import FP8, NVFP4
 from replayssm import reference as ref
 from replayssm.kernels import REFERENCE, KernelBackend
 from replayssm.kernels.triton import bits as K
@@ -213,8 +214,8 @@ def test_initialize_matches_reference(fmt, heads, groups, ids, id_dtype, kind, s
     got, want = twin_caches(11, heads, groups, fmt, fill=float("nan"), slot_padding=slot_padding, gen=gen)
     states = _states(kind, len(ids), heads, gen)
     ids = torch.tensor(ids, dtype=id_dtype, device=DEV)
-    initialize(got, states, ids, nvfp4=nvfp4, seed=77)
-    ref.initialize(want, states, ids, nvfp4=nvfp4, seed=77)
+    initialize(got, states, ids, fmt=(NVFP4 if nvfp4 else FP8), seed=77)
+    ref.initialize(want, states, ids, fmt=(NVFP4 if nvfp4 else FP8), seed=77)
     assert_same_cache(got, want)
     # Poison fully overwritten in the written slots (finite states give finite encodings).
     live = ids[(ids > 0) & (ids < 11)].long()
@@ -227,7 +228,7 @@ def test_initialize_matches_reference(fmt, heads, groups, ids, id_dtype, kind, s
 def test_initialize_empty_batch_is_noop():
     got, want = twin_caches(4, 16, 2, "fp8")
     empty = torch.zeros(0, 16, 64, 128, device=DEV)
-    initialize(got, empty, torch.zeros(0, dtype=torch.int32, device=DEV), nvfp4=False, seed=0)
+    initialize(got, empty, torch.zeros(0, dtype=torch.int32, device=DEV), fmt=FP8, seed=0)
     assert_same_cache(got, want)
 
 
@@ -274,11 +275,11 @@ def test_bound_launches_match_reference(fmt):
     gen = torch.Generator().manual_seed(8)
     got, want = twin_caches(9, 16, 2, fmt, fill=float("nan"), slot_padding=64, gen=gen)
     stream = current_stream(got[L.CHECKPOINT].device)
-    init, clr = Initialize(got, nvfp4, 31, 16), Clear(got)
+    init, clr = Initialize(got, NVFP4 if nvfp4 else FP8, 31, 16), Clear(got)
     ids = torch.tensor([5, 99, 0, 99, 8, 99, 2, 99], dtype=torch.int64, device=DEV)[::2]  # [5, 0, 8, 2]
     for states in (_states("contiguous", 4, 16, gen), _states("broadcast", 4, 16, gen)):
         init(got, states, ids, stream)
-        ref.initialize(want, states, ids.contiguous(), nvfp4=nvfp4, seed=31, head_offset=16)
+        ref.initialize(want, states, ids.contiguous(), fmt=(NVFP4 if nvfp4 else FP8), seed=31, head_offset=16)
         assert_same_cache(got, want)
         gone = torch.tensor([8, -1, 3], dtype=torch.int32, device=DEV)
         clr(got, gone, stream)
@@ -317,8 +318,8 @@ def test_prepare_matches_reference(fmt, ids, id_dtype, slot_padding):
     out_got = torch.randn(ids.numel(), H, 64, generator=gen).to(DEV, torch.bfloat16)
     out_want = out_got.clone()
     scratch = PlanScratch(max(16, ids.numel()), DEV)
-    plan = prepare_decode(got, ids, out_got, scratch, nvfp4=nvfp4, seed=2**40 + 3)
-    plan_want = ref.prepare_decode(want, ids, out_want, nvfp4=nvfp4, seed=2**40 + 3)
+    plan = prepare_decode(got, ids, out_got, scratch, fmt=(NVFP4 if nvfp4 else FP8), seed=2**40 + 3)
+    plan_want = ref.prepare_decode(want, ids, out_want, fmt=(NVFP4 if nvfp4 else FP8), seed=2**40 + 3)
     assert_same_plan(plan, plan_want)
     assert torch.equal(out_got.view(torch.int16), out_want.view(torch.int16))
     assert_same_cache(got, want)
@@ -380,8 +381,8 @@ def test_prepare_period_sequence(fmt):
     for step in range(17):
         out_got = torch.full((4, 16, 64), float("nan"), dtype=torch.bfloat16, device=DEV)
         out_want = out_got.clone()
-        plan = prepare_decode(got, ids, out_got, scratch, nvfp4=nvfp4, seed=9)
-        plan_want = ref.prepare_decode(want, ids, out_want, nvfp4=nvfp4, seed=9)
+        plan = prepare_decode(got, ids, out_got, scratch, fmt=(NVFP4 if nvfp4 else FP8), seed=9)
+        plan_want = ref.prepare_decode(want, ids, out_want, fmt=(NVFP4 if nvfp4 else FP8), seed=9)
         assert_same_plan(plan, plan_want)
         assert torch.equal(out_got.view(torch.int16), out_want.view(torch.int16))
         assert_same_cache(got, want)
@@ -403,8 +404,8 @@ def test_backend_decode_matches_reference(fmt):
     got, want = twin_caches(6, H, G, fmt, garbage=False)
     states = prefill_like(3, H, gen) * 1e-3
     ids = torch.tensor([2, 5, 3], dtype=torch.int64, device=DEV)
-    ref.initialize(got, states, ids, nvfp4=nvfp4, seed=1)
-    ref.initialize(want, states, ids, nvfp4=nvfp4, seed=1)
+    ref.initialize(got, states, ids, fmt=(NVFP4 if nvfp4 else FP8), seed=1)
+    ref.initialize(want, states, ids, fmt=(NVFP4 if nvfp4 else FP8), seed=1)
     for c in (got, want):
         c[L.POSITIONS][2] = c[L.POSITIONS][5] = 12
         c[L.POSITIONS][3] = 9
@@ -416,8 +417,8 @@ def test_backend_decode_matches_reference(fmt):
         args = (tok.x.to(DEV), tok.dt.to(DEV), A, tok.B.to(DEV), tok.C.to(DEV), D, dt_bias)
         out_got = torch.full((4, H, 64), float("nan"), dtype=torch.bfloat16, device=DEV)
         out_want = out_got.clone()
-        backend.decode(got, *args, batch_ids, out_got, nvfp4=nvfp4, seed=1)
-        REFERENCE.decode(want, *args, batch_ids, out_want, nvfp4=nvfp4, seed=1)
+        backend.decode(got, *args, batch_ids, out_got, fmt=(NVFP4 if nvfp4 else FP8), seed=1)
+        REFERENCE.decode(want, *args, batch_ids, out_want, fmt=(NVFP4 if nvfp4 else FP8), seed=1)
         assert torch.equal(out_got.view(torch.int16), out_want.view(torch.int16)), f"step {step}"
         assert_same_cache(got, want)
 
@@ -476,8 +477,8 @@ def test_gpu_initialize(fmt, heads, groups, id_dtype):
     got, want = twin_caches(256, heads, groups, fmt, "cuda", fill=float("nan"), slot_padding=128, gen=gen)
     ids = _gpu_ids(48, 256, gen, id_dtype)
     states = prefill_like(48, heads, gen, "cuda")
-    initialize(got, states, ids, nvfp4=nvfp4, seed=2**33 + 1)
-    ref.initialize(want, states, ids, nvfp4=nvfp4, seed=2**33 + 1)
+    initialize(got, states, ids, fmt=(NVFP4 if nvfp4 else FP8), seed=2**33 + 1)
+    ref.initialize(want, states, ids, fmt=(NVFP4 if nvfp4 else FP8), seed=2**33 + 1)
     assert_same_cache(got, want)
     # Broadcast and non-contiguous states.
     ids2 = _gpu_ids(40, 256, gen, id_dtype)
@@ -485,8 +486,8 @@ def test_gpu_initialize(fmt, heads, groups, id_dtype):
         prefill_like(1, heads, gen, "cuda").expand(40, -1, -1, -1),
         prefill_like(40, heads, gen, "cuda").transpose(-1, -2).contiguous().transpose(-1, -2),
     ):
-        initialize(got, st, ids2, nvfp4=nvfp4, seed=5)
-        ref.initialize(want, st, ids2, nvfp4=nvfp4, seed=5)
+        initialize(got, st, ids2, fmt=(NVFP4 if nvfp4 else FP8), seed=5)
+        ref.initialize(want, st, ids2, fmt=(NVFP4 if nvfp4 else FP8), seed=5)
         assert_same_cache(got, want)
 
 
@@ -516,10 +517,10 @@ def test_gpu_repeated_launches_match_reference(fmt, via, monkeypatch):
         if i == 3:  # one state for every row, as `ReplaySSMCache.reset` passes it
             states = states[:1].expand(24, -1, -1, -1)
         if via == "functions":
-            initialize(got, states, ids, nvfp4=nvfp4, seed=9)
+            initialize(got, states, ids, fmt=(NVFP4 if nvfp4 else FP8), seed=9)
         else:
-            backend.initialize(got, states, ids, nvfp4=nvfp4, seed=9)
-        ref.initialize(want, states, ids, nvfp4=nvfp4, seed=9)
+            backend.initialize(got, states, ids, fmt=(NVFP4 if nvfp4 else FP8), seed=9)
+        ref.initialize(want, states, ids, fmt=(NVFP4 if nvfp4 else FP8), seed=9)
         assert_same_cache(got, want)
         gone = _gpu_ids(12, 256, gen, torch.int32)
         (clear if via == "functions" else backend.clear)(got, gone)
@@ -566,8 +567,8 @@ def test_gpu_prepare_and_cuda_graph(fmt, heads, groups):
     out_want = torch.empty_like(out)
     scratch = PlanScratch(256, "cuda")
     # Eager step first (compiles), then capture one step; each replay is one more step.
-    plan = prepare_decode(got, ids, out, scratch, nvfp4=nvfp4, seed=42)
-    plan_want = ref.prepare_decode(want, ids, out_want, nvfp4=nvfp4, seed=42)
+    plan = prepare_decode(got, ids, out, scratch, fmt=(NVFP4 if nvfp4 else FP8), seed=42)
+    plan_want = ref.prepare_decode(want, ids, out_want, fmt=(NVFP4 if nvfp4 else FP8), seed=42)
     assert_same_plan(plan, plan_want)
     assert_same_cache(got, want)
     stream = torch.cuda.Stream()
@@ -575,7 +576,7 @@ def test_gpu_prepare_and_cuda_graph(fmt, heads, groups):
     graph = torch.cuda.CUDAGraph()
     snapshot = [as_bits(t).clone() for t in got]
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        prepare_decode(got, ids, out, scratch, nvfp4=nvfp4, seed=42)
+        prepare_decode(got, ids, out, scratch, fmt=(NVFP4 if nvfp4 else FP8), seed=42)
     torch.cuda.current_stream().wait_stream(stream)
     for t, s in zip(got, snapshot):  # capture must not have run the kernel
         assert torch.equal(as_bits(t), s)
@@ -584,7 +585,7 @@ def test_gpu_prepare_and_cuda_graph(fmt, heads, groups):
         out.fill_(float("nan"))
         out_want.fill_(float("nan"))
         graph.replay()
-        plan_want = ref.prepare_decode(want, ids, out_want, nvfp4=nvfp4, seed=42)
+        plan_want = ref.prepare_decode(want, ids, out_want, fmt=(NVFP4 if nvfp4 else FP8), seed=42)
         torch.cuda.synchronize()
         assert_same_plan(plan, plan_want)
         assert torch.equal(out.view(torch.int16), out_want.view(torch.int16)), f"step {step}"
@@ -613,7 +614,7 @@ def test_gpu_api_decode_uses_kernels(fmt):
     ids = torch.tensor([5, 0, 9, 33, 63, -2, 1], dtype=torch.int32, device="cuda")
     states = prefill_like(7, H, gen, "cuda") * 1e-3
     api.initialize_replayssm_state(got, states, ids, state_dtype=fmt, seed=3, backend="kernels")
-    REFERENCE.initialize(want, states, ids.reshape(-1), nvfp4=nvfp4, seed=3)
+    REFERENCE.initialize(want, states, ids.reshape(-1), fmt=(NVFP4 if nvfp4 else FP8), seed=3)
     assert_same_cache(got, want)
     bookkeeping = [L.X_RING, L.DT_RING, L.B_RING, L.POSITIONS] + ([L.PARITY] if nvfp4 else [])
     for step in range(17):
@@ -626,7 +627,7 @@ def test_gpu_api_decode_uses_kernels(fmt):
         out_want = torch.empty_like(out)
         api.selective_state_update_replayssm(got, *args, ids, out, state_dtype=fmt, seed=3, backend="kernels")
         norm = api.normalize_decode_inputs(*args, 7, H, G)
-        REFERENCE.decode(want, *norm, ids, out_want, nvfp4=nvfp4, seed=3)
+        REFERENCE.decode(want, *norm, ids, out_want, fmt=(NVFP4 if nvfp4 else FP8), seed=3)
         row_max = out_want.float().abs().amax(dim=(1, 2), keepdim=True)
         tol = 2 * 2.0**-7 * torch.exp2(torch.floor(torch.log2(row_max.clamp_min(1e-30))))
         assert ((out.float() - out_want.float()).abs() <= tol).all(), f"step {step}"

@@ -41,6 +41,7 @@ from typing import NamedTuple
 import torch
 
 from .. import layout as L
+from ..formats import Format
 from .. import pending as pend
 from .. import reference as ref
 
@@ -58,14 +59,14 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def initialize(self, cache, states, ids, *, nvfp4: bool, seed: int, head_offset: int = 0) -> None:
-        ref.initialize(cache, states, ids, nvfp4=nvfp4, seed=seed, head_offset=head_offset)
+    def initialize(self, cache, states, ids, *, fmt: Format, seed: int, head_offset: int = 0) -> None:
+        ref.initialize(cache, states, ids, fmt=fmt, seed=seed, head_offset=head_offset)
 
     def clear(self, cache, ids) -> None:
         ref.clear(cache, ids)
 
-    def decode(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, nvfp4: bool, seed: int, head_offset: int = 0) -> None:
-        ref.decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4=nvfp4, seed=seed, head_offset=head_offset)
+    def decode(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, fmt: Format, seed: int, head_offset: int = 0) -> None:
+        ref.decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt=fmt, seed=seed, head_offset=head_offset)
 
     def materialize(self, cache, ids, A, out=None) -> torch.Tensor:
         states = ref.materialize(cache, ids, A)
@@ -189,18 +190,18 @@ class KernelBackend:
         self._scratch[(device, capacity)] = buf
         return buf
 
-    def initialize(self, cache, states, ids, *, nvfp4: bool, seed: int, head_offset: int = 0) -> None:
+    def initialize(self, cache, states, ids, *, fmt: Format, seed: int, head_offset: int = 0) -> None:
         """The Triton initialize launches (kernels/triton/initialize.py); on a GPU through
         the cache context's `Initialize`, made once per format, seed and head offset."""
         kernels = self._kernels()
         stream = kernels.current_stream(cache[L.CHECKPOINT].device)
         if stream is None:  # the interpreter
-            kernels.initialize(cache, states, ids, nvfp4=nvfp4, seed=seed, head_offset=head_offset)
+            kernels.initialize(cache, states, ids, fmt=fmt, seed=seed, head_offset=head_offset)
             return
         inits = self._context(cache).initializes
-        launch = inits.get((nvfp4, seed, head_offset))
+        launch = inits.get((fmt, seed, head_offset))
         if launch is None:
-            launch = inits[(nvfp4, seed, head_offset)] = kernels.Initialize(cache, nvfp4, seed, head_offset)
+            launch = inits[(fmt, seed, head_offset)] = kernels.Initialize(cache, fmt, seed, head_offset)
         launch(cache, states, ids if ids.dim() == 1 else ids.reshape(-1), stream)
 
     def clear(self, cache, ids) -> None:
@@ -215,15 +216,15 @@ class KernelBackend:
             ctx.clear = kernels.Clear(cache)
         ctx.clear(cache, ids if ids.dim() == 1 else ids.reshape(-1), stream)
 
-    def prepare(self, cache, ids, out, *, nvfp4: bool, seed: int, scratch=None, stream: int | None = None) -> ref.Plan:
+    def prepare(self, cache, ids, out, *, fmt: Format, seed: int, scratch=None, stream: int | None = None) -> ref.Plan:
         """Kernel twin of `reference.prepare_decode`; returns views into the scratch.
         `stream`: the current CUDA stream's handle (CUDA caches)."""
         if scratch is None:
             scratch = self.scratch(ids.device, ids.numel())
-        return self._kernels().prepare_decode(cache, ids, out, scratch, nvfp4=nvfp4, seed=seed, stream=stream)
+        return self._kernels().prepare_decode(cache, ids, out, scratch, fmt=fmt, seed=seed, stream=stream)
 
     def decode(
-        self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, nvfp4: bool, seed: int, scratch=None, head_offset: int = 0
+        self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, fmt: Format, seed: int, scratch=None, head_offset: int = 0
     ) -> None:
         """Prepare kernel, then the CuTe decode kernels (the non-flush and the flush kernel
         launch every step), both kept in the cache's `_CacheContext`; on the CPU the
@@ -240,21 +241,21 @@ class KernelBackend:
             if ids.dim() != 1:
                 ids = ids.reshape(-1)
             batch = ids.shape[0]
-            key = (batch, nvfp4, seed, ids.dtype, scratch.addresses)
+            key = (batch, fmt, seed, ids.dtype, scratch.addresses)
             prep = ctx.prepares.get(key)
             if prep is None:
-                prep = ctx.prepares[key] = self._kernels().Prepare(cache, scratch, batch, nvfp4, seed, ids)
+                prep = ctx.prepares[key] = self._kernels().Prepare(cache, scratch, batch, fmt, seed, ids)
             prep(ids, out, stream, cache, scratch)
-            key = (batch, nvfp4, head_offset, scratch.addresses)
+            key = (batch, fmt, head_offset, scratch.addresses)
             step = ctx.steps.get(key)
             if step is None:
-                step = ctx.steps[key] = launch.Step(cache, prep.plan, "nvfp4" if nvfp4 else "fp8", arch, head_offset)
+                step = ctx.steps[key] = launch.Step(cache, prep.plan, fmt.name, arch, head_offset)
             fork = batch >= EAGER_FORK_MIN_BATCH or torch.cuda.is_current_stream_capturing()
             step(cache, prep.plan, x, dt, A, B, C, D, dt_bias, out, stream, fork=fork)
             return
-        plan = self.prepare(cache, ids, out, nvfp4=nvfp4, seed=seed, scratch=scratch)
-        ref.decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4)
-        ref.decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan, out, nvfp4=nvfp4, seed=seed, head_offset=head_offset)
+        plan = self.prepare(cache, ids, out, fmt=fmt, seed=seed, scratch=scratch)
+        ref.decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan, out, fmt=fmt)
+        ref.decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan, out, fmt=fmt, seed=seed, head_offset=head_offset)
 
     def _context(self, cache) -> "_CacheContext":
         """The `_CacheContext` of a CUDA cache tuple (made on first use; keyed by the
@@ -272,7 +273,7 @@ class KernelBackend:
         return ctx
 
     def decode_pending(
-        self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, nvfp4: bool, seed: int, max_seqlen: int,
+        self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, fmt: Format, seed: int, max_seqlen: int,
         num_accepted_tokens=None, cu_seqlens=None, head_offset: int = 0,
     ) -> None:  # fmt: skip
         """Pending mode on a CUDA cache: the Triton plan kernel of kernels/triton/pending.py,
@@ -288,7 +289,7 @@ class KernelBackend:
         themselves)."""
         if cache[L.CHECKPOINT].device.type != "cuda":
             REFERENCE.decode_pending(
-                cache, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4=nvfp4, seed=seed, max_seqlen=max_seqlen,
+                cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt=fmt, seed=seed, max_seqlen=max_seqlen,
                 num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=head_offset,
             )  # fmt: skip
             return
@@ -300,10 +301,10 @@ class KernelBackend:
             ctx.pending = _pending_triton().PendingPlan(max(batch, 64), cache[L.CHECKPOINT].device)
         if not (
             ctx.cute is not None and cu_seqlens is None and batch > 0
-            and self._pending_dense(ctx, cache, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4, seed, max_seqlen, num_accepted_tokens, head_offset)
+            and self._pending_dense(ctx, cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, max_seqlen, num_accepted_tokens, head_offset)
         ):  # fmt: skip
             self._pending_general(
-                ctx, cache, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4=nvfp4, seed=seed, max_seqlen=max_seqlen,
+                ctx, cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt=fmt, seed=seed, max_seqlen=max_seqlen,
                 num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=head_offset,
             )  # fmt: skip
 
@@ -319,7 +320,7 @@ class KernelBackend:
             )
         return launcher
 
-    def _pending_dense(self, ctx, cache, x, dt, A, B, C, D, dt_bias, ids, out, nvfp4, seed, max_seqlen, accepted, head_offset) -> bool:
+    def _pending_dense(self, ctx, cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, max_seqlen, accepted, head_offset) -> bool:
         """The launches of a dense call (x, B, C, out [b, T, n, w] or [b, T, n * w], dt [b,
         T, H], ids 1-D and not empty) on a cache the CuTe kernels run: the plan (the
         context's `PlanLaunch`), then `fold_and_step` from the context's `PendingLaunch`,
@@ -332,12 +333,12 @@ class KernelBackend:
             return False
         plan = ctx.pending
         stream = k.current_stream(cache[L.CHECKPOINT].get_device())
-        key = (nvfp4, seed, max_seqlen, plan.buf.data_ptr(), plan.fold_list.data_ptr())
+        key = (fmt, seed, max_seqlen, plan.buf.data_ptr(), plan.fold_list.data_ptr())
         launch = ctx.plan_launches.get(key)
         if launch is None:
-            launch = ctx.plan_launches[key] = tk.PlanLaunch(cache, plan, nvfp4, seed, max_seqlen)
+            launch = ctx.plan_launches[key] = tk.PlanLaunch(cache, plan, fmt, seed, max_seqlen)
         launch(cache, plan, ids, accepted, None, stream)
-        state_dtype = "nvfp4" if nvfp4 else "fp8"
+        state_dtype = fmt.name
         launcher = self._pending_launcher(ctx, cache, state_dtype, head_offset)
         rows, fold_list = plan.buf[: ids.shape[0]], plan.fold_list
         k.fold_and_step(
@@ -353,7 +354,7 @@ class KernelBackend:
         if ctx.cute is not None:
             k = _pending_cute()
             arch = ctx.cute[1]
-            state_dtype = "nvfp4" if kwargs["nvfp4"] else "fp8"
+            state_dtype = kwargs["fmt"].name
             launcher = self._pending_launcher(ctx, cache, state_dtype, kwargs["head_offset"])
             stream = k.current_stream(A.get_device())
 
@@ -421,7 +422,7 @@ class KernelBackend:
                 return f"the CuTe decode kernels cannot address this cache: {reason}"
         return None
 
-    def cute_for(self, cache, nvfp4: bool = False):
+    def cute_for(self, cache):
         """(launch module, arch) when the CuTe decode kernels can run `cache`, else None
         (`cute_unavailable` says why); one launcher serves both formats."""
         if self.cute_unavailable(cache) is not None:
@@ -433,7 +434,7 @@ class KernelBackend:
         """Compile the bookkeeping kernels for a `ReplaySSMCache` and create its plan
         scratch, changing nothing in the cache: every launch uses padding rows only
         (slot 0), which write nothing but their own output rows."""
-        nvfp4 = L.is_nvfp4(cache.state_dtype)
+        fmt = cache.format
         tensors, device = cache.tensors, cache.tensors[L.CHECKPOINT].device
         heads = tensors[L.CHECKPOINT].shape[1]
         scratch = self.scratch(device, cache.max_batch)
@@ -443,11 +444,11 @@ class KernelBackend:
         for dtype in (torch.int32, torch.int64):
             ids = torch.zeros(2, dtype=dtype, device=device)
             # Contiguous and broadcast (stride-0, as `reset` passes) prefill states.
-            self.initialize(tensors, zero_state.repeat(2, 1, 1, 1), ids, nvfp4=nvfp4, seed=cache.seed)
-            self.initialize(tensors, zero_state.expand(2, -1, -1, -1), ids, nvfp4=nvfp4, seed=cache.seed)
-            self.prepare(tensors, ids, out, nvfp4=nvfp4, seed=cache.seed, scratch=scratch)
+            self.initialize(tensors, zero_state.repeat(2, 1, 1, 1), ids, fmt=fmt, seed=cache.seed)
+            self.initialize(tensors, zero_state.expand(2, -1, -1, -1), ids, fmt=fmt, seed=cache.seed)
+            self.prepare(tensors, ids, out, fmt=fmt, seed=cache.seed, scratch=scratch)
             names += [f"triton.initialize[{dtype}]", f"triton.clear[{dtype}]", f"triton.prepare[{dtype}]"]
-        cute = self.cute_for(tensors, nvfp4=nvfp4)
+        cute = self.cute_for(tensors)
         if cute is not None:
             # Compile the decode kernels in each variant a step may launch (the non-flush
             # kernel with PDL at batch 1, the flush with PDL above it), then launch them
@@ -456,7 +457,7 @@ class KernelBackend:
             launch, arch = cute
             names += launch.warmup(cache.state_dtype, heads, tensors[L.B_RING].shape[1], arch)
             ids = torch.zeros(2, dtype=torch.int32, device=device)
-            plan = self.prepare(tensors, ids, out, nvfp4=nvfp4, seed=cache.seed, scratch=scratch)
+            plan = self.prepare(tensors, ids, out, fmt=fmt, seed=cache.seed, scratch=scratch)
             launch.launch_padding(tensors, plan, out, cache.state_dtype, arch)
         return names
 
@@ -526,7 +527,7 @@ def kernel_backend() -> KernelBackend:
 # tests/test_cute_*.py, benchmarks/bench_cute_*.py); not part of __all__.
 
 
-def _triton_interpreting() -> bool:
+def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
@@ -556,7 +557,7 @@ def backend_for(
     device = torch.device(device)
     if device.type != "cuda":
         if backend == "kernels":
-            if _triton_interpreting():
+            if triton_interpreting():
                 return kernel_backend()
             raise ValueError(
                 "backend='kernels' needs a CUDA device (or TRITON_INTERPRET=1, which runs the Triton "

@@ -13,6 +13,14 @@ import os
 DEBUG_ENV = "REPLAYSSM_DEBUG"
 ARCH_ENV = "REPLAYSSM_ARCH"
 
+# compute capability -> CuTe DSL / ptxas target (the one table; `cute.arch` picks by it)
+ARCHS: dict[tuple[int, int], str] = {
+    (9, 0): "sm_90a",  # H100 / H200: software stochastic rounding and FP4
+    (10, 0): "sm_100a",  # B200: cvt.rs.satfinite.f16x2.f32, cvt.rn.satfinite.e4m3x2.f32
+    (10, 3): "sm_103a",  # B300: as sm_100a
+}
+SUPPORTED = tuple(ARCHS.values())
+
 
 def debug() -> bool:
     """$REPLAYSSM_DEBUG: "1" turns on the host-side checks (unique live slots, slot
@@ -26,16 +34,13 @@ def debug() -> bool:
 
 def arch_override() -> str | None:
     """$REPLAYSSM_ARCH: the CuTe target to compile for instead of asking the GPU (so a
-    machine without one can compile), one of `cute.arch.SUPPORTED`; None when unset or
-    empty."""
+    machine without one can compile), one of `SUPPORTED`; None when unset or empty."""
     value = os.environ.get(ARCH_ENV, "")
     if not value:
         return None
-    from .cute.arch import SUPPORTED  # the arch table; importing it needs no CuTe DSL
-
     if value not in SUPPORTED:
         raise ValueError(f"${ARCH_ENV} must be one of {SUPPORTED} (or unset); got {value!r}")
     return value
 
 
-__all__ = ["ARCH_ENV", "DEBUG_ENV", "arch_override", "debug"]
+__all__ = ["ARCHS", "ARCH_ENV", "DEBUG_ENV", "SUPPORTED", "arch_override", "debug"]

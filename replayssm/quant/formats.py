@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import HEAD_DIM, NVFP4_BLOCK, STATE_DIM
+from ..geometry import HEAD_DIM, NVFP4_BLOCK, STATE_DIM
 from .minifloat import E2M1, E4M3, MASK32, decode_e2m1, decode_e4m3, encode, f32_bits
 # Headroom of the delayed second-level scale: the amax measured at one flush may grow by
 # this factor before the next flush's largest block scale saturates at 448.

@@ -1,23 +1,16 @@
 """Which CuTe DSL target a GPU gets: one table keyed by compute capability.
 
 `REPLAYSSM_ARCH=sm_100a` (or sm_90a, sm_103a) overrides the device query, so a machine
-without the GPU (CPU CI) can compile for any target. The table is the only place that
-knows the mapping; kernels choose their conversion instructions from the arch string.
+without the GPU (CPU CI) can compile for any target. The table (`env.ARCHS`, beside the
+variable it validates) is the only place that knows the mapping; kernels choose their
+conversion instructions from the arch string.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..env import ARCH_ENV, arch_override
-
-# compute capability -> CuTe DSL / ptxas target
-ARCHS: dict[tuple[int, int], str] = {
-    (9, 0): "sm_90a",  # H100 / H200: software stochastic rounding and FP4
-    (10, 0): "sm_100a",  # B200: cvt.rs.satfinite.f16x2.f32, cvt.rn.satfinite.e4m3x2.f32
-    (10, 3): "sm_103a",  # B300: as sm_100a
-}
-SUPPORTED = tuple(ARCHS.values())
+from ..env import ARCH_ENV, ARCHS, SUPPORTED, arch_override
 # Targets with the `cvt.rs` stochastic-rounding conversion.
 HAS_CVT_RS = frozenset({"sm_100a", "sm_103a"})
 

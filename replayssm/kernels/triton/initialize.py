@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ... import layout as L
+from ...formats import Format
 from ...quant.rng import seed_key
 from .bits import (
     ONE_SIXTH_BITS,
@@ -159,12 +160,12 @@ def _initialize_kernel(
         tl.store(p_scales + slot * stride_scales + o_r, f32_exp2(e_r))
 
 
-def _arguments(cache, heads: int, nvfp4: bool, seed: int, head_offset: int):
+def _arguments(cache, heads: int, fmt: Format, seed: int, head_offset: int):
     """The initialize kernel's cache arguments (views), the scalars after the states'
     strides, and the constexprs; the hmax, meta and parity slots hold the checkpoint in
     FP8 (unused: the NVFP4 branch is compiled out)."""
     ckpt, read, scales = cache[L.CHECKPOINT], cache[L.READ_COPY], cache[L.SCALES]
-    if nvfp4:
+    if fmt.two_level:
         groups = cache[L.META].shape[1]
         meta, parity = cache[L.META], cache[L.PARITY]
         scales_arg = scales.view(torch.uint8)
@@ -181,10 +182,10 @@ def _arguments(cache, heads: int, nvfp4: bool, seed: int, head_offset: int):
     scalars = (ckpt.stride(0), read.stride(0), scales.stride(0), meta.stride(0), parity.stride(0), *ring_scalars[:4],
                ckpt.shape[0], int32_pattern(seed_key(seed)), head_offset)  # fmt: skip
     clear_block = ring_consts.pop("BLOCK")
-    return tensors, scalars, dict(H=heads, HPG=heads // groups, NVFP4=nvfp4, BLOCK_R=block_r, **ring_consts, CLEAR_BLOCK=clear_block)
+    return tensors, scalars, dict(H=heads, HPG=heads // groups, NVFP4=fmt.two_level, BLOCK_R=block_r, **ring_consts, CLEAR_BLOCK=clear_block)
 
 
-def initialize(cache, states: torch.Tensor, ids: torch.Tensor, *, nvfp4: bool, seed: int, head_offset: int = 0) -> None:
+def initialize(cache, states: torch.Tensor, ids: torch.Tensor, *, fmt: Format, seed: int, head_offset: int = 0) -> None:
     """Checkpoint, read copy and scales (NVFP4: meta and parity too) of the valid slots in
     `ids` from FP32 `states` [batch, H, 64, 128] (any strides, stride 0 on the batch dim
     included), and their rings and positions cleared. Launches: head amax (NVFP4 only),
@@ -195,8 +196,8 @@ def initialize(cache, states: torch.Tensor, ids: torch.Tensor, *, nvfp4: bool, s
     if batch == 0:
         return
     num_slots = cache[L.CHECKPOINT].shape[0]
-    tensors, scalars, constexprs = _arguments(cache, heads, nvfp4, seed, head_offset)
-    hmax = head_amax(states, ids, num_slots) if nvfp4 else tensors[0]
+    tensors, scalars, constexprs = _arguments(cache, heads, fmt, seed, head_offset)
+    hmax = head_amax(states, ids, num_slots) if fmt.two_level else tensors[0]
     stream = current_stream(ids.device)
     _INITIALIZE(
         (batch, heads * L.HEAD_DIM // constexprs["BLOCK_R"]),
@@ -215,16 +216,16 @@ class Initialize:
     key are specialized); each variant's first launch goes through Triton's launcher with
     tensors, later ones launch it with addresses (`launch.Compiled`)."""
 
-    def __init__(self, cache, nvfp4: bool, seed: int, head_offset: int) -> None:
+    def __init__(self, cache, fmt: Format, seed: int, head_offset: int) -> None:
         self.heads = cache[L.CHECKPOINT].shape[1]
-        self.args = (nvfp4, seed, head_offset)
-        tensors, self.scalars, constexprs = _arguments(cache, self.heads, nvfp4, seed, head_offset)
+        self.args = (fmt, seed, head_offset)
+        tensors, self.scalars, constexprs = _arguments(cache, self.heads, fmt, seed, head_offset)
         self.addresses = tuple(t.data_ptr() for t in tensors)
         self.constexprs = tuple(constexprs.values())
         self.chunks = self.heads * L.HEAD_DIM // constexprs["BLOCK_R"]
         self.num_slots = cache[L.CHECKPOINT].shape[0]
-        self.nvfp4 = nvfp4
-        self.amax = HeadAmax(self.heads, self.num_slots) if nvfp4 else None
+        self.two_level = fmt.two_level
+        self.amax = HeadAmax(self.heads, self.num_slots) if fmt.two_level else None
         self.compiled: dict[tuple, object] = {}
 
     def __call__(self, cache, states: torch.Tensor, ids: torch.Tensor, stream: int | None) -> None:
@@ -233,7 +234,7 @@ class Initialize:
         batch = ids.shape[0]
         if batch == 0:
             return
-        hmax = self.amax(states, ids, stream) if self.nvfp4 else None
+        hmax = self.amax(states, ids, stream) if self.two_level else None
         s_ptr, i_ptr = states.data_ptr(), ids.data_ptr()
         strides = states.stride()
         key = (ids.dtype, i_ptr % 16 == 0, ids.stride(0), s_ptr % 16 == 0, strides)

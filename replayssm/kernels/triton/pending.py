@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from ... import layout as L
+from ...formats import Format
 from ...pending import grid as pending_grid
 from ...quant.rng import seed_key
 from .bits import (
@@ -462,12 +463,12 @@ def _tok_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int]:
     return (0, t.stride(0)) if varlen else (t.stride(0), t.stride(1))
 
 
-def _plan_arguments(cache, plan: PendingPlan, ids, accepted, cu_seqlens, nvfp4: bool, seed: int, max_seqlen: int):
+def _plan_arguments(cache, plan: PendingPlan, ids, accepted, cu_seqlens, fmt: Format, seed: int, max_seqlen: int):
     """The plan kernel's arguments (tensors, then its scalars) and constexprs for a call
     of `ids` (1-D) with verdicts `accepted` and `cu_seqlens` (None: not given; the ids
     fill their slots, unread)."""
     pos = cache[L.POSITIONS]
-    meta, parity = (cache[L.META], cache[L.PARITY]) if nvfp4 else (pos, pos)  # unused for FP8
+    meta, parity = (cache[L.META], cache[L.PARITY]) if fmt.two_level else (pos, pos)  # unused for FP8
     batch = ids.shape[0]
     acc = accepted if accepted is not None else ids
     cu = cu_seqlens if cu_seqlens is not None else ids
@@ -477,7 +478,7 @@ def _plan_arguments(cache, plan: PendingPlan, ids, accepted, cu_seqlens, nvfp4: 
         pending_grid(max_seqlen), int32_pattern(seed_key(seed)),
     )  # fmt: skip
     constexprs = dict(T=max_seqlen, G=cache[L.B_RING].shape[1], HAS_ACC=accepted is not None,
-                      VARLEN=cu_seqlens is not None, NVFP4=nvfp4, BLOCK=64 if interpreting() else 128)  # fmt: skip
+                      VARLEN=cu_seqlens is not None, NVFP4=fmt.two_level, BLOCK=64 if interpreting() else 128)  # fmt: skip
     return args, constexprs
 
 
@@ -490,10 +491,10 @@ class PlanLaunch:
     given; the first launch of each goes through Triton's launcher with tensors, later
     ones launch it with addresses (`launch.Compiled`)."""
 
-    def __init__(self, cache, plan: PendingPlan, nvfp4: bool, seed: int, max_seqlen: int) -> None:
-        self.args = (nvfp4, seed, max_seqlen)
+    def __init__(self, cache, plan: PendingPlan, fmt: Format, seed: int, max_seqlen: int) -> None:
+        self.args = (fmt, seed, max_seqlen)
         ids = plan.fold_list[:1]  # stands in for the per-call tensors
-        args, constexprs = _plan_arguments(cache, plan, ids, None, None, nvfp4, seed, max_seqlen)
+        args, constexprs = _plan_arguments(cache, plan, ids, None, None, fmt, seed, max_seqlen)
         self.middle = tuple(t.data_ptr() for t in args[4:8])  # parity, meta, plan rows, fold list
         self.pos = args[1].data_ptr()
         self.scalars = args[10:]
@@ -534,7 +535,7 @@ def pending_decode(
     ids: torch.Tensor,
     out: torch.Tensor,
     *,
-    nvfp4: bool,
+    fmt: Format,
     seed: int,
     max_seqlen: int,
     num_accepted_tokens: torch.Tensor | None = None,
@@ -584,7 +585,7 @@ def pending_decode(
     if plan is None:
         plan = PendingPlan(batch, ids.device)
     pv = plan.view(batch)
-    if nvfp4:
+    if fmt.two_level:
         meta = cache[L.META]
         scales_arg = scales.view(torch.uint8)
     else:
@@ -592,13 +593,13 @@ def pending_decode(
         scales_arg = scales
     stream = current_stream(ids.device) if plan_launches is not None else None
     if stream is None:
-        args, constexprs = _plan_arguments(cache, plan, ids, num_accepted_tokens, cu_seqlens, nvfp4, seed, max_seqlen)
+        args, constexprs = _plan_arguments(cache, plan, ids, num_accepted_tokens, cu_seqlens, fmt, seed, max_seqlen)
         _plan_kernel[(triton.cdiv(batch, constexprs["BLOCK"]),)](*args, **constexprs, num_warps=4)
     else:
-        key = (nvfp4, seed, max_seqlen, plan.buf.data_ptr(), plan.fold_list.data_ptr())
+        key = (fmt, seed, max_seqlen, plan.buf.data_ptr(), plan.fold_list.data_ptr())
         launch = plan_launches.get(key)
         if launch is None:
-            launch = plan_launches[key] = PlanLaunch(cache, plan, nvfp4, seed, max_seqlen)
+            launch = plan_launches[key] = PlanLaunch(cache, plan, fmt, seed, max_seqlen)
         launch(cache, plan, ids, num_accepted_tokens, cu_seqlens, stream)
     hpg = heads // groups
 
@@ -612,7 +613,7 @@ def pending_decode(
             meta, meta.view(torch.int32), dbg,
             A.stride(0), ckpt.stride(0), x_ring.stride(0), dt_ring.stride(0), b_ring.stride(0), read.stride(0),
             scales.stride(0), meta.stride(0), head_offset,
-            H=heads, HPG=hpg, FP=FOLD_ROWS, NVFP4=nvfp4, DEBUG=debug_state is not None, HW_CVT=not interpreting(),
+            H=heads, HPG=hpg, FP=FOLD_ROWS, NVFP4=fmt.two_level, DEBUG=debug_state is not None, HW_CVT=not interpreting(),
             PRECISION=PRECISION, num_warps=FOLD_WARPS,
         )
 
@@ -634,7 +635,7 @@ def pending_decode(
         *inputs, x_ring, dt_ring, b_ring, read.view(torch.uint8), scales_arg, meta, *strides,
         x_ring.stride(0), dt_ring.stride(0), b_ring.stride(0), read.stride(0), scales.stride(0), meta.stride(0),
         num_slots,
-        HPG=hpg, HB=hb, NVFP4=nvfp4, F32_DOTS=interpreting(), PRECISION=PRECISION, num_warps=STEP_WARPS,
+        HPG=hpg, HB=hb, NVFP4=fmt.two_level, F32_DOTS=interpreting(), PRECISION=PRECISION, num_warps=STEP_WARPS,
     )
     return out
 

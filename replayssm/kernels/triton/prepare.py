@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ... import layout as L
+from ...formats import Format
 from ...quant.rng import seed_key
 from ...reference import Plan
 from .bits import stream_key
@@ -149,7 +150,7 @@ class PlanScratch:
 
 
 def prepare_decode(
-    cache, ids: torch.Tensor, out: torch.Tensor, scratch: PlanScratch, *, nvfp4: bool, seed: int, stream: int | None = None
+    cache, ids: torch.Tensor, out: torch.Tensor, scratch: PlanScratch, *, fmt: Format, seed: int, stream: int | None = None
 ) -> Plan:
     """Plan of the rows of `ids` (int32/int64 [batch], batch <= scratch.rows) into
     `scratch`; zero the padding rows of `out` (contiguous [batch, H, 64], 2-byte dtype);
@@ -162,7 +163,7 @@ def prepare_decode(
     batch = ids.shape[0]
     if batch == 0:
         return scratch.plan(0)
-    launch = Prepare(cache, scratch, batch, nvfp4, seed, ids)
+    launch = Prepare(cache, scratch, batch, fmt, seed, ids)
     launch(ids, out, stream, cache, scratch)
     return launch.plan
 
@@ -184,22 +185,22 @@ class Prepare:
     parameter layout, else Triton's launch). The interpreter, and calls without a stream,
     take Triton's path."""
 
-    def __init__(self, cache, scratch: PlanScratch, batch: int, nvfp4: bool, seed: int, ids: torch.Tensor) -> None:
+    def __init__(self, cache, scratch: PlanScratch, batch: int, fmt: Format, seed: int, ids: torch.Tensor) -> None:
         self.batch = batch
         self.plan = scratch.plan(batch)
         pos = cache[L.POSITIONS]
-        if nvfp4:
+        if fmt.two_level:
             meta, parity = cache[L.META], cache[L.PARITY]
             groups = meta.shape[1]
         else:
             meta = parity = pos  # unused (the NVFP4 branch is compiled out)
             groups = 1
         out_row = cache[L.CHECKPOINT].shape[1] * L.HEAD_DIM
-        self.nvfp4 = nvfp4
+        self.two_level = fmt.two_level
         self.head = tuple(t.data_ptr() for t in (pos, parity, meta))
         self.tail = scratch.addresses
         self.strides = (pos.stride(0), parity.stride(0), meta.stride(0), cache[L.CHECKPOINT].shape[0], int32_pattern(seed_key(seed)))
-        self.constexprs = (groups, triton.next_power_of_2(groups), out_row, triton.next_power_of_2(out_row), nvfp4, prepare_trigger(ids.device))
+        self.constexprs = (groups, triton.next_power_of_2(groups), out_row, triton.next_power_of_2(out_row), fmt.two_level, prepare_trigger(ids.device))
         self.compiled: dict[tuple, object] = {}
         self.interpreting = interpreting()
 
@@ -211,7 +212,7 @@ class Prepare:
         kernel = self.compiled.get(align) if stream is not None and not self.interpreting else None
         if kernel is None:
             pos = cache[L.POSITIONS]
-            head = (pos, cache[L.PARITY], cache[L.META]) if self.nvfp4 else (pos, pos, pos)
+            head = (pos, cache[L.PARITY], cache[L.META]) if self.two_level else (pos, pos, pos)
             tail = (scratch.valid.view(torch.int8), scratch.slot, scratch.ring_index, scratch.flush.view(torch.int8), scratch.key, scratch.old_parity)
             args = (ids, *head, out.view(torch.int16), *tail, ids.stride(0), *self.strides, *self.constexprs)
             keep(self.compiled, align, _prepare_kernel[(self.batch,)](*args, num_warps=4), stream)

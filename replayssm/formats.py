@@ -1,0 +1,174 @@
+"""Read-copy formats as objects: what a format adds to a slot and its reference operations.
+
+A `Format` is made from the user's `state_dtype` at the API's edge (`format_of`) and
+carried to the backends. It names the cache tensors the format adds after the rings
+(docs/format.md sections 2-4) and implements, in PyTorch, the four places where the
+formats differ: writing the read copy at init, the parity flip a flush's prepare makes,
+re-deriving the read copy from a folded state, and reading it back as FP32. The
+quantizers themselves are `replayssm.quant.formats`; the kernels' strategies are
+`kernels.cute.read_copy` (CuTe) and the Triton kernels' `NVFP4` constexpr, set from
+`Format.two_level`.
+
+A new format is a new subclass here, its quantizer in `quant.formats` and its kernel
+strategy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .geometry import HEAD_DIM, META, NVFP4_BLOCK, PARITY, READ_COPY, SCALES, STATE_DIM
+from .quant import formats as Q
+
+
+def head_group(heads: int, groups: int, device) -> torch.Tensor:
+    """The group of each head: h // (heads / groups)."""
+    return torch.arange(heads, device=device) // (heads // groups)
+
+
+def group_amax(state: torch.Tensor, groups: int) -> torch.Tensor:
+    """[n, H, 64, 128] -> [n, G] max |value| over each group's heads."""
+    n, heads = state.shape[:2]
+    # An explicit group size: with n = 0 (a batch of padding rows only) -1 is ambiguous.
+    per_group = (heads // groups) * state.shape[2] * state.shape[3]
+    return state.abs().reshape(n, groups, per_group).amax(dim=-1)
+
+
+class Format:
+    """A read-copy format. `name` is its `state_dtype`; `two_level` whether it keeps a
+    second-level scale per (slot, group), double-buffered, with a parity per slot (the
+    cache's `meta` and `parity` tensors)."""
+
+    name: str = ""
+    two_level: bool = False
+
+    def specs(self, heads: int, groups: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """[(name, per-slot shape, dtype)] of the tensors this format adds after the rings."""
+        raise NotImplementedError
+
+    def cache_len(self) -> int:
+        """Tensors in the cache tuple: conv, checkpoint, three rings, this format's, positions."""
+        return 5 + len(self.specs(1, 1)) + 1
+
+    def init(self, cache, slot: torch.Tensor, state: torch.Tensor) -> None:
+        """Write the read copy (and its scales) of live `slot`s from FP32 `state` at init."""
+        raise NotImplementedError
+
+    def flip(self, cache, slot: torch.Tensor) -> torch.Tensor:
+        """A fold of `slot`s begins: returns each slot's live half before it (int64; 0
+        where the format has none) after making the other half live."""
+        return torch.zeros_like(slot)
+
+    def refresh(self, cache, slot: torch.Tensor, state: torch.Tensor, old_parity: torch.Tensor) -> None:
+        """Re-derive the read copy of `slot`s from their folded FP32 `state`."""
+        raise NotImplementedError
+
+    def read(self, cache, slot: torch.Tensor) -> torch.Tensor:
+        """The dequantized read copy [n, H, 64, 128] (FP32) of `slot`s."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"Format({self.name!r})"
+
+
+class Fp8Format(Format):
+    """FP8 e4m3 codes with one power-of-two scale per state row (docs/format.md section 3)."""
+
+    name = "fp8"
+
+    def specs(self, heads, groups):
+        return [
+            ("read_copy", (heads, HEAD_DIM, STATE_DIM), torch.float8_e4m3fn),
+            ("row_scales", (heads, HEAD_DIM), torch.float32),
+        ]
+
+    def _write(self, cache, slot, state) -> None:
+        codes, scales = Q.fp8_encode(state)
+        cache[READ_COPY][slot] = codes
+        cache[SCALES][slot] = scales
+
+    def init(self, cache, slot, state) -> None:
+        self._write(cache, slot, state)
+
+    def refresh(self, cache, slot, state, old_parity) -> None:
+        self._write(cache, slot, state)
+
+    def read(self, cache, slot):
+        return Q.fp8_decode(cache[READ_COPY][slot], cache[SCALES][slot])
+
+
+class Nvfp4Format(Format):
+    """NVFP4: e2m1 code pairs, e4m3 block scales per 16 values and a delayed power-of-two
+    second-level scale per (slot, group) in `meta`, whose live half `parity` names
+    (docs/format.md section 4)."""
+
+    name = "nvfp4"
+    two_level = True
+
+    def specs(self, heads, groups):
+        return [
+            ("read_copy", (heads, HEAD_DIM, STATE_DIM // 2), torch.uint8),
+            ("block_scales", (heads, HEAD_DIM, STATE_DIM // NVFP4_BLOCK), torch.float8_e4m3fn),
+            ("meta", (groups, 2), torch.float32),
+            ("parity", (), torch.int32),
+        ]
+
+    def _write(self, cache, slot, state, live_amax) -> None:
+        heads, groups = state.shape[1], cache[META].shape[1]
+        codes, bscales = Q.nvfp4_encode(state, live_amax[:, head_group(heads, groups, state.device)])
+        cache[READ_COPY][slot] = codes
+        cache[SCALES][slot] = bscales
+
+    def _live_amax(self, cache, slot, parity) -> torch.Tensor:
+        groups = cache[META].shape[1]
+        return cache[META][slot].gather(2, parity.view(-1, 1, 1).expand(-1, groups, 1)).squeeze(-1)
+
+    def init(self, cache, slot, state) -> None:
+        live_amax = group_amax(state, cache[META].shape[1])
+        cache[META][slot] = live_amax.unsqueeze(-1).expand(-1, -1, 2)
+        cache[PARITY][slot] = 0
+        self._write(cache, slot, state, live_amax)
+
+    def flip(self, cache, slot):
+        """The parity flips; the half that was live becomes the amax accumulator (zeroed)."""
+        old = cache[PARITY][slot].to(torch.int64)
+        cache[PARITY][slot] = (1 - old).to(torch.int32)
+        meta = cache[META]
+        for g in range(meta.shape[1]):
+            meta[slot, g, old] = 0.0
+        return old
+
+    def refresh(self, cache, slot, state, old_parity) -> None:
+        """Encode with the amax of the previous fold (the new live half); store the folded
+        state's group amax in the half that was live."""
+        live_amax = self._live_amax(cache, slot, 1 - old_parity)
+        measured = group_amax(state, cache[META].shape[1])
+        for g in range(measured.shape[1]):
+            cache[META][slot, g, old_parity] = measured[:, g]
+        self._write(cache, slot, state, live_amax)
+
+    def read(self, cache, slot):
+        heads, groups = cache[READ_COPY].shape[1], cache[META].shape[1]
+        live_amax = self._live_amax(cache, slot, cache[PARITY][slot].to(torch.int64))
+        amax_h = live_amax[:, head_group(heads, groups, slot.device)]
+        return Q.nvfp4_decode(cache[READ_COPY][slot], cache[SCALES][slot], amax_h)
+
+
+FP8, NVFP4 = Fp8Format(), Nvfp4Format()
+FORMATS: dict[str, Format] = {f.name: f for f in (FP8, NVFP4)}
+
+
+def format_of(state_dtype: object) -> Format:
+    """The `Format` of a `state_dtype` string ("fp8", "nvfp4"); a Format passes as is.
+    TypeError for another type, ValueError for another name."""
+    if isinstance(state_dtype, Format):
+        return state_dtype
+    if not isinstance(state_dtype, str):
+        raise TypeError(f"state_dtype must be a str in {tuple(FORMATS)}; got {type(state_dtype).__name__}")
+    fmt = FORMATS.get(state_dtype)
+    if fmt is None:
+        raise ValueError(f"state_dtype must be one of {tuple(FORMATS)}; got {state_dtype!r}")
+    return fmt
+
+
+__all__ = ["FORMATS", "FP8", "NVFP4", "Format", "format_of"]
