@@ -411,6 +411,9 @@ class ReplaySSMCache:
 
     @property
     def positions(self) -> torch.Tensor:
+        """The positions tensor (int32 [num_slots], or [num_slots, 2] (committed, pending)
+        in pending mode): tokens decoded since each slot's last init. A view into the
+        cache, not a copy."""
         return self.tensors[L.POSITIONS]
 
     def bytes_per_slot(self) -> int:

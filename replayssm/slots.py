@@ -9,6 +9,8 @@ import attrs
 import torch
 
 NULL_SLOT = 0
+"""The padding slot id. Never allocated; a decode row whose slot is `NULL_SLOT` (or any
+id <= 0 or >= num_slots) is padding: its output is zero and no cache state changes."""
 
 
 def _show(ids: Sequence[int], limit: int = 16) -> str:
@@ -38,17 +40,21 @@ class SlotAllocator:
 
     @property
     def capacity(self) -> int:
+        """Slots that can be allocated: num_slots - 1 (slot 0 is padding)."""
         return self.num_slots - 1
 
     @property
     def num_free(self) -> int:
+        """Slots free to allocate now."""
         return len(self._free)
 
     @property
     def num_used(self) -> int:
+        """Slots allocated and not released."""
         return len(self._used)
 
     def is_allocated(self, slot: int) -> bool:
+        """Whether `slot` is allocated (False for padding and out-of-range ids)."""
         return slot in self._used
 
     def check_live(self, ids: Sequence[int], name: str = "slots") -> None:

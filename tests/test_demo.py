@@ -78,6 +78,7 @@ BAD = [
     ("batch-negative", ["--batch", "-3"], "argument --batch: must be an integer >= 1; got -3"),
     ("batch-not-int", ["--batch", "two"], "argument --batch: expected an integer; got 'two'"),
     ("prompt-negative", ["--prompt", "-5"], "argument --prompt: must be an integer >= 0; got -5"),
+    ("threads-0", ["--threads", "0"], "argument --threads: must be an integer >= 1; got 0"),
     ("seed-2**70", ["--seed", "1180591620717411303424"], "argument --seed: must be an integer in [0, 2**64)"),
     ("seed-negative", ["--seed", "-1"], "argument --seed: must be an integer in [0, 2**64); got -1"),
     ("heads-12-groups-2", ["--heads", "12"], "heads per group must be one of (8, 16); got 12 heads in 2 groups"),
@@ -124,7 +125,7 @@ def test_cli_help_shows_defaults(cli_runs):
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())
     for option, default in (("--device", "auto"), ("--format", "both"), ("--batch", "8"), ("--steps", "256"),
-                            ("--heads", "16"), ("--groups", "2"), ("--prompt", "64"), ("--seed", "0")):
+                            ("--heads", "16"), ("--groups", "2"), ("--prompt", "64"), ("--seed", "0"), ("--threads", "1")):
         part = text[text.index(f" {option} ", text.index("options:")):]
         assert f"(default: {default})" in part[: part.index("(default:") + 20], option
 

@@ -17,6 +17,7 @@ import torch
 
 import replayssm
 from replayssm import ReplaySSMCache, allocate_cache, export_replayssm_slots, handoff, import_replayssm_slots
+from replayssm.formats import format_of
 from replayssm.kernels.triton import copy_slots as K
 from tests.helpers import assert_cache_equal, same_bits, snapshot
 from tests.test_copy_kernel import interpreted, randomize
@@ -431,7 +432,7 @@ def test_gpu_functional_export_import_of_a_padded_tuple(fmt):
     randomize(cache, gen, "cuda")
     data = export_replayssm_slots(cache, torch.tensor([2, 9]), state_dtype=fmt)
     assert one_buffer([data])
-    ref = handoff.export_rows(cache, torch.tensor([2, 9], device="cuda"), fmt == "nvfp4", False)
+    ref = handoff.export_rows(cache, torch.tensor([2, 9], device="cuda"), format_of(fmt), False)
     assert_same_export([data], [ref])
     import_replayssm_slots(cache, data, torch.tensor([10, 11]), state_dtype=fmt)
     torch.cuda.synchronize()
