@@ -293,187 +293,37 @@ def test_step_config_rejects_two_pdl_kernels():
         dataclasses.replace(cfg, flush_rows=7)
 
 
-def test_argument_structs_bind_what_the_spec_types():
-    """`bind` (launch time) and `fake` (compile time) build each struct from one spec: the
-    same pointer types and alignments, and strides in the spec's units."""
+def test_argument_structs_raw_is_what_the_spec_reads():
+    """`raw` (launch time: the ints a kernel's TVM-FFI entry takes) and `fake` (compile
+    time) come from one spec: one value a field, pointers the tensors' addresses (16-byte
+    aligned where the placeholder assumes it), strides in the spec's units."""
     import torch
 
     from replayssm import layout as L
     from replayssm.kernels.cute import args as A
 
     cache = L.allocate_cache(5, 16, 2, "nvfp4", "cpu", slot_padding=64)
-    ring = A.bind(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
+    ring = A.Ring(*A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING]))
     fake = A.fake(A.Ring)
     for name, key in (("x", L.X_RING), ("dt", L.DT_RING), ("b", L.B_RING)):
-        got, want = getattr(ring, name), getattr(fake, name)
-        # The DSL's pointer fields: the placeholder's type, alignment and address space, and
-        # the tensor's address.
-        assert (got.dtype, got._assumed_align, got.memspace) == (want.dtype, want._assumed_align, want.memspace), name
-        assert got._pointer == cache[key].data_ptr(), name
+        assert getattr(ring, name) == cache[key].data_ptr(), name
+        assert getattr(ring, name) % getattr(fake, name)._assumed_align == 0, name
     assert ring.x_stride16 * 16 == cache[L.X_RING].stride(0) * 2
     assert ring.dt_stride == cache[L.DT_RING].stride(0)
-    x = torch.zeros(3, 16, 64, dtype=torch.bfloat16)
-    dt = torch.zeros(3, 16, 64).select(2, 0)  # strided
-    per_head = torch.zeros(16)
-    D = torch.zeros(16, 1).expand(16, 64)  # tied over the head dim: stride 0
-    B = torch.zeros(3, 2, 128, dtype=torch.bfloat16)
-    inputs = A.bind(A.Inputs, x=x, dt=dt, A=per_head, B=B, C=B, D=D, dt_bias=per_head, out=x)
-    assert (inputs.dt_stride_b, inputs.dt_stride_h, inputs.d_stride_h, inputs.d_stride_p) == (16 * 64, 64, 1, 0)
-    assert len(A.DebugPlan._fields) == len(A.Plan._fields) + 1
-    # The executor passes a struct as one C pointer a field (a field it cannot marshal,
-    # such as a plain Python int, would be dropped and shift every later argument).
-    from cutlass.base_dsl.jit_executor import get_c_pointers
-
-    for struct in (ring, inputs, A.bind(A.Nvfp4Copy, codes=cache[L.READ_COPY], scales=cache[L.SCALES], meta=cache[L.META], parity=cache[L.PARITY])):
-        assert len(get_c_pointers(struct)) == len(struct._fields), type(struct).__name__
-
-
-def _field_values(struct):
-    """A bound struct's fields as plain values: a pointer's type, address, alignment and
-    address space, an integer's type and value."""
-    from cutlass.cute.typing import Pointer
-
-    return [(v.dtype, v._pointer, v._assumed_align, str(v.memspace)) if isinstance(v, Pointer) else (type(v), v.value) for v in struct]
-
-
-def test_bound_structs_are_reused_only_for_the_same_addresses_and_strides():
-    """args.bound reuses a struct while its tensors keep their addresses, dtypes and
-    strides (all a struct holds), and builds what `bind` builds otherwise."""
-    import torch
-
-    from replayssm.kernels.cute import args as A
-
-    base = torch.zeros(4, 2, 256, dtype=torch.bfloat16)
-    x = base[:, :, :128]  # row-strided: a column slice
-    dense = torch.zeros(4, 2, 128, dtype=torch.bfloat16)
-    one = A.bound(A.Ring, x=x, dt=torch.zeros(4, 16), b=dense)
-    dt2 = torch.zeros(4, 16)
-    assert A.bound(A.Ring, x=x, dt=dt2, b=dense) is not one  # another dt tensor: another address
-    again = A.bound(A.Ring, x=base[:, :, :128], dt=dt2, b=dense)  # a new view, the same values
-    assert again is A.bound(A.Ring, x=x, dt=dt2, b=dense)
-    fresh = A.bind(A.Ring, x=x, dt=dt2, b=dense)
-    assert _field_values(again) == _field_values(fresh)
-    assert A.bound(A.Ring, x=dense, dt=dt2, b=dense).x_stride16 != again.x_stride16
-
-
-def test_raw_words_are_what_the_executor_marshals():
-    """args.raw (the direct launcher's argument words) reads, field for field, the values
-    the DSL executor passes for `bind`'s struct: each C pointer of the struct read at the
-    field's width (args.widths) equals the word."""
-    import ctypes
-
-    import torch
-    from cutlass.base_dsl.jit_executor import get_c_pointers
-
-    from replayssm import layout as L
-    from replayssm.kernels.cute import args as A
-
-    cache = L.allocate_cache(5, 16, 2, "nvfp4", "cpu", slot_padding=64)
     proj = torch.zeros(3, 16 * 64 + 2 * 2 * 128 + 24, dtype=torch.bfloat16)  # an engine's projection
     x = proj[:, : 16 * 64].view(3, 16, 64)
     B = proj[:, 16 * 64 : 16 * 64 + 256].view(3, 2, 128)
-    C = proj[:, 16 * 64 + 256 : 16 * 64 + 512].view(3, 2, 128)
-    dt = torch.zeros(3, 16, 64, dtype=torch.bfloat16).select(2, 0)
+    dt = torch.zeros(3, 16, 64).select(2, 0)  # strided
     per_head = torch.zeros(16)
-    D = torch.zeros(16, 1).expand(16, 64)
-    out = torch.zeros(3, 16, 64, dtype=torch.bfloat16)
-    plan = {k: torch.zeros(3, dtype=d) for k, d in (("valid", torch.bool), ("slot", torch.int64), ("ring_index", torch.int64),
-                                                       ("flush", torch.bool), ("key", torch.int64), ("old_parity", torch.int64))}
-    cases = [
-        (A.Ring, {"x": cache[L.X_RING], "dt": cache[L.DT_RING], "b": cache[L.B_RING]}),
-        (A.Nvfp4Copy, {"codes": cache[L.READ_COPY], "scales": cache[L.SCALES], "meta": cache[L.META], "parity": cache[L.PARITY]}),
-        (A.Checkpoint, {"state": cache[L.CHECKPOINT], "head_offset": 8}),
-        (A.Inputs, {"x": x, "dt": dt, "A": per_head, "B": B, "C": C, "D": D, "dt_bias": per_head, "out": out}),
-        (A.Plan, plan),
-    ]
-    for struct, tensors in cases:
-        words, widths = A.raw(struct, **tensors), A.widths(struct)
-        bound = A.bind(struct, **tensors)  # holds the storage the pointers point at
-        pointers = get_c_pointers(bound)
-        assert len(words) == len(widths) == len(pointers) == len(struct._fields), struct.__name__
-        got = [(ctypes.c_int64 if w == 8 else ctypes.c_int32).from_address(p.value if isinstance(p, ctypes.c_void_p) else p).value
-               for p, w in zip(pointers, widths)]
-        assert got == words, struct.__name__
-    assert A.raw(A.Inputs, **cases[3][1])[-3:] == [proj.stride(0) * 2 // 16] * 3  # row-strided x, B, C
-
-
-def test_direct_launch_passes_the_words_the_executor_would(monkeypatch):
-    """launch._launch (no GPU: a recording executor): the first launch of a kernel goes
-    through the executor, and when the executor's argument pointers read back the words,
-    later launches call its C entry directly with packed pointers to the new words; a
-    kernel whose marshaled arguments differ from the words keeps the executor path; a DSL
-    without the executor entry points gets the plain call."""
-    import ctypes
-
-    from replayssm.kernels.cute import args as A
-    from replayssm.kernels.cute import launch
-
-    monkeypatch.setattr(launch, "_TLS", launch.threading.local())
-    monkeypatch.setattr(A, "widths", lambda struct: (8, 4))
-    calls = []
-
-    class Struct(tuple):
-        pass
-
-    class Executor:
-        _has_cuda_result = True
-
-        def __init__(self):
-            self.cuda_result = ctypes.c_int32(0)
-            self._buf = None
-
-        def _get_invoke_packed_args_func(self, exe_args):
-            self._buf = (ctypes.c_void_p * (len(exe_args) + 2))(*[launch._addr(p) for p in exe_args], 1234, 0)
-            return self._buf
-
-        def capi_func(self, packed):
-            widths = (8, 4, 4, 8)
-            calls.append(("direct", [(ctypes.c_int64 if w == 8 else ctypes.c_int32).from_address(packed[i]).value
-                                     for i, w in enumerate(widths)], packed[4]))
-
-    class Fn:
-        def __init__(self, skew=0):
-            self.skew = skew
-            self.execution_args = self
-            self._default_executor = None
-            self.keep = []
-
-        def generate_execution_args(self, args, kwargs):
-            *structs, batch, stream = args
-            vals = [ctypes.c_int64(structs[0][0] + self.skew), ctypes.c_int32(structs[0][1]), ctypes.c_int32(batch), ctypes.c_int64(int(stream))]
-            self.keep.append(vals)
-            calls.append(("executor", [v.value for v in vals]))
-            return [ctypes.c_void_p(ctypes.addressof(v)) for v in vals], []
-
-        def run_compiled_program(self, exe_args):
-            self._default_executor = self._default_executor or Executor()
-
-    def structs_of(a, b):
-        return lambda: (Struct((a, b)),)
-
-    fn = Fn()
-    launch._launch(fn, structs_of(0x1000, 7), (3,), (0x1000, 7, 3), 55)
-    launch._launch(fn, structs_of(0x2000, 9), (5,), (0x2000, 9, 5), 66)
-    assert calls == [("executor", [0x1000, 7, 3, 55]), ("direct", [0x2000, 9, 5, 66], 1234)]
-    calls.clear()
-    skewed = Fn(skew=16)  # marshals something other than the words: never direct
-    launch._launch(skewed, structs_of(0x1000, 7), (3,), (0x1000, 7, 3), 55)
-    launch._launch(skewed, structs_of(0x2000, 9), (5,), (0x2000, 9, 5), 66)
-    assert [c[0] for c in calls] == ["executor", "executor"]
-    calls.clear()
-    launch._launch(fn, structs_of(0x3000, 1), (2,), None, 55)  # words None: the executor path
-    assert calls == [("executor", [0x3000, 1, 2, 55])]
-
-    class Plain:
-        def __init__(self):
-            self.args = []
-
-        def __call__(self, *args):
-            self.args.append(args[:-1])
-
-    plain = Plain()
-    launch._launch(plain, structs_of(1, 2), (4,), (1, 2, 4), 7)
-    assert plain.args == [(Struct((1, 2)), 4)]
+    D = torch.zeros(16, 1).expand(16, 64)  # tied over the head dim: stride 0
+    inputs = A.Inputs(*A.raw(A.Inputs, x=x, dt=dt, A=per_head, B=B, C=B, D=D, dt_bias=per_head, out=x))
+    assert (inputs.dt_stride_b, inputs.dt_stride_h, inputs.d_stride_h, inputs.d_stride_p) == (16 * 64, 64, 1, 0)
+    assert (inputs.x_stride16, inputs.b_stride16, inputs.c_stride16) == (proj.stride(0) * 2 // 16,) * 3
+    ckpt = A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=8)
+    assert ckpt == [cache[L.CHECKPOINT].data_ptr(), cache[L.CHECKPOINT].stride(0) * 2 // 16, 8]
+    for struct in (A.Ring, A.Nvfp4Copy, A.Fp8Copy, A.Checkpoint, A.Inputs, A.Plan, A.DebugPlan, A.PendingInputs):
+        assert list(A.SPECS[struct]) == list(struct._fields), struct.__name__
+    assert len(A.DebugPlan._fields) == len(A.Plan._fields) + 1
 
 
 def test_streams_fork_and_join(monkeypatch):
@@ -652,10 +502,10 @@ def test_flush_issues_a_rows_loads_before_its_staging(compiled, arch):
         assert not [op for op in ops[bars[1] :] if op.startswith("LDG")], name
 
 
-def test_the_hot_paths_words_are_the_specs():
-    """launch.inputs_words (the eager hot path's Inputs words) and a `launch.Step`'s
-    words (the cache's and the plan's, made once) equal args.raw of the same tensors, for
-    engine-shaped and plain inputs."""
+def test_the_hot_paths_structs_are_the_specs():
+    """launch.inputs_words (the eager hot path's Inputs struct) and a `launch.Step`'s
+    structs (the cache's and the plan's, made once) equal args.raw of the same tensors,
+    for engine-shaped and plain inputs."""
     import torch
 
     from replayssm import layout as L
@@ -682,8 +532,8 @@ def test_the_hot_paths_words_are_the_specs():
         fmt = read_copy_format(fmt_name, "sm_90a")
         cache = L.allocate_cache(5, 16, 2, fmt_name, "cpu", slot_padding=64)
         step = launch.Step(cache, plan, fmt_name, "sm_90a", head_offset=3)
-        assert list(step.ckpt_words) == A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=3)
-        ring = A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
-        assert list(step.cache_words) == ring + A.raw(fmt.Args, **fmt.tensors(cache, L))
-        assert list(step.plan_words) == A.raw(A.Plan, **plan._asdict())
+        assert list(step.ckpt) == A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=3)
+        assert list(step.ring) == A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
+        assert list(step.copy) == A.raw(fmt.Args, **fmt.tensors(cache, L))
+        assert list(step.plan) == A.raw(A.Plan, **plan._asdict())
         assert (step.batch, step.heads, step.groups) == (3, 16, 2)

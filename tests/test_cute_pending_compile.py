@@ -170,10 +170,10 @@ def test_split_step_variants_are_the_step_with_a_row_filter(ptx, fmt, tmp_path):
 
 
 @pytest.mark.parametrize("varlen", [False, True])
-def test_pending_launch_words_are_the_specs(monkeypatch, varlen):
-    """A `PendingLaunch`'s argument words (the cache's and the plan buffer's made once, a
+def test_pending_launch_structs_are_the_specs(monkeypatch, varlen):
+    """A `PendingLaunch`'s argument structs (the cache's and the plan buffer's made once, a
     call's inputs' read per call by `step_words`) are `args.raw` of the same tensors in
-    the kernels' field order, for engine-shaped inputs (x, B, C column slices of one
+    the kernels' argument order, for engine-shaped inputs (x, B, C column slices of one
     projection, dt tied over the head dim, A and dt_bias strided), dense and varlen;
     the launches themselves are recorded, not run (CPU)."""
     import torch
@@ -185,9 +185,11 @@ def test_pending_launch_words_are_the_specs(monkeypatch, varlen):
     from replayssm.kernels.triton.pending import PendingPlan
 
     launches = []
-    monkeypatch.setattr(pm, "_launch", lambda fn, structs, scalars, words, stream: launches.append((fn, scalars, words, stream)))
-    monkeypatch.setattr(pm, "compiled_fold", lambda *a: ("fold", *a))
-    monkeypatch.setattr(pm, "compiled_pending", lambda *a: ("step", *a))
+    def recorder(*key):  # stands in for a compiled kernel's TVM-FFI entry
+        return lambda *args: launches.append((key, args[:-1], args[-1]))
+
+    monkeypatch.setattr(pm, "compiled_fold", lambda *a: recorder("fold", *a))
+    monkeypatch.setattr(pm, "compiled_pending", lambda *a: recorder("step", *a))
     monkeypatch.setattr(pm, "_sm_count", lambda index: 132)
     b, T, H, G = 3, 4, 16, 2
     lead = (b * T,) if varlen else (b, T)
@@ -218,16 +220,16 @@ def test_pending_launch_words_are_the_specs(monkeypatch, varlen):
         launches.clear()
         launcher.fold(cache, A_, rows, plan.fold_list, 11)
         launcher.step(cache, x, dt, A_, B, C, D, dt_bias, out, rows, plan.fold_list, varlen, 12, "rest")
-        ring = A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
-        copy = A.raw(fmt.Args, **fmt.tensors(cache, L))
-        plan_words = A.raw(A.PendingPlan, rows=rows, fold_list=plan.fold_list)
+        ring = tuple(A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING]))
+        copy = tuple(A.raw(fmt.Args, **fmt.tensors(cache, L)))
+        plan_s = tuple(A.raw(A.PendingPlan, rows=rows, fold_list=plan.fold_list))
         ctas = min(b * H * 2, fmt.fold_ctas_per_sm * 132)
-        fold_words = A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=3) + ring + copy
-        fold_words += A.raw(A.FoldParams, A=A_) + plan_words + [ctas]
-        step_words = ring + copy + A.raw(A.PendingInputs, **inputs) + plan_words + [b]
+        ckpt = tuple(A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=3))
+        fold_args = (ckpt, ring, copy, tuple(A.raw(A.FoldParams, A=A_)), plan_s, ctas)
+        step_args = (ring, copy, tuple(A.raw(A.PendingInputs, **inputs)), plan_s, b)
         assert launches == [
-            (("fold", fmt_name, "sm_90a", H, G, False), (ctas,), tuple(fold_words), 11),
-            (("step", fmt_name, "sm_90a", H, G, torch.bfloat16, "rest"), (b,), tuple(step_words), 12),
+            (("fold", fmt_name, "sm_90a", H, G, False), fold_args, 11),
+            (("step", fmt_name, "sm_90a", H, G, torch.bfloat16, "rest"), step_args, 12),
         ]
 
 
@@ -257,9 +259,11 @@ def test_the_dense_launch_path_launches_what_the_general_path_does(monkeypatch):
         def __call__(self, cache, plan, ids, accepted, cu_seqlens, stream):
             launches.append(("plan", self.args, ids.data_ptr(), tuple(ids.shape), accepted, cu_seqlens, stream))
 
-    monkeypatch.setattr(pm, "_launch", lambda fn, structs, scalars, words, stream: launches.append((fn, scalars, words, stream)))
-    monkeypatch.setattr(pm, "compiled_fold", lambda *a: ("fold", *a))
-    monkeypatch.setattr(pm, "compiled_pending", lambda *a: ("step", *a))
+    def recorder(*key):  # stands in for a compiled kernel's TVM-FFI entry
+        return lambda *args: launches.append((key, args[:-1], args[-1]))
+
+    monkeypatch.setattr(pm, "compiled_fold", lambda *a: recorder("fold", *a))
+    monkeypatch.setattr(pm, "compiled_pending", lambda *a: recorder("step", *a))
     monkeypatch.setattr(pm, "_sm_count", lambda index: 132)
     monkeypatch.setattr(tp, "PlanLaunch", Plan)
     monkeypatch.setattr(tp, "current_stream", lambda device: 9)

@@ -122,15 +122,14 @@ def test_a_step_launches_only_its_three_kernels(fmt, shape, batch):
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_the_eager_fast_path_gives_the_ops_bits_and_launches_directly(fmt, monkeypatch):
     """An eager `ReplaySSMCache.decode` on the kernel backend skips the custom op
-    (`api._direct_decode`) and, after each kernel's first launch, launches the CuTe kernels
-    from argument words (`launch._Direct`) and the prepare kernel past Triton's dispatch
-    and launcher (`prepare.Prepare` through `launch.Compiled`, kept in the backend's
-    context of the cache): over 34 steps with engine-shaped inputs and a padding row, the
+    (`api._direct_decode`), launches the CuTe kernels through their TVM-FFI entries
+    (`launch.compile_entry`) and the prepare kernel past Triton's dispatch and launcher
+    (`prepare.Prepare` through `launch.Compiled`, kept in the backend's context of the
+    cache): over 34 steps with engine-shaped inputs and a padding row, the
     outputs and every cache tensor equal, bit for bit, those of a twin cache decoded
     through the op (the general path)."""
     from replayssm import api, ops
     from replayssm.kernels import kernel_backend
-    from replayssm.kernels.cute import launch
     from replayssm.kernels.triton import launch as triton_launch
 
     batch = 6
@@ -157,8 +156,9 @@ def test_the_eager_fast_path_gives_the_ops_bits_and_launches_directly(fmt, monke
     torch.cuda.synchronize()
     for x, y in zip(caches[0].tensors[1:], caches[1].tensors[1:]):
         assert same_bits(x, y)
-    direct = [d for d in getattr(launch._TLS, "direct", {}).values() if d]
-    assert len(direct) >= 2 and all(isinstance(d, launch._Direct) for d in direct)
+    steps = kernel_backend()._context(caches[0].tensors).steps.values()
+    entries = [k for s in steps for ks in s.kernels.values() for k in ks[:2]]
+    assert entries and all(type(k).__module__.split(".")[0] == "tvm_ffi" for k in entries), [type(k) for k in entries]
     prepares = kernel_backend()._context(caches[0].tensors).prepares.values()
     assert prepares and all(p.compiled for p in prepares)
     assert all(k.launch is not None for p in prepares for k in p.compiled.values())  # through cuLaunchKernel

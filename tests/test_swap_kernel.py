@@ -430,6 +430,7 @@ def test_gpu_functional_export_import_of_a_padded_tuple(fmt):
     gen = torch.Generator().manual_seed(19)
     cache = allocate_cache(12, 16, 2, fmt, "cuda", slot_padding=48, conv_shape=(4,))
     randomize(cache, gen, "cuda")
+    valid_bookkeeping(cache)
     data = export_replayssm_slots(cache, torch.tensor([2, 9]), state_dtype=fmt)
     assert one_buffer([data])
     ref = handoff.export_rows(cache, torch.tensor([2, 9], device="cuda"), format_of(fmt), False)

@@ -25,7 +25,8 @@ The Triton kernels live in `replayssm.kernels.triton` and are imported on first 
 TRITON_INTERPRET=1 (CPU tests) must be set before then; importing replayssm alone never
 imports Triton. The CuTe DSL decode kernels (`replayssm.kernels.cute`, FP8 and NVFP4 read
 copies) are imported on first use too; `compile_all` builds them for any target without a GPU.
-`replayssm.kernels.driver` holds the CUDA driver calls both launchers make through ctypes.
+`replayssm.kernels.driver` holds the CUDA driver calls made through ctypes (the step's stream
+fork and join, the Triton relaunch); the CuTe kernels launch through their TVM-FFI entry.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ which the CuTe DSL flattens field by field into kernel parameters. Each struct's
 lists its fields once: a pointer field as (dtype, alignment in bytes), a stride field as
 (tensor field, dim, unit), unit 16 meaning "in 16-byte units" (the kernels address the
 16-byte-aligned tensors by vector, and a 16-byte slot stride keeps every vector aligned).
-`fake(struct)` types the compile-time placeholders and `bind(struct, **tensors)` the
-launch-time values from the same spec, so the two cannot disagree.
+`fake(struct)` types the compile-time placeholders and `raw(struct, **tensors)` the
+launch-time values (ints, as the kernels' TVM-FFI entry takes them) from the same spec, so
+the two cannot disagree.
 """
 
 from __future__ import annotations
@@ -242,54 +243,28 @@ def fake(struct: type, **dtypes: torch.dtype):
     return struct(*values)
 
 
-_BOUND: dict[tuple, tuple] = {}
-_BOUND_MAX = 4096
-
-
-def bound(struct: type, **tensors: torch.Tensor):
-    """`bind(struct, **tensors)`, reused while the tensors have the same addresses, dtypes
-    and strides: a struct holds nothing else, so a reused one is the one `bind` would
-    build (the cache's own tensors and the plan scratch repeat every step; building the
-    DSL pointers is most of a launch's host time)."""
-    key = (struct, *((t.data_ptr(), t.dtype, t.stride()) if isinstance(t, torch.Tensor) else t for t in tensors.values()))
-    hit = _BOUND.get(key)
-    if hit is None:
-        if len(_BOUND) >= _BOUND_MAX:
-            _BOUND.clear()
-        hit = _BOUND[key] = bind(struct, **tensors)
-    return hit
-
-
 @functools.cache
 def _raw_plan(struct: type) -> tuple:
-    """(field readers, byte widths) of `struct`: how `raw` reads each field off the tensors
-    and how many bytes of it the kernel reads (8: pointers and Int64; 4: Int32)."""
-    readers, widths = [], []
+    """How `raw` reads each field of `struct` off the tensors: (kind, tensor or field
+    name, dim, unit), kind 0 a pointer, 1 a stride, 2 a value."""
+    readers = []
     for name, entry in SPECS[struct].items():
         if _is_stride(entry):
-            source, dim, unit, kind = (*entry, Int64)[:4]
+            source, dim, unit = entry[:3]
             readers.append((1, source, dim, unit))
-            widths.append(kind.width // 8)
         elif entry[0] == VALUE:
             readers.append((2, name, 0, 0))
-            widths.append(entry[1].width // 8)
         else:
             readers.append((0, name, 0, 0))
-            widths.append(8)
-    return tuple(readers), tuple(widths)
-
-
-def widths(struct: type) -> tuple[int, ...]:
-    """Bytes the kernel reads of each field of `struct`, in field order."""
-    return _raw_plan(struct)[1]
+    return tuple(readers)
 
 
 def raw(struct: type, **tensors) -> list[int]:
-    """The values `bind(struct, **tensors)` holds, as plain ints in field order: pointer
-    fields' addresses, strides in the spec's units, VALUE fields. The direct launcher
-    (launch.py) writes these into the kernel's argument words; no DSL object is built."""
+    """`struct`'s fields for the given tensors (one a pointer field) as plain ints in field
+    order: pointer fields' addresses, strides in the spec's units, VALUE fields' ints. A
+    compiled kernel's TVM-FFI entry takes a struct as such a tuple (launch.compile_entry)."""
     out = []
-    for kind, name, dim, unit in _raw_plan(struct)[0]:
+    for kind, name, dim, unit in _raw_plan(struct):
         t = tensors[name]
         if kind == 0:
             out.append(t.data_ptr())
@@ -300,27 +275,4 @@ def raw(struct: type, **tensors) -> list[int]:
     return out
 
 
-def bind(struct: type, **tensors):
-    """`struct` for the given tensors (one a pointer field): their addresses and strides
-    (and a VALUE field's int)."""
-    values = []
-    for name, entry in SPECS[struct].items():
-        if _is_stride(entry):
-            source, dim, unit, kind = (*entry, Int64)[:4]
-            t = tensors[source]
-            # A DSL integer, not a Python int: the executor marshals a struct's fields by
-            # their DSL types and would drop a plain int (the kernel then reads garbage).
-            values.append(kind(t.stride(dim) * t.element_size() // 16 if unit == 16 else t.stride(dim)))
-        elif entry[0] == VALUE:
-            values.append(entry[1](tensors[name]))
-        else:
-            values.append(None)
-    fields = list(SPECS[struct])
-    for i, name in enumerate(fields):
-        if values[i] is None:
-            dtype, align = _pointer_type(SPECS[struct][name], tensors[name].dtype)
-            values[i] = make_ptr(dtype, tensors[name].data_ptr(), assumed_align=align)
-    return struct(*values)
-
-
-__all__ = ["PendingInputs", "PendingPlan", "PendingDebugPlan", "FoldParams", "bound", "raw", "widths", "dense_rows", "row_words", "DSL_DTYPES", "Ring", "Fp8Copy", "Nvfp4Copy", "Checkpoint", "Inputs", "Plan", "DebugPlan", "SPECS", "fake", "bind"]
+__all__ = ["PendingInputs", "PendingPlan", "PendingDebugPlan", "FoldParams", "raw", "dense_rows", "row_words", "DSL_DTYPES", "Ring", "Fp8Copy", "Nvfp4Copy", "Checkpoint", "Inputs", "Plan", "DebugPlan", "SPECS", "fake"]

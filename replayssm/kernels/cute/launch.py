@@ -13,8 +13,10 @@ Compile keys hold static properties only: the kernel, the format, arch, heads, g
 and the config's variant fields. Batch size, slot count and every stride are runtime
 arguments (kernels take raw pointers plus slot strides in 16-byte units, so one compile
 serves every batch, cache size and slot padding, and the kernels still know their vector
-accesses are 16-byte aligned). Launchers map tensors to arguments (args.py); they do not
-validate user input (`replayssm.api` did), only the layout the compiled code assumes
+accesses are 16-byte aligned). Every kernel is compiled with the DSL's TVM-FFI entry
+(`compile_entry`) and called with its argument structs as tuples of ints (`args.raw`),
+its scalars and the stream handle. Launchers map tensors to arguments (args.py); they do
+not validate user input (`replayssm.api` did), only the layout the compiled code assumes
 (`layout_ok`).
 """
 
@@ -23,14 +25,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import struct
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import cutlass.cute as cute
 import torch
-from cuda.bindings import driver as cuda_driver
+import tvm_ffi  # noqa: F401  (apache-tvm-ffi: the runtime every compiled kernel is called through)
 from cutlass import Int32, Int64
 from cutlass.cute.runtime import make_fake_stream
 
@@ -56,6 +56,17 @@ def _options(arch: str, dump_dir: str | os.PathLike | None) -> str:
     if dump_dir is not None:
         opts += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
     return opts
+
+
+def compile_entry(obj, fake_args: list, arch: str):
+    """Compile kernel object `obj` for `arch` through the DSL's TVM-FFI entry: the result
+    is called with its argument structs as tuples of ints (addresses, strides in the
+    spec's units: `args.raw`), then the scalars, then the stream handle, on that stream.
+    Returns the TVM-FFI function itself (no Python wrapper on the call), or the DSL's
+    wrapper where the DSL built no host entry (no GPU of `arch` here: compile-only)."""
+    fn = cute.compile(obj, *fake_args, options=_options(arch, None) + " --enable-tvm-ffi")
+    entry = fn.__tvm_ffi_object__() if hasattr(fn, "__tvm_ffi_object__") else None
+    return fn if entry is None else entry
 
 
 # The step's inputs as they arrive, part of the compile key: dt's type (f32, bf16 or f16:
@@ -92,7 +103,7 @@ def compiled_decode(cfg: StepConfig, dt_dtype: torch.dtype = torch.float32, dens
     fn = _COMPILED.get(key)
     if fn is None:
         obj, fake = decode_kernel(cfg, dt_dtype, dense_rows)
-        fn = _COMPILED[key] = cute.compile(obj, *fake, options=_options(cfg.arch, None))
+        fn = _COMPILED[key] = compile_entry(obj, fake, cfg.arch)
     return fn
 
 
@@ -102,7 +113,7 @@ def compiled_flush(cfg: StepConfig, debug: bool = False, dt_dtype: torch.dtype =
     fn = _COMPILED.get(key)
     if fn is None:
         obj, fake = flush_kernel(cfg, debug, dt_dtype, dense_rows)
-        fn = _COMPILED[key] = cute.compile(obj, *fake, options=_options(cfg.arch, None))
+        fn = _COMPILED[key] = compile_entry(obj, fake, cfg.arch)
     return fn
 
 
@@ -329,25 +340,25 @@ def decode_step(
 
 class Step:
     """The CuTe launches of decode steps on one cache, one plan (batch size) and one
-    format, with the argument words that repeat between steps made once: the cache's
-    (`Checkpoint`, `Ring`, the read copy) and the plan's. A step's own words (its inputs')
-    are read per call. It holds no tensor: a caller keeping `Step`s between calls keys
-    them so that the cache and the plan are the ones it was made for (the kernel backend
-    keeps them in its per-cache context), and passes them to each call."""
+    format, with the argument structs that repeat between steps made once (as tuples of
+    ints): the cache's (`Checkpoint`, `Ring`, the read copy) and the plan's. A step's own
+    struct (its inputs') is read per call. It holds no tensor: a caller keeping `Step`s
+    between calls keys them so that the cache and the plan are the ones it was made for
+    (the kernel backend keeps them in its per-cache context), and passes them to each call."""
 
-    __slots__ = ("batch", "heads", "groups", "index", "config", "head_offset", "ckpt_words", "cache_words", "plan_words", "kernels")
+    __slots__ = ("batch", "heads", "groups", "index", "config", "ckpt", "ring", "copy", "plan", "plan_fields", "kernels")
 
     def __init__(self, cache, plan, state_dtype: str, arch: str, head_offset: int = 0, config: StepConfig | None = None) -> None:
         self.batch = plan.valid.shape[0]
         self.heads, self.groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
         self.index = cache[L.CHECKPOINT].get_device()
         self.config = config or step_config(arch, state_dtype, self.heads, self.groups, self.batch)
-        self.head_offset = head_offset
         fmt = read_copy_format(state_dtype, arch)
-        self.ckpt_words = tuple(A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=head_offset))
-        ring = A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
-        self.cache_words = (*ring, *A.raw(fmt.Args, **fmt.tensors(cache, L)))
-        self.plan_words = tuple(A.raw(A.Plan, **plan._asdict()))
+        self.ckpt = tuple(A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=head_offset))
+        self.ring = tuple(A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING]))
+        self.copy = tuple(A.raw(fmt.Args, **fmt.tensors(cache, L)))
+        self.plan = tuple(A.raw(A.Plan, **plan._asdict()))
+        self.plan_fields = plan._asdict()  # for the flush's test variant's plan
         self.kernels: dict[tuple, tuple] = {}
 
     def __call__(self, cache, plan, x, dt, A_, B, C, D, dt_bias, out, stream: int, state_out=None, fork: bool = True) -> None:
@@ -373,39 +384,29 @@ class Step:
         kernels = self.kernels.get(key)
         if kernels is None:
             kernels = self.kernels[key] = _kernels(self.config, dt.dtype, dense, debug, self.index)
-        nonflush, flush, fmt, columns = kernels
-        # The argument words of both launches: the structs' fields, then the scalars.
-        common = (*self.cache_words, *inputs_words(x, dt, A_, B, C, D, dt_bias, out, xs, bs, cs), *self.plan_words)
-
-        def nonflush_structs():  # the executor path's arguments (a kernel's first launch)
-            ring = A.bound(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
-            inputs = A.bound(A.Inputs, x=x, dt=dt, A=A_, B=B, C=C, D=D, dt_bias=dt_bias, out=out)
-            return (ring, A.bound(fmt.Args, **fmt.tensors(cache, L)), inputs, A.bound(A.Plan, **plan._asdict()))
-
-        def flush_structs():
-            ring, copy, inputs, plan_s = nonflush_structs()
-            if debug:
-                plan_s = A.bind(A.DebugPlan, **plan._asdict(), state=state_out)
-            return (A.bound(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=self.head_offset), ring, copy, inputs, plan_s)
-
-        flush_words = None if debug else (*self.ckpt_words, *common, columns, batch)
+        nonflush, flush, _, columns = kernels
+        inputs = inputs_words(x, dt, A_, B, C, D, dt_bias, out, xs, bs, cs)
+        flush_plan = tuple(A.raw(A.DebugPlan, **self.plan_fields, state=state_out)) if debug else self.plan
+        flush_args = (self.ckpt, self.ring, self.copy, inputs, flush_plan, columns, batch)
+        nonflush_args = (self.ring, self.copy, inputs, self.plan, batch)
         if not fork:
             if self.config.flush_pdl:
-                _launch(flush, flush_structs, (columns, batch), flush_words, stream)
-                _launch(nonflush, nonflush_structs, (batch,), (*common, batch), stream)
+                flush(*flush_args, stream)
+                nonflush(*nonflush_args, stream)
             else:
-                _launch(nonflush, nonflush_structs, (batch,), (*common, batch), stream)
-                _launch(flush, flush_structs, (columns, batch), flush_words, stream)
+                nonflush(*nonflush_args, stream)
+                flush(*flush_args, stream)
             return
         flush_stream, nonflush_stream = fork_streams(self.index, self.config.flush_pdl, stream)
-        _launch(flush, flush_structs, (columns, batch), flush_words, flush_stream)
-        _launch(nonflush, nonflush_structs, (batch,), (*common, batch), nonflush_stream)
+        flush(*flush_args, flush_stream)
+        nonflush(*nonflush_args, nonflush_stream)
         join_streams(self.index, stream)
 
 
 def inputs_words(x, dt, A_, B, C, D, dt_bias, out, x_stride: int, b_stride: int, c_stride: int) -> tuple:
-    """`A.raw(A.Inputs, ...)` written out for the eager hot path (bf16 x, B, C: a row stride
-    in elements is 16-byte units times 8), given the row strides of x, B and C."""
+    """The `A.Inputs` struct of a step as ints, `A.raw(A.Inputs, ...)` written out for the
+    eager hot path (bf16 x, B, C: a row stride in elements is 16-byte units times 8), given
+    the row strides of x, B and C."""
     return (
         x.data_ptr(), dt.data_ptr(), A_.data_ptr(), B.data_ptr(), C.data_ptr(), D.data_ptr(), dt_bias.data_ptr(), out.data_ptr(),
         dt.stride(0), dt.stride(1), A_.stride(0), dt_bias.stride(0), D.stride(0), D.stride(1), x_stride // 8, b_stride // 8, c_stride // 8,
@@ -421,91 +422,8 @@ def _kernels(config: StepConfig, dt_dtype: torch.dtype, dense: bool, debug: bool
     return compiled_decode(config, dt_dtype, dense), compiled_flush(config, debug, dt_dtype, dense), fmt, columns
 
 
-# Launching a compiled kernel through the DSL executor converts every argument into C
-# pointers on every call (`make_ptr` objects, adapters, casts): most of an eager step's
-# host time. The direct launcher passes the same argument words without building any DSL
-# object: per compiled kernel and thread, a fixed array of 64-bit words (one a kernel
-# argument) and the executor's packed argument array pointing at them; a launch writes the
-# words and calls the executor's C entry point. It is set up on a kernel's first launch,
-# which goes through the executor and proves the layout: the executor's own argument
-# pointers must read back exactly the words (struct fields in order, the scalars, the
-# stream), or the kernel keeps the executor path. Only a DSL with the executor internals
-# below (nvidia-cutlass-dsl as pinned in pyproject.toml) gets the direct path.
-# Byte widths of a launch's scalars, by their count: one Int32 (the non-flush kernel's and
-# the pending step's batch, the pending fold's CTA count) or the flush's (columns, batch);
-# the stream is 8.
-_SCALAR_WIDTHS = {1: (4,), 2: (8, 4)}
-_TLS = threading.local()
-
-
-class _Direct:
-    """The direct launch of one compiled kernel: argument words, packed pointers, entry."""
-
-    __slots__ = ("words", "pack", "packed", "entry", "result")
-
-    def __init__(self, executor, count: int) -> None:
-        self.words = (ctypes.c_int64 * count)()
-        self.pack = struct.Struct(f"<{count}q").pack_into  # half the time of a ctypes slice assignment
-        base = ctypes.addressof(self.words)
-        exe_args = [ctypes.c_void_p(base + 8 * i) for i in range(count)]
-        packed = executor._get_invoke_packed_args_func(exe_args)  # the executor's buffer: copied
-        self.packed = (ctypes.c_void_p * len(packed))()
-        ctypes.memmove(self.packed, packed, ctypes.sizeof(packed))
-        self.entry = executor.capi_func
-        self.result = executor.cuda_result if executor._has_cuda_result else None
-
-    def __call__(self, words) -> None:
-        self.pack(self.words, 0, *words)
-        self.entry(self.packed)
-        if self.result is not None and self.result.value != 0:
-            raise RuntimeError(f"CUDA error {self.result.value} launching a replayssm CuTe kernel")
-
-
-def _addr(p) -> int:
-    return p.value if isinstance(p, ctypes.c_void_p) else int(p)
-
-
-def _direct_for(fn, exe_args: list, words: tuple, widths: tuple):
-    """A `_Direct` for `fn` if its executor exists and `exe_args` (the executor's argument
-    pointers of a launch with these words) read back `words` at `widths`; else None."""
-    executor = getattr(fn, "_default_executor", None)
-    needed = ("_get_invoke_packed_args_func", "capi_func", "_has_cuda_result", "cuda_result")
-    if executor is None or not all(hasattr(executor, a) for a in needed) or len(exe_args) != len(words):
-        return None
-    for p, w, width in zip(exe_args, words, widths):
-        got = (ctypes.c_int64 if width == 8 else ctypes.c_int32).from_address(_addr(p)).value
-        if got != w:
-            return None
-    return _Direct(executor, len(words))
-
-
-def _launch(fn, structs, scalars: tuple, words: tuple | None, stream: int) -> None:
-    """Launch compiled kernel `fn` on stream handle `stream`: directly from `words` (the argument words:
-    struct fields, then `scalars`; None for a launch that must take the executor path),
-    else through the executor with `structs()` (the argument structs)."""
-    table = getattr(_TLS, "direct", None)
-    if table is None:
-        table = _TLS.direct = {}
-    handle = stream
-    direct = table.get(id(fn))
-    if direct and words is not None:
-        direct((*words, handle))
-        return
-    args = (*structs(), *scalars, cuda_driver.CUstream(handle))
-    gen = getattr(getattr(fn, "execution_args", None), "generate_execution_args", None)
-    if gen is None or not hasattr(fn, "run_compiled_program"):  # another DSL version: the plain call
-        fn(*args)
-        return
-    exe_args, adapted = gen(args, {})
-    fn.run_compiled_program(exe_args)
-    if direct is None and words is not None:
-        widths = tuple(w for s in args[: -1 - len(scalars)] for w in A.widths(type(s)))
-        widths += _SCALAR_WIDTHS[len(scalars)] + (8,)
-        table[id(fn)] = _direct_for(fn, exe_args, (*words, handle), widths) or False
-    del adapted  # the executor's converted objects live until the launch is queued
-
-
 __all__ = [
     "COMPILE_ALL_GEOMETRIES", "STATE_DTYPES", "compile_all", "compile_into", "compiled_decode", "compiled_flush",
-    "decode_kernel", "flush_kernel", "variant_name", "warmup", "launch_padding", "layout_ok", "current_stream", "fork_streams", "join_streams", "decode_step", "Step",
+    "compile_entry", "decode_kernel", "flush_kernel", "variant_name", "warmup", "launch_padding", "layout_ok", "current_stream",
+    "fork_streams", "join_streams", "decode_step", "Step",
 ]

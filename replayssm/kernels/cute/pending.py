@@ -59,7 +59,7 @@ from . import bits
 from .bits import bf16x2_to_f32x2, f32x2_to_bf16x2, sel, softplus
 from .decode import Decode
 from .flush import M_SPLIT, PendingFold
-from .launch import _launch, _sm_count, fork_streams, join_streams
+from .launch import _sm_count, compile_entry, fork_streams, join_streams
 from .mma import mma_bf16_16x8x16
 from .read_copy import read_copy_format
 
@@ -294,7 +294,7 @@ def compiled_pending(state_dtype: str, arch: str, heads: int, groups: int, dt_dt
     fn = _COMPILED.get(key)
     if fn is None:
         obj, fake = pending_kernel(state_dtype, arch, heads, groups, dt_dtype, rows)
-        fn = _COMPILED[key] = cute.compile(obj, *fake, options=f"--gpu-arch {arch}")
+        fn = _COMPILED[key] = compile_entry(obj, fake, arch)
     return fn
 
 
@@ -312,30 +312,28 @@ def compiled_fold(state_dtype: str, arch: str, heads: int, groups: int, debug: b
     fn = _COMPILED.get(key)
     if fn is None:
         obj, fake = fold_kernel(state_dtype, arch, heads, groups, debug)
-        fn = _COMPILED[key] = cute.compile(obj, *fake, options=f"--gpu-arch {arch}")
+        fn = _COMPILED[key] = compile_entry(obj, fake, arch)
     return fn
 
 
 class PendingLaunch:
     """The CuTe fold and step launches of pending-mode calls on one cache, plan buffer,
-    format and head offset, with the argument words that repeat between calls made once:
-    the cache's (checkpoint, rings, read copy) and the plan buffer's. A call's own words
-    (its inputs' addresses and strides, A's) are read per call (`step_words`). It holds no
-    tensor (as `launch.Step`): its keeper (the kernel backend's per-cache context) keys it
-    by the plan buffer, and passes the cache it was made for to each call, whose first
-    launch of a kernel goes through the executor with the tensors."""
+    format and head offset, with the argument structs that repeat between calls made once
+    (as tuples of ints): the cache's (checkpoint, rings, read copy) and the plan buffer's.
+    A call's own (its inputs' addresses and strides, A's) are read per call (`step_words`).
+    It holds no tensor (as `launch.Step`): its keeper (the kernel backend's per-cache
+    context) keys it by the plan buffer, and passes the cache it was made for to each call."""
 
-    __slots__ = ("state_dtype", "arch", "heads", "groups", "head_offset", "fold_ctas", "fold_head", "step_head", "plan_words", "kernels")
+    __slots__ = ("state_dtype", "arch", "heads", "groups", "fold_ctas", "ckpt", "ring", "copy", "plan", "kernels")
 
     def __init__(self, cache, plan_rows, fold_list, state_dtype: str, arch: str, head_offset: int = 0) -> None:
-        self.state_dtype, self.arch, self.head_offset = state_dtype, arch, head_offset
+        self.state_dtype, self.arch = state_dtype, arch
         self.heads, self.groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
         fmt = read_copy_format(state_dtype, arch)
-        ring = A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
-        copy = A.raw(fmt.Args, **fmt.tensors(cache, L))
-        self.fold_head = (*A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=head_offset), *ring, *copy)
-        self.step_head = (*ring, *copy)
-        self.plan_words = tuple(A.raw(A.PendingPlan, rows=plan_rows, fold_list=fold_list))
+        self.ckpt = tuple(A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=head_offset))
+        self.ring = tuple(A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING]))
+        self.copy = tuple(A.raw(fmt.Args, **fmt.tensors(cache, L)))
+        self.plan = tuple(A.raw(A.PendingPlan, rows=plan_rows, fold_list=fold_list))
         self.fold_ctas = fmt.fold_ctas_per_sm * _sm_count(cache[L.CHECKPOINT].get_device())
         self.kernels: dict[tuple, object] = {}
 
@@ -358,17 +356,10 @@ class PendingLaunch:
         debug = debug_state is not None
         fn = self.compiled(("fold", debug))
         ctas = min(batch * self.heads * M_SPLIT, self.fold_ctas)
-
-        def structs():  # the executor path's arguments (a kernel's first launch; the test variant)
-            fmt = read_copy_format(self.state_dtype, self.arch)
-            plan = dict(rows=plan_rows, fold_list=fold_list)
-            p = A.bind(A.PendingDebugPlan, **plan, state=debug_state) if debug else A.bound(A.PendingPlan, **plan)
-            ckpt = A.bound(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=self.head_offset)
-            ring = A.bound(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
-            return (ckpt, ring, A.bound(fmt.Args, **fmt.tensors(cache, L)), A.bound(A.FoldParams, A=A_), p)
-
-        words = None if debug else (*self.fold_head, A_.data_ptr(), A_.stride(0), *self.plan_words, ctas)
-        _launch(fn, structs, (ctas,), words, stream)
+        plan = self.plan
+        if debug:
+            plan = tuple(A.raw(A.PendingDebugPlan, rows=plan_rows, fold_list=fold_list, state=debug_state))
+        fn(self.ckpt, self.ring, self.copy, (A_.data_ptr(), A_.stride(0)), plan, ctas, stream)
 
     def step(self, cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, varlen: bool, stream: int, rows: str = "all") -> None:
         """Launch the step for a call whose plan kernel has run, and whose fold has unless
@@ -380,15 +371,7 @@ class PendingLaunch:
         if dt.dtype not in A.DSL_DTYPES:
             dt = dt.float()
         fn = self.compiled((dt.dtype, rows))
-
-        def structs():  # the executor path's arguments (a kernel's first launch)
-            fmt = read_copy_format(self.state_dtype, self.arch)
-            ring = A.bound(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
-            inputs = A.bind(A.PendingInputs, **step_inputs(x, dt, A_, B, C, D, dt_bias, out, varlen))
-            return (ring, A.bound(fmt.Args, **fmt.tensors(cache, L)), inputs, A.bound(A.PendingPlan, rows=plan_rows, fold_list=fold_list))
-
-        words = (*self.step_head, *step_words(x, dt, A_, B, C, D, dt_bias, out, varlen), *self.plan_words, batch)
-        _launch(fn, structs, (batch,), words, stream)
+        fn(self.ring, self.copy, step_words(x, dt, A_, B, C, D, dt_bias, out, varlen), self.plan, batch, stream)
 
 
 def step_inputs(x, dt, A_, B, C, D, dt_bias, out, varlen: bool) -> dict:
