@@ -5,13 +5,14 @@ leaves the cache untouched. `backend` picks what runs the call ("auto", the defa
 kernels where they can run, else the PyTorch reference with a warning; "kernels";
 "reference"), as `replayssm.kernels.backend_for` describes.
 
-Each public function validates the cache tuple on every call, then calls its internal
-entry (`_initialize`, `_clear`, `_decode`, `_decode_pending`, `_materialize`), which
-validates the other inputs and calls the operation's torch custom op (`replayssm.ops`:
+Each public function validates the cache tuple on every call, then calls its checked
+entry (`initialize`, `clear`, `decode`, `decode_pending`, `materialize`: the entries
+`ReplaySSMCache` and the hand-off functions call too), which validates the other inputs
+(`replayssm.checks`) and calls the operation's torch custom op (`replayssm.ops`:
 `replayssm::initialize`, `::clear`, `::decode`, `::decode_pending`, `::materialize`,
 `::materialize_pending`), which runs the backend. A cache whose positions are [slots, 2]
 is in pending mode (speculative decoding, docs/format.md section 5b). `ReplaySSMCache`, whose
-tuple was validated once when it was built, calls the internal entries directly.
+tuple was validated once when it was built, calls the checked entries directly.
 """
 
 from __future__ import annotations
@@ -82,10 +83,10 @@ def initialize_replayssm_state(
     chk.head_offset(head_offset)
     geometry = L.check_cache(cache, fmt)
     impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
-    _initialize(cache, geometry, impl, states, state_indices, fmt=fmt, seed=seed, checks=checks, head_offset=head_offset)
+    initialize(cache, geometry, impl, states, state_indices, fmt=fmt, seed=seed, checks=checks, head_offset=head_offset)
 
 
-def _initialize(
+def initialize(
     cache, geometry: Geometry, impl, states, state_indices, *, fmt: Format, seed: int, checks: bool, head_offset: int = 0,
     ids_name: str = "state_indices",
 ) -> None:
@@ -117,10 +118,10 @@ def clear_replayssm_slots(
     debug()  # validates $REPLAYSSM_DEBUG, as every entry point does; no check here needs it
     L.check_cache(cache, fmt)
     impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
-    _clear(cache, impl, state_indices)
+    clear(cache, impl, state_indices)
 
 
-def _clear(cache, impl, state_indices) -> None:
+def clear(cache, impl, state_indices) -> None:
     ids = _check_indices(state_indices, cache[L.CHECKPOINT].device)
     if ids.numel():
         ops.clear(cache, ids, backend=impl.name)
@@ -263,7 +264,7 @@ def selective_state_update_replayssm(
     if cache[L.POSITIONS].dim() == 2:
         check_max_seqlen(max_seqlen)
         impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
-        return _decode_pending(
+        return decode_pending(
             cache, geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
             fmt=fmt, seed=seed, checks=checks, max_seqlen=max_seqlen,
             num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=head_offset,
@@ -279,18 +280,18 @@ def selective_state_update_replayssm(
             "(allocate the cache with pending=True for speculative decoding)"
         )
     impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
-    return _decode(
+    return decode(
         cache, geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
         fmt=fmt, seed=seed, checks=checks, scratch=scratch, head_offset=head_offset,
     )
 
 
-def _decode(
+def decode(
     cache, geometry: Geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
     *, fmt: Format, seed: int, checks: bool, scratch=None, head_offset: int = 0, try_direct: bool = True,
     ids_name: str = "state_indices",
 ) -> torch.Tensor:
-    """One step: the eager fast path (`_direct_decode`, unless `try_direct` is False: the
+    """One step: the eager fast path (`direct_decode`, unless `try_direct` is False: the
     caller tried it), else the validating path through the op."""
     slots, heads, groups = geometry
     device = cache[L.CHECKPOINT].device
@@ -300,7 +301,7 @@ def _decode(
         and impl.name == "kernels"
         and device.type == "cuda"
         and not torch.compiler.is_compiling()
-        and _direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, state_indices, out, fmt, seed, scratch, head_offset)
+        and direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, state_indices, out, fmt, seed, scratch, head_offset)
     ):
         return out
     ids = _check_indices(state_indices, device, ids_name)
@@ -326,7 +327,7 @@ def _decode(
 # -- the eager fast path ------------------------------------------------------------------
 # An eager call on the kernel backend with inputs as engines and models pass them goes from
 # here straight to the backend, without the custom op's dispatch (23 boxed arguments) and
-# with a validation that reads only shapes, strides, dtypes and devices: `_direct_decode`
+# with a validation that reads only shapes, strides, dtypes and devices: `direct_decode`
 # takes a call only when every input is a plain tensor on the cache device in one of the
 # accepted layouts, so anything else (a bad input included) takes the general path, which
 # validates it in full and raises there. Under torch.compile the op is always used.
@@ -365,7 +366,7 @@ def _layer_params(A, D, dt_bias, heads: int, index: int):
     return norm
 
 
-def _direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, scratch, head_offset) -> bool:
+def direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, scratch, head_offset) -> bool:
     """Run the step on the kernel backend directly when the inputs are in an accepted
     layout (see above); False (nothing done) otherwise. x, B and C go as they are ([b, n,
     w] or [b, n * w]: the launcher reads their row strides)."""
@@ -403,9 +404,9 @@ def _direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, 
     return True
 
 
-def _direct_decode_pending(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, max_seqlen,
+def direct_decode_pending(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, max_seqlen,
                            num_accepted_tokens, head_offset) -> bool:  # fmt: skip
-    """`_direct_decode` of a pending-mode call of the dense layout on a cache that holds one
+    """`direct_decode` of a pending-mode call of the dense layout on a cache that holds one
     max_seqlen for its slots (`ReplaySSMCache`): x [b, T, H, 64] or [b, T, H * 64], B, C
     [b, T, G, 128] or [b, T, G * 128] bf16, dt [b, T, H] (or tied over 64), out contiguous
     bf16 [b, T, H, 64] or [b, T, H * 64], T == max_seqlen, `num_accepted_tokens` None or
@@ -472,7 +473,7 @@ def _check_cu_seqlens(cu_seqlens: object, batch: int, total: int, max_seqlen: in
 _host_reads_allowed = chk.host_reads_allowed
 
 
-def _decode_pending(
+def decode_pending(
     cache, geometry: Geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
     *, fmt: Format, seed: int, checks: bool, max_seqlen: int, num_accepted_tokens=None, cu_seqlens=None,
     head_offset: int = 0, own_seqlen: bool = False, own_cu: bool = False, ids_name: str = "state_indices",
@@ -548,7 +549,7 @@ def materialize_replayssm_state(
     debug()  # validates $REPLAYSSM_DEBUG, as every entry point does; no check here needs it
     geometry = L.check_cache(cache, fmt)
     impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
-    return _materialize(cache, geometry, impl, state_indices, A, out, max_seqlen=max_seqlen)
+    return materialize(cache, geometry, impl, state_indices, A, out, max_seqlen=max_seqlen)
 
 
 def _check_materialize_seqlen(cache, max_seqlen: object) -> int | None:
@@ -566,7 +567,7 @@ def _check_materialize_seqlen(cache, max_seqlen: object) -> int | None:
     return None
 
 
-def _materialize(
+def materialize(
     cache, geometry: Geometry, impl, state_indices, A, out=None, *, max_seqlen=None, ids_name: str = "state_indices"
 ) -> torch.Tensor:
     _, heads, _ = geometry

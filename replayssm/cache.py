@@ -89,7 +89,7 @@ class ReplaySSMCache:
     _last_A: torch.Tensor = attrs.field(init=False, repr=False)
     _scratch: object = attrs.field(init=False, default=None, repr=False)
     _have_A: bool = attrs.field(init=False, default=False, repr=False)
-    # Whether eager decode calls may take api._direct_decode (kernel backend, CUDA cache).
+    # Whether eager decode calls may take api.direct_decode (kernel backend, CUDA cache).
     _direct: bool = attrs.field(init=False, default=False, repr=False)
     # id -> (weak reference, version, host values) of the id tensors `allocate` returned.
     _issued: dict = attrs.field(init=False, factory=dict, repr=False)
@@ -195,7 +195,7 @@ class ReplaySSMCache:
         debug()
         ids = self._slots(slots)
         self.allocator.release(self._host_ids(ids))  # validates every id before changing anything
-        api._clear(self.tensors, self._backend, ids)
+        api.clear(self.tensors, self._backend, ids)
 
     # -- operations ---------------------------------------------------------------------
     def prefill_init(self, states: torch.Tensor, slots: torch.Tensor) -> None:
@@ -206,7 +206,7 @@ class ReplaySSMCache:
         >= num_slots) are ignored. Checked on the host on every call (a sync on CUDA)."""
         slots = self._slots(slots)
         self._check_live(slots)
-        api._initialize(
+        api.initialize(
             self.tensors, self._geometry, self._backend, states, slots,
             fmt=self._format, seed=self.seed, checks=debug(), head_offset=self.head_offset, ids_name="slots",
         )
@@ -255,14 +255,14 @@ class ReplaySSMCache:
             if out is None:
                 lead = (x.shape[0],) if cu_seqlens is not None and isinstance(x, torch.Tensor) else (batch, self.max_seqlen)
                 out = torch.empty(*lead, self.num_heads, L.HEAD_DIM, dtype=torch.bfloat16, device=self.device)
-            # The eager fast path of the dense layout (api._direct_decode_pending), else the op.
+            # The eager fast path of the dense layout (api.direct_decode_pending), else the op.
             if not (
                 not checks and self._direct and cu_seqlens is None and not torch.compiler.is_compiling()
-                and api._direct_decode_pending(self.tensors, self.num_heads, self.num_groups, self._backend, x, dt, A, B, C,
+                and api.direct_decode_pending(self.tensors, self.num_heads, self.num_groups, self._backend, x, dt, A, B, C,
                                                D, dt_bias, slots, out, self._format, self.seed, self.max_seqlen,
                                                num_accepted_tokens, self.head_offset)
             ):  # fmt: skip
-                api._decode_pending(
+                api.decode_pending(
                     self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
                     fmt=self._format, seed=self.seed, checks=checks, max_seqlen=self.max_seqlen,
                     num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=self.head_offset,
@@ -276,14 +276,14 @@ class ReplaySSMCache:
                 )
             if out is None:
                 out = torch.empty(batch, self.num_heads, L.HEAD_DIM, dtype=torch.bfloat16, device=self.device)
-            # api._decode's eager fast path, taken here without its keyword call.
+            # api.decode's eager fast path, taken here without its keyword call.
             tried = not checks and self._direct and not torch.compiler.is_compiling()
             if not (
                 tried
-                and api._direct_decode(self.tensors, self.num_heads, self.num_groups, self._backend, x, dt, A, B, C, D,
+                and api.direct_decode(self.tensors, self.num_heads, self.num_groups, self._backend, x, dt, A, B, C, D,
                                        dt_bias, slots, out, self._format, self.seed, self._scratch, self.head_offset)
             ):  # fmt: skip
-                api._decode(
+                api.decode(
                     self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
                     fmt=self._format, seed=self.seed, checks=checks, scratch=self._scratch, head_offset=self.head_offset,
                     try_direct=not tried, ids_name="slots",
@@ -326,7 +326,7 @@ class ReplaySSMCache:
         out = torch.empty(0, h, L.HEAD_DIM, **bf)
         cu = torch.zeros(n + 1, dtype=torch.int32, device=self.device)
         D = torch.zeros(h, device=self.device)
-        api._decode_pending(
+        api.decode_pending(
             self.tensors, self._geometry, self._backend, x, dt, A, BC, BC, D, D, slots, out,
             fmt=self._format, seed=self.seed, checks=checks, max_seqlen=self.max_seqlen,
             num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu, head_offset=self.head_offset,
@@ -357,7 +357,7 @@ class ReplaySSMCache:
                 if bool((live != 0).any()):
                     raise ValueError("materialize needs A: no decode call has supplied one yet")
             A = self._last_A
-        return api._materialize(
+        return api.materialize(
             self.tensors, self._geometry, self._backend, slots, A, out,
             max_seqlen=self.max_seqlen if self.spec_tokens else None, ids_name="slots",
         )
@@ -495,7 +495,7 @@ class ReplaySSMCache:
         self._check_handoff_live(src, "src")
         self._check_handoff_live(dst, "dst")
         states = self.materialize(s, A)
-        api._initialize(
+        api.initialize(
             self.tensors, self._geometry, self._backend, states, d, fmt=self._format, seed=self.seed, checks=checks,
             head_offset=self.head_offset,
         )

@@ -395,8 +395,8 @@ def snapshot_replayssm_slots(
 def _snapshot(
     cache, geometry, impl, src, dst, A, *, fmt: Format, seed: int, checks: bool, head_offset: int = 0, max_seqlen=None
 ) -> None:
-    states = api._materialize(cache, geometry, impl, src, A, max_seqlen=max_seqlen)
-    api._initialize(cache, geometry, impl, states, dst, fmt=fmt, seed=seed, checks=checks, head_offset=head_offset)
+    states = api.materialize(cache, geometry, impl, src, A, max_seqlen=max_seqlen)
+    api.initialize(cache, geometry, impl, states, dst, fmt=fmt, seed=seed, checks=checks, head_offset=head_offset)
 
 
 # -- host swap ------------------------------------------------------------------------------
@@ -570,7 +570,7 @@ def import_rows(cache, geometry, impl, data, ids, compact: bool, *, fmt: Format,
     if staged is None:
         staged = stage_import(cache, data, compact, fmt)
     if compact:
-        api._initialize(cache, geometry, impl, staged, ids, fmt=fmt, seed=seed, checks=checks, head_offset=head_offset)
+        api.initialize(cache, geometry, impl, staged, ids, fmt=fmt, seed=seed, checks=checks, head_offset=head_offset)
         return
     for i, src in staged:
         as_bits(cache[i]).index_copy_(0, ids, src)

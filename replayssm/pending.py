@@ -47,7 +47,7 @@ from . import layout as L
 from .quant.minifloat import to_fp16
 from .quant.rng import checkpoint_rbits, stream_key
 from .formats import Format
-from .reference import _expand_groups, valid_rows
+from .reference import expand_groups, valid_rows
 
 MAX_SEQLEN = 8
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -168,7 +168,7 @@ def fold_range(cache, slot, start, count, A) -> torch.Tensor:
     x_e, dt_e, B_e = _ring_entries(cache, slot, start, count)
     decay, w = _weights(dt_e, A, count - 1)
     s0 = cache[L.CHECKPOINT][slot].float()
-    upd = torch.einsum("nhj,nhjp,nhjk->nhpk", w, x_e, _expand_groups(B_e, heads))
+    upd = torch.einsum("nhj,nhjp,nhjk->nhpk", w, x_e, expand_groups(B_e, heads))
     return decay[:, :, None, None] * s0 + upd
 
 
@@ -336,12 +336,12 @@ def pending_decode(
         last = m + t
         decay, w = _weights(seq_dt, A, last)
         Ct = Cs[:, t]  # [n, G, 128]
-        y = decay.unsqueeze(-1) * torch.einsum("nhpk,nhk->nhp", state, _expand_groups(Ct, heads))
+        y = decay.unsqueeze(-1) * torch.einsum("nhpk,nhk->nhp", state, expand_groups(Ct, heads))
         # Token t reads sequence entries 0..last only, selected with where: the call's later
         # tokens may be rejected drafts holding anything (NaN), and 0 * NaN is NaN.
         keep = j.view(1, 1, -1) <= last.view(-1, 1, 1)  # [n, 1, E]
         bc = torch.einsum("ngjk,ngk->ngj", torch.where(keep[..., None], seq_B, zero), Ct)
-        y = y + torch.einsum("nhj,nhjp->nhp", w * _expand_groups(bc, heads), torch.where(keep[..., None], seq_x, zero))
+        y = y + torch.einsum("nhj,nhjp->nhp", w * expand_groups(bc, heads), torch.where(keep[..., None], seq_x, zero))
         y = y + Dv * xs[:, t]
         ys[:, t] = torch.where(tok_ok[:, t, None, None], y, zero)
     out[rows] = ys.to(out.dtype)

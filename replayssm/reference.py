@@ -123,7 +123,7 @@ def _replay_weights(dt_e: torch.Tensor, A: torch.Tensor, last: torch.Tensor):
     return torch.exp(a * pre_k).squeeze(-1), w
 
 
-def _expand_groups(t: torch.Tensor, heads: int) -> torch.Tensor:
+def expand_groups(t: torch.Tensor, heads: int) -> torch.Tensor:
     """[n, G, ...] -> [n, H, ...] (head h reads group h // (H / G))."""
     groups = t.shape[1]
     return t.repeat_interleave(heads // groups, dim=1)
@@ -147,10 +147,10 @@ def decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan: Plan, out, *, fmt: 
     x_e, dt_e, B_e = _entries(cache, slot, xs, dts, Bs, r, r)
     decay, w = _replay_weights(dt_e, A, r)
     state = fmt.read(cache, slot)
-    Ch = _expand_groups(Cs, heads)  # [n, H, 128]
+    Ch = expand_groups(Cs, heads)  # [n, H, 128]
     y = decay.unsqueeze(-1) * torch.einsum("nhpk,nhk->nhp", state, Ch)
     bc = torch.einsum("ngjk,ngk->ngj", B_e, Cs)  # B_j . C, shared by a group's heads
-    y = y + torch.einsum("nhj,nhjp->nhp", w * _expand_groups(bc, heads), x_e)
+    y = y + torch.einsum("nhj,nhjp->nhp", w * expand_groups(bc, heads), x_e)
     y = y + D.view(1, heads, -1) * xs.float()
     out[rows] = y.to(out.dtype)
     cache[L.X_RING][slot, :, r] = xs
@@ -165,7 +165,7 @@ def fold(cache, slot, x, dts, B, A, last) -> torch.Tensor:
     x_e, dt_e, B_e = _entries(cache, slot, x, dts, B, last, last)
     decay, w = _replay_weights(dt_e, A, last)
     s0 = cache[L.CHECKPOINT][slot].float()
-    upd = torch.einsum("nhj,nhjp,nhjk->nhpk", w, x_e, _expand_groups(B_e, heads))
+    upd = torch.einsum("nhj,nhjp,nhjk->nhpk", w, x_e, expand_groups(B_e, heads))
     return decay[:, :, None, None] * s0 + upd
 
 
@@ -178,7 +178,7 @@ def decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan: Plan, out, *, fmt: For
     slot, r, xs, dts, Bs, Cs = _select(rows, plan, x, dt, B, C, dt_bias)
     heads = xs.shape[1]
     state = fold(cache, slot, xs, dts, Bs, A, r)
-    y = torch.einsum("nhpk,nhk->nhp", state, _expand_groups(Cs, heads)) + D.view(1, heads, -1) * xs.float()
+    y = torch.einsum("nhpk,nhk->nhp", state, expand_groups(Cs, heads)) + D.view(1, heads, -1) * xs.float()
     out[rows] = y.to(out.dtype)
     cache[L.CHECKPOINT][slot] = to_fp16(state, checkpoint_rbits(plan.key[rows], heads, head_offset))
     fmt.refresh(cache, slot, state, plan.old_parity[rows])

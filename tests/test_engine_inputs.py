@@ -122,7 +122,7 @@ def test_a_step_launches_only_its_three_kernels(fmt, shape, batch):
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_the_eager_fast_path_gives_the_ops_bits_and_launches_directly(fmt, monkeypatch):
     """An eager `ReplaySSMCache.decode` on the kernel backend skips the custom op
-    (`api._direct_decode`), launches the CuTe kernels through their TVM-FFI entries
+    (`api.direct_decode`), launches the CuTe kernels through their TVM-FFI entries
     (`launch.compile_entry`) and the prepare kernel past Triton's dispatch and launcher
     (`prepare.Prepare` through `launch.Compiled`, kept in the backend's context of the
     cache): over 34 steps with engine-shaped inputs and a padding row, the
@@ -148,7 +148,7 @@ def test_the_eager_fast_path_gives_the_ops_bits_and_launches_directly(fmt, monke
         caches[0].decode(*inputs, slots[0], out=out[0])
         assert not through_op, "the eager call went through the op"
         with monkeypatch.context() as m:
-            m.setattr(api, "_direct_decode", lambda *a, **k: False)
+            m.setattr(api, "direct_decode", lambda *a, **k: False)
             caches[1].decode(*inputs, slots[1], out=out[1])
         assert through_op == [1]
         through_op.clear()
@@ -170,7 +170,7 @@ def test_the_eager_fast_path_gives_the_ops_bits_and_launches_directly(fmt, monke
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_the_eager_pending_fast_path_gives_the_ops_bits(fmt, monkeypatch):
     """Pending mode (spec_tokens 3): an eager `ReplaySSMCache.decode` of the dense layout
-    on the kernel backend skips the custom op (`api._direct_decode_pending`) and
+    on the kernel backend skips the custom op (`api.direct_decode_pending`) and
     `triton.pending.pending_decode` (`KernelBackend._pending_dense`), launching the plan
     and the CuTe fold and step from the cache context's `PlanLaunch` / `PendingLaunch`;
     over 24 calls with engine-shaped inputs (a projection's column slices, dt tied),
@@ -205,7 +205,7 @@ def test_the_eager_pending_fast_path_gives_the_ops_bits(fmt, monkeypatch):
         caches[0].decode(*inputs, slots[0], out=out[0], num_accepted_tokens=acc)
         assert not through_op and dense == [True], "the eager call went through the op or pending_decode"
         with monkeypatch.context() as m:
-            m.setattr(api, "_direct_decode_pending", lambda *a, **k: False)
+            m.setattr(api, "direct_decode_pending", lambda *a, **k: False)
             m.setattr(KernelBackend, "_pending_dense", lambda *a: False)
             caches[1].decode(*inputs, slots[1], out=out[1], num_accepted_tokens=acc)
         assert through_op == [1]

@@ -636,7 +636,7 @@ def test_import_rejects_drafts_beyond_the_caches_max_seqlen():
 
 
 def test_eager_fast_path_takes_the_dense_engine_layouts_and_nothing_else():
-    """`api._direct_decode_pending` (ReplaySSMCache's eager pending call on the kernel
+    """`api.direct_decode_pending` (ReplaySSMCache's eager pending call on the kernel
     backend) hands the backend what the op's path would (`normalize_pending_inputs`: the
     same values; x, B, C views of the caller's tensors) for the dense layouts engines pass
     (x, B, C [b, T, n * w] column slices of one projection or plain [b, T, n, w]; dt tied
@@ -669,7 +669,7 @@ def test_eager_fast_path_takes_the_dense_engine_layouts_and_nothing_else():
 
     def direct(inputs, ids=ids, out=out, acc=None):
         calls.clear()
-        took = api._direct_decode_pending(cache, HEADS, GROUPS, Recorder(), *inputs, ids, out, FP8, 1, VM, acc, 0)
+        took = api.direct_decode_pending(cache, HEADS, GROUPS, Recorder(), *inputs, ids, out, FP8, 1, VM, acc, 0)
         assert took == bool(calls)
         return took
 
