@@ -233,15 +233,15 @@ def test_pending_launch_structs_are_the_specs(monkeypatch, varlen):
         ]
 
 
-def test_the_dense_launch_path_launches_what_the_general_path_does(monkeypatch):
-    """`KernelBackend._pending_dense` (a dense call whose inputs the step reads as they
-    are, launched without `triton.pending.pending_decode`) makes the plan, fold and step
-    launches of `_pending_general` (the path through it), words and streams alike, for
-    engine-shaped inputs ([b, T, n * w] column slices of one projection, dt tied) and
-    plain [b, T, n, w] ones, one step launch (3 rows) and the eager launches of a batch
-    that captured calls split (64 rows); and launches nothing for inputs the step cannot
-    read as they are (those then take the general path, which hands them to Triton's
-    step). Launches recorded, not run (CPU)."""
+def test_the_pending_launch_reads_inputs_as_they_are_or_copies_them(monkeypatch):
+    """`KernelBackend._pending_launch` (every pending call on a cache the CuTe kernels
+    run): the plan, fold and step launches on the current stream; x, B, C the step reads
+    as they are (engine-shaped [b, T, n * w] column slices of one projection, plain
+    [b, T, n, w], varlen [total, n, w]) go as they are (the step's struct holds their
+    addresses and strides), layouts it cannot read (float32 excepted: the API refuses it)
+    go as contiguous copies of the same values, and an out the step cannot address (not
+    16-byte aligned) is written through a buffer and copied back. Launches recorded, not
+    run (CPU)."""
     import torch
 
     import replayssm.kernels as K
@@ -257,71 +257,53 @@ def test_the_dense_launch_path_launches_what_the_general_path_does(monkeypatch):
             self.args = (fmt, seed, max_seqlen)
 
         def __call__(self, cache, plan, ids, accepted, cu_seqlens, stream):
-            launches.append(("plan", self.args, ids.data_ptr(), tuple(ids.shape), accepted, cu_seqlens, stream))
+            launches.append(("plan", self.args, ids.data_ptr(), accepted, cu_seqlens, stream))
 
     def recorder(*key):  # stands in for a compiled kernel's TVM-FFI entry
-        return lambda *args: launches.append((key, args[:-1], args[-1]))
+        return lambda *args: launches.append((key[0], args[:-1], args[-1]))
 
     monkeypatch.setattr(pm, "compiled_fold", lambda *a: recorder("fold", *a))
     monkeypatch.setattr(pm, "compiled_pending", lambda *a: recorder("step", *a))
     monkeypatch.setattr(pm, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(tp, "PlanLaunch", Plan)
-    monkeypatch.setattr(tp, "current_stream", lambda device: 9)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # eager calls (a CPU build has no query)
-    monkeypatch.setattr(K, "_pending_triton", lambda real=K._pending_triton(): real._replace(PlanLaunch=Plan, interpreting=lambda: False))
+    monkeypatch.setattr(K, "_pending_triton", lambda real=K._pending_triton(): real._replace(PlanLaunch=Plan))
     monkeypatch.setattr(K, "_pending_cute", lambda real=K._pending_cute(): real._replace(current_stream=lambda index: 9))
-    H, G, T = 16, 2, 4
+    H, G, T, b = 16, 2, 4, 3
     kb = K.KernelBackend()
     A_, D, dt_bias = torch.randn(H, 64)[:, 0], torch.randn(H, 64), torch.randn(H, 64)[:, 1]
-
-    def inputs(b, engine):
-        width = H * 64 + 2 * G * 128 + 8  # one projection row: x | B | C | 8 more columns
-        proj = torch.randn(b, T, width).to(torch.bfloat16)
-        x, B, C = proj[..., : H * 64], proj[..., H * 64 : H * 64 + G * 128], proj[..., H * 64 + G * 128 : -8]
-        dt = torch.randn(b, T, H, 1).to(torch.bfloat16).expand(b, T, H, 64)[..., 0]
-        out = torch.empty(b, T, H * 64, dtype=torch.bfloat16)
-        if not engine:
-            x, B, C, out = x.unflatten(-1, (H, 64)), B.unflatten(-1, (G, 128)), C.unflatten(-1, (G, 128)), out.view(b, T, H, 64)
-        return x, dt, B, C, out
-
-    caches = {fmt: L.allocate_cache(70, H, G, fmt, "cpu", slot_padding=64, pending=True) for fmt in ("fp8", "nvfp4")}
-    plan = tp.PendingPlan(64, "cpu")
-
-    def run(path, fmt, x, dt, B, C, out, ids, acc):  # each path in a context of its own, one cache and plan buffer
-        cache = caches[fmt]
-        ctx = K._CacheContext(cache, (None, "sm_90a"), None)
-        ctx.pending = plan
-        launches.clear()
-        kw = dict(fmt=format_of(fmt), seed=5, max_seqlen=T, num_accepted_tokens=acc, head_offset=3)
-        if path == "dense":
-            took = kb._pending_dense(ctx, cache, x, dt, A_, B, C, D, dt_bias, ids, out, *kw.values())
-        else:
-            took = kb._pending_general(ctx, cache, x, dt, A_, B, C, D, dt_bias, ids, out, cu_seqlens=None, **kw)
-        return took, list(launches)
-
-    for fmt in ("fp8", "nvfp4"):
-        for b in (3, 64):
-            for engine in (True, False):
-                x, dt, B, C, out = inputs(b, engine)
-                ids = torch.arange(1, b + 1, dtype=torch.int32)
-                acc = torch.full((b,), 2, dtype=torch.int64)
-                took, dense = run("dense", fmt, x, dt, B, C, out, ids, acc)
-                _, general = run("general", fmt, x, dt, B, C, out, ids, acc)
-                assert took and dense == general, (fmt, b, engine)
-                assert [r[0] for r in dense] == ["plan", ("fold", fmt, "sm_90a", H, G, False), ("step", fmt, "sm_90a", H, G, torch.bfloat16, "all")]
-                assert dense[0][1:] == ((format_of(fmt), 5, T), ids.data_ptr(), (b,), acc, None, 9)
-                assert all(r[-1] == 9 for r in dense)
-    x, dt, B, C, out = inputs(3, True)
-    ids, acc = torch.arange(1, 4), None
-    wide = torch.empty(3, T, H * 64 + 8, dtype=torch.bfloat16)
-    refused = {
-        "x float32": (x.float(), dt, B, C, out),
-        "x unaligned": (wide[..., 4 : 4 + H * 64], dt, B, C, out),
-        "x token stride": (torch.empty(3, T, H * 64 + 4, dtype=torch.bfloat16)[..., : H * 64], dt, B, C, out),
-        "B last dim strided": (x, dt, torch.empty(3, T, G * 128, 2, dtype=torch.bfloat16)[..., 0], C, out),
-        "C heads apart": (x, dt, B, torch.empty(3, T, G, 256, dtype=torch.bfloat16)[..., :128], out),
-        "out float": (x, dt, B, C, out.float()),
+    width = H * 64 + 2 * G * 128 + 8  # one projection row: x | B | C | 8 more columns
+    proj = torch.randn(b, T, width).to(torch.bfloat16)
+    x, B, C = proj[..., : H * 64], proj[..., H * 64 : H * 64 + G * 128], proj[..., H * 64 + G * 128 : -8]
+    dt = torch.randn(b, T, H, 1).to(torch.bfloat16).expand(b, T, H, 64)[..., 0]
+    out = torch.empty(b, T, H * 64, dtype=torch.bfloat16)
+    apart = torch.empty(b, T, G, 256, dtype=torch.bfloat16)[..., :128].copy_(B.unflatten(-1, (G, 128)))
+    odd = torch.empty(b * T * H * 64 + 8, dtype=torch.bfloat16)[8 - 4 : 8 - 4 + b * T * H * 64].view(b, T, H, 64)
+    cache = L.allocate_cache(70, H, G, "fp8", "cpu", slot_padding=64, pending=True)
+    ids = torch.arange(1, b + 1, dtype=torch.int32)
+    cases = {
+        "engine": ((x, B, C, out), ()),
+        "plain": ((x.unflatten(-1, (H, 64)), B.unflatten(-1, (G, 128)), C.unflatten(-1, (G, 128)), out.view(b, T, H, 64)), ()),
+        "B heads apart": ((x, apart, C, out), (1,)),
+        "out unaligned": ((x, B, C, odd), (3,)),
     }
-    for name, args in refused.items():
-        took, dense = run("dense", "fp8", *args, ids, acc)
-        assert not took and dense == [], name
+    for name, ((x_, B_, C_, out_), copied) in cases.items():
+        ctx = K._CacheContext(cache, (None, "sm_90a"), None)
+        launches.clear()
+        kb._pending_launch(ctx, cache, x_, dt, A_, B_, C_, D, dt_bias, ids, out_, format_of("fp8"), 5, T, None, None, 3)
+        assert [r[0] for r in launches] == ["plan", "fold", "step"], name
+        assert launches[0][1:] == ((format_of("fp8"), 5, T), ids.data_ptr(), None, None, 9), name
+        assert launches[1][2] == launches[2][2] == 9, name
+        inputs = launches[2][1][2]  # the step's PendingInputs struct
+        given = (x_, None, None, B_, C_, None, None, out_)
+        for i in (0, 3, 4, 7):
+            assert (inputs[i] == given[i].data_ptr()) == (i // 2 not in copied), (name, i)  # struct field i: tensor i // 2
+        assert not any(p % 16 for p in (inputs[0], inputs[3], inputs[4], inputs[7])), name
+    # A varlen call: [total, n, w] rows, row strides 0 in the step's struct.
+    launches.clear()
+    xv, Bv = x.reshape(b * T, H, 64), B.reshape(b * T, G, 128)
+    cu = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
+    ctx = K._CacheContext(cache, (None, "sm_90a"), None)
+    kb._pending_launch(ctx, cache, xv, dt.reshape(b * T, H), A_, Bv, Bv, D, dt_bias, ids, out.reshape(b * T, H, 64),
+                       format_of("fp8"), 5, T, None, cu, 3)  # fmt: skip
+    inputs = launches[2][1][2]
+    assert launches[0][4] is cu and inputs[0] == xv.data_ptr() and inputs[8] == 0 and inputs[9] == xv.stride(0)

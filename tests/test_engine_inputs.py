@@ -170,15 +170,15 @@ def test_the_eager_fast_path_gives_the_ops_bits_and_launches_directly(fmt, monke
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_the_eager_pending_fast_path_gives_the_ops_bits(fmt, monkeypatch):
     """Pending mode (spec_tokens 3): an eager `ReplaySSMCache.decode` of the dense layout
-    on the kernel backend skips the custom op (`api.direct_decode_pending`) and
-    `triton.pending.pending_decode` (`KernelBackend._pending_dense`), launching the plan
-    and the CuTe fold and step from the cache context's `PlanLaunch` / `PendingLaunch`;
-    over 24 calls with engine-shaped inputs (a projection's column slices, dt tied),
-    random verdicts and a padding row, the outputs and every cache tensor equal, bit for
-    bit, those of a twin cache decoded through the op and `pending_decode`
-    (`_pending_general`)."""
+    on the kernel backend skips the custom op (`api.direct_decode_pending`), launching the
+    plan and the CuTe fold and step from the cache context's `PlanLaunch` /
+    `PendingLaunch` with the inputs as they are; over 24 calls with engine-shaped inputs
+    (a projection's column slices, dt tied), random verdicts and a padding row, the
+    outputs and every cache tensor equal, bit for bit, those of a twin cache decoded
+    through the op with B in a layout the step cannot read (heads 256 elements apart),
+    which the backend copies once."""
     from replayssm import api, ops
-    from replayssm.kernels import KernelBackend, kernel_backend
+    from replayssm.kernels import kernel_backend
 
     batch, T = 6, 4
     gen = torch.Generator().manual_seed(3)
@@ -192,10 +192,10 @@ def test_the_eager_pending_fast_path_gives_the_ops_bits(fmt, monkeypatch):
         s = s.clone()
         s[2] = 0  # a padding row
         slots.append(s)
-    through_op, dense = [], []
-    real_op, real_dense = ops.decode_pending, KernelBackend._pending_dense
+    through_op = []
+    real_op = ops.decode_pending
     monkeypatch.setattr(ops, "decode_pending", lambda *a, **k: (through_op.append(1), real_op(*a, **k)))
-    monkeypatch.setattr(KernelBackend, "_pending_dense", lambda *a: dense.append(real_dense(*a)) or dense[-1])
+    apart = torch.empty(batch, T, GROUPS, 256, dtype=torch.bfloat16, device="cuda")[..., :128]
     out = [torch.empty(batch, T, HEADS, L.HEAD_DIM, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
     acc = None
     for call in range(24):
@@ -203,14 +203,13 @@ def test_the_eager_pending_fast_path_gives_the_ops_bits(fmt, monkeypatch):
         x, dt, A, B, C, D, dt_bias = engine_inputs(tok, params)
         inputs = (x.unflatten(0, (batch, T)), dt.unflatten(0, (batch, T)), A, B.unflatten(0, (batch, T)), C.unflatten(0, (batch, T)), D, dt_bias)
         caches[0].decode(*inputs, slots[0], out=out[0], num_accepted_tokens=acc)
-        assert not through_op and dense == [True], "the eager call went through the op or pending_decode"
+        assert not through_op, "the eager call went through the op"
+        apart.copy_(inputs[3].reshape(batch, T, GROUPS, 128))
         with monkeypatch.context() as m:
             m.setattr(api, "direct_decode_pending", lambda *a, **k: False)
-            m.setattr(KernelBackend, "_pending_dense", lambda *a: False)
-            caches[1].decode(*inputs, slots[1], out=out[1], num_accepted_tokens=acc)
+            caches[1].decode(*inputs[:3], apart, *inputs[4:], slots[1], out=out[1], num_accepted_tokens=acc)
         assert through_op == [1]
         through_op.clear()
-        dense.clear()
         assert same_bits(out[0], out[1]), call
         acc = torch.randint(0, T + 1, (batch,), generator=gen, dtype=torch.int32).cuda()
     torch.cuda.synchronize()

@@ -1,8 +1,8 @@
 """The pending-mode kernels against the reference (`replayssm.pending`), one call at a time
-from identical caches: the Triton plan, fold and step (kernels/triton/pending.py) on the
-CPU in the Triton interpreter (tiny shapes) and on the GPU, and on the GPU the Triton plan
-with the CuTe fold and step (cute/pending.py), at 16 heads / 2 groups, with a CUDA-graph
-replay of a cache's calls.
+from identical caches: on the GPU the Triton plan kernel (kernels/triton/pending.py) with
+the CuTe fold and step (cute/pending.py), at 16 heads / 2 groups, with a CUDA-graph replay
+of a cache's calls; on the CPU (the Triton interpreter) the plan kernel's positions,
+parity, meta and fold list against the reference's.
 
 Per call: rows that fold give the kernel's own FP32 state S (debug dump) within
 FOLD_REL_TOL of the reference fold; the reference then runs the call with that S as its
@@ -18,12 +18,9 @@ import random
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from replayssm import layout as L, reference as ref
 from replayssm.formats import FORMATS, FP8, NVFP4
-from replayssm.kernels.triton.pending import _decode_e2m1
 from replayssm.layout import allocate_cache
 from replayssm.pending import checkpoint_index, fold_range, grid, pending_decode
 from replayssm.synthetic import layer_params, prefill_states
@@ -72,7 +69,7 @@ def _engine_shaped(x, dt, B, C):
 def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, plan, cu=None, engine=False, kernel=None,
                 out_dtype=torch.float32):  # fmt: skip
     """One call on the kernels (`kc`, a copy of `cache`; engine-shaped inputs when
-    `engine`; `kernel` the decode function, the Triton one by default; `plan` the plan
+    `engine`; `kernel` the decode function, `_cute_decode` by default; `plan` the plan
     buffer every call of a run shares, as a cache's) and on the
     reference (`cache`), whose fold is given the kernel's own FP32 state S (checked
     against the reference fold first), so every state tensor compares bit for bit and
@@ -83,7 +80,7 @@ def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, plan, cu=None, 
     from replayssm import pending as pend
 
     if kernel is None:
-        from replayssm.kernels.triton.pending import pending_decode as kernel
+        kernel = _cute_decode
     nv = fmt == "nvfp4"
     A, D, bias = params
     x, dt, B, C = toks
@@ -174,43 +171,47 @@ def _run(fmt, M, heads, groups, device, calls, varlen_every=3, seed=5, kernel=No
     return folds
 
 
-@pytest.mark.parametrize("fmt,M", [("fp8", 1), ("fp8", 3), ("fp8", 8), ("nvfp4", 5)])
-def test_pending_kernels_match_the_reference_cpu(fmt, M):
-    """Triton interpreter, 8 heads / 1 group, six calls (dense and varlen, plain and
-    engine-shaped inputs, random verdicts with out-of-range ones, padding rows, NaN in
-    every rejected draft); some rows fold (M = 1: a fold of all 16 entries, Gd = 16)."""
-    if torch.cuda.is_available():
-        pytest.skip("the CPU variant (the GPU test covers CUDA)")
-    assert _run(fmt, M, 8, 1, "cpu", calls=12 if M == 1 else 6) > 0
+def _plan_launch(cache, plan, ids, acc, cu, fmt, seed, M, plan_launches=None):
+    """The plan kernel through a `PlanLaunch` (kept in `plan_launches` when given, as a
+    cache context keeps it; else a new one: its first launch goes through Triton's)."""
+    from replayssm.kernels.triton.launch import current_stream
+    from replayssm.kernels.triton.pending import PlanLaunch
+
+    key = (fmt, seed, M, plan.buf.data_ptr())
+    launch = plan_launches.get(key) if plan_launches is not None else None
+    if launch is None:
+        launch = PlanLaunch(cache, plan, fmt, seed, M)
+        if plan_launches is not None:
+            plan_launches[key] = launch
+    launch(cache, plan, ids, acc, cu, current_stream(ids.device))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-@pytest.mark.parametrize("M", [2, 4, 8])
-def test_pending_kernels_match_the_reference_gpu(fmt, M):
-    """The same on the GPU, 16 heads / 2 groups, 24 calls."""
-    assert _run(fmt, M, 16, 2, "cuda", calls=24) > 0
-
-
-def _cute_decode(cache, x, dt, A, B, C, D, bias, ids, out, *, fmt, split=None, **kw):
+def _cute_decode(cache, x, dt, A, B, C, D, bias, ids, out, *, fmt, seed, max_seqlen, num_accepted_tokens=None,
+                 cu_seqlens=None, debug_state=None, plan=None, split=None, plan_launches=None):  # fmt: skip
     """The Triton plan kernel, then the CuTe fold and step (cute/pending.py
-    `fold_and_step`; `split` as it takes it)."""
+    `fold_and_step`; `split` as it takes it), x, B, C copied where the step cannot read
+    them as they are (as the kernel backend does)."""
     from replayssm.kernels.cute.arch import arch_for
-    from replayssm.kernels.cute.pending import fold_and_step, inputs_ok, pending_fold
-    from replayssm.kernels.triton.pending import pending_decode as triton_decode
+    from replayssm.kernels.cute.pending import fold_and_step, pending_fold, reads_as_is
+    from replayssm.kernels.triton.pending import PendingPlan
 
-    def fold(rows, fold_list, debug_state):
-        pending_fold(cache, A, rows, fold_list, state_dtype=fmt.name, arch=arch_for(x.device),
-                     head_offset=0, stream=torch.cuda.current_stream().cuda_stream, debug_state=debug_state)  # fmt: skip
+    varlen = cu_seqlens is not None
+    heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
+    lead = x.shape[:1] if varlen else x.shape[:2]
+    x, B, C = (t if reads_as_is(t, w, varlen) else t.reshape(*lead, n, w).contiguous()
+               for t, n, w in ((x, heads, L.HEAD_DIM), (B, groups, L.STATE_DIM), (C, groups, L.STATE_DIM)))  # fmt: skip
+    out_v = out.view(*lead, heads, L.HEAD_DIM)
+    plan = plan or PendingPlan(ids.numel(), x.device)
+    _plan_launch(cache, plan, ids, num_accepted_tokens, cu_seqlens, fmt, seed, max_seqlen, plan_launches)
+    rows, arch, stream = plan.view(ids.numel()), arch_for(x.device), torch.cuda.current_stream().cuda_stream
 
-    def step(x_, dt_, B_, C_, out_, rows, fold_list, varlen, launch_fold):
-        assert inputs_ok(x_, B_, C_, out_)
-        fold_and_step(cache, x_, dt_, A, B_, C_, D, bias, out_, rows, fold_list, launch_fold,
-                      state_dtype=fmt.name, arch=arch_for(x_.device), varlen=varlen,
-                      stream=torch.cuda.current_stream().cuda_stream, split=split)  # fmt: skip
-        return True
+    def fold():
+        pending_fold(cache, A, rows, plan.fold_list, state_dtype=fmt.name, arch=arch, head_offset=0, stream=stream,
+                     debug_state=debug_state)  # fmt: skip
 
-    return triton_decode(cache, x, dt, A, B, C, D, bias, ids, out, fmt=fmt, step=step, fold=fold, **kw)
+    fold_and_step(cache, x, dt, A, B, C, D, bias, out_v, rows, plan.fold_list, fold, state_dtype=fmt.name, arch=arch,
+                  varlen=varlen, stream=stream, split=split)  # fmt: skip
+    return out
 
 
 @pytest.mark.gpu
@@ -219,9 +220,10 @@ def _cute_decode(cache, x, dt, A, B, C, D, bias, ids, out, *, fmt, split=None, *
 @pytest.mark.parametrize("split", [False, True])
 def test_pending_cute_kernels_match_the_reference_gpu(fmt, M, split):
     """The CuTe fold and step after the Triton plan: 16 heads / 2 groups, 24 calls, bf16
-    outputs (dense and varlen, plain and engine-shaped inputs); `split`: the step in two
-    launches, the rows that do not fold beside the fold. The plan kernel is relaunched
-    from its compiled kernel (`PlanLaunch`) after its first call."""
+    outputs (dense and varlen, plain and engine-shaped inputs, random verdicts with
+    out-of-range ones, padding rows, NaN in every rejected draft); `split`: the step in
+    two launches, the rows that do not fold beside the fold. The plan kernel is
+    relaunched from its compiled kernel (`PlanLaunch`) after its first call."""
     pytest.importorskip("cutlass")
     kernel = functools.partial(_cute_decode, split=split, plan_launches={})
     assert _run(fmt, M, 16, 2, "cuda", calls=24, kernel=kernel, out_dtype=torch.bfloat16) > 0
@@ -233,9 +235,9 @@ def test_pending_cute_split_step_equals_one_step_bit_for_bit(fmt, monkeypatch):
     """The step split in two launches (beside and after the fold) gives the one-launch
     step's outputs and cache bit for bit: 12 calls of 6 rows (padding rows, random
     verdicts, varlen every third call) on two copies of one cache, M = 4. The one-launch
-    side's plan kernel is relaunched past Triton's launcher (`PlanLaunch`, a compiled
-    kernel per verdicts / cu_seqlens variant, none falling back), the split side's goes
-    through Triton's dispatch on every call."""
+    side's plan kernel is relaunched past Triton's launcher (one `PlanLaunch`, a compiled
+    kernel per verdicts / cu_seqlens variant, none falling back), the split side's is a
+    new `PlanLaunch` every call (its first launch through Triton's)."""
     pytest.importorskip("cutlass")
     from replayssm.kernels.triton import launch
     from replayssm.kernels.triton.pending import PendingPlan
@@ -284,9 +286,8 @@ def test_pending_split_step_variants_take_their_rows():
     others do not."""
     pytest.importorskip("cutlass")
     from replayssm.kernels.cute.arch import arch_for
-    from replayssm.kernels.cute.pending import inputs_ok, pending_fold, pending_step
+    from replayssm.kernels.cute.pending import pending_fold, pending_step
     from replayssm.kernels.triton.pending import PendingPlan
-    from replayssm.kernels.triton.pending import pending_decode as triton_decode
 
     M, b = 4, 6
     cache, (A, D, bias), gen = _world("fp8", 16, 2, "cuda", slots=6, seed=11)
@@ -295,26 +296,14 @@ def test_pending_split_step_variants_take_their_rows():
     rng = random.Random(5)
     stream = torch.cuda.current_stream().cuda_stream
 
-    def only(rows):
-        def step(x_, dt_, B_, C_, out_, plan_rows, fold_list, varlen, launch_fold, cache_):
-            assert inputs_ok(x_, B_, C_, out_)
-            launch_fold()
-            pending_step(cache_, x_, dt_, A, B_, C_, D, bias, out_, plan_rows, fold_list, state_dtype="fp8",
-                         arch=arch_for(x_.device), varlen=varlen, stream=stream, rows=rows)  # fmt: skip
-            return True
-        return step
-
     def call(c, x, dt, B, C, acc, rows):
         plan = PendingPlan(b, "cuda")
         out = torch.full((b, M, 16, L.HEAD_DIM), NAN, dtype=torch.bfloat16, device="cuda")
-
-        def fold(plan_rows, fold_list, debug_state):
-            pending_fold(c, A, plan_rows, fold_list, state_dtype="fp8", arch=arch_for(x.device), head_offset=0,
-                         stream=stream, debug_state=debug_state)  # fmt: skip
-
-        step = functools.partial(only(rows), cache_=c)
-        triton_decode(c, x, dt, A, B, C, D, bias, ids, out, fmt=FP8, seed=5, max_seqlen=M,
-                      num_accepted_tokens=acc, plan=plan, step=step, fold=fold)  # fmt: skip
+        _plan_launch(c, plan, ids, acc, None, FP8, 5, M)
+        pv, arch = plan.view(b), arch_for(x.device)
+        pending_fold(c, A, pv, plan.fold_list, state_dtype="fp8", arch=arch, head_offset=0, stream=stream)
+        pending_step(c, x, dt, A, B, C, D, bias, out, pv, plan.fold_list, state_dtype="fp8", arch=arch, varlen=False,
+                     stream=stream, rows=rows)  # fmt: skip
         torch.cuda.synchronize()
         return out, plan.view(b).cpu()
 
@@ -378,24 +367,6 @@ def test_pending_decode_replays_in_a_cuda_graph(fmt):
             assert same_bits(te, tg)
 
 
-@triton.jit
-def _e2m1_probe(p_codes, p_vals):
-    o = tl.arange(0, 16)
-    tl.store(p_vals + o, _decode_e2m1(tl.load(p_codes + o)))
-
-
-def test_e2m1_decode_gives_every_codes_value():
-    """The step kernel's e2m1 decode (FP16 bit placement times 2**14) against the
-    reference decoder, all 16 codes, bit for bit (interpreter on the CPU, GPU otherwise)."""
-    from replayssm.quant.minifloat import decode_e2m1
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    codes = torch.arange(16, dtype=torch.int32, device=dev)
-    vals = torch.full((16,), NAN, device=dev)
-    _e2m1_probe[(1,)](codes, vals)
-    assert same_bits(vals.cpu(), decode_e2m1(codes.cpu().long()).float())
-
-
 _COMPILE_SCRIPT = r"""
 import json, re, sys
 import triton
@@ -403,37 +374,26 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from replayssm.kernels.triton import pending as PK
 
-PTR = {"p_plan": "*i32", "p_list": "*i32", "p_x": "*bf16", "p_dt": "*fp32", "p_A": "*fp32", "p_B": "*bf16",
-       "p_C": "*bf16", "p_D": "*fp32", "p_bias": "*fp32", "p_out": "*bf16", "p_xr": "*bf16", "p_dtr": "*fp32",
-       "p_br": "*bf16", "p_read": "*u8", "p_scales": "*fp32", "p_meta": "*fp32", "p_ckpt": "*i16",
-       "p_meta_bits": "*i32", "p_dbg": "*fp32"}
-
-def build(fn, constexprs, cc, warps, **ptr):
-    sig = {n: "constexpr" if n in constexprs else {**PTR, **ptr}.get(n, "i32") for n in fn.arg_names}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", cc, 32),
-                       options={"num_warps": warps})
-    ptx = k.asm["ptx"]
-    return {"target": re.findall(r"^\.target (\S+)", ptx, re.M), "cubin": len(k.asm["cubin"]),
-            "ops": sorted(set(re.findall(r"(?:cvt\.rn\.satfinite\.e4m3x2\.f32|mma\.sync\.aligned\.[a-z0-9.]+)", ptx)))}
-
 out = {}
 for cc in map(int, sys.argv[1:]):
-    out[cc] = {
-        "fold": build(PK._fold_kernel, {"H": 16, "HPG": 8, "FP": PK.FOLD_ROWS, "NVFP4": False, "DEBUG": False,
-                      "HW_CVT": True, "PRECISION": PK.PRECISION}, cc, PK.FOLD_WARPS),
-        "step": build(PK._step_kernel, {"HPG": 8, "HB": PK.STEP_HEADS, "NVFP4": True, "F32_DOTS": False,
-                      "PRECISION": PK.PRECISION}, cc, PK.STEP_WARPS, p_scales="*u8"),
-    }
+    fn = PK._plan_kernel
+    consts = {"T": 4, "G": 2, "HAS_ACC": True, "VARLEN": True, "NVFP4": True, "BLOCK": 128}
+    ptr = {"p_ids": "*i32", "p_pos": "*i32", "p_acc": "*i32", "p_cu": "*i32", "p_parity": "*i32", "p_meta": "*fp32",
+           "p_plan": "*i32", "p_list": "*i32"}
+    sig = {n: "constexpr" if n in consts else ptr.get(n, "i32") for n in fn.arg_names}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", cc, 32),
+                       options={"num_warps": 4})
+    ptx = k.asm["ptx"]
+    out[cc] = {"target": re.findall(r"^\.target (\S+)", ptx, re.M), "cubin": len(k.asm["cubin"]),
+               "atomic": "atom.global" in ptx}
 print(json.dumps(out))
 """
 
 
-def test_pending_kernels_compile_for_every_arch():
+def test_pending_plan_kernel_compiles_for_every_arch():
     """Compile-only (no GPU needed; a subprocess, since this process may run Triton's
-    interpreter): the FP8 fold kernel and the NVFP4 step kernel build a cubin for sm_90a,
-    sm_100a and sm_103a, with the e4m3 hardware conversion of the read copy
-    (cvt.rn.satfinite.e4m3x2.f32), the tf32 tensor-core products of the fold and the bf16
-    ones of the step's B . C and read copy (mma.sync)."""
+    interpreter): the plan kernel builds a cubin for sm_90a, sm_100a and sm_103a, with
+    the atomic append to the fold's work list."""
     import json
     import os
     import subprocess
@@ -444,11 +404,46 @@ def test_pending_kernels_compile_for_every_arch():
                          text=True, timeout=600)  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    bf16 = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
     for cc in ("90", "100", "103"):
-        fold, step = out[cc]["fold"], out[cc]["step"]
-        for k in (fold, step):
-            assert k["target"] == [f"sm_{cc}a"] and k["cubin"] > 0
-        assert bf16 in step["ops"]
-        assert "cvt.rn.satfinite.e4m3x2.f32" in fold["ops"]
-        assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in fold["ops"]
+        assert out[cc]["target"] == [f"sm_{cc}a"] and out[cc]["cubin"] > 0 and out[cc]["atomic"]
+
+
+@pytest.mark.parametrize("fmt,M", [("fp8", 1), ("fp8", 4), ("nvfp4", 3), ("nvfp4", 8)])
+def test_plan_kernel_commits_as_the_reference_does(fmt, M):
+    """The plan kernel (the Triton interpreter on the CPU, the GPU otherwise), over calls
+    with random verdicts (out-of-range ones included), padding rows, dense and varlen:
+    positions after it equal the reference call's, and its fold list
+    holds exactly the rows whose checkpoint advances (f(c') > f(c)); NVFP4: parity and the
+    live half of meta equal the reference's."""
+    from replayssm.kernels.triton.pending import PendingPlan
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cache, (A, D, bias), gen = _world(fmt, 8, 1, dev, slots=6, seed=3)
+    cache[L.POSITIONS][3, 0] = max(grid(M) - 2, 0)
+    ids = torch.tensor([1, 0, 3, 4, 9, 2], device=dev)
+    b, rng = ids.numel(), random.Random(M)
+    plan = PendingPlan(b, dev)
+    for call in range(8):
+        acc = None if call == 0 else torch.tensor([rng.randint(-1, M + 1) for _ in range(b)], dtype=torch.int32, device=dev)
+        cu = None
+        if call % 3 == 2:
+            lens = [rng.randint(0, M) for _ in range(b)]
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        x, dt, B, C = _tokens(gen, (b, M) if cu is None else (int(cu[-1]),), 8, 1, dev)
+        kc = [t.clone() for t in cache]
+        c_old = cache[L.POSITIONS][:, 0].tolist()
+        _plan_launch(kc, plan, ids, acc, cu, FORMATS[fmt], 5, M)
+        out = torch.empty(*x.shape[:-1], L.HEAD_DIM, dtype=torch.bfloat16, device=dev)
+        pending_decode(cache, x, dt, A, B, C, D, bias, ids, out, fmt=FORMATS[fmt], seed=5, max_seqlen=M,
+                       num_accepted_tokens=acc, cu_seqlens=cu)  # fmt: skip
+        for i in [L.POSITIONS] + ([L.PARITY] if fmt == "nvfp4" else []):
+            assert same_bits(kc[i], cache[i]), (call, i)
+        if fmt == "nvfp4":  # the live half; the other, the fold's amax accumulator, the plan zeroes
+            live = cache[L.PARITY].long().view(-1, 1, 1).expand(-1, cache[L.META].shape[1], 1)
+            assert same_bits(kc[L.META].gather(2, live), cache[L.META].gather(2, live)), call
+        c_new = cache[L.POSITIONS][:, 0].tolist()
+        want = sorted(r for r, s in enumerate(ids.tolist()) if 0 < s < 6
+                      and int(checkpoint_index(torch.tensor(c_new[s]), M)) > int(checkpoint_index(torch.tensor(c_old[s]), M)))  # fmt: skip
+        n = int(plan.fold_list[0])
+        assert sorted(plan.fold_list[1 : 1 + n].tolist()) == want, call
+        plan.fold_list[0] = 0  # the step resets it

@@ -12,7 +12,7 @@ Two backends run the cache operations, with the same methods (`initialize`, `cle
   interpreter (TRITON_INTERPRET=1, for tests): the bookkeeping kernels interpreted, the
   decode math from the reference fed the kernel-made plan. Pending mode (speculative
   decoding) runs on the Triton plan kernel of `triton.pending` and the CuTe fold and step
-  of `cute.pending` (Triton twins where the CuTe kernels cannot run) and
+  of `cute.pending` (the reference where the CuTe kernels cannot run the cache) and
   `triton.materialize` on a CUDA cache; on the CPU its decode is the reference.
 
 `backend_for(device, backend, cache)` turns the caller's choice into one of them:
@@ -280,34 +280,65 @@ class KernelBackend:
         """Pending mode on a CUDA cache: the Triton plan kernel of kernels/triton/pending.py,
         then the CuTe fold and step (cute/pending.py `fold_and_step`: in a captured call
         of SPLIT_MIN_BATCH rows or more, the step of the rows that do not fold beside the
-        fold; where the CuTe kernels cannot run the cache, Triton's fold and step, and
-        Triton's step where they cannot read the inputs' layout); no host sync; the plan
-        buffer is the cache context's, grown to the largest batch seen, so a captured CUDA
-        graph replays it. A dense call whose x, B, C and out the CuTe step reads as they
-        are goes straight to the launches (`_pending_dense`), any other through
-        `triton.pending.pending_decode` (`_pending_general`). On the CPU the PyTorch
-        reference (`pending.pending_decode`; the tests run the kernels in the interpreter
-        themselves)."""
-        if cache[L.CHECKPOINT].device.type != "cuda":
-            REFERENCE.decode_pending(
-                cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt=fmt, seed=seed, max_seqlen=max_seqlen,
-                num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=head_offset,
-            )  # fmt: skip
-            return
-        ctx = self._context(cache)
+        fold); no host sync; the plan buffer is the cache context's, grown to the largest
+        batch seen, so a captured CUDA graph replays it. x, B, C that the step cannot read
+        as they are (`cute.pending.reads_as_is`) are copied once (out is contiguous: the
+        API checked it). On the CPU, and on a cache the CuTe kernels cannot run (`cute_for`),
+        the PyTorch reference (`pending.pending_decode`, which reads a few values on the
+        host)."""
+        if cache[L.CHECKPOINT].device.type == "cuda":
+            ctx = self._context(cache)
+            if ctx.cute is not None and not _pending_triton().interpreting():
+                self._pending_launch(
+                    ctx, cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, max_seqlen, num_accepted_tokens, cu_seqlens,
+                    head_offset,
+                )  # fmt: skip
+                return
+        REFERENCE.decode_pending(
+            cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt=fmt, seed=seed, max_seqlen=max_seqlen,
+            num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=head_offset,
+        )  # fmt: skip
+
+    def _pending_launch(
+        self, ctx, cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, max_seqlen, accepted, cu_seqlens, head_offset
+    ) -> None:  # fmt: skip
+        """The plan (the context's `PlanLaunch`), then `fold_and_step` from the context's
+        `PendingLaunch`, on the current stream, read once. Dense x, B, C, out [b, T, n, w]
+        or [b, T, n * w] (varlen: [total, ...]) go as they are where the step reads them so
+        (its row and token strides), else x, B, C as contiguous copies."""
+        k, tk = _pending_cute(), _pending_triton()
         if ids.dim() != 1:
             ids = ids.reshape(-1)
         batch = ids.shape[0]
         if ctx.pending is None or ctx.pending.rows < batch:
-            ctx.pending = _pending_triton().PendingPlan(max(batch, 64), cache[L.CHECKPOINT].device)
-        if not (
-            ctx.cute is not None and cu_seqlens is None and batch > 0
-            and self._pending_dense(ctx, cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, max_seqlen, num_accepted_tokens, head_offset)
-        ):  # fmt: skip
-            self._pending_general(
-                ctx, cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt=fmt, seed=seed, max_seqlen=max_seqlen,
-                num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=head_offset,
-            )  # fmt: skip
+            ctx.pending = tk.PendingPlan(max(batch, 64), cache[L.CHECKPOINT].device)
+        varlen = cu_seqlens is not None
+        ok = k.reads_as_is
+        if not (ok(x, L.HEAD_DIM, varlen) and ok(B, L.STATE_DIM, varlen) and ok(C, L.STATE_DIM, varlen)):
+            heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
+            lead = x.shape[:1] if varlen else x.shape[:2]
+            x, B, C = (
+                t if ok(t, w, varlen) else t.reshape(*lead, n, w).contiguous()
+                for t, n, w in ((x, heads, L.HEAD_DIM), (B, groups, L.STATE_DIM), (C, groups, L.STATE_DIM))
+            )
+        result = out
+        if not ok(out, L.HEAD_DIM, varlen):  # contiguous (the API checked it) but not 16-byte aligned
+            out = torch.empty_like(out)
+        plan = ctx.pending
+        stream = k.current_stream(cache[L.CHECKPOINT].get_device())
+        key = (fmt, seed, max_seqlen, plan.buf.data_ptr(), plan.fold_list.data_ptr())
+        launch = ctx.plan_launches.get(key)
+        if launch is None:
+            launch = ctx.plan_launches[key] = tk.PlanLaunch(cache, plan, fmt, seed, max_seqlen)
+        launch(cache, plan, ids, accepted, cu_seqlens, stream)
+        launcher = self._pending_launcher(ctx, cache, fmt.name, head_offset)
+        rows, fold_list = plan.buf[:batch], plan.fold_list
+        k.fold_and_step(
+            cache, x, dt, A, B, C, D, dt_bias, out, rows, fold_list, lambda: launcher.fold(cache, A, rows, fold_list, stream),
+            state_dtype=fmt.name, arch=ctx.cute[1], varlen=varlen, stream=stream, launcher=launcher,
+        )  # fmt: skip
+        if out is not result:
+            result.copy_(out)
 
     @staticmethod
     def _pending_launcher(ctx, cache, state_dtype: str, head_offset: int):
@@ -320,59 +351,6 @@ class KernelBackend:
                 cache, plan.buf, plan.fold_list, state_dtype, ctx.cute[1], head_offset
             )
         return launcher
-
-    def _pending_dense(self, ctx, cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, max_seqlen, accepted, head_offset) -> bool:
-        """The launches of a dense call (x, B, C, out [b, T, n, w] or [b, T, n * w], dt [b,
-        T, H], ids 1-D and not empty) on a cache the CuTe kernels run: the plan (the
-        context's `PlanLaunch`), then `fold_and_step` from the context's `PendingLaunch`,
-        on the current stream, read once; x, B, C and out go as they are (the step reads
-        their row and token strides). False (nothing launched) when the step cannot read
-        one of them as it is (`cute.pending.dense_ok`) or Triton runs in its interpreter."""
-        k, tk = _pending_cute(), _pending_triton()
-        ok = k.dense_ok
-        if not (ok(x, L.HEAD_DIM) and ok(B, L.STATE_DIM) and ok(C, L.STATE_DIM) and ok(out, L.HEAD_DIM)) or tk.interpreting():
-            return False
-        plan = ctx.pending
-        stream = k.current_stream(cache[L.CHECKPOINT].get_device())
-        key = (fmt, seed, max_seqlen, plan.buf.data_ptr(), plan.fold_list.data_ptr())
-        launch = ctx.plan_launches.get(key)
-        if launch is None:
-            launch = ctx.plan_launches[key] = tk.PlanLaunch(cache, plan, fmt, seed, max_seqlen)
-        launch(cache, plan, ids, accepted, None, stream)
-        state_dtype = fmt.name
-        launcher = self._pending_launcher(ctx, cache, state_dtype, head_offset)
-        rows, fold_list = plan.buf[: ids.shape[0]], plan.fold_list
-        k.fold_and_step(
-            cache, x, dt, A, B, C, D, dt_bias, out, rows, fold_list, lambda: launcher.fold(cache, A, rows, fold_list, stream),
-            state_dtype=state_dtype, arch=ctx.cute[1], varlen=False, stream=stream, launcher=launcher,
-        )  # fmt: skip
-        return True
-
-    def _pending_general(self, ctx, cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs) -> None:
-        """Any pending call on a CUDA cache through `triton.pending.pending_decode`, with
-        the CuTe fold and step where they can run the cache and read the inputs."""
-        step = fold = None
-        if ctx.cute is not None:
-            k = _pending_cute()
-            arch = ctx.cute[1]
-            state_dtype = kwargs["fmt"].name
-            launcher = self._pending_launcher(ctx, cache, state_dtype, kwargs["head_offset"])
-            stream = k.current_stream(A.get_device())
-
-            def fold(rows, fold_list, debug_state):
-                launcher.fold(cache, A, rows, fold_list, stream, debug_state)
-
-            def step(x_, dt_, B_, C_, out_, rows, fold_list, varlen, launch_fold):
-                if not k.inputs_ok(x_, B_, C_, out_):
-                    return False
-                k.fold_and_step(cache, x_, dt_, A, B_, C_, D, dt_bias, out_, rows, fold_list, launch_fold, state_dtype=state_dtype,
-                                arch=arch, varlen=varlen, stream=stream, launcher=launcher)  # fmt: skip
-                return True
-
-        _pending_triton().pending_decode(
-            cache, x, dt, A, B, C, D, dt_bias, ids, out, plan=ctx.pending, step=step, fold=fold, plan_launches=ctx.plan_launches,
-            **kwargs,
-        )
 
     def materialize_pending(self, cache, ids, A, *, max_seqlen: int, out=None) -> torch.Tensor:
         """The Triton materialize kernel in pending mode (the checkpoint at the fold grid
@@ -480,15 +458,13 @@ def compile_all(arch: str, dump_dir) -> list[str]:
 class _PendingTriton(NamedTuple):
     PendingPlan: type
     PlanLaunch: type
-    pending_decode: Callable
     interpreting: Callable
 
 
 class _PendingCute(NamedTuple):
     PendingLaunch: type
     fold_and_step: Callable
-    inputs_ok: Callable
-    dense_ok: Callable
+    reads_as_is: Callable
     current_stream: Callable
 
 
@@ -496,9 +472,9 @@ class _PendingCute(NamedTuple):
 def _pending_triton() -> _PendingTriton:
     """Pending mode's Triton plan launchers, imported on first use."""
     from .triton.launch import interpreting
-    from .triton.pending import PendingPlan, PlanLaunch, pending_decode
+    from .triton.pending import PendingPlan, PlanLaunch
 
-    return _PendingTriton(PendingPlan, PlanLaunch, pending_decode, interpreting)
+    return _PendingTriton(PendingPlan, PlanLaunch, interpreting)
 
 
 @functools.cache
@@ -506,9 +482,9 @@ def _pending_cute() -> _PendingCute:
     """Pending mode's CuTe launchers, imported on first use (only for caches the CuTe
     kernels run: the CuTe DSL is then installed)."""
     from .cute.launch import current_stream
-    from .cute.pending import PendingLaunch, dense_ok, fold_and_step, inputs_ok
+    from .cute.pending import PendingLaunch, fold_and_step, reads_as_is
 
-    return _PendingCute(PendingLaunch, fold_and_step, inputs_ok, dense_ok, current_stream)
+    return _PendingCute(PendingLaunch, fold_and_step, reads_as_is, current_stream)
 
 
 REFERENCE = ReferenceBackend()

@@ -4,12 +4,11 @@ read-copy format (`read_copy.Fp8` / `read_copy.Nvfp4`) supplying the read-copy l
 row dots; the rest is `decode.Decode`'s lane map with the tokens in the MMA's n dimension.
 
 It runs after the Triton plan kernel of `kernels/triton/pending.py` and the fold
-(`flush.PendingFold`, or its Triton twin) on the same stream, launched with programmatic
+(`flush.PendingFold`) on the same stream, launched with programmatic
 dependent launch (griddepcontrol.wait before its first global access), and resets the
 fold's work list for the next call; or, split (`fold_and_step`), as two launches that
 take the rows that do not fold (beside the fold, on another stream, the list left alone)
-and the rows that fold (after the fold, resetting the list). The plan row (`_plan_row`:
-slot or -1, c', f_old, nf, parity, key, first token, T_b) gives the window of 16 token
+and the rows that fold (after the fold, resetting the list). The plan row (slot or -1, c', f_old, nf, parity, key, first token, T_b) gives the window of 16 token
 indices from the checkpoint f_new = f_old + nf, whose entry j is ring entry (f_new + j)
 mod 16 for j < u = c' - f_new (committed) and token j - u of the call for u <= j < u +
 T_b; rows that folded read the read copy the fold kernel has just written. For token t (last = u + t), with pre_j = dt_0 + .. + dt_j:
@@ -53,7 +52,6 @@ from ... import layout as L
 from ...layout import HEAD_DIM as P
 from ...layout import RING
 from ...layout import STATE_DIM as N
-from ..triton.pending import _tok_strides
 from . import args as A
 from . import bits
 from .bits import bf16x2_to_f32x2, f32x2_to_bf16x2, sel, softplus
@@ -366,12 +364,17 @@ class PendingLaunch:
         `rows` is "rest" (PendingStep's `rows`): x [b, T, H, 64] (varlen [total, H, 64]), B,
         C [.., G, 128], out like x, dt [b, T, H] ([total, H]), A, dt_bias [H], D [H, 64];
         `plan_rows` the plan kernel's int32 [b, 8] rows and `fold_list` the fold kernel's
-        work list, whose count the step resets (not "rest"). The caller checked `inputs_ok`."""
+        work list, whose count the step resets (not "rest"). The caller checked `reads_as_is`."""
         batch = plan_rows.shape[0]
         if dt.dtype not in A.DSL_DTYPES:
             dt = dt.float()
         fn = self.compiled((dt.dtype, rows))
         fn(self.ring, self.copy, step_words(x, dt, A_, B, C, D, dt_bias, out, varlen), self.plan, batch, stream)
+
+
+def _tok_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int]:
+    """(row stride, token stride) of a dense [b, T, ...] or varlen [total, ...] tensor."""
+    return (0, t.stride(0)) if varlen else (t.stride(0), t.stride(1))
 
 
 def step_inputs(x, dt, A_, B, C, D, dt_bias, out, varlen: bool) -> dict:
@@ -417,16 +420,10 @@ def _read_as_is(t, width: int, split: bool) -> bool:
     return not any(v % 8 for v in s[: -2 if split else -1])
 
 
-def inputs_ok(x, B, C, out) -> bool:
-    """Whether the kernel reads these as they are (`_read_as_is`): x, out [.., H, 64], B,
-    C [.., G, 128], dense or varlen."""
-    return _read_as_is(x, P, True) and _read_as_is(B, N, True) and _read_as_is(C, N, True) and _read_as_is(out, P, True)
-
-
-def dense_ok(t, width: int) -> bool:
-    """Whether the step reads a dense [b, T, n, width] or [b, T, n * width] tensor as it
-    is (`inputs_ok` of its [b, T, n, width] view)."""
-    return _read_as_is(t, width, len(t.shape) == 4)
+def reads_as_is(t, width: int, varlen: bool = False) -> bool:
+    """Whether the step reads x, B, C or out as it is: dense [b, T, n, width] or [b, T,
+    n * width], varlen [total, n, width] or [total, n * width] (`_read_as_is`)."""
+    return _read_as_is(t, width, len(t.shape) == (3 if varlen else 4))
 
 
 def pending_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, *, state_dtype: str, arch: str, varlen: bool, stream: int, rows: str = "all") -> None:
@@ -476,6 +473,6 @@ def fold_and_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list,
 
 
 __all__ = [
-    "PendingLaunch", "PendingStep", "step_inputs", "step_words", "ROWS", "SPLIT_MIN_BATCH", "STEP_READ_HINT", "TOKENS", "fold_and_step", "pending_kernel", "compiled_pending", "inputs_ok", "pending_step",
-    "fold_kernel", "compiled_fold", "pending_fold", "dense_ok",
+    "PendingLaunch", "PendingStep", "step_inputs", "step_words", "ROWS", "SPLIT_MIN_BATCH", "STEP_READ_HINT", "TOKENS", "fold_and_step", "pending_kernel", "compiled_pending", "reads_as_is", "pending_step",
+    "fold_kernel", "compiled_fold", "pending_fold",
 ]
