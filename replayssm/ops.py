@@ -8,6 +8,9 @@ it writes, so a model that calls `ReplaySSMCache.decode` compiles with `fullgrap
 the functional API (`replayssm.api`) and `ReplaySSMCache` validate on the host, then call
 these ops through the wrappers below. The ops themselves validate nothing: host-side
 validation runs before them, at trace time under torch.compile, on shapes and dtypes only.
+One rule for every operation: under torch.compile the wrapper calls the op; an eager call
+runs the op's body (the backend) directly, without the dispatcher's boxing of its ~20
+arguments.
 
 Schemas (`SCHEMAS` holds them; the cache tuple is passed tensor by tensor):
 
@@ -256,6 +259,11 @@ def _decode_kernel(
     x, dt, A, B, C, D, dt_bias, state_indices, out, *, state_dtype, seed, backend, scratch, head_offset=0,
 ) -> None:
     cache = _cache_tuple(conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions)
+    _run_decode(cache, x, dt, A, B, C, D, dt_bias, state_indices, out, state_dtype, seed, backend, scratch, head_offset)
+
+
+def _run_decode(cache, x, dt, A, B, C, D, dt_bias, state_indices, out, state_dtype, seed, backend, scratch, head_offset) -> None:
+    """The body of `replayssm::decode` on a cache tuple (`scratch`: a `scratch_handle`)."""
     batch = state_indices.numel()
     extra = {}
     if scratch:
@@ -264,7 +272,7 @@ def _decode_kernel(
             extra["scratch"] = buf
     with torch.no_grad():
         _backend(backend).decode(
-            cache, x, dt, A, B, C, D, dt_bias, state_indices, out.view(batch, checkpoint.shape[1], L.HEAD_DIM),
+            cache, x, dt, A, B, C, D, dt_bias, state_indices, out.view(batch, cache[L.CHECKPOINT].shape[1], L.HEAD_DIM),
             fmt=format_of(state_dtype), seed=seed, head_offset=head_offset, **extra,
         )
 
@@ -273,8 +281,15 @@ def _materialize_kernel(
     conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions, state_indices, A, *, backend,
 ) -> torch.Tensor:
     cache = _cache_tuple(conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions)
+    return _run_materialize(cache, state_indices, A, backend)
+
+
+def _run_materialize(cache, state_indices, A, backend, max_seqlen: int | None = None) -> torch.Tensor:
+    """The body of `replayssm::materialize` (`max_seqlen` None) and `::materialize_pending`."""
     with torch.no_grad():
-        return _backend(backend).materialize(cache, state_indices, A)
+        if max_seqlen is None:
+            return _backend(backend).materialize(cache, state_indices, A)
+        return _backend(backend).materialize_pending(cache, state_indices, A, max_seqlen=max_seqlen)
 
 
 def _decode_pending_kernel(
@@ -307,8 +322,7 @@ def _materialize_pending_kernel(
     *, backend, max_seqlen,
 ) -> torch.Tensor:
     cache = _cache_tuple(conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions)
-    with torch.no_grad():
-        return _backend(backend).materialize_pending(cache, state_indices, A, max_seqlen=max_seqlen)
+    return _run_materialize(cache, state_indices, A, backend, max_seqlen)
 
 
 def _writes_only(*args, **kwargs) -> None:
@@ -371,7 +385,12 @@ def decode(
 ) -> None:
     """`replayssm::decode` on a validated cache tuple and normalized inputs
     (`api.normalize_decode_inputs`); writes `out` (contiguous bf16, batch * heads * 64
-    elements) and the cache. `scratch`: a `scratch_handle`."""
+    elements) and the cache. `scratch`: a `scratch_handle`. Eager calls go to the backend
+    directly (as `initialize`)."""
+    if not torch.compiler.is_compiling():
+        _run_decode(cache, x, dt, A, B, C, D, dt_bias, state_indices, out, state_dtype, _int64(seed), backend, scratch,
+                    head_offset)  # fmt: skip
+        return
     _decode_op(
         *cache_args(cache), x, dt, A, B, C, D, dt_bias, state_indices, out,
         state_dtype=state_dtype, seed=_int64(seed), backend=backend, scratch=scratch, head_offset=head_offset,
@@ -379,7 +398,10 @@ def decode(
 
 
 def materialize(cache, state_indices, A, *, backend: str) -> torch.Tensor:
-    """`replayssm::materialize` on a validated cache tuple; a new FP32 tensor."""
+    """`replayssm::materialize` on a validated cache tuple; a new FP32 tensor. Eager
+    calls go to the backend directly (as `initialize`)."""
+    if not torch.compiler.is_compiling():
+        return _run_materialize(cache, state_indices, A, backend)
     return _materialize_op(*cache_args(cache), state_indices, A, backend=backend)
 
 
@@ -405,7 +427,9 @@ def decode_pending(
 
 def materialize_pending(cache, state_indices, A, *, backend: str, max_seqlen: int) -> torch.Tensor:
     """`replayssm::materialize_pending` on a validated pending cache tuple: the FP32 states
-    after the committed tokens; a new tensor."""
+    after the committed tokens; a new tensor. Eager calls go to the backend directly."""
+    if not torch.compiler.is_compiling():
+        return _run_materialize(cache, state_indices, A, backend, max_seqlen)
     return _materialize_pending_op(*cache_args(cache), state_indices, A, backend=backend, max_seqlen=max_seqlen)
 
 
