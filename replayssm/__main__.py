@@ -23,13 +23,16 @@ from .synthetic import ExactRecurrence, layer_params, prefill_states, sqnr_db, t
 def state_bytes_per_token(state_dtype: str, heads: int) -> float:
     """State bytes moved per token per layer, averaged over a 16-token period (design
     brief section 6): 15 non-flush steps read the read copy and its scales; the flush
-    reads and writes the FP16 checkpoint and writes the read copy and scales. Ring bytes
-    are not included (they are inputs, ~150 bytes per head per live entry)."""
+    reads and writes the FP16 checkpoint and writes the read copy and scales (fp16: every
+    step reads the checkpoint, the flush writes it). Ring bytes are not included (they are
+    inputs, ~150 bytes per head per live entry)."""
     n = L.HEAD_DIM * L.STATE_DIM
     if state_dtype == "fp8":
         copy = n + L.HEAD_DIM * 4  # e4m3 codes + one fp32 scale per row
-    else:
+    elif state_dtype == "nvfp4":
         copy = n // 2 + n // L.NVFP4_BLOCK  # e2m1 codes + e4m3 block scales
+    else:  # fp16: 15 steps read the checkpoint, the flush reads and writes it
+        return heads * (15 * 2 * n + 2 * n * 2) / 16
     flush = 2 * n * 2 + copy
     return heads * (15 * copy + flush) / 16
 
@@ -229,7 +232,8 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     demo.add_argument(
         "--device", type=_device, default="auto", help="auto (cuda when a GPU is present, else cpu), cpu or cuda[:N]"
     )
-    demo.add_argument("--format", default="both", choices=["fp8", "nvfp4", "both"], help="read-copy format")
+    demo.add_argument("--format", default="both", choices=["fp8", "nvfp4", "fp16", "both"],
+                      help="read-copy format (both: fp8 and nvfp4; fp16 runs on the PyTorch reference)")
     demo.add_argument("--batch", type=_int_at_least(1), default=8, help="requests decoded together")
     demo.add_argument(
         "--steps", type=_int_at_least(1), default=256, help="tokens decoded per request; every 16th is a flush"

@@ -82,7 +82,7 @@ def initialize_replayssm_state(
     chk.seed(seed)
     chk.head_offset(head_offset)
     geometry = L.check_cache(cache, fmt)
-    impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
+    impl = backend_for(cache[L.CHECKPOINT].device, backend, cache, fmt)
     initialize(cache, geometry, impl, states, state_indices, fmt=fmt, seed=seed, checks=checks, head_offset=head_offset)
 
 
@@ -117,7 +117,7 @@ def clear_replayssm_slots(
     fmt = format_of(state_dtype)
     debug()  # validates $REPLAYSSM_DEBUG, as every entry point does; no check here needs it
     L.check_cache(cache, fmt)
-    impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
+    impl = backend_for(cache[L.CHECKPOINT].device, backend, cache, fmt)
     clear(cache, impl, state_indices)
 
 
@@ -263,7 +263,7 @@ def selective_state_update_replayssm(
     geometry = L.check_cache(cache, fmt)
     if cache[L.POSITIONS].dim() == 2:
         check_max_seqlen(max_seqlen)
-        impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
+        impl = backend_for(cache[L.CHECKPOINT].device, backend, cache, fmt)
         return decode_pending(
             cache, geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
             fmt=fmt, seed=seed, checks=checks, max_seqlen=max_seqlen,
@@ -279,7 +279,7 @@ def selective_state_update_replayssm(
             f"separate mode decodes one token per row: max_seqlen must be 1; got {max_seqlen} "
             "(allocate the cache with pending=True for speculative decoding)"
         )
-    impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
+    impl = backend_for(cache[L.CHECKPOINT].device, backend, cache, fmt)
     return decode(
         cache, geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
         fmt=fmt, seed=seed, checks=checks, scratch=scratch, head_offset=head_offset,
@@ -548,7 +548,7 @@ def materialize_replayssm_state(
     fmt = format_of(state_dtype)
     debug()  # validates $REPLAYSSM_DEBUG, as every entry point does; no check here needs it
     geometry = L.check_cache(cache, fmt)
-    impl = backend_for(cache[L.CHECKPOINT].device, backend, cache)
+    impl = backend_for(cache[L.CHECKPOINT].device, backend, cache, fmt)
     return materialize(cache, geometry, impl, state_indices, A, out, max_seqlen=max_seqlen)
 
 

@@ -132,7 +132,7 @@ class ReplaySSMCache:
             )
         )
         self._geometry = L.check_cache(self.tensors, self._format)
-        self._backend = backend_for(self.device, self.backend, self.tensors)
+        self._backend = backend_for(self.device, self.backend, self.tensors, self._format)
         self._direct = getattr(self._backend, "name", None) == "kernels" and self.device.type == "cuda"
         self.allocator = SlotAllocator(self.num_slots)
         # Plan scratch for the kernel backend, owned by this cache and sized for

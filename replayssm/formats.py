@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .geometry import HEAD_DIM, META, NVFP4_BLOCK, PARITY, READ_COPY, SCALES, STATE_DIM
+from .geometry import CHECKPOINT, HEAD_DIM, META, NVFP4_BLOCK, PARITY, READ_COPY, SCALES, STATE_DIM
 from .quant import formats as Q
 
 
@@ -41,6 +41,9 @@ class Format:
 
     name: str = ""
     two_level: bool = False
+    # Whether the GPU kernels run this format (`backend="auto"` runs the others on the
+    # PyTorch reference, with a warning).
+    on_kernels: bool = True
 
     def specs(self, heads: int, groups: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """[(name, per-slot shape, dtype)] of the tensors this format adds after the rings."""
@@ -154,12 +157,34 @@ class Nvfp4Format(Format):
         return Q.nvfp4_decode(cache[READ_COPY][slot], cache[SCALES][slot], amax_h)
 
 
-FP8, NVFP4 = Fp8Format(), Nvfp4Format()
-FORMATS: dict[str, Format] = {f.name: f for f in (FP8, NVFP4)}
+class Fp16Format(Format):
+    """No read copy: a step reads the FP16 checkpoint itself (docs/format.md section 4b).
+    The slot holds the checkpoint, the rings and the positions; the fold writes the
+    checkpoint with the stochastic rounding of the other formats, and nothing else.
+    Runs on the PyTorch reference (no kernels yet)."""
+
+    name = "fp16"
+    on_kernels = False
+
+    def specs(self, heads, groups):
+        return []
+
+    def init(self, cache, slot, state) -> None:
+        pass  # the checkpoint is the read copy
+
+    def refresh(self, cache, slot, state, old_parity) -> None:
+        pass
+
+    def read(self, cache, slot):
+        return cache[CHECKPOINT][slot].float()
+
+
+FP8, NVFP4, FP16 = Fp8Format(), Nvfp4Format(), Fp16Format()
+FORMATS: dict[str, Format] = {f.name: f for f in (FP8, NVFP4, FP16)}
 
 
 def format_of(state_dtype: object) -> Format:
-    """The `Format` of a `state_dtype` string ("fp8", "nvfp4"); a Format passes as is.
+    """The `Format` of a `state_dtype` string ("fp8", "nvfp4", "fp16"); a Format passes as is.
     TypeError for another type, ValueError for another name."""
     if isinstance(state_dtype, Format):
         return state_dtype
@@ -171,4 +196,4 @@ def format_of(state_dtype: object) -> Format:
     return fmt
 
 
-__all__ = ["FORMATS", "FP8", "NVFP4", "Format", "format_of"]
+__all__ = ["FORMATS", "FP16", "FP8", "NVFP4", "Format", "format_of"]

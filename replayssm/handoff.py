@@ -385,7 +385,7 @@ def snapshot_replayssm_slots(
     src, dst = validate_pair(src, dst, device, geometry[0])
     if src.device.type == "cpu" or checks:
         check_host_ids("src", src.tolist(), geometry[0])
-    impl = backend_for(device, backend, cache)
+    impl = backend_for(device, backend, cache, fmt)
     _snapshot(
         cache, geometry, impl, src, dst, A, fmt=fmt, seed=seed, checks=checks,
         head_offset=chk.head_offset(head_offset), max_seqlen=max_seqlen,
@@ -547,7 +547,7 @@ def import_replayssm_slots(
     device = cache[L.CHECKPOINT].device
     ids = validate_slots(slots, device, geometry[0])
     compact = check_export(data, cache, fmt, ids.numel())
-    impl = backend_for(device, backend, cache)
+    impl = backend_for(device, backend, cache, fmt)
     if not compact and backend != "reference" and use_kernel(device, "auto"):
         if import_staged(tuple_plan(cache, geometry[0]), [cache], [fmt], [data], ids):
             return

@@ -15,11 +15,11 @@ arguments.
 Schemas (`SCHEMAS` holds them; the cache tuple is passed tensor by tensor):
 
     replayssm::initialize(Tensor conv, Tensor(a!) checkpoint, Tensor(b!) x_ring,
-        Tensor(c!) dt_ring, Tensor(d!) b_ring, Tensor(e!) read_copy, Tensor(f!) scales,
+        Tensor(c!) dt_ring, Tensor(d!) b_ring, Tensor(e!)? read_copy, Tensor(f!)? scales,
         Tensor(g!)? meta, Tensor(h!)? parity, Tensor(i!) positions, Tensor states,
         Tensor state_indices, *, str state_dtype, int seed, str backend) -> ()
     replayssm::clear(Tensor conv, Tensor checkpoint, Tensor(a!) x_ring, Tensor(b!) dt_ring,
-        Tensor(c!) b_ring, Tensor read_copy, Tensor scales, Tensor? meta, Tensor? parity,
+        Tensor(c!) b_ring, Tensor? read_copy, Tensor? scales, Tensor? meta, Tensor? parity,
         Tensor(d!) positions, Tensor state_indices, *, str backend) -> ()
     replayssm::decode(Tensor conv, Tensor(a!) checkpoint, ..., Tensor(i!) positions
         (the cache as for initialize), Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C,
@@ -39,8 +39,9 @@ Choices:
   checkpoint and read copy included, and functionalization (torch.compile without
   Inductor's re-inplacing, e.g. backend="aot_eager") then copies them all on every call.
   Per-tensor annotations name exactly what each op writes.
-- One op per operation for both formats: NVFP4's `meta` and `parity` are optional tensors,
-  None for FP8 (`cache_args` maps either tuple to the argument list). The conv state
+- One op per operation for every format: the read copy, scales, meta and parity are
+  optional tensors (meta and parity None for FP8, all four for FP16; `cache_args` maps
+  each tuple to the argument list). The conv state
   (cache[0]) is passed unannotated so the op rebuilds the caller's tuple as is.
 - `backend` is the resolved backend's name, "reference" or "kernels"; choosing it ("auto",
   warnings, layout checks) happens once, before the op (`kernels.backend_for`).
@@ -86,8 +87,8 @@ CACHE_ARGS = (
     ("x_ring", False),
     ("dt_ring", False),
     ("b_ring", False),
-    ("read_copy", False),
-    ("scales", False),
+    ("read_copy", True),
+    ("scales", True),
     ("meta", True),
     ("parity", True),
     ("positions", False),
@@ -138,15 +139,19 @@ SCHEMAS = {
 
 
 def cache_args(cache: Sequence[torch.Tensor]) -> tuple:
-    """A validated cache tuple (8 tensors for FP8, 10 for NVFP4) as the ops' ten cache
-    arguments (meta, parity None for FP8)."""
+    """A validated cache tuple (8 tensors for FP8, 10 for NVFP4, 6 for FP16) as the ops'
+    ten cache arguments (meta, parity None for FP8; read copy and scales too for FP16)."""
     if len(cache) == 10:
         return tuple(cache)
-    return (*cache[:7], None, None, cache[7])
+    if len(cache) == 8:
+        return (*cache[:7], None, None, cache[7])
+    return (*cache[:5], None, None, None, None, cache[5])
 
 
 def _cache_tuple(conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions) -> tuple:
     """The caller's cache tuple back from the op arguments (layout.py's indices)."""
+    if read_copy is None:
+        return (conv, checkpoint, x_ring, dt_ring, b_ring, positions)
     if meta is None:
         return (conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, positions)
     return (conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions)

@@ -39,17 +39,17 @@ H, G, P, N = 16, 2, L.HEAD_DIM, L.STATE_DIM
 
 CACHE_W = (
     "Tensor conv, Tensor(a!) checkpoint, Tensor(b!) x_ring, Tensor(c!) dt_ring, Tensor(d!) b_ring, "
-    "Tensor(e!) read_copy, Tensor(f!) scales, Tensor(g!)? meta, Tensor(h!)? parity, Tensor(i!) positions"
+    "Tensor(e!)? read_copy, Tensor(f!)? scales, Tensor(g!)? meta, Tensor(h!)? parity, Tensor(i!) positions"
 )
 CACHE_R = (
     "Tensor conv, Tensor checkpoint, Tensor x_ring, Tensor dt_ring, Tensor b_ring, "
-    "Tensor read_copy, Tensor scales, Tensor? meta, Tensor? parity, Tensor positions"
+    "Tensor? read_copy, Tensor? scales, Tensor? meta, Tensor? parity, Tensor positions"
 )
 EXPECTED_SCHEMAS = {
     "initialize": f"replayssm::initialize({CACHE_W}, Tensor states, Tensor state_indices, *, "
     "str state_dtype, int seed, str backend, int head_offset=0) -> ()",
     "clear": "replayssm::clear(Tensor conv, Tensor checkpoint, Tensor(a!) x_ring, Tensor(b!) dt_ring, "
-    "Tensor(c!) b_ring, Tensor read_copy, Tensor scales, Tensor? meta, Tensor? parity, Tensor(d!) positions, "
+    "Tensor(c!) b_ring, Tensor? read_copy, Tensor? scales, Tensor? meta, Tensor? parity, Tensor(d!) positions, "
     "Tensor state_indices, *, str backend) -> ()",
     "decode": f"replayssm::decode({CACHE_W}, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, "
     "Tensor dt_bias, Tensor state_indices, Tensor(j!) out, *, str state_dtype, int seed, str backend, "
@@ -744,3 +744,10 @@ def test_gpu_compiled_decode_neither_allocates_nor_synchronizes(fmt):
             assert counts == [0, 0], f"step {i}: allocations (eager, compiled) {counts}"
             assert same_bits(outs[0], outs[1])
             assert_cache_equal(eager.cache.tensors, comp.cache.tensors)
+
+
+@pytest.mark.parametrize("compile_backend", ["eager", "aot_eager"])
+def test_compiled_fp16_layer_matches_eager_bit_for_bit(compile_backend):
+    """state_dtype="fp16" (no read copy: the ops' read copy and scales arguments are
+    None): the compiled layer's steps equal the eager ones bit for bit, one graph."""
+    _compare_steps("fp16", compile_backend, True)

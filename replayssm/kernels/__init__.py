@@ -42,7 +42,7 @@ from typing import NamedTuple
 import torch
 
 from .. import layout as L
-from ..formats import Format
+from ..formats import FORMATS, Format
 from .. import pending as pend
 from .. import reference as ref
 
@@ -519,11 +519,13 @@ def check_backend(backend: object) -> str:
 
 
 def backend_for(
-    device: torch.device | str, backend: str = "auto", cache: Sequence[torch.Tensor] | None = None
+    device: torch.device | str, backend: str = "auto", cache: Sequence[torch.Tensor] | None = None,
+    fmt: Format | None = None,
 ) -> ReferenceBackend | KernelBackend:
     """The backend object for the caller's choice `backend` ("auto", "kernels",
     "reference"; see the module docstring) on `device`; with `cache` (a validated cache
-    tuple on `device`) the kernels' layout requirements are checked too.
+    tuple on `device`) the kernels' layout requirements are checked too, with `fmt` (the
+    cache's format) whether the kernels run that format (`Format.on_kernels`).
 
     "kernels" on a non-CUDA device needs the Triton interpreter (TRITON_INTERPRET=1); on a
     CUDA device, the CuTe decode kernels able to run. "auto" on the CPU is the reference
@@ -532,7 +534,12 @@ def backend_for(
     if backend == "reference":
         return REFERENCE
     device = torch.device(device)
-    if device.type != "cuda":
+    if fmt is not None and not fmt.on_kernels:
+        kinds = tuple(name for name, f in FORMATS.items() if f.on_kernels)
+        reason = f"the kernels run state_dtype {kinds}; got {fmt.name!r}"
+        if backend == "kernels":
+            raise ValueError(f"backend='kernels' cannot run here: {reason}; pass backend='auto' or 'reference'")
+    elif device.type != "cuda":
         if backend == "kernels":
             if triton_interpreting():
                 return kernel_backend()
