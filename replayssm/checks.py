@@ -75,7 +75,7 @@ def int_ids(name: str, t: object) -> torch.Tensor:
         raise DTypeError(f"{name} must be int32 or int64; got {describe(t)}")
     if t.dim() > 1:
         raise ValueError(f"{name} must be 1-D [batch]; got {describe(t)}")
-    return t.reshape(-1)
+    return t if t.dim() == 1 else t.reshape(-1)
 
 
 def slot_ids(name: str, t: object, device: torch.device) -> torch.Tensor:
@@ -89,7 +89,7 @@ def host_values(t: torch.Tensor) -> list | None:
     """The values of `t` where reading them needs no read of GPU memory (a host tensor),
     or with REPLAYSSM_DEBUG=1 outside torch.compile and CUDA graph capture; None
     otherwise."""
-    if host_reads_allowed() and (t.device.type == "cpu" or debug()):
+    if (t.device.type == "cpu" or debug()) and host_reads_allowed():
         return t.tolist()
     return None
 

@@ -346,7 +346,7 @@ class Step:
     between calls keys them so that the cache and the plan are the ones it was made for
     (the kernel backend keeps them in its per-cache context), and passes them to each call."""
 
-    __slots__ = ("batch", "heads", "groups", "index", "config", "ckpt", "ring", "copy", "plan", "plan_fields", "kernels")
+    __slots__ = ("batch", "heads", "groups", "index", "config", "ckpt", "ring", "copy", "plan", "kernels")
 
     def __init__(self, cache, plan, state_dtype: str, arch: str, head_offset: int = 0, config: StepConfig | None = None) -> None:
         self.batch = plan.valid.shape[0]
@@ -358,7 +358,6 @@ class Step:
         self.ring = tuple(A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING]))
         self.copy = tuple(A.raw(fmt.Args, **fmt.tensors(cache, L)))
         self.plan = tuple(A.raw(A.Plan, **plan._asdict()))
-        self.plan_fields = plan._asdict()  # for the flush's test variant's plan
         self.kernels: dict[tuple, tuple] = {}
 
     def __call__(self, cache, plan, x, dt, A_, B, C, D, dt_bias, out, stream: int, state_out=None, fork: bool = True) -> None:
@@ -386,7 +385,7 @@ class Step:
             kernels = self.kernels[key] = _kernels(self.config, dt.dtype, dense, debug, self.index)
         nonflush, flush, _, columns = kernels
         inputs = inputs_words(x, dt, A_, B, C, D, dt_bias, out, xs, bs, cs)
-        flush_plan = tuple(A.raw(A.DebugPlan, **self.plan_fields, state=state_out)) if debug else self.plan
+        flush_plan = tuple(A.raw(A.DebugPlan, **plan._asdict(), state=state_out)) if debug else self.plan
         flush_args = (self.ckpt, self.ring, self.copy, inputs, flush_plan, columns, batch)
         nonflush_args = (self.ring, self.copy, inputs, self.plan, batch)
         if not fork:
