@@ -1,5 +1,5 @@
-"""Time the Triton bookkeeping kernels (GPU only): initialize (NVFP4 head amax, then
-encode-and-clear), clear and prepare, at batch 256 and 1024 (all rows live, unique slots).
+"""Time the bookkeeping kernels (GPU only): Triton's initialize (NVFP4 head amax, then
+encode-and-clear) and clear, and the CuTe prepare kernel, at batch 256 and 1024 (all rows live, unique slots).
 
 Each kernel is captured `--reps` times in one CUDA graph and the graph replayed; the time
 per call is the replay time over `--reps`, measured with CUDA events (so launch overhead
@@ -19,7 +19,8 @@ import torch
 from replayssm import layout as L
 from replayssm.kernels.triton.clear import clear
 from replayssm.kernels.triton.initialize import initialize
-from replayssm.kernels.triton.prepare import PlanScratch, prepare_decode
+from replayssm.kernels import kernel_backend
+from replayssm.kernels.buffers import PlanScratch
 from replayssm.formats import FP8, NVFP4
 
 
@@ -89,7 +90,7 @@ def main() -> None:
                 ("clear", lambda: clear(cache, ids), batch * ring_bytes),
                 (
                     "prepare",
-                    lambda: prepare_decode(cache, ids, out, scratch, fmt=(NVFP4 if nvfp4 else FP8), seed=1),
+                    lambda: kernel_backend().prepare(cache, ids, out, fmt=(NVFP4 if nvfp4 else FP8), seed=1, scratch=scratch),
                     batch * (4 + 4 + 8 * 4 + 2),
                 ),
             ]

@@ -1,5 +1,5 @@
 """Time the decode step on the CuTe DSL kernels (GPU only), both formats in the same run:
-prepare (Triton) + non-flush + flush (CuTe), through the public API, over whole 16-token
+prepare + non-flush + flush (CuTe), through the public API, over whole 16-token
 periods, with each kernel's own time beside the step's.
 
 Per batch size, enough

@@ -46,10 +46,11 @@ COLUMNS = ("prepare", "flush", "nonflush")
 def kernel_tag(name: str) -> str:
     """The kernel a profiler record names: the CuTe DSL names a kernel after its module
     and class (kernels/cute/flush.py's Flush and PendingFold, decode.py's Decode,
-    pending.py's PendingStep) and its argument types; the Triton kernels by function."""
+    pending.py's PendingStep, plan.py's Prepare and PendingPlanKernel) and its argument
+    types."""
     n = name.lower()
     for key, tag in (("cuteflushflush", "flush"), ("cutedecodedecode", "nonflush"), ("prepare", "prepare"),
-                     ("cuteflushpendingfold", "fold"), ("cutependingpendingstep", "step"), ("_plan_kernel", "plan")):  # fmt: skip
+                     ("cuteflushpendingfold", "fold"), ("cutependingpendingstep", "step"), ("pendingplankernel", "plan")):  # fmt: skip
         if key in n:
             return tag
     return "other"

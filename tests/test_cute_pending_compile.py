@@ -182,7 +182,7 @@ def test_pending_launch_structs_are_the_specs(monkeypatch, varlen):
     from replayssm.kernels.cute import args as A
     from replayssm.kernels.cute import pending as pm
     from replayssm.kernels.cute.read_copy import read_copy_format
-    from replayssm.kernels.triton.pending import PendingPlan
+    from replayssm.kernels.buffers import PendingPlan
 
     launches = []
     def recorder(*key):  # stands in for a compiled kernel's TVM-FFI entry
@@ -248,15 +248,15 @@ def test_the_pending_launch_reads_inputs_as_they_are_or_copies_them(monkeypatch)
     from replayssm import layout as L
     from replayssm.formats import format_of
     from replayssm.kernels.cute import pending as pm
-    from replayssm.kernels.triton import pending as tp
+    from replayssm.kernels.cute import plan as cp
 
     launches = []
 
-    class Plan:  # stands in for triton.pending.PlanLaunch
-        def __init__(self, cache, plan, fmt, seed, max_seqlen):
+    class Plan:  # stands in for cute.plan.PendingPlanLaunch
+        def __init__(self, cache, plan, fmt, seed, max_seqlen, arch):
             self.args = (fmt, seed, max_seqlen)
 
-        def __call__(self, cache, plan, ids, accepted, cu_seqlens, stream):
+        def __call__(self, ids, accepted, cu_seqlens, stream):
             launches.append(("plan", self.args, ids.data_ptr(), accepted, cu_seqlens, stream))
 
     def recorder(*key):  # stands in for a compiled kernel's TVM-FFI entry
@@ -266,7 +266,7 @@ def test_the_pending_launch_reads_inputs_as_they_are_or_copies_them(monkeypatch)
     monkeypatch.setattr(pm, "compiled_pending", lambda *a: recorder("step", *a))
     monkeypatch.setattr(pm, "_sm_count", lambda index: 132)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # eager calls (a CPU build has no query)
-    monkeypatch.setattr(K, "_pending_triton", lambda real=K._pending_triton(): real._replace(PlanLaunch=Plan))
+    monkeypatch.setattr(cp, "PendingPlanLaunch", Plan)
     monkeypatch.setattr(K, "_pending_cute", lambda real=K._pending_cute(): real._replace(current_stream=lambda index: 9))
     H, G, T, b = 16, 2, 4, 3
     kb = K.KernelBackend()

@@ -122,15 +122,13 @@ def test_a_step_launches_only_its_three_kernels(fmt, shape, batch):
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_the_eager_fast_path_gives_the_ops_bits_and_launches_directly(fmt, monkeypatch):
     """An eager `ReplaySSMCache.decode` on the kernel backend skips the custom op
-    (`api.direct_decode`), launches the CuTe kernels through their TVM-FFI entries
-    (`launch.compile_entry`) and the prepare kernel past Triton's dispatch and launcher
-    (`prepare.Prepare` through `launch.Compiled`, kept in the backend's context of the
-    cache): over 34 steps with engine-shaped inputs and a padding row, the
+    (`api.direct_decode`) and launches the prepare and CuTe kernels through their TVM-FFI
+    entries (`launch.compile_entry`): over 34 steps with engine-shaped inputs and a padding row, the
     outputs and every cache tensor equal, bit for bit, those of a twin cache decoded
     through the op (the general path)."""
     from replayssm import api, ops
     from replayssm.kernels import kernel_backend
-    from replayssm.kernels.triton import launch as triton_launch
+    from replayssm.kernels.cute.plan import compiled_prepare
 
     batch = 6
     caches, slots, params, gen = _pair(fmt, "cuda", "kernels", batch=batch)
@@ -138,9 +136,6 @@ def test_the_eager_fast_path_gives_the_ops_bits_and_launches_directly(fmt, monke
     through_op = []
     real_op = ops.decode
     monkeypatch.setattr(ops, "decode", lambda *a, **k: (through_op.append(1), real_op(*a, **k)))
-    fallbacks = []  # launches of compiled Triton kernels through Triton's launcher
-    real_launch = triton_launch.launch_compiled
-    monkeypatch.setattr(triton_launch, "launch_compiled", lambda *a: (fallbacks.append(a[0]), real_launch(*a)))
     out = [torch.empty(batch, HEADS, L.HEAD_DIM, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
     for step in range(34):
         tok = token(batch, HEADS, GROUPS, generator=gen, device="cuda")
@@ -160,9 +155,7 @@ def test_the_eager_fast_path_gives_the_ops_bits_and_launches_directly(fmt, monke
     entries = [k for s in steps for ks in s.kernels.values() for k in ks[:2]]
     assert entries and all(type(k).__module__.split(".")[0] == "tvm_ffi" for k in entries), [type(k) for k in entries]
     prepares = kernel_backend()._context(caches[0].tensors).prepares.values()
-    assert prepares and all(p.compiled for p in prepares)
-    assert all(k.launch is not None for p in prepares for k in p.compiled.values())  # through cuLaunchKernel
-    assert not fallbacks, [k.metadata.name for k in fallbacks]
+    assert prepares and all(type(compiled_prepare(*p.key, slots[0].dtype)).__module__.split(".")[0] == "tvm_ffi" for p in prepares)
 
 
 @pytest.mark.gpu
@@ -171,7 +164,7 @@ def test_the_eager_fast_path_gives_the_ops_bits_and_launches_directly(fmt, monke
 def test_the_eager_pending_fast_path_gives_the_ops_bits(fmt, monkeypatch):
     """Pending mode (spec_tokens 3): an eager `ReplaySSMCache.decode` of the dense layout
     on the kernel backend skips the custom op (`api.direct_decode_pending`), launching the
-    plan and the CuTe fold and step from the cache context's `PlanLaunch` /
+    plan and the CuTe fold and step from the cache context's `PendingPlanLaunch` /
     `PendingLaunch` with the inputs as they are; over 24 calls with engine-shaped inputs
     (a projection's column slices, dt tied), random verdicts and a padding row, the
     outputs and every cache tensor equal, bit for bit, those of a twin cache decoded

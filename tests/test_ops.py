@@ -379,25 +379,27 @@ def test_scratch_handles_follow_the_scratch_lifetime():
     assert ops.scratch_handle(b) == hb
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_decode_op_fills_the_scratch_it_is_given(fmt):
-    """Kernel backend (Triton interpreter): the plan of a decode through the functional API
-    lands in the caller's scratch, equal to the reference plan; the step equals the
-    reference step."""
-    from replayssm.kernels.triton.prepare import PlanScratch
+    """Kernel backend (GPU): the plan of a decode through the functional API lands in the
+    caller's scratch, bit-equal to the reference plan, and the positions advance as the
+    reference's (the GPU decode tests bound the outputs)."""
+    pytest.importorskip("cutlass")
+    from replayssm import layout as L
+    from replayssm.kernels.buffers import PlanScratch
 
     cache, norm, ids, _, _ = _world(fmt)
     want = snapshot(cache)
-    scratch = PlanScratch(8, "cpu")
-    scratch.slot.fill_(-1)
-    out, out_want = (torch.empty(ids.numel(), 8, P, dtype=torch.bfloat16) for _ in range(2))
+    cache, norm, ids = [t.cuda() for t in cache], [t.cuda() for t in norm], ids.cuda()
+    scratch = PlanScratch(8, "cuda")
+    scratch.buffers.slot.fill_(-1)
+    out, out_want = torch.empty(ids.numel(), 8, P, dtype=torch.bfloat16, device="cuda"), torch.empty(ids.numel(), 8, P, dtype=torch.bfloat16)
     selective_state_update_replayssm(cache, *norm, ids, out, state_dtype=fmt, seed=1, backend="kernels", scratch=scratch)
-    plan = ref.prepare_decode(snapshot(want), ids, out_want.clone(), fmt=format_of(fmt), seed=1)
+    plan = ref.prepare_decode(want, ids.cpu(), out_want, fmt=format_of(fmt), seed=1)
     for got_t, want_t in zip(scratch.plan(ids.numel()), plan):
-        assert torch.equal(got_t.to(want_t.dtype), want_t)
-    REFERENCE.decode(want, *norm, ids, out_want, fmt=format_of(fmt), seed=1)
-    assert same_bits(out, out_want)
-    assert_cache_equal(want, cache)
+        assert torch.equal(got_t.cpu(), want_t)
+    assert torch.equal(cache[L.POSITIONS].cpu(), want[L.POSITIONS])
 
 
 # -- torch.compile of a Mamba-2-like layer ---------------------------------------------------
@@ -483,8 +485,8 @@ def _compare_steps(fmt, compile_backend, out_given, device="cpu", backend="refer
             assert oc[1].abs().sum() == 0 and oc[3].abs().sum() == 0  # padding rows
     assert comp.cache.positions[comp.ids.long() % 6].tolist() == [steps, 0, 9 + steps, 0, 15 + steps]
     assert counter.frame_count == 1  # positions live on the device: no recompiles
-    if backend == "kernels":  # the last step's plan is in the cache's own scratch
-        assert comp.cache._scratch.slot[:n].tolist() == [int(s) if 0 < s < 6 else 0 for s in comp.ids.tolist()]
+    if backend == "kernels" and device != "cpu":  # the last step's plan is in the cache's own scratch
+        assert comp.cache._scratch.buffers.slot[:n].tolist() == [int(s) if 0 < s < 6 else 0 for s in comp.ids.tolist()]
     # The compiled layer's A is what materialize uses afterwards, as after eager steps.
     live = comp.ids[[0, 2, 4]]
     assert same_bits(comp.cache.materialize(live), eager.cache.materialize(live))

@@ -1,8 +1,7 @@
 """The pending-mode kernels against the reference (`replayssm.pending`), one call at a time
-from identical caches: on the GPU the Triton plan kernel (kernels/triton/pending.py) with
-the CuTe fold and step (cute/pending.py), at 16 heads / 2 groups, with a CUDA-graph replay
-of a cache's calls; on the CPU (the Triton interpreter) the plan kernel's positions,
-parity, meta and fold list against the reference's.
+from identical caches, on the GPU: the plan kernel (cute/plan.py) with the CuTe fold and
+step (cute/pending.py), at 16 heads / 2 groups, with a CUDA-graph replay of a cache's
+calls; the plan kernel's positions, parity, meta and fold list against the reference's.
 
 Per call: rows that fold give the kernel's own FP32 state S (debug dump) within
 FOLD_REL_TOL of the reference fold; the reference then runs the call with that S as its
@@ -145,7 +144,7 @@ def _run(fmt, M, heads, groups, device, calls, varlen_every=3, seed=5, kernel=No
     ids = torch.tensor([1, 0, 3, 4, 9, 2], device=device)  # padding rows 0 and 9
     b = ids.numel()
     folds = 0
-    from replayssm.kernels.triton.pending import PendingPlan
+    from replayssm.kernels.buffers import PendingPlan
 
     plan = PendingPlan(b, device)
     for call in range(calls):
@@ -172,28 +171,28 @@ def _run(fmt, M, heads, groups, device, calls, varlen_every=3, seed=5, kernel=No
 
 
 def _plan_launch(cache, plan, ids, acc, cu, fmt, seed, M, plan_launches=None):
-    """The plan kernel through a `PlanLaunch` (kept in `plan_launches` when given, as a
-    cache context keeps it; else a new one: its first launch goes through Triton's)."""
-    from replayssm.kernels.triton.launch import current_stream
-    from replayssm.kernels.triton.pending import PlanLaunch
+    """The plan kernel through a `PendingPlanLaunch` (kept in `plan_launches` when given,
+    as a cache context keeps it; else a new one)."""
+    from replayssm.kernels.cute.arch import arch_for
+    from replayssm.kernels.cute.plan import PendingPlanLaunch
 
-    key = (fmt, seed, M, plan.buf.data_ptr())
+    key = (fmt, seed, M, plan.words)
     launch = plan_launches.get(key) if plan_launches is not None else None
     if launch is None:
-        launch = PlanLaunch(cache, plan, fmt, seed, M)
+        launch = PendingPlanLaunch(cache, plan, fmt, seed, M, arch_for(ids.device))
         if plan_launches is not None:
             plan_launches[key] = launch
-    launch(cache, plan, ids, acc, cu, current_stream(ids.device))
+    launch(ids, acc, cu, torch.cuda.current_stream().cuda_stream)
 
 
 def _cute_decode(cache, x, dt, A, B, C, D, bias, ids, out, *, fmt, seed, max_seqlen, num_accepted_tokens=None,
                  cu_seqlens=None, debug_state=None, plan=None, split=None, plan_launches=None):  # fmt: skip
-    """The Triton plan kernel, then the CuTe fold and step (cute/pending.py
+    """The plan kernel, then the CuTe fold and step (cute/pending.py
     `fold_and_step`; `split` as it takes it), x, B, C copied where the step cannot read
     them as they are (as the kernel backend does)."""
     from replayssm.kernels.cute.arch import arch_for
     from replayssm.kernels.cute.pending import fold_and_step, pending_fold, reads_as_is
-    from replayssm.kernels.triton.pending import PendingPlan
+    from replayssm.kernels.buffers import PendingPlan
 
     varlen = cu_seqlens is not None
     heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
@@ -219,11 +218,11 @@ def _cute_decode(cache, x, dt, A, B, C, D, bias, ids, out, *, fmt, seed, max_seq
 @pytest.mark.parametrize("M", [2, 4, 8])
 @pytest.mark.parametrize("split", [False, True])
 def test_pending_cute_kernels_match_the_reference_gpu(fmt, M, split):
-    """The CuTe fold and step after the Triton plan: 16 heads / 2 groups, 24 calls, bf16
+    """The CuTe fold and step after the plan kernel: 16 heads / 2 groups, 24 calls, bf16
     outputs (dense and varlen, plain and engine-shaped inputs, random verdicts with
     out-of-range ones, padding rows, NaN in every rejected draft); `split`: the step in
-    two launches, the rows that do not fold beside the fold. The plan kernel is
-    relaunched from its compiled kernel (`PlanLaunch`) after its first call."""
+    two launches, the rows that do not fold beside the fold. One `PendingPlanLaunch`
+    serves every call, as a cache context keeps it."""
     pytest.importorskip("cutlass")
     kernel = functools.partial(_cute_decode, split=split, plan_launches={})
     assert _run(fmt, M, 16, 2, "cuda", calls=24, kernel=kernel, out_dtype=torch.bfloat16) > 0
@@ -231,20 +230,14 @@ def test_pending_cute_kernels_match_the_reference_gpu(fmt, M, split):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-def test_pending_cute_split_step_equals_one_step_bit_for_bit(fmt, monkeypatch):
+def test_pending_cute_split_step_equals_one_step_bit_for_bit(fmt):
     """The step split in two launches (beside and after the fold) gives the one-launch
     step's outputs and cache bit for bit: 12 calls of 6 rows (padding rows, random
     verdicts, varlen every third call) on two copies of one cache, M = 4. The one-launch
-    side's plan kernel is relaunched past Triton's launcher (one `PlanLaunch`, a compiled
-    kernel per verdicts / cu_seqlens variant, none falling back), the split side's is a
-    new `PlanLaunch` every call (its first launch through Triton's)."""
+    side keeps one `PendingPlanLaunch`, the split side makes one every call."""
     pytest.importorskip("cutlass")
-    from replayssm.kernels.triton import launch
-    from replayssm.kernels.triton.pending import PendingPlan
+    from replayssm.kernels.buffers import PendingPlan
 
-    fallbacks = []
-    real = launch.launch_compiled
-    monkeypatch.setattr(launch, "launch_compiled", lambda *a: (fallbacks.append(a[0]), real(*a)))
     launches = {}
 
     M = 4
@@ -271,9 +264,7 @@ def test_pending_cute_split_step_equals_one_step_bit_for_bit(fmt, monkeypatch):
         assert same_bits(outs[0], outs[1])
         for a, b in zip(cache, twin):
             assert same_bits(a, b)
-    (plan_launch,) = launches.values()
-    assert len(plan_launch.compiled) == 3  # verdicts none / given, cu_seqlens given
-    assert all(k.launch is not None for k in plan_launch.compiled.values()) and not fallbacks
+    assert len(launches) == 1
 
 
 @pytest.mark.gpu
@@ -287,7 +278,7 @@ def test_pending_split_step_variants_take_their_rows():
     pytest.importorskip("cutlass")
     from replayssm.kernels.cute.arch import arch_for
     from replayssm.kernels.cute.pending import pending_fold, pending_step
-    from replayssm.kernels.triton.pending import PendingPlan
+    from replayssm.kernels.buffers import PendingPlan
 
     M, b = 4, 6
     cache, (A, D, bias), gen = _world("fp8", 16, 2, "cuda", slots=6, seed=11)
@@ -367,57 +358,18 @@ def test_pending_decode_replays_in_a_cuda_graph(fmt):
             assert same_bits(te, tg)
 
 
-_COMPILE_SCRIPT = r"""
-import json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from replayssm.kernels.triton import pending as PK
-
-out = {}
-for cc in map(int, sys.argv[1:]):
-    fn = PK._plan_kernel
-    consts = {"T": 4, "G": 2, "HAS_ACC": True, "VARLEN": True, "NVFP4": True, "BLOCK": 128}
-    ptr = {"p_ids": "*i32", "p_pos": "*i32", "p_acc": "*i32", "p_cu": "*i32", "p_parity": "*i32", "p_meta": "*fp32",
-           "p_plan": "*i32", "p_list": "*i32"}
-    sig = {n: "constexpr" if n in consts else ptr.get(n, "i32") for n in fn.arg_names}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", cc, 32),
-                       options={"num_warps": 4})
-    ptx = k.asm["ptx"]
-    out[cc] = {"target": re.findall(r"^\.target (\S+)", ptx, re.M), "cubin": len(k.asm["cubin"]),
-               "atomic": "atom.global" in ptx}
-print(json.dumps(out))
-"""
-
-
-def test_pending_plan_kernel_compiles_for_every_arch():
-    """Compile-only (no GPU needed; a subprocess, since this process may run Triton's
-    interpreter): the plan kernel builds a cubin for sm_90a, sm_100a and sm_103a, with
-    the atomic append to the fold's work list."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, "90", "100", "103"], env=env, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    for cc in ("90", "100", "103"):
-        assert out[cc]["target"] == [f"sm_{cc}a"] and out[cc]["cubin"] > 0 and out[cc]["atomic"]
-
-
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt,M", [("fp8", 1), ("fp8", 4), ("nvfp4", 3), ("nvfp4", 8)])
 def test_plan_kernel_commits_as_the_reference_does(fmt, M):
-    """The plan kernel (the Triton interpreter on the CPU, the GPU otherwise), over calls
+    """The plan kernel (cute/plan.py) on the GPU, over calls
     with random verdicts (out-of-range ones included), padding rows, dense and varlen:
     positions after it equal the reference call's, and its fold list
     holds exactly the rows whose checkpoint advances (f(c') > f(c)); NVFP4: parity and the
     live half of meta equal the reference's."""
-    from replayssm.kernels.triton.pending import PendingPlan
+    from replayssm.kernels.buffers import PendingPlan
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    pytest.importorskip("cutlass")
+    dev = "cuda"
     cache, (A, D, bias), gen = _world(fmt, 8, 1, dev, slots=6, seed=3)
     cache[L.POSITIONS][3, 0] = max(grid(M) - 2, 0)
     ids = torch.tensor([1, 0, 3, 4, 9, 2], device=dev)

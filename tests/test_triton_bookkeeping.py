@@ -1,9 +1,9 @@
-"""Triton bookkeeping kernels (initialize, clear, prepare) against the PyTorch reference,
-bit for bit (every cache tensor and plan field compared through integer views, so NaN
-poison compares too). The small-shape tests run on DEV: the CPU, where the kernels run in
-the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1), or the GPU when there
-is one; the `gpu` tests run them compiled at serving shapes and capture the prepare
-kernel in a CUDA graph."""
+"""The bookkeeping kernels against the PyTorch reference, bit for bit (every cache tensor
+and plan field compared through integer views, so NaN poison compares too): Triton's
+initialize and clear on DEV (the CPU, where they run in the Triton interpreter:
+tests/conftest.py sets TRITON_INTERPRET=1, or the GPU when there is one), and the CuTe
+prepare kernel (cute/plan.py) on the GPU, captured in a CUDA graph too; the `gpu` tests
+run them at serving shapes."""
 
 from __future__ import annotations
 
@@ -19,12 +19,20 @@ from replayssm.kernels import REFERENCE, KernelBackend
 from replayssm.kernels.triton import bits as K
 from replayssm.kernels.triton.clear import clear
 from replayssm.kernels.triton.initialize import initialize
-from replayssm.kernels.triton.prepare import PlanScratch, prepare_decode
+from replayssm.kernels.buffers import PlanScratch
 from replayssm.quant import minifloat as M
 from replayssm.quant import rng
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
+_BACKEND = KernelBackend()
+
+
+def prepare_decode(cache, ids, out, scratch, *, fmt, seed):
+    """The CuTe prepare kernel through the kernel backend (a CUDA cache), into `scratch`."""
+    pytest.importorskip("cutlass")
+    assert _BACKEND.cute_for(cache) is not None, _BACKEND.cute_unavailable(cache)
+    return _BACKEND.prepare(cache, ids, out, fmt=fmt, seed=seed, scratch=scratch)
 INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -261,34 +269,26 @@ def test_clear_strided_ids():
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-def test_bound_launches_match_reference(fmt):
-    """The kernel backend's per-cache launches (`Initialize`, `Clear`: arguments made
-    once, the ids and states per call) write what the reference writes, on a
+def test_backend_launches_match_reference(fmt):
+    """The kernel backend's initialize and clear write what the reference writes, on a
     slot-padded cache with strided ids, a broadcast state and a head offset (tensor
-    parallel shard). Here they launch through Triton's path (no stream: the interpreter,
-    or the GPU's first launch of a variant); the GPU tests repeat them past it."""
-    from replayssm.kernels.triton.clear import Clear
-    from replayssm.kernels.triton.initialize import Initialize
-    from replayssm.kernels.triton.launch import current_stream
-
+    parallel shard), repeated on one cache."""
     nvfp4 = fmt == "nvfp4"
     gen = torch.Generator().manual_seed(8)
     got, want = twin_caches(9, 16, 2, fmt, fill=float("nan"), slot_padding=64, gen=gen)
-    stream = current_stream(got[L.CHECKPOINT].device)
-    init, clr = Initialize(got, NVFP4 if nvfp4 else FP8, 31, 16), Clear(got)
     ids = torch.tensor([5, 99, 0, 99, 8, 99, 2, 99], dtype=torch.int64, device=DEV)[::2]  # [5, 0, 8, 2]
     for states in (_states("contiguous", 4, 16, gen), _states("broadcast", 4, 16, gen)):
-        init(got, states, ids, stream)
+        _BACKEND.initialize(got, states, ids, fmt=(NVFP4 if nvfp4 else FP8), seed=31, head_offset=16)
         ref.initialize(want, states, ids.contiguous(), fmt=(NVFP4 if nvfp4 else FP8), seed=31, head_offset=16)
         assert_same_cache(got, want)
         gone = torch.tensor([8, -1, 3], dtype=torch.int32, device=DEV)
-        clr(got, gone, stream)
+        _BACKEND.clear(got, gone)
         ref.clear(want, gone)
         assert_same_cache(got, want)
 
 
 # ---------------------------------------------------------------------------------------
-# prepare
+# prepare (the CuTe plan kernel: GPU)
 
 PREP_CASES = [
     pytest.param("fp8", [3, 0, 4, -1, 12, 0, 5, 7], torch.int64, 0, id="fp8-i64-pad"),
@@ -302,6 +302,7 @@ PREP_CASES = [
 ]
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt, ids, id_dtype, slot_padding", PREP_CASES)
 def test_prepare_matches_reference(fmt, ids, id_dtype, slot_padding):
     nvfp4 = fmt == "nvfp4"
@@ -323,48 +324,35 @@ def test_prepare_matches_reference(fmt, ids, id_dtype, slot_padding):
     assert_same_plan(plan, plan_want)
     assert torch.equal(out_got.view(torch.int16), out_want.view(torch.int16))
     assert_same_cache(got, want)
-    assert plan.key.data_ptr() == scratch.key.data_ptr()  # views into the caller's scratch
+    assert plan.key.data_ptr() == scratch.buffers.key.data_ptr()  # views into the caller's scratch
 
 
-def test_prepare_trigger_is_one_launch_dependents_on_the_gpu_only(monkeypatch):
-    """On a GPU of compute capability 9.0+ the prepare kernel is compiled with one
-    griddepcontrol.launch_dependents at its start (sm_90 PTX, compiled on the CPU in a
-    process without the interpreter); the interpreter, CPU tensors and GPUs before
-    compute capability 9.0 never get it."""
-    import os
-    import subprocess
-    import sys
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
+def test_plan_kernels_compile_for_every_arch(arch, tmp_path):
+    """Compile-only (no GPU needed): both plan kernels build PTX and a cubin for each arch;
+    the prepare kernel's first instruction touching memory comes after its one
+    griddepcontrol.launch_dependents (the PDL step behind it becomes resident at once),
+    and the pending plan appends to the fold's list with one global atomic add."""
+    pytest.importorskip("cutlass")
+    from replayssm.kernels.cute import plan as P
+    from replayssm.kernels.cute.launch import compile_into
 
-    from replayssm.kernels.triton import prepare as P
-
-    code = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from replayssm.kernels.triton import prepare as P
-sig = {n: "*i64" for n in ("p_ids", "p_pos", "p_parity", "p_meta", "p_out", "p_valid", "p_slot", "p_ring", "p_flush", "p_key", "p_old")}
-sig.update({n: "i32" for n in ("stride_ids", "stride_pos", "stride_parity", "stride_meta", "num_slots", "seed_key")})
-consts = {"G": 2, "BLOCK_G": 2, "OUT_ROW": 1024, "BLOCK_OUT": 1024, "NVFP4": True}
-sig.update({n: "constexpr" for n in (*consts, "TRIGGER")})
-for trigger in (False, True):
-    src = ASTSource(fn=P._prepare_kernel, signature=sig, constexprs={**consts, "TRIGGER": trigger})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-    body = ptx[ptx.index(".entry"):]
-    first = body.index("griddepcontrol.launch_dependents") < body.index("ld.global") if trigger else True
-    print(int(trigger), body.count("griddepcontrol.launch_dependents"), int(first))
-"""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["0", "0", "1", "1", "1", "1"], out.stdout
-    assert P.prepare_trigger(torch.device("cpu")) is False  # the tests run in the interpreter
-    monkeypatch.setattr(P, "interpreting", lambda: False)
-    assert P.prepare_trigger(torch.device("cpu")) is False  # not a CUDA device
-    monkeypatch.setattr(P, "_has_griddepcontrol", lambda index: index == 1)
-    assert P.prepare_trigger(torch.device("cuda", 1)) is True
-    assert P.prepare_trigger(torch.device("cuda", 0)) is False  # compute capability < 9.0
+    for name, (obj, fake) in {
+        "prepare": P.prepare_kernel(4, 1024, True, True, torch.int32),
+        "pending": P.pending_plan_kernel(4, 4, True, True, True, torch.int64, torch.int32),
+    }.items():
+        paths = compile_into(obj, fake, arch, tmp_path / name)
+        assert any(p.endswith(".cubin") for p in paths)
+        ptx = open(next(p for p in paths if p.endswith(".ptx"))).read()
+        body = ptx[ptx.index(".entry"):]
+        if name == "prepare":
+            assert body.count("griddepcontrol.launch_dependents") == 1
+            assert body.index("griddepcontrol.launch_dependents") < body.index("ld.global")
+        else:
+            assert body.count("atom.global.add") == 1
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_prepare_period_sequence(fmt):
     """17 steps of rows in phase (every row flushes at steps 0 and 16, none in between)
@@ -390,39 +378,6 @@ def test_prepare_period_sequence(fmt):
     assert flushes == [3] + [0] * 15 + [3]
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-def test_backend_decode_matches_reference(fmt):
-    """KernelBackend.decode (prepare kernel + reference decode math) equals the reference
-    decode step by step, rows at staggered positions: slots 2 and 5 flush at step 3, slot
-    3 at step 6, and the steps after a flush read the re-derived read copy."""
-    from replayssm.synthetic import layer_params, token
-
-    nvfp4 = fmt == "nvfp4"
-    H, G = 8, 1
-    gen = torch.Generator().manual_seed(8)
-    params = layer_params(H, generator=gen)
-    got, want = twin_caches(6, H, G, fmt, garbage=False)
-    states = prefill_like(3, H, gen) * 1e-3
-    ids = torch.tensor([2, 5, 3], dtype=torch.int64, device=DEV)
-    ref.initialize(got, states, ids, fmt=(NVFP4 if nvfp4 else FP8), seed=1)
-    ref.initialize(want, states, ids, fmt=(NVFP4 if nvfp4 else FP8), seed=1)
-    for c in (got, want):
-        c[L.POSITIONS][2] = c[L.POSITIONS][5] = 12
-        c[L.POSITIONS][3] = 9
-    backend = KernelBackend()
-    batch_ids = torch.tensor([2, 0, 5, 3], dtype=torch.int64, device=DEV)
-    A, D, dt_bias = params.A.to(DEV), params.D[:, None].expand(H, 64).to(DEV), params.dt_bias.to(DEV)
-    for step in range(8):
-        tok = token(4, H, G, generator=gen)
-        args = (tok.x.to(DEV), tok.dt.to(DEV), A, tok.B.to(DEV), tok.C.to(DEV), D, dt_bias)
-        out_got = torch.full((4, H, 64), float("nan"), dtype=torch.bfloat16, device=DEV)
-        out_want = out_got.clone()
-        backend.decode(got, *args, batch_ids, out_got, fmt=(NVFP4 if nvfp4 else FP8), seed=1)
-        REFERENCE.decode(want, *args, batch_ids, out_want, fmt=(NVFP4 if nvfp4 else FP8), seed=1)
-        assert torch.equal(out_got.view(torch.int16), out_want.view(torch.int16)), f"step {step}"
-        assert_same_cache(got, want)
-
-
 # ---------------------------------------------------------------------------------------
 # scratch, warmup
 
@@ -443,7 +398,7 @@ def test_warmup_changes_nothing():
     cache = ReplaySSMCache(4, 16, 2, "nvfp4", DEV, seed=3, slot_padding=16, backend="kernels")
     before = [as_bits(t).clone() for t in cache.tensors]
     names = cache.warmup()
-    assert "triton.prepare[torch.int64]" in names
+    assert "triton.initialize[torch.int64]" in names
     for i, (a, t) in enumerate(zip(before, cache.tensors)):
         assert torch.equal(a, as_bits(t)), f"cache[{i}] changed"
 
@@ -494,19 +449,9 @@ def test_gpu_initialize(fmt, heads, groups, id_dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("via", ["functions", "backend"])
-def test_gpu_repeated_launches_match_reference(fmt, via, monkeypatch):
-    """Launches after the first of a variant skip Triton's dispatch and launcher
-    (`launch.Compiled`: cuLaunchKernel on a proven parameter layout, none falling back to
-    Triton's launch): initialize and clear repeated on new ids and states, through the
-    module functions (`launch.Relaunch`) and through the kernel backend (the cache
-    context's `Initialize` / `Clear`), bits against the reference."""
-    from replayssm.kernels.triton import launch
-    from replayssm.kernels.triton.clear import _CLEAR
-    from replayssm.kernels.triton.initialize import _INITIALIZE
-
-    fallbacks = []
-    real = launch.launch_compiled
-    monkeypatch.setattr(launch, "launch_compiled", lambda *a: (fallbacks.append(a[0]), real(*a)))
+def test_gpu_repeated_launches_match_reference(fmt, via):
+    """Initialize and clear repeated on new ids and states of one cache, through the
+    module functions and through the kernel backend, bits against the reference."""
     backend = KernelBackend()
     nvfp4 = fmt == "nvfp4"
     gen = torch.Generator().manual_seed(22)
@@ -526,15 +471,6 @@ def test_gpu_repeated_launches_match_reference(fmt, via, monkeypatch):
         (clear if via == "functions" else backend.clear)(got, gone)
         ref.clear(want, gone)
         assert_same_cache(got, want)
-    if via == "functions":
-        variants = [*_INITIALIZE.compiled.values(), *_CLEAR.compiled.values()]
-    else:
-        ctx = backend._context(got)
-        (init,) = ctx.initializes.values()
-        variants = [*init.compiled.values(), *ctx.clear.compiled.values(), *(init.amax.compiled.values() if nvfp4 else ())]
-        assert init.compiled and ctx.clear.compiled
-    assert variants and all(k.launch is not None for k in variants)  # cuLaunchKernel: their parameter layout was proven
-    assert not fallbacks, [k.metadata.name for k in fallbacks]
 
 
 @pytest.mark.gpu
@@ -647,7 +583,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-names = ("initialize", "head_amax", "clear", "prepare")
+names = ("initialize", "head_amax", "clear")
 mods = {m: importlib.import_module("replayssm.kernels.triton." + m) for m in names}
 target = GPUTarget("cuda", 90, 32)
 i32 = "i32"
@@ -667,11 +603,6 @@ for nv in (False, True):
         const = dict(H=64, HPG=8, NVFP4=nv, BLOCK_R=16, N_X=65536, N_DT=1024, N_B=16384, POS_WIDTH=1, CLEAR_BLOCK=256)
         out[f"initialize-{'nvfp4' if nv else 'fp8'}-{ids}"] = build(
             mods["initialize"]._initialize_kernel, sig, const, enable_fp_fusion=False)
-        sig = dict(p_ids=ids, p_pos="*i32", p_parity="*i32", p_meta="*fp32", p_out="*i16", p_valid="*i8",
-                   p_slot="*i64", p_ring="*i64", p_flush="*i8", p_key="*i64", p_old="*i64")
-        sig.update(strides("stride_ids", "stride_pos", "stride_parity", "stride_meta", "num_slots", "seed_key"))
-        out[f"prepare-{'nvfp4' if nv else 'fp8'}-{ids}"] = build(
-            mods["prepare"]._prepare_kernel, sig, dict(G=4, BLOCK_G=4, OUT_ROW=4096, BLOCK_OUT=4096, NVFP4=nv, TRIGGER=False))
 sig = dict(p_states="*fp32", p_ids="*i32", p_hmax="*i32")
 sig.update(strides("stride_ids", "stride_sb", "stride_sh", "stride_sp", "stride_sn", "num_slots"))
 out["head_amax"] = build(mods["head_amax"]._head_amax_kernel, sig, dict(H=64, BLOCK_H=1, BLOCK_P=16))
@@ -696,7 +627,7 @@ def test_compile_sm90():
     res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     ops = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(ops) == 11
+    assert len(ops) == 7
     for name, found in ops.items():
         # Only correctly rounded multiplies (by powers of two, or before an encode) and the
         # IEEE reciprocal: no fma, no add, no approximate division, no flush-to-zero.

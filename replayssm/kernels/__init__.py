@@ -6,14 +6,13 @@ Two backends run the cache operations, with the same methods (`initialize`, `cle
 
 - `ReferenceBackend` ("reference"): the PyTorch reference (`replayssm.reference`), on any
   device.
-- `KernelBackend` ("kernels"): the Triton bookkeeping kernels (initialize, clear, the
-  decode plan) and the CuTe DSL decode kernels, on a CUDA GPU in the arch table with the
-  CuTe DSL installed and a 16-byte-aligned cache. On the CPU it runs only under the Triton
-  interpreter (TRITON_INTERPRET=1, for tests): the bookkeeping kernels interpreted, the
-  decode math from the reference fed the kernel-made plan. Pending mode (speculative
-  decoding) runs on the Triton plan kernel of `triton.pending` and the CuTe fold and step
-  of `cute.pending` (the reference where the CuTe kernels cannot run the cache) and
-  `triton.materialize` on a CUDA cache; on the CPU its decode is the reference.
+- `KernelBackend` ("kernels"): the Triton bookkeeping kernels (initialize, clear,
+  materialize, slot copies) and the CuTe DSL kernels of every decode call (the plan
+  kernels of `cute.plan`, the step of `cute.decode` / `cute.flush`, pending mode's fold
+  and step of `cute.pending`), on a CUDA GPU in the arch table with the CuTe DSL
+  installed and a 16-byte-aligned cache. On the CPU it runs only under the Triton
+  interpreter (TRITON_INTERPRET=1, for tests): the Triton kernels interpreted, every
+  decode call the reference's.
 
 `backend_for(device, backend, cache)` turns the caller's choice into one of them:
 "reference"; "kernels", a ValueError saying why where they cannot run; "auto" (the
@@ -25,8 +24,8 @@ The Triton kernels live in `replayssm.kernels.triton` and are imported on first 
 TRITON_INTERPRET=1 (CPU tests) must be set before then; importing replayssm alone never
 imports Triton. The CuTe DSL decode kernels (`replayssm.kernels.cute`, FP8 and NVFP4 read
 copies) are imported on first use too; `compile_all` builds them for any target without a GPU.
-`replayssm.kernels.driver` holds the CUDA driver calls made through ctypes (the step's stream
-fork and join, the Triton relaunch); the CuTe kernels launch through their TVM-FFI entry.
+One launch mechanism per language: the CuTe kernels through their TVM-FFI entry
+(`cute.launch.compile_entry`), the Triton kernels through Triton's own launcher.
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ import torch
 
 from .. import layout as L
 from ..formats import FORMATS, Format
+from .buffers import PendingPlan, PlanScratch
 from .. import pending as pend
 from .. import reference as ref
 
@@ -89,39 +89,24 @@ class ReferenceBackend:
 EAGER_FORK_MIN_BATCH = 512
 
 
-class _TritonKernels(NamedTuple):
-    initialize: Callable
-    clear: Callable
-    prepare_decode: Callable
-    PlanScratch: type
-    Prepare: type
-    Initialize: type
-    Clear: type
-    current_stream: Callable
-
-
 class _CacheContext:
-    """What the kernel backend knows of one CUDA cache tuple between decode calls: whether
-    the CuTe kernels can run it ((launch module, arch), or the reason they cannot) and its
-    prepare launches (`triton.prepare.Prepare`) by batch, format, seed, ids dtype and plan
-    scratch, its CuTe launches (`cute.launch.Step`) by batch, format, head offset and
-    plan scratch, its initialize (`triton.initialize.Initialize`, by format, seed and
-    head offset), clear (`triton.clear.Clear`) and pending-mode plan
-    (`triton.pending.PlanLaunch`) launches, and its pending-mode CuTe launches
-    (`cute.pending.PendingLaunch`, by format, head offset and plan buffer). Holds weak
-    references only: a context never keeps a cache alive (its launches hold addresses and
-    are given the tensors on each call)."""
+    """What the kernel backend knows of one CUDA cache tuple between calls: whether the
+    CuTe kernels can run it ((launch module, arch), or the reason they cannot), its
+    prepare launches (`cute.plan.PrepareLaunch`, by format, seed and plan scratch), its
+    step launches (`cute.launch.Step`, by batch, format, head offset and plan scratch),
+    its pending-mode plan buffer, plan launches (`cute.plan.PendingPlanLaunch`) and fold
+    and step launches (`cute.pending.PendingLaunch`). Holds weak references only: a
+    context never keeps a cache alive (its launches hold addresses and are given the
+    tensors on each call)."""
 
-    __slots__ = ("refs", "cute", "reason", "prepares", "steps", "pending", "initializes", "clear", "plan_launches", "pending_launches")
+    __slots__ = ("refs", "cute", "reason", "prepares", "steps", "pending", "plan_launches", "pending_launches")
 
     def __init__(self, cache, cute, reason: str | None) -> None:
         self.refs = tuple(weakref.ref(t) for t in cache)
         self.cute, self.reason = cute, reason
         self.prepares: dict[tuple, object] = {}
         self.steps: dict[tuple, object] = {}
-        self.pending = None  # its pending-mode plan buffer (triton.pending.PendingPlan)
-        self.initializes: dict[tuple, object] = {}
-        self.clear = None
+        self.pending = None  # its pending-mode plan buffer (buffers.PendingPlan)
         self.plan_launches: dict[tuple, object] = {}
         self.pending_launches: dict[tuple, object] = {}
 
@@ -131,16 +116,14 @@ class _CacheContext:
 
 
 class KernelBackend:
-    """Bookkeeping on Triton kernels (`initialize`, `clear`, the decode plan `prepare`)
-    and the decode math on the CuTe DSL kernels, launched from `decode` through the CuTe
-    launcher's `Step`. `cute_unavailable` says why the CuTe kernels
-    cannot run a cache (no CuTe DSL, a GPU outside the arch table, an unaligned cache);
-    `backend_for` asks it before choosing this backend, and `decode` on a CUDA cache
-    they cannot run is a ValueError, never a silent fallback.
-
-    On the CPU (Triton interpreter, TRITON_INTERPRET=1: tests) `decode` runs
-    `reference.decode_nonflush` / `reference.decode_flush` fed the kernel-made plan.
-    `materialize` is the Triton kernel of kernels/triton/materialize.py (CPU: interpreted).
+    """Bookkeeping on Triton kernels (`initialize`, `clear`, `materialize`) and every
+    decode call on the CuTe DSL kernels: `decode` launches the prepare kernel and the
+    CuTe launcher's `Step`. `cute_unavailable` says why the CuTe kernels cannot run a
+    cache (no CuTe DSL, a GPU outside the arch table, an unaligned cache); `backend_for`
+    asks it before choosing this backend, and `decode` on a CUDA cache they cannot run is
+    a ValueError, never a silent fallback. On the CPU (Triton interpreter,
+    TRITON_INTERPRET=1: tests) the Triton kernels are interpreted and decode calls run the
+    reference.
 
     Plan scratch: `prepare` / `decode` write the plan into a `PlanScratch` so a step
     allocates no device memory. A caller may pass its own (`scratch=`, e.g. one per cache
@@ -162,22 +145,12 @@ class KernelBackend:
         self._cute_arch: dict[torch.device, tuple[str | None, str | None]] = {}  # (arch, reason)
         self._contexts: dict[tuple, _CacheContext] = {}
 
-    @staticmethod
-    @functools.cache
-    def _kernels():
-        from .triton import clear, initialize, launch, prepare
-
-        return _TritonKernels(
-            initialize.initialize, clear.clear, prepare.prepare_decode, prepare.PlanScratch, prepare.Prepare,
-            initialize.Initialize, clear.Clear, launch.current_stream,
-        )
-
-    def new_scratch(self, device: torch.device | str, rows: int):
+    def new_scratch(self, device: torch.device | str, rows: int) -> PlanScratch:
         """A private `PlanScratch` for `rows` rows (ReplaySSMCache owns one, sized for its
         max_batch, so caches decoded on different streams never share plan buffers)."""
-        return self._kernels().PlanScratch(rows, torch.device(device))
+        return PlanScratch(rows, torch.device(device))
 
-    def scratch(self, device: torch.device | str, rows: int):
+    def scratch(self, device: torch.device | str, rows: int) -> PlanScratch:
         """The smallest shared `PlanScratch` on `device` with room for `rows` rows
         (created when none has room)."""
         device = torch.device(device)
@@ -187,76 +160,74 @@ class KernelBackend:
         if fits:
             return self._scratch[(device, min(fits))]
         capacity = max(64, 1 << max(rows - 1, 0).bit_length())
-        buf = self._kernels().PlanScratch(capacity, device)
-        self._scratch[(device, capacity)] = buf
+        buf = self._scratch[(device, capacity)] = PlanScratch(capacity, device)
         return buf
 
     def initialize(self, cache, states, ids, *, fmt: Format, seed: int, head_offset: int = 0) -> None:
-        """The Triton initialize launches (kernels/triton/initialize.py); on a GPU through
-        the cache context's `Initialize`, made once per format, seed and head offset."""
-        kernels = self._kernels()
-        stream = kernels.current_stream(cache[L.CHECKPOINT].device)
-        if stream is None:  # the interpreter
-            kernels.initialize(cache, states, ids, fmt=fmt, seed=seed, head_offset=head_offset)
-            return
-        inits = self._context(cache).initializes
-        launch = inits.get((fmt, seed, head_offset))
-        if launch is None:
-            launch = inits[(fmt, seed, head_offset)] = kernels.Initialize(cache, fmt, seed, head_offset)
-        launch(cache, states, ids if ids.dim() == 1 else ids.reshape(-1), stream)
+        """The Triton initialize kernel (kernels/triton/initialize.py)."""
+        from .triton.initialize import initialize
+
+        initialize(cache, states, ids if ids.dim() == 1 else ids.reshape(-1), fmt=fmt, seed=seed, head_offset=head_offset)
 
     def clear(self, cache, ids) -> None:
-        """The Triton clear launch; on a GPU through the cache context's `Clear`."""
-        kernels = self._kernels()
-        stream = kernels.current_stream(cache[L.CHECKPOINT].device)
-        if stream is None:
-            kernels.clear(cache, ids)
-            return
-        ctx = self._context(cache)
-        if ctx.clear is None:
-            ctx.clear = kernels.Clear(cache)
-        ctx.clear(cache, ids if ids.dim() == 1 else ids.reshape(-1), stream)
+        """The Triton clear kernel (kernels/triton/clear.py)."""
+        from .triton.clear import clear
 
-    def prepare(self, cache, ids, out, *, fmt: Format, seed: int, scratch=None, stream: int | None = None) -> ref.Plan:
-        """Kernel twin of `reference.prepare_decode`; returns views into the scratch.
-        `stream`: the current CUDA stream's handle (CUDA caches)."""
+        clear(cache, ids if ids.dim() == 1 else ids.reshape(-1))
+
+    def prepare(self, cache, ids, out, *, fmt: Format, seed: int, scratch=None) -> ref.Plan:
+        """Kernel twin of `reference.prepare_decode` (cute/plan.py's prepare kernel, on the
+        current stream) into `scratch` (a shared one when None); returns its views. On a
+        cache the CuTe kernels cannot run, the reference (which allocates its plan)."""
+        ctx = self._context(cache) if cache[L.CHECKPOINT].device.type == "cuda" else None
+        if ctx is None or ctx.cute is None:
+            return ref.prepare_decode(cache, ids, out, fmt=fmt, seed=seed)
+        if ids.dim() != 1:
+            ids = ids.reshape(-1)
         if scratch is None:
-            scratch = self.scratch(ids.device, ids.numel())
-        return self._kernels().prepare_decode(cache, ids, out, scratch, fmt=fmt, seed=seed, stream=stream)
+            scratch = self.scratch(ids.device, ids.shape[0])
+        launch = ctx.cute[0]
+        self._prepare_launch(ctx, cache, scratch, fmt, seed)(ids, out, launch.current_stream(ids.get_device()))
+        return scratch.plan(ids.shape[0])
+
+    @staticmethod
+    def _prepare_launch(ctx, cache, scratch: PlanScratch, fmt: Format, seed: int):
+        """The context's `cute.plan.PrepareLaunch` for this scratch, format and seed."""
+        key = (fmt, seed, scratch.words)
+        prep = ctx.prepares.get(key)
+        if prep is None:
+            from .cute.plan import PrepareLaunch
+
+            prep = ctx.prepares[key] = PrepareLaunch(cache, scratch, fmt, seed, ctx.cute[1])
+        return prep
 
     def decode(
         self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, fmt: Format, seed: int, scratch=None, head_offset: int = 0
     ) -> None:
-        """Prepare kernel, then the CuTe decode kernels (the non-flush and the flush kernel
-        launch every step), both kept in the cache's `_CacheContext`; on the CPU the
-        reference decode math. On CUDA, x, B, C may be [batch, H * 64] / [batch, G * 128]."""
+        """The prepare kernel, then the CuTe decode kernels (the non-flush and the flush
+        kernel launch every step), all kept in the cache's `_CacheContext`; on the CPU the
+        reference. On CUDA, x, B, C may be [batch, H * 64] / [batch, G * 128]."""
         device = cache[L.CHECKPOINT].device
-        if device.type == "cuda":
-            ctx = self._context(cache)
-            if ctx.cute is None:
-                raise ValueError(f"the kernel backend cannot decode this cache: {ctx.reason}")
-            launch, arch = ctx.cute
-            stream = launch.current_stream(device.index)
-            if scratch is None:
-                scratch = self.scratch(device, ids.numel())
-            if ids.dim() != 1:
-                ids = ids.reshape(-1)
-            batch = ids.shape[0]
-            key = (batch, fmt, seed, ids.dtype, scratch.addresses)
-            prep = ctx.prepares.get(key)
-            if prep is None:
-                prep = ctx.prepares[key] = self._kernels().Prepare(cache, scratch, batch, fmt, seed, ids)
-            prep(ids, out, stream, cache, scratch)
-            key = (batch, fmt, head_offset, scratch.addresses)
-            step = ctx.steps.get(key)
-            if step is None:
-                step = ctx.steps[key] = launch.Step(cache, prep.plan, fmt.name, arch, head_offset)
-            fork = batch >= EAGER_FORK_MIN_BATCH or torch.cuda.is_current_stream_capturing()
-            step(cache, prep.plan, x, dt, A, B, C, D, dt_bias, out, stream, fork=fork)
+        if device.type != "cuda":
+            ref.decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt=fmt, seed=seed, head_offset=head_offset)
             return
-        plan = self.prepare(cache, ids, out, fmt=fmt, seed=seed, scratch=scratch)
-        ref.decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan, out, fmt=fmt)
-        ref.decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan, out, fmt=fmt, seed=seed, head_offset=head_offset)
+        ctx = self._context(cache)
+        if ctx.cute is None:
+            raise ValueError(f"the kernel backend cannot decode this cache: {ctx.reason}")
+        launch, arch = ctx.cute
+        stream = launch.current_stream(device.index)
+        if ids.dim() != 1:
+            ids = ids.reshape(-1)
+        batch = ids.shape[0]
+        if scratch is None:
+            scratch = self.scratch(device, batch)
+        self._prepare_launch(ctx, cache, scratch, fmt, seed)(ids, out, stream)
+        key = (batch, fmt, head_offset, scratch.words)
+        step = ctx.steps.get(key)
+        if step is None:
+            step = ctx.steps[key] = launch.Step(cache, scratch.plan(batch), fmt.name, arch, head_offset)
+        fork = batch >= EAGER_FORK_MIN_BATCH or torch.cuda.is_current_stream_capturing()
+        step(cache, scratch.plan(batch), x, dt, A, B, C, D, dt_bias, out, stream, fork=fork)
 
     def _context(self, cache) -> "_CacheContext":
         """The `_CacheContext` of a CUDA cache tuple (made on first use; keyed by the
@@ -277,8 +248,8 @@ class KernelBackend:
         self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, fmt: Format, seed: int, max_seqlen: int,
         num_accepted_tokens=None, cu_seqlens=None, head_offset: int = 0,
     ) -> None:  # fmt: skip
-        """Pending mode on a CUDA cache: the Triton plan kernel of kernels/triton/pending.py,
-        then the CuTe fold and step (cute/pending.py `fold_and_step`: in a captured call
+        """Pending mode on a CUDA cache: the plan kernel of kernels/cute/plan.py, then the
+        CuTe fold and step (cute/pending.py `fold_and_step`: in a captured call
         of SPLIT_MIN_BATCH rows or more, the step of the rows that do not fold beside the
         fold); no host sync; the plan buffer is the cache context's, grown to the largest
         batch seen, so a captured CUDA graph replays it. x, B, C that the step cannot read
@@ -288,7 +259,7 @@ class KernelBackend:
         host)."""
         if cache[L.CHECKPOINT].device.type == "cuda":
             ctx = self._context(cache)
-            if ctx.cute is not None and not _pending_triton().interpreting():
+            if ctx.cute is not None and not triton_interpreting():
                 self._pending_launch(
                     ctx, cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, max_seqlen, num_accepted_tokens, cu_seqlens,
                     head_offset,
@@ -302,16 +273,16 @@ class KernelBackend:
     def _pending_launch(
         self, ctx, cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, max_seqlen, accepted, cu_seqlens, head_offset
     ) -> None:  # fmt: skip
-        """The plan (the context's `PlanLaunch`), then `fold_and_step` from the context's
+        """The plan (the context's `PendingPlanLaunch`), then `fold_and_step` from the context's
         `PendingLaunch`, on the current stream, read once. Dense x, B, C, out [b, T, n, w]
         or [b, T, n * w] (varlen: [total, ...]) go as they are where the step reads them so
         (its row and token strides), else x, B, C as contiguous copies."""
-        k, tk = _pending_cute(), _pending_triton()
+        k = _pending_cute()
         if ids.dim() != 1:
             ids = ids.reshape(-1)
         batch = ids.shape[0]
         if ctx.pending is None or ctx.pending.rows < batch:
-            ctx.pending = tk.PendingPlan(max(batch, 64), cache[L.CHECKPOINT].device)
+            ctx.pending = PendingPlan(max(batch, 64), cache[L.CHECKPOINT].device)
         varlen = cu_seqlens is not None
         ok = k.reads_as_is
         if not (ok(x, L.HEAD_DIM, varlen) and ok(B, L.STATE_DIM, varlen) and ok(C, L.STATE_DIM, varlen)):
@@ -326,11 +297,13 @@ class KernelBackend:
             out = torch.empty_like(out)
         plan = ctx.pending
         stream = k.current_stream(cache[L.CHECKPOINT].get_device())
-        key = (fmt, seed, max_seqlen, plan.buf.data_ptr(), plan.fold_list.data_ptr())
+        key = (fmt, seed, max_seqlen, plan.words)
         launch = ctx.plan_launches.get(key)
         if launch is None:
-            launch = ctx.plan_launches[key] = tk.PlanLaunch(cache, plan, fmt, seed, max_seqlen)
-        launch(cache, plan, ids, accepted, cu_seqlens, stream)
+            from .cute.plan import PendingPlanLaunch
+
+            launch = ctx.plan_launches[key] = PendingPlanLaunch(cache, plan, fmt, seed, max_seqlen, ctx.cute[1])
+        launch(ids, accepted, cu_seqlens, stream)
         launcher = self._pending_launcher(ctx, cache, fmt.name, head_offset)
         rows, fold_list = plan.buf[:batch], plan.fold_list
         k.fold_and_step(
@@ -420,14 +393,16 @@ class KernelBackend:
         zero_state = torch.zeros(1, heads, L.HEAD_DIM, L.STATE_DIM, device=device)
         out = torch.empty(2, heads, L.HEAD_DIM, dtype=torch.bfloat16, device=device)
         names = []
+        cute = self.cute_for(tensors)
         for dtype in (torch.int32, torch.int64):
             ids = torch.zeros(2, dtype=dtype, device=device)
             # Contiguous and broadcast (stride-0, as `reset` passes) prefill states.
             self.initialize(tensors, zero_state.repeat(2, 1, 1, 1), ids, fmt=fmt, seed=cache.seed)
             self.initialize(tensors, zero_state.expand(2, -1, -1, -1), ids, fmt=fmt, seed=cache.seed)
-            self.prepare(tensors, ids, out, fmt=fmt, seed=cache.seed, scratch=scratch)
-            names += [f"triton.initialize[{dtype}]", f"triton.clear[{dtype}]", f"triton.prepare[{dtype}]"]
-        cute = self.cute_for(tensors)
+            names += [f"triton.initialize[{dtype}]", f"triton.clear[{dtype}]"]
+            if cute is not None:
+                self.prepare(tensors, ids, out, fmt=fmt, seed=cache.seed, scratch=scratch)
+                names.append(f"cute.prepare[{dtype}]")
         if cute is not None:
             # Compile the decode kernels in each variant a step may launch (the non-flush
             # kernel with PDL at batch 1, the flush with PDL above it), then launch them
@@ -455,26 +430,11 @@ def compile_all(arch: str, dump_dir) -> list[str]:
     return _compile_all(arch, dump_dir)
 
 
-class _PendingTriton(NamedTuple):
-    PendingPlan: type
-    PlanLaunch: type
-    interpreting: Callable
-
-
 class _PendingCute(NamedTuple):
     PendingLaunch: type
     fold_and_step: Callable
     reads_as_is: Callable
     current_stream: Callable
-
-
-@functools.cache
-def _pending_triton() -> _PendingTriton:
-    """Pending mode's Triton plan launchers, imported on first use."""
-    from .triton.launch import interpreting
-    from .triton.pending import PendingPlan, PlanLaunch
-
-    return _PendingTriton(PendingPlan, PlanLaunch, interpreting)
 
 
 @functools.cache

@@ -74,6 +74,12 @@ def seed_key(seed: int) -> int:
     return mix32_int(mix32_int(lo ^ GOLDEN) ^ hi)
 
 
+def seed_key_i32(seed: int) -> int:
+    """`seed_key(seed)` as the int32 with the same bits (the kernels' seed argument)."""
+    key = seed_key(seed) & 0xFFFFFFFF
+    return key - (1 << 32) if key >= (1 << 31) else key
+
+
 def stream_key(seed: int, slot: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """Per-row stream tag from the seed, slot ids and positions (int tensors, any shape).
 

@@ -1,7 +1,7 @@
 """Kernel arguments as a few structs, built from one spec.
 
 Every decode kernel takes the same structs: the cache's `Ring`, the read copy
-(`Fp8Copy` or `Nvfp4Copy`, from the format), the `Checkpoint` (flush only), the step's
+(`Fp8Copy`, `Nvfp4Copy`, `Fp16Copy`: the format's), the `Checkpoint` (flush only), the step's
 `Inputs` and the prepare kernel's `Plan`. A struct is a `typing.NamedTuple` of DSL values,
 which the CuTe DSL flattens field by field into kernel parameters. Each struct's spec
 lists its fields once: a pointer field as (dtype, alignment in bytes), a stride field as
@@ -48,6 +48,13 @@ class Nvfp4Copy(NamedTuple):
     scale_stride: Int64
     meta_stride: Int64
     parity_stride: Int64
+
+
+class Fp16Copy(NamedTuple):
+    """state_dtype="fp16": no read copy; the steps read the checkpoint itself."""
+
+    state: Pointer  # f16 [S, H, 64, 128]: the checkpoint, as 32-bit words
+    stride16: Int64
 
 
 class Checkpoint(NamedTuple):
@@ -112,7 +119,7 @@ class PendingInputs(NamedTuple):
 
 
 class PendingPlan(NamedTuple):
-    """The pending plan kernel's rows (int32 [batch, 8], `triton.pending._plan_row`) and
+    """The pending plan kernel's rows (int32 [batch, 8], plan.py `PendingPlanKernel`) and
     the fold kernel's work list (int32; the step resets its count, word 0)."""
 
     rows: Pointer
@@ -179,6 +186,7 @@ SPECS: dict[type, dict[str, tuple]] = {
         "codes_stride16": ("codes", 0, 16), "scale_stride": ("scales", 0, 1),
         "meta_stride": ("meta", 0, 1), "parity_stride": ("parity", 0, 1),
     },
+    Fp16Copy: {"state": (Float16, 16), "stride16": ("state", 0, 16)},
     Checkpoint: {"state": (Float16, 16), "stride16": ("state", 0, 16), "head_offset": (VALUE, Int32)},
     Inputs: {
         "x": (BFloat16, 16), "dt": (INPUT_DTYPE, 0), "A": (Float32, 4), "B": (BFloat16, 16), "C": (BFloat16, 16),
@@ -275,4 +283,4 @@ def raw(struct: type, **tensors) -> list[int]:
     return out
 
 
-__all__ = ["PendingInputs", "PendingPlan", "PendingDebugPlan", "FoldParams", "raw", "dense_rows", "row_words", "DSL_DTYPES", "Ring", "Fp8Copy", "Nvfp4Copy", "Checkpoint", "Inputs", "Plan", "DebugPlan", "SPECS", "fake"]
+__all__ = ["PendingInputs", "PendingPlan", "PendingDebugPlan", "FoldParams", "raw", "dense_rows", "row_words", "DSL_DTYPES", "Ring", "Fp8Copy", "Nvfp4Copy", "Fp16Copy", "Checkpoint", "Inputs", "Plan", "DebugPlan", "SPECS", "fake"]

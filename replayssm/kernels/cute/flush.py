@@ -534,7 +534,7 @@ class Flush:
 
 
 class PendingFold(Flush):
-    """Pending mode's fold (kernels/triton/pending.py's plan kernel lists the rows that
+    """Pending mode's fold (plan.py's plan kernel lists the rows that
     fold): per listed row and head, S = exp(A pre) ckpt + sum_{j < nf} w_j x_j (x) B_j over
     the committed ring entries (f_old + j) mod 16, j < nf (dt from the ring; later entries
     are zeros: they may be rejected drafts holding NaN), then the checkpoint (stochastic

@@ -1,6 +1,6 @@
 """Compile cache and the one launcher of the CuTe DSL decode kernels, both formats.
 
-A step (after the Triton prepare kernel wrote the plan) launches two kernels, each for
+A step (after the prepare kernel of plan.py wrote the plan) launches two kernels, each for
 every row of the batch: the flush (flush.py; rows at ring index 15) and the non-flush
 kernel (decode.py; the other live rows). They touch disjoint slots and output rows, so
 they run side by side: the one launched with programmatic dependent launch (PDL) stays on
@@ -22,7 +22,6 @@ not validate user input (`replayssm.api` did), only the layout the compiled code
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 from collections.abc import Sequence
@@ -32,10 +31,10 @@ import cutlass.cute as cute
 import torch
 import tvm_ffi  # noqa: F401  (apache-tvm-ffi: the runtime every compiled kernel is called through)
 from cutlass import Int32, Int64
+from cuda.bindings import driver as cuda_driver
 from cutlass.cute.runtime import make_fake_stream
 
 from ... import layout as L
-from .. import driver
 from . import args as A
 from .arch import arch_for, check_arch
 from .config import StepConfig, step_config, step_configs
@@ -236,53 +235,34 @@ def current_stream(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
-class _Driver:
-    """cuEventRecord and cuStreamWaitEvent of the CUDA driver on raw handles (the fork and
-    join of a step's side stream), through ctypes; torch's Stream/Event methods where the
-    driver library cannot be loaded."""
-
-    def __init__(self) -> None:
-        vp = ctypes.c_void_p
-        self.record = driver.function("cuEventRecord", [vp, vp])
-        self.wait = driver.function("cuStreamWaitEvent", [vp, vp, ctypes.c_uint])
-
-    def fork_join(self, side: tuple, first: int, second: int, event: int) -> None:
-        """Record `side`'s event `event` (1: fork, 2: join) on stream handle `first` and make
-        stream `second` wait for it."""
-        if self.record is None or self.wait is None:
-            streams = {side[0]: side[3]}
-            first_s = streams.get(first) or torch.cuda.ExternalStream(first)
-            second_s = streams.get(second) or torch.cuda.ExternalStream(second)
-            side[3 + event].record(first_s)
-            second_s.wait_event(side[3 + event])
-            return
-        err = self.record(side[event], first) or self.wait(second, side[event], 0)
-        if err:
-            raise RuntimeError(f"CUDA driver error {err} forking / joining a replayssm step's streams")
-
-
-_DRIVER: _Driver | None = None
 _SIDE: dict[int, tuple] = {}
 
 
 def _side_stream(index: int) -> tuple:
-    """(side stream handle, fork event handle, join event handle, side stream, fork event,
-    join event) of device `index`, made once (the objects keep the handles alive)."""
+    """(side stream handle, fork event, join event, side stream) of device `index`, made
+    once (the stream object keeps its handle alive)."""
     side = _SIDE.get(index)
     if side is None:
         stream = torch.cuda.Stream(device=index, priority=-1)
-        fork, join = torch.cuda.Event(), torch.cuda.Event()
-        fork.record(stream)  # CUDA events are created on first record, on the stream's device
-        join.record(stream)
-        side = _SIDE[index] = (stream.cuda_stream, fork.cuda_event, join.cuda_event, stream, fork, join)
+        flags = cuda_driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        with torch.cuda.device(index):  # events belong to the current device's context
+            fork, join = (_checked(cuda_driver.cuEventCreate(flags)) for _ in range(2))
+        side = _SIDE[index] = (stream.cuda_stream, fork, join, stream)
     return side
 
 
-def _driver() -> _Driver:
-    global _DRIVER
-    if _DRIVER is None:
-        _DRIVER = _Driver()
-    return _DRIVER
+def _checked(result):
+    """The value of a cuda.bindings driver call's (error, value) result; raises on error."""
+    err, *value = result if isinstance(result, tuple) else (result,)
+    if err != cuda_driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA driver error {err} forking / joining a replayssm step's streams")
+    return value[0] if value else None
+
+
+def _record_wait(event, first: int, second: int) -> None:
+    """Record `event` on stream handle `first` and make stream `second` wait for it."""
+    _checked(cuda_driver.cuEventRecord(event, first))
+    _checked(cuda_driver.cuStreamWaitEvent(second, event, 0))
 
 
 def fork_streams(index: int, flush_pdl: bool, main: int) -> tuple[int, int]:
@@ -292,7 +272,7 @@ def fork_streams(index: int, flush_pdl: bool, main: int) -> tuple[int, int]:
     `flush_pdl`: the flush on `main`, else the non-flush kernel. The fork reuses one event
     (a wait orders against the record made just before it)."""
     side = _side_stream(index)
-    _driver().fork_join(side, main, side[0], 1)
+    _record_wait(side[1], main, side[0])
     return (main, side[0]) if flush_pdl else (side[0], main)
 
 
@@ -300,7 +280,7 @@ def join_streams(index: int, main: int) -> None:
     """Join the side stream of device `index` back into `main` after a step's kernels:
     everything after the step sees both kernels' writes (one reused event, as the fork)."""
     side = _side_stream(index)
-    _driver().fork_join(side, side[0], main, 2)
+    _record_wait(side[2], side[0], main)
 
 
 def decode_step(

@@ -3,7 +3,7 @@ every live row's T_b <= 8 outputs and ring writes, one warp per (row, head), the
 read-copy format (`read_copy.Fp8` / `read_copy.Nvfp4`) supplying the read-copy loads and
 row dots; the rest is `decode.Decode`'s lane map with the tokens in the MMA's n dimension.
 
-It runs after the Triton plan kernel of `kernels/triton/pending.py` and the fold
+It runs after the plan kernel of `plan.py` and the fold
 (`flush.PendingFold`) on the same stream, launched with programmatic
 dependent launch (griddepcontrol.wait before its first global access), and resets the
 fold's work list for the next call; or, split (`fold_and_step`), as two launches that

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ... import layout as L
-from .launch import Relaunch, current_stream, interpreting, keep
+from .launch import interpreting
 
 
 @triton.jit
@@ -86,47 +86,11 @@ def _chunks(constexprs: dict) -> int:
 
 def clear(cache, ids: torch.Tensor) -> None:
     """Zero rings and positions of the valid slots in `ids` (int32/int64 [batch]). One
-    launch through `Relaunch`; a caller clearing one cache repeatedly keeps a `Clear`
-    (the kernel backend does, per cache)."""
+    launch."""
     ids = ids.reshape(-1)
     batch = ids.numel()
     if batch == 0:
         return
     tensors, scalars, constexprs = ring_arguments(cache)
     chunks = _chunks(constexprs)
-    _CLEAR((batch, chunks), current_stream(ids.device), (ids, *tensors, ids.stride(0), *scalars), constexprs)
-
-
-class Clear:
-    """The clear launch of one cache, every argument but the ids made once. It holds
-    addresses, not tensors (it keeps no cache alive); its keeper gives it the cache it was
-    made for. The compiled kernel depends on the ids' dtype, 16-byte alignment and stride
-    only (kept per the three); the first launch of each goes through Triton's launcher with
-    tensors, later ones launch it with addresses (`launch.Compiled`)."""
-
-    def __init__(self, cache) -> None:
-        tensors, scalars, constexprs = ring_arguments(cache)
-        self.addresses = tuple(t.data_ptr() for t in tensors)
-        self.scalars = scalars
-        self.constexprs = tuple(constexprs.values())
-        self.chunks = _chunks(constexprs)
-        self.compiled: dict[tuple, object] = {}
-
-    def __call__(self, cache, ids: torch.Tensor, stream: int | None) -> None:
-        """Clear the valid slots of `ids` (1-D) on stream handle `stream` (None: Triton's
-        launch path)."""
-        batch = ids.shape[0]
-        if batch == 0:
-            return
-        ptr, stride = ids.data_ptr(), ids.stride(0)
-        key = (ids.dtype, ptr % 16 == 0, stride)
-        kernel = self.compiled.get(key) if stream is not None else None
-        if kernel is None:
-            tensors, scalars, constexprs = ring_arguments(cache)
-            launched = _clear_kernel[(batch, self.chunks)](ids, *tensors, ids.stride(0), *scalars, **constexprs, num_warps=4)
-            keep(self.compiled, key, launched, stream)
-            return
-        kernel((batch, self.chunks, 1), stream, (ptr, *self.addresses, stride, *self.scalars, *self.constexprs))
-
-
-_CLEAR = Relaunch(_clear_kernel, num_warps=4)
+    _clear_kernel[(batch, chunks)](ids, *tensors, ids.stride(0), *scalars, **constexprs, num_warps=4)

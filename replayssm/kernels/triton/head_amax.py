@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Relaunch, current_stream, interpreting, keep
+from .launch import interpreting
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -67,46 +67,7 @@ def head_amax(states: torch.Tensor, ids: torch.Tensor, num_slots: int) -> torch.
     batch, heads = states.shape[:2]
     hmax = torch.empty(batch, heads, dtype=torch.int32, device=states.device)
     block_h, block_p = _blocks(heads)
-    _HEAD_AMAX(
-        (batch, heads // block_h),
-        current_stream(states.device),
-        (states, ids, hmax, ids.stride(0), *states.stride(), num_slots),
-        dict(H=heads, BLOCK_H=block_h, BLOCK_P=block_p),
+    _head_amax_kernel[(batch, heads // block_h)](
+        states, ids, hmax, ids.stride(0), *states.stride(), num_slots, H=heads, BLOCK_H=block_h, BLOCK_P=block_p, num_warps=4
     )
     return hmax
-
-
-class HeadAmax:
-    """Repeated `head_amax` launches for one head count and slot count: the compiled
-    kernel per dtype and 16-byte alignment of the ids and states and their strides;
-    the first launch of each through Triton's launcher, later ones with addresses
-    (`launch.Compiled`)."""
-
-    def __init__(self, heads: int, num_slots: int) -> None:
-        self.heads, self.num_slots = heads, num_slots
-        block_h, block_p = _blocks(heads)
-        self.constexprs = (heads, block_h, block_p)
-        self.programs = heads // block_h
-        self.compiled: dict[tuple, object] = {}
-
-    def __call__(self, states: torch.Tensor, ids: torch.Tensor, stream: int | None) -> torch.Tensor:
-        """The head amax of `states` for the valid rows of `ids` (1-D) on stream handle
-        `stream` (None: Triton's launch path)."""
-        batch = ids.shape[0]
-        hmax = torch.empty(batch, self.heads, dtype=torch.int32, device=states.device)
-        s_ptr, i_ptr = states.data_ptr(), ids.data_ptr()
-        strides = states.stride()
-        key = (ids.dtype, i_ptr % 16 == 0, ids.stride(0), s_ptr % 16 == 0, strides)
-        kernel = self.compiled.get(key) if stream is not None else None
-        if kernel is None:
-            H, block_h, block_p = self.constexprs
-            launched = _head_amax_kernel[(batch, self.programs)](
-                states, ids, hmax, ids.stride(0), *strides, self.num_slots, H=H, BLOCK_H=block_h, BLOCK_P=block_p, num_warps=4
-            )
-            keep(self.compiled, key, launched, stream)
-        else:
-            kernel((batch, self.programs, 1), stream, (s_ptr, i_ptr, hmax.data_ptr(), ids.stride(0), *strides, self.num_slots, *self.constexprs))
-        return hmax
-
-
-_HEAD_AMAX = Relaunch(_head_amax_kernel, num_warps=4)

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ... import layout as L
 from ...formats import Format
-from ...quant.rng import seed_key
+from ...quant.rng import seed_key_i32
 from .bits import (
     ONE_SIXTH_BITS,
     decode_e4m3_pos,
@@ -40,8 +40,8 @@ from .bits import (
     stream_key,
 )
 from .clear import ring_arguments, zero_slot
-from .head_amax import HeadAmax, head_amax
-from .launch import Relaunch, current_stream, int32_pattern, interpreting, keep
+from .head_amax import head_amax
+from .launch import interpreting
 
 
 
@@ -180,7 +180,7 @@ def _arguments(cache, heads: int, fmt: Format, seed: int, head_offset: int):
     rings, ring_scalars, ring_consts = ring_arguments(cache, programs=rows // block_r)
     tensors = (ckpt.view(torch.int16), read.view(torch.uint8), scales_arg, meta, parity, *rings)
     scalars = (ckpt.stride(0), read.stride(0), scales.stride(0), meta.stride(0), parity.stride(0), *ring_scalars[:4],
-               ckpt.shape[0], int32_pattern(seed_key(seed)), head_offset)  # fmt: skip
+               ckpt.shape[0], seed_key_i32(seed), head_offset)  # fmt: skip
     clear_block = ring_consts.pop("BLOCK")
     return tensors, scalars, dict(H=heads, HPG=heads // groups, NVFP4=fmt.two_level, BLOCK_R=block_r, **ring_consts, CLEAR_BLOCK=clear_block)
 
@@ -189,8 +189,7 @@ def initialize(cache, states: torch.Tensor, ids: torch.Tensor, *, fmt: Format, s
     """Checkpoint, read copy and scales (NVFP4: meta and parity too) of the valid slots in
     `ids` from FP32 `states` [batch, H, 64, 128] (any strides, stride 0 on the batch dim
     included), and their rings and positions cleared. Launches: head amax (NVFP4 only),
-    then encode-and-clear, through `Relaunch`; a caller initializing one cache repeatedly
-    keeps an `Initialize` (the kernel backend does, per cache)."""
+    then encode-and-clear."""
     ids = ids.reshape(-1)
     batch, heads = states.shape[:2]
     if batch == 0:
@@ -198,57 +197,6 @@ def initialize(cache, states: torch.Tensor, ids: torch.Tensor, *, fmt: Format, s
     num_slots = cache[L.CHECKPOINT].shape[0]
     tensors, scalars, constexprs = _arguments(cache, heads, fmt, seed, head_offset)
     hmax = head_amax(states, ids, num_slots) if fmt.two_level else tensors[0]
-    stream = current_stream(ids.device)
-    _INITIALIZE(
-        (batch, heads * L.HEAD_DIM // constexprs["BLOCK_R"]),
-        stream,
-        (states, ids, hmax, *tensors, ids.stride(0), *states.stride(), *scalars),
-        constexprs,
+    _initialize_kernel[(batch, heads * L.HEAD_DIM // constexprs["BLOCK_R"])](
+        states, ids, hmax, *tensors, ids.stride(0), *states.stride(), *scalars, **constexprs, num_warps=4, enable_fp_fusion=False
     )
-
-
-class Initialize:
-    """The initialize launches (NVFP4: head amax, then encode-and-clear) of one cache, format,
-    seed and head offset, with every argument but the states and the ids made once. It
-    holds addresses, not tensors (it keeps no cache alive); its keeper gives it the cache
-    it was made for. The encode kernel compiles per dtype and 16-byte alignment of the ids
-    and states and the ids' and states' strides (all runtime integers but num_slots and the seed
-    key are specialized); each variant's first launch goes through Triton's launcher with
-    tensors, later ones launch it with addresses (`launch.Compiled`)."""
-
-    def __init__(self, cache, fmt: Format, seed: int, head_offset: int) -> None:
-        self.heads = cache[L.CHECKPOINT].shape[1]
-        self.args = (fmt, seed, head_offset)
-        tensors, self.scalars, constexprs = _arguments(cache, self.heads, fmt, seed, head_offset)
-        self.addresses = tuple(t.data_ptr() for t in tensors)
-        self.constexprs = tuple(constexprs.values())
-        self.chunks = self.heads * L.HEAD_DIM // constexprs["BLOCK_R"]
-        self.num_slots = cache[L.CHECKPOINT].shape[0]
-        self.two_level = fmt.two_level
-        self.amax = HeadAmax(self.heads, self.num_slots) if fmt.two_level else None
-        self.compiled: dict[tuple, object] = {}
-
-    def __call__(self, cache, states: torch.Tensor, ids: torch.Tensor, stream: int | None) -> None:
-        """Initialize the valid slots of `ids` (1-D) from `states` [batch, H, 64, 128] FP32
-        on stream handle `stream` (None: Triton's launch path)."""
-        batch = ids.shape[0]
-        if batch == 0:
-            return
-        hmax = self.amax(states, ids, stream) if self.two_level else None
-        s_ptr, i_ptr = states.data_ptr(), ids.data_ptr()
-        strides = states.stride()
-        key = (ids.dtype, i_ptr % 16 == 0, ids.stride(0), s_ptr % 16 == 0, strides)
-        kernel = self.compiled.get(key) if stream is not None else None
-        if kernel is None:
-            tensors, scalars, constexprs = _arguments(cache, self.heads, *self.args)
-            launched = _initialize_kernel[(batch, self.chunks)](
-                states, ids, tensors[0] if hmax is None else hmax, *tensors, ids.stride(0), *strides, *scalars,
-                **constexprs, num_warps=4, enable_fp_fusion=False,
-            )
-            keep(self.compiled, key, launched, stream)
-        else:
-            h_ptr = self.addresses[0] if hmax is None else hmax.data_ptr()
-            kernel((batch, self.chunks, 1), stream, (s_ptr, i_ptr, h_ptr, *self.addresses, ids.stride(0), *strides, *self.scalars, *self.constexprs))
-
-
-_INITIALIZE = Relaunch(_initialize_kernel, num_warps=4, enable_fp_fusion=False)
