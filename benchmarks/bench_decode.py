@@ -52,7 +52,7 @@ from replayssm.formats import FORMATS, FP8, NVFP4
 
 RING = 16
 STANDARD = ("standard-fp32", "standard-bf16", "standard-fp16")
-REPLAY = ("replayssm-fp8", "replayssm-nvfp4")
+REPLAY = ("replayssm-fp8", "replayssm-nvfp4", "replayssm-fp16")
 STD_DTYPES = {"standard-fp32": torch.float32, "standard-bf16": torch.bfloat16, "standard-fp16": torch.float16}
 DEFAULT_BATCHES = (1, 8, 32, 128, 256, 512, 1024)
 DEFAULT_SHAPES = ("16x2", "64x8")
@@ -563,7 +563,7 @@ def plot(rows: list[dict], path: Path) -> str | None:
     except ImportError as e:
         return f"no plot: {e}"
     shapes = sorted({(r["heads"], r["groups"]) for r in rows})
-    colors = dict(zip(REPLAY + STANDARD, ["tab:blue", "tab:green", "tab:red", "tab:orange", "tab:purple"]))
+    colors = dict(zip(REPLAY + STANDARD, ["tab:blue", "tab:green", "tab:cyan", "tab:red", "tab:orange", "tab:purple"]))
     fig, axes = plt.subplots(2, len(shapes), figsize=(6.5 * len(shapes), 8.5), squeeze=False)
     for c, (h, g) in enumerate(shapes):
         series = {}

@@ -62,8 +62,8 @@ from benchmarks.common import base_states, commit, graph_seconds, version, write
 
 RING = 16
 SPEC = "spec-bf16"
-PENDING = ("pending-fp8", "pending-nvfp4")
-REPLAY = ("replayssm-fp8", "replayssm-nvfp4")
+PENDING = ("pending-fp8", "pending-nvfp4", "pending-fp16")
+REPLAY = ("replayssm-fp8", "replayssm-nvfp4", "replayssm-fp16")
 STANDARD = "standard-bf16"
 PROVIDERS = (SPEC, *PENDING, *REPLAY, STANDARD)
 MULTI = (SPEC, *PENDING)  # providers with T tokens a row per call

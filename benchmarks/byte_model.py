@@ -56,7 +56,7 @@ RING = 16
 NVFP4_BLOCK = 16
 
 STANDARD_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
-REPLAY_FORMATS = ("fp8", "nvfp4")
+REPLAY_FORMATS = ("fp8", "nvfp4", "fp16")
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,8 @@ def read_copy_bytes(s: Shape, fmt: str) -> dict[str, int]:
     """The read copy of one slot and everything a reader needs to decode it."""
     if fmt == "fp8":
         return {"codes": s.state_elems, "scales": s.heads * HEAD_DIM * 4}
+    if fmt == "fp16":  # no read copy: the steps read the checkpoint
+        return {"codes": s.state_elems * 2, "scales": 0}
     if fmt == "nvfp4":
         return {
             "codes": s.state_elems // 2,
@@ -134,7 +136,7 @@ def replay_step(s: Shape, fmt: str, ring_index: int) -> StepBytes:
         read = ckpt + (RING - 1) * entry + inputs + 4
         if fmt == "nvfp4":
             read += read_copy_bytes(s, fmt)["meta"] + 4  # meta pair and parity
-        write = ckpt + rc + io["out"] + 4
+        write = ckpt + (0 if fmt == "fp16" else rc) + io["out"] + 4
     return StepBytes(read, write)
 
 
@@ -165,7 +167,8 @@ def state_bytes_per_head_token(provider: str) -> float:
         return 2.0 * s.state_elems * STANDARD_DTYPES[fmt]
     rc = read_copy_bytes(s, fmt)
     rc_state = rc["codes"] + rc["scales"]
-    return (15 * rc_state + (2 * s.state_elems * 2 + rc_state)) / RING
+    flush = 2 * s.state_elems * 2 + (0 if fmt == "fp16" else rc_state)
+    return (15 * rc_state + flush) / RING
 
 
 def cache_bytes_per_slot(provider: str, s: Shape) -> int:

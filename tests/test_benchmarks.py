@@ -242,7 +242,9 @@ def test_pending_timeline_statistics():
 
     fold = "kernel_cutlass_kernel_replayssmkernelscuteflushPendingFold_object_at__ptrf16"
     step = "kernel_cutlass_kernel_replayssmkernelscutependingPendingStep_object_at__ptrbf16"
-    assert [kernel_tag(n) for n in ("_plan_kernel", fold, step)] == ["plan", "fold", "step"]
+    plan = "kernel_cutlass_kernel_replayssmkernelscuteplanPendingPlanKernel_object_at__Ptrgeneric"
+    prep = "kernel_cutlass_kernel_replayssmkernelscuteplanPrepare_object_at__Ptrgeneric"
+    assert [kernel_tag(n) for n in (plan, fold, step, prep)] == ["plan", "fold", "step", "prepare"]
     events = [
         ("plan", 0.0, 2.0), ("fold", 1.5, 20.0), ("step", 10.0, 30.0), ("other", 12.0, 13.0), ("step", 21.0, 32.0),
         ("plan", 40.0, 43.0), ("step", 42.0, 50.0),
