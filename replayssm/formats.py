@@ -6,8 +6,8 @@ carried to the backends. It names the cache tensors the format adds after the ri
 formats differ: writing the read copy at init, the parity flip a flush's prepare makes,
 re-deriving the read copy from a folded state, and reading it back as FP32. The
 quantizers themselves are `replayssm.quant.formats`; the kernels' strategies are
-`kernels.cute.read_copy` (CuTe) and the Triton kernels' `NVFP4` constexpr, set from
-`Format.two_level`.
+`kernels.cute.read_copy` (CuTe) and the Triton kernels' `NVFP4` and `READ_COPY`
+constexprs, set from `Format.two_level` and `Format.has_read_copy`.
 
 A new format is a new subclass here, its quantizer in `quant.formats` and its kernel
 strategy.
@@ -41,6 +41,9 @@ class Format:
 
     name: str = ""
     two_level: bool = False
+    # Whether the slot holds a read copy (cache[READ_COPY], cache[SCALES]); fp16's steps
+    # read the checkpoint instead.
+    has_read_copy: bool = True
     # Whether the GPU kernels run this format (`backend="auto"` runs the others on the
     # PyTorch reference, with a warning).
     on_kernels: bool = True
@@ -160,11 +163,10 @@ class Nvfp4Format(Format):
 class Fp16Format(Format):
     """No read copy: a step reads the FP16 checkpoint itself (docs/format.md section 4b).
     The slot holds the checkpoint, the rings and the positions; the fold writes the
-    checkpoint with the stochastic rounding of the other formats, and nothing else.
-    Runs on the PyTorch reference (no kernels yet)."""
+    checkpoint with the stochastic rounding of the other formats, and nothing else."""
 
     name = "fp16"
-    on_kernels = False
+    has_read_copy = False
 
     def specs(self, heads, groups):
         return []

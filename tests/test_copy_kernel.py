@@ -23,7 +23,7 @@ from replayssm import layout as L
 from replayssm.kernels.triton import copy_slots as K
 from tests.helpers import assert_cache_equal, same_bits, snapshot
 
-FMTS = ["fp8", "nvfp4"]
+FMTS = ["fp8", "nvfp4", "fp16"]
 # The CPU tests run the kernel in the Triton interpreter, which conftest.py turns on only
 # where no GPU is present; on a GPU machine the `gpu` tests run it compiled.
 interpreted = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""Compile-only checks of the CuTe DSL decode kernels, both formats, every target (CPU CI).
+"""Compile-only checks of the CuTe DSL decode kernels, every format, every target (CPU CI).
 
 No GPU is needed: `compile_all` names the target explicitly. The checks are properties of
 the code, not instruction counts (those move with any harmless change of the compiler or
@@ -8,7 +8,8 @@ of unrolling):
   `cvt.rs.satfinite.f16x2.f32` and convert the read copy with the e4m3x2 / e2m1x2 `cvt`
   forms, with no software rounding left; sm_90a has no `cvt.rs` or e2m1 conversion and
   emits none (its software paths are present instead, checked bit for bit by the GPU
-  tests); no flush rounds the checkpoint to nearest;
+  tests); no flush rounds the checkpoint to nearest; fp16 (no read copy) converts no
+  state to f16 in its non-flush kernel and encodes nothing but the checkpoint;
 - the tensor cores: f16 and bf16 `mma.m16n8k16` in the non-flush kernel, tf32
   `mma.m16n8k8` in the flush, each and only where docs/design.md puts it;
 - one kernel entry a module, the PDL wait in the `-pdl` variants only and before their
@@ -62,7 +63,7 @@ def _expected_folders(arch):
     from replayssm.kernels.cute.config import step_configs
     from replayssm.kernels.cute.launch import variant_name
 
-    return {variant_name(kind, cfg) for fmt in ("fp8", "nvfp4") for h, g in GEOMETRIES for cfg in step_configs(arch, fmt, h, g) for kind in ("decode", "flush")}
+    return {variant_name(kind, cfg) for fmt in ("fp8", "nvfp4", "fp16") for h, g in GEOMETRIES for cfg in step_configs(arch, fmt, h, g) for kind in ("decode", "flush")}
 
 
 def _fits(regs, threads, ctas_per_sm):
@@ -76,11 +77,13 @@ def test_every_variant_compiles(compiled, arch):
     paths = compiled[arch]
     folders = {p.parent.name for p in paths}
     # At 16 heads: the non-flush kernel plain, as the batch-1 PDL kernel and (FP8) with
-    # the read hint; the flush plain (batch 1) and as the PDL kernel above it.
+    # the read hint (NVFP4, fp16: streamed); the flush plain (batch 1) and as the PDL
+    # kernel above it.
     want = set()
     for h, g in GEOMETRIES:
-        want |= {f"decode-fp8-h{h}g{g}{v}" for v in ("-pdl", "", "-l2")} | {f"decode-nvfp4-h{h}g{g}{v}" for v in ("-pdl", "-cs")}
-        want |= {f"flush-{fmt}-h{h}g{g}{v}" for fmt in ("fp8", "nvfp4") for v in ("", "-pdl")}
+        want |= {f"decode-fp8-h{h}g{g}{v}" for v in ("-pdl", "", "-l2")}
+        want |= {f"decode-{fmt}-h{h}g{g}{v}" for fmt in ("nvfp4", "fp16") for v in ("-pdl", "-cs")}
+        want |= {f"flush-{fmt}-h{h}g{g}{v}" for fmt in ("fp8", "nvfp4", "fp16") for v in ("", "-pdl")}
     assert folders == want == _expected_folders(arch)
     for folder in folders:
         assert sorted(p.suffix for p in paths if p.parent.name == folder) == [".cubin", ".ptx"], folder
@@ -104,12 +107,12 @@ def test_only_the_pdl_variants_wait_for_the_prepare_kernel(compiled, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_flush_loops_over_the_flushing_rows_only(compiled, arch):
-    """Both formats' flushes take one trip per set bit of the CTA's flush mask (a `popc`
+    """Every format's flush takes one trip per set bit of the CTA's flush mask (a `popc`
     trip count, the lowest set bit by `bfind`), not one per batch row of the group; fold
     on the tf32 tensor cores, round the checkpoint with the counter hash and never to
     nearest."""
     flushes = _ptx(compiled[arch], "flush")
-    assert len(flushes) == 8
+    assert len(flushes) == 12
     for name, text in flushes.items():
         assert "popc.b32" in text and "bfind.u32" in text, name
         assert TF32_MMA in text and F16_MMA not in text and BF16_MMA not in text, name
@@ -124,8 +127,8 @@ def test_sm100_uses_hardware_conversions(compiled, arch):
         # conversion or warp vote left.
         assert "cvt.rs.satfinite.f16x2.f32" in text, name
         assert "cvt.rz.f16x2.f32" not in text and "vote.sync.all" not in text, name
-        # FP8 codes, NVFP4 block scales.
-        assert "cvt.rn.satfinite.e4m3x2.f32" in text, name
+        # FP8 codes, NVFP4 block scales; fp16 encodes no read copy.
+        assert ("cvt.rn.satfinite.e4m3x2.f32" in text) == ("fp16" not in name), name
     for name, text in _ptx(compiled[arch], "flush-nvfp4").items():
         # The e2m1 codes by the hardware conversion, rounded to nearest (the read copy),
         # not by the software encode's rounding add.
@@ -153,6 +156,10 @@ def test_sm90_is_software(compiled):
     for name, text in _ptx(compiled["sm_90a"], "decode-nvfp4").items():
         # The codes moved to e4m3 codes and converted two at a time, as the block scales.
         assert "cvt.rn.f16x2.e4m3x2" in text, name
+    for name, text in _ptx(compiled["sm_90a"], "flush-fp16").items():
+        # The checkpoint by the warp-voted rounding (as NVFP4's); no read copy encoded.
+        assert "vote.sync.all.pred" in text and "cvt.rz.f16x2.f32" in text, name
+        assert "e4m3" not in text and "add.rn.f32" not in text, name
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -164,6 +171,9 @@ def test_non_flush_kernels_read_vectors_and_use_the_tensor_cores(compiled, arch)
         assert text.count("bar.sync") == 1, name  # the one barrier: the B_j . C partial sums
         if "fp8" in name:
             assert "cvt.rn.f16x2.e4m3x2" in text, name  # codes to f16 pairs exactly
+        elif "fp16" in name:
+            # The checkpoint's words are the MMA's f16 pairs as loaded: no conversion, no scaling.
+            assert "e4m3" not in text and "e2m1" not in text and "mul.rn.f16x2" not in text, name
         else:
             # Row dots by block: block scales multiply FP32 accumulators (no f16 scaling),
             # summed by butterfly shuffles.
@@ -173,7 +183,7 @@ def test_non_flush_kernels_read_vectors_and_use_the_tensor_cores(compiled, arch)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_read_copy_loads_carry_the_configs_cache_hint(compiled, arch):
     """FP8: `.L2::128B` read-copy loads in the `-l2` variant only, never an L1 qualifier
-    (`.cs` among them: C and the B ring meet in L1); NVFP4: streamed (`.cs`) read-copy loads
+    (`.cs` among them: C and the B ring meet in L1); NVFP4 and fp16: streamed (`.cs`) loads
     but in the batch-1 PDL variant, no L2 hint. C and the rings stay plain 16-byte loads,
     and a hint changes no load: each variant issues its twin's 16-byte loads."""
     decodes = _ptx(compiled[arch], "decode")
@@ -258,7 +268,7 @@ def test_step_config_rules():
     def cfg(fmt, heads, batch):
         return step_config("sm_90a", fmt, heads, heads // 8, batch)
 
-    for fmt in ("fp8", "nvfp4"):
+    for fmt in ("fp8", "nvfp4", "fp16"):
         one, two = cfg(fmt, 16, 1), cfg(fmt, 16, 2)
         assert (one.nonflush_pdl, one.flush_pdl) == (True, False)  # batch 1: the non-flush kernel takes PDL
         assert (two.nonflush_pdl, two.flush_pdl) == (False, True)  # above it the flush
@@ -267,16 +277,18 @@ def test_step_config_rules():
     assert [cfg("fp8", 64, b).read_hint for b in (127, 128)] == ["", ".L2::128B"]
     assert [cfg("fp8", 64, b).flush_rows for b in (1, 127, 128, 1024)] == [16, 16, 32, 32]
     assert [cfg("fp8", 32, b).flush_rows for b in (128, 1024)] == [16, 16]
-    # NVFP4: streamed read copy but in the batch-1 PDL variant; row groups of 16.
-    assert [cfg("nvfp4", 16, b).read_hint for b in (1, 2, 1024)] == ["", ".cs", ".cs"]
-    assert {cfg("nvfp4", 64, b).flush_rows for b in (1, 128, 1024)} == {16}
+    # NVFP4 and fp16: streamed read copy (checkpoint) but in the batch-1 PDL variant; row
+    # groups of 16.
+    for fmt in ("nvfp4", "fp16"):
+        assert [cfg(fmt, 16, b).read_hint for b in (1, 2, 1024)] == ["", ".cs", ".cs"]
+        assert {cfg(fmt, 64, b).flush_rows for b in (1, 128, 1024)} == {16}
 
 
 def test_step_configs_cover_every_batch():
     """warmup compiles `step_configs`: every config a batch of 1..4096 rows gets."""
     from replayssm.kernels.cute.config import step_config, step_configs
 
-    for fmt in ("fp8", "nvfp4"):
+    for fmt in ("fp8", "nvfp4", "fp16"):
         for heads, groups in ((8, 1), (16, 2), (16, 1), (32, 4), (64, 8), (128, 8)):
             got = set(step_configs("sm_100a", fmt, heads, groups))
             want = {step_config("sm_100a", fmt, heads, groups, b) for b in range(1, 4097)}
@@ -321,7 +333,7 @@ def test_argument_structs_raw_is_what_the_spec_reads():
     assert (inputs.x_stride16, inputs.b_stride16, inputs.c_stride16) == (proj.stride(0) * 2 // 16,) * 3
     ckpt = A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=8)
     assert ckpt == [cache[L.CHECKPOINT].data_ptr(), cache[L.CHECKPOINT].stride(0) * 2 // 16, 8]
-    for struct in (A.Ring, A.Nvfp4Copy, A.Fp8Copy, A.Checkpoint, A.Inputs, A.Plan, A.DebugPlan, A.PendingInputs):
+    for struct in (A.Ring, A.Nvfp4Copy, A.Fp8Copy, A.Fp16Copy, A.Checkpoint, A.Inputs, A.Plan, A.DebugPlan, A.PendingInputs):
         assert list(A.SPECS[struct]) == list(struct._fields), struct.__name__
     assert len(A.DebugPlan._fields) == len(A.Plan._fields) + 1
 
@@ -333,37 +345,34 @@ def test_streams_fork_and_join(monkeypatch):
     stays on the current stream."""
     from replayssm.kernels.cute import launch
 
-    class Lib:
-        def __init__(self):
-            self.calls = []
+    ok = launch.cuda_driver.CUresult.CUDA_SUCCESS
+    calls = []
+
+    class Driver:  # stands in for cuda.bindings' driver module
+        CUresult = launch.cuda_driver.CUresult
+
+        def __init__(self, wait_result=ok):
+            self.wait_result = wait_result
 
         def cuEventRecord(self, event, stream):
-            self.calls.append(("record", event, stream))
-            return 0
+            calls.append(("record", event, stream))
+            return (ok,)
 
         def cuStreamWaitEvent(self, stream, event, flags):
-            self.calls.append(("wait", stream, event))
-            return 0
+            calls.append(("wait", stream, event))
+            return (self.wait_result,)
 
-    driver = launch._Driver()
-    lib = Lib()
-    driver.record, driver.wait = lib.cuEventRecord, lib.cuStreamWaitEvent
-    monkeypatch.setattr(launch, "_DRIVER", driver)
+    monkeypatch.setattr(launch, "cuda_driver", Driver())
     monkeypatch.setattr(launch, "_side_stream", lambda index: (200, 11, 12))
     for flush_pdl in (False, True):
-        lib.calls.clear()
+        calls.clear()
         f, n = launch.fork_streams(0, flush_pdl, 100)
         launch.join_streams(0, 100)
         assert (f, n) == ((100, 200) if flush_pdl else (200, 100))
-        assert lib.calls == [("record", 11, 100), ("wait", 200, 11), ("record", 12, 200), ("wait", 100, 12)]
+        assert calls == [("record", 11, 100), ("wait", 200, 11), ("record", 12, 200), ("wait", 100, 12)]
 
-    class Failing(Lib):
-        def cuStreamWaitEvent(self, stream, event, flags):
-            return 1
-
-    failing = Failing()
-    driver.record, driver.wait = failing.cuEventRecord, failing.cuStreamWaitEvent
-    with pytest.raises(RuntimeError, match="CUDA driver error 1"):
+    monkeypatch.setattr(launch, "cuda_driver", Driver(launch.cuda_driver.CUresult.CUDA_ERROR_INVALID_HANDLE))
+    with pytest.raises(RuntimeError, match="CUDA driver error"):
         launch.fork_streams(0, True, 100)
 
 
@@ -397,6 +406,24 @@ def test_flush_fragment_maps_are_bijections():
     # distinct 4-bank groups.
     for a in range(4):
         assert len({((q * B_ROW + 4 * (2 * a + b)) % 32) // 4 for q in range(4) for b in range(2)}) == 8, a
+
+
+def test_step_lane_n_sets_cover_each_state_column_once():
+    """The steps' n-sets (`c_word`: the C and B ring words of lane q, and fp16's checkpoint
+    words, so that a row's word j and C's word j hold the same two columns): the four
+    lanes of a row hold each of the 128 columns once, a 16-byte vector 8 consecutive ones;
+    fp16's four lanes read one 64-byte span of a row with each of their 16-byte loads."""
+    from replayssm.kernels.cute.read_copy import read_copy_format
+
+    for name in ("fp8", "nvfp4", "fp16"):
+        fmt = read_copy_format(name, "sm_90a")
+        cols = sorted(2 * fmt.c_word(c, q, h) + e for q in range(4) for c in range(2) for h in range(2) for e in range(8))
+        assert cols == list(range(128)), name
+    fp16 = read_copy_format("fp16", "sm_90a")
+    for c in range(2):
+        for h in range(2):
+            starts = sorted(4 * fp16.c_word(c, q, h) for q in range(4))  # bytes into the row
+            assert starts == list(range(starts[0], starts[0] + 64, 16)) and starts[0] % 64 == 0, (c, h)
 
 
 def test_flush_lane_map_covers_each_state_row_half_once():
@@ -453,11 +480,13 @@ def test_sass_stats_reads_the_kernels_resources(compiled, arch):
     """benchmarks/sass_stats.py reads the cubins right: every kernel holds tensor-core
     MMAs, global loads and stores and barriers, the non-flush kernel its one barrier; the
     registers allow the CTAs an SM each kernel is compiled for (`min_blocks_per_mp`:
-    decode.CTAS_PER_SM, flush.MIN_CTAS_PER_SM; 128 registers at 4 CTAs of 128 threads);
+    the format's step_ctas_per_sm, flush.MIN_CTAS_PER_SM; 128 registers at 4 CTAs of 128
+    threads, 168 at fp16's 3);
     no spill stack in the non-flush kernels or the NVFP4 flush (its voted rounding is the
     form that does not spill; docs/design.md section 7); each flush PDL variant differs
     from its plain twin by the one wait."""
     from replayssm.kernels.cute import decode, flush
+    from replayssm.kernels.cute.read_copy import read_copy_format
 
     sass_stats = _sass_stats()
     tool = sass_stats.default_cuobjdump()
@@ -469,8 +498,9 @@ def test_sass_stats_reads_the_kernels_resources(compiled, arch):
             threads, ctas = flush.THREADS, flush.MIN_CTAS_PER_SM
         else:
             assert cls["BAR"] == 1, (name, cls)
-            heads, groups = map(int, re.search(r"-h(\d+)g(\d+)", name).groups())
-            threads, ctas = 32 * decode.heads_per_cta(heads // groups), decode.CTAS_PER_SM
+            fmt, heads, groups = re.search(r"-(\w+)-h(\d+)g(\d+)", name).groups()
+            threads = 32 * decode.heads_per_cta(int(heads) // int(groups))
+            ctas = read_copy_format(fmt, arch).step_ctas_per_sm
         assert _fits(st["regs"], threads, ctas), (name, st["regs"], threads, ctas)
         if not name.startswith("flush-fp8"):  # the FP8 flush is not: 8 bytes at 16h/2g on sm_90a
             assert st["stack"] == 0, (name, st["stack"])
@@ -489,7 +519,7 @@ def test_flush_issues_a_rows_loads_before_its_staging(compiled, arch):
     later, each was a memory round trip of its own in every flushed row's chain."""
     tool = _sass_stats().default_cuobjdump()
     cubins = [p for p in compiled[arch] if p.suffix == ".cubin" and p.parent.name.startswith("flush")]
-    assert len(cubins) == 8
+    assert len(cubins) == 12
     for cubin in cubins:
         sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
         ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
@@ -528,12 +558,14 @@ def test_the_hot_paths_structs_are_the_specs():
     from replayssm.reference import Plan
 
     plan = Plan(*(torch.zeros(3, dtype=d) for d in (torch.bool, torch.int64, torch.int64, torch.bool, torch.int64, torch.int64)))
-    for fmt_name in ("fp8", "nvfp4"):
+    for fmt_name in ("fp8", "nvfp4", "fp16"):
         fmt = read_copy_format(fmt_name, "sm_90a")
         cache = L.allocate_cache(5, 16, 2, fmt_name, "cpu", slot_padding=64)
         step = launch.Step(cache, plan, fmt_name, "sm_90a", head_offset=3)
         assert list(step.ckpt) == A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=3)
         assert list(step.ring) == A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])
         assert list(step.copy) == A.raw(fmt.Args, **fmt.tensors(cache, L))
+        if fmt_name == "fp16":  # no read copy: the steps read the checkpoint
+            assert list(step.copy) == list(step.ckpt)[:2]
         assert list(step.plan) == A.raw(A.Plan, **plan._asdict())
         assert (step.batch, step.heads, step.groups) == (3, 16, 2)

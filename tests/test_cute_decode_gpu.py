@@ -1,4 +1,4 @@
-"""CuTe DSL decode kernels (both read-copy formats) against the PyTorch reference, on the GPU.
+"""CuTe DSL decode kernels (every format) against the PyTorch reference, on the GPU.
 
 Every step starts the reference from a copy of the kernels' cache, so both see the same
 state and errors never compound; over 48 steps (three periods) every live row flushes
@@ -13,7 +13,8 @@ between. Per step:
 - flush rows: the kernel's FP32 state S (the flush's test variant) within FP32 summation
   noise of the reference fold, and the FP16 checkpoint and the read copy bit-exact with
   the reference quantizers applied to S (`to_fp16` with `checkpoint_rbits`; `fp8_encode`;
-  `nvfp4_encode` with the live amax, and the group amax of S in meta's other half);
+  `nvfp4_encode` with the live amax, and the group amax of S in meta's other half; fp16
+  has no read copy: its steps read the checkpoint);
 - everything else (state of non-flushing and padding slots, the bytes between slots)
   untouched, with NaN-poisoned memory everywhere the kernels must not read.
 Launch variants beyond a step's default config (`config.step_config`) are forced with
@@ -33,7 +34,7 @@ from replayssm import reference as ref
 from replayssm.quant import formats as Q
 from replayssm.quant.minifloat import to_fp16
 from replayssm.quant.rng import checkpoint_rbits
-from replayssm.formats import FORMATS, FP8, NVFP4
+from replayssm.formats import FORMATS
 
 from . import tolerances as tol
 from .gpu_harness import DEVICE, MANY_LIVE, MANY_SLOTS, NAN, World, check_graph_replays_whole_periods, check_warmup, ulp_bf16
@@ -106,6 +107,17 @@ CASES = [
     # (bits.fp16x2_sr_voted) beside the normal one.
     pytest.param("nvfp4", 16, 2, {"wide": True}, id="nvfp4-h16-g2-wide-range"),
     pytest.param("nvfp4", 16, 2, {"flush_pdl": False}, id="nvfp4-h16-g2-mixed-flush-without-pdl"),
+    pytest.param("fp16", 16, 2, {}, id="fp16-h16-g2-mixed"),
+    pytest.param("fp16", 16, 1, {}, id="fp16-h16-g1-mixed"),
+    pytest.param("fp16", 16, 2, {"sync": True}, id="fp16-h16-g2-sync"),
+    # FP16-subnormal checkpoint values: the flush's general rounding path, and subnormal
+    # f16 operands of the steps' row dots.
+    pytest.param("fp16", 16, 2, {"wide": True}, id="fp16-h16-g2-wide-range"),
+    pytest.param("fp16", 16, 2, {"many": True}, id="fp16-h16-g2-many-rows"),
+    pytest.param("fp16", 16, 2, {"many": True, "columns": 2}, id="fp16-h16-g2-many-rows-2-columns"),
+    pytest.param("fp16", 64, 8, {"many": True}, id="fp16-h64-g8-many-rows"),
+    pytest.param("fp16", 16, 2, {"one": True}, id="fp16-h16-g2-one-row"),
+    pytest.param("fp16", 16, 2, {"flush_pdl": False}, id="fp16-h16-g2-mixed-flush-without-pdl"),
 ]
 
 
@@ -119,19 +131,20 @@ def test_kernels_match_reference_over_three_periods(fmt, heads, groups, case, mo
     cfg = _config(w, case)
     assert cfg.nonflush_pdl == (w.batch == 1)
     nvfp4 = fmt == "nvfp4"
+    has_copy = FORMATS[fmt].has_read_copy
     cache, H, P, N = w.cache, heads, L.HEAD_DIM, L.STATE_DIM
     hpg = H // groups
     out = torch.empty(w.batch, H, P, dtype=torch.bfloat16, device=DEVICE)
     state = torch.empty(w.batch, H, P, N, dtype=torch.float32, device=DEVICE)
     flushed, worst = 0, 0.0
     exact = (L.X_RING, L.DT_RING, L.B_RING, L.POSITIONS) + ((L.PARITY,) if nvfp4 else ())
-    copies = (L.CHECKPOINT, L.READ_COPY, L.SCALES) + ((L.META,) if nvfp4 else ())
+    copies = (L.CHECKPOINT,) + ((L.READ_COPY, L.SCALES) if has_copy else ()) + ((L.META,) if nvfp4 else ())
     for step in range(48):
         before = [t.clone() for t in cache]
         (x, dt, A, B, C, D, dt_bias), plan = _step(w, out, state, cfg)
         expect = [t.clone() for t in before]
         out_ref = torch.full_like(out, NAN)
-        ref.decode(expect, x, dt, A, B, C, D, dt_bias, w.ids, out_ref, fmt=(NVFP4 if nvfp4 else FP8), seed=w.seed)
+        ref.decode(expect, x, dt, A, B, C, D, dt_bias, w.ids, out_ref, fmt=FORMATS[fmt], seed=w.seed)
         torch.cuda.synchronize()
 
         valid = ref.valid_rows(w.ids.long(), cache[1].shape[0])
@@ -170,10 +183,11 @@ def test_kernels_match_reference_over_three_periods(fmt, heads, groups, case, mo
                 kept = meta.gather(2, (1 - old).view(-1, 1, 1).expand(-1, groups, 1)).squeeze(-1)
                 assert same_bits(acc, measured), f"step {step}: meta[old] is not the group amax of S"
                 assert same_bits(kept, live_amax), f"step {step}: the live half of meta changed"
-            else:
+            elif has_copy:
                 codes, scales = Q.fp8_encode(S)
-            assert same_bits(cache[L.READ_COPY][slots], codes), f"step {step}: read copy bits differ from the encoder applied to S"
-            assert same_bits(cache[L.SCALES][slots], scales), f"step {step}: scales differ from the encoder applied to S"
+            if has_copy:
+                assert same_bits(cache[L.READ_COPY][slots], codes), f"step {step}: read copy bits differ from the encoder applied to S"
+                assert same_bits(cache[L.SCALES][slots], scales), f"step {step}: scales differ from the encoder applied to S"
         assert w.gaps_untouched(), f"step {step}: bytes between slot tensors were written"
     live = int(valid.sum())
     assert flushed == 3 * live, (flushed, live)
@@ -202,17 +216,17 @@ def test_nvfp4_runs_are_bit_identical_with_many_ctas_per_group():
         assert same_bits(a, b), f"cache[{i}] differs between runs"
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "fp16"])
 def test_cuda_graph_replays_whole_periods(fmt):
     check_graph_replays_whole_periods(fmt)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "fp16"])
 def test_cuda_graph_replays_whole_periods_at_batch_1(fmt):
     """Batch 1: the non-flush kernel with programmatic dependent launch, captured."""
     check_graph_replays_whole_periods(fmt, live=(5,))
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "fp16"])
 def test_warmup_compiles_and_launches_both_kernels_without_changing_the_cache(fmt):
     check_warmup(fmt)

@@ -1,5 +1,5 @@
 """Compile-only checks of the CuTe DSL pending-mode kernels (cute/pending.py: the step;
-flush.py `PendingFold`: the fold), both formats, every target (CPU CI).
+flush.py `PendingFold`: the fold), every format, every target (CPU CI).
 
 Properties, not instruction counts: the step reads the read copy once for all the call's
 tokens on the tensor cores (f16 MMAs for the read-copy dots, bf16 for B_j . C_t and the
@@ -7,7 +7,9 @@ replay, no tf32), with one barrier, streamed (`.cs`) read-copy loads, 16-byte ou
 ring stores and no state writes; the fold is the flush's (tf32 MMAs, the counter hash, the
 flush's conversions) over a work list, with no output. sm_100a / sm_103a take the hardware
 conversions (`cvt.rs`, e2m1x2), sm_90a none of them and its software paths instead (the
-GPU tests check their bits). Both kernels wait for the kernel before them once, before
+GPU tests check their bits). fp16 reads the checkpoint in the read copy's place (its
+words the MMA's pairs as loaded) and its fold encodes nothing but the checkpoint. Both
+kernels wait for the kernel before them once, before
 their first global load; the split step's two launches are the step with a row filter;
 each kernel's registers (cuobjdump) allow the CTAs an SM it is compiled for, and the
 documented spill-free variants spill nothing.
@@ -28,6 +30,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, rea
 ROOT = Path(__file__).resolve().parent.parent
 ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 HEADS, GROUPS = 16, 2
+FMTS = ["fp8", "nvfp4", "fp16"]
 F16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
 BF16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 TF32_MMA = "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"
@@ -45,7 +48,7 @@ def compiled(tmp_path_factory):
     out = {}
     root = tmp_path_factory.mktemp("pending")
     for arch in ARCHS:
-        for fmt in ("fp8", "nvfp4"):
+        for fmt in FMTS:
             for kind in ("step", "fold"):
                 obj, fake = pending_kernel(fmt, arch, HEADS, GROUPS, torch.bfloat16) if kind == "step" else fold_kernel(fmt, arch, HEADS, GROUPS)
                 paths = [Path(p) for p in compile_into(obj, fake, arch, root / f"{kind}-{fmt}-{arch}")]
@@ -60,7 +63,7 @@ def ptx(compiled):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", FMTS)
 def test_step_reads_the_read_copy_once_for_all_tokens(ptx, arch, fmt):
     text = ptx[arch, fmt, "step"]
     assert re.search(rf"^\.target {arch}\b", text, re.M) and text.count(".entry kernel_") == 1
@@ -73,6 +76,8 @@ def test_step_reads_the_read_copy_once_for_all_tokens(ptx, arch, fmt):
     assert "st.global.v4.b32" in text  # outputs, x and B to the rings: 16-byte stores
     if fmt == "fp8":
         assert "cvt.rn.f16x2.e4m3x2" in text and "mul.rn.f16x2" not in text
+    elif fmt == "fp16":  # the checkpoint's words as the MMA's pairs: no conversion, no scaling
+        assert "e4m3" not in text and "e2m1" not in text and "mul.rn.f16x2" not in text
     else:
         # Each decoded pair times its block's scale (exact f16 products).
         assert "mul.rn.f16x2" in text and "cvt.rn.f16x2.e4m3x2" in text  # the scales (and sm_90a's codes)
@@ -83,7 +88,7 @@ def test_step_reads_the_read_copy_once_for_all_tokens(ptx, arch, fmt):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", FMTS)
 def test_fold_is_the_flush_fold_without_outputs(ptx, arch, fmt):
     text = ptx[arch, fmt, "fold"]
     assert re.search(rf"^\.target {arch}\b", text, re.M) and text.count(".entry kernel_") == 1
@@ -94,11 +99,11 @@ def test_fold_is_the_flush_fold_without_outputs(ptx, arch, fmt):
     assert not re.search(r"\bcvt\.rn(\.satfinite)?\.f16(x2)?\.f32\b", text)  # the checkpoint never to nearest
     hw = arch != "sm_90a"
     # The checkpoint's stochastic rounding: cvt.rs on sm_100a / sm_103a, else the warp-voted
-    # software path (bits.fp16x2_sr_voted: a vote, truncating pair conversions), both formats.
+    # software path (bits.fp16x2_sr_voted: a vote, truncating pair conversions), every format.
     assert ("cvt.rs.satfinite.f16x2.f32" in text) == hw
     assert ("vote.sync.all.pred" in text) == ("cvt.rz.f16x2.f32" in text) == (not hw)
-    assert "cvt.rn.satfinite.e4m3x2.f32" in text  # FP8 codes, NVFP4 block scales
-    if fmt == "fp8":
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in text) == (fmt != "fp16")  # FP8 codes, NVFP4 block scales
+    if fmt != "nvfp4":
         assert not re.search(r"\b(atom|red)\.", text)
     else:
         assert ("cvt.rn.satfinite.e2m1x2.f32" in text) == hw and ("e2m1" in text) == hw
@@ -107,11 +112,11 @@ def test_fold_is_the_flush_fold_without_outputs(ptx, arch, fmt):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", FMTS)
 def test_registers_allow_the_kernels_ctas_an_sm(compiled, arch, fmt):
     """From the cubins (cuobjdump; Triton's has no sm_103a, whose code is sm_100a's): the
-    step's registers allow decode.CTAS_PER_SM CTAs an SM (128 a thread), the fold's its
-    format's `fold_ctas_per_sm` (docs/design.md section 10); no spill stack in the sm_90a
+    step's registers allow its format's `step_ctas_per_sm` CTAs an SM (4: 128 a thread;
+    fp16 3: 168), the fold's its format's `fold_ctas_per_sm` (docs/design.md section 10); no spill stack in the sm_90a
     step or in the sm_100a fold (sm_90a's fold spills a few bytes by design, at 5 and 6
     CTAs an SM)."""
     sys.path.insert(0, str(ROOT))
@@ -121,7 +126,8 @@ def test_registers_allow_the_kernels_ctas_an_sm(compiled, arch, fmt):
     from replayssm.kernels.cute.read_copy import read_copy_format
 
     tool = sass_stats.default_cuobjdump()
-    ctas = {"step": decode.CTAS_PER_SM, "fold": read_copy_format(fmt, arch).fold_ctas_per_sm}
+    fmt_obj = read_copy_format(fmt, arch)
+    ctas = {"step": fmt_obj.step_ctas_per_sm, "fold": fmt_obj.fold_ctas_per_sm}
     threads = {"step": 32 * decode.heads_per_cta(HEADS // GROUPS), "fold": flush.THREADS}
     for kind in ("step", "fold"):
         usage = subprocess.run([tool, "--dump-resource-usage", str(compiled[arch, fmt, kind][".cubin"])], capture_output=True, text=True, check=True).stdout
@@ -133,7 +139,7 @@ def test_registers_allow_the_kernels_ctas_an_sm(compiled, arch, fmt):
 
 
 @pytest.mark.parametrize("kind", ["step", "fold"])
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", FMTS)
 def test_pending_kernels_wait_for_the_kernel_before_them(ptx, fmt, kind):
     """Both launch with programmatic dependent launch (the fold behind the plan kernel, the
     step behind the fold): one griddepcontrol.wait, before the kernel's first global load."""
@@ -143,7 +149,7 @@ def test_pending_kernels_wait_for_the_kernel_before_them(ptx, fmt, kind):
     assert body.index("griddepcontrol.wait") < body.index("ld.global")
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", FMTS)
 def test_split_step_variants_are_the_step_with_a_row_filter(ptx, fmt, tmp_path):
     """The two launches of a split step (cute/pending.py `fold_and_step`): the same MMAs,
     vector stores and PDL wait as the one-launch step; the one beside the fold ("rest")
@@ -213,7 +219,7 @@ def test_pending_launch_structs_are_the_specs(monkeypatch, varlen):
     assert list(pm.step_words(x, dt, A_, B, C, D, dt_bias, out, varlen)) == A.raw(A.PendingInputs, **inputs)
     plan = PendingPlan(64, "cpu")
     rows = plan.view(b)
-    for fmt_name in ("fp8", "nvfp4"):
+    for fmt_name in FMTS:
         fmt = read_copy_format(fmt_name, "sm_90a")
         cache = L.allocate_cache(5, H, G, fmt_name, "cpu", slot_padding=64, pending=True)
         launcher = pm.PendingLaunch(cache, plan.buf, plan.fold_list, fmt_name, "sm_90a", head_offset=3)

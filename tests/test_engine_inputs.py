@@ -50,7 +50,7 @@ def test_normalized_engine_inputs_are_views_of_the_callers_tensors():
         assert torch.equal(a.float(), b.float())
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "fp16"])
 @pytest.mark.parametrize("backend", ["reference", "kernels"])
 def test_engine_shaped_inputs_give_the_plain_inputs_bits_cpu(fmt, backend):
     """CPU: the reference, and the kernel backend under the Triton interpreter, over a
@@ -70,7 +70,7 @@ needs_dsl = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reas
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "fp16"])
 @pytest.mark.parametrize("batch", [1, 5, 45])
 def test_engine_shaped_inputs_give_the_plain_inputs_bits_gpu(fmt, batch):
     """Over 34 steps (every row flushes twice): outputs and every cache tensor."""
@@ -102,7 +102,7 @@ def _kernels_of_one_step(cache, slots, inputs, out):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "fp16"])
 @pytest.mark.parametrize("shape", ["engine", "plain"])
 @pytest.mark.parametrize("batch", [1, 64])
 def test_a_step_launches_only_its_three_kernels(fmt, shape, batch):
@@ -119,7 +119,7 @@ def test_a_step_launches_only_its_three_kernels(fmt, shape, batch):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "fp16"])
 def test_the_eager_fast_path_gives_the_ops_bits_and_launches_directly(fmt, monkeypatch):
     """An eager `ReplaySSMCache.decode` on the kernel backend skips the custom op
     (`api.direct_decode`) and launches the prepare and CuTe kernels through their TVM-FFI
@@ -160,7 +160,7 @@ def test_the_eager_fast_path_gives_the_ops_bits_and_launches_directly(fmt, monke
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "fp16"])
 def test_the_eager_pending_fast_path_gives_the_ops_bits(fmt, monkeypatch):
     """Pending mode (spec_tokens 3): an eager `ReplaySSMCache.decode` of the dense layout
     on the kernel backend skips the custom op (`api.direct_decode_pending`), launching the

@@ -1,24 +1,25 @@
 """state_dtype="fp16": no read copy, a step reads the FP16 checkpoint itself (docs/format.md
-section 4b). On the PyTorch reference: the slot's tensors and bytes, the kernel backend
-refusing the format, accuracy against the exact FP64 recurrence in single-token and
-pending mode (verdicts with p 0.7), and a hand-off round trip."""
+section 4b). The slot's tensors and bytes, the kernel backend taking the format (the
+Triton interpreter's bookkeeping bits against the reference), accuracy against the exact
+FP64 recurrence in single-token and pending mode (verdicts with p 0.7) on the reference,
+and a hand-off round trip."""
 
 from __future__ import annotations
 
 import math
 import random
 import statistics
-import warnings
 
 import pytest
 import torch
 
 from replayssm import ReplaySSMCache, allocate_cache, layout as L, selective_state_update_replayssm
 from replayssm.formats import FP16, format_of
-from replayssm.kernels import ReferenceFallbackWarning, backend_for
+from replayssm.kernels import backend_for, kernel_backend
 from replayssm.synthetic import ExactRecurrence, layer_params, prefill_states, sqnr_db, token
 
 from .helpers import same_bits
+from .tolerances import FOLD_REL_TOL
 
 H, G = 16, 2
 # Output SQNR floor against the exact recurrence (the bf16 output's own rounding is ~52-56
@@ -37,14 +38,37 @@ def test_fp16_slot_holds_checkpoint_rings_and_positions_only():
     assert c.bytes_per_slot() == want == 304132  # 297 KiB at 16 heads (FP8: 429 KiB)
 
 
-def test_the_kernels_do_not_run_fp16_yet():
-    cache = allocate_cache(4, H, G, "fp16")
-    with pytest.raises(ValueError, match=r"backend='kernels' cannot run here: the kernels run state_dtype \('fp8', 'nvfp4'\); got 'fp16'"):
-        backend_for("cpu", "kernels", cache, FP16)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        assert ReplaySSMCache(4, H, G, "fp16", "cpu").backend_name == "reference"
-    assert any(issubclass(w.category, ReferenceFallbackWarning) and "'fp16'" in str(w.message) for w in seen)
+def test_the_kernel_backend_runs_fp16():
+    """backend="kernels" takes fp16 (on the CPU the Triton interpreter: initialize, clear,
+    materialize and the slot copies; the CuTe decode kernels run on a GPU,
+    tests/test_cute_decode_gpu.py): a cache on it holds the reference's bits after a
+    prefill, 20 steps (a flush), a copy and a reset, and materializes the reference's
+    states up to FP32 summation order."""
+    assert backend_for("cpu", "kernels", allocate_cache(4, H, G, "fp16"), FP16) is kernel_backend()
+    g = torch.Generator().manual_seed(5)
+    p = layer_params(H, generator=g)
+    states = prefill_states(p, 2, G, 8, generator=g)
+    caches = [ReplaySSMCache(6, H, G, "fp16", "cpu", backend=b, seed=7) for b in ("kernels", "reference")]
+    outs = []
+    for cache in caches:
+        slots = cache.allocate(2)
+        cache.prefill_init(states, slots)
+        g.manual_seed(6)
+        outs.append([cache.decode(*_step_args(p, g), slots) for _ in range(20)])
+        cache.copy_slots(slots[:1], cache.allocate(1))
+        cache.reset(slots[1:])
+        outs[-1].append(cache.materialize(torch.arange(4)))  # slots 1..3 and a padding row
+    assert caches[0].backend_name == "kernels"
+    assert all(same_bits(a, b) for a, b in zip(outs[0][:-1], outs[1][:-1]))
+    got, want = outs[0][-1], outs[1][-1]
+    assert float((got - want).abs().max()) <= FOLD_REL_TOL * float(want.abs().max())
+    for a, b in zip(caches[0].tensors, caches[1].tensors):
+        assert same_bits(a, b)
+
+
+def _step_args(p, g):
+    tok = token(2, H, G, generator=g)
+    return tok.x, tok.dt, p.A, tok.B, tok.C, p.D, p.dt_bias
 
 
 def test_fp16_decode_tracks_the_exact_recurrence():

@@ -32,6 +32,7 @@ from replayssm.formats import FP8, NVFP4, format_of
 from .helpers import assert_cache_equal, same_bits, snapshot
 
 FORMATS = ["fp8", "nvfp4"]
+KERNEL_FORMATS = [*FORMATS, "fp16"]  # the kernel backend's tests run fp16 too
 H, G, P, N = 16, 2, L.HEAD_DIM, L.STATE_DIM
 
 
@@ -501,7 +502,7 @@ def test_compiled_layer_matches_eager_bit_for_bit(fmt, compile_backend, out_give
     _compare_steps(fmt, compile_backend, out_given)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS)
 def test_compiled_layer_on_the_kernel_backend_matches_eager(fmt):
     """The kernel backend on the CPU (Triton prepare kernel interpreted, the reference's
     decode math fed its plan), compiled through functionalization (aot_eager: the op gets
@@ -699,7 +700,7 @@ NEEDS_CUTE = pytest.mark.skipif(
 
 @pytest.mark.parametrize("out_given", [True, False], ids=["out", "no-out"])
 @pytest.mark.parametrize("compile_backend", ["eager", "aot_eager", "inductor"])
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS)
 @pytest.mark.gpu
 @NEEDS_CUTE
 def test_gpu_compiled_layer_matches_eager_bit_for_bit(fmt, compile_backend, out_given):
@@ -708,7 +709,7 @@ def test_gpu_compiled_layer_matches_eager_bit_for_bit(fmt, compile_backend, out_
     _compare_steps(fmt, compile_backend, out_given, device="cuda", backend="kernels")
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS)
 @pytest.mark.gpu
 @NEEDS_CUTE
 def test_gpu_compiled_decode_neither_allocates_nor_synchronizes(fmt):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from replayssm import layout as L, reference as ref
-from replayssm.formats import FORMATS, FP8, NVFP4
+from replayssm.formats import FORMATS, FP8
 from replayssm.layout import allocate_cache
 from replayssm.pending import checkpoint_index, fold_range, grid, pending_decode
 from replayssm.synthetic import layer_params, prefill_states
@@ -80,7 +80,6 @@ def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, plan, cu=None, 
 
     if kernel is None:
         kernel = _cute_decode
-    nv = fmt == "nvfp4"
     A, D, bias = params
     x, dt, B, C = toks
     heads = cache[L.CHECKPOINT].shape[1]
@@ -91,7 +90,7 @@ def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, plan, cu=None, 
     got = torch.full(out_shape, NAN, device=dev, dtype=out_dtype)
     dbg = torch.full((ids.numel(), heads, L.HEAD_DIM, L.STATE_DIM), NAN, device=dev)
     kx, kdt, kB, kC = _engine_shaped(x, dt, B, C) if engine else (x, dt, B, C)
-    kernel(kc, kx, kdt, A, kB, kC, D, bias, ids, got, fmt=(NVFP4 if nv else FP8), seed=seed, max_seqlen=M,
+    kernel(kc, kx, kdt, A, kB, kC, D, bias, ids, got, fmt=FORMATS[fmt], seed=seed, max_seqlen=M,
            num_accepted_tokens=acc, cu_seqlens=cu, debug_state=dbg, plan=plan)  # fmt: skip
 
     num_slots = cache[L.CHECKPOINT].shape[0]
@@ -116,7 +115,7 @@ def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, plan, cu=None, 
         return torch.stack([dbg[row_of[s]] for s in slots.tolist()])
 
     with mock.patch.object(pend, "fold_range", kernel_fold):
-        pending_decode(cache, x, dt.float(), A, B, C, D, bias, ids, want, fmt=(NVFP4 if nv else FP8), seed=seed, max_seqlen=M,
+        pending_decode(cache, x, dt.float(), A, B, C, D, bias, ids, want, fmt=FORMATS[fmt], seed=seed, max_seqlen=M,
                        num_accepted_tokens=acc, cu_seqlens=cu)  # fmt: skip
     assert not torch.isnan(got).any()
     scale = want.float().abs().amax().clamp_min(1e-30)
@@ -214,7 +213,7 @@ def _cute_decode(cache, x, dt, A, B, C, D, bias, ids, out, *, fmt, seed, max_seq
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "fp16"])
 @pytest.mark.parametrize("M", [2, 4, 8])
 @pytest.mark.parametrize("split", [False, True])
 def test_pending_cute_kernels_match_the_reference_gpu(fmt, M, split):
@@ -229,7 +228,7 @@ def test_pending_cute_kernels_match_the_reference_gpu(fmt, M, split):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "fp16"])
 def test_pending_cute_split_step_equals_one_step_bit_for_bit(fmt):
     """The step split in two launches (beside and after the fold) gives the one-launch
     step's outputs and cache bit for bit: 12 calls of 6 rows (padding rows, random
@@ -321,7 +320,7 @@ def test_pending_split_step_variants_take_their_rows():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "fp16"])
 def test_pending_decode_replays_in_a_cuda_graph(fmt):
     """`ReplaySSMCache.decode` in pending mode captured in a CUDA graph: replays give the
     eager calls' outputs and cache bit for bit (same inputs, same verdicts)."""
@@ -359,7 +358,7 @@ def test_pending_decode_replays_in_a_cuda_graph(fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt,M", [("fp8", 1), ("fp8", 4), ("nvfp4", 3), ("nvfp4", 8)])
+@pytest.mark.parametrize("fmt,M", [("fp8", 1), ("fp8", 4), ("nvfp4", 3), ("nvfp4", 8), ("fp16", 4)])
 def test_plan_kernel_commits_as_the_reference_does(fmt, M):
     """The plan kernel (cute/plan.py) on the GPU, over calls
     with random verdicts (out-of-range ones included), padding rows, dense and varlen:

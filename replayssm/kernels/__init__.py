@@ -22,8 +22,8 @@ default), the kernels where they can run, else the reference with a
 The Triton kernels live in `replayssm.kernels.triton` and are imported on first use:
 `triton.jit` chooses between compiler and CPU interpreter when a kernel is defined, so
 TRITON_INTERPRET=1 (CPU tests) must be set before then; importing replayssm alone never
-imports Triton. The CuTe DSL decode kernels (`replayssm.kernels.cute`, FP8 and NVFP4 read
-copies) are imported on first use too; `compile_all` builds them for any target without a GPU.
+imports Triton. The CuTe DSL decode kernels (`replayssm.kernels.cute`, FP8, NVFP4 and
+fp16) are imported on first use too; `compile_all` builds them for any target without a GPU.
 One launch mechanism per language: the CuTe kernels through their TVM-FFI entry
 (`cute.launch.compile_entry`), the Triton kernels through Triton's own launcher.
 """
@@ -376,7 +376,7 @@ class KernelBackend:
 
     def cute_for(self, cache):
         """(launch module, arch) when the CuTe decode kernels can run `cache`, else None
-        (`cute_unavailable` says why); one launcher serves both formats."""
+        (`cute_unavailable` says why); one launcher serves every format."""
         if self.cute_unavailable(cache) is not None:
             return None
         arch = self._cute_arch[cache[L.CHECKPOINT].device][0]
@@ -417,7 +417,7 @@ class KernelBackend:
 
 
 def compile_all(arch: str, dump_dir) -> list[str]:
-    """Compile every CuTe DSL decode kernel variant (FP8 and NVFP4, non-flush and flush,
+    """Compile every CuTe DSL decode kernel variant (FP8, NVFP4 and fp16, non-flush and flush,
     8 and 16 heads per group) for `arch` ("sm_90a", "sm_100a" or "sm_103a"; no GPU needed) into
     the existing folder `dump_dir`; returns the paths of the PTX and cubin files."""
     from .cute.arch import check_arch

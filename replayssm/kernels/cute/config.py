@@ -17,7 +17,8 @@ import functools
 PDL_MAX_BATCH = 1
 # FP8: the read copy's loads fetch whole 128-byte lines into L2 from heads x batch on.
 FP8_READ_HINT, FP8_READ_HINT_MIN_WORK = ".L2::128B", 8192
-# NVFP4: the read copy streams (evict first) but in the batch-1 PDL variant.
+# NVFP4: the read copy streams (evict first) but in the batch-1 PDL variant. fp16 (the
+# checkpoint read in its place) takes NVFP4's rules, not measured.
 NVFP4_READ_HINT = ".cs"
 # FP8 flush row groups: 32 batch rows from this many heads and rows on, else 16.
 ROWS, WIDE_ROWS, WIDE_ROWS_HEADS, WIDE_ROWS_BATCH = 16, 32, 64, 128
@@ -28,7 +29,7 @@ class StepConfig:
     """The variants of one step's kernels (each a compile-cache key with the geometry)."""
 
     arch: str  # "sm_90a", "sm_100a" or "sm_103a"
-    state_dtype: str  # "fp8" or "nvfp4"
+    state_dtype: str  # "fp8", "nvfp4" or "fp16"
     heads: int
     groups: int
     nonflush_pdl: bool  # the non-flush kernel waits for prepare by griddepcontrol

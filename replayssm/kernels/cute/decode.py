@@ -8,11 +8,11 @@ For every batch row whose plan says valid and not flush (docs/format.md section 
 
 with ring entries j < r, the current token as entry r, and R[p] the read-copy row dot
 (FP8: scale[p] sum_n e4m3(code[p, n]) C[n]; NVFP4: g sum_n e4m3(s[p, n // 16])
-e2m1(code[p, n]) C[n]); the token's (x, processed dt, B) is stored at ring entry r. It
-reads the read copy, never the checkpoint, and writes no state. Padding and flush rows
-return at once (the prepare kernel zeroed the outputs of padding rows; the flush kernel
-owns flush rows), so both kernels launch every step and a captured CUDA graph replays any
-mix of rows.
+e2m1(code[p, n]) C[n]; fp16: sum_n checkpoint[p, n] C[n]); the token's (x, processed dt,
+B) is stored at ring entry r. It reads the read copy (fp16: the checkpoint itself) and
+writes no state. Padding and flush rows return at once (the prepare kernel zeroed the
+outputs of padding rows; the flush kernel owns flush rows), so both kernels launch every
+step and a captured CUDA graph replays any mix of rows.
 
 Why this shape (docs/design.md): one warp does a whole head with ~900 (FP8) or ~1,500
 (NVFP4 on sm_90a, most of it the software e2m1 decode) warp-instructions, no barrier but
@@ -64,7 +64,8 @@ from .mma import mma_bf16_16x8x16
 C_TARGET_EXP = 14
 HEADS_PER_CTA = 4
 # CTAs an SM should hold (caps the registers at 65536 / (32 x heads_per_cta x this));
-# 4 measured best for both formats (docs/design.md).
+# 4 measured best for FP8 and NVFP4 (docs/design.md). The kernels take the format's
+# `step_ctas_per_sm` (read_copy.py), this unless the format says otherwise.
 CTAS_PER_SM = 4
 
 
@@ -97,7 +98,7 @@ class Decode:
             grid=[self.heads // self.hpc, batch, 1],
             block=[32 * self.hpc, 1, 1],
             stream=stream,
-            min_blocks_per_mp=CTAS_PER_SM,
+            min_blocks_per_mp=self.fmt.step_ctas_per_sm,
             preferred_smem_carveout=-1,
             **({"use_pdl": True} if self.pdl else {}),
         )
@@ -148,14 +149,14 @@ class Decode:
     def group_loads(self, inputs, b_ring, bb, g, gq, q, r, slot, b_ring_stride16, w):
         """C (cw[c][v], chunk c of lane q's n-set) and, of ring entries gq, gq + 8 at the
         same n, this warp's share (bq[e][i]: vector half vh = w * VH + i, VH = 4 //
-        heads_per_cta, i.e. words 4 (vh % 2) .. + 3 of chunk vh // 2; the step's B at r,
+        heads_per_cta, i.e. vector vh % 2 of chunk vh // 2 (`c_word`); the step's B at r,
         zeros beyond r): the CTA's warps split B_j . C over k (`finish`)."""
         c_w = cute.recast_ptr(inputs.C, dtype=Uint32)
         c_row = A.row_words(self.dense_rows, bb, inputs.c_stride16, self.groups * N // 2) + g * (N // 2)
         cw = []
         for c in cutlass.range_constexpr(2):
-            base = (c_w + (c_row + Int64(self.fmt.c_word(c, q)))).toint()
-            cw.append(bits.ld_global_v4_u32(base) + bits.ld_global_v4_u32(base + 16))
+            at = [(c_w + (c_row + Int64(self.fmt.c_word(c, q, h)))).toint() for h in range(2)]
+            cw.append(bits.ld_global_v4_u32(at[0]) + bits.ld_global_v4_u32(at[1]))
         br_w = cute.recast_ptr(b_ring, dtype=Uint32)
         b_w = cute.recast_ptr(inputs.B, dtype=Uint32)
         br_row0 = slot * b_ring_stride16 * 4 + g * (RING * N // 2)
@@ -181,7 +182,7 @@ class Decode:
 
     def vh_word(self, vh, q):
         """Word offset of vector half vh (runtime) of lane q's n-set in a row of 128."""
-        return self.fmt.c_word(vh // 2, q) + 4 * (vh % 2)
+        return self.fmt.c_word(vh // 2, q, vh % 2)
 
     @cute.jit
     def head_loads(self, ring, inputs, bb, hh, gq, q, lane, r, slot):

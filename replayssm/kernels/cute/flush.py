@@ -1,6 +1,6 @@
-"""Flush kernel (CuTe DSL, tensor-core fold), both read-copy formats: the format
-(`read_copy.Fp8` / `read_copy.Nvfp4`) supplies the checkpoint's rounding conversion and
-the re-derivation of the read copy; everything else is shared.
+"""Flush kernel (CuTe DSL, tensor-core fold), every format: the format (`read_copy.Fp8` /
+`Nvfp4` / `Fp16`) supplies the checkpoint's rounding conversion and the re-derivation of
+the read copy (fp16: none); everything else is shared.
 
 For every batch row whose plan says flush (ring index 15, docs/format.md section 5):
 

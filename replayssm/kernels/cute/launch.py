@@ -1,4 +1,4 @@
-"""Compile cache and the one launcher of the CuTe DSL decode kernels, both formats.
+"""Compile cache and the one launcher of the CuTe DSL decode kernels, every format.
 
 A step (after the prepare kernel of plan.py wrote the plan) launches two kernels, each for
 every row of the batch: the flush (flush.py; rows at ring index 15) and the non-flush
@@ -42,7 +42,7 @@ from .decode import Decode
 from .flush import Flush, flush_columns
 from .read_copy import read_copy_format
 
-STATE_DTYPES = ("fp8", "nvfp4")
+STATE_DTYPES = ("fp8", "nvfp4", "fp16")
 # Geometries `compile_all` builds: 16 heads in 2 groups (8 heads per group, the serving
 # geometry) and 16 heads in 1 group (16 heads per group).
 COMPILE_ALL_GEOMETRIES = ((16, 2), (16, 1))
@@ -149,7 +149,7 @@ def compile_into(obj, fake_args: list, arch: str, sub: Path) -> list[str]:
 
 
 def compile_all(arch: str, dump_dir: str | os.PathLike) -> list[str]:
-    """Compile every decode kernel variant a step may launch, both formats, for `arch` (no
+    """Compile every decode kernel variant a step may launch, every format, for `arch` (no
     GPU needed) and the geometries COMPILE_ALL_GEOMETRIES, each into its own folder
     `dump_dir/<variant_name>`; returns the PTX and cubin paths."""
     arch = check_arch(arch)
@@ -204,7 +204,8 @@ def _aligned16(t: torch.Tensor) -> bool:
 def layout_ok(cache: Sequence[torch.Tensor]) -> str | None:
     """None when the compiled kernels can address `cache` (16-byte-aligned bases and
     slot strides for the tensors read with vector accesses), else the reason."""
-    for i in (L.CHECKPOINT, L.X_RING, L.B_RING, L.READ_COPY):
+    has_copy = L.READ_COPY < len(cache) - 1  # fp16 has none: its positions (the last tensor) are there
+    for i in (L.CHECKPOINT, L.X_RING, L.B_RING) + ((L.READ_COPY,) if has_copy else ()):
         if not _aligned16(cache[i]):
             return f"cache[{i}] needs a 16-byte-aligned base and slot stride (data_ptr {cache[i].data_ptr():#x}, stride {cache[i].stride(0)})"
     return None

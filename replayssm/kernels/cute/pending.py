@@ -1,6 +1,6 @@
 """Pending-mode step kernel (CuTe DSL, speculative decoding, docs/format.md section 5b):
 every live row's T_b <= 8 outputs and ring writes, one warp per (row, head), the
-read-copy format (`read_copy.Fp8` / `read_copy.Nvfp4`) supplying the read-copy loads and
+read-copy format (`read_copy.Fp8` / `Nvfp4` / `Fp16`) supplying the read-copy loads and
 row dots; the rest is `decode.Decode`'s lane map with the tokens in the MMA's n dimension.
 
 It runs after the plan kernel of `plan.py` and the fold
@@ -73,11 +73,11 @@ STEP_READ_HINT = ".cs"
 
 class PendingStep(Decode):
     """The pending-mode step for one (format, heads, groups): `decode.Decode`'s launch
-    (grid heads / heads-per-CTA x batch, registers for decode.CTAS_PER_SM CTAs an SM: 4
-    measured 5% faster than 3), CTA (the heads of one group of one row, a warp each), lane
-    map and helpers. `rows` (one of ROWS): the rows it computes, the others return at
-    once; "rest" (padding included) may run beside the fold, "fold" after it. Each row's
-    code is the same in every variant, so is its output."""
+    (grid heads / heads-per-CTA x batch, registers for the format's `step_ctas_per_sm`
+    CTAs an SM: FP8 and NVFP4 4, measured 5% faster than 3), CTA (the heads of one group
+    of one row, a warp each), lane map and helpers. `rows` (one of ROWS): the rows it
+    computes, the others return at once; "rest" (padding included) may run beside the
+    fold, "fold" after it. Each row's code is the same in every variant, so is its output."""
 
     def __init__(self, fmt, heads: int, groups: int, *, pdl: bool = True, rows: str = "all") -> None:
         if rows not in ROWS:
@@ -135,8 +135,8 @@ class PendingStep(Decode):
         c_row = (bb * inputs.c_row + Int64(start + gq) * inputs.c_tok + g * N) // 2
         cw = []
         for c in cutlass.range_constexpr(2):
-            base = (c_w + (c_row + Int64(self.fmt.c_word(c, q)))).toint()
-            cw.append(bits.ld_global_v4_u32_if(base, c_on) + bits.ld_global_v4_u32_if(base + 16, c_on))
+            at = [(c_w + (c_row + Int64(self.fmt.c_word(c, q, h)))).toint() for h in range(2)]
+            cw.append(bits.ld_global_v4_u32_if(at[0], c_on) + bits.ld_global_v4_u32_if(at[1], c_on))
 
         # B of window entries gq, gq + 8: this warp's vector halves.
         br_w = cute.recast_ptr(ring.b, dtype=Uint32)

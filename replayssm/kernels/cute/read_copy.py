@@ -1,10 +1,11 @@
 """The read-copy formats as strategy objects of the decode kernels (CuTe DSL).
 
-`Fp8(arch)` and `Nvfp4(arch)` supply what differs between the formats, and nothing else:
+`Fp8(arch)`, `Nvfp4(arch)` and `Fp16(arch)` (no read copy: the steps read the checkpoint,
+on FP8's lane map) supply what differs between the formats, and nothing else:
 - the argument struct of their cache tensors (`Args`, args.py) and its binding;
 - non-flush (decode.py): which n-set of a state row lane q holds (`c_word`), the loads of
-  a warp's read-copy rows and scales (`load_rows`), and the row dots R[p] on the tensor
-  cores (`row_dots`);
+  a warp's read-copy rows and scales (`load_rows`), the row dots R[p] on the tensor
+  cores (`row_dots`), and the CTAs an SM of the step kernels (`step_ctas_per_sm`);
 - flush (flush.py): the FP16 stochastic rounding of the checkpoint (`fp16x2_sr`,
   `sr_voted`), the staging and occupancy choices, and the re-derivation of the read
   copy from the FP32 state (`begin_row`, `lane_stats`, `block_scales`, `store_row`,
@@ -30,6 +31,7 @@ from . import args as A
 from . import bits, bits_nvfp4
 from .bits import bf16x2_to_f32x2, e4m3x4_to_f16x2x2, f32x2_to_f16x2, sel
 from .bits_nvfp4 import DSL_OPS
+from .decode import CTAS_PER_SM
 from .mma import mma_f16_16x8x16
 
 K_STEPS = N // 16  # k-steps of 16 over the state dimension
@@ -43,6 +45,7 @@ FP8_MANT_LIMIT, FP8_E_OFF = 0x600000, 8
 class _Format:
     name = ""
     Args: type = tuple
+    step_ctas_per_sm = CTAS_PER_SM  # the step kernels' (decode.py, pending.py) CTAs an SM
 
     def __init__(self, arch: str) -> None:
         self.arch = check_arch(arch)
@@ -81,9 +84,10 @@ class Fp8(_Format):
         return {"codes": cache[L.READ_COPY], "scales": cache[L.SCALES]}
 
     # -- non-flush ------------------------------------------------------------------------
-    def c_word(self, c: int, q):
-        """Word (bf16 pair) offset of chunk c of lane q's n-set: n = 64 c + 16 q .. + 15."""
-        return 32 * c + 8 * q
+    def c_word(self, c: int, q, h=0):
+        """Word (bf16 pair) offset of vector h (0, 1: four words) of chunk c of lane q's
+        n-set: n = 64 c + 16 q .. + 15, vector h the values 8 h .. 8 h + 7 of them."""
+        return 32 * c + 8 * q + 4 * h
 
     @cute.jit
     def code_rows(self, copy, slot, hh, gq, q, hint: cutlass.Constexpr):
@@ -126,11 +130,16 @@ class Fp8(_Format):
             acc = [Float32(0.0)] * 4
             for s in cutlass.range_constexpr(K_STEPS):
                 c, v = s // 4, s % 4
-                lo = e4m3x4_to_f16x2x2(rc[2 * mt][c][v])
-                hi = e4m3x4_to_f16x2x2(rc[2 * mt + 1][c][v])
+                lo = self.row_pairs(rc[2 * mt][c], v)
+                hi = self.row_pairs(rc[2 * mt + 1][c], v)
                 acc = mma_f16_16x8x16([lo[0], hi[0], lo[1], hi[1]], [ch[c][2 * v], ch[c][2 * v + 1]], acc)
             accs.append(acc)
         return accs
+
+    def row_pairs(self, words, v: int):
+        """The f16 pairs of k-step v of a row's chunk (`code_rows`' words): elements
+        4 v, 4 v + 1 and 4 v + 2, 4 v + 3 of the lane's 16 (word v's four codes, exactly)."""
+        return e4m3x4_to_f16x2x2(words[v])
 
     # -- pending (cute/pending.py) ---------------------------------------------------------
     @cute.jit
@@ -195,6 +204,89 @@ class Fp8(_Format):
         return None
 
 
+class Fp16(Fp8):
+    """state_dtype="fp16": no read copy (format.md section 4b). The steps read the FP16
+    checkpoint itself, on FP8's lane map and MMAs (`Fp8.code_dots`) with its own n-set
+    (`c_word`): 16 f16 values of a row a chunk, two 16-byte loads, whose words are the
+    MMA's A pairs as they are (no conversion). No row scale: a product of a checkpoint value (|v| <=
+    65504 < 2**16) and C' (< 2**15, decode.c_prime) is exact in the FP32 accumulator and
+    below 2**31, a row's 128 of them sum below 2**38, and the smallest nonzero product
+    (2**-24 * 2**-24) is a normal FP32 number, so R[p] = up (dot) as for an FP8 row of
+    scale 1 (the reference: checkpoint.float() . C in FP32).
+
+    The flush and the fold write the checkpoint (FP8's staging choices) and re-encode
+    nothing: `store_row` is empty and the other hooks are FP8's, which do nothing. Each
+    flush / fold lane loads the checkpoint elements it stores before storing them, and no
+    other CTA touches them (flush.Flush.fold); a step kernel reads only the checkpoints of
+    rows that do not flush (fold) while the flush (fold) runs beside it, or runs after
+    the fold (PDL wait), so no kernel reads a checkpoint row another has rewritten.
+
+    The loaded rows take twice FP8's registers (128 words a lane): the step kernels ask
+    for 3 CTAs an SM (168 registers a thread), where neither spills on any target; at 4
+    (128 registers) the sm_90a non-flush kernel and the sm_100a pending step spill 8
+    bytes. Chosen from the cubins, not measured on a GPU."""
+
+    name = "fp16"
+    Args = A.Fp16Copy
+    row_amax = False
+    step_ctas_per_sm = 3
+
+    def __init__(self, arch: str) -> None:
+        super().__init__(arch)
+        # sm_90a: the checkpoint's rounding through the warp-voted path, as NVFP4's (FP8's
+        # bits.fp16x2_sr_fma spills 24 bytes in this flush; the voted form none).
+        self.sr_voted = not self.hw
+
+    def tensors(self, cache, L) -> dict:
+        return {"state": cache[L.CHECKPOINT]}
+
+    def c_word(self, c: int, q, h=0):
+        """Word offset of vector h (0, 1) of chunk c of lane q's n-set: n = 64 c + 32 h + 8 q
+        .. + 7, so that the four lanes q of a row read a 64-byte span (whole 32-byte sectors)
+        with each of a row's four 16-byte loads."""
+        return 32 * c + 16 * h + 4 * q
+
+    @cute.jit
+    def code_rows(self, copy, slot, hh, gq, q, hint: cutlass.Constexpr):
+        """rc[i][c]: row 8 gq + i at the words of C's chunk c (`c_word`: word j of a row and
+        of C hold the same two n), eight f16-pair words."""
+        ck_w = cute.recast_ptr(copy.state, dtype=Uint32)
+        base = (ck_w + (slot * copy.stride16 * 4 + hh * (P * N // 2) + Int64(gq * (8 * N // 2)))).toint()
+        rc = []
+        for i in cutlass.range_constexpr(8):
+            row = []
+            for c in cutlass.range_constexpr(2):
+                at = [base + 2 * N * i + 4 * self.c_word(c, q, h) for h in range(2)]
+                row.append(bits.ld_global_v4_u32(at[0], hint) + bits.ld_global_v4_u32(at[1], hint))
+            rc.append(row)
+        return rc
+
+    def row_pairs(self, words, v: int):
+        """Words 2 v, 2 v + 1 of the chunk, the n of C's words 2 v, 2 v + 1."""
+        return [words[2 * v], words[2 * v + 1]]
+
+    @cute.jit
+    def load_rows(self, copy, slot, hh, g, gq, q, hint: cutlass.Constexpr):
+        return self.code_rows(copy, slot, hh, gq, q, hint)
+
+    @cute.jit
+    def row_dots(self, loaded, cw, down, up, gq, q):
+        """`Fp8.row_dots` with every row factor 1."""
+        return [[acc[0], acc[2]] for acc in self.code_dots(loaded, cw, down)], up, [Float32(1.0)] * 2
+
+    @cute.jit
+    def pending_loads(self, copy, slot, hh, g, gq, q, hint: cutlass.Constexpr):
+        return self.code_rows(copy, slot, hh, gq, q, hint)
+
+    @cute.jit
+    def pending_dots(self, loaded, cw, down, gq, q):
+        """`Fp8.pending_dots` with every row factor 1."""
+        return self.code_dots(loaded, cw, down), [Float32(1.0)] * 8
+
+    def store_row(self, copy, slot, hh, pp, col0, q, nq, acc, i, s_amax, ctx, scodes, nt):
+        return None
+
+
 class Nvfp4(_Format):
     """e2m1 codes, an e4m3 scale per block of 16 and a power-of-two second-level scale
     per (slot, group) from the delayed amax in meta (format.md sections 3-4)."""
@@ -225,9 +317,10 @@ class Nvfp4(_Format):
         return bits_nvfp4.e2m1x8_rn_hw(vals) if self.hw else bits_nvfp4.e2m1x8_rn_soft(vals)
 
     # -- non-flush ------------------------------------------------------------------------
-    def c_word(self, c: int, q):
-        """Word offset of chunk c of lane q's n-set: n = 32 q + 16 c .. + 15 (two blocks)."""
-        return 16 * q + 8 * c
+    def c_word(self, c: int, q, h=0):
+        """Word offset of vector h (0, 1: four words) of chunk c of lane q's n-set:
+        n = 32 q + 16 c .. + 15 (two blocks), vector h the values 8 h .. 8 h + 7 of them."""
+        return 16 * q + 8 * c + 4 * h
 
     @cute.jit
     def c_decoded(self, cw, downs):
@@ -427,8 +520,8 @@ class Nvfp4(_Format):
 
 @functools.lru_cache(maxsize=None)
 def read_copy_format(state_dtype: str, arch: str) -> _Format:
-    """The strategy object of `state_dtype` ("fp8" / "nvfp4") on `arch`."""
-    return {"fp8": Fp8, "nvfp4": Nvfp4}[state_dtype](arch)
+    """The strategy object of `state_dtype` ("fp8", "nvfp4", "fp16") on `arch`."""
+    return {"fp8": Fp8, "nvfp4": Nvfp4, "fp16": Fp16}[state_dtype](arch)
 
 
-__all__ = ["Fp8", "Nvfp4", "read_copy_format", "BLOCKS", "WORDS_PER_ROW"]
+__all__ = ["Fp8", "Nvfp4", "Fp16", "read_copy_format", "BLOCKS", "WORDS_PER_ROW"]

@@ -9,7 +9,8 @@ that pairing is shared by all three encodings:
   (quant/rng.py `checkpoint_rbits`), so one hash serves both tiles;
 - NVFP4: b is the 16-element block, and byte m of the packed row is
   code(2m) | code(2m+1) << 4, i.e. even | odd << 4 at byte index 8 b + j;
-- FP8: one power-of-two scale per row (max over both tiles).
+- FP8: one power-of-two scale per row (max over both tiles);
+- fp16 (`READ_COPY` off): no read copy, the checkpoint alone.
 NVFP4 needs the amax over a whole group (8 or 16 heads, many programs): `head_amax.py`
 reduces it per head in an earlier launch, and every program takes the max over its group's
 heads from there, so all programs of a group agree on the second-level scale without
@@ -79,6 +80,7 @@ def _initialize_kernel(
     H: tl.constexpr,
     HPG: tl.constexpr,
     NVFP4: tl.constexpr,
+    READ_COPY: tl.constexpr,
     BLOCK_R: tl.constexpr,
     N_X: tl.constexpr,
     N_DT: tl.constexpr,
@@ -149,7 +151,7 @@ def _initialize_kernel(
         b_gamax = tl.broadcast_to(b_gbits.to(tl.float32, bitcast=True)[:, None], (BLOCK_R, 2))
         tl.store(p_meta + slot * stride_meta + o_g[:, None] * 2 + o_half, b_gamax, mask=first)
         tl.store(p_parity + slot * stride_parity, tl.zeros([], tl.int32), mask=i_r == 0)
-    else:
+    elif READ_COPY:
         e_r = pow2_exponent_above(tl.max(b_bmax, axis=1), 0x600000, 8)  # [BLOCK_R]
         inv = f32_exp2(-e_r)[:, None, None]
         b_qe = encode_e4m3_rn(b_xe * inv)
@@ -163,8 +165,10 @@ def _initialize_kernel(
 def _arguments(cache, heads: int, fmt: Format, seed: int, head_offset: int):
     """The initialize kernel's cache arguments (views), the scalars after the states'
     strides, and the constexprs; the hmax, meta and parity slots hold the checkpoint in
-    FP8 (unused: the NVFP4 branch is compiled out)."""
-    ckpt, read, scales = cache[L.CHECKPOINT], cache[L.READ_COPY], cache[L.SCALES]
+    FP8 (unused: the NVFP4 branch is compiled out), the read copy and scales slots too
+    in fp16 (no read copy: both branches compiled out)."""
+    ckpt = cache[L.CHECKPOINT]
+    read, scales = (cache[L.READ_COPY], cache[L.SCALES]) if fmt.has_read_copy else (ckpt, ckpt)
     if fmt.two_level:
         groups = cache[L.META].shape[1]
         meta, parity = cache[L.META], cache[L.PARITY]
@@ -182,7 +186,8 @@ def _arguments(cache, heads: int, fmt: Format, seed: int, head_offset: int):
     scalars = (ckpt.stride(0), read.stride(0), scales.stride(0), meta.stride(0), parity.stride(0), *ring_scalars[:4],
                ckpt.shape[0], seed_key_i32(seed), head_offset)  # fmt: skip
     clear_block = ring_consts.pop("BLOCK")
-    return tensors, scalars, dict(H=heads, HPG=heads // groups, NVFP4=fmt.two_level, BLOCK_R=block_r, **ring_consts, CLEAR_BLOCK=clear_block)
+    return tensors, scalars, dict(H=heads, HPG=heads // groups, NVFP4=fmt.two_level, READ_COPY=fmt.has_read_copy, BLOCK_R=block_r,
+                                  **ring_consts, CLEAR_BLOCK=clear_block)  # fmt: skip
 
 
 def initialize(cache, states: torch.Tensor, ids: torch.Tensor, *, fmt: Format, seed: int, head_offset: int = 0) -> None:
