@@ -233,7 +233,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "--device", type=_device, default="auto", help="auto (cuda when a GPU is present, else cpu), cpu or cuda[:N]"
     )
     demo.add_argument("--format", default="both", choices=["fp8", "nvfp4", "fp16", "both"],
-                      help="read-copy format (both: fp8 and nvfp4; fp16 runs on the PyTorch reference)")
+                      help="read-copy format (both: fp8 and nvfp4; fp16: no read copy)")
     demo.add_argument("--batch", type=_int_at_least(1), default=8, help="requests decoded together")
     demo.add_argument(
         "--steps", type=_int_at_least(1), default=256, help="tokens decoded per request; every 16th is a flush"
@@ -265,11 +265,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         # Every option is checked here, before anything is printed.
-        if args.heads % args.groups or args.heads // args.groups not in L.HEADS_PER_GROUP:
-            demo.error(
-                f"--heads {args.heads} --groups {args.groups}: heads per group must be one of "
-                f"{L.HEADS_PER_GROUP}; got {args.heads} heads in {args.groups} groups"
-            )
+        if L.group_error(args.heads, args.groups):
+            demo.error(f"--heads {args.heads} --groups {args.groups}: {L.group_error(args.heads, args.groups)}")
         formats = ("fp8", "nvfp4") if args.format == "both" else (args.format,)
         try:
             _run_cli_demo(args, formats)

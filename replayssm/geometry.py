@@ -7,10 +7,18 @@ HEAD_DIM = 64  # P: head dimension
 STATE_DIM = 128  # N: state dimension
 RING = 16  # L: ring entries; one flush every RING tokens
 NVFP4_BLOCK = 16  # values per NVFP4 block scale
-HEADS_PER_GROUP = (8, 16)
+MAX_HEADS_PER_GROUP = 128  # heads sharing one group's B and C: 1 (a tensor-parallel shard) .. 128
 
 # Cache tuple indices shared by every format.
 CONV, CHECKPOINT, X_RING, DT_RING, B_RING, READ_COPY, SCALES = 0, 1, 2, 3, 4, 5, 6
 # NVFP4 only.
 META, PARITY = 7, 8
 POSITIONS = -1
+
+
+def group_error(heads: int, groups: int) -> str | None:
+    """Why `heads` heads cannot share B and C in `groups` groups (None when they can):
+    groups divide heads, 1 .. MAX_HEADS_PER_GROUP heads a group."""
+    if groups <= 0 or heads % groups or not 1 <= heads // groups <= MAX_HEADS_PER_GROUP:
+        return f"heads must be a multiple of groups with 1 to {MAX_HEADS_PER_GROUP} heads a group; got {heads} heads in {groups} groups"
+    return None

@@ -16,7 +16,7 @@ from .geometry import (  # noqa: F401  (the cache tuple's names, re-exported)
     CONV,
     DT_RING,
     HEAD_DIM,
-    HEADS_PER_GROUP,
+    MAX_HEADS_PER_GROUP,
     META,
     NVFP4_BLOCK,
     PARITY,
@@ -26,6 +26,7 @@ from .geometry import (  # noqa: F401  (the cache tuple's names, re-exported)
     SCALES,
     STATE_DIM,
     X_RING,
+    group_error,
 )
 
 STATE_DTYPES = tuple(FORMATS)
@@ -136,7 +137,7 @@ def allocate_cache(
 
 def check_geometry(num_slots: object, heads: object, groups: object) -> None:
     """Slots (>= 2: slot 0 is the padding slot), heads and groups: Python ints, heads
-    a multiple of groups with a heads-per-group ratio in HEADS_PER_GROUP."""
+    a multiple of groups with 1 .. MAX_HEADS_PER_GROUP heads a group."""
     for name, v in (("num_slots", num_slots), ("num_heads", heads), ("num_groups", groups)):
         if not isinstance(v, int) or isinstance(v, bool):
             raise TypeError(f"{name} must be an int; got {type(v).__name__}")
@@ -144,8 +145,8 @@ def check_geometry(num_slots: object, heads: object, groups: object) -> None:
             raise ValueError(f"{name} must be positive; got {v}")
     if num_slots < 2:
         raise ValueError(f"num_slots must be >= 2 (slot 0 is the padding slot); got {num_slots}")
-    if heads % groups or heads // groups not in HEADS_PER_GROUP:
-        raise ValueError(f"heads per group must be one of {HEADS_PER_GROUP}; got {heads} heads in {groups} groups")
+    if group_error(heads, groups):
+        raise ValueError(group_error(heads, groups))
 
 
 def check_conv(shape: object, dtype: object) -> tuple[int, ...] | None:
@@ -193,10 +194,8 @@ def check_cache(cache: Sequence[torch.Tensor], fmt: Format) -> tuple[int, int, i
     if bring.dim() != 4:
         raise ValueError(f"cache[4] (B ring) must be [slots, groups, 16, 128]; got {list(bring.shape)}")
     groups = bring.shape[1]
-    if groups <= 0 or heads % groups != 0 or heads // groups not in HEADS_PER_GROUP:
-        raise ValueError(
-            f"heads per group must be one of {HEADS_PER_GROUP}; got {heads} heads in {groups} groups"
-        )
+    if group_error(heads, groups):
+        raise ValueError(group_error(heads, groups))
     pos = cache[POSITIONS]
     pending = pos.dim() == 2
     specs = tensor_specs(heads, groups, fmt, pending)

@@ -200,7 +200,7 @@ CONSTRUCTORS = [
     ("conv-dtype-str", lambda: ReplaySSMCache(4, H, G, "fp8", "cpu", conv_state_dtype="bf16"), TypeError, r"^conv_state_dtype"),
     ("slot-padding-negative", lambda: ReplaySSMCache(4, H, G, "fp8", "cpu", slot_padding=-16), ValueError, r"^slot_padding"),
     ("alloc-negative-slots", lambda: allocate_cache(-1, H, G, "fp8"), ValueError, r"^num_slots must be positive"),
-    ("alloc-bad-ratio", lambda: allocate_cache(8, 12, 5, "fp8"), ValueError, r"^heads per group"),
+    ("alloc-bad-ratio", lambda: allocate_cache(8, 12, 5, "fp8"), ValueError, r"^heads must be a multiple of groups"),
     ("alloc-float-heads", lambda: allocate_cache(8, 16.0, 2, "fp8"), TypeError, r"^num_heads must be an int"),
     ("alloc-padding-negative", lambda: allocate_cache(8, H, G, "fp8", slot_padding=-16), ValueError, r"^slot_padding"),
     ("cache-debug-junk", lambda: ReplaySSMCache(4, H, G, "fp8", "cpu"), ValueError, r"REPLAYSSM_DEBUG"),

@@ -86,7 +86,7 @@ def _bad_cache(kind):
     elif kind == "ring-shape":
         c[2] = torch.zeros(S, H, 8, 64, dtype=torch.bfloat16)
     elif kind == "heads-per-group":
-        c[4] = torch.zeros(S, 4, 16, 128, dtype=torch.bfloat16)
+        c[4] = torch.zeros(S, 3, 16, 128, dtype=torch.bfloat16)
     elif kind == "positions-dtype":
         c[-1] = c[-1].long()
     elif kind == "inner-stride":
@@ -105,7 +105,7 @@ def _bad_cache(kind):
         pytest.param("ckpt-dtype", ValueError, r"cache\[1\] \(checkpoint\)", id="checkpoint-dtype"),
         pytest.param("ckpt-shape", ValueError, r"cache\[1\] \(checkpoint\) must be", id="checkpoint-shape"),
         pytest.param("ring-shape", ValueError, r"cache\[2\] \(x_ring\)", id="x-ring-shape"),
-        pytest.param("heads-per-group", ValueError, "heads per group", id="heads-per-group"),
+        pytest.param("heads-per-group", ValueError, "heads must be a multiple of groups", id="heads-per-group"),
         pytest.param("positions-dtype", ValueError, r"cache\[7\] \(positions\)", id="positions-dtype"),
         pytest.param("inner-stride", ValueError, "contiguous within a slot", id="inner-stride"),
         pytest.param("not-a-tensor", TypeError, r"cache\[3\] must be a torch.Tensor", id="not-a-tensor"),
@@ -168,7 +168,8 @@ def test_empty_batch_is_a_no_op():
 @pytest.mark.parametrize(
     "kwargs,exc,match",
     [
-        pytest.param(dict(num_heads=12, num_groups=2), ValueError, "heads per group", id="geometry"),
+        pytest.param(dict(num_heads=12, num_groups=5), ValueError, "heads must be a multiple of groups", id="geometry"),
+        pytest.param(dict(num_heads=256, num_groups=1), ValueError, "1 to 128 heads a group", id="geometry-ratio"),
         pytest.param(dict(state_dtype="int8"), ValueError, "state_dtype must be one of", id="format"),
         pytest.param(dict(num_slots=1), ValueError, "num_slots must be >= 2", id="slots"),
         pytest.param(dict(num_slots=2.5), TypeError, "num_slots must be an int", id="slots-type"),
