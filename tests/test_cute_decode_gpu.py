@@ -118,6 +118,12 @@ CASES = [
     pytest.param("fp16", 64, 8, {"many": True}, id="fp16-h64-g8-many-rows"),
     pytest.param("fp16", 16, 2, {"one": True}, id="fp16-h16-g2-one-row"),
     pytest.param("fp16", 16, 2, {"flush_pdl": False}, id="fp16-h16-g2-mixed-flush-without-pdl"),
+    # Heads-a-group ratios of served models (Nemotron-H 4B 112/8, Granite 4.0-H Tiny 48/1)
+    # and their tensor-parallel-8 shards (14/1, 6/1), and the ratio's bounds (1, 128).
+    *(pytest.param(f, h, g, {}, id=f"{f}-h{h}-g{g}-mixed") for f in ("fp8", "nvfp4", "fp16")
+      for h, g in ((112, 8), (14, 1), (48, 1), (6, 1))),
+    pytest.param("nvfp4", 8, 8, {}, id="nvfp4-h8-g8-mixed"),
+    pytest.param("fp8", 128, 1, {}, id="fp8-h128-g1-mixed"),
 ]
 
 

@@ -229,6 +229,17 @@ def test_pending_cute_kernels_match_the_reference_gpu(fmt, M, split):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "fp16"])
+@pytest.mark.parametrize("heads,groups", [(112, 8), (14, 1), (48, 1), (6, 1)])
+def test_pending_cute_kernels_at_model_geometries_gpu(fmt, heads, groups):
+    """The plan, fold and step against the reference at served models' heads-a-group
+    ratios (test_geometries.py): 12 calls, M = 4, bf16 outputs."""
+    pytest.importorskip("cutlass")
+    kernel = functools.partial(_cute_decode, plan_launches={})
+    assert _run(fmt, 4, heads, groups, "cuda", calls=12, kernel=kernel, out_dtype=torch.bfloat16) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "fp16"])
 def test_pending_cute_split_step_equals_one_step_bit_for_bit(fmt):
     """The step split in two launches (beside and after the fold) gives the one-launch
     step's outputs and cache bit for bit: 12 calls of 6 rows (padding rows, random

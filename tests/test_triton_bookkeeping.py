@@ -202,6 +202,11 @@ INIT_CASES = [
     pytest.param("fp16", 16, 2, [3, 0, 5, -1], torch.int32, "contiguous", 0, id="fp16-h16-g2-i32-pad"),
     pytest.param("fp16", 16, 1, [2**32 + 4, 4, 6, 7], torch.int64, "broadcast", 64, id="fp16-g1-i64-broadcast-slotstride"),
     pytest.param("fp16", 16, 2, [8, -7, 2], torch.int32, "sliced", 0, id="fp16-noncontig"),
+    # Heads-a-group ratios that are not powers of two, and 1.
+    pytest.param("nvfp4", 14, 1, [3, 0, 5], torch.int32, "contiguous", 0, id="nvfp4-h14-g1"),
+    pytest.param("nvfp4", 12, 4, [2, 7], torch.int64, "contiguous", 0, id="nvfp4-h12-g4"),
+    pytest.param("nvfp4", 4, 4, [4, 1], torch.int32, "contiguous", 0, id="nvfp4-h4-g4"),
+    pytest.param("fp8", 6, 1, [1, 0, 2], torch.int32, "contiguous", 0, id="fp8-h6-g1"),
 ]
 
 
@@ -420,6 +425,8 @@ GPU_SHAPES = [
     pytest.param("nvfp4", 64, 8, id="nvfp4-h64-g8"),
     pytest.param("fp16", 16, 2, id="fp16-h16-g2"),
     pytest.param("fp16", 64, 8, id="fp16-h64-g8"),
+    pytest.param("nvfp4", 112, 8, id="nvfp4-h112-g8"),
+    pytest.param("nvfp4", 48, 1, id="nvfp4-h48-g1"),
 ]
 
 
@@ -606,7 +613,7 @@ for name, nv, rc in (("fp8", False, True), ("nvfp4", True, True), ("fp16", False
         sig.update(strides("stride_ids", "stride_sb", "stride_sh", "stride_sp", "stride_sn", "stride_ckpt",
                            "stride_read", "stride_scales", "stride_meta", "stride_parity", "stride_xr", "stride_dtr",
                            "stride_br", "stride_pos", "num_slots", "seed_key", "head_offset"))
-        const = dict(H=64, HPG=8, NVFP4=nv, READ_COPY=rc, BLOCK_R=16, N_X=65536, N_DT=1024, N_B=16384, POS_WIDTH=1,
+        const = dict(H=64, HPG=8, BLOCK_HPG=8, NVFP4=nv, READ_COPY=rc, BLOCK_R=16, N_X=65536, N_DT=1024, N_B=16384, POS_WIDTH=1,
                      CLEAR_BLOCK=256)
         out[f"initialize-{name}-{ids}"] = build(
             mods["initialize"]._initialize_kernel, sig, const, enable_fp_fusion=False)

@@ -79,6 +79,7 @@ def _initialize_kernel(
     head_offset,
     H: tl.constexpr,
     HPG: tl.constexpr,
+    BLOCK_HPG: tl.constexpr,
     NVFP4: tl.constexpr,
     READ_COPY: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -128,8 +129,8 @@ def _initialize_kernel(
     b_bmax = tl.maximum(tl.max(b_ae, axis=2), tl.max(b_ao, axis=2))  # [BLOCK_R, 8] bits
     if NVFP4:
         o_g = (o_r >> 6) // HPG  # group of each row
-        o_hg = o_g[:, None] * HPG + tl.arange(0, HPG)[None, :]  # the group's heads
-        b_gbits = tl.max(tl.load(p_hmax + i_b.to(tl.int64) * H + o_hg), axis=1)
+        o_k = tl.arange(0, BLOCK_HPG)[None, :]  # the group's heads (HPG of a power-of-two block)
+        b_gbits = tl.max(tl.load(p_hmax + i_b.to(tl.int64) * H + o_g[:, None] * HPG + o_k, mask=o_k < HPG, other=0), axis=1)
         e_g = pow2_exponent_above(b_gbits, 0x280000, 7)  # [BLOCK_R]
         gs = f32_exp2(e_g)[:, None]
         igs = f32_exp2(-e_g)[:, None]
@@ -186,7 +187,7 @@ def _arguments(cache, heads: int, fmt: Format, seed: int, head_offset: int):
     scalars = (ckpt.stride(0), read.stride(0), scales.stride(0), meta.stride(0), parity.stride(0), *ring_scalars[:4],
                ckpt.shape[0], seed_key_i32(seed), head_offset)  # fmt: skip
     clear_block = ring_consts.pop("BLOCK")
-    return tensors, scalars, dict(H=heads, HPG=heads // groups, NVFP4=fmt.two_level, READ_COPY=fmt.has_read_copy, BLOCK_R=block_r,
+    return tensors, scalars, dict(H=heads, HPG=heads // groups, BLOCK_HPG=triton.next_power_of_2(heads // groups), NVFP4=fmt.two_level, READ_COPY=fmt.has_read_copy, BLOCK_R=block_r,
                                   **ring_consts, CLEAR_BLOCK=clear_block)  # fmt: skip
 
 
