@@ -507,8 +507,9 @@ def test_gpu_materialize_kernel_in_a_cuda_graph(fmt):
 def test_gpu_copy_in_a_cuda_graph_and_fork_decodes(fmt):
     """copy_replayssm_slots with device ids captured in a CUDA graph and replayed: every
     per-slot tensor copied; then the copies decode the sources' inputs on the CuTe kernels,
-    outputs bit-identical before the second flush after the copy, within the floor of the
-    exact recurrence over 40 steps."""
+    outputs bit-identical before the second flush after the copy (fp16, whose steps read the
+    checkpoint the first flush rounds with each slot's own random bits: before the first),
+    within the floor of the exact recurrence over 40 steps."""
     g = torch.Generator().manual_seed(51)
     batch = 8
     cache, p, slots, exact = _gpu_layer(fmt, g, batch=batch, steps=5)
@@ -530,7 +531,7 @@ def test_gpu_copy_in_a_cuda_graph_and_fork_decodes(fmt):
         tok = token(batch, H, G, generator=g, device="cuda")
         tok2 = type(tok)(*(torch.cat([t, t]) for t in (tok.x, tok.dt, tok.B, tok.C)))
         out = cache.decode(tok2.x, tok2.dt, p.A, tok2.B, tok2.C, p.D, p.dt_bias, both)
-        if 5 + step < 31:
+        if 5 + step < (16 if fmt == "fp16" else 31):
             assert same_bits(out[:batch], out[batch:]), step
         ys.append(out[:batch]), yd.append(out[batch:]), es.append(exact.step(tok))
     for y in (ys, yd):
