@@ -115,11 +115,3 @@ def checkpoint_rbits(key: torch.Tensor, heads: int, head_offset: int = 0) -> tor
     words = random_words(key.reshape(rows, 1).to(torch.int64), idx.reshape(1, -1))
     pair = torch.stack((words & 0x1FFF, (words >> 16) & 0x1FFF), dim=-1)
     return pair.reshape(rows, heads, 64, 128)
-
-
-def element_rbits8(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """8 random bits for element `index` (e4m3 / e2m1 stochastic rounding): byte
-    (index mod 4) of word(key, index // 4), byte k being bits [8k+7 : 8k]."""
-    index = index.to(torch.int64)
-    words = random_words(key, index >> 2)
-    return (words >> ((index & 3) * 8)) & 0xFF
