@@ -135,30 +135,15 @@ def encode_fp16_sr(x, rbits):
 
 
 @triton.jit
-def encode_fp16_rn(x):
-    return encode_minifloat(x, x, 5, 10, 15, 0x7BFF, 0x7FFF, 13, False)
-
-
-@triton.jit
 def encode_e4m3_rn(x):
     """FP32 -> e4m3fn codes, nearest-even, saturating to 448; NaN -> 0x7F."""
     return encode_minifloat(x, x, 4, 3, 7, 0x7E, 0x7F, 8, False)
 
 
 @triton.jit
-def encode_e4m3_sr(x, rbits):
-    return encode_minifloat(x, rbits, 4, 3, 7, 0x7E, 0x7F, 8, True)
-
-
-@triton.jit
 def encode_e2m1_rn(x):
     """FP32 -> e2m1 codes (4 bits, sign at bit 3), nearest-even, saturating to 6; NaN -> 0x7."""
     return encode_minifloat(x, x, 2, 1, 1, 0x7, 0x7, 8, False)
-
-
-@triton.jit
-def encode_e2m1_sr(x, rbits):
-    return encode_minifloat(x, rbits, 2, 1, 1, 0x7, 0x7, 8, True)
 
 
 @triton.jit
