@@ -239,7 +239,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "--steps", type=_int_at_least(1), default=256, help="tokens decoded per request; every 16th is a flush"
     )
     demo.add_argument("--heads", type=_int_at_least(1), default=16, help="SSM heads of the layer")
-    demo.add_argument("--groups", type=_int_at_least(1), default=2, help="B/C groups (8 or 16 heads per group)")
+    demo.add_argument("--groups", type=_int_at_least(1), default=2, help="B/C groups (1 to 128 heads per group)")
     demo.add_argument(
         "--prompt", type=_int_at_least(0), default=64, help="prefill tokens that build each request's state"
     )

@@ -16,7 +16,7 @@ Vocabulary (used the same way everywhere in replayssm):
   position mod 16.
 - flush: the step at ring index 15, which folds 16 tokens into the checkpoint and
   re-derives the read copy. A period is the 16 tokens between two flushes.
-- group: heads sharing B and C (8 or 16 heads per group).
+- group: heads sharing B and C (1 to 128 heads per group).
 - parity: NVFP4 only; which half of the double-buffered second-level scale is live.
 - pending mode (speculative decoding, `spec_tokens` > 0): positions are (committed,
   pending) per slot; a call brings up to max_seqlen tokens a row and the verdict on the

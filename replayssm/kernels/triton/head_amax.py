@@ -1,7 +1,7 @@
 """Head-amax kernel: max |value| of each (row, head) of FP32 prefill states, as FP32 bits.
 
 The first of the two NVFP4 initialize launches. The group amax that sets a group's
-second-level scale spans 8 or 16 heads, i.e. many encode programs; reducing it in a
+second-level scale spans a whole group of heads, i.e. many encode programs; reducing it in a
 separate launch (ordered before the encode launch by the stream) lets every encode program
 read the finished value, with no atomics and no race. The max is taken on the integer bits
 of |value| (for non-negative FP32, integer order is value order), so it is exact and

@@ -11,7 +11,7 @@ that pairing is shared by all three encodings:
   code(2m) | code(2m+1) << 4, i.e. even | odd << 4 at byte index 8 b + j;
 - FP8: one power-of-two scale per row (max over both tiles);
 - fp16 (`READ_COPY` off): no read copy, the checkpoint alone.
-NVFP4 needs the amax over a whole group (8 or 16 heads, many programs): `head_amax.py`
+NVFP4 needs the amax over a whole group (up to 128 heads, many programs): `head_amax.py`
 reduces it per head in an earlier launch, and every program takes the max over its group's
 heads from there, so all programs of a group agree on the second-level scale without
 atomics. The group's first row writes meta[slot, g, 0] = meta[slot, g, 1] = group amax,
