@@ -365,6 +365,55 @@ def test_plan_kernels_compile_for_every_arch(arch, tmp_path):
             assert body.count("atom.global.add") == 1
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "fp16"])
+def test_plan_launches_pass_the_cache_and_plan_they_were_made_for(fmt, monkeypatch):
+    """The plan kernels' launchers (no GPU: the compiled entries replaced by a recorder):
+    the ids' address and stride, the cache's positions (NVFP4: parity and meta; the other
+    formats pass positions in their place) with their strides and the slot count, the
+    plan buffer's addresses, the seed's key as int32 bits, the batch and the stream, in
+    the kernels' parameter order; the compiled kernel looked up by its static key."""
+    pytest.importorskip("cutlass")
+    from replayssm.formats import FORMATS
+    from replayssm.kernels.buffers import PendingPlan
+    from replayssm.kernels.cute import plan as P
+    from replayssm.quant.rng import seed_key
+
+    calls = []
+    monkeypatch.setattr(P, "compiled_prepare", lambda *key: lambda *a: calls.append(("prepare", key, a)))
+    monkeypatch.setattr(P, "compiled_pending_plan", lambda *key: lambda *a: calls.append(("plan", key, a)))
+    f = FORMATS[fmt]
+    key32 = seed_key(2**40 + 3) & 0xFFFFFFFF
+    key32 -= (1 << 32) if key32 >= (1 << 31) else 0
+    for pending in (False, True):
+        cache = L.allocate_cache(9, 16, 2, fmt, "cpu", slot_padding=64, pending=pending)
+        pos = cache[L.POSITIONS]
+        par, meta = (cache[L.PARITY], cache[L.META]) if f.two_level else (pos, pos)
+        slots = (pos.data_ptr(), par.data_ptr(), meta.data_ptr(), pos.stride(0), par.stride(0), meta.stride(0), 9)
+        ids = torch.tensor([3, 99, 0, 99, 5, 99], dtype=torch.int32)[::2]
+        calls.clear()
+        if not pending:
+            scratch = PlanScratch(8, "cpu")
+            out = torch.empty(3, 16, 64, dtype=torch.bfloat16)
+            P.PrepareLaunch(cache, scratch, f, 2**40 + 3, "sm_90a")(ids, out, 7)
+            words = tuple(t.data_ptr() for t in scratch.buffers)
+            assert calls == [("prepare", ("sm_90a", 2, 16 * 64, f.two_level, torch.int32),
+                              (ids.data_ptr(), 2, slots, out.data_ptr(), words, key32, 3, 7))]  # fmt: skip
+        else:
+            plan = PendingPlan(8, "cpu")
+            acc = torch.tensor([1, 0, 2], dtype=torch.int64)
+            cu = torch.tensor([0, 1, 1, 3], dtype=torch.int32)
+            launch = P.PendingPlanLaunch(cache, plan, f, 2**40 + 3, 3, "sm_90a")
+            launch(ids, None, None, 7)
+            launch(ids, acc, cu, 8)
+            words = (plan.buf.data_ptr(), plan.fold_list.data_ptr())
+            assert calls == [
+                ("plan", ("sm_90a", 3, 2, False, False, f.two_level, torch.int32, torch.int32),
+                 (ids.data_ptr(), 2, ids.data_ptr(), ids.data_ptr(), slots, words, 3, 14, key32, 7)),
+                ("plan", ("sm_90a", 3, 2, True, True, f.two_level, torch.int32, torch.int64),
+                 (ids.data_ptr(), 2, acc.data_ptr(), cu.data_ptr(), slots, words, 3, 14, key32, 8)),
+            ]  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "fp16"])
 def test_prepare_period_sequence(fmt):
