@@ -251,7 +251,7 @@ def selective_state_update_replayssm(
     cu_seqlens[b] .. cu_seqlens[b+1]-1 (none at all still commits). Decode a cache's slots
     with one max_seqlen between inits (a slot whose pending count exceeds the call's
     max_seqlen is rejected; other changes go undetected here, `ReplaySSMCache` pins it).
-    The kernel backend runs pending mode on a Triton plan and CuTe fold and step kernels (no host sync; a CUDA graph
+    The kernel backend runs pending mode on CuTe plan, fold and step kernels (no host sync; a CUDA graph
     captures it once a call of the batch size has run eagerly: the host-side checks of
     cu_seqlens and the pending counts are skipped while capturing); the reference backend
     runs `replayssm.pending`, which reads a few values on the host.

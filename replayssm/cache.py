@@ -60,8 +60,8 @@ class ReplaySSMCache:
     (separate mode); k in 1..7 is pending mode for speculative decoding with k draft
     tokens: positions [S, 2], every call brings up to max_seqlen = k + 1 tokens a row
     (`decode` with `num_accepted_tokens` / `cu_seqlens`, `accept`), and the cache holds that
-    one max_seqlen for its lifetime. On a GPU the kernel backend runs pending mode on a
-    Triton plan kernel and CuTe fold and step kernels (CUDA-graph capturable after one
+    one max_seqlen for its lifetime. On a GPU the kernel backend runs pending mode on
+    CuTe plan, fold and step kernels (CUDA-graph capturable after one
     eager call of the batch size).
     """
 

@@ -186,6 +186,8 @@ class KernelBackend:
             ids = ids.reshape(-1)
         if scratch is None:
             scratch = self.scratch(ids.device, ids.shape[0])
+        if ids.shape[0] == 0:
+            return scratch.plan(0)
         launch = ctx.cute[0]
         self._prepare_launch(ctx, cache, scratch, fmt, seed)(ids, out, launch.current_stream(ids.get_device()))
         return scratch.plan(ids.shape[0])
@@ -219,6 +221,8 @@ class KernelBackend:
         if ids.dim() != 1:
             ids = ids.reshape(-1)
         batch = ids.shape[0]
+        if batch == 0:
+            return
         if scratch is None:
             scratch = self.scratch(device, batch)
         self._prepare_launch(ctx, cache, scratch, fmt, seed)(ids, out, stream)
@@ -281,6 +285,8 @@ class KernelBackend:
         if ids.dim() != 1:
             ids = ids.reshape(-1)
         batch = ids.shape[0]
+        if batch == 0:
+            return
         if ctx.pending is None or ctx.pending.rows < batch:
             ctx.pending = PendingPlan(max(batch, 64), cache[L.CHECKPOINT].device)
         varlen = cu_seqlens is not None
@@ -399,6 +405,7 @@ class KernelBackend:
             # Contiguous and broadcast (stride-0, as `reset` passes) prefill states.
             self.initialize(tensors, zero_state.repeat(2, 1, 1, 1), ids, fmt=fmt, seed=cache.seed)
             self.initialize(tensors, zero_state.expand(2, -1, -1, -1), ids, fmt=fmt, seed=cache.seed)
+            self.clear(tensors, ids)
             names += [f"triton.initialize[{dtype}]", f"triton.clear[{dtype}]"]
             if cute is not None:
                 self.prepare(tensors, ids, out, fmt=fmt, seed=cache.seed, scratch=scratch)

@@ -168,7 +168,8 @@ class PendingPlanKernel:
                 verdict = Int64(0)
                 if valid != Int32(0):
                     verdict = Int64(acc[ii])
-                a = Int32(sel(verdict < Int64(0), Int64(0), sel(verdict > Int64(q), Int64(q), verdict)))
+                at_least_0 = sel(verdict < Int64(0), Int64(0), verdict)  # min(max(v, 0), q), as the reference
+                a = Int32(sel(at_least_0 > Int64(q), Int64(q), at_least_0))
             cn = c + a
             f_old = (c // grid) * grid
             f_new = (cn // grid) * grid

@@ -56,8 +56,8 @@ def _head_amax_kernel(
 
 
 def _blocks(heads: int) -> tuple[int, int]:
-    """(BLOCK_H, BLOCK_P): one program per batch row in the interpreter (H a multiple of
-    8), one per head on the GPU."""
+    """(BLOCK_H, BLOCK_P): in the interpreter programs of the largest power of two up to
+    16 that divides H heads (one per batch row for H = 16), one per head on the GPU."""
     return (min(16, heads & -heads), 64) if interpreting() else (1, 16)
 
 
