@@ -313,3 +313,12 @@ def test_the_pending_launch_reads_inputs_as_they_are_or_copies_them(monkeypatch)
                        format_of("fp8"), 5, T, None, cu, 3)  # fmt: skip
     inputs = launches[2][1][2]
     assert launches[0][4] is cu and inputs[0] == xv.data_ptr() and inputs[8] == 0 and inputs[9] == xv.stride(0)
+    # A larger batch grows the context's plan buffer (at least doubled); the outgrown one
+    # stays alive for the graphs captured with it.
+    first = ctx.pending
+    big = 70
+    xb = torch.zeros(big, T, H * 64, dtype=torch.bfloat16)
+    Bb = torch.zeros(big, T, G * 128, dtype=torch.bfloat16)
+    kb._pending_launch(ctx, cache, xb, torch.zeros(big, T, H), A_, Bb, Bb, D, dt_bias, torch.zeros(big, dtype=torch.int32),
+                       torch.empty(big, T, H * 64, dtype=torch.bfloat16), format_of("fp8"), 5, T, None, None, 3)  # fmt: skip
+    assert ctx.pending.rows == 128 and ctx.outgrown == [first] and first.rows == 64

@@ -99,7 +99,7 @@ class _CacheContext:
     context never keeps a cache alive (its launches hold addresses and are given the
     tensors on each call)."""
 
-    __slots__ = ("refs", "cute", "reason", "prepares", "steps", "pending", "plan_launches", "pending_launches")
+    __slots__ = ("refs", "cute", "reason", "prepares", "steps", "pending", "outgrown", "plan_launches", "pending_launches")
 
     def __init__(self, cache, cute, reason: str | None) -> None:
         self.refs = tuple(weakref.ref(t) for t in cache)
@@ -107,6 +107,7 @@ class _CacheContext:
         self.prepares: dict[tuple, object] = {}
         self.steps: dict[tuple, object] = {}
         self.pending = None  # its pending-mode plan buffer (buffers.PendingPlan)
+        self.outgrown: list = []  # the smaller ones before it, kept: a captured graph may still use them
         self.plan_launches: dict[tuple, object] = {}
         self.pending_launches: dict[tuple, object] = {}
 
@@ -255,8 +256,9 @@ class KernelBackend:
         """Pending mode on a CUDA cache: the plan kernel of kernels/cute/plan.py, then the
         CuTe fold and step (cute/pending.py `fold_and_step`: in a captured call
         of SPLIT_MIN_BATCH rows or more, the step of the rows that do not fold beside the
-        fold); no host sync; the plan buffer is the cache context's, grown to the largest
-        batch seen, so a captured CUDA graph replays it. x, B, C that the step cannot read
+        fold); no host sync; the plan buffer is the cache context's, grown (at least
+        doubled) for a larger batch, the outgrown ones kept alive, so a CUDA graph captured
+        with any of them replays it. x, B, C that the step cannot read
         as they are (`cute.pending.reads_as_is`) are copied once (out is contiguous: the
         API checked it). On the CPU, and on a cache the CuTe kernels cannot run (`cute_for`),
         the PyTorch reference (`pending.pending_decode`, which reads a few values on the
@@ -288,7 +290,9 @@ class KernelBackend:
         if batch == 0:
             return
         if ctx.pending is None or ctx.pending.rows < batch:
-            ctx.pending = PendingPlan(max(batch, 64), cache[L.CHECKPOINT].device)
+            if ctx.pending is not None:
+                ctx.outgrown.append(ctx.pending)
+            ctx.pending = PendingPlan(max(batch, 64, 2 * (ctx.pending.rows if ctx.pending else 0)), cache[L.CHECKPOINT].device)
         varlen = cu_seqlens is not None
         ok = k.reads_as_is
         if not (ok(x, L.HEAD_DIM, varlen) and ok(B, L.STATE_DIM, varlen) and ok(C, L.STATE_DIM, varlen)):
