@@ -227,12 +227,13 @@ class KernelBackend:
         if scratch is None:
             scratch = self.scratch(device, batch)
         self._prepare_launch(ctx, cache, scratch, fmt, seed)(ids, out, stream)
+        plan = scratch.plan(batch)
         key = (batch, fmt, head_offset, scratch.words)
         step = ctx.steps.get(key)
         if step is None:
-            step = ctx.steps[key] = launch.Step(cache, scratch.plan(batch), fmt.name, arch, head_offset)
+            step = ctx.steps[key] = launch.Step(cache, plan, fmt.name, arch, head_offset)
         fork = batch >= EAGER_FORK_MIN_BATCH or torch.cuda.is_current_stream_capturing()
-        step(cache, scratch.plan(batch), x, dt, A, B, C, D, dt_bias, out, stream, fork=fork)
+        step(cache, plan, x, dt, A, B, C, D, dt_bias, out, stream, fork=fork)
 
     def _context(self, cache) -> "_CacheContext":
         """The `_CacheContext` of a CUDA cache tuple (made on first use; keyed by the

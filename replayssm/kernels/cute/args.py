@@ -142,6 +142,19 @@ class FoldParams(NamedTuple):
     a_stride: Int64
 
 
+class Slots(NamedTuple):
+    """A cache's per-slot bookkeeping, read and written by the plan kernels (parity and
+    meta: NVFP4 only; the other formats pass positions in their place)."""
+
+    positions: Pointer  # int32 [S] (single-token) or [S, 2] (pending)
+    parity: Pointer  # int32 [S]
+    meta: Pointer  # f32 [S, G, 2]
+    pos_stride: Int64
+    parity_stride: Int64
+    meta_stride: Int64
+    num_slots: Int32
+
+
 class Plan(NamedTuple):
     """The prepare kernel's plan (`reference.Plan`), one entry a batch row."""
 
@@ -201,6 +214,11 @@ SPECS: dict[type, dict[str, tuple]] = {
     },
 }
 SPECS[DebugPlan] = {**SPECS[Plan], "state": (Float32, 16)}
+SPECS[Slots] = {
+    "positions": (Int32, 4), "parity": (Int32, 4), "meta": (Float32, 4),
+    "pos_stride": ("positions", 0, 1), "parity_stride": ("parity", 0, 1), "meta_stride": ("meta", 0, 1),
+    "num_slots": (VALUE, Int32),
+}  # fmt: skip
 SPECS[PendingInputs] = {
     "x": (BFloat16, 16), "dt": (INPUT_DTYPE, 0), "A": (Float32, 4), "B": (BFloat16, 16), "C": (BFloat16, 16),
     "D": (Float32, 4), "dt_bias": (Float32, 4), "out": (BFloat16, 16),
@@ -283,4 +301,4 @@ def raw(struct: type, **tensors) -> list[int]:
     return out
 
 
-__all__ = ["PendingInputs", "PendingPlan", "PendingDebugPlan", "FoldParams", "raw", "dense_rows", "row_words", "DSL_DTYPES", "Ring", "Fp8Copy", "Nvfp4Copy", "Fp16Copy", "Checkpoint", "Inputs", "Plan", "DebugPlan", "SPECS", "fake"]
+__all__ = ["PendingInputs", "PendingPlan", "PendingDebugPlan", "FoldParams", "raw", "dense_rows", "row_words", "DSL_DTYPES", "Ring", "Fp8Copy", "Nvfp4Copy", "Fp16Copy", "Checkpoint", "Inputs", "Plan", "DebugPlan", "Slots", "SPECS", "fake"]

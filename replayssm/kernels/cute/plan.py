@@ -28,7 +28,6 @@ rows).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -50,30 +49,11 @@ THREADS = 128
 ID_DTYPES = {torch.int32: Int32, torch.int64: Int64}
 
 
-class Slots(NamedTuple):
-    """A cache's per-slot bookkeeping (parity and meta: NVFP4 only; FP8 passes positions)."""
-
-    positions: Pointer  # int32 [S] (single-token) or [S, 2] (pending)
-    parity: Pointer  # int32 [S]
-    meta: Pointer  # f32 [S, G, 2]
-    pos_stride: Int64
-    parity_stride: Int64
-    meta_stride: Int64
-    num_slots: Int32
-
-
-A.SPECS[Slots] = {
-    "positions": (Int32, 4), "parity": (Int32, 4), "meta": (Float32, 4),
-    "pos_stride": ("positions", 0, 1), "parity_stride": ("parity", 0, 1), "meta_stride": ("meta", 0, 1),
-    "num_slots": (A.VALUE, Int32),
-}  # fmt: skip
-
-
 def slots_words(cache, fmt) -> tuple:
     """`Slots` of a cache tuple as the kernels' TVM-FFI entry takes it."""
     pos = cache[L.POSITIONS]
     parity, meta = (cache[L.PARITY], cache[L.META]) if fmt.two_level else (pos, pos)
-    return tuple(A.raw(Slots, positions=pos, parity=parity, meta=meta, num_slots=cache[L.CHECKPOINT].shape[0]))
+    return tuple(A.raw(A.Slots, positions=pos, parity=parity, meta=meta, num_slots=cache[L.CHECKPOINT].shape[0]))
 
 
 @cute.jit
@@ -99,7 +79,7 @@ class Prepare:
         self.groups, self.out_row, self.two_level, self.trigger, self.ids_dtype = groups, out_row, two_level, trigger, ids_dtype
 
     @cute.jit
-    def __call__(self, ids: Pointer, ids_stride: Int64, slots: Slots, out: Pointer, plan: A.Plan, seed: Int32, batch: Int32, stream: cuda_driver.CUstream):
+    def __call__(self, ids: Pointer, ids_stride: Int64, slots: A.Slots, out: Pointer, plan: A.Plan, seed: Int32, batch: Int32, stream: cuda_driver.CUstream):
         self.kernel(ids, ids_stride, slots, out, plan, seed).launch(grid=[batch, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
@@ -146,7 +126,7 @@ class PendingPlanKernel:
         self.ids_dtype, self.acc_dtype = ids_dtype, acc_dtype
 
     @cute.jit
-    def __call__(self, ids: Pointer, ids_stride: Int64, acc: Pointer, cu: Pointer, slots: Slots, plan: A.PendingPlan,
+    def __call__(self, ids: Pointer, ids_stride: Int64, acc: Pointer, cu: Pointer, slots: A.Slots, plan: A.PendingPlan,
                  batch: Int32, grid: Int32, seed: Int32, stream: cuda_driver.CUstream):  # fmt: skip
         blocks = (batch + Int32(THREADS - 1)) // Int32(THREADS)
         self.kernel(ids, ids_stride, acc, cu, slots, plan, batch, grid, seed).launch(grid=[blocks, 1, 1], block=[THREADS, 1, 1], stream=stream)
@@ -209,7 +189,7 @@ def prepare_kernel(groups: int, out_row: int, two_level: bool, trigger: bool, id
     """The prepare kernel object and its compile-time arguments."""
     idt = ID_DTYPES[ids_dtype]
     obj = Prepare(groups, out_row, two_level, trigger, idt)
-    fake = [_ptr(idt, ids_dtype.itemsize), Int64(0), A.fake(Slots), _ptr(cutlass.Int16, 2), A.fake(A.Plan), Int32(0), Int32(0), make_fake_stream()]
+    fake = [_ptr(idt, ids_dtype.itemsize), Int64(0), A.fake(A.Slots), _ptr(cutlass.Int16, 2), A.fake(A.Plan), Int32(0), Int32(0), make_fake_stream()]
     return obj, fake
 
 
@@ -218,7 +198,7 @@ def pending_plan_kernel(T: int, groups: int, has_acc: bool, varlen: bool, two_le
     idt, adt = ID_DTYPES[ids_dtype], ID_DTYPES[acc_dtype]
     obj = PendingPlanKernel(T, groups, has_acc, varlen, two_level, idt, adt)
     fake = [
-        _ptr(idt, ids_dtype.itemsize), Int64(0), _ptr(adt, acc_dtype.itemsize), _ptr(Int32, 4), A.fake(Slots), A.fake(A.PendingPlan),
+        _ptr(idt, ids_dtype.itemsize), Int64(0), _ptr(adt, acc_dtype.itemsize), _ptr(Int32, 4), A.fake(A.Slots), A.fake(A.PendingPlan),
         Int32(0), Int32(1), Int32(0), make_fake_stream(),
     ]  # fmt: skip
     return obj, fake
@@ -278,6 +258,6 @@ class PendingPlanLaunch:
 
 
 __all__ = [
-    "Slots", "slots_words", "Prepare", "PendingPlanKernel", "prepare_kernel", "pending_plan_kernel",
+    "slots_words", "Prepare", "PendingPlanKernel", "prepare_kernel", "pending_plan_kernel",
     "compiled_prepare", "compiled_pending_plan", "PrepareLaunch", "PendingPlanLaunch",
 ]  # fmt: skip
