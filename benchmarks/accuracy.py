@@ -1,7 +1,7 @@
 """Output accuracy against the exact FP64 recurrence, per format and geometry (GPU: the
 kernels; CPU: the reference, slowly).
 
-For each shape HxG and format: `--batch` rows prefilled from the exact recurrence (16
+For each shape HxG (head dim 64, state dim 128) or HxGxPxN and format: `--batch` rows prefilled from the exact recurrence (16
 tokens), then `--tokens` tokens a row through
 - single-token decode (`ReplaySSMCache.decode`), every output compared;
 - pending mode (`spec_tokens = T - 1`, `--T` tokens a row and call; token 0 always
@@ -44,10 +44,16 @@ def _summary(pairs: list[tuple[int, torch.Tensor, torch.Tensor]], tokens: int) -
     return {"all": db(pairs), "first": db([p for p in pairs if p[0] < EDGE]), "last": db([p for p in pairs if p[0] >= tokens - EDGE])}
 
 
+def _dims(args) -> dict:
+    """The state geometry of a run: head_dim / state_dim of `args` (64 / 128 when absent)."""
+    return {"head_dim": getattr(args, "head_dim", 64), "state_dim": getattr(args, "state_dim", 128)}
+
+
 def single(fmt: str, heads: int, groups: int, args, device) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
+    dims = _dims(args)
     p = layer_params(heads, generator=gen, device=device)
-    states = prefill_states(p, args.batch, groups, 16, generator=gen, device=device)
+    states = prefill_states(p, args.batch, groups, 16, generator=gen, device=device, **dims)
     exact = ExactRecurrence(p, states)
     if fmt == "bf16":
         from benchmarks.standard_decode import standard_decode, standard_decode_ref
@@ -61,7 +67,7 @@ def single(fmt: str, heads: int, groups: int, args, device) -> dict:
         def step(tok):
             return run(st, tok.x, tok.dt, p.A, tok.B, tok.C, D, p.dt_bias, ids)
     else:
-        cache = ReplaySSMCache(args.batch + 1, heads, groups, fmt, device, seed=args.seed, backend=args.backend)
+        cache = ReplaySSMCache(args.batch + 1, heads, groups, fmt, device, seed=args.seed, backend=args.backend, **dims)
         ids = cache.allocate(args.batch)
         cache.prefill_init(states, ids)
 
@@ -70,7 +76,7 @@ def single(fmt: str, heads: int, groups: int, args, device) -> dict:
 
     pairs = []
     for t in range(args.tokens):
-        tok = token(args.batch, heads, groups, generator=gen, device=device)
+        tok = token(args.batch, heads, groups, generator=gen, device=device, **dims)
         pairs.append((t, exact.step(tok).cpu(), step(tok).double().cpu()))
     return _summary(pairs, args.tokens)
 
@@ -78,10 +84,11 @@ def single(fmt: str, heads: int, groups: int, args, device) -> dict:
 def pending(fmt: str, heads: int, groups: int, args, device) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
     rng = random.Random(args.seed)
+    dims = _dims(args)
     p = layer_params(heads, generator=gen, device=device)
     b, T = args.batch, args.T
-    states = prefill_states(p, b, groups, 16, generator=gen, device=device)
-    cache = ReplaySSMCache(b + 1, heads, groups, fmt, device, seed=args.seed, backend=args.backend, spec_tokens=T - 1)
+    states = prefill_states(p, b, groups, 16, generator=gen, device=device, **dims)
+    cache = ReplaySSMCache(b + 1, heads, groups, fmt, device, seed=args.seed, backend=args.backend, spec_tokens=T - 1, **dims)
     ids = cache.allocate(b)
     cache.prefill_init(states, ids)
     base = [ExactRecurrence(p, states[r : r + 1]) for r in range(b)]  # each row's committed exact state
@@ -94,7 +101,7 @@ def pending(fmt: str, heads: int, groups: int, args, device) -> dict:
                 for tok in drafts[r][: int(acc[r])]:
                     base[r].step(tok)
                 committed[r] += int(acc[r])
-        tok = token(b * T, heads, groups, generator=gen, device=device)
+        tok = token(b * T, heads, groups, generator=gen, device=device, **dims)
         x, dt, B, C = (v.unflatten(0, (b, T)) for v in (tok.x, tok.dt, tok.B, tok.C))
         out = cache.decode(x, dt, p.A, B, C, p.D, p.dt_bias, ids, num_accepted_tokens=acc)
         verdict = []
@@ -114,7 +121,7 @@ def pending(fmt: str, heads: int, groups: int, args, device) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="16x2,64x8", help="HEADSxGROUPS list")
+    ap.add_argument("--shapes", default="16x2,64x8", help="HEADSxGROUPS or HEADSxGROUPSxHEADDIMxSTATEDIM list")
     ap.add_argument("--formats", default="bf16,fp8,nvfp4,fp16")
     ap.add_argument("--modes", default="single,pending")
     ap.add_argument("--tokens", type=int, default=2048)
@@ -127,16 +134,16 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
-    print(f"{'shape':>7} {'format':>6} {'mode':>8} {'all dB':>7} {'first':>7} {'last':>7}")
+    print(f"{'shape':>13} {'format':>6} {'mode':>8} {'all dB':>7} {'first':>7} {'last':>7}")
     for shape in args.shapes.split(","):
-        heads, groups = map(int, shape.split("x"))
+        heads, groups, args.head_dim, args.state_dim = (list(map(int, shape.split("x"))) + [64, 128])[:4]
         for fmt in args.formats.split(","):
             for mode in args.modes.split(","):
-                if mode == "pending" and fmt == "bf16":
+                if fmt == "bf16" and (mode == "pending" or (args.head_dim, args.state_dim) != (64, 128)):
                     continue
                 r = (single if mode == "single" else pending)(fmt, heads, groups, args, device)
-                rows.append({"heads": heads, "groups": groups, "format": fmt, "mode": mode, **r})
-                print(f"{shape:>7} {fmt:>6} {mode:>8} {r['all']:7.2f} {r['first']:7.2f} {r['last']:7.2f}", flush=True)
+                rows.append({"heads": heads, "groups": groups, **_dims(args), "format": fmt, "mode": mode, **r})
+                print(f"{shape:>13} {fmt:>6} {mode:>8} {r['all']:7.2f} {r['first']:7.2f} {r['last']:7.2f}", flush=True)
     if args.out:
         meta = {"commit": commit(), "command": " ".join(sys.argv), "device": str(device),
                 "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None}  # fmt: skip

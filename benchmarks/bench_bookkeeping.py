@@ -1,5 +1,6 @@
-"""Time the bookkeeping kernels (GPU only): Triton's initialize (NVFP4 head amax, then
-encode-and-clear) and clear, and the CuTe prepare kernel, at batch 256 and 1024 (all rows live, unique slots).
+"""Time the bookkeeping kernels (GPU only): the CuTe initialize (one launch; NVFP4 reads
+each group's states twice, for its amax and to encode them), clear and prepare kernels, at
+batch 256 and 1024 (all rows live, unique slots).
 
 Each kernel is captured `--reps` times in one CUDA graph and the graph replayed; the time
 per call is the replay time over `--reps`, measured with CUDA events (so launch overhead
@@ -17,8 +18,6 @@ import argparse
 import torch
 
 from replayssm import layout as L
-from replayssm.kernels.triton.clear import clear
-from replayssm.kernels.triton.initialize import initialize
 from replayssm.kernels import kernel_backend
 from replayssm.kernels.buffers import PlanScratch
 from replayssm.formats import FP8, NVFP4
@@ -84,10 +83,10 @@ def main() -> None:
             read_bytes = H * P * (N // 2 + N // 16) if nvfp4 else H * P * (N + 4)
             init_bytes = batch * (H * P * N * (4 + 2) + read_bytes + ring_bytes)
             if nvfp4:
-                init_bytes += batch * H * P * N * 4  # the head-amax pass reads the states once more
+                init_bytes += batch * H * P * N * 4  # the group-amax pass reads the states once more
             cases = [
-                ("initialize", lambda: initialize(cache, states, ids, fmt=(NVFP4 if nvfp4 else FP8), seed=1), init_bytes),
-                ("clear", lambda: clear(cache, ids), batch * ring_bytes),
+                ("initialize", lambda: kernel_backend().initialize(cache, states, ids, fmt=(NVFP4 if nvfp4 else FP8), seed=1), init_bytes),
+                ("clear", lambda: kernel_backend().clear(cache, ids), batch * ring_bytes),
                 (
                     "prepare",
                     lambda: kernel_backend().prepare(cache, ids, out, fmt=(NVFP4 if nvfp4 else FP8), seed=1, scratch=scratch),

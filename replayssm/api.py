@@ -25,10 +25,10 @@ from . import checks as chk
 from . import layout as L
 from . import ops
 from .formats import Format, format_of
+from .geometry import Geometry
 from .kernels import backend_for
 from .kernels.env import debug
 
-Geometry = tuple[int, int, int]  # (num_slots, heads, groups), as layout.check_cache returns it
 
 
 _describe = chk.describe
@@ -68,7 +68,8 @@ def initialize_replayssm_state(
     head_offset: int = 0,
 ) -> None:
     """Initialize the FP16 checkpoint and the read copy independently from FP32 prefill
-    states [batch, heads, 64, 128], and clear the rings and positions of the slots.
+    states [batch, heads, P, N] (the cache's head and state dims), and clear the rings
+    and positions of the slots.
 
     Nonpositive and out-of-range slot indices are ignored. `states` may be a broadcast
     view (stride 0 on the batch dim) and need not be contiguous. With REPLAYSSM_DEBUG=1
@@ -90,13 +91,13 @@ def initialize(
     cache, geometry: Geometry, impl, states, state_indices, *, fmt: Format, seed: int, checks: bool, head_offset: int = 0,
     ids_name: str = "state_indices",
 ) -> None:
-    slots, heads, _ = geometry
+    slots, heads, _, P, N = geometry
     device = cache[L.CHECKPOINT].device
     chk.tensor("states", states)
     if states.dtype != torch.float32:
-        raise chk.DTypeError(f"states must be float32 [batch, {heads}, 64, 128]; got {_describe(states)}")
-    if states.dim() != 4 or states.shape[1:] != (heads, L.HEAD_DIM, L.STATE_DIM):
-        raise ValueError(f"states must be float32 [batch, {heads}, 64, 128]; got {_describe(states)}")
+        raise chk.DTypeError(f"states must be float32 [batch, {heads}, {P}, {N}]; got {_describe(states)}")
+    if states.dim() != 4 or states.shape[1:] != (heads, P, N):
+        raise ValueError(f"states must be float32 [batch, {heads}, {P}, {N}]; got {_describe(states)}")
     chk.on_device("states", states, device)
     ids = _check_indices(state_indices, device, ids_name)
     if ids.numel() != states.shape[0]:
@@ -127,20 +128,21 @@ def clear(cache, impl, state_indices) -> None:
         ops.clear(cache, ids, backend=impl.name)
 
 
-def normalize_decode_inputs(x, dt, A, B, C, D, dt_bias, batch: int, heads: int, groups: int):
+def normalize_decode_inputs(
+    x, dt, A, B, C, D, dt_bias, batch: int, heads: int, groups: int, P: int = L.HEAD_DIM, N: int = L.STATE_DIM
+):
     """Validate shapes/dtypes of one decode step's inputs and return them in the kernels'
-    layout, as views (no copy, no conversion for the inputs engines pass): x [b, H, 64]
+    layout, as views (no copy, no conversion for the inputs engines pass): x [b, H, P]
     bf16, dt [b, H] f32 / bf16 / f16 (another float type is converted), A [H] f32,
-    B, C [b, G, 128] bf16, D [H, 64] f32, dt_bias [H] f32. Row-strided x, B, C (column
+    B, C [b, G, N] bf16, D [H, P] f32, dt_bias [H] f32. Row-strided x, B, C (column
     slices of one projection) keep their strides; tied (stride-0) views are read at their
     first element."""
-    P, N = L.HEAD_DIM, L.STATE_DIM
-    _check_rows(x, B, C, (batch,), heads, groups, "")
+    _check_rows(x, B, C, (batch,), heads, groups, "", P, N)
     chk.floating("dt", dt)
     if tuple(dt.shape) not in ((batch, heads), (batch, heads, P)):
-        raise ValueError(f"dt must be [{batch}, {heads}] or a tied [{batch}, {heads}, 64] view; got {_describe(dt)}")
+        raise ValueError(f"dt must be [{batch}, {heads}] or a tied [{batch}, {heads}, {P}] view; got {_describe(dt)}")
     chk.tied("dt", dt, dt if dt.dim() == 3 else dt.unsqueeze(-1))
-    A, D, dt_bias = chk.params(A, D, dt_bias, heads)
+    A, D, dt_bias = chk.params(A, D, dt_bias, heads, P, N)
     x = x.reshape(batch, heads, P)
     B = B.reshape(batch, groups, N)
     C = C.reshape(batch, groups, N)
@@ -150,9 +152,8 @@ def normalize_decode_inputs(x, dt, A, B, C, D, dt_bias, batch: int, heads: int, 
     return x, dt, A, B, C, D, dt_bias
 
 
-def _check_out(out: object, lead: tuple[int, ...], heads: int, lay: str) -> None:
-    """`out` of a decode call: contiguous bf16 lead + [H, 64] (or lead + [H*64])."""
-    P = L.HEAD_DIM
+def _check_out(out: object, lead: tuple[int, ...], heads: int, lay: str, P: int = L.HEAD_DIM) -> None:
+    """`out` of a decode call: contiguous bf16 lead + [H, P] (or lead + [H*P])."""
     chk.tensor("out", out)
     want = f"contiguous bfloat16 {[*lead, heads, P]} or {[*lead, heads * P]}{lay}"
     if out.dtype != torch.bfloat16:
@@ -161,10 +162,9 @@ def _check_out(out: object, lead: tuple[int, ...], heads: int, lay: str) -> None
         raise ValueError(f"out must be {want}; got {_describe(out)}")
 
 
-def _check_rows(x, B, Cm, lead: tuple[int, ...], heads: int, groups: int, lay: str) -> None:
-    """x lead + [H, 64] or lead + [H*64], B and C lead + [G, 128] or lead + [G*128], all
+def _check_rows(x, B, Cm, lead: tuple[int, ...], heads: int, groups: int, lay: str, P: int, N: int) -> None:
+    """x lead + [H, P] or lead + [H*P], B and C lead + [G, N] or lead + [G*N], all
     bf16 (DTypeError for another dtype, ValueError for another shape)."""
-    P, N = L.HEAD_DIM, L.STATE_DIM
     for name, t, n, w in (("x", x, heads, P), ("B", B, groups, N), ("C", Cm, groups, N)):
         chk.tensor(name, t)
         want = f"bfloat16 {[*lead, n, w]} or {[*lead, n * w]}{lay}"
@@ -174,23 +174,24 @@ def _check_rows(x, B, Cm, lead: tuple[int, ...], heads: int, groups: int, lay: s
             raise ValueError(f"{name} must be {want}; got {_describe(t)}")
 
 
-def normalize_pending_inputs(x, dt, A, B, C, D, dt_bias, lead: tuple[int, ...], heads: int, groups: int):
+def normalize_pending_inputs(
+    x, dt, A, B, C, D, dt_bias, lead: tuple[int, ...], heads: int, groups: int, P: int = L.HEAD_DIM, N: int = L.STATE_DIM
+):
     """Validate the inputs of one pending-mode call and return them as `pending.py` takes
-    them. `lead` is (b, T) for the dense layout, (total,) for varlen: x lead + [H, 64] (or
-    lead + [H*64]) bf16, dt lead + [H] (or lead + [H, 64] tied over the last dim) any float,
-    B, C lead + [G, 128] (or lead + [G*128]) bf16; A, D, dt_bias as for
-    `normalize_decode_inputs`. Returns x lead + [H, 64], dt lead + [H], A [H] f32,
-    B, C lead + [G, 128], D [H, 64] f32, dt_bias [H] f32."""
-    P, N = L.HEAD_DIM, L.STATE_DIM
+    them. `lead` is (b, T) for the dense layout, (total,) for varlen: x lead + [H, P] (or
+    lead + [H*P]) bf16, dt lead + [H] (or lead + [H, P] tied over the last dim) any float,
+    B, C lead + [G, N] (or lead + [G*N]) bf16; A, D, dt_bias as for
+    `normalize_decode_inputs`. Returns x lead + [H, P], dt lead + [H], A [H] f32,
+    B, C lead + [G, N], D [H, P] f32, dt_bias [H] f32."""
     lead = tuple(int(v) for v in lead)
     lay = "dense [b, T, ...] with T == max_seqlen" if len(lead) == 2 else "varlen [total, ...]"
-    _check_rows(x, B, C, lead, heads, groups, f" ({lay})")
+    _check_rows(x, B, C, lead, heads, groups, f" ({lay})", P, N)
     chk.floating("dt", dt)
     if tuple(dt.shape) not in (lead + (heads,), lead + (heads, P)):
         raise ValueError(f"dt must be {[*lead, heads]} or {[*lead, heads, P]} (tied) ({lay}); got {_describe(dt)}")
-    dt_flat = dt if dt.dim() == len(lead) + 2 else dt.unsqueeze(-1)  # lead + [H, 1 or 64]
+    dt_flat = dt if dt.dim() == len(lead) + 2 else dt.unsqueeze(-1)  # lead + [H, 1 or P]
     chk.tied("dt", dt, dt_flat)
-    A, D, dt_bias = chk.params(A, D, dt_bias, heads)
+    A, D, dt_bias = chk.params(A, D, dt_bias, heads, P, N)
     x = x.reshape(*lead, heads, P)
     B = B.reshape(*lead, groups, N)
     C = C.reshape(*lead, groups, N)
@@ -234,7 +235,8 @@ def selective_state_update_replayssm(
 
     Applies softplus to dt + dt_bias. Rows whose slot is <= 0 or >= num_slots are padding:
     their output rows are zeroed and nothing else changes. Active slot indices must be
-    unique (checked when REPLAYSSM_DEBUG=1). Returns `out` (bf16 [batch, heads, 64]).
+    unique (checked when REPLAYSSM_DEBUG=1). Returns `out` (bf16 [batch, heads, P]; P, N
+    the cache's head and state dims, 64 and 128 unless the cache was made with others).
     `scratch`: optional per-row plan buffers for the kernel backend (ReplaySSMCache passes
     its own, sized for its max_batch); the backend keeps shared ones otherwise. `backend`
     and `head_offset` as for `initialize_replayssm_state`.
@@ -243,11 +245,12 @@ def selective_state_update_replayssm(
     docs/format.md section 5b): each row brings up to `max_seqlen` (1..8) tokens, and
     `num_accepted_tokens` (int32 / int64 [b], or None: accept all) is the verdict on each
     row's previous call, clamped to 0..(the tokens the row has pending) (with
-    REPLAYSSM_DEBUG=1 a verdict outside 0..max_seqlen is a ValueError). Dense layout (`cu_seqlens` None): x [b, max_seqlen, H, 64] (or
-    [b, max_seqlen, H*64]), dt [b, max_seqlen, H] (or tied over 64), B, C [b, max_seqlen, G,
-    128], out [b, max_seqlen, H, 64]; every live row brings max_seqlen tokens. Varlen layout:
-    `cu_seqlens` int32 [b + 1] (0 first, non-decreasing, x.shape[0] last), x [total, H, 64],
-    dt [total, H], B, C [total, G, 128], out [total, H, 64]; row b brings tokens
+    REPLAYSSM_DEBUG=1 a verdict outside 0..max_seqlen is a ValueError). Dense layout
+    (`cu_seqlens` None): x [b, max_seqlen, H, P] (or [b, max_seqlen, H*P]), dt [b,
+    max_seqlen, H] (or tied over P), B, C [b, max_seqlen, G, N], out [b, max_seqlen, H, P];
+    every live row brings max_seqlen tokens. Varlen layout: `cu_seqlens` int32 [b + 1] (0
+    first, non-decreasing, x.shape[0] last), x [total, H, P], dt [total, H], B, C [total, G,
+    N], out [total, H, P]; row b brings tokens
     cu_seqlens[b] .. cu_seqlens[b+1]-1 (none at all still commits). Decode a cache's slots
     with one max_seqlen between inits (a slot whose pending count exceeds the call's
     max_seqlen is rejected; other changes go undetected here, `ReplaySSMCache` pins it).
@@ -293,7 +296,7 @@ def decode(
 ) -> torch.Tensor:
     """One step: the eager fast path (`direct_decode`, unless `try_direct` is False: the
     caller tried it), else the validating path through the op."""
-    slots, heads, groups = geometry
+    slots, heads, groups, P, N = geometry
     device = cache[L.CHECKPOINT].device
     if (
         try_direct
@@ -306,11 +309,11 @@ def decode(
         return out
     ids = _check_indices(state_indices, device, ids_name)
     batch = ids.numel()
-    _check_out(out, (batch,), heads, "")
+    _check_out(out, (batch,), heads, "", P)
     tensors = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "dt_bias": dt_bias, "out": out}
     for name, t in tensors.items():
         chk.on_device(name, chk.tensor(name, t), device)
-    norm = normalize_decode_inputs(x, dt, A, B, C, D, dt_bias, batch, heads, groups)
+    norm = normalize_decode_inputs(x, dt, A, B, C, D, dt_bias, batch, heads, groups, P, N)
     if batch == 0:
         return out
     if checks and not torch.compiler.is_compiling():  # host reads: eager only (ops.py)
@@ -337,17 +340,6 @@ _PARAMS: dict[tuple, tuple] = {}  # (id(A), id(D), id(dt_bias), heads) -> (tenso
 _PARAMS_MAX = 1024
 
 
-def _rows_ok(t, batch: int, n: int, width: int, index: int) -> bool:
-    """Whether `t` is a bf16 [batch, n, width] or [batch, n * width] tensor on device
-    `index` (the kernels read either through its strides)."""
-    if type(t) is not torch.Tensor or t.dtype != torch.bfloat16 or t.get_device() != index:
-        return False
-    shape = t.shape
-    if len(shape) == 3:
-        return shape[0] == batch and shape[1] == n and shape[2] == width
-    return len(shape) == 2 and shape[0] == batch and shape[1] == n * width
-
-
 def _layer_params(A, D, dt_bias, heads: int, index: int):
     """(A, D, dt_bias) normalized as `normalize_decode_inputs` leaves them, made once per
     tensors and reused while none of them is modified in place (the entry holds them, so
@@ -369,31 +361,26 @@ def _layer_params(A, D, dt_bias, heads: int, index: int):
 def direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, scratch, head_offset) -> bool:
     """Run the step on the kernel backend directly when the inputs are in an accepted
     layout (see above); False (nothing done) otherwise. x, B and C go as they are ([b, n,
-    w] or [b, n * w]: the launcher reads their row strides)."""
+    w] or [b, n * w]: the launcher reads their row strides). Each property is tested for
+    every tensor at once (chained comparisons): this runs on every eager step."""
     index = cache[L.CHECKPOINT].get_device()
-    T = torch.Tensor
-    if type(ids) is not T or ids.dim() != 1 or ids.dtype not in _IDS_DTYPES or ids.get_device() != index:
+    if not (
+        type(ids) is type(out) is type(x) is type(B) is type(C) is type(dt) is torch.Tensor
+        and ids.get_device() == out.get_device() == x.get_device() == B.get_device() == C.get_device() == dt.get_device() == index
+        and out.dtype is x.dtype is B.dtype is C.dtype is torch.bfloat16
+        and ids.dtype in _IDS_DTYPES and dt.dtype in _DT_DTYPES
+    ):  # fmt: skip
         return False
-    batch = ids.shape[0]
+    shape = ids.shape
+    batch = shape[0] if len(shape) == 1 else 0
     if batch == 0 or (scratch is not None and scratch.rows < batch):
         return False
-    if (
-        type(out) is not T or out.dtype != torch.bfloat16 or out.get_device() != index or not out.is_contiguous()
-        or out.shape not in ((batch, heads, L.HEAD_DIM), (batch, heads * L.HEAD_DIM))
-    ):
-        return False
-    if not (
-        _rows_ok(x, batch, heads, L.HEAD_DIM, index) and _rows_ok(B, batch, groups, L.STATE_DIM, index)
-        and _rows_ok(C, batch, groups, L.STATE_DIM, index)
-    ):
-        return False
-    if type(dt) is not T or dt.dtype not in _DT_DTYPES or dt.get_device() != index:
+    P, N = L.HEAD_DIM, L.STATE_DIM
+    rows, bc = ((batch, heads, P), (batch, heads * P)), ((batch, groups, N), (batch, groups * N))
+    if not (out.shape in rows and x.shape in rows and B.shape in bc and C.shape in bc and out.is_contiguous()):
         return False
     shape = dt.shape
-    if not (
-        len(shape) in (2, 3) and shape[0] == batch and shape[1] == heads
-        and (len(shape) == 2 or (shape[2] == L.HEAD_DIM and dt.stride(2) == 0))
-    ):
+    if shape != (batch, heads) and (shape != (batch, heads, P) or dt.stride()[2] != 0):
         return False  # the kernels read dt[b, h] through dt's first two strides
     params = _layer_params(A, D, dt_bias, heads, index)
     if params is None:
@@ -482,17 +469,16 @@ def decode_pending(
     `replayssm::decode_pending`. The eager checks that read the GPU are skipped where the
     caller guarantees them: `own_seqlen` (the cache holds one max_seqlen for its slots'
     lifetime: `ReplaySSMCache`), `own_cu` (cu_seqlens built by the caller: `accept`)."""
-    slots, heads, groups = geometry
+    slots, heads, groups, P, N = geometry
     device = cache[L.CHECKPOINT].device
     ids = _check_indices(state_indices, device, ids_name)
     batch = ids.numel()
-    P = L.HEAD_DIM
     varlen = cu_seqlens is not None
     chk.tensor("x", x)
     if varlen:
         if x.dim() not in (2, 3):
             raise ValueError(
-                f"x must be bfloat16 [total, {heads}, 64] or [total, {heads * P}] (varlen layout: cu_seqlens given); "
+                f"x must be bfloat16 [total, {heads}, {P}] or [total, {heads * P}] (varlen layout: cu_seqlens given); "
                 f"got {_describe(x)}"
             )
         lead = (x.shape[0],)
@@ -501,8 +487,8 @@ def decode_pending(
     tensors = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "dt_bias": dt_bias, "out": out}
     for name, t in tensors.items():
         chk.on_device(name, chk.tensor(name, t), device)
-    norm = normalize_pending_inputs(x, dt, A, B, C, D, dt_bias, lead, heads, groups)
-    _check_out(out, lead, heads, " (varlen: one row a token)" if varlen else " (dense, T == max_seqlen)")
+    norm = normalize_pending_inputs(x, dt, A, B, C, D, dt_bias, lead, heads, groups, P, N)
+    _check_out(out, lead, heads, " (varlen: one row a token)" if varlen else " (dense, T == max_seqlen)", P)
     chk.verdicts(num_accepted_tokens, batch, device, max_seqlen)
     if varlen and not own_cu:
         _check_cu_seqlens(cu_seqlens, batch, lead[0], max_seqlen, device)
@@ -532,13 +518,13 @@ def materialize_replayssm_state(
     cache: Sequence[torch.Tensor], state_indices: torch.Tensor, A: torch.Tensor, *, state_dtype: str, backend: str = "auto",
     out: torch.Tensor | None = None, max_seqlen: int | None = None,
 ) -> torch.Tensor:
-    """FP32 states [n, heads, 64, 128] of the given slots after every decoded token
+    """FP32 states [n, heads, P, N] of the given slots after every decoded token
     (checkpoint plus live ring entries). Reads only; `A` as for decode.
 
     Rows whose slot is padding (<= 0 or >= num_slots) read as zero states, as decode
     writes zero outputs for them, so a padded batch of slot indices can be passed as is.
     The kernel backend runs one Triton launch (no host sync, graph-capturable); `out`
-    (contiguous FP32 [n, heads, 64, 128] on the cache device) receives the states when
+    (contiguous FP32 [n, heads, P, N] on the cache device) receives the states when
     given. `backend` is resolved as for the other entry points.
 
     A pending-mode cache (positions [slots, 2]) needs the `max_seqlen` its slots are
@@ -570,14 +556,14 @@ def _check_materialize_seqlen(cache, max_seqlen: object) -> int | None:
 def materialize(
     cache, geometry: Geometry, impl, state_indices, A, out=None, *, max_seqlen=None, ids_name: str = "state_indices"
 ) -> torch.Tensor:
-    _, heads, _ = geometry
+    _, heads, _, P, N = geometry
     pending_seqlen = _check_materialize_seqlen(cache, max_seqlen)
     ids = _check_indices(state_indices, cache[L.CHECKPOINT].device, ids_name)
-    A1 = chk.A_param(A, heads).to(ids.device)
+    A1 = chk.A_param(A, heads, P, N).to(ids.device)
     if out is not None:
         # Into the caller's buffer: the backend writes it directly (the op returns a new
         # tensor, which torch.compile can trace; `out` is for eager and captured calls).
-        _check_materialize_out(out, ids.numel(), heads, cache[L.CHECKPOINT].device)
+        _check_materialize_out(out, (ids.numel(), heads, P, N), cache[L.CHECKPOINT].device)
         if pending_seqlen is not None:
             return impl.materialize_pending(cache, ids, A1, max_seqlen=pending_seqlen, out=out)
         return impl.materialize(cache, ids, A1, out)
@@ -586,10 +572,9 @@ def materialize(
     return ops.materialize(cache, ids, A1, backend=impl.name)
 
 
-def _check_materialize_out(out: object, n: int, heads: int, device: torch.device) -> None:
-    """`out` of materialize: contiguous float32 [n, heads, 64, 128] on the cache device."""
+def _check_materialize_out(out: object, shape: tuple[int, ...], device: torch.device) -> None:
+    """`out` of materialize: contiguous float32 `shape` ([n, heads, P, N]) on the cache device."""
     chk.tensor("out", out)
-    shape = (n, heads, L.HEAD_DIM, L.STATE_DIM)
     if out.dtype != torch.float32:
         raise chk.DTypeError(f"out must be contiguous float32 {list(shape)}; got {_describe(out)}")
     if tuple(out.shape) != shape or not out.is_contiguous():

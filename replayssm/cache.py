@@ -6,12 +6,12 @@ Vocabulary (used the same way everywhere in replayssm):
   padding slot: never handed out, never read for a live row.
 - padding row: a batch row whose slot id is <= 0 or >= num_slots; its output is zeros and
   it changes nothing.
-- checkpoint: the FP16 state [heads, 64, 128] of a slot as of its last flush; the only
-  tensor the recurrence accumulates into.
+- checkpoint: the FP16 state [heads, P, N] of a slot as of its last flush (head dim P
+  64 or 80, state dim N 128 or 256); the only tensor the recurrence accumulates into.
 - read copy: the checkpoint quantized to FP8 (e4m3, per-row scales) or NVFP4 (e2m1 codes,
   e4m3 block scales, second-level scale); what a non-flush step reads.
-- ring: the last inputs since the checkpoint, 16 entries per slot: x [heads, 64],
-  processed dt [heads], B [groups, 128]. An entry is one token's inputs.
+- ring: the last inputs since the checkpoint, 16 entries per slot: x [heads, P],
+  processed dt [heads], B [groups, N]. An entry is one token's inputs.
 - position: tokens decoded since the slot's last `prefill_init`; the ring index is
   position mod 16.
 - flush: the step at ring index 15, which folds 16 tokens into the checkpoint and
@@ -81,10 +81,14 @@ class ReplaySSMCache:
     # one unsharded cache would; docs/format.md section 6).
     head_offset: int = attrs.field(default=0, kw_only=True)
     spec_tokens: int = attrs.field(default=0, kw_only=True)
+    # The state geometry: head dim P (64 or 80) and state dim N (128 or 256). The CuTe
+    # kernels take 64 / 128; other geometries run on the PyTorch reference.
+    head_dim: int = attrs.field(default=L.HEAD_DIM, kw_only=True)
+    state_dim: int = attrs.field(default=L.STATE_DIM, kw_only=True)
     tensors: tuple[torch.Tensor, ...] = attrs.field(init=False)
     allocator: SlotAllocator = attrs.field(init=False)
     _format: Format = attrs.field(init=False, repr=False)
-    _geometry: tuple[int, int, int] = attrs.field(init=False, repr=False)
+    _geometry: L.Geometry = attrs.field(init=False, repr=False)
     _backend: object = attrs.field(init=False, repr=False)
     _last_A: torch.Tensor = attrs.field(init=False, repr=False)
     _scratch: object = attrs.field(init=False, default=None, repr=False)
@@ -99,7 +103,7 @@ class ReplaySSMCache:
         check_backend(self.backend)
         arch_override()  # a bad $REPLAYSSM_ARCH fails here, on any device, not at the first GPU launch
         debug()  # a bad $REPLAYSSM_DEBUG fails here too
-        L.check_geometry(self.num_slots, self.num_heads, self.num_groups)
+        L.check_geometry(self.num_slots, self.num_heads, self.num_groups, self.head_dim, self.state_dim)
         chk.seed(self.seed)
         chk.head_offset(self.head_offset)
         from .pending import MAX_SEQLEN
@@ -129,6 +133,8 @@ class ReplaySSMCache:
                 conv_dtype=self.conv_state_dtype,
                 slot_padding=self.slot_padding,
                 pending=self.spec_tokens > 0,
+                head_dim=self.head_dim,
+                state_dim=self.state_dim,
             )
         )
         self._geometry = L.check_cache(self.tensors, self._format)
@@ -200,7 +206,7 @@ class ReplaySSMCache:
     # -- operations ---------------------------------------------------------------------
     def prefill_init(self, states: torch.Tensor, slots: torch.Tensor) -> None:
         """Write the checkpoint and read copy of `slots` from FP32 `states`
-        [n, heads, 64, 128] and clear their rings and positions.
+        [n, heads, head_dim, state_dim] and clear their rings and positions.
 
         Every live id must be allocated (`allocate`) and appear once; padding ids (<= 0 or
         >= num_slots) are ignored. Checked on the host on every call (a sync on CUDA)."""
@@ -217,13 +223,13 @@ class ReplaySSMCache:
         debug()
         slots = self._slots(slots)
         n = slots.numel()
-        zero = torch.zeros(1, self.num_heads, L.HEAD_DIM, L.STATE_DIM, device=self.device)
+        zero = torch.zeros(1, self.num_heads, self.head_dim, self.state_dim, device=self.device)
         self.prefill_init(zero.expand(n, -1, -1, -1), slots)
 
     def decode(
         self, x, dt, A, B, C, D, dt_bias, slots, out=None, *, num_accepted_tokens=None, cu_seqlens=None
     ) -> torch.Tensor:
-        """One decode step; returns bf16 [batch, heads, 64] (`out` if given; pass `out`
+        """One decode step; returns bf16 [batch, heads, P] (`out` if given; pass `out`
         when capturing a CUDA graph, so that the step allocates nothing).
 
         Live ids must be allocated and unique (padding ids are ignored). That is a
@@ -235,17 +241,29 @@ class ReplaySSMCache:
         call, counting its first token; the rejected tokens are dropped. A verdict is
         clamped to 0..(the tokens the row has pending); with REPLAYSSM_DEBUG=1 one outside
         0..max_seqlen is a ValueError instead. Dense layout
-        (`cu_seqlens` None): x [batch, max_seqlen, heads, 64] (or [.., heads*64]), dt [batch,
-        max_seqlen, heads] (or tied over 64), B, C [batch, max_seqlen, groups, 128]; returns
-        [batch, max_seqlen, heads, 64]. Varlen layout: `cu_seqlens` int32 [batch + 1], x
-        [total, heads, 64], dt [total, heads], B, C [total, groups, 128]; returns [total,
-        heads, 64]. Token t's output is the layer's output after the committed tokens and
+        (`cu_seqlens` None): x [batch, max_seqlen, heads, P] (or [.., heads*P]), dt [batch,
+        max_seqlen, heads] (or tied over P), B, C [batch, max_seqlen, groups, N]; returns
+        [batch, max_seqlen, heads, P]. Varlen layout: `cu_seqlens` int32 [batch + 1], x
+        [total, heads, P], dt [total, heads], B, C [total, groups, N]; returns [total,
+        heads, P]. Token t's output is the layer's output after the committed tokens and
         the row's tokens 0..t. Padding rows output zeros and change nothing; a live row
-        with no tokens still commits. The kernel backend runs it on Triton kernels; eager
+        with no tokens still commits. The kernel backend runs it on CuTe kernels; eager
         calls read a few values on the host for their checks (skipped under a CUDA graph
         capture)."""
         checks = debug()
-        slots = self._slots(slots)
+        direct = not checks and self._direct and not torch.compiler.is_compiling()
+        # The eager fast path of a single-token call given `out` first: api.direct_decode takes
+        # only ids `_slots` returns as they are (1-D int32 / int64 on the cache device) and at
+        # most its scratch's rows (max_batch); any other call goes the checked way below.
+        if (
+            direct and out is not None and not self.spec_tokens and num_accepted_tokens is None and cu_seqlens is None
+            and api.direct_decode(self.tensors, self.num_heads, self.num_groups, self._backend, x, dt, A, B, C, D,
+                                   dt_bias, slots, out, self._format, self.seed, self._scratch, self.head_offset)
+        ):  # fmt: skip
+            object.__setattr__(self, "_last_A", A)  # as at the end
+            object.__setattr__(self, "_have_A", True)
+            return out
+        given, slots = slots, self._slots(slots)
         batch = slots.numel()
         if batch > self.max_batch:
             raise ValueError(f"slots must hold at most max_batch={self.max_batch} rows; got {batch}")
@@ -254,10 +272,10 @@ class ReplaySSMCache:
         if self.spec_tokens:
             if out is None:
                 lead = (x.shape[0],) if cu_seqlens is not None and isinstance(x, torch.Tensor) else (batch, self.max_seqlen)
-                out = torch.empty(*lead, self.num_heads, L.HEAD_DIM, dtype=torch.bfloat16, device=self.device)
+                out = torch.empty(*lead, self.num_heads, self.head_dim, dtype=torch.bfloat16, device=self.device)
             # The eager fast path of the dense layout (api.direct_decode_pending), else the op.
             if not (
-                not checks and self._direct and cu_seqlens is None and not torch.compiler.is_compiling()
+                direct and cu_seqlens is None
                 and api.direct_decode_pending(self.tensors, self.num_heads, self.num_groups, self._backend, x, dt, A, B, C,
                                                D, dt_bias, slots, out, self._format, self.seed, self.max_seqlen,
                                                num_accepted_tokens, self.head_offset)
@@ -274,20 +292,14 @@ class ReplaySSMCache:
                     "num_accepted_tokens and cu_seqlens are pending-mode arguments; this cache has spec_tokens=0 "
                     "(separate mode): build it with spec_tokens=k for speculative decoding"
                 )
+            try_direct = direct and (out is None or slots is not given)  # else the fast path above tried these
             if out is None:
-                out = torch.empty(batch, self.num_heads, L.HEAD_DIM, dtype=torch.bfloat16, device=self.device)
-            # api.decode's eager fast path, taken here without its keyword call.
-            tried = not checks and self._direct and not torch.compiler.is_compiling()
-            if not (
-                tried
-                and api.direct_decode(self.tensors, self.num_heads, self.num_groups, self._backend, x, dt, A, B, C, D,
-                                       dt_bias, slots, out, self._format, self.seed, self._scratch, self.head_offset)
-            ):  # fmt: skip
-                api.decode(
-                    self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
-                    fmt=self._format, seed=self.seed, checks=checks, scratch=self._scratch, head_offset=self.head_offset,
-                    try_direct=not tried, ids_name="slots",
-                )
+                out = torch.empty(batch, self.num_heads, self.head_dim, dtype=torch.bfloat16, device=self.device)
+            api.decode(
+                self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
+                fmt=self._format, seed=self.seed, checks=checks, scratch=self._scratch, head_offset=self.head_offset,
+                try_direct=try_direct, ids_name="slots",
+            )
         # A reference, not a copy: no extra launch per step. Stored with object.__setattr__:
         # torch 2.13's dynamo recurses without end into the __setattr__ that attrs generates
         # for this class (the `device` converter), so `self._last_A = A` breaks the graph.
@@ -320,10 +332,10 @@ class ReplaySSMCache:
             A = self._last_A
         h, g = self.num_heads, self.num_groups
         bf = dict(dtype=torch.bfloat16, device=self.device)
-        x = torch.empty(0, h, L.HEAD_DIM, **bf)
-        BC = torch.empty(0, g, L.STATE_DIM, **bf)
+        x = torch.empty(0, h, self.head_dim, **bf)
+        BC = torch.empty(0, g, self.state_dim, **bf)
         dt = torch.empty(0, h, device=self.device)
-        out = torch.empty(0, h, L.HEAD_DIM, **bf)
+        out = torch.empty(0, h, self.head_dim, **bf)
         cu = torch.zeros(n + 1, dtype=torch.int32, device=self.device)
         D = torch.zeros(h, device=self.device)
         api.decode_pending(
@@ -334,12 +346,12 @@ class ReplaySSMCache:
         )
 
     def materialize(self, slots: torch.Tensor, A: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """FP32 state [n, heads, 64, 128] of `slots` (checkpoint plus live ring entries;
+        """FP32 state [n, heads, head_dim, state_dim] of `slots` (checkpoint plus live ring entries;
         in pending mode the committed tokens only, not the drafts awaiting a verdict).
         Live ids must be allocated and appear once (checked on the host); padding ids
         (<= 0 or >= num_slots) read as zero states, as decode writes zero outputs for
         them. `A` defaults to the one seen by the last decode call; `out` (contiguous FP32
-        [n, heads, 64, 128]) receives the states when given."""
+        [n, heads, head_dim, state_dim]) receives the states when given."""
         debug()
         slots = self._slots(slots)
         self._check_live(slots)
@@ -383,6 +395,8 @@ class ReplaySSMCache:
             f"seed={self.seed}",
             f"max_batch={self.max_batch}",
         ]
+        if (self.head_dim, self.state_dim) != (L.HEAD_DIM, L.STATE_DIM):
+            parts += [f"head_dim={self.head_dim}", f"state_dim={self.state_dim}"]
         if self.head_offset:
             parts.append(f"head_offset={self.head_offset}")
         if self.spec_tokens:
@@ -505,7 +519,7 @@ class ReplaySSMCache:
         ...]} of every per-slot tensor (names as layout.tensor_specs gives them), pinned
         when CUDA is available (on a CUDA device, views of one host buffer filled by one
         gather launch and one device-to-host copy). `compact=True`: only the materialized FP32 state
-        {"state": [n, heads, 64, 128]} (`A` as for `materialize`), restored as a snapshot.
+        {"state": [n, heads, head_dim, state_dim]} (`A` as for `materialize`), restored as a snapshot.
         With `non_blocking` the copies are only queued: synchronize before reading."""
         debug()
         ids = self._handoff_ids("slots", slots)

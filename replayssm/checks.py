@@ -125,11 +125,10 @@ def per_head(name: str, t: object, heads: int, shapes: tuple[tuple[int, ...], ..
     return flat
 
 
-def A_param(A: object, heads: int) -> torch.Tensor:
-    """A: float [H], or a tied [H, 64] / [H, 64, 128] view, every value finite and <= 0
+def A_param(A: object, heads: int, P: int = L.HEAD_DIM, N: int = L.STATE_DIM) -> torch.Tensor:
+    """A: float [H], or a tied [H, P] / [H, P, N] view, every value finite and <= 0
     (A = -exp(A_log); 0, no decay, is allowed), checked where the values can be read without a GPU read (a host
     tensor; device tensors with REPLAYSSM_DEBUG=1). Returns A [H] float32."""
-    P, N = L.HEAD_DIM, L.STATE_DIM
     flat = per_head("A", A, heads, ((heads,), (heads, P), (heads, P, N)), tie=True)
     a = flat[:, 0].float()
     values = host_values(a)
@@ -138,11 +137,10 @@ def A_param(A: object, heads: int) -> torch.Tensor:
     return a
 
 
-def params(A: object, D: object, dt_bias: object, heads: int):
-    """The per-head parameters of a decode call, validated: A [H] f32, D [H, 64] f32,
+def params(A: object, D: object, dt_bias: object, heads: int, P: int = L.HEAD_DIM, N: int = L.STATE_DIM):
+    """The per-head parameters of a decode call, validated: A [H] f32, D [H, P] f32,
     dt_bias [H] f32 (tied views read at their first element)."""
-    P = L.HEAD_DIM
-    a = A_param(A, heads)
+    a = A_param(A, heads, P, N)
     bias = per_head("dt_bias", dt_bias, heads, ((heads,), (heads, P)), tie=True)[:, 0].float()
     d = per_head("D", D, heads, ((heads,), (heads, P)), tie=False)
     return a, d.expand(heads, P).float(), bias

@@ -6,8 +6,7 @@ carried to the backends. It names the cache tensors the format adds after the ri
 formats differ: writing the read copy at init, the parity flip a flush's prepare makes,
 re-deriving the read copy from a folded state, and reading it back as FP32. The
 quantizers themselves are `replayssm.quant.formats`; the kernels' strategies are
-`kernels.cute.read_copy` (CuTe) and the Triton kernels' `NVFP4` and `READ_COPY`
-constexprs, set from `Format.two_level` and `Format.has_read_copy`.
+`kernels.cute.read_copy`.
 
 A new format is a new subclass here, its quantizer in `quant.formats` and its kernel
 strategy.
@@ -27,7 +26,7 @@ def head_group(heads: int, groups: int, device) -> torch.Tensor:
 
 
 def group_amax(state: torch.Tensor, groups: int) -> torch.Tensor:
-    """[n, H, 64, 128] -> [n, G] max |value| over each group's heads."""
+    """[n, H, P, N] -> [n, G] max |value| over each group's heads."""
     n, heads = state.shape[:2]
     # An explicit group size: with n = 0 (a batch of padding rows only) -1 is ambiguous.
     per_group = (heads // groups) * state.shape[2] * state.shape[3]
@@ -48,8 +47,9 @@ class Format:
     # PyTorch reference, with a warning).
     on_kernels: bool = True
 
-    def specs(self, heads: int, groups: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        """[(name, per-slot shape, dtype)] of the tensors this format adds after the rings."""
+    def specs(self, heads: int, groups: int, P: int = HEAD_DIM, N: int = STATE_DIM) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """[(name, per-slot shape, dtype)] of the tensors this format adds after the rings
+        (P x N states)."""
         raise NotImplementedError
 
     def cache_len(self) -> int:
@@ -70,7 +70,7 @@ class Format:
         raise NotImplementedError
 
     def read(self, cache, slot: torch.Tensor) -> torch.Tensor:
-        """The dequantized read copy [n, H, 64, 128] (FP32) of `slot`s."""
+        """The dequantized read copy [n, H, P, N] (FP32) of `slot`s."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -82,10 +82,10 @@ class Fp8Format(Format):
 
     name = "fp8"
 
-    def specs(self, heads, groups):
+    def specs(self, heads, groups, P=HEAD_DIM, N=STATE_DIM):
         return [
-            ("read_copy", (heads, HEAD_DIM, STATE_DIM), torch.float8_e4m3fn),
-            ("row_scales", (heads, HEAD_DIM), torch.float32),
+            ("read_copy", (heads, P, N), torch.float8_e4m3fn),
+            ("row_scales", (heads, P), torch.float32),
         ]
 
     def _write(self, cache, slot, state) -> None:
@@ -111,10 +111,10 @@ class Nvfp4Format(Format):
     name = "nvfp4"
     two_level = True
 
-    def specs(self, heads, groups):
+    def specs(self, heads, groups, P=HEAD_DIM, N=STATE_DIM):
         return [
-            ("read_copy", (heads, HEAD_DIM, STATE_DIM // 2), torch.uint8),
-            ("block_scales", (heads, HEAD_DIM, STATE_DIM // NVFP4_BLOCK), torch.float8_e4m3fn),
+            ("read_copy", (heads, P, N // 2), torch.uint8),
+            ("block_scales", (heads, P, N // NVFP4_BLOCK), torch.float8_e4m3fn),
             ("meta", (groups, 2), torch.float32),
             ("parity", (), torch.int32),
         ]
@@ -168,7 +168,7 @@ class Fp16Format(Format):
     name = "fp16"
     has_read_copy = False
 
-    def specs(self, heads, groups):
+    def specs(self, heads, groups, P=HEAD_DIM, N=STATE_DIM):
         return []
 
     def init(self, cache, slot, state) -> None:

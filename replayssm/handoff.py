@@ -72,7 +72,7 @@ def per_slot_names(cache: Sequence[torch.Tensor], fmt: Format) -> list[tuple[str
 
 
 def tensor_specs_for(cache, fmt: Format, heads: int, groups: int):
-    return L.tensor_specs(heads, groups, fmt, cache[L.POSITIONS].dim() == 2)
+    return L.tensor_specs(heads, groups, fmt, cache[L.POSITIONS].dim() == 2, *L.dims(cache))
 
 
 # -- validation ---------------------------------------------------------------------------
@@ -348,7 +348,7 @@ def copy_replayssm_slots(
     tuple: call once before capturing a graph), per-tensor copies elsewhere; "kernels" the
     kernel or a ValueError; "reference" the per-tensor copies."""
     fmt = format_of(state_dtype)
-    num_slots, _, _ = L.check_cache(cache, fmt)
+    num_slots = L.check_cache(cache, fmt).num_slots
     device = cache[L.CHECKPOINT].device
     kernel = use_kernel(device, backend)
     src, dst = validate_pair(src, dst, device, num_slots, keep_dtype=kernel)
@@ -415,7 +415,7 @@ def export_replayssm_slots(
     same way); elsewhere one host tensor each. With `non_blocking` the copies are only
     queued on the current stream: synchronize before reading them."""
     fmt = format_of(state_dtype)
-    num_slots, _, _ = L.check_cache(cache, fmt)
+    num_slots = L.check_cache(cache, fmt).num_slots
     device = cache[L.CHECKPOINT].device
     ids = validate_slots(slots, device, num_slots)
     if use_kernel(device, "auto"):
@@ -472,7 +472,7 @@ def finish(cache, non_blocking: bool) -> None:
 
 def check_export(data: object, cache, fmt: Format, n: int, max_pending: int | None = None) -> bool:
     """Validate exported `data` for `n` slots of `cache`; True when it is the compact form
-    ({"state": FP32 [n, H, 64, 128]}), False for the full form. Every tensor on the host
+    ({"state": FP32 [n, H, P, N]}), False for the full form. Every tensor on the host
     or the cache device, of the cache's dtype and shape; the values that the cache's
     operations trust (positions >= 0, pending counts in 0..`max_pending`, default
     pending.MAX_SEQLEN; NVFP4 parity 0 or 1) where they can be read without a GPU read
@@ -482,7 +482,7 @@ def check_export(data: object, cache, fmt: Format, n: int, max_pending: int | No
         raise TypeError(f"data must be a dict of tensors (from export); got {type(data).__name__}")
     heads = cache[L.CHECKPOINT].shape[1]
     if set(data) == {COMPACT_KEY}:
-        want = {COMPACT_KEY: ((n, heads, L.HEAD_DIM, L.STATE_DIM), torch.float32)}
+        want = {COMPACT_KEY: ((n, heads, *L.dims(cache)), torch.float32)}
     else:
         specs = tensor_specs_for(cache, fmt, heads, cache[L.B_RING].shape[1])
         want = {name: ((n, *shape), dt) for name, shape, dt in specs}

@@ -16,6 +16,7 @@ from .geometry import (  # noqa: F401  (the cache tuple's names, re-exported)
     CONV,
     DT_RING,
     HEAD_DIM,
+    HEAD_DIMS,
     MAX_HEADS_PER_GROUP,
     META,
     NVFP4_BLOCK,
@@ -25,7 +26,10 @@ from .geometry import (  # noqa: F401  (the cache tuple's names, re-exported)
     RING,
     SCALES,
     STATE_DIM,
+    STATE_DIMS,
     X_RING,
+    Geometry,
+    dims_error,
     group_error,
 )
 
@@ -59,15 +63,16 @@ def check_device(device: object) -> torch.device:
     return dev
 
 
-def tensor_specs(heads: int, groups: int, fmt: Format, pending: bool = False):
+def tensor_specs(heads: int, groups: int, fmt: Format, pending: bool = False, head_dim: int = HEAD_DIM, state_dim: int = STATE_DIM):
     """[(name, per-slot shape, dtype)] for cache indices 1.. (index 0, the conv state, is
     the caller's): checkpoint, rings, the format's tensors, positions."""
+    P, N = head_dim, state_dim
     specs = [
-        ("checkpoint", (heads, HEAD_DIM, STATE_DIM), torch.float16),
-        ("x_ring", (heads, RING, HEAD_DIM), torch.bfloat16),
+        ("checkpoint", (heads, P, N), torch.float16),
+        ("x_ring", (heads, RING, P), torch.bfloat16),
         ("dt_ring", (heads, RING), torch.float32),
-        ("b_ring", (groups, RING, STATE_DIM), torch.bfloat16),
-        *fmt.specs(heads, groups),
+        ("b_ring", (groups, RING, N), torch.bfloat16),
+        *fmt.specs(heads, groups, P, N),
         ("positions", (2,) if pending else (), torch.int32),
     ]
     return specs
@@ -85,6 +90,8 @@ def allocate_cache(
     slot_padding: int = 0,
     fill: float | None = None,
     pending: bool = False,
+    head_dim: int = HEAD_DIM,
+    state_dim: int = STATE_DIM,
 ) -> list[torch.Tensor]:
     """Allocate a cache tuple.
 
@@ -95,7 +102,7 @@ def allocate_cache(
     """
     fmt = format_of(state_dtype)
     device = check_device(device)
-    check_geometry(num_slots, heads, groups)
+    check_geometry(num_slots, heads, groups, head_dim, state_dim)
     conv_shape = check_conv(conv_shape, conv_dtype)
     if not isinstance(slot_padding, int) or isinstance(slot_padding, bool):
         raise TypeError(f"slot_padding must be an int (bytes); got {type(slot_padding).__name__}")
@@ -105,7 +112,7 @@ def allocate_cache(
         raise TypeError(f"fill must be a float or None; got {type(fill).__name__}")
     if not isinstance(pending, bool):
         raise TypeError(f"pending must be a bool; got {type(pending).__name__}")
-    specs = tensor_specs(heads, groups, fmt, pending)
+    specs = tensor_specs(heads, groups, fmt, pending, head_dim, state_dim)
     conv = torch.zeros(num_slots, *(conv_shape or (0,)), dtype=conv_dtype, device=device)
     if slot_padding <= 0:
         tensors = [torch.empty(num_slots, *shape, dtype=dt, device=device) for _, shape, dt in specs]
@@ -135,10 +142,11 @@ def allocate_cache(
     return [conv, *tensors]
 
 
-def check_geometry(num_slots: object, heads: object, groups: object) -> None:
+def check_geometry(num_slots: object, heads: object, groups: object, head_dim: object = HEAD_DIM, state_dim: object = STATE_DIM) -> None:
     """Slots (>= 2: slot 0 is the padding slot), heads and groups: Python ints, heads
-    a multiple of groups with 1 .. MAX_HEADS_PER_GROUP heads a group."""
-    for name, v in (("num_slots", num_slots), ("num_heads", heads), ("num_groups", groups)):
+    a multiple of groups with 1 .. MAX_HEADS_PER_GROUP heads a group; head_dim in
+    HEAD_DIMS, state_dim in STATE_DIMS."""
+    for name, v in (("num_slots", num_slots), ("num_heads", heads), ("num_groups", groups), ("head_dim", head_dim), ("state_dim", state_dim)):
         if not isinstance(v, int) or isinstance(v, bool):
             raise TypeError(f"{name} must be an int; got {type(v).__name__}")
         if v <= 0:
@@ -147,6 +155,8 @@ def check_geometry(num_slots: object, heads: object, groups: object) -> None:
         raise ValueError(f"num_slots must be >= 2 (slot 0 is the padding slot); got {num_slots}")
     if group_error(heads, groups):
         raise ValueError(group_error(heads, groups))
+    if dims_error(head_dim, state_dim):
+        raise ValueError(dims_error(head_dim, state_dim))
 
 
 def check_conv(shape: object, dtype: object) -> tuple[int, ...] | None:
@@ -176,8 +186,14 @@ def slot_stride_ok(t: torch.Tensor) -> bool:
     return t.stride(0) >= expect or t.shape[0] <= 1
 
 
-def check_cache(cache: Sequence[torch.Tensor], fmt: Format) -> tuple[int, int, int]:
-    """Validate a cache tuple of format `fmt`; return (num_slots, heads, groups)."""
+def dims(cache: Sequence[torch.Tensor]) -> tuple[int, int]:
+    """(head dim P, state dim N) of a cache tuple (from its checkpoint)."""
+    shape = cache[CHECKPOINT].shape
+    return shape[2], shape[3]
+
+
+def check_cache(cache: Sequence[torch.Tensor], fmt: Format) -> Geometry:
+    """Validate a cache tuple of format `fmt`; return its `Geometry`."""
     if isinstance(cache, torch.Tensor) or not isinstance(cache, Sequence):
         raise TypeError(f"cache must be a sequence of tensors; got {type(cache).__name__}")
     want = fmt.cache_len()
@@ -187,18 +203,20 @@ def check_cache(cache: Sequence[torch.Tensor], fmt: Format) -> tuple[int, int, i
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"cache[{i}] must be a torch.Tensor; got {type(t).__name__}")
     ckpt = cache[CHECKPOINT]
-    if ckpt.dim() != 4 or ckpt.shape[2:] != (HEAD_DIM, STATE_DIM):
-        raise ValueError(f"cache[1] (checkpoint) must be [slots, heads, 64, 128]; got {list(ckpt.shape)}")
-    slots, heads = ckpt.shape[0], ckpt.shape[1]
+    if ckpt.dim() != 4 or ckpt.shape[2] not in HEAD_DIMS or ckpt.shape[3] not in STATE_DIMS:
+        raise ValueError(
+            f"cache[1] (checkpoint) must be [slots, heads, P, N] with P in {HEAD_DIMS}, N in {STATE_DIMS}; got {list(ckpt.shape)}"
+        )
+    slots, heads, P, N = ckpt.shape
     bring = cache[B_RING]
     if bring.dim() != 4:
-        raise ValueError(f"cache[4] (B ring) must be [slots, groups, 16, 128]; got {list(bring.shape)}")
+        raise ValueError(f"cache[4] (B ring) must be [slots, groups, 16, {N}]; got {list(bring.shape)}")
     groups = bring.shape[1]
     if group_error(heads, groups):
         raise ValueError(group_error(heads, groups))
     pos = cache[POSITIONS]
     pending = pos.dim() == 2
-    specs = tensor_specs(heads, groups, fmt, pending)
+    specs = tensor_specs(heads, groups, fmt, pending, P, N)
     device = ckpt.device
     for i, (name, shape, dt) in enumerate(specs, start=1):
         idx = i if i < len(specs) else len(cache) - 1
@@ -216,4 +234,4 @@ def check_cache(cache: Sequence[torch.Tensor], fmt: Format) -> tuple[int, int, i
             )
     if slots < 2:
         raise ValueError(f"cache needs at least 2 slots (slot 0 is the padding slot); got {slots}")
-    return slots, heads, groups
+    return Geometry(slots, heads, groups, P, N)

@@ -277,7 +277,7 @@ def _run_decode(cache, x, dt, A, B, C, D, dt_bias, state_indices, out, state_dty
             extra["scratch"] = buf
     with torch.no_grad():
         _backend(backend).decode(
-            cache, x, dt, A, B, C, D, dt_bias, state_indices, out.view(batch, cache[L.CHECKPOINT].shape[1], L.HEAD_DIM),
+            cache, x, dt, A, B, C, D, dt_bias, state_indices, out.view(batch, *cache[L.CHECKPOINT].shape[1:3]),
             fmt=format_of(state_dtype), seed=seed, head_offset=head_offset, **extra,
         )
 
@@ -338,8 +338,8 @@ def _writes_only(*args, **kwargs) -> None:
 def _materialize_fake(
     conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions, state_indices, A, *, backend,
 ) -> torch.Tensor:
-    # FP32 [n, heads, 64, 128], contiguous, on the device of the slot ids (the cache's).
-    shape = (state_indices.numel(), checkpoint.shape[1], L.HEAD_DIM, L.STATE_DIM)
+    # FP32 [n, heads, P, N], contiguous, on the device of the slot ids (the cache's).
+    shape = (state_indices.numel(), *checkpoint.shape[1:])
     return state_indices.new_empty(shape, dtype=torch.float32)
 
 
@@ -347,7 +347,7 @@ def _materialize_pending_fake(
     conv, checkpoint, x_ring, dt_ring, b_ring, read_copy, scales, meta, parity, positions, state_indices, A,
     *, backend, max_seqlen,
 ) -> torch.Tensor:
-    shape = (state_indices.numel(), checkpoint.shape[1], L.HEAD_DIM, L.STATE_DIM)
+    shape = (state_indices.numel(), *checkpoint.shape[1:])
     return state_indices.new_empty(shape, dtype=torch.float32)
 
 

@@ -30,9 +30,9 @@ One call, per live row (slot in 1..S-1), in order:
 Rows with T_b = 0 still commit (and may fold). Padding rows (slot <= 0 or >= S) output
 zeros and change nothing. Output entries t >= T_b of a live row are zeros.
 
-Inputs (already normalized, as `reference.py` takes them): x [b, T, H, 64] (or
-[b, T, H*64]) bf16, dt [b, T, H] (raw), A [H], B, C [b, T, G, 128] bf16, D [H] or [H, 64],
-dt_bias [H], slots [b], out [b, T, H, 64], T == max_seqlen; seq_lens int [b] gives T_b
+Inputs (already normalized, as `reference.py` takes them): x [b, T, H, P] (or
+[b, T, H*P]) bf16, dt [b, T, H] (raw), A [H], B, C [b, T, G, N] bf16, D [H] or [H, P],
+dt_bias [H], slots [b], out [b, T, H, P], T == max_seqlen; seq_lens int [b] gives T_b
 (None: every row has T tokens).
 """
 
@@ -80,7 +80,7 @@ def _validate(cache, x, dt, A, B, C, D, dt_bias, slots, out, fmt, max_seqlen, nu
     want = fmt.cache_len()
     if len(cache) != want:
         raise ValueError(f"cache must hold {want} tensors for state_dtype {fmt.name!r}; got {len(cache)}")
-    num_slots, heads = cache[L.CHECKPOINT].shape[:2]
+    num_slots, heads, P, N = cache[L.CHECKPOINT].shape
     groups = cache[L.B_RING].shape[1]
     pos = cache[L.POSITIONS]
     if pos.dim() != 2 or pos.shape[1] != 2:
@@ -88,23 +88,23 @@ def _validate(cache, x, dt, A, B, C, D, dt_bias, slots, out, fmt, max_seqlen, nu
     if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in _INT_DTYPES:
         raise ValueError("slots must be a 1-D integer tensor")
     b = slots.shape[0]
-    if x.dim() == 3 and x.shape[2] == heads * L.HEAD_DIM:
-        x = x.reshape(x.shape[0], x.shape[1], heads, L.HEAD_DIM)
-    if tuple(x.shape) != (b, max_seqlen, heads, L.HEAD_DIM):
-        raise ValueError(f"x must be [{b}, {max_seqlen}, {heads}, {L.HEAD_DIM}] (T == max_seqlen); got {list(x.shape)}")
+    if x.dim() == 3 and x.shape[2] == heads * P:
+        x = x.reshape(x.shape[0], x.shape[1], heads, P)
+    if tuple(x.shape) != (b, max_seqlen, heads, P):
+        raise ValueError(f"x must be [{b}, {max_seqlen}, {heads}, {P}] (T == max_seqlen); got {list(x.shape)}")
     if tuple(dt.shape) != (b, max_seqlen, heads):
         raise ValueError(f"dt must be [{b}, {max_seqlen}, {heads}]; got {list(dt.shape)}")
     for name, t in (("B", B), ("C", C)):
-        if tuple(t.shape) != (b, max_seqlen, groups, L.STATE_DIM):
-            raise ValueError(f"{name} must be [{b}, {max_seqlen}, {groups}, {L.STATE_DIM}]; got {list(t.shape)}")
+        if tuple(t.shape) != (b, max_seqlen, groups, N):
+            raise ValueError(f"{name} must be [{b}, {max_seqlen}, {groups}, {N}]; got {list(t.shape)}")
     if tuple(A.shape) != (heads,):
         raise ValueError(f"A must be [{heads}]; got {list(A.shape)}")
     if tuple(dt_bias.shape) != (heads,):
         raise ValueError(f"dt_bias must be [{heads}]; got {list(dt_bias.shape)}")
-    if tuple(D.shape) not in ((heads,), (heads, L.HEAD_DIM)):
-        raise ValueError(f"D must be [{heads}] or [{heads}, {L.HEAD_DIM}]; got {list(D.shape)}")
-    if tuple(out.shape) != (b, max_seqlen, heads, L.HEAD_DIM):
-        raise ValueError(f"out must be [{b}, {max_seqlen}, {heads}, {L.HEAD_DIM}]; got {list(out.shape)}")
+    if tuple(D.shape) not in ((heads,), (heads, P)):
+        raise ValueError(f"D must be [{heads}] or [{heads}, {P}]; got {list(D.shape)}")
+    if tuple(out.shape) != (b, max_seqlen, heads, P):
+        raise ValueError(f"out must be [{b}, {max_seqlen}, {heads}, {P}]; got {list(out.shape)}")
     dev = slots.device
     if num_accepted_tokens is not None:
         num_accepted_tokens = _check_int_vector("num_accepted_tokens", num_accepted_tokens, b, dev)
@@ -127,19 +127,19 @@ def _validate(cache, x, dt, A, B, C, D, dt_bias, slots, out, fmt, max_seqlen, nu
 
 def _ring_entries(cache, slot, start, count):
     """Ring entries of token indices start .. start+count-1 (count <= 16) in logical order,
-    FP32: x [n, H, 16, 64], dt [n, H, 16], B [n, G, 16, 128]; slots past `count` are zero
+    FP32: x [n, H, 16, P], dt [n, H, 16], B [n, G, 16, N]; slots past `count` are zero
     (selected with where, never multiplied: dead entries may hold NaN)."""
     j = torch.arange(L.RING, device=slot.device)
     idx = (start.view(-1, 1) + j.view(1, -1)) % L.RING  # [n, 16]
     live = j.view(1, -1) < count.view(-1, 1)
     n = slot.shape[0]
-    xr = cache[L.X_RING][slot].float()  # [n, H, 16, 64]
+    xr = cache[L.X_RING][slot].float()  # [n, H, 16, P]
     dr = cache[L.DT_RING][slot].float()  # [n, H, 16]
-    br = cache[L.B_RING][slot].float()  # [n, G, 16, 128]
+    br = cache[L.B_RING][slot].float()  # [n, G, 16, N]
     heads, groups = xr.shape[1], br.shape[1]
-    xr = xr.gather(2, idx.view(n, 1, L.RING, 1).expand(n, heads, L.RING, L.HEAD_DIM))
+    xr = xr.gather(2, idx.view(n, 1, L.RING, 1).expand(n, heads, L.RING, xr.shape[3]))
     dr = dr.gather(2, idx.view(n, 1, L.RING).expand(n, heads, L.RING))
-    br = br.gather(2, idx.view(n, 1, L.RING, 1).expand(n, groups, L.RING, L.STATE_DIM))
+    br = br.gather(2, idx.view(n, 1, L.RING, 1).expand(n, groups, L.RING, br.shape[3]))
     zero = torch.zeros((), device=slot.device)
     xr = torch.where(live[:, None, :, None], xr, zero)
     dr = torch.where(live[:, None, :], dr, zero)
@@ -240,10 +240,10 @@ def pending_decode(
     cu_seqlens: torch.Tensor | None = None,
     head_offset: int = 0,
 ) -> torch.Tensor:
-    """One pending-mode call (module docstring); returns `out` [b, T, H, 64].
+    """One pending-mode call (module docstring); returns `out` [b, T, H, P].
 
     Varlen layout with `cu_seqlens` (int32 [b + 1], see `check_cu_seqlens`): x [total, H,
-    64] (or [total, H*64]), dt [total, H], B, C [total, G, 128], out [total, H, 64]; the
+    P] (or [total, H*P]), dt [total, H], B, C [total, G, N], out [total, H, P]; the
     tokens are gathered into the dense layout (zeros past each row's length) and run
     through the dense path, so a varlen call equals the dense call on the same tokens bit
     for bit. Device-agnostic: runs wherever the cache lives (CPU or CUDA); it reads a few
@@ -253,11 +253,11 @@ def pending_decode(
             raise ValueError("pass seq_lens (dense layout) or cu_seqlens (varlen layout), not both")
         if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or not 1 <= max_seqlen <= MAX_SEQLEN:
             raise ValueError(f"max_seqlen must be an int in 1..{MAX_SEQLEN}; got {max_seqlen!r}")
-        heads = cache[L.CHECKPOINT].shape[1]
-        if out.shape[0] != x.shape[0] or out.numel() != x.shape[0] * heads * L.HEAD_DIM:
-            raise ValueError(f"out must be [{x.shape[0]}, {heads}, 64] (varlen: one row a token); got {list(out.shape)}")
+        heads, P = cache[L.CHECKPOINT].shape[1:3]
+        if out.shape[0] != x.shape[0] or out.numel() != x.shape[0] * heads * P:
+            raise ValueError(f"out must be [{x.shape[0]}, {heads}, {P}] (varlen: one row a token); got {list(out.shape)}")
         lens, ok, (xd, dtd, Bd, Cd) = varlen_to_dense(cu_seqlens, max_seqlen, x, dt, B, C)
-        dense_out = torch.empty(xd.shape[0], max_seqlen, heads, L.HEAD_DIM, dtype=out.dtype, device=out.device)
+        dense_out = torch.empty(xd.shape[0], max_seqlen, heads, P, dtype=out.dtype, device=out.device)
         pending_decode(
             cache, xd, dtd, A, Bd, Cd, D, dt_bias, slots, dense_out, fmt=fmt, seed=seed, max_seqlen=max_seqlen,
             num_accepted_tokens=num_accepted_tokens, seq_lens=lens, head_offset=head_offset,
@@ -267,7 +267,7 @@ def pending_decode(
     x, num_accepted_tokens, seq_lens = _validate(
         cache, x, dt, A, B, C, D, dt_bias, slots, out, fmt, max_seqlen, num_accepted_tokens, seq_lens
     )
-    num_slots, heads = cache[L.CHECKPOINT].shape[:2]
+    num_slots, heads, P, N = cache[L.CHECKPOINT].shape
     groups = cache[L.B_RING].shape[1]
     T = max_seqlen
     A = A.float()
@@ -295,7 +295,7 @@ def pending_decode(
         fs = slot[folds]
         folded = fold_range(cache, fs, f_old[folds], (f_new - f_old)[folds], A)
         key = stream_key(seed, fs, f_new[folds])
-        cache[L.CHECKPOINT][fs] = to_fp16(folded, checkpoint_rbits(key, heads, head_offset))
+        cache[L.CHECKPOINT][fs] = to_fp16(folded, checkpoint_rbits(key, heads, head_offset, P, N))
         # Separate mode's prepare and flush in one (format.md section 4): NVFP4's parity
         # flips, the copy is encoded with the previous fold's amax, the new one stored.
         fmt.refresh(cache, fs, folded, fmt.flip(cache, fs))
@@ -307,20 +307,20 @@ def pending_decode(
     state = fmt.read(cache, slot)
     m = c_new - base
     x_e, dt_e, B_e = _ring_entries(cache, slot, base, m)
-    xs = x[rows].float()  # [n, T, H, 64]
+    xs = x[rows].float()  # [n, T, H, P]
     # softplus in FP64, rounded once to FP32: torch's FP32 CPU softplus differs in the last
     # bit between its vector body and scalar tail, which would make a token's processed dt
     # depend on where it sits in the batch (and break the bit-exact test (c)).
     dts = F.softplus(dt[rows].double() + dt_bias.double().view(1, 1, -1), beta=1.0, threshold=20.0).float()  # [n, T, H]
-    Bs = B[rows].float()  # [n, T, G, 128]
+    Bs = B[rows].float()  # [n, T, G, N]
     Cs = C[rows].float()
     Dv = D.float().reshape(1, heads, -1)
     zero = torch.zeros((), device=slot.device)
     E = L.RING + T  # the sequence buffer: m committed entries then the new tokens
     j = torch.arange(E, device=slot.device)
-    seq_x = torch.zeros(n, heads, E, L.HEAD_DIM, device=slot.device)
+    seq_x = torch.zeros(n, heads, E, P, device=slot.device)
     seq_dt = torch.zeros(n, heads, E, device=slot.device)
-    seq_B = torch.zeros(n, groups, E, L.STATE_DIM, device=slot.device)
+    seq_B = torch.zeros(n, groups, E, N, device=slot.device)
     seq_x[:, :, : L.RING] = x_e
     seq_dt[:, :, : L.RING] = dt_e
     seq_B[:, :, : L.RING] = B_e
@@ -331,11 +331,11 @@ def pending_decode(
         seq_x = torch.where(put[:, None, :, None], xs[:, t, :, None, :], seq_x)
         seq_dt = torch.where(put[:, None, :], dts[:, t, :, None], seq_dt)
         seq_B = torch.where(put[:, None, :, None], Bs[:, t, :, None, :], seq_B)
-    ys = torch.zeros(n, T, heads, L.HEAD_DIM, device=slot.device)
+    ys = torch.zeros(n, T, heads, P, device=slot.device)
     for t in range(T):
         last = m + t
         decay, w = _weights(seq_dt, A, last)
-        Ct = Cs[:, t]  # [n, G, 128]
+        Ct = Cs[:, t]  # [n, G, N]
         y = decay.unsqueeze(-1) * torch.einsum("nhpk,nhk->nhp", state, expand_groups(Ct, heads))
         # Token t reads sequence entries 0..last only, selected with where: the call's later
         # tokens may be rejected drafts holding anything (NaN), and 0 * NaN is NaN.
@@ -361,7 +361,7 @@ def pending_decode(
 
 
 def pending_materialize(cache: Sequence[torch.Tensor], slots: torch.Tensor, A: torch.Tensor, *, max_seqlen: int) -> torch.Tensor:
-    """FP32 state [n, H, 64, 128] of `slots` after their committed tokens: the FP16
+    """FP32 state [n, H, P, N] of `slots` after their committed tokens: the FP16
     checkpoint (at f(c)) advanced through ring entries f(c) .. c-1; pending drafts are not
     included. Padding rows read as zero states. Reads only. (`reference.materialize`
     assumes separate mode's grid and must not be used on a pending cache.)"""
@@ -370,10 +370,10 @@ def pending_materialize(cache: Sequence[torch.Tensor], slots: torch.Tensor, A: t
     pos = cache[L.POSITIONS]
     if pos.dim() != 2 or pos.shape[1] != 2:
         raise ValueError(f"cache positions must be [slots, 2] (pending mode); got {list(pos.shape)}")
-    num_slots, heads = cache[L.CHECKPOINT].shape[:2]
+    num_slots, heads, P, N = cache[L.CHECKPOINT].shape
     slot = slots.reshape(-1).to(torch.int64)
     valid = valid_rows(slot, num_slots)
-    states = torch.zeros(slot.shape[0], heads, L.HEAD_DIM, L.STATE_DIM, device=slot.device)
+    states = torch.zeros(slot.shape[0], heads, P, N, device=slot.device)
     live = slot[valid]
     c = pos[live][:, 0].to(torch.int64)
     f = checkpoint_index(c, max_seqlen)

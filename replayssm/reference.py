@@ -7,8 +7,10 @@ and random bits come from `replayssm.quant`, which is bit-exact with the kernels
 float accumulation here is FP32 in the order the kernels use, and tests compare kernels
 to it with tolerances. Inputs are already normalized by `replayssm.api`:
 
-    x [batch, H, 64] bf16, dt [batch, H] f32 (raw), A [H] f32, D [H, 64] f32,
-    dt_bias [H] f32, B, C [batch, G, 128] bf16, slots [batch] int.
+    x [batch, H, P] bf16, dt [batch, H] f32 (raw), A [H] f32, D [H, P] f32,
+    dt_bias [H] f32, B, C [batch, G, N] bf16, slots [batch] int
+
+(P the head dim, N the state dim: the cache's, `layout.dims`).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def initialize(
     cache: Sequence[torch.Tensor], states: torch.Tensor, slots: torch.Tensor, *, fmt: Format, seed: int, head_offset: int = 0
 ) -> None:
     """FP16 checkpoint (stochastic rounding, position tag INIT_POSITION), read copy and
-    its scales from FP32 `states` [batch, H, 64, 128]; rings and positions cleared.
+    its scales from FP32 `states` [batch, H, P, N]; rings and positions cleared.
     `head_offset`: the model's head of the cache's head 0 (quant/rng.py checkpoint_rbits)."""
     slot = slots.reshape(-1).to(torch.int64)
     keep = valid_rows(slot, cache[L.CHECKPOINT].shape[0])
@@ -65,7 +67,7 @@ def initialize(
     state = states[keep].float()
     heads = state.shape[1]
     key = stream_key(seed, slot, torch.full_like(slot, INIT_POSITION))
-    cache[L.CHECKPOINT][slot] = to_fp16(state, checkpoint_rbits(key, heads, head_offset))
+    cache[L.CHECKPOINT][slot] = to_fp16(state, checkpoint_rbits(key, heads, head_offset, *L.dims(cache)))
     fmt.init(cache, slot, state)
     clear(cache, slot)
 
@@ -96,7 +98,7 @@ def prepare_decode(
 def _entries(cache, slot, x, dt, B, ring_index, live_count):
     """The live ring entries of each row plus the current token at entry `ring_index`.
 
-    Returns x_e [n, H, 16, 64], dt_e [n, H, 16], B_e [n, G, 16, 128] in FP32, entries
+    Returns x_e [n, H, 16, P], dt_e [n, H, 16], B_e [n, G, 16, N] in FP32, entries
     beyond the current one replaced by zeros (never multiplied: NaN * 0 is NaN)."""
     j = torch.arange(L.RING, device=x.device)
     cur = j.view(1, -1) == ring_index.view(-1, 1)  # [n, 16]
@@ -147,7 +149,7 @@ def decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan: Plan, out, *, fmt: 
     x_e, dt_e, B_e = _entries(cache, slot, xs, dts, Bs, r, r)
     decay, w = _replay_weights(dt_e, A, r)
     state = fmt.read(cache, slot)
-    Ch = expand_groups(Cs, heads)  # [n, H, 128]
+    Ch = expand_groups(Cs, heads)  # [n, H, N]
     y = decay.unsqueeze(-1) * torch.einsum("nhpk,nhk->nhp", state, Ch)
     bc = torch.einsum("ngjk,ngk->ngj", B_e, Cs)  # B_j . C, shared by a group's heads
     y = y + torch.einsum("nhj,nhjp->nhp", w * expand_groups(bc, heads), x_e)
@@ -180,12 +182,12 @@ def decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan: Plan, out, *, fmt: For
     state = fold(cache, slot, xs, dts, Bs, A, r)
     y = torch.einsum("nhpk,nhk->nhp", state, expand_groups(Cs, heads)) + D.view(1, heads, -1) * xs.float()
     out[rows] = y.to(out.dtype)
-    cache[L.CHECKPOINT][slot] = to_fp16(state, checkpoint_rbits(plan.key[rows], heads, head_offset))
+    cache[L.CHECKPOINT][slot] = to_fp16(state, checkpoint_rbits(plan.key[rows], heads, head_offset, *L.dims(cache)))
     fmt.refresh(cache, slot, state, plan.old_parity[rows])
 
 
 def decode(cache, x, dt, A, B, C, D, dt_bias, slots, out, *, fmt: Format, seed: int, head_offset: int = 0) -> torch.Tensor:
-    """One decode step for a batch (normalized inputs); returns `out` [batch, H, 64]."""
+    """One decode step for a batch (normalized inputs); returns `out` [batch, H, P]."""
     plan = prepare_decode(cache, slots, out, fmt=fmt, seed=seed)
     decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan, out, fmt=fmt)
     decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan, out, fmt=fmt, seed=seed, head_offset=head_offset)
@@ -193,13 +195,13 @@ def decode(cache, x, dt, A, B, C, D, dt_bias, slots, out, *, fmt: Format, seed: 
 
 
 def materialize(cache: Sequence[torch.Tensor], slots: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
-    """FP32 state [n, H, 64, 128] of `slots` after every decoded token: the FP16
+    """FP32 state [n, H, P, N] of `slots` after every decoded token: the FP16
     checkpoint advanced through the live ring entries. Rows whose slot is padding (<= 0 or
     >= num_slots) read as zero states, as decode writes zero outputs for them. Reads only."""
-    num_slots, heads = cache[L.CHECKPOINT].shape[:2]
+    num_slots, heads, P, N = cache[L.CHECKPOINT].shape
     slot = slots.reshape(-1).to(torch.int64)
     valid = valid_rows(slot, num_slots)
-    states = torch.zeros(slot.shape[0], heads, L.HEAD_DIM, L.STATE_DIM, device=slot.device)
+    states = torch.zeros(slot.shape[0], heads, P, N, device=slot.device)
     slot = slot[valid]
     live = cache[L.POSITIONS][slot].to(torch.int64)
     if live.dim() == 2:
@@ -209,8 +211,8 @@ def materialize(cache: Sequence[torch.Tensor], slots: torch.Tensor, A: torch.Ten
     n = slot.shape[0]
     dev = slot.device
     # An empty "current token" (dt = 0, zeros) at entry `live` leaves the fold unchanged.
-    zx = torch.zeros(n, heads, L.HEAD_DIM, device=dev)
-    zB = torch.zeros(n, groups, L.STATE_DIM, device=dev)
+    zx = torch.zeros(n, heads, P, device=dev)
+    zB = torch.zeros(n, groups, N, device=dev)
     zdt = torch.zeros(n, heads, device=dev)
     states[valid] = fold(cache, slot, zx, zdt, zB, A.float(), live)
     return states

@@ -24,10 +24,10 @@ class LayerParams:
 
 @attrs.frozen
 class Token:
-    x: torch.Tensor  # [b, H, 64] bf16
+    x: torch.Tensor  # [b, H, P] bf16
     dt: torch.Tensor  # [b, H] float32 (raw, before softplus)
-    B: torch.Tensor  # [b, G, 128] bf16
-    C: torch.Tensor  # [b, G, 128] bf16
+    B: torch.Tensor  # [b, G, N] bf16
+    C: torch.Tensor  # [b, G, N] bf16
 
 
 def layer_params(heads: int, *, generator: torch.Generator, device="cpu") -> LayerParams:
@@ -39,12 +39,15 @@ def layer_params(heads: int, *, generator: torch.Generator, device="cpu") -> Lay
     return LayerParams(A.to(device), D.to(device), dt_bias.to(device))
 
 
-def token(batch: int, heads: int, groups: int, *, generator: torch.Generator, device="cpu") -> Token:
+def token(
+    batch: int, heads: int, groups: int, *, generator: torch.Generator, device="cpu", head_dim: int = HEAD_DIM,
+    state_dim: int = STATE_DIM,
+) -> Token:
     g = generator
-    x = torch.randn(batch, heads, HEAD_DIM, generator=g)
+    x = torch.randn(batch, heads, head_dim, generator=g)
     dt = 0.5 * torch.randn(batch, heads, generator=g)
-    B = torch.randn(batch, groups, STATE_DIM, generator=g)
-    C = torch.randn(batch, groups, STATE_DIM, generator=g)
+    B = torch.randn(batch, groups, state_dim, generator=g)
+    C = torch.randn(batch, groups, state_dim, generator=g)
     return Token(
         x.to(device, torch.bfloat16), dt.to(device), B.to(device, torch.bfloat16), C.to(device, torch.bfloat16)
     )
@@ -53,12 +56,12 @@ def token(batch: int, heads: int, groups: int, *, generator: torch.Generator, de
 def engine_inputs(tok: Token, params: LayerParams) -> tuple[torch.Tensor, ...]:
     """One step's (x, dt, A, B, C, D, dt_bias) shaped as a serving engine's Mamba-2 mixer
     passes them: x, B, C column slices of one projection row [z | x | B | C | dt] (row
-    stride = its width), dt in bf16 [b, H, 64] tied over the head dim (stride 0), A fp32
-    [H, 64, 128] with strides (1, 0, 0), D and dt_bias [H, 64] tied. dt holds `tok.dt`
+    stride = its width), dt in bf16 [b, H, P] tied over the head dim (stride 0), A fp32
+    [H, P, N] with strides (1, 0, 0), D and dt_bias [H, P] tied. dt holds `tok.dt`
     rounded to bf16; everything else holds `tok`'s and `params`' values exactly."""
     b, heads = tok.dt.shape
-    groups = tok.B.shape[1]
-    d_inner, gn = heads * HEAD_DIM, groups * STATE_DIM
+    groups, P, N = tok.B.shape[1], tok.x.shape[2], tok.B.shape[2]
+    d_inner, gn = heads * P, groups * N
     width = 2 * d_inner + 2 * gn + heads
     proj = torch.empty(b, width, dtype=torch.bfloat16, device=tok.x.device)
     proj[:, :d_inner] = 0.0  # z (the gate applied after the norm): not read
@@ -69,10 +72,10 @@ def engine_inputs(tok: Token, params: LayerParams) -> tuple[torch.Tensor, ...]:
     B.copy_(tok.B.reshape(b, gn))
     C.copy_(tok.C.reshape(b, gn))
     proj[:, 2 * d_inner + 2 * gn :] = tok.dt.to(torch.bfloat16)
-    dt = proj[:, 2 * d_inner + 2 * gn :].unsqueeze(-1).expand(b, heads, HEAD_DIM)
-    A = params.A.view(heads, 1, 1).expand(heads, HEAD_DIM, STATE_DIM)
-    D = params.D.view(heads, 1).expand(heads, HEAD_DIM)
-    dt_bias = params.dt_bias.view(heads, 1).expand(heads, HEAD_DIM)
+    dt = proj[:, 2 * d_inner + 2 * gn :].unsqueeze(-1).expand(b, heads, P)
+    A = params.A.view(heads, 1, 1).expand(heads, P, N)
+    D = params.D.view(heads, 1).expand(heads, P)
+    dt_bias = params.dt_bias.view(heads, 1).expand(heads, P)
     return x, dt, A, B, C, D, dt_bias
 
 
@@ -102,13 +105,15 @@ class ExactRecurrence:
 
 
 def prefill_states(
-    params: LayerParams, batch: int, groups: int, prompt_len: int, *, generator: torch.Generator, device="cpu"
+    params: LayerParams, batch: int, groups: int, prompt_len: int, *, generator: torch.Generator, device="cpu",
+    head_dim: int = HEAD_DIM, state_dim: int = STATE_DIM,
 ) -> torch.Tensor:
-    """FP32 states after an exact recurrence over `prompt_len` random tokens from zero."""
+    """FP32 states [batch, H, head_dim, state_dim] after an exact recurrence over
+    `prompt_len` random tokens from zero."""
     heads = params.A.shape[0]
-    rec = ExactRecurrence(params, torch.zeros(batch, heads, HEAD_DIM, STATE_DIM, dtype=torch.float64, device=device))
+    rec = ExactRecurrence(params, torch.zeros(batch, heads, head_dim, state_dim, dtype=torch.float64, device=device))
     for _ in range(prompt_len):
-        rec.step(token(batch, heads, groups, generator=generator, device=device))
+        rec.step(token(batch, heads, groups, generator=generator, device=device, head_dim=head_dim, state_dim=state_dim))
     return rec.S.float()
 
 

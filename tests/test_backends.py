@@ -125,8 +125,9 @@ def test_auto_on_the_cpu_warns_once_with_the_reason_at_the_callers_line():
 
 
 def test_kernels_backend_gives_the_reference_bits_on_the_cpu():
-    """backend="kernels" (Triton bookkeeping in the interpreter, the reference decode math
-    fed its plan) and backend="reference" give identical bytes: 17 steps, one flush."""
+    """backend="kernels" (on the CPU: the reference's initialize, clear and decode math,
+    Triton materialize in the interpreter) and backend="reference" give identical bytes:
+    17 steps, one flush."""
     if HAS_CUDA:
         pytest.skip("on a GPU the kernels backend runs the CuTe kernels (tests/test_triton_bookkeeping.py)")
     g = torch.Generator().manual_seed(5)

@@ -1,6 +1,6 @@
 """state_dtype="fp16": no read copy, a step reads the FP16 checkpoint itself (docs/format.md
-section 4b). The slot's tensors and bytes, the kernel backend taking the format (the
-Triton interpreter's bookkeeping bits against the reference), accuracy against the exact
+section 4b). The slot's tensors and bytes, the kernel backend taking the format (its
+CPU path's bits against the reference), accuracy against the exact
 FP64 recurrence in single-token and pending mode (verdicts with p 0.7) on the reference,
 and a hand-off round trip."""
 
@@ -39,9 +39,9 @@ def test_fp16_slot_holds_checkpoint_rings_and_positions_only():
 
 
 def test_the_kernel_backend_runs_fp16():
-    """backend="kernels" takes fp16 (on the CPU the Triton interpreter: initialize, clear,
-    materialize and the slot copies; the CuTe decode kernels run on a GPU,
-    tests/test_cute_decode_gpu.py): a cache on it holds the reference's bits after a
+    """backend="kernels" takes fp16 (on the CPU the Triton interpreter: materialize and
+    the slot copies; the CuTe kernels run on a GPU, tests/test_cute_decode_gpu.py and
+    tests/test_triton_bookkeeping.py): a cache on it holds the reference's bits after a
     prefill, 20 steps (a flush), a copy and a reset, and materializes the reference's
     states up to FP32 summation order."""
     assert backend_for("cpu", "kernels", allocate_cache(4, H, G, "fp16"), FP16) is kernel_backend()

@@ -157,7 +157,7 @@ def test_opcheck(name, fmt, fp8_allclose):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("name", ["initialize", "clear", "decode"])
 def test_opcheck_kernel_backend_in_the_interpreter(name, fmt, fp8_allclose):
-    """The same checks with the kernel backend (Triton bookkeeping kernels, interpreted)."""
+    """The same checks with the kernel backend (on the CPU: its Triton kernels interpreted)."""
     op, args, kwargs = _op_args(name, fmt, backend="kernels")
     result = torch.library.opcheck(op, args, kwargs, test_utils=("test_schema", "test_aot_dispatch_static"))
     assert set(result.values()) == {"SUCCESS"}, result

@@ -1,6 +1,6 @@
 """A batch made only of padding rows (slot <= 0 or >= num_slots: CUDA-graph batch padding)
 is normal input for every operation, on every backend that runs here (the reference; the
-kernel backend's Triton bookkeeping under the interpreter on the CPU) and both formats:
+kernel backend on the CPU, its Triton kernels under the interpreter) and both formats:
 the cache keeps every byte, outputs are zeros."""
 
 from __future__ import annotations

@@ -6,13 +6,13 @@ Two backends run the cache operations, with the same methods (`initialize`, `cle
 
 - `ReferenceBackend` ("reference"): the PyTorch reference (`replayssm.reference`), on any
   device.
-- `KernelBackend` ("kernels"): the Triton bookkeeping kernels (initialize, clear,
-  materialize, slot copies) and the CuTe DSL kernels of every decode call (the plan
-  kernels of `cute.plan`, the step of `cute.decode` / `cute.flush`, pending mode's fold
-  and step of `cute.pending`), on a CUDA GPU in the arch table with the CuTe DSL
-  installed and a 16-byte-aligned cache. On the CPU it runs only under the Triton
-  interpreter (TRITON_INTERPRET=1, for tests): the Triton kernels interpreted, every
-  decode call the reference's.
+- `KernelBackend` ("kernels"): the CuTe DSL kernels of initialize and clear
+  (`cute.bookkeeping`) and of every decode call (the plan kernels of `cute.plan`, the
+  step of `cute.decode` / `cute.flush`, pending mode's fold and step of `cute.pending`),
+  and the Triton kernels of materialize and slot copies, on a CUDA GPU in the arch table
+  with the CuTe DSL installed and a 16-byte-aligned cache. On the CPU it runs only under
+  the Triton interpreter (TRITON_INTERPRET=1, for tests): the Triton kernels
+  interpreted, every other operation the reference's.
 
 `backend_for(device, backend, cache)` turns the caller's choice into one of them:
 "reference"; "kernels", a ValueError saying why where they cannot run; "auto" (the
@@ -22,8 +22,9 @@ default), the kernels where they can run, else the reference with a
 The Triton kernels live in `replayssm.kernels.triton` and are imported on first use:
 `triton.jit` chooses between compiler and CPU interpreter when a kernel is defined, so
 TRITON_INTERPRET=1 (CPU tests) must be set before then; importing replayssm alone never
-imports Triton. The CuTe DSL decode kernels (`replayssm.kernels.cute`, FP8, NVFP4 and
-fp16) are imported on first use too; `compile_all` builds them for any target without a GPU.
+imports Triton. The CuTe DSL kernels (`replayssm.kernels.cute`, FP8, NVFP4 and fp16)
+are imported on first use too; `compile_all` builds the decode kernels for any target
+without a GPU.
 One launch mechanism per language: the CuTe kernels through their TVM-FFI entry
 (`cute.launch.compile_entry`), the Triton kernels through Triton's own launcher.
 """
@@ -90,41 +91,51 @@ EAGER_FORK_MIN_BATCH = 512
 
 
 class _CacheContext:
-    """What the kernel backend knows of one CUDA cache tuple between calls: whether the
-    CuTe kernels can run it ((launch module, arch), or the reason they cannot), its
-    prepare launches (`cute.plan.PrepareLaunch`, by format, seed and plan scratch), its
-    step launches (`cute.launch.Step`, by batch, format, head offset and plan scratch),
-    its pending-mode plan buffer, plan launches (`cute.plan.PendingPlanLaunch`) and fold
-    and step launches (`cute.pending.PendingLaunch`). Holds weak references only: a
-    context never keeps a cache alive (its launches hold addresses and are given the
-    tensors on each call)."""
+    """What the kernel backend knows of one CUDA cache tuple between calls: its device
+    index, whether the CuTe kernels can run it ((launch module, arch), or the reason they
+    cannot), its prepare launches (`cute.plan.PrepareLaunch`, by format, seed and plan
+    scratch), its step launches (`cute.launch.Step`, by batch, format, head offset and
+    plan scratch), both by a decode call's key (`decodes`: one lookup a call), its
+    pending-mode plan buffer, plan launches (`cute.plan.PendingPlanLaunch`) and fold and
+    step launches (`cute.pending.PendingLaunch`), and its initialize and clear launches
+    (`cute.bookkeeping.BookkeepingLaunch`). Holds weak references only: a context never
+    keeps a cache alive (its launches hold addresses and are given the tensors on each
+    call); `alive` turns False when one of the tensors is freed (the weak reference's
+    callback), after which another tensor may take its id."""
 
-    __slots__ = ("refs", "cute", "reason", "prepares", "steps", "pending", "outgrown", "plan_launches", "pending_launches")
+    __slots__ = (
+        "refs", "alive", "index", "cute", "reason", "prepares", "steps", "decodes", "pending", "outgrown", "plan_launches",
+        "pending_launches", "bookkeeping",
+    )  # fmt: skip
 
     def __init__(self, cache, cute, reason: str | None) -> None:
-        self.refs = tuple(weakref.ref(t) for t in cache)
+        self.alive = True
+        self.refs = tuple(weakref.ref(t, self._freed) for t in cache)
+        self.index = cache[L.CHECKPOINT].get_device()
         self.cute, self.reason = cute, reason
         self.prepares: dict[tuple, object] = {}
         self.steps: dict[tuple, object] = {}
+        self.decodes: dict[tuple, tuple] = {}
         self.pending = None  # its pending-mode plan buffer (buffers.PendingPlan)
         self.outgrown: list = []  # the smaller ones before it, kept: a captured graph may still use them
         self.plan_launches: dict[tuple, object] = {}
         self.pending_launches: dict[tuple, object] = {}
+        self.bookkeeping: dict[tuple, object] = {}  # cute.bookkeeping.BookkeepingLaunch by (format, seed, head offset)
 
-    def holds(self, cache) -> bool:
-        """Whether `cache` is the tuple of tensors this context was made for."""
-        return len(cache) == len(self.refs) and all(r() is t for r, t in zip(self.refs, cache))
+    def _freed(self, ref) -> None:
+        """The callback of `refs`: one of the tensors is gone."""
+        self.alive = False
 
 
 class KernelBackend:
-    """Bookkeeping on Triton kernels (`initialize`, `clear`, `materialize`) and every
-    decode call on the CuTe DSL kernels: `decode` launches the prepare kernel and the
-    CuTe launcher's `Step`. `cute_unavailable` says why the CuTe kernels cannot run a
+    """`initialize`, `clear` and every decode call on the CuTe DSL kernels (`decode`
+    launches the prepare kernel and the CuTe launcher's `Step`), `materialize` on a
+    Triton kernel. `cute_unavailable` says why the CuTe kernels cannot run a
     cache (no CuTe DSL, a GPU outside the arch table, an unaligned cache); `backend_for`
     asks it before choosing this backend, and `decode` on a CUDA cache they cannot run is
     a ValueError, never a silent fallback. On the CPU (Triton interpreter,
-    TRITON_INTERPRET=1: tests) the Triton kernels are interpreted and decode calls run the
-    reference.
+    TRITON_INTERPRET=1: tests) the Triton kernels are interpreted and every other
+    operation runs the reference.
 
     Plan scratch: `prepare` / `decode` write the plan into a `PlanScratch` so a step
     allocates no device memory. A caller may pass its own (`scratch=`, e.g. one per cache
@@ -165,16 +176,35 @@ class KernelBackend:
         return buf
 
     def initialize(self, cache, states, ids, *, fmt: Format, seed: int, head_offset: int = 0) -> None:
-        """The Triton initialize kernel (kernels/triton/initialize.py)."""
-        from .triton.initialize import initialize
-
-        initialize(cache, states, ids if ids.dim() == 1 else ids.reshape(-1), fmt=fmt, seed=seed, head_offset=head_offset)
+        """The CuTe initialize kernel (kernels/cute/bookkeeping.py, one launch on the current
+        stream); on the CPU, and on a cache the CuTe kernels cannot run, the reference."""
+        self._bookkeeping(cache, ids, states, fmt, seed, head_offset)
 
     def clear(self, cache, ids) -> None:
-        """The Triton clear kernel (kernels/triton/clear.py)."""
-        from .triton.clear import clear
+        """The CuTe clear kernel (kernels/cute/bookkeeping.py), as `initialize`."""
+        self._bookkeeping(cache, ids, None, None, 0, 0)
 
-        clear(cache, ids if ids.dim() == 1 else ids.reshape(-1))
+    def _bookkeeping(self, cache, ids, states, fmt: Format | None, seed: int, head_offset: int) -> None:
+        """Initialize (`fmt` given) or clear through the cache context's
+        `cute.bookkeeping.BookkeepingLaunch` (made on first use)."""
+        ctx = self._context(cache) if cache[L.CHECKPOINT].device.type == "cuda" else None
+        if ctx is None or ctx.cute is None:
+            if fmt is None:
+                ref.clear(cache, ids)
+            else:
+                ref.initialize(cache, states, ids, fmt=fmt, seed=seed, head_offset=head_offset)
+            return
+        if ids.dim() != 1:
+            ids = ids.reshape(-1)
+        if ids.shape[0] == 0:
+            return
+        key = (fmt, seed, head_offset)
+        launch = ctx.bookkeeping.get(key)
+        if launch is None:
+            from .cute.bookkeeping import BookkeepingLaunch
+
+            launch = ctx.bookkeeping[key] = BookkeepingLaunch(cache, fmt, seed, head_offset, ctx.cute[1])
+        launch(ids, ctx.cute[0].current_stream(ctx.index), states)
 
     def prepare(self, cache, ids, out, *, fmt: Format, seed: int, scratch=None) -> ref.Plan:
         """Kernel twin of `reference.prepare_decode` (cute/plan.py's prepare kernel, on the
@@ -210,38 +240,41 @@ class KernelBackend:
         """The prepare kernel, then the CuTe decode kernels (the non-flush and the flush
         kernel launch every step), all kept in the cache's `_CacheContext`; on the CPU the
         reference. On CUDA, x, B, C may be [batch, H * 64] / [batch, G * 128]."""
-        device = cache[L.CHECKPOINT].device
-        if device.type != "cuda":
+        if not cache[L.CHECKPOINT].is_cuda:
             ref.decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt=fmt, seed=seed, head_offset=head_offset)
             return
         ctx = self._context(cache)
         if ctx.cute is None:
             raise ValueError(f"the kernel backend cannot decode this cache: {ctx.reason}")
-        launch, arch = ctx.cute
-        stream = launch.current_stream(device.index)
         if ids.dim() != 1:
             ids = ids.reshape(-1)
-        batch = ids.shape[0]
+        batch = ids.numel()
         if batch == 0:
             return
         if scratch is None:
-            scratch = self.scratch(device, batch)
-        self._prepare_launch(ctx, cache, scratch, fmt, seed)(ids, out, stream)
+            scratch = self.scratch(cache[L.CHECKPOINT].device, batch)
         plan = scratch.plan(batch)
-        key = (batch, fmt, head_offset, scratch.words)
-        step = ctx.steps.get(key)
-        if step is None:
-            step = ctx.steps[key] = launch.Step(cache, plan, fmt.name, arch, head_offset)
+        key = (batch, fmt, seed, head_offset, scratch.words)
+        launches = ctx.decodes.get(key)
+        if launches is None:
+            step_key = (batch, fmt, head_offset, scratch.words)
+            step = ctx.steps.get(step_key)
+            if step is None:
+                step = ctx.steps[step_key] = ctx.cute[0].Step(cache, plan, fmt.name, ctx.cute[1], head_offset)
+            launches = ctx.decodes[key] = (self._prepare_launch(ctx, cache, scratch, fmt, seed), step)
+        prepare, step = launches
+        stream = ctx.cute[0].current_stream(ctx.index)
+        prepare(ids, out, stream)
         fork = batch >= EAGER_FORK_MIN_BATCH or torch.cuda.is_current_stream_capturing()
         step(cache, plan, x, dt, A, B, C, D, dt_bias, out, stream, fork=fork)
 
     def _context(self, cache) -> "_CacheContext":
         """The `_CacheContext` of a CUDA cache tuple (made on first use; keyed by the
-        tensors' ids and checked by weak references, so a tuple of other tensors under
-        reused ids gets its own)."""
+        tensors' ids: a context still `alive` was made for these very tensors, as no id of
+        a live object is reused; a tuple of other tensors under reused ids gets its own)."""
         key = tuple(map(id, cache))
         ctx = self._contexts.get(key)
-        if ctx is not None and ctx.holds(cache):
+        if ctx is not None and ctx.alive:
             return ctx
         if len(self._contexts) >= 4096:
             self._contexts.clear()
@@ -401,30 +434,31 @@ class KernelBackend:
         tensors, device = cache.tensors, cache.tensors[L.CHECKPOINT].device
         heads = tensors[L.CHECKPOINT].shape[1]
         scratch = self.scratch(device, cache.max_batch)
-        zero_state = torch.zeros(1, heads, L.HEAD_DIM, L.STATE_DIM, device=device)
-        out = torch.empty(2, heads, L.HEAD_DIM, dtype=torch.bfloat16, device=device)
-        names = []
         cute = self.cute_for(tensors)
+        if cute is None:  # every operation runs the reference (CPU): nothing to compile
+            return []
+        out = torch.empty(2, heads, L.HEAD_DIM, dtype=torch.bfloat16, device=device)
+        # Prefill states read by 16-byte rows (broadcast, as `reset` passes them, or
+        # contiguous) and element by element (a transposed view).
+        rows = torch.zeros(1, heads, L.HEAD_DIM, L.STATE_DIM, device=device)
+        columns = torch.zeros(1, heads, L.STATE_DIM, L.HEAD_DIM, device=device).transpose(2, 3)
+        names = []
         for dtype in (torch.int32, torch.int64):
             ids = torch.zeros(2, dtype=dtype, device=device)
-            # Contiguous and broadcast (stride-0, as `reset` passes) prefill states.
-            self.initialize(tensors, zero_state.repeat(2, 1, 1, 1), ids, fmt=fmt, seed=cache.seed)
-            self.initialize(tensors, zero_state.expand(2, -1, -1, -1), ids, fmt=fmt, seed=cache.seed)
+            for states in (rows, columns):
+                self.initialize(tensors, states.expand(2, -1, -1, -1), ids, fmt=fmt, seed=cache.seed)
             self.clear(tensors, ids)
-            names += [f"triton.initialize[{dtype}]", f"triton.clear[{dtype}]"]
-            if cute is not None:
-                self.prepare(tensors, ids, out, fmt=fmt, seed=cache.seed, scratch=scratch)
-                names.append(f"cute.prepare[{dtype}]")
-        if cute is not None:
-            # Compile the decode kernels in each variant a step may launch (the non-flush
-            # kernel with PDL at batch 1, the flush with PDL above it), then launch them
-            # once on padding rows (which exit at once) so their modules are loaded before
-            # any graph capture.
-            launch, arch = cute
-            names += launch.warmup(cache.state_dtype, heads, tensors[L.B_RING].shape[1], arch)
-            ids = torch.zeros(2, dtype=torch.int32, device=device)
-            plan = self.prepare(tensors, ids, out, fmt=fmt, seed=cache.seed, scratch=scratch)
-            launch.launch_padding(tensors, plan, out, cache.state_dtype, arch)
+            self.prepare(tensors, ids, out, fmt=fmt, seed=cache.seed, scratch=scratch)
+            names += [f"cute.initialize[{dtype}]", f"cute.clear[{dtype}]", f"cute.prepare[{dtype}]"]
+        # Compile the decode kernels in each variant a step may launch (the non-flush
+        # kernel with PDL at batch 1, the flush with PDL above it), then launch them once
+        # on padding rows (which exit at once) so their modules are loaded before any
+        # graph capture.
+        launch, arch = cute
+        names += launch.warmup(cache.state_dtype, heads, tensors[L.B_RING].shape[1], arch)
+        ids = torch.zeros(2, dtype=torch.int32, device=device)
+        plan = self.prepare(tensors, ids, out, fmt=fmt, seed=cache.seed, scratch=scratch)
+        launch.launch_padding(tensors, plan, out, cache.state_dtype, arch)
         return names
 
 
@@ -509,6 +543,10 @@ def backend_for(
     if fmt is not None and not fmt.on_kernels:
         kinds = tuple(name for name, f in FORMATS.items() if f.on_kernels)
         reason = f"the kernels run state_dtype {kinds}; got {fmt.name!r}"
+        if backend == "kernels":
+            raise ValueError(f"backend='kernels' cannot run here: {reason}; pass backend='auto' or 'reference'")
+    elif cache is not None and L.dims(cache) != (L.HEAD_DIM, L.STATE_DIM):
+        reason = "the kernels take head_dim {} and state_dim {}; got {} and {}".format(L.HEAD_DIM, L.STATE_DIM, *L.dims(cache))
         if backend == "kernels":
             raise ValueError(f"backend='kernels' cannot run here: {reason}; pass backend='auto' or 'reference'")
     elif device.type != "cuda":

@@ -1,10 +1,8 @@
 """Formats, reference encoders and the random hash (bit-exact twins of the kernels)."""
 
+from ..geometry import HEAD_DIM, NVFP4_BLOCK, STATE_DIM
 from .formats import (
-    HEAD_DIM,
-    NVFP4_BLOCK,
     NVFP4_HEADROOM,
-    STATE_DIM,
     fp8_decode,
     fp8_encode,
     fp8_row_scale,

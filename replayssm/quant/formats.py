@@ -2,15 +2,15 @@
 (e2m1 codes, e4m3 block scales per 16 elements, power-of-two second-level scale per slot
 and group) encodings of a state, in the arithmetic order the kernels use.
 
-A "state row" is one head-dim row of a head's 64 x 128 state: the 128 state-dim values
-S[h, p, :]. docs/format.md is the specification; this module is its executable form.
+A "state row" is one head-dim row of a head's P x N state (64 or 80 x 128 or 256): the N
+state-dim values S[h, p, :]. docs/format.md is the specification; this module is its executable form.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..geometry import HEAD_DIM, NVFP4_BLOCK, STATE_DIM
+from ..geometry import NVFP4_BLOCK
 from .minifloat import E2M1, E4M3, MASK32, decode_e2m1, decode_e4m3, encode, f32_bits
 # Headroom of the delayed second-level scale: the amax measured at one flush may grow by
 # this factor before the next flush's largest block scale saturates at 448.
@@ -45,7 +45,7 @@ def fp8_row_scale(row_amax: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_encode(state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP32 state [..., 64, 128] -> (codes float8_e4m3fn [..., 64, 128], scales fp32 [..., 64]).
+    """FP32 state [..., P, N] -> (codes float8_e4m3fn [..., P, N], scales fp32 [..., P]).
 
     Nearest-even; value = code * scale. Multiplying by 1/scale (a power of two) is exact,
     so the encoded value is the correctly rounded e4m3 of state / scale.
@@ -79,8 +79,8 @@ def nvfp4_inv_global_scale(group_amax: torch.Tensor) -> torch.Tensor:
 def nvfp4_encode(
     state: torch.Tensor, group_amax_live: torch.Tensor, rbits: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP32 state [..., 64, 128] -> (packed codes uint8 [..., 64, 64], block scales
-    float8_e4m3fn [..., 64, 8]), given the live group amax (broadcast to [...]).
+    """FP32 state [..., P, N] -> (packed codes uint8 [..., P, N / 2], block scales
+    float8_e4m3fn [..., P, N / 16]), given the live group amax (broadcast to [...]).
 
     Steps, each rounded to FP32 as written (the kernels do the same):
       g    = nvfp4_global_scale(amax_live); ig = 1 / g            (powers of two)
@@ -91,10 +91,10 @@ def nvfp4_encode(
       code = e2m1_satfinite(v * r)       (nearest-even, or stochastic with `rbits`)
     Byte j of a row holds element 2j in its low nibble and element 2j+1 in its high one.
     """
-    lead = state.shape[:-2]
+    *lead, P, N = state.shape
     g = nvfp4_global_scale(group_amax_live)
     ig = nvfp4_inv_global_scale(group_amax_live)
-    blocks = state.reshape(*lead, HEAD_DIM, STATE_DIM // NVFP4_BLOCK, NVFP4_BLOCK)
+    blocks = state.reshape(*lead, P, N // NVFP4_BLOCK, NVFP4_BLOCK)
     bamax = blocks.abs().amax(dim=-1)
     igb = ig.reshape(*lead, *([1] * 2))
     t = (bamax * igb) * torch.tensor(ONE_SIXTH, dtype=torch.float32)
@@ -104,13 +104,13 @@ def nvfp4_encode(
     r = torch.where(d == 0, torch.zeros_like(d), one / d)
     scaled = blocks * r.unsqueeze(-1)
     codes = encode(scaled, E2M1, rbits)
-    codes = codes.reshape(*lead, HEAD_DIM, STATE_DIM)
+    codes = codes.reshape(*lead, P, N)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
     return packed, s_code.to(torch.uint8).view(torch.float8_e4m3fn)
 
 
 def nvfp4_unpack(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., 64] -> e2m1 codes [..., 128] (low nibble first)."""
+    """uint8 [..., N / 2] -> e2m1 codes [..., N] (low nibble first)."""
     p = packed.to(torch.int64)
     return torch.stack((p & 0xF, p >> 4), dim=-1).flatten(-2)
 
@@ -119,11 +119,12 @@ def nvfp4_decode(
     packed: torch.Tensor, block_scales: torch.Tensor, group_amax_live: torch.Tensor
 ) -> torch.Tensor:
     """Inverse of `nvfp4_encode`: value = e2m1(code) * e4m3(block scale) * g."""
-    lead = packed.shape[:-2]
+    *lead, P, half = packed.shape
+    N = 2 * half
     vals = decode_e2m1(nvfp4_unpack(packed))
-    vals = vals.reshape(*lead, HEAD_DIM, STATE_DIM // NVFP4_BLOCK, NVFP4_BLOCK)
+    vals = vals.reshape(*lead, P, N // NVFP4_BLOCK, NVFP4_BLOCK)
     d = decode_e4m3(block_scales) * nvfp4_global_scale(group_amax_live).reshape(*lead, 1, 1)
-    return (vals * d.unsqueeze(-1)).reshape(*lead, HEAD_DIM, STATE_DIM)
+    return (vals * d.unsqueeze(-1)).reshape(*lead, P, N)
 
 
 __all__ = [

@@ -99,19 +99,19 @@ def random_words(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return mix32(key ^ _mul32(index.to(torch.int64) & MASK32, GOLDEN))
 
 
-def checkpoint_rbits(key: torch.Tensor, heads: int, head_offset: int = 0) -> torch.Tensor:
+def checkpoint_rbits(key: torch.Tensor, heads: int, head_offset: int = 0, head_dim: int = 64, state_dim: int = 128) -> torch.Tensor:
     """Random bits for the FP16 stochastic rounding of a whole checkpoint.
 
-    `key`: [rows] stream tags. Returns int64 [rows, heads, 64, 128]: for element
-    (h, p, n) the bits of word(key, (((h + head_offset) * 64 + p) * 128 + n) // 2), taking
-    bits [12:0] for even n and bits [28:16] for odd n -- the split
+    `key`: [rows] stream tags. Returns int64 [rows, heads, P, N] (P = `head_dim`, N =
+    `state_dim`): for element (h, p, n) the bits of word(key, (((h + head_offset) * P + p)
+    * N + n) // 2), taking bits [12:0] for even n and bits [28:16] for odd n -- the split
     `cvt.rs.f16x2.f32 d, a, b, rbits` uses when a = element n+1 (upper half of d) and
     b = element n (lower half). `head_offset`: the model's head of the cache's head 0, so
     that tensor-parallel shards of a model draw the bits one unsharded cache would.
     """
     rows = key.shape[0]
-    n_words = heads * 64 * 64
-    idx = torch.arange(n_words, device=key.device, dtype=torch.int64) + head_offset * 64 * 64
+    per_head = head_dim * state_dim // 2
+    idx = torch.arange(heads * per_head, device=key.device, dtype=torch.int64) + head_offset * per_head
     words = random_words(key.reshape(rows, 1).to(torch.int64), idx.reshape(1, -1))
     pair = torch.stack((words & 0x1FFF, (words >> 16) & 0x1FFF), dim=-1)
-    return pair.reshape(rows, heads, 64, 128)
+    return pair.reshape(rows, heads, head_dim, state_dim)

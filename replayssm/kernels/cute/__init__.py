@@ -1,4 +1,5 @@
-"""CuTe DSL decode kernels (the hot path): one kernel family for both read-copy formats.
+"""CuTe DSL kernels: the decode kernels (the hot path), one kernel family for every format,
+and the bookkeeping kernels.
 
 - `decode.Decode`: the non-flush step (read copy + ring replay, ring append), one warp
   per (row, head) on the tensor cores.
@@ -6,6 +7,8 @@
   stochastic rounding, re-derive the read copy).
 - `pending`: pending mode's step (`PendingStep`, every row's T tokens in one pass over
   the read copy) and the launchers of it and of the fold (`flush.PendingFold`).
+- `bookkeeping.Bookkeeping`: initialize (the checkpoint and read copy from prefill
+  states, the flush's encoders) and clear (rings and positions), one launch each.
 - `read_copy.Fp8` / `read_copy.Nvfp4`: the format strategies the kernels take (loads,
   row dots, encoders, scale handling); the arch picks their conversion instructions.
 - `args`: the kernels' argument structs and their one spec.

@@ -15,9 +15,11 @@ arguments (kernels take raw pointers plus slot strides in 16-byte units, so one 
 serves every batch, cache size and slot padding, and the kernels still know their vector
 accesses are 16-byte aligned). Every kernel is compiled with the DSL's TVM-FFI entry
 (`compile_entry`) and called with its argument structs as tuples of ints (`args.raw`),
-its scalars and the stream handle. Launchers map tensors to arguments (args.py); they do
-not validate user input (`replayssm.api` did), only the layout the compiled code assumes
-(`layout_ok`).
+its scalars and the stream handle; the structs that repeat between calls are made once
+as the ffi.Array the entry takes a tuple as (`tvm_ffi.convert`; converting the tuples on
+every call cost about 1 us an eager step on a CPU, `benchmarks/host_path.py`).
+Launchers map tensors to arguments (args.py); they do not validate user input
+(`replayssm.api` did), only the layout the compiled code assumes (`layout_ok`).
 """
 
 from __future__ import annotations
@@ -204,6 +206,8 @@ def _aligned16(t: torch.Tensor) -> bool:
 def layout_ok(cache: Sequence[torch.Tensor]) -> str | None:
     """None when the compiled kernels can address `cache` (16-byte-aligned bases and
     slot strides for the tensors read with vector accesses), else the reason."""
+    if L.dims(cache) != (L.HEAD_DIM, L.STATE_DIM):
+        return "the kernels take head_dim {} and state_dim {}; got {} and {}".format(L.HEAD_DIM, L.STATE_DIM, *L.dims(cache))
     has_copy = L.READ_COPY < len(cache) - 1  # fp16 has none: its positions (the last tensor) are there
     for i in (L.CHECKPOINT, L.X_RING, L.B_RING) + ((L.READ_COPY,) if has_copy else ()):
         if not _aligned16(cache[i]):
@@ -225,15 +229,14 @@ def _rows_ok(t: torch.Tensor, stride: tuple, width: int) -> bool:
     return inner and t.data_ptr() % 16 == 0 and stride[0] % 8 == 0
 
 
-_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
 def current_stream(index: int) -> int:
-    """The handle of the current CUDA stream of device `index` (torch's raw-stream query:
-    a fraction of a microsecond, where `torch.cuda.current_stream` builds an object)."""
-    if _RAW_STREAM is not None:
-        return _RAW_STREAM(index)
+    """The handle of the current CUDA stream of device `index`: torch's raw-stream query
+    itself where torch has it (a fraction of a microsecond, no Python call around it),
+    else through `torch.cuda.current_stream`, which builds an object."""
     return torch.cuda.current_stream(index).cuda_stream
+
+
+current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or current_stream
 
 
 _SIDE: dict[int, tuple] = {}
@@ -321,8 +324,8 @@ def decode_step(
 
 class Step:
     """The CuTe launches of decode steps on one cache, one plan (batch size) and one
-    format, with the argument structs that repeat between steps made once (as tuples of
-    ints): the cache's (`Checkpoint`, `Ring`, the read copy) and the plan's. A step's own
+    format, with the argument structs that repeat between steps made once (as ffi.Arrays
+    of ints): the cache's (`Checkpoint`, `Ring`, the read copy) and the plan's. A step's own
     struct (its inputs') is read per call. It holds no tensor: a caller keeping `Step`s
     between calls keys them so that the cache and the plan are the ones it was made for
     (the kernel backend keeps them in its per-cache context), and passes them to each call."""
@@ -335,37 +338,40 @@ class Step:
         self.index = cache[L.CHECKPOINT].get_device()
         self.config = config or step_config(arch, state_dtype, self.heads, self.groups, self.batch)
         fmt = read_copy_format(state_dtype, arch)
-        self.ckpt = tuple(A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=head_offset))
-        self.ring = tuple(A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING]))
-        self.copy = tuple(A.raw(fmt.Args, **fmt.tensors(cache, L)))
-        self.plan = tuple(A.raw(A.Plan, **plan._asdict()))
+        self.ckpt = tvm_ffi.convert(A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=head_offset))
+        self.ring = tvm_ffi.convert(A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING]))
+        self.copy = tvm_ffi.convert(A.raw(fmt.Args, **fmt.tensors(cache, L)))
+        self.plan = tvm_ffi.convert(A.raw(A.Plan, **plan._asdict()))
         self.kernels: dict[tuple, tuple] = {}
 
     def __call__(self, cache, plan, x, dt, A_, B, C, D, dt_bias, out, stream: int, state_out=None, fork: bool = True) -> None:
         """Launch both kernels for these inputs on stream handle `stream`; `fork`: the one
         without PDL on the side stream (else both on `stream`, the PDL one first)."""
         batch, heads, groups = self.batch, self.heads, self.groups
-        xs, bs, cs = x.stride(), B.stride(), C.stride()
-        if not _rows_ok(x, xs, L.HEAD_DIM):
-            x = x.reshape(batch, heads, L.HEAD_DIM).clone(memory_format=torch.contiguous_format)
-            xs = x.stride()
-        if not _rows_ok(B, bs, L.STATE_DIM):
-            B = B.reshape(batch, groups, L.STATE_DIM).clone(memory_format=torch.contiguous_format)
-            bs = B.stride()
-        if not _rows_ok(C, cs, L.STATE_DIM):
-            C = C.reshape(batch, groups, L.STATE_DIM).clone(memory_format=torch.contiguous_format)
-            cs = C.stride()
-        xs, bs, cs = xs[0], bs[0], cs[0]
         if dt.dtype not in DT_DTYPES:
             dt = dt.float()
-        dense = xs == heads * L.HEAD_DIM and bs == groups * L.STATE_DIM and cs == groups * L.STATE_DIM  # A.dense_rows
+        xs, bs, cs = x.stride(), B.stride(), C.stride()
+        inputs = inputs_words(x, dt, A_, B, C, D, dt_bias, out, xs[0], bs[0], cs[0])
+        # `_rows_ok` of x, B and C at once (the addresses are words 0, 3 and 4), else each
+        # one the kernels cannot read as it is copied.
+        if not (
+            (inputs[0] | inputs[3] | inputs[4]) % 16 == 0 and (xs[0] | bs[0] | cs[0]) % 8 == 0
+            and xs[-1] == bs[-1] == cs[-1] == 1 and (len(xs) == 2 or xs[1] == L.HEAD_DIM)
+            and (len(bs) == 2 or bs[1] == L.STATE_DIM) and (len(cs) == 2 or cs[1] == L.STATE_DIM)
+        ):  # fmt: skip
+            x, B, C = (
+                t if _rows_ok(t, t.stride(), w) else t.reshape(batch, n, w).clone(memory_format=torch.contiguous_format)
+                for t, n, w in ((x, heads, L.HEAD_DIM), (B, groups, L.STATE_DIM), (C, groups, L.STATE_DIM))
+            )
+            xs, bs, cs = x.stride(), B.stride(), C.stride()
+            inputs = inputs_words(x, dt, A_, B, C, D, dt_bias, out, xs[0], bs[0], cs[0])
+        dense = xs[0] == heads * L.HEAD_DIM and bs[0] == cs[0] == groups * L.STATE_DIM  # A.dense_rows
         debug = state_out is not None
         key = (dt.dtype, dense, debug)
         kernels = self.kernels.get(key)
         if kernels is None:
             kernels = self.kernels[key] = _kernels(self.config, dt.dtype, dense, debug, self.index)
         nonflush, flush, _, columns = kernels
-        inputs = inputs_words(x, dt, A_, B, C, D, dt_bias, out, xs, bs, cs)
         flush_plan = tuple(A.raw(A.DebugPlan, **plan._asdict(), state=state_out)) if debug else self.plan
         flush_args = (self.ckpt, self.ring, self.copy, inputs, flush_plan, columns, batch)
         nonflush_args = (self.ring, self.copy, inputs, self.plan, batch)
@@ -386,10 +392,11 @@ class Step:
 def inputs_words(x, dt, A_, B, C, D, dt_bias, out, x_stride: int, b_stride: int, c_stride: int) -> tuple:
     """The `A.Inputs` struct of a step as ints, `A.raw(A.Inputs, ...)` written out for the
     eager hot path (bf16 x, B, C: a row stride in elements is 16-byte units times 8), given
-    the row strides of x, B and C."""
+    the row strides of x, B and C. (`t.stride()[i]`: a third of the time of `t.stride(i)`.)"""
+    ds, Ds = dt.stride(), D.stride()
     return (
         x.data_ptr(), dt.data_ptr(), A_.data_ptr(), B.data_ptr(), C.data_ptr(), D.data_ptr(), dt_bias.data_ptr(), out.data_ptr(),
-        dt.stride(0), dt.stride(1), A_.stride(0), dt_bias.stride(0), D.stride(0), D.stride(1), x_stride // 8, b_stride // 8, c_stride // 8,
+        ds[0], ds[1], A_.stride()[0], dt_bias.stride()[0], Ds[0], Ds[1], x_stride // 8, b_stride // 8, c_stride // 8,
     )
 
 

@@ -32,6 +32,7 @@ import functools
 import cutlass
 import cutlass.cute as cute
 import torch
+import tvm_ffi
 from cuda.bindings import driver as cuda_driver
 from cutlass import Float32, Int8, Int32, Int64, Uint32
 from cutlass.cute.runtime import make_fake_stream, make_ptr
@@ -218,21 +219,25 @@ def compiled_pending_plan(arch: str, T: int, groups: int, has_acc: bool, varlen:
 
 class PrepareLaunch:
     """The prepare launches of one cache, plan scratch (`buffers.PlanScratch`), format and
-    seed: the argument structs made once, as ints (it holds no tensor; its keeper passes
-    the ids and output of each call)."""
+    seed: the argument structs made once, as ffi.Arrays of ints (as `launch.Step`'s), and
+    the compiled kernel of each ids dtype looked up once (it holds no tensor; its keeper
+    passes the ids and output of each call)."""
 
-    __slots__ = ("slots", "plan", "seed", "key")
+    __slots__ = ("slots", "plan", "seed", "key", "entries")
 
     def __init__(self, cache, scratch, fmt, seed: int, arch: str) -> None:
-        self.slots = slots_words(cache, fmt)
-        self.plan = scratch.words
+        self.slots = tvm_ffi.convert(slots_words(cache, fmt))
+        self.plan = tvm_ffi.convert(scratch.words)
         self.seed = seed_key_i32(seed)
         self.key = (arch, cache[L.B_RING].shape[1], cache[L.CHECKPOINT].shape[1] * L.HEAD_DIM, fmt.two_level)
+        self.entries: dict[torch.dtype, object] = {}
 
     def __call__(self, ids: torch.Tensor, out: torch.Tensor, stream: int) -> None:
         """Plan the rows of `ids` (1-D int32 / int64) into the scratch; zero padding rows of `out`."""
-        fn = compiled_prepare(*self.key, ids.dtype)
-        fn(ids.data_ptr(), ids.stride(0), self.slots, out.data_ptr(), self.plan, self.seed, ids.shape[0], stream)
+        fn = self.entries.get(ids.dtype)
+        if fn is None:
+            fn = self.entries[ids.dtype] = compiled_prepare(*self.key, ids.dtype)
+        fn(ids.data_ptr(), ids.stride()[0], self.slots, out.data_ptr(), self.plan, self.seed, ids.numel(), stream)
 
 
 class PendingPlanLaunch:

@@ -1,0 +1,231 @@
+"""The bookkeeping kernel (CuTe DSL): initialize and clear, bit-exact with
+`reference.initialize` / `reference.clear`; one launch each, no host sync, no allocation.
+
+Grid (batch, groups * splits), 256 threads: CTA (b, g * splits + k) serves batch row b's
+slot (a padding row, slot <= 0 or >= num_slots: nothing) and heads g * hpg + k, + splits,
+.. of group g (hpg heads a group):
+- each head: its x and dt rings zeroed; initialize also reads the head's FP32 state (any
+  strides; 16-byte loads where the rows allow them) in the flush's lane map, thread t
+  holding two rows of state-row half t // 128 at 16 consecutive columns
+  (`flush.Flush.lane_geometry`), and writes it as the flush writes a folded state: the
+  FP16 checkpoint by stochastic rounding under the stream tag of (seed, slot,
+  INIT_POSITION) (`Flush.store_checkpoint`), the read copy by the format's strategy
+  (`read_copy`: FP8 row scales, NVFP4 block scales and codes with the group amax as the
+  live amax; fp16: none);
+- k = 0: the group's B ring zeroed; NVFP4: meta[slot, g, 0] = meta[slot, g, 1] = the
+  group amax; g = k = 0 also: the positions (both words in pending mode); NVFP4: parity 0.
+NVFP4's second-level scale needs the amax over the group's heads before any head is
+encoded: every CTA reduces it over the whole group first (max of the bits of |x|: exact
+and order-free), so no CTA waits for another and nothing but the cache is written. The
+repeated reads (mostly L2 hits) are what `splits` trades against parallelism: about
+NVFP4_CTAS CTAs a launch, at least one a (row, group). FP8 and fp16 take one head a CTA
+(splits = hpg), and so does clear, which reads nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cuda.bindings import driver as cuda_driver
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass.cute.runtime import make_fake_stream, make_ptr
+from cutlass.cute.typing import Pointer
+from cutlass.memory import SmemAllocator
+
+from ... import layout as L
+from ...formats import FP16
+from ...layout import HEAD_DIM as P
+from ...layout import RING
+from ...layout import STATE_DIM as N
+from ...quant.rng import seed_key_i32
+from . import args as A
+from . import bits
+from .bits_nvfp4 import NVFP4_E_OFF, NVFP4_MANT_LIMIT
+from .flush import NT, Flush
+from .launch import compile_entry
+from .plan import ID_DTYPES, row_slot, slots_words, stream_key
+from .read_copy import read_copy_format
+
+THREADS = 256  # a whole head (two halves of the flush's 128-thread lane map)
+HALF = THREADS // 2
+# NVFP4: CTAs a launch aims at (about one an SM of an H100 / H200 / B200) before it stops
+# splitting a (row, group) over more CTAs, each of which reduces the group amax again.
+NVFP4_CTAS = 128
+
+
+class Bookkeeping:
+    """Initialize (`fmt`: a `read_copy` strategy) or clear (`fmt` None) for hpg heads a
+    group and positions of `pos_width` words; `vec`: the states' rows are read by 16-byte
+    loads (unit column stride, 16-byte-aligned base and other strides). The ids' type is
+    the compile-time pointer's."""
+
+    def __init__(self, fmt, hpg: int, pos_width: int, vec: bool = False) -> None:
+        self.fmt, self.hpg, self.pos_width, self.vec = fmt, hpg, pos_width, vec
+        self.two_level = fmt is not None and fmt.name == "nvfp4"
+        self.flush = Flush(fmt, hpg, 1) if fmt is not None else None
+
+    @cute.jit
+    def __call__(self, ids: Pointer, ids_stride: Int64, states: Pointer, sb: Int64, sh: Int64, sp: Int64, sn: Int64, ckpt: A.Checkpoint,
+                 ring: A.Ring, copy, slots: A.Slots, seed: Int32, batch: Int32, groups: Int32, splits: Int32, stream: cuda_driver.CUstream):  # fmt: skip
+        self.kernel(ids, ids_stride, states, sb, sh, sp, sn, ckpt, ring, copy, slots, seed, splits).launch(
+            grid=[batch, groups * splits, 1], block=[THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, ids, ids_stride, states, sb, sh, sp, sn, ckpt, ring, copy, slots, seed, splits):
+        t, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        g, k = Int32(by) // splits, Int32(by) % splits
+        smem = SmemAllocator()
+        s_amax = smem.allocate_tensor(Int32, cute.make_layout(2 * P), byte_alignment=16)
+        valid, slot = row_slot(ids, Int64(bx), ids_stride, slots.num_slots)
+        if valid != Int32(0):  # the same for the whole CTA (one row)
+            row = Int64(bx) * sb
+            ctx = None
+            gmax = Int32(0)
+            if cutlass.const_expr(self.two_level):
+                gmax = self.group_amax(t, states, row, sh, sp, sn, g, s_amax)
+                e = bits.pow2_exponent_above(gmax, NVFP4_MANT_LIMIT, NVFP4_E_OFF)
+                ctx = (None, None, bits.exp2_int(e), bits.exp2_int(-e))  # read_copy.Nvfp4.begin_fold's g, 1 / g
+            key = stream_key(seed, slot, Int32(-1))  # INIT_POSITION
+            for h in range(g * self.hpg + k, (g + Int32(1)) * self.hpg, splits):
+                hh = Int64(h)
+                self.zero(t, ring.x, ring.x_stride16, slot, hh, RING * P // 8)
+                if t < RING:
+                    ring.dt[slot * ring.dt_stride + hh * RING + Int64(t)] = Float32(0.0)
+                if cutlass.const_expr(self.fmt is not None):
+                    self.encode(t, self.load(t, states, row + hh * sh, sp, sn), slot, hh, key, ckpt, copy, s_amax, ctx)
+            if k == Int32(0):
+                self.zero(t, ring.b, ring.b_stride16, slot, Int64(g), RING * N // 8)
+                if t == 0:
+                    if cutlass.const_expr(self.two_level):
+                        for half in cutlass.range_constexpr(2):
+                            copy.meta[slot * copy.meta_stride + Int64(g) * 2 + half] = gmax.bitcast(Float32)
+                    if g == Int32(0):
+                        for w in cutlass.range_constexpr(self.pos_width):
+                            slots.positions[slot * slots.pos_stride + w] = Int32(0)
+                        if cutlass.const_expr(self.two_level):
+                            copy.parity[slot * copy.parity_stride] = Int32(0)
+
+    @cute.jit
+    def zero(self, t, ring, stride16, slot, i, vectors: cutlass.Constexpr):
+        """Zero part i (`vectors` 16-byte vectors: a head of the x ring, a group of the B
+        ring) of `slot` in a bf16 ring (slot stride in 16-byte units)."""
+        if t < vectors:
+            w = cute.recast_ptr(ring, dtype=Uint32)
+            bits.st_global_v4_u32((w + (slot * stride16 + i * vectors + Int64(t)) * 4).toint(), [Uint32(0)] * 4)
+
+    @cute.jit
+    def load(self, t, states, head, sp, sn):
+        """This thread's 32 values of the head at element offset `head`, as the flush's
+        accumulators: acc[nt][2 i + e] = S[rows[i], col0 + 2 nt + e]."""
+        _, _, rows, col0 = Flush.lane_geometry(t % HALF, t // HALF)
+        vals = []
+        for i in cutlass.range_constexpr(2):
+            at = head + Int64(rows[i]) * sp
+            if cutlass.const_expr(self.vec):
+                v4 = [bits.vec_aligned(states, at + Int64(col0 + 4 * c), 4).load() for c in range(4)]
+                vals.append([v4[c // 4][c % 4] for c in range(2 * NT)])
+            else:
+                vals.append([states[at + Int64(col0 + c) * sn] for c in range(2 * NT)])
+        return [[vals[0][2 * nt], vals[0][2 * nt + 1], vals[1][2 * nt], vals[1][2 * nt + 1]] for nt in range(NT)]
+
+    @cute.jit
+    def group_amax(self, t, states, row, sh, sp, sn, g, s_red):
+        """FP32 bits of max |x| over group g's heads of the row (the whole CTA; `s_red`:
+        a shared word a warp, free again when this returns)."""
+        amax = Int32(0)
+        for h in range(g * self.hpg, (g + Int32(1)) * self.hpg):
+            acc = self.load(t, states, row + Int64(h) * sh, sp, sn)
+            for c in cutlass.range_constexpr(4 * NT):
+                amax = cutlass.max(amax, acc[c // 4][c % 4].bitcast(Int32) & Int32(0x7FFFFFFF))
+        amax = bits.xor_reduce(amax, 32, cutlass.max)
+        if t % 32 == 0:
+            s_red[t // 32] = amax
+        cute.arch.sync_threads()
+        for w in cutlass.range_constexpr(THREADS // 32):
+            amax = cutlass.max(amax, s_red[w])
+        cute.arch.sync_threads()  # every warp has read s_red before it is rewritten
+        return amax
+
+    @cute.jit
+    def encode(self, t, acc, slot, hh, key, ckpt, copy, s_amax, ctx):
+        """Checkpoint and read copy of head hh from this thread's values `acc`, as the
+        flush writes a folded row (`flush.Flush.flush_row`)."""
+        fmt = self.fmt
+        q, nq, rows, col0 = Flush.lane_geometry(t % HALF, t // HALF)
+        if cutlass.const_expr(fmt.row_amax):  # FP8: a row's amax over its two column parts
+            self.flush.row_partials(t % HALF, t // HALF, acc, None, None, s_amax, True, False)
+            cute.arch.sync_threads()
+        scodes = fmt.block_scales(fmt.lane_stats(acc, 2, NT), ctx)
+        ck_w = cute.recast_ptr(ckpt.state, dtype=Uint32)
+        ck_head = slot * ckpt.stride16 * 4 + hh * (P * N // 2)
+        for i in cutlass.range_constexpr(2):
+            pp = Int64(rows[i])
+            fmt.store_row(copy, slot, hh, pp, col0, q, nq, acc, i, s_amax, ctx, scodes, NT)
+            self.flush.store_checkpoint(hh + Int64(ckpt.head_offset), pp, col0, key, acc, i, ck_w, ck_head)
+        if cutlass.const_expr(fmt.row_amax):
+            cute.arch.sync_threads()  # s_amax is read before the next head rewrites it
+
+
+def bookkeeping_kernel(state_dtype: str | None, arch: str, hpg: int, pos_width: int, ids_dtype: torch.dtype, vec: bool):
+    """The kernel object (initialize of `state_dtype`, or clear for None) and its
+    compile-time arguments."""
+    fmt = read_copy_format(state_dtype, arch) if state_dtype else None
+    copy = (fmt or read_copy_format("fp16", arch)).Args  # clear: the checkpoint's struct in the copy's place
+    idt = ID_DTYPES[ids_dtype]
+    obj = Bookkeeping(fmt, hpg, pos_width, vec)
+    fake = [
+        make_ptr(idt, 0, assumed_align=ids_dtype.itemsize), Int64(0), make_ptr(Float32, 0, assumed_align=16 if vec else 4),
+        *[Int64(0)] * 4, A.fake(A.Checkpoint), A.fake(A.Ring), A.fake(copy), A.fake(A.Slots), Int32(0), Int32(0), Int32(0),
+        Int32(1), make_fake_stream(),
+    ]  # fmt: skip
+    return obj, fake
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_bookkeeping(state_dtype: str | None, arch: str, hpg: int, pos_width: int, ids_dtype: torch.dtype, vec: bool):
+    """The compiled kernel (compiled on first use)."""
+    return compile_entry(*bookkeeping_kernel(state_dtype, arch, hpg, pos_width, ids_dtype, vec), arch)
+
+
+class BookkeepingLaunch:
+    """The initialize launches of one cache, format, seed and head offset, or (`fmt`
+    None) its clear launches, with the argument structs made once, as ints (it holds no
+    tensor; its keeper passes the ids, states and stream of each call)."""
+
+    __slots__ = ("args", "key", "groups", "hpg", "two_level")
+
+    def __init__(self, cache, fmt, seed: int, head_offset: int, arch: str) -> None:
+        heads, self.groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
+        self.hpg = heads // self.groups
+        copy = read_copy_format(fmt.name if fmt else "fp16", arch)
+        self.args = (
+            tuple(A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=head_offset)),
+            tuple(A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])),
+            tuple(A.raw(copy.Args, **copy.tensors(cache, L))),
+            slots_words(cache, fmt or FP16),
+            seed_key_i32(seed),
+        )
+        self.key = (fmt.name if fmt else None, arch, self.hpg, 2 if cache[L.POSITIONS].dim() == 2 else 1)
+        self.two_level = bool(fmt and fmt.two_level)
+
+    def __call__(self, ids: torch.Tensor, stream: int, states: torch.Tensor | None = None) -> None:
+        """Initialize the valid slots of `ids` (1-D int32 / int64, batch >= 1) from FP32
+        `states` [batch, H, 64, 128], or (clear launches) zero their rings and positions."""
+        batch = ids.shape[0]
+        if states is None:  # clear: the checkpoint's address stands in for the unread states
+            fn = compiled_bookkeeping(*self.key, ids.dtype, False)
+            fn(ids.data_ptr(), ids.stride(0), self.args[0][0], 0, 0, 0, 0, *self.args, batch, self.groups, self.hpg, stream)
+            return
+        st = states.stride()
+        vec = st[3] == 1 and st[0] % 4 == 0 and st[1] % 4 == 0 and st[2] % 4 == 0 and states.data_ptr() % 16 == 0
+        splits = min(self.hpg, -(-NVFP4_CTAS // (batch * self.groups))) if self.two_level else self.hpg
+        fn = compiled_bookkeeping(*self.key, ids.dtype, vec)
+        fn(ids.data_ptr(), ids.stride(0), states.data_ptr(), *st, *self.args, batch, self.groups, splits, stream)
+
+
+__all__ = ["Bookkeeping", "BookkeepingLaunch", "bookkeeping_kernel", "compiled_bookkeeping", "NVFP4_CTAS", "THREADS"]
