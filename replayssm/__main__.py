@@ -3,15 +3,20 @@
 The demo builds one Mamba-2-shaped layer cache, prefills a batch of requests with
 realistic states, decodes N tokens on the best available backend (GPU kernels when a GPU
 is present, the PyTorch reference on the CPU) and reports tokens/s, output SQNR against
-an exact FP64 recurrence, and state bytes per token against standard decoding.
+an exact FP64 recurrence, and state bytes per token against standard decoding. The
+layer's geometry comes from the options or from a Hugging Face Mamba-2 config.json
+(--config); the GPU kernels take head dim 64 and state dim 128, other geometries run on
+the PyTorch reference (the table's backend column says which ran).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
-from typing import TextIO
+from pathlib import Path
+from typing import NamedTuple, TextIO
 
 import torch
 
@@ -20,15 +25,15 @@ from .cache import ReplaySSMCache
 from .synthetic import ExactRecurrence, layer_params, prefill_states, sqnr_db, token
 
 
-def state_bytes_per_token(state_dtype: str, heads: int) -> float:
+def state_bytes_per_token(state_dtype: str, heads: int, head_dim: int = L.HEAD_DIM, state_dim: int = L.STATE_DIM) -> float:
     """State bytes moved per token per layer, averaged over a 16-token period (design
     brief section 6): 15 non-flush steps read the read copy and its scales; the flush
     reads and writes the FP16 checkpoint and writes the read copy and scales (fp16: every
     step reads the checkpoint, the flush writes it). Ring bytes are not included (they are
-    inputs, ~150 bytes per head per live entry)."""
-    n = L.HEAD_DIM * L.STATE_DIM
+    inputs: 2 * head_dim + 4 bytes per head and 2 * state_dim per group a live entry)."""
+    n = head_dim * state_dim
     if state_dtype == "fp8":
-        copy = n + L.HEAD_DIM * 4  # e4m3 codes + one fp32 scale per row
+        copy = n + head_dim * 4  # e4m3 codes + one fp32 scale per row
     elif state_dtype == "nvfp4":
         copy = n // 2 + n // L.NVFP4_BLOCK  # e2m1 codes + e4m3 block scales
     else:  # fp16: 15 steps read the checkpoint, the flush reads and writes it
@@ -37,9 +42,9 @@ def state_bytes_per_token(state_dtype: str, heads: int) -> float:
     return heads * (15 * copy + flush) / 16
 
 
-def standard_bytes_per_token(itemsize: int, heads: int) -> int:
+def standard_bytes_per_token(itemsize: int, heads: int, head_dim: int = L.HEAD_DIM, state_dim: int = L.STATE_DIM) -> int:
     """Standard decode reads and writes the whole state every token."""
-    return heads * L.HEAD_DIM * L.STATE_DIM * itemsize * 2
+    return heads * head_dim * state_dim * itemsize * 2
 
 
 class _Progress:
@@ -84,6 +89,8 @@ def run_demo(
     steps: int = 256,
     heads: int = 16,
     groups: int = 2,
+    head_dim: int = L.HEAD_DIM,
+    state_dim: int = L.STATE_DIM,
     prompt: int = 64,
     seed: int = 0,
     progress: bool | None = None,
@@ -91,8 +98,9 @@ def run_demo(
 ) -> list[dict]:
     """Run the demo and print its table on `out` (stdout). `progress`: None writes progress
     to stderr (a bar on a terminal, plain lines elsewhere), False nothing, True lines
-    even on a terminal. Returns one dict per format; `tokens_per_s` is
-    batch * steps / `elapsed_s`, the wall time of the decode loop alone."""
+    even on a terminal. `head_dim` / `state_dim`: the state geometry (64 / 128 run on the
+    GPU kernels, other pairs on the PyTorch reference). Returns one dict per format;
+    `tokens_per_s` is batch * steps / `elapsed_s`, the wall time of the decode loop alone."""
     out = sys.stdout if out is None else out
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,7 +114,8 @@ def run_demo(
     bar = _Progress(sys.stderr, mode)
     results = []
     print(
-        f"replayssm demo: {heads} heads, {groups} groups, batch {batch}, {steps} tokens, device {dev}",
+        f"replayssm demo: {heads} heads, {groups} groups, head dim {head_dim}, state dim {state_dim}, "
+        f"batch {batch}, {steps} tokens, device {dev}",
         file=out,
         flush=True,  # a pipe reader sees it now, not when the demo ends
     )
@@ -114,15 +123,21 @@ def run_demo(
         bar.note(f"{fmt}: prefill states ({prompt} prompt tokens), cache init and warmup")
         gen = torch.Generator().manual_seed(seed)
         params = layer_params(heads, generator=gen, device=dev)
-        # The CPU has no kernels: name the reference there (no fallback warning).
-        cache = ReplaySSMCache(batch + 1, heads, groups, fmt, dev, seed=seed, backend="reference" if dev.type == "cpu" else "auto")
+        # The CPU has no kernels: name the reference there (no fallback warning). On a GPU,
+        # "auto" falls back to the reference, with a ReferenceFallbackWarning, for a geometry
+        # the kernels do not take; the table's backend column shows which ran.
+        cache = ReplaySSMCache(
+            batch + 1, heads, groups, fmt, dev, seed=seed, backend="reference" if dev.type == "cpu" else "auto",
+            head_dim=head_dim, state_dim=state_dim,
+        )
         slots = cache.allocate(batch)
-        states = prefill_states(params, batch, groups, prompt, generator=gen, device=dev)
+        dims = {"head_dim": head_dim, "state_dim": state_dim}
+        states = prefill_states(params, batch, groups, prompt, generator=gen, device=dev, **dims)
         cache.prefill_init(states, slots)
         cache.warmup()  # compile every kernel first: tokens/s measures decoding, not compiling
         exact = ExactRecurrence(params, states)
-        tokens = [token(batch, heads, groups, generator=gen, device=dev) for _ in range(steps)]
-        out_buf = torch.empty(steps, batch, heads, L.HEAD_DIM, dtype=torch.bfloat16, device=dev)
+        tokens = [token(batch, heads, groups, generator=gen, device=dev, **dims) for _ in range(steps)]
+        out_buf = torch.empty(steps, batch, heads, head_dim, dtype=torch.bfloat16, device=dev)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         bar.start(fmt, steps, batch)
@@ -146,9 +161,9 @@ def run_demo(
             "sqnr_db": sqnr_db(ref, out_buf),
             "sqnr_first_half_db": sqnr_db(ref[:half], out_buf[:half]) if half else None,
             "sqnr_second_half_db": sqnr_db(ref[half:], out_buf[half:]) if half else None,
-            "state_bytes_per_token": state_bytes_per_token(fmt, heads),
-            "standard_bf16_bytes_per_token": standard_bytes_per_token(2, heads),
-            "standard_fp32_bytes_per_token": standard_bytes_per_token(4, heads),
+            "state_bytes_per_token": state_bytes_per_token(fmt, heads, head_dim, state_dim),
+            "standard_bf16_bytes_per_token": standard_bytes_per_token(2, heads, head_dim, state_dim),
+            "standard_fp32_bytes_per_token": standard_bytes_per_token(4, heads, head_dim, state_dim),
             "cache_bytes_per_slot": cache.bytes_per_slot(),
         }
         results.append(r)
@@ -220,6 +235,70 @@ def _device(text: str) -> str:
     return text
 
 
+class ConfigGeometry(NamedTuple):
+    """The layer geometry read from a Hugging Face Mamba-2 config.json."""
+
+    heads: int
+    groups: int
+    head_dim: int
+    state_dim: int
+
+
+# The keys of a transformers Mamba2Config that give the state geometry, in the order of
+# ConfigGeometry's fields.
+CONFIG_KEYS = ("num_heads", "n_groups", "head_dim", "state_size")
+
+
+def read_mamba2_config(text: str) -> ConfigGeometry:
+    """An argparse type: the geometry of the Mamba-2 config.json at `text` (the file, or a
+    directory holding it), read with json alone, so the demo needs no transformers."""
+    path = Path(text)
+    if path.is_dir():
+        path = path / "config.json"
+    where = repr(str(path))
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise argparse.ArgumentTypeError(f"no such file: {where}") from None
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{where} is not JSON: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {where}: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise argparse.ArgumentTypeError(f"{where}: expected a JSON object; got {type(cfg).__name__}")
+    # Hybrid models (nemotron_h, bamba, falcon_h1, ...) name the Mamba geometry otherwise, and
+    # nemotron_h's head_dim is the attention's: read only what a Mamba-2 config means.
+    if cfg.get("model_type", "mamba2") != "mamba2":
+        raise argparse.ArgumentTypeError(
+            f"{where}: model_type must be 'mamba2' (a Mamba2Config: {', '.join(CONFIG_KEYS)}); got {cfg['model_type']!r}"
+        )
+    values = []
+    for key in CONFIG_KEYS:
+        if key not in cfg:
+            raise argparse.ArgumentTypeError(f"{where}: missing key {key!r} (a Mamba-2 config has {', '.join(CONFIG_KEYS)})")
+        value = cfg[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise argparse.ArgumentTypeError(f"{where}: {key} must be a positive integer; got {value!r}")
+        values.append(value)
+    heads, groups, head_dim, state_dim = values
+    if head_dim not in L.HEAD_DIMS:
+        raise argparse.ArgumentTypeError(f"{where}: head_dim must be one of {L.HEAD_DIMS}; got {head_dim}")
+    if state_dim not in L.STATE_DIMS:
+        raise argparse.ArgumentTypeError(f"{where}: state_size must be one of {L.STATE_DIMS}; got {state_dim}")
+    if L.group_error(heads, groups):
+        raise argparse.ArgumentTypeError(f"{where}: num_heads {heads}, n_groups {groups}: {L.group_error(heads, groups)}")
+    return ConfigGeometry(heads, groups, head_dim, state_dim)
+
+
+class _Geometry(argparse.Action):
+    """Stores a geometry option and notes that it was given, so that --config can refuse
+    it (argparse's defaults cannot tell --heads 16 from no --heads)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.geometry_given = [*namespace.geometry_given, self.option_strings[0]]
+
+
 def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     parser = argparse.ArgumentParser(prog="python -m replayssm", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -238,8 +317,24 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     demo.add_argument(
         "--steps", type=_int_at_least(1), default=256, help="tokens decoded per request; every 16th is a flush"
     )
-    demo.add_argument("--heads", type=_int_at_least(1), default=16, help="SSM heads of the layer")
-    demo.add_argument("--groups", type=_int_at_least(1), default=2, help="B/C groups (1 to 128 heads per group)")
+    demo.add_argument("--heads", type=_int_at_least(1), default=16, action=_Geometry, help="SSM heads of the layer")
+    demo.add_argument(
+        "--groups", type=_int_at_least(1), default=2, action=_Geometry, help="B/C groups (1 to 128 heads per group)"
+    )
+    demo.add_argument(
+        "--head-dim", type=int, choices=L.HEAD_DIMS, default=L.HEAD_DIM, action=_Geometry,
+        help="head dim P (the GPU kernels take 64; 80, Nemotron Nano 2's, runs on the PyTorch reference)",
+    )
+    demo.add_argument(
+        "--state-dim", type=int, choices=L.STATE_DIMS, default=L.STATE_DIM, action=_Geometry,
+        help="state dim N (the GPU kernels take 128; 256 runs on the PyTorch reference)",
+    )
+    demo.add_argument(
+        "--config", type=read_mamba2_config, metavar="PATH",
+        help="a Hugging Face Mamba-2 config.json, or a directory holding one: its num_heads, n_groups, head_dim "
+        "and state_size set the geometry (not allowed with --heads, --groups, --head-dim, --state-dim)",
+    )
+    demo.set_defaults(geometry_given=[])
     demo.add_argument(
         "--prompt", type=_int_at_least(0), default=64, help="prefill tokens that build each request's state"
     )
@@ -264,7 +359,13 @@ def main(argv=None) -> int:
     parser, demo = _parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
-        # Every option is checked here, before anything is printed.
+        # Every option is checked here, before anything is printed. --config sets the whole
+        # geometry: an explicit geometry option with it is an error, not an override.
+        if args.config is not None:
+            if args.geometry_given:
+                demo.error(f"argument {args.geometry_given[0]}: not allowed with argument --config (the config sets "
+                           "heads, groups, head dim and state dim)")
+            args.heads, args.groups, args.head_dim, args.state_dim = args.config
         if L.group_error(args.heads, args.groups):
             demo.error(f"--heads {args.heads} --groups {args.groups}: {L.group_error(args.heads, args.groups)}")
         formats = ("fp8", "nvfp4") if args.format == "both" else (args.format,)
@@ -284,6 +385,8 @@ def _run_cli_demo(args, formats) -> None:
         steps=args.steps,
         heads=args.heads,
         groups=args.groups,
+        head_dim=args.head_dim,
+        state_dim=args.state_dim,
         prompt=args.prompt,
         seed=args.seed,
         progress=False if args.no_progress else None,

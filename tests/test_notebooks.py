@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from . import tolerances as tol
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NOTEBOOKS = ["01_quickstart", "02_mamba2_model", "03_scheduler", "04_speculative_decoding"]
 KERNEL = "replayssm-examples"
@@ -48,19 +50,14 @@ def check_01_quickstart(r: dict) -> None:
 
 
 def check_02_mamba2_model(r: dict) -> None:
-    """Measured (400 predictions): harness 1.0 / 4.9e-6; fp8 top-1 0.985, max |dlogit| 0.25,
-    layer-0 SQNR 46.0 dB; nvfp4 0.95, 0.82, 37.8 dB; BF16 state 0.99, 0.12, 50.0 dB. Over
-    three other weight seeds (a transformers release may draw other weights): fp8 0.98-0.988,
-    <= 0.28, >= 44.5 dB; nvfp4 0.928-0.95, <= 2.02, >= 35.1 dB; BF16 state >= 0.985, <= 0.15,
-    >= 46.8 dB."""
+    """Measured (400 predictions, head dim 80 / state dim 128): harness 1.0 / 8.1e-6; fp8
+    top-1 0.99, max |dlogit| 0.198, layer-0 SQNR 47.5 dB; nvfp4 0.96, 0.926, 40.0 dB; BF16
+    state 0.99, 0.092, 50.4 dB. The bounds (tests/tolerances.py) hold over weight seeds 0-7
+    with margin: a transformers release may draw other weights."""
     assert r["tokens_compared"] == 400
     harness = r["fp32 state (transformers' update)"]
-    assert harness["top1_match"] == 1.0 and harness["max_logit_diff"] < 1e-3, harness
-    for name, top1, diff, sqnr in (
-        ("replayssm fp8", 0.95, 1.0, 41.0),
-        ("replayssm nvfp4", 0.88, 4.0, 32.0),
-        ("BF16 state (standard decode)", 0.95, 1.0, 43.0),
-    ):
+    assert harness["top1_match"] == 1.0 and harness["max_logit_diff"] < tol.MODEL_HARNESS_LOGIT_DIFF, harness
+    for name, (top1, diff, sqnr) in tol.MODEL_NOTEBOOK_BOUNDS.items():
         s = r[name]
         assert s["top1_match"] >= top1, (name, s)
         assert s["max_logit_diff"] < diff, (name, s)

@@ -37,15 +37,19 @@ QUICKSTART_SQNR_FLOOR_DB = {"fp8": {"mean": 41.0, "min": 32.0}, "nvfp4": {"mean"
 QUICKSTART_FLUSH_SQNR_FLOOR_DB = 52.0
 # 01_quickstart, last period's mean against the whole run's (measured within 0.5 dB).
 QUICKSTART_DRIFT_DB = 2.5
-# 02_mamba2_model, 400 predictions, (top-1 match, max |logit difference|, layer-0 SQNR dB):
-# measured over four weight seeds fp8 >= 0.98 / <= 0.28 / >= 44.5, nvfp4 >= 0.928 / <= 2.02
-# / >= 35.1, bf16 state >= 0.985 / <= 0.15 / >= 46.8.
+# 02_mamba2_model (head dim 80, state dim 128, 16 heads in 2 groups), 400 predictions,
+# (top-1 match, max |logit difference|, layer-0 SQNR dB): the committed run (weight seed 0)
+# fp8 0.99 / 0.198 / 47.5, nvfp4 0.96 / 0.926 / 40.0, bf16 state 0.99 / 0.092 / 50.4; over
+# weight seeds 0-7 fp8 >= 0.9775 / <= 0.518 / >= 44.8, nvfp4 >= 0.9325 / <= 1.52 / >= 35.3,
+# bf16 state >= 0.9675 / <= 0.575 / >= 44.9. Margins to the worst seed: 2.9-3.8 dB of
+# SQNR, 0.028-0.053 of top-1 match, 1.7-2.6x the logit difference.
 MODEL_NOTEBOOK_BOUNDS = {
     "replayssm fp8": (0.95, 1.0, 41.0),
     "replayssm nvfp4": (0.88, 4.0, 32.0),
-    "BF16 state (standard decode)": (0.95, 1.0, 43.0),
+    "BF16 state (standard decode)": (0.93, 1.0, 42.0),
 }
-# 02_mamba2_model, the harness's own fp32 update against transformers': measured 4.9e-6.
+# 02_mamba2_model, the harness's own fp32 update against transformers': measured 8.1e-6
+# (seed 0), at most 1.1e-5 over seeds 0-7; FP32 rounding, far under any SSM update's effect.
 MODEL_HARNESS_LOGIT_DIFF = 1e-3
 # 03_scheduler, worst per-token SQNR of any request (fp8; measured 32.2 dB).
 SCHEDULER_SQNR_FLOOR_DB = 28.0
