@@ -244,9 +244,16 @@ class ConfigGeometry(NamedTuple):
     state_dim: int
 
 
-# The keys of a transformers Mamba2Config that give the state geometry, in the order of
-# ConfigGeometry's fields.
-CONFIG_KEYS = ("num_heads", "n_groups", "head_dim", "state_size")
+# The keys that give the Mamba layers' state geometry, in the order of ConfigGeometry's
+# fields, per transformers `model_type`: Mamba2Config and the hybrids' configs
+# (nemotron_h's own head_dim is the attention's).
+CONFIG_KEYS = {
+    "mamba2": ("num_heads", "n_groups", "head_dim", "state_size"),
+    "nemotron_h": ("mamba_num_heads", "n_groups", "mamba_head_dim", "ssm_state_size"),
+    "falcon_h1": ("mamba_n_heads", "mamba_n_groups", "mamba_d_head", "mamba_d_state"),
+    "bamba": ("mamba_n_heads", "mamba_n_groups", "mamba_d_head", "mamba_d_state"),
+    "granitemoehybrid": ("mamba_n_heads", "mamba_n_groups", "mamba_d_head", "mamba_d_state"),
+}
 
 
 def read_mamba2_config(text: str) -> ConfigGeometry:
@@ -266,27 +273,25 @@ def read_mamba2_config(text: str) -> ConfigGeometry:
         raise argparse.ArgumentTypeError(f"cannot read {where}: {exc}") from None
     if not isinstance(cfg, dict):
         raise argparse.ArgumentTypeError(f"{where}: expected a JSON object; got {type(cfg).__name__}")
-    # Hybrid models (nemotron_h, bamba, falcon_h1, ...) name the Mamba geometry otherwise, and
-    # nemotron_h's head_dim is the attention's: read only what a Mamba-2 config means.
-    if cfg.get("model_type", "mamba2") != "mamba2":
-        raise argparse.ArgumentTypeError(
-            f"{where}: model_type must be 'mamba2' (a Mamba2Config: {', '.join(CONFIG_KEYS)}); got {cfg['model_type']!r}"
-        )
+    model = cfg.get("model_type", "mamba2")
+    keys = CONFIG_KEYS.get(model)
+    if keys is None:
+        raise argparse.ArgumentTypeError(f"{where}: model_type must be one of {tuple(CONFIG_KEYS)}; got {model!r}")
     values = []
-    for key in CONFIG_KEYS:
+    for key in keys:
         if key not in cfg:
-            raise argparse.ArgumentTypeError(f"{where}: missing key {key!r} (a Mamba-2 config has {', '.join(CONFIG_KEYS)})")
+            raise argparse.ArgumentTypeError(f"{where}: missing key {key!r} (a {model} config has {', '.join(keys)})")
         value = cfg[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise argparse.ArgumentTypeError(f"{where}: {key} must be a positive integer; got {value!r}")
         values.append(value)
     heads, groups, head_dim, state_dim = values
     if head_dim not in L.HEAD_DIMS:
-        raise argparse.ArgumentTypeError(f"{where}: head_dim must be one of {L.HEAD_DIMS}; got {head_dim}")
+        raise argparse.ArgumentTypeError(f"{where}: {keys[2]} must be one of {L.HEAD_DIMS}; got {head_dim}")
     if state_dim not in L.STATE_DIMS:
-        raise argparse.ArgumentTypeError(f"{where}: state_size must be one of {L.STATE_DIMS}; got {state_dim}")
+        raise argparse.ArgumentTypeError(f"{where}: {keys[3]} must be one of {L.STATE_DIMS}; got {state_dim}")
     if L.group_error(heads, groups):
-        raise argparse.ArgumentTypeError(f"{where}: num_heads {heads}, n_groups {groups}: {L.group_error(heads, groups)}")
+        raise argparse.ArgumentTypeError(f"{where}: {keys[0]} {heads}, {keys[1]} {groups}: {L.group_error(heads, groups)}")
     return ConfigGeometry(heads, groups, head_dim, state_dim)
 
 
@@ -331,8 +336,9 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     demo.add_argument(
         "--config", type=read_mamba2_config, metavar="PATH",
-        help="a Hugging Face Mamba-2 config.json, or a directory holding one: its num_heads, n_groups, head_dim "
-        "and state_size set the geometry (not allowed with --heads, --groups, --head-dim, --state-dim)",
+        help="a Hugging Face config.json of a Mamba-2 model or hybrid (mamba2, nemotron_h, falcon_h1, bamba, "
+        "granitemoehybrid), or a directory holding one: its Mamba heads, groups, head dim and state size set the "
+        "geometry (not allowed with --heads, --groups, --head-dim, --state-dim)",
     )
     demo.set_defaults(geometry_given=[])
     demo.add_argument(

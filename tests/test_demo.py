@@ -214,6 +214,17 @@ def test_demo_takes_the_geometry_from_a_mamba2_config(tmp_path, capsys, state_si
         assert int(row[5]) == round(state_bytes_per_token(fmt, 16, 80, state_size)), row
 
 
+@pytest.mark.parametrize("model", ["nemotron_h", "falcon_h1", "bamba", "granitemoehybrid"])
+def test_hybrid_configs_give_their_mamba_geometry(tmp_path, model):
+    """A hybrid's config.json names the Mamba layers' geometry with its own keys (its
+    attention's head_dim, where it has one, is not the Mamba head dim)."""
+    from replayssm.__main__ import CONFIG_KEYS, read_mamba2_config
+
+    cfg = {"model_type": model, "head_dim": 128, **dict(zip(CONFIG_KEYS[model], (128, 8, 80, 128)))}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert tuple(read_mamba2_config(str(tmp_path))) == (128, 8, 80, 128)
+
+
 def test_config_and_options_give_the_same_run(tmp_path, capsys):
     """--config and the same geometry as --heads / --groups / --head-dim / --state-dim
     decode the same data: the same SQNR to the printed digit and the same bytes."""
@@ -241,14 +252,15 @@ def test_byte_model_at_other_geometries():
 # (id, config.json changes or raw text, extra options, the error line's text): refused
 # before anything is printed, as BAD.
 BAD_CONFIGS = [
-    ("missing-head-dim", {"head_dim": None}, [], "missing key 'head_dim' (a Mamba-2 config has num_heads, n_groups, head_dim, state_size)"),
+    ("missing-head-dim", {"head_dim": None}, [], "missing key 'head_dim' (a mamba2 config has num_heads, n_groups, head_dim, state_size)"),
     ("missing-state-size", {"state_size": None}, [], "missing key 'state_size'"),
     ("head-dim-96", {"head_dim": 96}, [], "head_dim must be one of (64, 80); got 96"),
     ("head-dim-float", {"head_dim": 80.0}, [], "head_dim must be a positive integer; got 80.0"),
     ("state-size-64", {"state_size": 64}, [], "state_size must be one of (128, 256); got 64"),
     ("heads-13", {"num_heads": 13}, [],
      "num_heads 13, n_groups 2: heads must be a multiple of groups with 1 to 128 heads a group; got 13 heads in 2 groups"),
-    ("nemotron-h", {"model_type": "nemotron_h"}, [], "model_type must be 'mamba2'"),
+    ("nemotron-h-keys", {"model_type": "nemotron_h"}, [], "missing key 'mamba_num_heads' (a nemotron_h config has"),
+    ("jamba", {"model_type": "jamba"}, [], "model_type must be one of ('mamba2', 'nemotron_h', 'falcon_h1', 'bamba', "),
     ("not-json", "{num_heads: 16", [], "is not JSON: "),
     ("not-an-object", "[16, 2, 80, 128]", [], "expected a JSON object; got list"),
     ("with-heads", {}, ["--heads", "16"],
