@@ -26,11 +26,13 @@ def head_group(heads: int, groups: int, device) -> torch.Tensor:
 
 
 def group_amax(state: torch.Tensor, groups: int) -> torch.Tensor:
-    """[n, H, P, N] -> [n, G] max |value| over each group's heads."""
+    """[n, H, P, N] FP32 -> [n, G] max |value| over each group's heads, taken on the
+    floats' bits (docs/format.md section 4: a NaN keeps its payload, as in the kernels)."""
     n, heads = state.shape[:2]
     # An explicit group size: with n = 0 (a batch of padding rows only) -1 is ambiguous.
     per_group = (heads // groups) * state.shape[2] * state.shape[3]
-    return state.abs().reshape(n, groups, per_group).amax(dim=-1)
+    mag = state.float().contiguous().view(torch.int32) & 0x7FFFFFFF
+    return mag.reshape(n, groups, per_group).amax(dim=-1).view(torch.float32)
 
 
 class Format:

@@ -389,7 +389,7 @@ def decode(
     head_offset: int = 0,
 ) -> None:
     """`replayssm::decode` on a validated cache tuple and normalized inputs
-    (`api.normalize_decode_inputs`); writes `out` (contiguous bf16, batch * heads * 64
+    (`api.normalize_decode_inputs`); writes `out` (contiguous bf16, batch * heads * P
     elements) and the cache. `scratch`: a `scratch_handle`. Eager calls go to the backend
     directly (as `initialize`)."""
     if not torch.compiler.is_compiling():
@@ -415,8 +415,8 @@ def decode_pending(
     *, state_dtype: str, seed: int, backend: str, max_seqlen: int, head_offset: int = 0,
 ) -> None:
     """`replayssm::decode_pending` on a validated pending cache tuple (positions [S, 2]) and
-    normalized inputs (`api.normalize_pending_inputs`): dense x [b, T, H, 64] with
-    `cu_seqlens` None, or varlen x [total, H, 64] with `cu_seqlens` int32 [b + 1]; writes
+    normalized inputs (`api.normalize_pending_inputs`): dense x [b, T, H, P] with
+    `cu_seqlens` None, or varlen x [total, H, P] with `cu_seqlens` int32 [b + 1]; writes
     `out` and the cache. Eager calls go to the backend directly (as `initialize`)."""
     if not torch.compiler.is_compiling():
         _run_decode_pending(

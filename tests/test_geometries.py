@@ -121,3 +121,19 @@ def test_geometry_arguments_are_validated():
     with pytest.raises(ValueError, match=r"x must be bfloat16 \[1, 8, 80\]"):
         cache.decode(tok.x, tok.dt, params.A, tok.B, tok.C, params.D, params.dt_bias, cache.allocate(1))
     assert all(torch.equal(a, b) for a, b in zip(before, cache.tensors))
+
+
+def test_nvfp4_group_amax_is_the_max_of_the_bits():
+    """The reference's group amax (init's meta, the flush's stored amax) is the max of the
+    FP32 bits of |x| (format.md section 4), as the kernels' reductions and atomic max take
+    it: finite values as torch.amax gives them, a NaN with its payload kept."""
+    from replayssm.formats import group_amax
+
+    state = torch.randn(3, 4, 64, 128)
+    assert torch.equal(group_amax(state, 2), state.abs().reshape(3, 2, -1).amax(-1))
+    bits = state.view(torch.int32)
+    bits[1, 3, 5, 7] = 0x7FFFFFFF  # a NaN with a payload torch's amax would not keep
+    bits[2, 0, 0, 0] = 0xFF800000 - (1 << 32)  # -inf
+    got = group_amax(state, 2).view(torch.int32)
+    assert got[1, 1] == 0x7FFFFFFF and got[2, 0] == 0x7F800000
+    assert torch.equal(got[0], state[0].abs().reshape(2, -1).amax(-1).view(torch.int32))

@@ -177,7 +177,7 @@ class KernelBackend:
 
     def initialize(self, cache, states, ids, *, fmt: Format, seed: int, head_offset: int = 0) -> None:
         """The CuTe initialize kernel (kernels/cute/bookkeeping.py, one launch on the current
-        stream); on the CPU, and on a cache the CuTe kernels cannot run, the reference."""
+        stream); on the CPU the reference."""
         self._bookkeeping(cache, ids, states, fmt, seed, head_offset)
 
     def clear(self, cache, ids) -> None:
@@ -188,7 +188,9 @@ class KernelBackend:
         """Initialize (`fmt` given) or clear through the cache context's
         `cute.bookkeeping.BookkeepingLaunch` (made on first use)."""
         ctx = self._context(cache) if cache[L.CHECKPOINT].device.type == "cuda" else None
-        if ctx is None or ctx.cute is None:
+        if ctx is not None and ctx.cute is None:
+            raise ValueError(f"the kernel backend cannot {'initialize' if fmt else 'clear'} this cache: {ctx.reason}")
+        if ctx is None:
             if fmt is None:
                 ref.clear(cache, ids)
             else:
