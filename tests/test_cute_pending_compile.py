@@ -234,8 +234,8 @@ def test_pending_launch_structs_are_the_specs(monkeypatch, varlen):
         fold_args = (ckpt, ring, copy, tuple(A.raw(A.FoldParams, A=A_)), plan_s, ctas)
         step_args = (ring, copy, tuple(A.raw(A.PendingInputs, **inputs)), plan_s, b)
         assert launches == [
-            (("fold", fmt_name, "sm_90a", H, G, False), fold_args, 11),
-            (("step", fmt_name, "sm_90a", H, G, torch.bfloat16, "rest"), step_args, 12),
+            (("fold", fmt_name, "sm_90a", H, G, False, 64, 128), fold_args, 11),
+            (("step", fmt_name, "sm_90a", H, G, torch.bfloat16, "rest", 64, 128), step_args, 12),
         ]
 
 

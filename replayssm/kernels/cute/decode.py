@@ -52,9 +52,7 @@ from cuda.bindings import driver as cuda_driver
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
-from ...layout import HEAD_DIM as P
 from ...layout import RING
-from ...layout import STATE_DIM as N
 from . import args as A
 from . import bits
 from .bits import bf16x2_to_f32x2, f32x2_to_bf16x2, prmt, sel, softplus
@@ -84,6 +82,8 @@ class Decode:
 
     def __init__(self, fmt, heads: int, groups: int, *, pdl: bool = False, read_hint: str = "", dense_rows: bool = True) -> None:
         self.fmt = fmt
+        # The cache geometry (head dim P, state dim N) is the format's (read_copy_format).
+        self.P, self.N = fmt.P, fmt.N
         self.dense_rows = dense_rows
         self.heads, self.groups = heads, groups
         self.hpg = heads // groups
@@ -152,15 +152,15 @@ class Decode:
         heads_per_cta, i.e. vector vh % 2 of chunk vh // 2 (`c_word`); the step's B at r,
         zeros beyond r): the CTA's warps split B_j . C over k (`finish`)."""
         c_w = cute.recast_ptr(inputs.C, dtype=Uint32)
-        c_row = A.row_words(self.dense_rows, bb, inputs.c_stride16, self.groups * N // 2) + g * (N // 2)
+        c_row = A.row_words(self.dense_rows, bb, inputs.c_stride16, self.groups * self.N // 2) + g * (self.N // 2)
         cw = []
         for c in cutlass.range_constexpr(2):
             at = [(c_w + (c_row + Int64(self.fmt.c_word(c, q, h)))).toint() for h in range(2)]
             cw.append(bits.ld_global_v4_u32(at[0]) + bits.ld_global_v4_u32(at[1]))
         br_w = cute.recast_ptr(b_ring, dtype=Uint32)
         b_w = cute.recast_ptr(inputs.B, dtype=Uint32)
-        br_row0 = slot * b_ring_stride16 * 4 + g * (RING * N // 2)
-        b_row = A.row_words(self.dense_rows, bb, inputs.b_stride16, self.groups * N // 2) + g * (N // 2)
+        br_row0 = slot * b_ring_stride16 * 4 + g * (RING * self.N // 2)
+        b_row = A.row_words(self.dense_rows, bb, inputs.b_stride16, self.groups * self.N // 2) + g * (self.N // 2)
         bq = []
         for e in cutlass.range_constexpr(2):
             j = gq + 8 * e
@@ -168,7 +168,7 @@ class Decode:
             row = []
             for i in cutlass.range_constexpr(self.vh_per_warp):
                 wo = Int64(self.vh_word(w * self.vh_per_warp + i, q))
-                src = sel(j < r, (br_w + (br_row0 + Int64(j * (N // 2)) + wo)).toint(), (b_w + (b_row + wo)).toint())
+                src = sel(j < r, (br_w + (br_row0 + Int64(j * (self.N // 2)) + wo)).toint(), (b_w + (b_row + wo)).toint())
                 row.append(bits.ld_global_v4_u32_if(src, on))
             bq.append(row)
         return cw, bq
@@ -192,13 +192,13 @@ class Decode:
         one = Int32(1)
         xr_w = cute.recast_ptr(ring.x, dtype=Uint32)
         x_w = cute.recast_ptr(inputs.x, dtype=Uint32)
-        x_row = A.row_words(self.dense_rows, bb, inputs.x_stride16, self.heads * P // 2) + hh * (P // 2)
+        x_row = A.row_words(self.dense_rows, bb, inputs.x_stride16, self.heads * self.P // 2) + hh * (self.P // 2)
         x_cur = (x_w + (x_row + Int64(4 * gq))).toint()
-        xr_row = slot * ring.x_stride16 * 4 + hh * (RING * P // 2) + Int64(4 * gq)
+        xr_row = slot * ring.x_stride16 * 4 + hh * (RING * self.P // 2) + Int64(4 * gq)
         xw = []
         for u in cutlass.range_constexpr(4):
             j = 2 * q + (u % 2) + 8 * (u // 2)
-            src = sel(j < r, (xr_w + (xr_row + Int64(j * (P // 2)))).toint(), x_cur)
+            src = sel(j < r, (xr_w + (xr_row + Int64(j * (self.P // 2)))).toint(), x_cur)
             xw.append(bits.ld_global_v4_u32_if(src, sel(j <= r, one, Int32(0))))
         k = lane % 16
         dtr = slot * ring.dt_stride + hh * RING
@@ -321,7 +321,7 @@ class Decode:
         p0 = 8 * gq + 2 * q
         y0 = decay * (outer[0] * (inner * rd0)) + rs0 + d0 * xo[0]
         y1 = decay * (outer[1] * (inner * rd1)) + rs1 + d1 * xo[1]
-        o = (bb * H + hh) * P + Int64(p0)
+        o = (bb * H + hh) * self.P + Int64(p0)
         out[o] = BFloat16(y0)
         out[o + 1] = BFloat16(y1)
 
@@ -333,14 +333,14 @@ class Decode:
             for uu in cutlass.range_constexpr(1, 4):
                 xs = [sel(u == uu, xw[uu][i], xs[i]) for i in range(4)]
             xr_w = cute.recast_ptr(ring.x, dtype=Uint32)
-            xr_row = slot * ring.x_stride16 * 4 + hh * (RING * P // 2) + Int64(4 * gq)
-            bits.st_global_v4_u32((xr_w + (xr_row + Int64(r * (P // 2)))).toint(), xs)
+            xr_row = slot * ring.x_stride16 * 4 + hh * (RING * self.P // 2) + Int64(4 * gq)
+            bits.st_global_v4_u32((xr_w + (xr_row + Int64(r * (self.P // 2)))).toint(), xs)
         if lane == r:
             ring.dt[slot * ring.dt_stride + hh * RING + Int64(r)] = dt_k
         if (hh - Int64(w)) % HPG == 0:  # the CTA that holds the group's first head: each warp its share
             if gq == r % 8:
                 br_w = cute.recast_ptr(ring.b, dtype=Uint32)
-                dst_row = slot * ring.b_stride16 * 4 + g * (RING * N // 2) + Int64(r * (N // 2))
+                dst_row = slot * ring.b_stride16 * 4 + g * (RING * self.N // 2) + Int64(r * (self.N // 2))
                 for i in cutlass.range_constexpr(self.vh_per_warp):
                     dst = (br_w + (dst_row + Int64(self.vh_word(w * self.vh_per_warp + i, q)))).toint()
                     bits.st_global_v4_u32(dst, [sel(r >= 8, bq[1][i][u], bq[0][i][u]) for u in range(4)])

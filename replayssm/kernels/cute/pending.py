@@ -49,9 +49,7 @@ from cutlass.cute.runtime import make_fake_stream
 from cutlass.memory import SmemAllocator
 
 from ... import layout as L
-from ...layout import HEAD_DIM as P
 from ...layout import RING
-from ...layout import STATE_DIM as N
 from . import args as A
 from . import bits
 from .bits import bf16x2_to_f32x2, f32x2_to_bf16x2, sel, softplus
@@ -116,7 +114,7 @@ class PendingStep(Decode):
             for s in cutlass.range_constexpr(2):
                 tt = 2 * q + s
                 if tt < tb:
-                    o = bb * inputs.o_row + Int64(start + tt) * inputs.o_tok + hh * P + Int64(8 * gq)
+                    o = bb * inputs.o_row + Int64(start + tt) * inputs.o_tok + hh * self.P + Int64(8 * gq)
                     bits.st_global_v4_u32((ow + o // 2).toint(), [Uint32(0)] * 4)
         elif (take != Int32(0)) & (tb > Int32(0)):
             s_bc = SmemAllocator().allocate_tensor(Float32, cute.make_layout(RING * TOKENS * self.hpc), byte_alignment=16)
@@ -132,7 +130,7 @@ class PendingStep(Decode):
         # C of token gq on lane q's n-set (zeros past T_b).
         c_w = cute.recast_ptr(inputs.C, dtype=Uint32)
         c_on = sel(gq < tb, one, zero)
-        c_row = (bb * inputs.c_row + Int64(start + gq) * inputs.c_tok + g * N) // 2
+        c_row = (bb * inputs.c_row + Int64(start + gq) * inputs.c_tok + g * self.N) // 2
         cw = []
         for c in cutlass.range_constexpr(2):
             at = [(c_w + (c_row + Int64(self.fmt.c_word(c, q, h)))).toint() for h in range(2)]
@@ -141,17 +139,17 @@ class PendingStep(Decode):
         # B of window entries gq, gq + 8: this warp's vector halves.
         br_w = cute.recast_ptr(ring.b, dtype=Uint32)
         b_w = cute.recast_ptr(inputs.B, dtype=Uint32)
-        br_row0 = slot * ring.b_stride16 * 4 + g * (RING * N // 2)
+        br_row0 = slot * ring.b_stride16 * 4 + g * (RING * self.N // 2)
         bq = []
         for e in cutlass.range_constexpr(2):
             j = gq + 8 * e
             on = sel(j < u + tb, one, zero)
             phys = Int64((f_new + j) % RING)
-            b_tok = (bb * inputs.b_row + Int64(start + cutlass.max(j - u, zero)) * inputs.b_tok + g * N) // 2
+            b_tok = (bb * inputs.b_row + Int64(start + cutlass.max(j - u, zero)) * inputs.b_tok + g * self.N) // 2
             row = []
             for i in cutlass.range_constexpr(self.vh_per_warp):
                 wo = Int64(self.vh_word(w * self.vh_per_warp + i, q))
-                src = sel(j < u, (br_w + (br_row0 + phys * (N // 2) + wo)).toint(), (b_w + (b_tok + wo)).toint())
+                src = sel(j < u, (br_w + (br_row0 + phys * (self.N // 2) + wo)).toint(), (b_w + (b_tok + wo)).toint())
                 row.append(bits.ld_global_v4_u32_if(src, on))
             bq.append(row)
 
@@ -161,19 +159,19 @@ class PendingStep(Decode):
         # x of window entries 2 q + v % 2 + 8 (v // 2) at rows 8 gq .. + 7.
         xr_w = cute.recast_ptr(ring.x, dtype=Uint32)
         x_w = cute.recast_ptr(inputs.x, dtype=Uint32)
-        xr_head = slot * ring.x_stride16 * 4 + hh * (RING * P // 2) + Int64(4 * gq)
+        xr_head = slot * ring.x_stride16 * 4 + hh * (RING * self.P // 2) + Int64(4 * gq)
         xw = []
         for v in cutlass.range_constexpr(4):
             j = 2 * q + (v % 2) + 8 * (v // 2)
             phys = Int64((f_new + j) % RING)
-            x_tok = (bb * inputs.x_row + Int64(start + cutlass.max(j - u, zero)) * inputs.x_tok + hh * P) // 2 + Int64(4 * gq)
-            src = sel(j < u, (xr_w + (xr_head + phys * (P // 2))).toint(), (x_w + x_tok).toint())
+            x_tok = (bb * inputs.x_row + Int64(start + cutlass.max(j - u, zero)) * inputs.x_tok + hh * self.P) // 2 + Int64(4 * gq)
+            src = sel(j < u, (xr_w + (xr_head + phys * (self.P // 2))).toint(), (x_w + x_tok).toint())
             xw.append(bits.ld_global_v4_u32_if(src, sel(j < u + tb, one, zero)))
         # x of this lane's output tokens 2 q, 2 q + 1 (the D term and the ring writes).
         xt = []
         for s in cutlass.range_constexpr(2):
             tt = 2 * q + s
-            x_tok = (bb * inputs.x_row + Int64(start + tt) * inputs.x_tok + hh * P) // 2 + Int64(4 * gq)
+            x_tok = (bb * inputs.x_row + Int64(start + tt) * inputs.x_tok + hh * self.P) // 2 + Int64(4 * gq)
             xt.append(bits.ld_global_v4_u32_if((x_w + x_tok).toint(), sel(tt < tb, one, zero)))
 
         # dt of entry k = lane % 16 (processed; zero outside the window's live entries).
@@ -258,9 +256,9 @@ class PendingStep(Decode):
                 yi = decay * (rf[i] * (up_t * rd[mt][2 * r + s])) + rs[mt][2 * r + s] + dd[i] * xo[i]
                 y.append(sel(nan_t, Float32(float("nan")), yi))
             if tt < tb:
-                o = bb * inputs.o_row + Int64(start + tt) * inputs.o_tok + hh * P + Int64(8 * gq)
+                o = bb * inputs.o_row + Int64(start + tt) * inputs.o_tok + hh * self.P + Int64(8 * gq)
                 bits.st_global_v4_u32((ow + o // 2).toint(), [f32x2_to_bf16x2(y[2 * i], y[2 * i + 1]) for i in range(4)])
-                dst = xr_head + Int64((cn + tt) % RING) * (P // 2)
+                dst = xr_head + Int64((cn + tt) % RING) * (self.P // 2)
                 bits.st_global_v4_u32((xr_w + dst).toint(), xt[s])
         if lane < RING:
             if is_new:
@@ -269,7 +267,7 @@ class PendingStep(Decode):
             for e in cutlass.range_constexpr(2):
                 j = gq + 8 * e
                 if (j >= u) & (j < u + tb):
-                    dst_row = br_row0 + Int64((f_new + j) % RING) * (N // 2)
+                    dst_row = br_row0 + Int64((f_new + j) % RING) * (self.N // 2)
                     for i in cutlass.range_constexpr(self.vh_per_warp):
                         dst = (br_w + (dst_row + Int64(self.vh_word(w * self.vh_per_warp + i, q)))).toint()
                         bits.st_global_v4_u32(dst, bq[e][i])
@@ -278,38 +276,40 @@ class PendingStep(Decode):
 _COMPILED: dict[tuple, object] = {}
 
 
-def pending_kernel(state_dtype: str, arch: str, heads: int, groups: int, dt_dtype: torch.dtype = torch.float32, rows: str = "all"):
-    """The kernel object (`rows`: as PendingStep takes it) and its compile-time arguments."""
-    fmt = read_copy_format(state_dtype, arch)
+def pending_kernel(state_dtype: str, arch: str, heads: int, groups: int, dt_dtype: torch.dtype = torch.float32, rows: str = "all", P: int = 64, N: int = 128):
+    """The kernel object (`rows`: as PendingStep takes it) and its compile-time arguments,
+    for head dim `P` and state dim `N`."""
+    fmt = read_copy_format(state_dtype, arch, P, N)
     obj = PendingStep(fmt, heads, groups, pdl=True, rows=rows)
     fake = [A.fake(A.Ring), A.fake(fmt.Args), A.fake(A.PendingInputs, dt=dt_dtype), A.fake(A.PendingPlan), Int32(0), make_fake_stream()]
     return obj, fake
 
 
-def compiled_pending(state_dtype: str, arch: str, heads: int, groups: int, dt_dtype: torch.dtype, rows: str = "all"):
+def compiled_pending(state_dtype: str, arch: str, heads: int, groups: int, dt_dtype: torch.dtype, rows: str = "all", P: int = 64, N: int = 128):
     """The compiled launcher (compiled on first use)."""
-    key = (state_dtype, arch, heads, groups, dt_dtype, rows)
+    key = (state_dtype, arch, heads, groups, dt_dtype, rows, P, N)
     fn = _COMPILED.get(key)
     if fn is None:
-        obj, fake = pending_kernel(state_dtype, arch, heads, groups, dt_dtype, rows)
+        obj, fake = pending_kernel(state_dtype, arch, heads, groups, dt_dtype, rows, P, N)
         fn = _COMPILED[key] = compile_entry(obj, fake, arch)
     return fn
 
 
-def fold_kernel(state_dtype: str, arch: str, heads: int, groups: int, debug: bool = False):
-    """The pending fold (flush.PendingFold) and its compile-time arguments."""
-    fmt = read_copy_format(state_dtype, arch)
+def fold_kernel(state_dtype: str, arch: str, heads: int, groups: int, debug: bool = False, P: int = 64, N: int = 128):
+    """The pending fold (flush.PendingFold) and its compile-time arguments, for head dim
+    `P` and state dim `N`."""
+    fmt = read_copy_format(state_dtype, arch, P, N)
     obj = PendingFold(fmt, heads, groups, debug=debug)
     plan = A.fake(A.PendingDebugPlan if debug else A.PendingPlan)
     fake = [A.fake(A.Checkpoint), A.fake(A.Ring), A.fake(fmt.Args), A.fake(A.FoldParams), plan, Int32(0), make_fake_stream()]
     return obj, fake
 
 
-def compiled_fold(state_dtype: str, arch: str, heads: int, groups: int, debug: bool = False):
-    key = ("fold", state_dtype, arch, heads, groups, debug)
+def compiled_fold(state_dtype: str, arch: str, heads: int, groups: int, debug: bool = False, P: int = 64, N: int = 128):
+    key = ("fold", state_dtype, arch, heads, groups, debug, P, N)
     fn = _COMPILED.get(key)
     if fn is None:
-        obj, fake = fold_kernel(state_dtype, arch, heads, groups, debug)
+        obj, fake = fold_kernel(state_dtype, arch, heads, groups, debug, P, N)
         fn = _COMPILED[key] = compile_entry(obj, fake, arch)
     return fn
 
@@ -322,12 +322,13 @@ class PendingLaunch:
     It holds no tensor (as `launch.Step`): its keeper (the kernel backend's per-cache
     context) keys it by the plan buffer, and passes the cache it was made for to each call."""
 
-    __slots__ = ("state_dtype", "arch", "heads", "groups", "fold_ctas", "ckpt", "ring", "copy", "plan", "kernels")
+    __slots__ = ("state_dtype", "arch", "heads", "groups", "dims", "fold_ctas", "ckpt", "ring", "copy", "plan", "kernels")
 
     def __init__(self, cache, plan_rows, fold_list, state_dtype: str, arch: str, head_offset: int = 0) -> None:
         self.state_dtype, self.arch = state_dtype, arch
         self.heads, self.groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
-        fmt = read_copy_format(state_dtype, arch)
+        self.dims = L.dims(cache)  # (P, N), the compile keys' last two fields
+        fmt = read_copy_format(state_dtype, arch, *self.dims)
         self.ckpt = tuple(A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=head_offset))
         self.ring = tuple(A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING]))
         self.copy = tuple(A.raw(fmt.Args, **fmt.tensors(cache, L)))
@@ -340,9 +341,9 @@ class PendingLaunch:
         fn = self.kernels.get(key)
         if fn is None:
             if key[0] == "fold":
-                fn = compiled_fold(self.state_dtype, self.arch, self.heads, self.groups, key[1])
+                fn = compiled_fold(self.state_dtype, self.arch, self.heads, self.groups, key[1], *self.dims)
             else:
-                fn = compiled_pending(self.state_dtype, self.arch, self.heads, self.groups, *key)
+                fn = compiled_pending(self.state_dtype, self.arch, self.heads, self.groups, *key, *self.dims)
             self.kernels[key] = fn
         return fn
 

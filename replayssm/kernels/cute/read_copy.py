@@ -23,9 +23,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8, Uint32
 
-from ...layout import HEAD_DIM as P
 from ...layout import NVFP4_BLOCK
-from ...layout import STATE_DIM as N
 from .arch import HAS_CVT_RS, check_arch
 from . import args as A
 from . import bits, bits_nvfp4
@@ -34,9 +32,6 @@ from .bits_nvfp4 import DSL_OPS
 from .decode import CTAS_PER_SM
 from .mma import mma_f16_16x8x16
 
-K_STEPS = N // 16  # k-steps of 16 over the state dimension
-BLOCKS = N // NVFP4_BLOCK  # NVFP4 block scales per state row
-WORDS_PER_ROW = N // 8  # packed e2m1 codes of one state row, in 32-bit words
 # FP8 row scale 2**E with amax <= 448 * 2**E: E = ceil(log2(amax / 448)), 448 = 1.75 * 2**8
 # (quant/formats.py fp8_row_scale).
 FP8_MANT_LIMIT, FP8_E_OFF = 0x600000, 8
@@ -47,12 +42,30 @@ class _Format:
     Args: type = tuple
     step_ctas_per_sm = CTAS_PER_SM  # the step kernels' (decode.py, pending.py) CTAs an SM
 
-    def __init__(self, arch: str) -> None:
+    def __init__(self, arch: str, P: int = 64, N: int = 128) -> None:
         self.arch = check_arch(arch)
         self.hw = arch in HAS_CVT_RS
+        # The cache geometry (head dim P, state dim N), Python ints at trace time; the
+        # kernels take 64 / 128 only so far (launch.layout_ok).
+        self.P, self.N = P, N
+
+    @property
+    def K_STEPS(self) -> int:
+        """k-steps of 16 over the state dimension."""
+        return self.N // 16
+
+    @property
+    def BLOCKS(self) -> int:
+        """NVFP4 block scales per state row."""
+        return self.N // NVFP4_BLOCK
+
+    @property
+    def WORDS_PER_ROW(self) -> int:
+        """Packed e2m1 codes of one state row, in 32-bit words."""
+        return self.N // 8
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.arch!r})"
+        return f"{type(self).__name__}({self.arch!r}, P={self.P}, N={self.N})"
 
     def e4m3x2_rn(self, lo, hi):
         """Two e4m3 codes (nearest, satfinite), lo in bits [7:0]: `cvt.rn.satfinite.e4m3x2.f32`
@@ -72,8 +85,8 @@ class Fp8(_Format):
     row_amax = True  # the flush reduces a row's amax across its column parts
     sr_voted = False
 
-    def __init__(self, arch: str) -> None:
-        super().__init__(arch)
+    def __init__(self, arch: str, P: int = 64, N: int = 128) -> None:
+        super().__init__(arch, P, N)
         # The pending fold (flush.PendingFold): CTAs an SM of its persistent grid, so its
         # register bound. sm_90a: 5 (96 registers, 8 bytes spilled; docs/design.md section
         # 10); sm_100a / sm_103a: 4 (5 spills 40 bytes there; not measured).
@@ -93,17 +106,17 @@ class Fp8(_Format):
     def code_rows(self, copy, slot, hh, gq, q, hint: cutlass.Constexpr):
         """rc[i][c]: row 8 gq + i, bytes 64 c + 16 q .. + 15 (four words)."""
         read_w = cute.recast_ptr(copy.codes, dtype=Uint32)
-        rc_base = (read_w + (slot * copy.codes_stride16 * 4 + hh * (P * N // 4) + Int64(gq * (8 * N // 4) + 4 * q))).toint()
+        rc_base = (read_w + (slot * copy.codes_stride16 * 4 + hh * (self.P * self.N // 4) + Int64(gq * (8 * self.N // 4) + 4 * q))).toint()
         rc = []
         for i in cutlass.range_constexpr(8):
-            rc.append([bits.ld_global_v4_u32(rc_base + N * i + 64 * c, hint) for c in range(2)])
+            rc.append([bits.ld_global_v4_u32(rc_base + self.N * i + 64 * c, hint) for c in range(2)])
         return rc
 
     @cute.jit
     def load_rows(self, copy, slot, hh, g, gq, q, hint: cutlass.Constexpr):
         """`code_rows`; the scales of the lane's output rows 8 gq + 2 q, + 1."""
         rc = self.code_rows(copy, slot, hh, gq, q, hint)
-        sc_off = slot * copy.scale_stride + hh * P + Int64(8 * gq + 2 * q)
+        sc_off = slot * copy.scale_stride + hh * self.P + Int64(8 * gq + 2 * q)
         return rc, [copy.scales[sc_off], copy.scales[sc_off + 1]]
 
     @cute.jit
@@ -128,7 +141,7 @@ class Fp8(_Format):
         accs = []
         for mt in cutlass.range_constexpr(4):
             acc = [Float32(0.0)] * 4
-            for s in cutlass.range_constexpr(K_STEPS):
+            for s in cutlass.range_constexpr(self.K_STEPS):
                 c, v = s // 4, s % 4
                 lo = self.row_pairs(rc[2 * mt][c], v)
                 hi = self.row_pairs(rc[2 * mt + 1][c], v)
@@ -146,7 +159,7 @@ class Fp8(_Format):
     def pending_loads(self, copy, slot, hh, g, gq, q, hint: cutlass.Constexpr):
         """`code_rows`, and the scales of all eight rows 8 gq .. + 7 (two 16-byte loads)."""
         rc = self.code_rows(copy, slot, hh, gq, q, hint)
-        sc = (copy.scales + (slot * copy.scale_stride + hh * P + Int64(8 * gq))).toint()
+        sc = (copy.scales + (slot * copy.scale_stride + hh * self.P + Int64(8 * gq))).toint()
         return rc, bits.ld_global_v4_u32(sc) + bits.ld_global_v4_u32(sc + 16)
 
     @cute.jit
@@ -182,20 +195,20 @@ class Fp8(_Format):
     def store_row(self, copy, slot, hh, pp, col0, q, nq, acc, i, s_amax, ctx, scodes, nt: cutlass.Constexpr):
         """Row i: codes of S * 2**-E and the row scale 2**E (exact power-of-two products);
         the row's amax is the larger of its two column parts'."""
-        amax = cutlass.max(s_amax[pp], s_amax[P + pp])
+        amax = cutlass.max(s_amax[pp], s_amax[self.P + pp])
         e = bits.pow2_exponent_above(amax, FP8_MANT_LIMIT, FP8_E_OFF)
         inv = bits.exp2_int(-e)
         if nq == 0:
             if q == 0:
-                copy.scales[slot * copy.scale_stride + hh * P + pp] = bits.exp2_int(e)
+                copy.scales[slot * copy.scale_stride + hh * self.P + pp] = bits.exp2_int(e)
         r_rc = cute.make_rmem_tensor(cute.make_layout(nt // 2), Uint32)
         for m in cutlass.range_constexpr(nt // 2):  # columns 4 m .. 4 m + 3 = n-tiles 2 m, 2 m + 1
             lo = self.e4m3x2_rn(acc[2 * m][2 * i] * inv, acc[2 * m][2 * i + 1] * inv)
             hi = self.e4m3x2_rn(acc[2 * m + 1][2 * i] * inv, acc[2 * m + 1][2 * i + 1] * inv)
             r_rc[m] = lo | (hi << 16)
         rc_w = cute.recast_ptr(copy.codes, dtype=Uint32)
-        rc_head = slot * copy.codes_stride16 * 4 + hh * (P * N // 4)
-        bits.vec_aligned(rc_w, rc_head + pp * (N // 4) + Int64(col0 // 4), nt // 2).store(r_rc.load())
+        rc_head = slot * copy.codes_stride16 * 4 + hh * (self.P * self.N // 4)
+        bits.vec_aligned(rc_w, rc_head + pp * (self.N // 4) + Int64(col0 // 4), nt // 2).store(r_rc.load())
 
     def before_barrier(self, t, stats, shared):
         return None
@@ -231,8 +244,8 @@ class Fp16(Fp8):
     row_amax = False
     step_ctas_per_sm = 3
 
-    def __init__(self, arch: str) -> None:
-        super().__init__(arch)
+    def __init__(self, arch: str, P: int = 64, N: int = 128) -> None:
+        super().__init__(arch, P, N)
         # sm_90a: the checkpoint's rounding through the warp-voted path, as NVFP4's (FP8's
         # bits.fp16x2_sr_fma spills 24 bytes in this flush; the voted form none).
         self.sr_voted = not self.hw
@@ -251,12 +264,12 @@ class Fp16(Fp8):
         """rc[i][c]: row 8 gq + i at the words of C's chunk c (`c_word`: word j of a row and
         of C hold the same two n), eight f16-pair words."""
         ck_w = cute.recast_ptr(copy.state, dtype=Uint32)
-        base = (ck_w + (slot * copy.stride16 * 4 + hh * (P * N // 2) + Int64(gq * (8 * N // 2)))).toint()
+        base = (ck_w + (slot * copy.stride16 * 4 + hh * (self.P * self.N // 2) + Int64(gq * (8 * self.N // 2)))).toint()
         rc = []
         for i in cutlass.range_constexpr(8):
             row = []
             for c in cutlass.range_constexpr(2):
-                at = [base + 2 * N * i + 4 * self.c_word(c, q, h) for h in range(2)]
+                at = [base + 2 * self.N * i + 4 * self.c_word(c, q, h) for h in range(2)]
                 row.append(bits.ld_global_v4_u32(at[0], hint) + bits.ld_global_v4_u32(at[1], hint))
             rc.append(row)
         return rc
@@ -298,8 +311,8 @@ class Nvfp4(_Format):
     stage_one_source = True
     row_amax = False
 
-    def __init__(self, arch: str) -> None:
-        super().__init__(arch)
+    def __init__(self, arch: str, P: int = 64, N: int = 128) -> None:
+        super().__init__(arch, P, N)
         # sm_90a: the checkpoint's rounding through a warp-voted branch to the normal-range
         # path (bits.fp16x2_sr_voted); sm_100a rounds in hardware.
         self.sr_voted = not self.hw
@@ -342,14 +355,14 @@ class Nvfp4(_Format):
         second-level scale g = 2**E of this slot and group (`& 1` keeps a corrupt parity
         word inside the slot's meta)."""
         read_w = cute.recast_ptr(copy.codes, dtype=Uint32)
-        rc_base = (read_w + (slot * copy.codes_stride16 * 4 + hh * (P * N // 8) + Int64(gq * (8 * N // 8) + 4 * q))).toint()
+        rc_base = (read_w + (slot * copy.codes_stride16 * 4 + hh * (self.P * self.N // 8) + Int64(gq * (8 * self.N // 8) + 4 * q))).toint()
         rc = []
         for i in cutlass.range_constexpr(8):
-            rc.append(bits.ld_global_v4_u32(rc_base + (N // 2) * i, hint))
-        s_base = slot * copy.scale_stride + hh * (P * BLOCKS) + Int64(gq * (8 * BLOCKS) + 2 * q)
+            rc.append(bits.ld_global_v4_u32(rc_base + (self.N // 2) * i, hint))
+        s_base = slot * copy.scale_stride + hh * (self.P * self.BLOCKS) + Int64(gq * (8 * self.BLOCKS) + 2 * q)
         bs4 = []  # rows 8 gq + 2 mt (bits [15:0]) and + 1 ([31:16]), blocks 2 q, 2 q + 1
         for mt in cutlass.range_constexpr(4):
-            sb = [Uint32(copy.scales[s_base + BLOCKS * (2 * mt + i // 2) + i % 2]) for i in range(4)]
+            sb = [Uint32(copy.scales[s_base + self.BLOCKS * (2 * mt + i // 2) + i % 2]) for i in range(4)]
             bs4.append(sb[0] | (sb[1] << 8) | (sb[2] << 16) | (sb[3] << 24))
         par = Int64(copy.parity[slot * copy.parity_stride] & Int32(1))
         a_live = copy.meta[slot * copy.meta_stride + g * 2 + par].bitcast(Int32) & Int32(0x7FFFFFFF)
@@ -495,9 +508,9 @@ class Nvfp4(_Format):
         for k in cutlass.range_constexpr(2):
             r_codes[k] = self.e2m1x8_rn(scaled[8 * k:8 * k + 8])
         rc_w = cute.recast_ptr(copy.codes, dtype=Uint32)
-        rc_head = slot * copy.codes_stride16 * 4 + hh * (P * WORDS_PER_ROW)
-        bits.vec_aligned(rc_w, rc_head + pp * WORDS_PER_ROW + Int64(col0 // 8), 2).store(r_codes.load())
-        copy.scales[slot * copy.scale_stride + hh * (P * BLOCKS) + pp * BLOCKS + Int64(col0 // 16)] = Uint8(scodes[i])
+        rc_head = slot * copy.codes_stride16 * 4 + hh * (self.P * self.WORDS_PER_ROW)
+        bits.vec_aligned(rc_w, rc_head + pp * self.WORDS_PER_ROW + Int64(col0 // 8), 2).store(r_codes.load())
+        copy.scales[slot * copy.scale_stride + hh * (self.P * self.BLOCKS) + pp * self.BLOCKS + Int64(col0 // 16)] = Uint8(scodes[i])
 
     @cute.jit
     def before_barrier(self, t, bamax, s_gmax):
@@ -519,9 +532,10 @@ class Nvfp4(_Format):
 
 
 @functools.lru_cache(maxsize=None)
-def read_copy_format(state_dtype: str, arch: str) -> _Format:
-    """The strategy object of `state_dtype` ("fp8", "nvfp4", "fp16") on `arch`."""
-    return {"fp8": Fp8, "nvfp4": Nvfp4, "fp16": Fp16}[state_dtype](arch)
+def read_copy_format(state_dtype: str, arch: str, P: int = 64, N: int = 128) -> _Format:
+    """The strategy object of `state_dtype` ("fp8", "nvfp4", "fp16") on `arch` for head
+    dim `P` and state dim `N`."""
+    return {"fp8": Fp8, "nvfp4": Nvfp4, "fp16": Fp16}[state_dtype](arch, P, N)
 
 
-__all__ = ["Fp8", "Nvfp4", "Fp16", "read_copy_format", "BLOCKS", "WORDS_PER_ROW"]
+__all__ = ["Fp8", "Nvfp4", "Fp16", "read_copy_format"]
