@@ -382,26 +382,29 @@ def test_flush_fragment_maps_are_bijections():
     is a permutation of the 128 columns, and lane (gq, q)'s B fragment (its 8 n-tiles,
     read 4 at a time as consecutive staged floats at 64 half + 32 k + 4 gq) holds exactly
     the columns its accumulators are stored to (the lane's 16 consecutive columns)."""
-    from replayssm.kernels.cute.flush import B_ROW, COL_PARTS, NT, Flush, N, _b_slot, _b_stage_base
+    from replayssm.kernels.cute.flush import COL_PARTS, NT, Flush, _b_slot, _b_stage_base
+    from replayssm.kernels.cute.read_copy import read_copy_format
 
+    flush = Flush(read_copy_format("fp8", "sm_90a"), 16, 2)
+    N, B_ROW = flush.N, flush.B_ROW
     width, lane_cols = N // COL_PARTS, 2 * NT
-    assert (COL_PARTS, NT) == (2, 8)
-    assert sorted(_b_slot(n) for n in range(N)) == list(range(N))
+    assert (COL_PARTS, NT, N) == (2, 8, 128)
+    assert sorted(_b_slot(n, N) for n in range(N)) == list(range(N))
     for ch in range(16):  # staging thread: columns 8 ch .. 8 ch + 7
         base = _b_stage_base(ch)
         for i in range(8):
-            assert base + 4 * (i % 2) + i // 2 == _b_slot(8 * ch + i), (ch, i)
+            assert base + 4 * (i % 2) + i // 2 == _b_slot(8 * ch + i, N), (ch, i)
     for half in range(COL_PARTS):
         for g in range(8):  # MMA column g of n-tile nt is state column phys(nt, g)
             for nt in range(NT):
                 phys = half * width + (g // 2) * lane_cols + 2 * nt + g % 2
-                assert _b_slot(phys) == half * width + 32 * (nt // 4) + 4 * g + nt % 4
+                assert _b_slot(phys, N) == half * width + 32 * (nt // 4) + 4 * g + nt % 4
         for q in range(4):
             cols = sorted(half * width + (c // 2) * lane_cols + 2 * nt + c % 2 for nt in range(NT) for c in (2 * q, 2 * q + 1))
             first = half * width + lane_cols * q
             assert cols == list(range(first, first + lane_cols))
             for w in (2 * half, 2 * half + 1):
-                assert Flush.lane_geometry(32 * w + q, 0)[3] == first
+                assert Flush.lane_geometry(32 * w + q, 0, N)[3] == first
     # Bank-conflict-free B fragment loads: the 8 lanes of each 16-byte load phase read
     # distinct 4-bank groups.
     for a in range(4):
@@ -427,12 +430,14 @@ def test_step_lane_n_sets_cover_each_state_column_once():
 
 
 def test_flush_lane_map_covers_each_state_row_half_once():
-    from replayssm.kernels.cute.flush import M_SPLIT, NT, THREADS, Flush, N, P
+    from replayssm.kernels.cute.flush import M_SPLIT, NT, THREADS, Flush
+
+    P, N = 64, 128
 
     seen = []
     for mh in range(M_SPLIT):
         for t in range(THREADS):
-            _, _, rows, col0 = Flush.lane_geometry(t, mh)
+            _, _, rows, col0 = Flush.lane_geometry(t, mh, N)
             assert all(32 * mh <= r < 32 * mh + 32 for r in rows)
             seen += [(r, col0 + c) for r in rows for c in range(2 * NT)]
     assert sorted(seen) == [(p, n) for p in range(P) for n in range(N)]

@@ -246,7 +246,7 @@ def test_bookkeeping_launches_pass_the_cache_they_were_made_for(fmt, monkeypatch
         calls.clear()
         if f is None:
             launch(ids, 7)
-            assert calls == [((None, "sm_100a", 8, width, torch.int32, False),
+            assert calls == [((None, "sm_100a", 8, width, torch.int32, False, 64, 128),
                               (ids.data_ptr(), 2, cache[L.CHECKPOINT].data_ptr(), 0, 0, 0, 0, *structs, 3, 3, 8, 7))]  # fmt: skip
             continue
         wide = torch.zeros(3 * 24 * 64 * 128 + 1)  # one element more: an offset view is misaligned
@@ -261,11 +261,11 @@ def test_bookkeeping_launches_pass_the_cache_they_were_made_for(fmt, monkeypatch
             launch(ids, 8, states)
             splits = 8  # 3 rows x 3 groups x 8 = 72 CTAs <= NVFP4_CTAS: one head a CTA
             want = (ids.data_ptr(), 2, states.data_ptr(), *states.stride(), *structs, 3, 3, splits, 8)
-            assert calls == [((fmt, "sm_100a", 8, width, torch.int32, vec), want)], kind
+            assert calls == [((fmt, "sm_100a", 8, width, torch.int32, vec, 64, 128), want)], kind
         big = torch.zeros(1, 24, 64, 128).expand(20, -1, -1, -1)  # 20 rows x 3 groups = 60: NVFP4 splits 3
         calls.clear()
         launch(torch.zeros(20, dtype=torch.int64), 9, big)
-        assert calls[0][1][-2] == (3 if fmt == "nvfp4" else 8) and calls[0][0][-2:] == (torch.int64, True)
+        assert calls[0][1][-2] == (3 if fmt == "nvfp4" else 8) and calls[0][0][-4:] == (torch.int64, True, 64, 128)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])

@@ -37,9 +37,7 @@ from cutlass.memory import SmemAllocator
 
 from ... import layout as L
 from ...formats import FP16
-from ...layout import HEAD_DIM as P
 from ...layout import RING
-from ...layout import STATE_DIM as N
 from ...quant.rng import seed_key_i32
 from . import args as A
 from . import bits
@@ -60,10 +58,14 @@ class Bookkeeping:
     """Initialize (`fmt`: a `read_copy` strategy) or clear (`fmt` None) for hpg heads a
     group and positions of `pos_width` words; `vec`: the states' rows are read by 16-byte
     loads (unit column stride, 16-byte-aligned base and other strides). The ids' type is
-    the compile-time pointer's."""
+    the compile-time pointer's. `P`, `N`: the cache geometry (head dim, state dim; the
+    format's when there is one)."""
 
-    def __init__(self, fmt, hpg: int, pos_width: int, vec: bool = False) -> None:
+    def __init__(self, fmt, hpg: int, pos_width: int, vec: bool = False, P: int = 64, N: int = 128) -> None:
         self.fmt, self.hpg, self.pos_width, self.vec = fmt, hpg, pos_width, vec
+        if fmt is not None and (fmt.P, fmt.N) != (P, N):
+            raise ValueError(f"the format's geometry {(fmt.P, fmt.N)} is not {(P, N)}")
+        self.P, self.N = P, N
         self.two_level = fmt is not None and fmt.name == "nvfp4"
         self.flush = Flush(fmt, hpg, 1) if fmt is not None else None
 
@@ -80,7 +82,7 @@ class Bookkeeping:
         bx, by, _ = cute.arch.block_idx()
         g, k = Int32(by) // splits, Int32(by) % splits
         smem = SmemAllocator()
-        s_amax = smem.allocate_tensor(Int32, cute.make_layout(2 * P), byte_alignment=16)
+        s_amax = smem.allocate_tensor(Int32, cute.make_layout(2 * self.P), byte_alignment=16)
         valid, slot = row_slot(ids, Int64(bx), ids_stride, slots.num_slots)
         if valid != Int32(0):  # the same for the whole CTA (one row)
             row = Int64(bx) * sb
@@ -93,13 +95,13 @@ class Bookkeeping:
             key = stream_key(seed, slot, Int32(-1))  # INIT_POSITION
             for h in range(g * self.hpg + k, (g + Int32(1)) * self.hpg, splits):
                 hh = Int64(h)
-                self.zero(t, ring.x, ring.x_stride16, slot, hh, RING * P // 8)
+                self.zero(t, ring.x, ring.x_stride16, slot, hh, RING * self.P // 8)
                 if t < RING:
                     ring.dt[slot * ring.dt_stride + hh * RING + Int64(t)] = Float32(0.0)
                 if cutlass.const_expr(self.fmt is not None):
                     self.encode(t, self.load(t, states, row + hh * sh, sp, sn), slot, hh, key, ckpt, copy, s_amax, ctx)
             if k == Int32(0):
-                self.zero(t, ring.b, ring.b_stride16, slot, Int64(g), RING * N // 8)
+                self.zero(t, ring.b, ring.b_stride16, slot, Int64(g), RING * self.N // 8)
                 if t == 0:
                     if cutlass.const_expr(self.two_level):
                         for half in cutlass.range_constexpr(2):
@@ -122,7 +124,7 @@ class Bookkeeping:
     def load(self, t, states, head, sp, sn):
         """This thread's 32 values of the head at element offset `head`, as the flush's
         accumulators: acc[nt][2 i + e] = S[rows[i], col0 + 2 nt + e]."""
-        _, _, rows, col0 = Flush.lane_geometry(t % HALF, t // HALF)
+        _, _, rows, col0 = Flush.lane_geometry(t % HALF, t // HALF, self.N)
         vals = []
         for i in cutlass.range_constexpr(2):
             at = head + Int64(rows[i]) * sp
@@ -156,13 +158,13 @@ class Bookkeeping:
         """Checkpoint and read copy of head hh from this thread's values `acc`, as the
         flush writes a folded row (`flush.Flush.flush_row`)."""
         fmt = self.fmt
-        q, nq, rows, col0 = Flush.lane_geometry(t % HALF, t // HALF)
+        q, nq, rows, col0 = Flush.lane_geometry(t % HALF, t // HALF, self.N)
         if cutlass.const_expr(fmt.row_amax):  # FP8: a row's amax over its two column parts
             self.flush.row_partials(t % HALF, t // HALF, acc, None, None, s_amax, True, False)
             cute.arch.sync_threads()
         scodes = fmt.block_scales(fmt.lane_stats(acc, 2, NT), ctx)
         ck_w = cute.recast_ptr(ckpt.state, dtype=Uint32)
-        ck_head = slot * ckpt.stride16 * 4 + hh * (P * N // 2)
+        ck_head = slot * ckpt.stride16 * 4 + hh * (self.P * self.N // 2)
         for i in cutlass.range_constexpr(2):
             pp = Int64(rows[i])
             fmt.store_row(copy, slot, hh, pp, col0, q, nq, acc, i, s_amax, ctx, scodes, NT)
@@ -171,13 +173,13 @@ class Bookkeeping:
             cute.arch.sync_threads()  # s_amax is read before the next head rewrites it
 
 
-def bookkeeping_kernel(state_dtype: str | None, arch: str, hpg: int, pos_width: int, ids_dtype: torch.dtype, vec: bool):
+def bookkeeping_kernel(state_dtype: str | None, arch: str, hpg: int, pos_width: int, ids_dtype: torch.dtype, vec: bool, P: int = 64, N: int = 128):
     """The kernel object (initialize of `state_dtype`, or clear for None) and its
-    compile-time arguments."""
-    fmt = read_copy_format(state_dtype, arch) if state_dtype else None
-    copy = (fmt or read_copy_format("fp16", arch)).Args  # clear: the checkpoint's struct in the copy's place
+    compile-time arguments, for head dim `P` and state dim `N`."""
+    fmt = read_copy_format(state_dtype, arch, P, N) if state_dtype else None
+    copy = (fmt or read_copy_format("fp16", arch, P, N)).Args  # clear: the checkpoint's struct in the copy's place
     idt = ID_DTYPES[ids_dtype]
-    obj = Bookkeeping(fmt, hpg, pos_width, vec)
+    obj = Bookkeeping(fmt, hpg, pos_width, vec, P, N)
     fake = [
         make_ptr(idt, 0, assumed_align=ids_dtype.itemsize), Int64(0), make_ptr(Float32, 0, assumed_align=16 if vec else 4),
         *[Int64(0)] * 4, A.fake(A.Checkpoint), A.fake(A.Ring), A.fake(copy), A.fake(A.Slots), Int32(0), Int32(0), Int32(0),
@@ -187,9 +189,9 @@ def bookkeeping_kernel(state_dtype: str | None, arch: str, hpg: int, pos_width: 
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_bookkeeping(state_dtype: str | None, arch: str, hpg: int, pos_width: int, ids_dtype: torch.dtype, vec: bool):
+def compiled_bookkeeping(state_dtype: str | None, arch: str, hpg: int, pos_width: int, ids_dtype: torch.dtype, vec: bool, P: int = 64, N: int = 128):
     """The compiled kernel (compiled on first use)."""
-    return compile_entry(*bookkeeping_kernel(state_dtype, arch, hpg, pos_width, ids_dtype, vec), arch)
+    return compile_entry(*bookkeeping_kernel(state_dtype, arch, hpg, pos_width, ids_dtype, vec, P, N), arch)
 
 
 class BookkeepingLaunch:
@@ -197,12 +199,13 @@ class BookkeepingLaunch:
     None) its clear launches, with the argument structs made once, as ints (it holds no
     tensor; its keeper passes the ids, states and stream of each call)."""
 
-    __slots__ = ("args", "key", "groups", "hpg", "two_level")
+    __slots__ = ("args", "key", "groups", "hpg", "two_level", "dims")
 
     def __init__(self, cache, fmt, seed: int, head_offset: int, arch: str) -> None:
         heads, self.groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
         self.hpg = heads // self.groups
-        copy = read_copy_format(fmt.name if fmt else "fp16", arch)
+        self.dims = L.dims(cache)  # (P, N), the compile key's last two fields
+        copy = read_copy_format(fmt.name if fmt else "fp16", arch, *self.dims)
         self.args = (
             tuple(A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=head_offset)),
             tuple(A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING])),
@@ -218,13 +221,13 @@ class BookkeepingLaunch:
         `states` [batch, H, 64, 128], or (clear launches) zero their rings and positions."""
         batch = ids.shape[0]
         if states is None:  # clear: the checkpoint's address stands in for the unread states
-            fn = compiled_bookkeeping(*self.key, ids.dtype, False)
+            fn = compiled_bookkeeping(*self.key, ids.dtype, False, *self.dims)
             fn(ids.data_ptr(), ids.stride(0), self.args[0][0], 0, 0, 0, 0, *self.args, batch, self.groups, self.hpg, stream)
             return
         st = states.stride()
         vec = st[3] == 1 and st[0] % 4 == 0 and st[1] % 4 == 0 and st[2] % 4 == 0 and states.data_ptr() % 16 == 0
         splits = min(self.hpg, -(-NVFP4_CTAS // (batch * self.groups))) if self.two_level else self.hpg
-        fn = compiled_bookkeeping(*self.key, ids.dtype, vec)
+        fn = compiled_bookkeeping(*self.key, ids.dtype, vec, *self.dims)
         fn(ids.data_ptr(), ids.stride(0), states.data_ptr(), *st, *self.args, batch, self.groups, splits, stream)
 
 

@@ -46,9 +46,7 @@ from cuda.bindings import driver as cuda_driver
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
-from ...layout import HEAD_DIM as P
 from ...layout import RING
-from ...layout import STATE_DIM as N
 from . import args as A
 from . import bits
 from .bits import bf16x2_to_f32x2 as _bf16x2
@@ -62,14 +60,8 @@ WARPS = 4
 THREADS = 32 * WARPS
 # CTAs per (batch row, head): each folds 32 of the 64 state rows (two m-tiles).
 M_SPLIT = 2
-ROWS_HALF = P // M_SPLIT
 COL_PARTS = 2  # column halves of 64 (one per warp pair)
 NT = 8  # n-tiles of 8 per warp; a lane holds 2 rows x 16 columns
-# Shared-memory rows (floats): a staged B_j is 128 values in fragment order plus 8 (rows
-# 8 banks apart: the eight lanes of a 16-byte load phase hit distinct banks); a staged
-# x_j is 64 values plus 8 (the four entries a warp's A fragment reads 8 banks apart).
-B_ROW = N + 8
-X_ROW = P + 8
 # Four CTAs of 128 threads per SM: at most 128 registers a thread.
 MIN_CTAS_PER_SM = 4
 
@@ -86,7 +78,7 @@ def flush_columns(heads: int, ctas_per_sm: float, sm_count: int) -> int:
     return max(1, round(ctas_per_sm * sm_count / (heads * M_SPLIT)))
 
 
-def _b_slot(n: int) -> int:
+def _b_slot(n: int, N: int) -> int:
     """Position of state column n in a staged B row: within column half n // 64, lane
     column c = 2 (n % 64 // 16) + n % 2 of n-tile nt = n % 16 // 2 sits at
     64 half + 32 (nt // 4) + 4 c + nt % 4, so lane gq reads n-tiles 4 k .. 4 k + 3 with
@@ -147,6 +139,15 @@ class Flush:
         self.rows = rows
         self.debug = debug
         self.sr_voted = fmt.sr_voted  # the checkpoint's rounding through the warp-voted normal-range path
+        # The cache geometry (head dim P, state dim N) is the format's (read_copy_format).
+        self.P, self.N = fmt.P, fmt.N
+        self.ROWS_HALF = self.P // M_SPLIT  # state rows a CTA folds
+        # Shared-memory rows (floats): a staged B_j is N values in fragment order plus 8
+        # (rows 8 banks apart: the eight lanes of a 16-byte load phase hit distinct banks);
+        # a staged x_j is P values plus 8 (the four entries a warp's A fragment reads 8
+        # banks apart).
+        self.B_ROW = self.N + 8
+        self.X_ROW = self.P + 8
 
     @cute.jit
     def __call__(self, ckpt, ring, copy, inputs, plan, columns: Int64, batch: Int32, stream: cuda_driver.CUstream):
@@ -198,23 +199,22 @@ class Flush:
                 if rr < Int32(self.rows):  # always true; keeps the body conditional (no hoisting out of the loop)
                     row(Int64(bx // M_SPLIT), mh, Int64(by * self.rows + rr), s_slot[buf * 32 + rr])
 
-    @staticmethod
-    def shared_buffers(smem):
+    def shared_buffers(self, smem):
         """Staged x_j (FP32, X_ROW a row), B_j (FP32, fragment order, B_ROW a row), dt_j
         followed by D[p] of the CTA's 32 state rows, and per (column part, state row)
         the partial dots and amax bits."""
-        s_x = smem.allocate_tensor(Float32, cute.make_layout(RING * X_ROW), byte_alignment=16)
-        s_b = smem.allocate_tensor(Float32, cute.make_layout(RING * B_ROW), byte_alignment=16)
-        s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING + ROWS_HALF), byte_alignment=16)
-        s_dot = smem.allocate_tensor(Float32, cute.make_layout(COL_PARTS * P), byte_alignment=16)
-        s_amax = smem.allocate_tensor(Int32, cute.make_layout(COL_PARTS * P), byte_alignment=16)
+        s_x = smem.allocate_tensor(Float32, cute.make_layout(RING * self.X_ROW), byte_alignment=16)
+        s_b = smem.allocate_tensor(Float32, cute.make_layout(RING * self.B_ROW), byte_alignment=16)
+        s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING + self.ROWS_HALF), byte_alignment=16)
+        s_dot = smem.allocate_tensor(Float32, cute.make_layout(COL_PARTS * self.P), byte_alignment=16)
+        s_amax = smem.allocate_tensor(Int32, cute.make_layout(COL_PARTS * self.P), byte_alignment=16)
         return s_x, s_b, s_dt, s_dot, s_amax
 
     @cute.jit
     def flush_row(self, t, hh, mh, bb, slot, s_x, s_b, s_dt, s_dot, s_amax, s_fmt, ckpt, ring, copy, inputs, plan):
         """State rows 32 mh .. + 31 of one flushing batch row of head hh (the whole CTA)."""
         fmt = self.fmt
-        q, nq, rows, col0 = self.lane_geometry(t, mh)
+        q, nq, rows, col0 = self.lane_geometry(t, mh, self.N)
         key = Uint32(plan.key[bb])
         ctx = fmt.begin_row(copy, plan, slot, bb, hh // self.hpg)
         acc, r_c, ck_w, ck_head = self.fold(t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, ring, inputs, 0, RING - 1)
@@ -237,7 +237,7 @@ class Flush:
 
     # -- the shared parts of a flushed row ------------------------------------------------
     @staticmethod
-    def lane_geometry(t, mh):
+    def lane_geometry(t, mh, N: int):
         """(q, column half, [row 0, row 1], first column) of thread t in the CTA of
         state-row half mh: warp w takes m-tile 2 mh + w % 2 and column half w // 2; lane
         4 gq + q holds rows 16 mt + gq (+ 8) at columns 64 (w // 2) + 16 q .. + 15."""
@@ -268,7 +268,7 @@ class Flush:
             r_xs[2 * k] = v[0]
             r_xs[2 * k + 1] = v[1]
         for k in cutlass.range_constexpr(2):
-            _vec_a(s_x.iterator, jx * X_ROW + xs + 4 * k, 4).store(_vec(r_xs.iterator, 4 * k, 4).load())
+            _vec_a(s_x.iterator, jx * self.X_ROW + xs + 4 * k, 4).store(_vec(r_xs.iterator, 4 * k, 4).load())
 
     def entry(self, base, j):
         """Ring entry of staged entry j: j itself (a flush folds the ring in order), or
@@ -286,13 +286,13 @@ class Flush:
         g = hh // self.hpg
         lane = t % 32
         gq = lane // 4
-        q, nq, rows, col0 = self.lane_geometry(t, mh)
+        q, nq, rows, col0 = self.lane_geometry(t, mh, self.N)
 
         # Checkpoint first (the largest read), in flight during the staging below: per
         # row 16 FP16 values = 8 words, two 16-byte loads.
         ck_w = cute.recast_ptr(ckpt.state, dtype=Uint32)
-        ck_head = slot * ckpt.stride16 * 4 + hh * (P * N // 2)
-        r_ck = [self.words(ck_w, ck_head + Int64(rows[i] * (N // 2) + col0 // 2), NT) for i in range(2)]
+        ck_head = slot * ckpt.stride16 * 4 + hh * (self.P * self.N // 2)
+        r_ck = [self.words(ck_w, ck_head + Int64(rows[i] * (self.N // 2) + col0 // 2), NT) for i in range(2)]
         # dt_j (threads 0..14: the ring; thread 15: the step's raw dt and dt_bias) and A,
         # as predicated loads in straight-line code: ptxas issues them with the others
         # here. Loaded inside the `t < RING` branch below, they were issued only after
@@ -308,9 +308,9 @@ class Flush:
             # D[p] of the CTA's state rows (threads 0..31), staged for the outputs. Loaded in
             # row_output, after the barrier that precedes it, D was a round trip inside every
             # flushed row's chain.
-            d_row = bits.ld_global_u32_if((inputs.D + (hh * inputs.d_stride_h + Int64(mh * ROWS_HALF + t % ROWS_HALF) * inputs.d_stride_p)).toint(), sel(t < ROWS_HALF, Int32(1), Int32(0)))
+            d_row = bits.ld_global_u32_if((inputs.D + (hh * inputs.d_stride_h + Int64(mh * self.ROWS_HALF + t % self.ROWS_HALF) * inputs.d_stride_p)).toint(), sel(t < self.ROWS_HALF, Int32(1), Int32(0)))
             c_w = cute.recast_ptr(inputs.C, dtype=Uint32)
-            r_c = self.words(c_w, A.row_words(self.dense_rows, bb, inputs.c_stride16, self.groups * N // 2) + g * (N // 2) + Int64(col0 // 2), NT)
+            r_c = self.words(c_w, A.row_words(self.dense_rows, bb, inputs.c_stride16, self.groups * self.N // 2) + g * (self.N // 2) + Int64(col0 // 2), NT)
 
         # Stage x_j (FP32) of this CTA's 32 state rows and B_j (FP32, fragment order) of
         # entries 0..15: 15 from the rings, the current token as entry 15; and dt_j.
@@ -323,35 +323,35 @@ class Flush:
         ch = t % 16  # columns 8 ch .. 8 ch + 7
         # B_j staging: 16 entries x 16 chunks of 8 columns, `reps` a thread (entry jb of
         # rep: t // 16 + rep * threads // 16; only the last rep holds entry 15).
-        reps = RING * (N // 8) // THREADS
-        tx = t % (RING * ROWS_HALF // 8)
-        jx = tx // (ROWS_HALF // 8)
-        xs = mh * ROWS_HALF + (tx % (ROWS_HALF // 8)) * 8
+        reps = RING * (self.N // 8) // THREADS
+        tx = t % (RING * self.ROWS_HALF // 8)
+        jx = tx // (self.ROWS_HALF // 8)
+        xs = mh * self.ROWS_HALF + (tx % (self.ROWS_HALF // 8)) * 8
         r_bs = []
         if cutlass.const_expr(self.fmt.stage_one_source):
             # One predicated 16-byte load a staging thread and source (the ring for entries
             # 0..14, the step's input for entry 15; the other load gives zeros), in
             # straight-line code, so that ptxas issues the x_j and B_j loads together.
-            x_on = sel(t < RING * ROWS_HALF // 8, Int32(1), Int32(0))
+            x_on = sel(t < RING * self.ROWS_HALF // 8, Int32(1), Int32(0))
             x_ring_on = sel(jx < count, x_on, Int32(0))
-            x_ring_w = bits.ld_global_v4_u32_if((xw + (slot * ring.x_stride16 * 4 + (hh * RING + Int64(self.entry(base, jx))) * (P // 2) + Int64(xs // 2))).toint(), x_ring_on)
+            x_ring_w = bits.ld_global_v4_u32_if((xw + (slot * ring.x_stride16 * 4 + (hh * RING + Int64(self.entry(base, jx))) * (self.P // 2) + Int64(xs // 2))).toint(), x_ring_on)
             x_cur_w = [Uint32(0)] * 4
             if cutlass.const_expr(not self.pending):
-                x_cur_w = bits.ld_global_v4_u32_if((xcur + (A.row_words(self.dense_rows, bb, inputs.x_stride16, self.heads * P // 2) + hh * (P // 2) + Int64(xs // 2))).toint(), x_on - x_ring_on)
+                x_cur_w = bits.ld_global_v4_u32_if((xcur + (A.row_words(self.dense_rows, bb, inputs.x_stride16, self.heads * self.P // 2) + hh * (self.P // 2) + Int64(xs // 2))).toint(), x_on - x_ring_on)
             b_words = []
             for rep in cutlass.range_constexpr(reps):
                 jb = t // 16 + rep * (THREADS // 16)
-                b_src = (bw + (slot * ring.b_stride16 * 4 + (g * RING + Int64(self.entry(base, jb))) * (N // 2) + Int64(ch * 4))).toint()
+                b_src = (bw + (slot * ring.b_stride16 * 4 + (g * RING + Int64(self.entry(base, jb))) * (self.N // 2) + Int64(ch * 4))).toint()
                 if cutlass.const_expr(self.pending):
                     b_words.append(bits.ld_global_v4_u32_if(b_src, sel(jb < count, Int32(1), Int32(0))))
                 elif cutlass.const_expr(rep == reps - 1):
                     b_ring_on = sel(jb < RING - 1, Int32(1), Int32(0))
                     b_ring_w = bits.ld_global_v4_u32_if(b_src, b_ring_on)
-                    b_cur_w = bits.ld_global_v4_u32_if((bcur + (A.row_words(self.dense_rows, bb, inputs.b_stride16, self.groups * N // 2) + g * (N // 2) + Int64(ch * 4))).toint(), Int32(1) - b_ring_on)
+                    b_cur_w = bits.ld_global_v4_u32_if((bcur + (A.row_words(self.dense_rows, bb, inputs.b_stride16, self.groups * self.N // 2) + g * (self.N // 2) + Int64(ch * 4))).toint(), Int32(1) - b_ring_on)
                     b_words.append([b_ring_w[k] | b_cur_w[k] for k in range(4)])
                 else:
                     b_words.append(bits.ld_global_v4_u32_if(b_src, Int32(1)))
-            if t < RING * ROWS_HALF // 8:
+            if t < RING * self.ROWS_HALF // 8:
                 self.stage_x(s_x, jx, xs, [x_ring_w[k] | x_cur_w[k] for k in range(4)])
             for rep in cutlass.range_constexpr(reps):
                 r_rep = cute.make_rmem_tensor(cute.make_layout(8), Float32)
@@ -364,16 +364,16 @@ class Flush:
             # Both sources loaded by every staging thread, the entry picked by a select
             # (pending: the ring's entries j < count, zeros beyond: later entries may be
             # rejected drafts holding NaN).
-            if t < RING * ROWS_HALF // 8:
-                from_ring = _vec_a(xw, slot * ring.x_stride16 * 4 + (hh * RING + Int64(self.entry(base, jx))) * (P // 2) + Int64(xs // 2), 4).load()
+            if t < RING * self.ROWS_HALF // 8:
+                from_ring = _vec_a(xw, slot * ring.x_stride16 * 4 + (hh * RING + Int64(self.entry(base, jx))) * (self.P // 2) + Int64(xs // 2), 4).load()
                 if cutlass.const_expr(self.pending):
                     self.stage_x(s_x, jx, xs, [sel(jx < count, from_ring[k], Uint32(0)) for k in range(4)])
                 else:
-                    cur = _vec_a(xcur, A.row_words(self.dense_rows, bb, inputs.x_stride16, self.heads * P // 2) + hh * (P // 2) + Int64(xs // 2), 4).load()
+                    cur = _vec_a(xcur, A.row_words(self.dense_rows, bb, inputs.x_stride16, self.heads * self.P // 2) + hh * (self.P // 2) + Int64(xs // 2), 4).load()
                     self.stage_x(s_x, jx, xs, [sel(jx == RING - 1, cur[k], from_ring[k]) for k in range(4)])
             for rep in cutlass.range_constexpr(reps):
                 jb = t // 16 + rep * (THREADS // 16)
-                from_ring = _vec_a(bw, slot * ring.b_stride16 * 4 + (g * RING + Int64(self.entry(base, jb))) * (N // 2) + Int64(ch * 4), 4).load()
+                from_ring = _vec_a(bw, slot * ring.b_stride16 * 4 + (g * RING + Int64(self.entry(base, jb))) * (self.N // 2) + Int64(ch * 4), 4).load()
                 r_rep = cute.make_rmem_tensor(cute.make_layout(8), Float32)
                 if cutlass.const_expr(self.pending):
                     for k in cutlass.range_constexpr(4):
@@ -381,7 +381,7 @@ class Flush:
                         r_rep[k] = v[0]
                         r_rep[4 + k] = v[1]
                 elif cutlass.const_expr(rep == reps - 1):
-                    cur = _vec_a(bcur, A.row_words(self.dense_rows, bb, inputs.b_stride16, self.groups * N // 2) + g * (N // 2) + Int64(ch * 4), 4).load()
+                    cur = _vec_a(bcur, A.row_words(self.dense_rows, bb, inputs.b_stride16, self.groups * self.N // 2) + g * (self.N // 2) + Int64(ch * 4), 4).load()
                     for k in cutlass.range_constexpr(4):
                         v = _bf16x2(sel(jb == RING - 1, cur[k], from_ring[k]))
                         r_rep[k] = v[0]  # column 8 ch + 2 k
@@ -394,7 +394,7 @@ class Flush:
                 r_bs.append(r_rep)
         for rep in cutlass.range_constexpr(reps):
             jb = t // 16 + rep * (THREADS // 16)
-            b_base = jb * B_ROW + _b_stage_base(ch)
+            b_base = jb * self.B_ROW + _b_stage_base(ch)
             for k in cutlass.range_constexpr(2):
                 _vec_a(s_b.iterator, b_base + 4 * k, 4).store(_vec(r_bs[rep].iterator, 4 * k, 4).load())
         if t < RING:
@@ -404,7 +404,7 @@ class Flush:
                     dt_t = softplus(raw_dt + bias_dt.bitcast(Float32))
             s_dt[t] = dt_t
         if cutlass.const_expr(not self.pending):
-            if t < ROWS_HALF:
+            if t < self.ROWS_HALF:
                 s_dt[RING + t] = d_row.bitcast(Float32)
         cute.arch.sync_threads()
 
@@ -427,7 +427,7 @@ class Flush:
                 j = ks * 8 + jj * 4 + q
                 w_s = cute.arch.shuffle_sync(w_j, j)
                 for i in cutlass.range_constexpr(2):
-                    xp = w_s * s_x[j * X_ROW + rows[i]]
+                    xp = w_s * s_x[j * self.X_ROW + rows[i]]
                     hb = xp.bitcast(Uint32) & Uint32(0xFFFFE000)
                     hi_k.append(hb)
                     lo_k.append((xp - hb.bitcast(Float32)).bitcast(Uint32))
@@ -439,7 +439,7 @@ class Flush:
         for ks in cutlass.range_constexpr(2):
             pair = []
             for jj in cutlass.range_constexpr(2):
-                off = (ks * 8 + jj * 4 + q) * B_ROW + nq * (N // COL_PARTS) + gq * 4
+                off = (ks * 8 + jj * 4 + q) * self.B_ROW + nq * (self.N // COL_PARTS) + gq * 4
                 frag = []
                 for k in cutlass.range_constexpr(NT // 4):
                     v = _vec_a(s_b.iterator, off + 32 * k, 4).load()
@@ -469,7 +469,7 @@ class Flush:
         """Row dots with C and (`row_amax`) amaxes of this column part: over the 4
         lanes of a row, into s_dot / s_amax[half * 64 + row] (a barrier must follow
         before they are read)."""
-        q, nq, rows, col0 = self.lane_geometry(t, mh)
+        q, nq, rows, col0 = self.lane_geometry(t, mh, self.N)
         for i in cutlass.range_constexpr(2):
             dot = Float32(0.0)
             amax = Int32(0)
@@ -485,21 +485,21 @@ class Flush:
                 amax = _xor_reduce(amax, 4, cutlass.max)
             if q == 0:
                 if cutlass.const_expr(dots):
-                    s_dot[nq * P + rows[i]] = dot
+                    s_dot[nq * self.P + rows[i]] = dot
                 if cutlass.const_expr(row_amax):
-                    s_amax[nq * P + rows[i]] = amax
+                    s_amax[nq * self.P + rows[i]] = amax
 
     @cute.jit
     def row_output(self, t, mh, hh, bb, p, s_x, s_dot, s_dt, out):
         """y[p] = S[p] . C + D[p] x[p] from the column parts' dots and the staged D[p]
         (s_dt[RING + p % 32], written by `fold`); one lane writes it."""
-        q, nq, rows, col0 = self.lane_geometry(t, mh)
+        q, nq, rows, col0 = self.lane_geometry(t, mh, self.N)
         pp = Int64(p)
         if nq == 0:
             if q == 0:
-                dot = s_dot[p] + s_dot[P + p]
-                y = dot + s_dt[RING + p % ROWS_HALF] * s_x[(RING - 1) * X_ROW + p]
-                out[(bb * self.heads + hh) * P + pp] = BFloat16(y)
+                dot = s_dot[p] + s_dot[self.P + p]
+                y = dot + s_dt[RING + p % self.ROWS_HALF] * s_x[(RING - 1) * self.X_ROW + p]
+                out[(bb * self.heads + hh) * self.P + pp] = BFloat16(y)
 
     @cute.jit
     def store_state(self, hh, bb, pp, col0, acc, i, plan):
@@ -510,7 +510,7 @@ class Flush:
                 for k in cutlass.range_constexpr(4):
                     c = 4 * k4 + k  # column col0 + c = 2 nt + e
                     r_state[k] = acc[c // 2][2 * i + c % 2]
-                _vec_a(plan.state, ((bb * self.heads + hh) * P + pp) * N + Int64(col0 + 4 * k4), 4).store(r_state.load())
+                _vec_a(plan.state, ((bb * self.heads + hh) * self.P + pp) * self.N + Int64(col0 + 4 * k4), 4).store(r_state.load())
 
     @cute.jit
     def store_checkpoint(self, h_model, pp, col0, key, acc, i, ck_w, ck_head):
@@ -519,7 +519,7 @@ class Flush:
         cache's head plus its head_offset), so tensor-parallel shards draw the bits one
         unsharded cache would."""
         r_ck_out = cute.make_rmem_tensor(cute.make_layout(NT), Uint32)
-        w0 = Uint32((h_model * P + pp) * (N // 2)) + Uint32(col0 // 2)
+        w0 = Uint32((h_model * self.P + pp) * (self.N // 2)) + Uint32(col0 // 2)
         if cutlass.const_expr(self.sr_voted):
             words = [bits.random_word(key, w0 + Uint32(nt)) for nt in range(NT)]
             codes = bits.fp16x2_sr_voted([(acc[nt][2 * i], acc[nt][2 * i + 1]) for nt in range(NT)], words)
@@ -530,7 +530,7 @@ class Flush:
                 word = bits.random_word(key, w0 + Uint32(nt))
                 r_ck_out[nt] = self.fmt.fp16x2_sr(acc[nt][2 * i], acc[nt][2 * i + 1], word)
         for k in cutlass.range_constexpr(NT // 4):
-            _vec_a(ck_w, ck_head + pp * (N // 2) + Int64(col0 // 2 + 4 * k), 4).store(_vec(r_ck_out.iterator, 4 * k, 4).load())
+            _vec_a(ck_w, ck_head + pp * (self.N // 2) + Int64(col0 // 2 + 4 * k), 4).store(_vec(r_ck_out.iterator, 4 * k, 4).load())
 
 
 class PendingFold(Flush):
@@ -589,7 +589,7 @@ class PendingFold(Flush):
         """State rows 32 mh .. + 31 of head hh of one folding row (the whole CTA): the
         flush's `flush_row` without the output."""
         fmt = self.fmt
-        q, nq, rows, col0 = self.lane_geometry(t, mh)
+        q, nq, rows, col0 = self.lane_geometry(t, mh, self.N)
         ctx = fmt.begin_fold(copy, Int64(Int32(1) - (live & Int32(1))), slot, hh // self.hpg)
         acc, _, ck_w, ck_head = self.fold(t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, ring, params, f_old, nf)
         self.row_partials(t, mh, acc, None, s_dot, s_amax, fmt.row_amax, False)
