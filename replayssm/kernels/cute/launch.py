@@ -9,8 +9,9 @@ else the non-flush kernel), the other goes on a side stream forked from the curr
 after prepare and joined back after the step. A captured CUDA graph records the fork and
 the join as edges.
 
-Compile keys hold static properties only: the kernel, the format, arch, heads, groups
-and the config's variant fields. Batch size, slot count and every stride are runtime
+Compile keys hold static properties only: the kernel, the format, arch, heads, groups,
+the config's variant fields and the cache geometry (head dim P, state dim N; the kernels
+take 64 / 128 only so far: `layout_ok`). Batch size, slot count and every stride are runtime
 arguments (kernels take raw pointers plus slot strides in 16-byte units, so one compile
 serves every batch, cache size and slot padding, and the kernels still know their vector
 accesses are 16-byte aligned). Every kernel is compiled with the DSL's TVM-FFI entry
@@ -80,17 +81,18 @@ DT_DTYPES = tuple(A.DSL_DTYPES)
 WARMUP_INPUTS = ((True, torch.float32), (True, torch.bfloat16), (False, torch.bfloat16))
 
 
-def decode_kernel(cfg: StepConfig, dt_dtype: torch.dtype = torch.float32, dense_rows: bool = True) -> tuple[Decode, list]:
-    """The non-flush kernel object of `cfg` and its compile-time arguments."""
-    fmt = read_copy_format(cfg.state_dtype, cfg.arch)
+def decode_kernel(cfg: StepConfig, dt_dtype: torch.dtype = torch.float32, dense_rows: bool = True, P: int = 64, N: int = 128) -> tuple[Decode, list]:
+    """The non-flush kernel object of `cfg` (head dim `P`, state dim `N`) and its
+    compile-time arguments."""
+    fmt = read_copy_format(cfg.state_dtype, cfg.arch, P, N)
     obj = Decode(fmt, cfg.heads, cfg.groups, pdl=cfg.nonflush_pdl, read_hint=cfg.read_hint, dense_rows=dense_rows)
     return obj, [A.fake(A.Ring), A.fake(fmt.Args), A.fake(A.Inputs, dt=dt_dtype), A.fake(A.Plan), Int32(0), make_fake_stream()]
 
 
-def flush_kernel(cfg: StepConfig, debug: bool = False, dt_dtype: torch.dtype = torch.float32, dense_rows: bool = True) -> tuple[Flush, list]:
-    """The flush kernel object of `cfg` (`debug`: the test variant) and its compile-time
-    arguments."""
-    fmt = read_copy_format(cfg.state_dtype, cfg.arch)
+def flush_kernel(cfg: StepConfig, debug: bool = False, dt_dtype: torch.dtype = torch.float32, dense_rows: bool = True, P: int = 64, N: int = 128) -> tuple[Flush, list]:
+    """The flush kernel object of `cfg` (`debug`: the test variant; head dim `P`, state
+    dim `N`) and its compile-time arguments."""
+    fmt = read_copy_format(cfg.state_dtype, cfg.arch, P, N)
     obj = Flush(fmt, cfg.heads, cfg.groups, pdl=cfg.flush_pdl, rows=cfg.flush_rows, debug=debug, dense_rows=dense_rows)
     plan = A.fake(A.DebugPlan if debug else A.Plan)
     inputs = A.fake(A.Inputs, dt=dt_dtype)
@@ -98,29 +100,32 @@ def flush_kernel(cfg: StepConfig, debug: bool = False, dt_dtype: torch.dtype = t
     return obj, fake
 
 
-def compiled_decode(cfg: StepConfig, dt_dtype: torch.dtype = torch.float32, dense_rows: bool = True):
+def compiled_decode(cfg: StepConfig, dt_dtype: torch.dtype = torch.float32, dense_rows: bool = True, P: int = 64, N: int = 128):
     """The compiled non-flush launcher of `cfg` for these inputs (compiled on first use)."""
-    key = ("decode", cfg.arch, cfg.state_dtype, cfg.heads, cfg.groups, cfg.nonflush_pdl, cfg.read_hint, dt_dtype, dense_rows)
+    key = ("decode", cfg.arch, cfg.state_dtype, cfg.heads, cfg.groups, cfg.nonflush_pdl, cfg.read_hint, dt_dtype, dense_rows, P, N)
     fn = _COMPILED.get(key)
     if fn is None:
-        obj, fake = decode_kernel(cfg, dt_dtype, dense_rows)
+        obj, fake = decode_kernel(cfg, dt_dtype, dense_rows, P, N)
         fn = _COMPILED[key] = compile_entry(obj, fake, cfg.arch)
     return fn
 
 
-def compiled_flush(cfg: StepConfig, debug: bool = False, dt_dtype: torch.dtype = torch.float32, dense_rows: bool = True):
+def compiled_flush(cfg: StepConfig, debug: bool = False, dt_dtype: torch.dtype = torch.float32, dense_rows: bool = True, P: int = 64, N: int = 128):
     """The compiled flush launcher of `cfg` for these inputs (compiled on first use)."""
-    key = ("flush", cfg.arch, cfg.state_dtype, cfg.heads, cfg.groups, cfg.flush_pdl, cfg.flush_rows, debug, dt_dtype, dense_rows)
+    key = ("flush", cfg.arch, cfg.state_dtype, cfg.heads, cfg.groups, cfg.flush_pdl, cfg.flush_rows, debug, dt_dtype, dense_rows, P, N)
     fn = _COMPILED.get(key)
     if fn is None:
-        obj, fake = flush_kernel(cfg, debug, dt_dtype, dense_rows)
+        obj, fake = flush_kernel(cfg, debug, dt_dtype, dense_rows, P, N)
         fn = _COMPILED[key] = compile_entry(obj, fake, cfg.arch)
     return fn
 
 
-def variant_name(kind: str, cfg: StepConfig) -> str:
-    """A readable name of one kernel variant: `decode-fp8-h16g2-pdl`, `flush-nvfp4-h64g8-rows32`."""
+def variant_name(kind: str, cfg: StepConfig, P: int = 64, N: int = 128) -> str:
+    """A readable name of one kernel variant: `decode-fp8-h16g2-pdl`, `flush-nvfp4-h64g8-rows32`
+    (head dim `P` / state dim `N` other than 64 / 128 as `-p80` / `-n256` after the geometry)."""
     name = f"{kind}-{cfg.state_dtype}-h{cfg.heads}g{cfg.groups}"
+    name += f"-p{P}" if P != 64 else ""
+    name += f"-n{N}" if N != 128 else ""
     if kind == "decode":
         name += "-pdl" if cfg.nonflush_pdl else ""
         name += {"": "", ".L2::128B": "-l2", ".cs": "-cs"}[cfg.read_hint]
@@ -186,14 +191,15 @@ def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, state
     modules, e.g. before CUDA-graph capture."""
     batch = plan.valid.shape[0]
     heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
+    P, N = L.dims(cache)
     dev = out.device
     per_head = torch.zeros(heads, device=dev)
-    D = torch.zeros(heads, L.HEAD_DIM, device=dev)
+    D = torch.zeros(heads, P, device=dev)
     for dense, dt_dtype in inputs:
         pad = 0 if dense else 8  # a wider row: x, B, C as row-strided column slices
-        x = torch.zeros(batch, heads * L.HEAD_DIM + pad, dtype=torch.bfloat16, device=dev)[:, : heads * L.HEAD_DIM]
-        bc = torch.zeros(batch, groups * L.STATE_DIM + pad, dtype=torch.bfloat16, device=dev)[:, : groups * L.STATE_DIM]
-        x, bc = x.view(batch, heads, L.HEAD_DIM), bc.view(batch, groups, L.STATE_DIM)
+        x = torch.zeros(batch, heads * P + pad, dtype=torch.bfloat16, device=dev)[:, : heads * P]
+        bc = torch.zeros(batch, groups * N + pad, dtype=torch.bfloat16, device=dev)[:, : groups * N]
+        x, bc = x.view(batch, heads, P), bc.view(batch, groups, N)
         dt = torch.zeros(batch, heads, dtype=dt_dtype, device=dev)
         for cfg in step_configs(arch, state_dtype, heads, groups):
             decode_step(cache, x, dt, per_head, bc, bc, D, per_head, plan, out, state_dtype=state_dtype, config=cfg)
@@ -330,14 +336,15 @@ class Step:
     between calls keys them so that the cache and the plan are the ones it was made for
     (the kernel backend keeps them in its per-cache context), and passes them to each call."""
 
-    __slots__ = ("batch", "heads", "groups", "index", "config", "ckpt", "ring", "copy", "plan", "kernels")
+    __slots__ = ("batch", "heads", "groups", "P", "N", "index", "config", "ckpt", "ring", "copy", "plan", "kernels")
 
     def __init__(self, cache, plan, state_dtype: str, arch: str, head_offset: int = 0, config: StepConfig | None = None) -> None:
         self.batch = plan.valid.shape[0]
         self.heads, self.groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
+        self.P, self.N = L.dims(cache)
         self.index = cache[L.CHECKPOINT].get_device()
         self.config = config or step_config(arch, state_dtype, self.heads, self.groups, self.batch)
-        fmt = read_copy_format(state_dtype, arch)
+        fmt = read_copy_format(state_dtype, arch, self.P, self.N)
         self.ckpt = tvm_ffi.convert(A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=head_offset))
         self.ring = tvm_ffi.convert(A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING]))
         self.copy = tvm_ffi.convert(A.raw(fmt.Args, **fmt.tensors(cache, L)))
@@ -347,7 +354,7 @@ class Step:
     def __call__(self, cache, plan, x, dt, A_, B, C, D, dt_bias, out, stream: int, state_out=None, fork: bool = True) -> None:
         """Launch both kernels for these inputs on stream handle `stream`; `fork`: the one
         without PDL on the side stream (else both on `stream`, the PDL one first)."""
-        batch, heads, groups = self.batch, self.heads, self.groups
+        batch, heads, groups, P, N = self.batch, self.heads, self.groups, self.P, self.N
         if dt.dtype not in DT_DTYPES:
             dt = dt.float()
         xs, bs, cs = x.stride(), B.stride(), C.stride()
@@ -356,21 +363,21 @@ class Step:
         # one the kernels cannot read as it is copied.
         if not (
             (inputs[0] | inputs[3] | inputs[4]) % 16 == 0 and (xs[0] | bs[0] | cs[0]) % 8 == 0
-            and xs[-1] == bs[-1] == cs[-1] == 1 and (len(xs) == 2 or xs[1] == L.HEAD_DIM)
-            and (len(bs) == 2 or bs[1] == L.STATE_DIM) and (len(cs) == 2 or cs[1] == L.STATE_DIM)
+            and xs[-1] == bs[-1] == cs[-1] == 1 and (len(xs) == 2 or xs[1] == P)
+            and (len(bs) == 2 or bs[1] == N) and (len(cs) == 2 or cs[1] == N)
         ):  # fmt: skip
             x, B, C = (
                 t if _rows_ok(t, t.stride(), w) else t.reshape(batch, n, w).clone(memory_format=torch.contiguous_format)
-                for t, n, w in ((x, heads, L.HEAD_DIM), (B, groups, L.STATE_DIM), (C, groups, L.STATE_DIM))
+                for t, n, w in ((x, heads, P), (B, groups, N), (C, groups, N))
             )
             xs, bs, cs = x.stride(), B.stride(), C.stride()
             inputs = inputs_words(x, dt, A_, B, C, D, dt_bias, out, xs[0], bs[0], cs[0])
-        dense = xs[0] == heads * L.HEAD_DIM and bs[0] == cs[0] == groups * L.STATE_DIM  # A.dense_rows
+        dense = xs[0] == heads * P and bs[0] == cs[0] == groups * N  # A.dense_rows
         debug = state_out is not None
         key = (dt.dtype, dense, debug)
         kernels = self.kernels.get(key)
         if kernels is None:
-            kernels = self.kernels[key] = _kernels(self.config, dt.dtype, dense, debug, self.index)
+            kernels = self.kernels[key] = _kernels(self.config, dt.dtype, dense, debug, self.index, P, N)
         nonflush, flush, _, columns = kernels
         flush_plan = tuple(A.raw(A.DebugPlan, **plan._asdict(), state=state_out)) if debug else self.plan
         flush_args = (self.ckpt, self.ring, self.copy, inputs, flush_plan, columns, batch)
@@ -401,12 +408,12 @@ def inputs_words(x, dt, A_, B, C, D, dt_bias, out, x_stride: int, b_stride: int,
 
 
 @functools.lru_cache(maxsize=1024)
-def _kernels(config: StepConfig, dt_dtype: torch.dtype, dense: bool, debug: bool, device_index: int):
+def _kernels(config: StepConfig, dt_dtype: torch.dtype, dense: bool, debug: bool, device_index: int, P: int = 64, N: int = 128):
     """(non-flush launcher, flush launcher, read-copy format, flush CTA columns) of a step:
-    resolved once per config, inputs' layout and device."""
-    fmt = read_copy_format(config.state_dtype, config.arch)
+    resolved once per config, inputs' layout, device and cache geometry (P, N)."""
+    fmt = read_copy_format(config.state_dtype, config.arch, P, N)
     columns = flush_columns(config.heads, fmt.ctas_per_sm, _sm_count(device_index))
-    return compiled_decode(config, dt_dtype, dense), compiled_flush(config, debug, dt_dtype, dense), fmt, columns
+    return compiled_decode(config, dt_dtype, dense, P, N), compiled_flush(config, debug, dt_dtype, dense, P, N), fmt, columns
 
 
 __all__ = [

@@ -229,7 +229,7 @@ class PrepareLaunch:
         self.slots = tvm_ffi.convert(slots_words(cache, fmt))
         self.plan = tvm_ffi.convert(scratch.words)
         self.seed = seed_key_i32(seed)
-        self.key = (arch, cache[L.B_RING].shape[1], cache[L.CHECKPOINT].shape[1] * L.HEAD_DIM, fmt.two_level)
+        self.key = (arch, cache[L.B_RING].shape[1], cache[L.CHECKPOINT].shape[1] * L.dims(cache)[0], fmt.two_level)
         self.entries: dict[torch.dtype, object] = {}
 
     def __call__(self, ids: torch.Tensor, out: torch.Tensor, stream: int) -> None:
