@@ -22,12 +22,20 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import re
 import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+# The checkout this script lies in, not whatever `replayssm` the environment has installed
+# (run as a script, sys.path[0] is benchmarks/, so `import replayssm` found the installed one).
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+# No cached compile results: every PTX comes from this checkout's source.
+os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
 
 ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 KINDS = ("decode", "flush", "pending", "bookkeeping", "plan")
@@ -112,6 +120,11 @@ def main(argv=None) -> int:
     ap.add_argument("-j", "--jobs", type=int, default=1)
     ap.add_argument("--keep", help="folder for the PTX / cubins (default: a temporary one)")
     args = ap.parse_args(argv)
+    import replayssm
+
+    print(f"# replayssm from {Path(replayssm.__file__).parent}", file=sys.stderr)
+    if Path(replayssm.__file__).resolve().parent.parent != ROOT:
+        raise SystemExit(f"imported replayssm from {replayssm.__file__}, not from {ROOT}")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or tmp
