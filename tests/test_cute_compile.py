@@ -376,35 +376,36 @@ def test_streams_fork_and_join(monkeypatch):
         launch.fork_streams(0, True, 100)
 
 
-def test_flush_fragment_maps_are_bijections():
+@pytest.mark.parametrize("N", [128, 256])
+def test_flush_fragment_maps_are_bijections(N):
     """The flush's permuted column maps: the staging positions the kernel writes
     (`_b_stage_base`, + 4 (i % 2) + i // 2 for column 8 ch + i) equal `_b_slot`, `_b_slot`
-    is a permutation of the 128 columns, and lane (gq, q)'s B fragment (its 8 n-tiles,
-    read 4 at a time as consecutive staged floats at 64 half + 32 k + 4 gq) holds exactly
+    is a permutation of the N columns, and lane (gq, q)'s B fragment (its 8 n-tiles,
+    read 4 at a time as consecutive staged floats at 64 part + 32 k + 4 gq) holds exactly
     the columns its accumulators are stored to (the lane's 16 consecutive columns)."""
-    from replayssm.kernels.cute.flush import COL_PARTS, NT, Flush, _b_slot, _b_stage_base
+    from replayssm.kernels.cute.flush import COLUMNS, NT, Flush, _b_slot, _b_stage_base, shape
     from replayssm.kernels.cute.read_copy import read_copy_format
 
-    flush = Flush(read_copy_format("fp8", "sm_90a"), 16, 2)
-    N, B_ROW = flush.N, flush.B_ROW
-    width, lane_cols = N // COL_PARTS, 2 * NT
-    assert (COL_PARTS, NT, N) == (2, 8, 128)
+    flush = Flush(read_copy_format("fp8", "sm_90a", 64, N), 16, 2)
+    B_ROW, mt = flush.B_ROW, flush.sh.mt
+    lane_cols = 2 * NT
+    assert (NT, COLUMNS, flush.sh) == (8, 64, shape(64, N)) and flush.sh.cp == N // 64
     assert sorted(_b_slot(n, N) for n in range(N)) == list(range(N))
-    for ch in range(16):  # staging thread: columns 8 ch .. 8 ch + 7
+    for ch in range(N // 8):  # staging thread: columns 8 ch .. 8 ch + 7
         base = _b_stage_base(ch)
         for i in range(8):
             assert base + 4 * (i % 2) + i // 2 == _b_slot(8 * ch + i, N), (ch, i)
-    for half in range(COL_PARTS):
+    for part in range(flush.sh.cp):
         for g in range(8):  # MMA column g of n-tile nt is state column phys(nt, g)
             for nt in range(NT):
-                phys = half * width + (g // 2) * lane_cols + 2 * nt + g % 2
-                assert _b_slot(phys, N) == half * width + 32 * (nt // 4) + 4 * g + nt % 4
+                phys = part * COLUMNS + (g // 2) * lane_cols + 2 * nt + g % 2
+                assert _b_slot(phys, N) == part * COLUMNS + 32 * (nt // 4) + 4 * g + nt % 4
         for q in range(4):
-            cols = sorted(half * width + (c // 2) * lane_cols + 2 * nt + c % 2 for nt in range(NT) for c in (2 * q, 2 * q + 1))
-            first = half * width + lane_cols * q
+            cols = sorted(part * COLUMNS + (c // 2) * lane_cols + 2 * nt + c % 2 for nt in range(NT) for c in (2 * q, 2 * q + 1))
+            first = part * COLUMNS + lane_cols * q
             assert cols == list(range(first, first + lane_cols))
-            for w in (2 * half, 2 * half + 1):
-                assert Flush.lane_geometry(32 * w + q, 0, N)[3] == first
+            for w in range(mt * part, mt * part + mt):
+                assert Flush.lane_geometry(32 * w + q, 0, mt)[3] == first
     # Bank-conflict-free B fragment loads: the 8 lanes of each 16-byte load phase read
     # distinct 4-bank groups.
     for a in range(4):
@@ -429,16 +430,20 @@ def test_step_lane_n_sets_cover_each_state_column_once():
             assert starts == list(range(starts[0], starts[0] + 64, 16)) and starts[0] % 64 == 0, (c, h)
 
 
-def test_flush_lane_map_covers_each_state_row_half_once():
-    from replayssm.kernels.cute.flush import M_SPLIT, NT, THREADS, Flush
+@pytest.mark.parametrize("P, N", [(64, 128), (64, 256), (80, 128), (80, 256)])
+def test_flush_lane_map_covers_each_state_row_part_once(P, N):
+    """`flush.Shape`: m_split CTAs of `threads` threads a head cover each (row, column) of
+    the state once, CTA mh the rows 16 mt mh .. + 16 mt; 16 warps an SM at 128 registers
+    a thread."""
+    from replayssm.kernels.cute.flush import NT, Flush, shape
 
-    P, N = 64, 128
-
+    sh = shape(P, N)
+    assert sh.m_split * sh.mt * 16 == P and sh.cp * 64 == N and sh.warps * sh.min_ctas == 16
     seen = []
-    for mh in range(M_SPLIT):
-        for t in range(THREADS):
-            _, _, rows, col0 = Flush.lane_geometry(t, mh, N)
-            assert all(32 * mh <= r < 32 * mh + 32 for r in rows)
+    for mh in range(sh.m_split):
+        for t in range(sh.threads):
+            _, _, rows, col0 = Flush.lane_geometry(t, mh, sh.mt)
+            assert all(16 * sh.mt * mh <= r < 16 * sh.mt * (mh + 1) for r in rows)
             seen += [(r, col0 + c) for r in rows for c in range(2 * NT)]
     assert sorted(seen) == [(p, n) for p in range(P) for n in range(N)]
 
@@ -449,15 +454,16 @@ def test_flush_grid_visits_every_row_group_once(heads, batch):
     """The persistent flush grid, walked as the kernel walks it: every (head half, row
     group) once, and a CTA's successive groups alternate between the two flag words
     (flush_mask's `buf`); groups of 16 and of 32 rows, both formats' CTAs an SM."""
-    from replayssm.kernels.cute.flush import M_SPLIT, flush_columns
+    from replayssm.kernels.cute.flush import flush_columns, shape
     from replayssm.kernels.cute.read_copy import Fp8, Nvfp4
 
-    hm = heads * M_SPLIT
+    sh = shape(64, 128)
+    hm = heads * sh.m_split
     for rows in (16, 32):
         n_by = -(-batch // rows)
         for ctas_per_sm in (Fp8.ctas_per_sm, Nvfp4.ctas_per_sm, 0.0, 100.0):
             for sms in (132, 148, 1):
-                columns = flush_columns(heads, ctas_per_sm, sms)
+                columns = flush_columns(heads, ctas_per_sm, sms, sh)
                 assert columns >= 1
                 n_ctas = hm * min(n_by, columns)
                 seen = []
@@ -485,7 +491,7 @@ def test_sass_stats_reads_the_kernels_resources(compiled, arch):
     """benchmarks/sass_stats.py reads the cubins right: every kernel holds tensor-core
     MMAs, global loads and stores and barriers, the non-flush kernel its one barrier; the
     registers allow the CTAs an SM each kernel is compiled for (`min_blocks_per_mp`:
-    the format's step_ctas_per_sm, flush.MIN_CTAS_PER_SM; 128 registers at 4 CTAs of 128
+    the format's step_ctas_per_sm, the flush Shape's min_ctas; 128 registers at 4 CTAs of 128
     threads, 168 at fp16's 3);
     no spill stack in the non-flush kernels or the NVFP4 flush (its voted rounding is the
     form that does not spill; docs/design.md section 7); each flush PDL variant differs
@@ -500,7 +506,8 @@ def test_sass_stats_reads_the_kernels_resources(compiled, arch):
         cls = sass_stats.classify(st["ops"])
         assert cls["MMA"] and cls["LDG"] and cls["STG"] and cls["BAR"], (name, cls)
         if name.startswith("flush"):
-            threads, ctas = flush.THREADS, flush.MIN_CTAS_PER_SM
+            sh = flush.shape(64, 128)
+            threads, ctas = sh.threads, sh.min_ctas
         else:
             assert cls["BAR"] == 1, (name, cls)
             fmt, heads, groups = re.search(r"-(\w+)-h(\d+)g(\d+)", name).groups()

@@ -128,7 +128,7 @@ def test_registers_allow_the_kernels_ctas_an_sm(compiled, arch, fmt):
     tool = sass_stats.default_cuobjdump()
     fmt_obj = read_copy_format(fmt, arch)
     ctas = {"step": fmt_obj.step_ctas_per_sm, "fold": fmt_obj.fold_ctas_per_sm}
-    threads = {"step": 32 * decode.heads_per_cta(HEADS // GROUPS), "fold": flush.THREADS}
+    threads = {"step": 32 * decode.heads_per_cta(HEADS // GROUPS), "fold": flush.shape(64, 128).threads}
     for kind in ("step", "fold"):
         usage = subprocess.run([tool, "--dump-resource-usage", str(compiled[arch, fmt, kind][".cubin"])], capture_output=True, text=True, check=True).stdout
         regs, stack = (int(re.search(rf"{k}:(\d+)", usage).group(1)) for k in ("REG", "STACK"))

@@ -68,15 +68,15 @@ def twin_caches(slots, heads, groups, fmt, device=DEV, *, garbage=True, gen=None
     return a, b
 
 
-def prefill_like(batch, heads, gen, device=DEV):
+def prefill_like(batch, heads, gen, device=DEV, P=64, N=128):
     """FP32 states over a wide range: heads scaled 1e-8 .. 1e8, one all-zero head, FP16
     subnormals and values beyond FP16's range, exact ties, signed zeros."""
-    s = torch.randn(batch, heads, 64, 128, generator=gen)
+    s = torch.randn(batch, heads, P, N, generator=gen)
     s = s * torch.logspace(-8, 8, heads).view(1, heads, 1, 1)
     s[:, 0] = 0.0
     s[:, 0, 0, :8] = -0.0
     s[:, 1, 1, :16] = torch.tensor([1e-6, -3e-7, 6e-8, 1e5, -7e4, 65520.0, 65519.0, 0.5] * 2)
-    s[:, 2, :, 5] = 448.0 * 2.0 ** torch.arange(-30, 34).float()
+    s[:, 2, :, 5] = 448.0 * 2.0 ** (torch.arange(P) - 30).float()
     return s.to(device)
 
 
@@ -272,7 +272,7 @@ def test_bookkeeping_launches_pass_the_cache_they_were_made_for(fmt, monkeypatch
 def test_bookkeeping_kernels_compile_for_every_arch(arch, tmp_path):
     """Compile-only (no GPU): initialize (each format, states read by 16-byte rows and
     element by element) and clear build PTX and a cubin for each target, 3 heads a group
-    and pending mode's two position words. Every array in registers (no local memory), no
+    and pending mode's two position words, at 64 / 128 and at head dim 80 / state dim 256. Every array in registers (no local memory), no
     atomics (meta is written once, by one thread); clear loads nothing but the row's id
     and needs no barrier;
     initialize rounds the checkpoint with the counter hash, by `cvt.rs` on sm_100a /
@@ -284,26 +284,27 @@ def test_bookkeeping_kernels_compile_for_every_arch(arch, tmp_path):
     from replayssm.kernels.cute.launch import compile_into
 
     hw = arch != "sm_90a"
-    for fmt in ("fp8", "nvfp4", "fp16", None):
-        for vec in (False, True) if fmt else (False,):
-            name = f"{fmt or 'clear'}-{'rows' if vec else 'elements'}"
-            paths = compile_into(*bookkeeping_kernel(fmt, arch, 3, 2, torch.int32, vec), arch, tmp_path / name)
-            assert any(p.endswith(".cubin") for p in paths), name
-            text = open(next(p for p in paths if p.endswith(".ptx"))).read()
-            assert text.count(".entry kernel_") == 1, name
-            body = text[text.index(".entry kernel_") :]
-            assert not re.search(r"\.local\b", body) and not re.search(r"\b(atom|red)\.", body), name
-            assert not re.search(r"\bcvt\.rn(\.satfinite)?\.f16(x2)?\.f32\b", body), name
-            if fmt is None:
-                assert len(re.findall(r"\bld\.global", body)) == 1 and "bar.sync" not in body, name
-                continue
-            assert "2146121005" in body, name  # the hash's lowbias32 constant 0x7FEB352D
-            assert ("cvt.rs.satfinite.f16x2.f32" in body) == hw and ("cvt.rz.f16x2.f32" in body) != hw, name
-            assert ("ld.global.v4" in body) == vec, name
-            assert ("e4m3x2.f32" in body) == (fmt != "fp16"), name  # FP8 codes, NVFP4 block scales
-            if fmt == "nvfp4":
-                assert re.search(r"\b(rcp|div)\.rn\.f32\b", body) and not re.search(r"\b(rcp|div)\.(approx|full)", body), name
-                assert ("cvt.rn.satfinite.e2m1x2.f32" in body) == hw, name
+    variants = [(fmt, vec, 64, 128) for fmt in ("fp8", "nvfp4", "fp16", None) for vec in ((False, True) if fmt else (False,))]
+    variants += [(fmt, fmt is not None, 80, 256) for fmt in ("fp8", "nvfp4", "fp16", None)]  # 3 trips, spare threads
+    for fmt, vec, P, N in variants:
+        name = f"{fmt or 'clear'}-{'rows' if vec else 'elements'}-{P}-{N}"
+        paths = compile_into(*bookkeeping_kernel(fmt, arch, 3, 2, torch.int32, vec, P, N), arch, tmp_path / name)
+        assert any(p.endswith(".cubin") for p in paths), name
+        text = open(next(p for p in paths if p.endswith(".ptx"))).read()
+        assert text.count(".entry kernel_") == 1, name
+        body = text[text.index(".entry kernel_") :]
+        assert not re.search(r"\.local\b", body) and not re.search(r"\b(atom|red)\.", body), name
+        assert not re.search(r"\bcvt\.rn(\.satfinite)?\.f16(x2)?\.f32\b", body), name
+        if fmt is None:
+            assert len(re.findall(r"\bld\.global", body)) == 1 and "bar.sync" not in body, name
+            continue
+        assert "2146121005" in body, name  # the hash's lowbias32 constant 0x7FEB352D
+        assert ("cvt.rs.satfinite.f16x2.f32" in body) == hw and ("cvt.rz.f16x2.f32" in body) != hw, name
+        assert ("ld.global.v4" in body) == vec, name
+        assert ("e4m3x2.f32" in body) == (fmt != "fp16"), name  # FP8 codes, NVFP4 block scales
+        if fmt == "nvfp4":
+            assert re.search(r"\b(rcp|div)\.rn\.f32\b", body) and not re.search(r"\b(rcp|div)\.(approx|full)", body), name
+            assert ("cvt.rn.satfinite.e2m1x2.f32" in body) == hw, name
 
 
 # ---------------------------------------------------------------------------------------
@@ -518,6 +519,40 @@ def test_gpu_initialize(fmt, heads, groups, id_dtype):
     ):
         initialize(got, st, ids2, fmt=FORMATS[fmt], seed=5)
         ref.initialize(want, st, ids2, fmt=FORMATS[fmt], seed=5)
+        assert_same_cache(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P, N", [(64, 256), (80, 128), (80, 256)], ids=["p64-n256", "p80-n128", "p80-n256"])
+@pytest.mark.parametrize("fmt, heads, groups", [("fp8", 6, 2), ("nvfp4", 8, 2), ("nvfp4", 3, 1), ("fp16", 4, 1)])
+def test_gpu_bookkeeping_at_head_dim_80_and_state_dim_256(P, N, fmt, heads, groups):
+    """Initialize and clear at the geometries whose flush CTA differs from 64 / 128's
+    (`flush.Shape`: 8 warps at state dim 256; 5 row parts a head at head dim 80, the
+    last trip's spare threads repeating the last part), through the launcher itself (the
+    backend takes these caches to the reference until every step kernel does): bits equal
+    the reference's, for contiguous, broadcast and transposed states, padding ids too."""
+    pytest.importorskip("cutlass")
+    from replayssm.kernels.cute.arch import arch_for
+    from replayssm.kernels.cute.bookkeeping import BookkeepingLaunch
+    from replayssm.kernels.cute.launch import current_stream
+
+    gen = torch.Generator().manual_seed(25)
+    dims = {"head_dim": P, "state_dim": N}
+    got, want = twin_caches(64, heads, groups, fmt, "cuda", fill=float("nan"), slot_padding=16, gen=gen, **dims)
+    init = BookkeepingLaunch(got, FORMATS[fmt], 2**33 + 5, 0, arch_for())
+    wipe = BookkeepingLaunch(got, None, 0, 0, arch_for())
+    for i, states in enumerate((
+        prefill_like(12, heads, gen, "cuda", P, N),
+        prefill_like(1, heads, gen, "cuda", P, N).expand(12, -1, -1, -1),
+        prefill_like(12, heads, gen, "cuda", P, N).transpose(-1, -2).contiguous().transpose(-1, -2),
+    )):
+        ids = _gpu_ids(12, 64, gen, torch.int64 if i % 2 else torch.int32)
+        init(ids, current_stream(0), states)
+        ref.initialize(want, states, ids, fmt=FORMATS[fmt], seed=2**33 + 5)
+        assert_same_cache(got, want)
+        gone = _gpu_ids(5, 64, gen, torch.int32)
+        wipe(gone, current_stream(0))
+        ref.clear(want, gone)
         assert_same_cache(got, want)
 
 

@@ -5,8 +5,9 @@ Grid (batch, groups * splits), 256 threads: CTA (b, g * splits + k) serves batch
 slot (a padding row, slot <= 0 or >= num_slots: nothing) and heads g * hpg + k, + splits,
 .. of group g (hpg heads a group):
 - each head: its x and dt rings zeroed; initialize also reads the head's FP32 state (any
-  strides; 16-byte loads where the rows allow them) in the flush's lane map, thread t
-  holding two rows of state-row half t // 128 at 16 consecutive columns
+  strides; 16-byte loads where the rows allow them) in the flush's lane map, the CTA's
+  threads acting as 256 / threads flush CTAs (`flush.Shape`) in as many trips as the
+  head's row parts need, a thread holding two rows at 16 consecutive columns
   (`flush.Flush.lane_geometry`), and writes it as the flush writes a folded state: the
   FP16 checkpoint by stochastic rounding under the stream tag of (seed, slot,
   INIT_POSITION) (`Flush.store_checkpoint`), the read copy by the format's strategy
@@ -42,13 +43,12 @@ from ...quant.rng import seed_key_i32
 from . import args as A
 from . import bits
 from .bits_nvfp4 import NVFP4_E_OFF, NVFP4_MANT_LIMIT
-from .flush import NT, Flush
+from .flush import NT, Flush, shape
 from .launch import compile_entry
 from .plan import ID_DTYPES, row_slot, slots_words, stream_key
 from .read_copy import read_copy_format
 
-THREADS = 256  # a whole head (two halves of the flush's 128-thread lane map)
-HALF = THREADS // 2
+THREADS = 256  # flush CTAs' lane maps (`flush.Shape`) side by side: a head in one or more trips
 # NVFP4: CTAs a launch aims at (about one an SM of an H100 / H200 / B200) before it stops
 # splitting a (row, group) over more CTAs, each of which reduces the group amax again.
 NVFP4_CTAS = 128
@@ -68,6 +68,13 @@ class Bookkeeping:
         self.P, self.N = P, N
         self.two_level = fmt is not None and fmt.name == "nvfp4"
         self.flush = Flush(fmt, hpg, 1) if fmt is not None else None
+        # The head's state rows as the flush's CTAs (units) map them, THREADS // threads
+        # units at a time: 64 / 128 two units of 128 threads in one trip; 64 / 256 one of
+        # 256, two trips; head dim 80 five units, the last trip's spare threads repeating
+        # the last unit (the same values to the same addresses).
+        self.sh = shape(P, N)
+        self.unit = self.sh.threads
+        self.trips = -(-self.sh.m_split // (THREADS // self.unit))
 
     @cute.jit
     def __call__(self, ids: Pointer, ids_stride: Int64, states: Pointer, sb: Int64, sh: Int64, sp: Int64, sn: Int64, ckpt: A.Checkpoint,
@@ -82,7 +89,7 @@ class Bookkeeping:
         bx, by, _ = cute.arch.block_idx()
         g, k = Int32(by) // splits, Int32(by) % splits
         smem = SmemAllocator()
-        s_amax = smem.allocate_tensor(Int32, cute.make_layout(2 * self.P), byte_alignment=16)
+        s_amax = smem.allocate_tensor(Int32, cute.make_layout(self.sh.cp * self.P), byte_alignment=16)
         valid, slot = row_slot(ids, Int64(bx), ids_stride, slots.num_slots)
         if valid != Int32(0):  # the same for the whole CTA (one row)
             row = Int64(bx) * sb
@@ -99,7 +106,9 @@ class Bookkeeping:
                 if t < RING:
                     ring.dt[slot * ring.dt_stride + hh * RING + Int64(t)] = Float32(0.0)
                 if cutlass.const_expr(self.fmt is not None):
-                    self.encode(t, self.load(t, states, row + hh * sh, sp, sn), slot, hh, key, ckpt, copy, s_amax, ctx)
+                    for trip in cutlass.range_constexpr(self.trips):
+                        mh = self.part(t, trip)
+                        self.encode(t, mh, self.load(t, mh, states, row + hh * sh, sp, sn), slot, hh, key, ckpt, copy, s_amax, ctx)
             if k == Int32(0):
                 self.zero(t, ring.b, ring.b_stride16, slot, Int64(g), RING * self.N // 8)
                 if t == 0:
@@ -116,15 +125,24 @@ class Bookkeeping:
     def zero(self, t, ring, stride16, slot, i, vectors: cutlass.Constexpr):
         """Zero part i (`vectors` 16-byte vectors: a head of the x ring, a group of the B
         ring) of `slot` in a bf16 ring (slot stride in 16-byte units)."""
-        if t < vectors:
-            w = cute.recast_ptr(ring, dtype=Uint32)
-            bits.st_global_v4_u32((w + (slot * stride16 + i * vectors + Int64(t)) * 4).toint(), [Uint32(0)] * 4)
+        w = cute.recast_ptr(ring, dtype=Uint32)
+        for k in cutlass.range_constexpr(-(-vectors // THREADS)):
+            if t + k * THREADS < vectors:
+                bits.st_global_v4_u32((w + (slot * stride16 + i * vectors + Int64(t + k * THREADS)) * 4).toint(), [Uint32(0)] * 4)
+
+    def part(self, t, trip: int):
+        """The state-row part (flush CTA) thread t maps in `trip`: unit t // unit of the
+        trip's, the last part for spare threads."""
+        mh = t // self.unit + trip * (THREADS // self.unit)
+        if self.trips * (THREADS // self.unit) > self.sh.m_split:
+            mh = cutlass.min(mh, Int32(self.sh.m_split - 1))
+        return mh
 
     @cute.jit
-    def load(self, t, states, head, sp, sn):
-        """This thread's 32 values of the head at element offset `head`, as the flush's
-        accumulators: acc[nt][2 i + e] = S[rows[i], col0 + 2 nt + e]."""
-        _, _, rows, col0 = Flush.lane_geometry(t % HALF, t // HALF, self.N)
+    def load(self, t, mh, states, head, sp, sn):
+        """This thread's 32 values of the head at element offset `head` in part mh, as the
+        flush's accumulators: acc[nt][2 i + e] = S[rows[i], col0 + 2 nt + e]."""
+        _, _, rows, col0 = Flush.lane_geometry(t % self.unit, mh, self.sh.mt)
         vals = []
         for i in cutlass.range_constexpr(2):
             at = head + Int64(rows[i]) * sp
@@ -141,9 +159,10 @@ class Bookkeeping:
         a shared word a warp, free again when this returns)."""
         amax = Int32(0)
         for h in range(g * self.hpg, (g + Int32(1)) * self.hpg):
-            acc = self.load(t, states, row + Int64(h) * sh, sp, sn)
-            for c in cutlass.range_constexpr(4 * NT):
-                amax = cutlass.max(amax, acc[c // 4][c % 4].bitcast(Int32) & Int32(0x7FFFFFFF))
+            for trip in cutlass.range_constexpr(self.trips):
+                acc = self.load(t, self.part(t, trip), states, row + Int64(h) * sh, sp, sn)
+                for c in cutlass.range_constexpr(4 * NT):
+                    amax = cutlass.max(amax, acc[c // 4][c % 4].bitcast(Int32) & Int32(0x7FFFFFFF))
         amax = bits.xor_reduce(amax, 32, cutlass.max)
         if t % 32 == 0:
             s_red[t // 32] = amax
@@ -154,13 +173,13 @@ class Bookkeeping:
         return amax
 
     @cute.jit
-    def encode(self, t, acc, slot, hh, key, ckpt, copy, s_amax, ctx):
+    def encode(self, t, mh, acc, slot, hh, key, ckpt, copy, s_amax, ctx):
         """Checkpoint and read copy of head hh from this thread's values `acc`, as the
         flush writes a folded row (`flush.Flush.flush_row`)."""
         fmt = self.fmt
-        q, nq, rows, col0 = Flush.lane_geometry(t % HALF, t // HALF, self.N)
-        if cutlass.const_expr(fmt.row_amax):  # FP8: a row's amax over its two column parts
-            self.flush.row_partials(t % HALF, t // HALF, acc, None, None, s_amax, True, False)
+        q, nq, rows, col0 = Flush.lane_geometry(t % self.unit, mh, self.sh.mt)
+        if cutlass.const_expr(fmt.row_amax):  # FP8: a row's amax over its column parts
+            self.flush.row_partials(t % self.unit, mh, acc, None, None, s_amax, True, False)
             cute.arch.sync_threads()
         scodes = fmt.block_scales(fmt.lane_stats(acc, 2, NT), ctx)
         ck_w = cute.recast_ptr(ckpt.state, dtype=Uint32)

@@ -12,33 +12,36 @@ bits of format.md section 6) and the read copy is re-derived from S (format.md s
 3). Rows that do not flush return at once. The ring is not written: the next step starts
 a period at entry 0.
 
-Work item (head half, row group): half mh of the state rows (32 of 64) of one head, for
-the batch rows of one group (`rows`: 16, or 32 for the FP8 flush at 64 heads and batch
->= 128, config.step_config). A persistent grid of heads * M_SPLIT * columns CTAs of 4
-warps (`flush_columns`: about `fmt.ctas_per_sm` CTAs an SM, so that the non-flush kernel
-shares every SM from the start) walks the items: CTA i keeps head half i % (heads *
-M_SPLIT) and takes row groups i // (heads * M_SPLIT), + columns, ...; per group it reads
-the flush flags with one ballot and folds each flushing row in turn, visiting only the
-set bits of the mask. Two CTAs per (row, head) need no communication: every output y[p],
-FP8 row scale and NVFP4 block depends on state row p alone (the NVFP4 group amax is an
+Work item (head part, row group): part mh of the state rows (16 mt of P; `Shape`: 32 of
+64 at head dim 64, 16 of 80 at 80) of one head, for the batch rows of one group (`rows`:
+16, or 32 for the FP8 flush at 64 heads and batch >= 128, config.step_config). A
+persistent grid of heads * m_split * columns CTAs (`flush_columns`: about
+`fmt.ctas_per_sm` CTAs of 4 warps an SM, so that the non-flush kernel shares every SM
+from the start) walks the items: CTA i keeps head part i % (heads * m_split) and takes
+row groups i // (heads * m_split), + columns, ...; per group it reads the flush flags
+with one ballot and folds each flushing row in turn, visiting only the set bits of the
+mask. The CTAs of a (row, head) need no communication: every output y[p], FP8 row scale
+and NVFP4 block depends on state row p alone (the NVFP4 group amax is an
 order-independent atomic max).
 
 The fold is a K = 16 matrix product, S = decay ckpt + X' B with X'[p, j] = w_j x_j[p]
-(64 x 16) and B[j, n] = B_j[n] (16 x 128), on the tensor cores: `mma.m16n8k8` tf32 with
+(P x 16) and B[j, n] = B_j[n] (16 x N), on the tensor cores: `mma.m16n8k8` tf32 with
 X' split into two tf32 terms (hi = X' with its low 13 bits cleared, lo = X' - hi, exact),
 B exact in tf32 (bf16), the accumulator initialized with decay * ckpt; the result equals
-the FP32 fold to ~2**-21 relative per term. Warp w takes m-tile 2 (CTA half) + w % 2
-(state rows 16 mt + gq and + 8 for lane 4 gq + q) and column half w // 2; the MMA's n
-index is permuted so that lane q's accumulators are the 16 consecutive columns
-64 (w // 2) + 16 q .. + 15 of its two rows: two 16-byte loads of the checkpoint and two
+the FP32 fold to ~2**-21 relative per term. Warp w takes m-tile mt mh + w % mt (state
+rows 16 mt + gq and + 8 for lane 4 gq + q) and column part w // mt of 64 columns; the
+MMA's n index is permuted so that lane q's accumulators are the 16 consecutive columns
+64 (w // mt) + 16 q .. + 15 of its two rows: two 16-byte loads of the checkpoint and two
 16-byte stores of it per row, one 16-byte store of the FP8 read copy (NVFP4: a whole
 block a lane), and adjacent (even, odd) pairs for the FP16x2 hash words and the e4m3x2
-conversions. Row dots and amaxes are reduced over the four lanes of a row and the two
-column halves (shared memory). Each lane holds 32 values; four CTAs of 128 threads fit
-an SM at 128 registers a thread. docs/design.md gives the measurements behind the map.
+conversions. Row dots and amaxes are reduced over the four lanes of a row and the N / 64
+column parts (shared memory, in part order). Each lane holds 32 values in every shape;
+16 warps an SM fit at 128 registers a thread. docs/design.md gives the measurements behind the map.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -56,37 +59,68 @@ from .bits import vec_aligned as _vec_a
 from .bits import xor_reduce as _xor_reduce
 from .mma import mma_tf32_16x8x8
 
-WARPS = 4
-THREADS = 32 * WARPS
-# CTAs per (batch row, head): each folds 32 of the 64 state rows (two m-tiles).
-M_SPLIT = 2
-COL_PARTS = 2  # column halves of 64 (one per warp pair)
 NT = 8  # n-tiles of 8 per warp; a lane holds 2 rows x 16 columns
-# Four CTAs of 128 threads per SM: at most 128 registers a thread.
-MIN_CTAS_PER_SM = 4
+COLUMNS = 64  # state columns of a column part (4 lanes x 16)
 
 
-def flush_columns(heads: int, ctas_per_sm: float, sm_count: int) -> int:
-    """CTA columns of the flush grid: it launches heads * M_SPLIT * min(row groups,
-    columns) CTAs, CTA i taking head half i % (heads * M_SPLIT) of the row groups
-    i // (heads * M_SPLIT), + columns, ... in turn; about `ctas_per_sm` CTAs an SM.
+class Shape(NamedTuple):
+    """The flush CTA of one cache geometry: `mt` m-tiles of 16 state rows by `cp` column
+    parts of 64 columns, a warp each (warp w: m-tile w % mt, part w // mt), and `m_split`
+    CTAs a (row, head). A lane's work is the same in every shape (2 rows x 16 columns);
+    CTAs an SM scale with 1 / warps, so an SM holds the same threads (16 warps: 128
+    registers a thread)."""
+
+    mt: int
+    cp: int
+    m_split: int
+
+    @property
+    def warps(self) -> int:
+        return self.mt * self.cp
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def ctas(self, at_4_warps: float) -> float:
+        """CTAs an SM holding the threads of `at_4_warps` CTAs of 4 warps."""
+        return at_4_warps * 4 / self.warps
+
+    @property
+    def min_ctas(self) -> int:
+        """The register bound: 16 warps an SM."""
+        return 16 // self.warps
+
+
+def shape(P: int, N: int) -> Shape:
+    """64 / 128: 2 m-tiles x 2 parts (4 warps), 2 CTAs a head; 64 / 256: 2 x 4, 2 CTAs;
+    80 (5 m-tiles): 1 m-tile x N / 64 parts, 5 CTAs a head."""
+    mt = 2 if P % 32 == 0 else 1
+    return Shape(mt, N // COLUMNS, P // (16 * mt))
+
+
+def flush_columns(heads: int, ctas_per_sm: float, sm_count: int, sh: Shape) -> int:
+    """CTA columns of the flush grid: it launches heads * m_split * min(row groups,
+    columns) CTAs, CTA i taking head part i % (heads * m_split) of the row groups
+    i // (heads * m_split), + columns, ... in turn; about `ctas_per_sm` CTAs of 4 warps an
+    SM (`Shape.ctas`).
 
     Persistent because the flush runs beside the non-flush kernel: with one CTA per
-    (head half, row group) its pending CTAs held back the non-flush kernel, which started
+    (head part, row group) its pending CTAs held back the non-flush kernel, which started
     only when the last of them was handed out; with a fixed few CTAs an SM the non-flush
     CTAs take the rest of every SM from the start (docs/design.md)."""
-    return max(1, round(ctas_per_sm * sm_count / (heads * M_SPLIT)))
+    return max(1, round(sh.ctas(ctas_per_sm) * sm_count / (heads * sh.m_split)))
 
 
 def _b_slot(n: int, N: int) -> int:
-    """Position of state column n in a staged B row: within column half n // 64, lane
+    """Position of state column n in a staged B row: within column part n // 64, lane
     column c = 2 (n % 64 // 16) + n % 2 of n-tile nt = n % 16 // 2 sits at
-    64 half + 32 (nt // 4) + 4 c + nt % 4, so lane gq reads n-tiles 4 k .. 4 k + 3 with
-    one 16-byte load at 64 half + 32 k + 4 gq (k = 0, 1)."""
-    half, within = divmod(n, N // COL_PARTS)
+    64 part + 32 (nt // 4) + 4 c + nt % 4, so lane gq reads n-tiles 4 k .. 4 k + 3 with
+    one 16-byte load at 64 part + 32 k + 4 gq (k = 0, 1)."""
+    part, within = divmod(n, COLUMNS)
     c = 2 * (within // (2 * NT)) + within % 2
     nt = within % (2 * NT) // 2
-    return (N // COL_PARTS) * half + 32 * (nt // 4) + 4 * c + nt % 4
+    return COLUMNS * part + 32 * (nt // 4) + 4 * c + nt % 4
 
 
 @cute.jit
@@ -141,7 +175,8 @@ class Flush:
         self.sr_voted = fmt.sr_voted  # the checkpoint's rounding through the warp-voted normal-range path
         # The cache geometry (head dim P, state dim N) is the format's (read_copy_format).
         self.P, self.N = fmt.P, fmt.N
-        self.ROWS_HALF = self.P // M_SPLIT  # state rows a CTA folds
+        self.sh = shape(self.P, self.N)
+        self.ROWS = 16 * self.sh.mt  # state rows a CTA folds
         # Shared-memory rows (floats): a staged B_j is N values in fragment order plus 8
         # (rows 8 banks apart: the eight lanes of a 16-byte load phase hit distinct banks);
         # a staged x_j is P values plus 8 (the four entries a warp's A fragment reads 8
@@ -152,9 +187,9 @@ class Flush:
     @cute.jit
     def __call__(self, ckpt, ring, copy, inputs, plan, columns: Int64, batch: Int32, stream: cuda_driver.CUstream):
         self.kernel(ckpt, ring, copy, inputs, plan, batch).launch(
-            grid=[self.heads * M_SPLIT * cutlass.min((batch + self.rows - 1) // self.rows, Int32(columns)), 1, 1],
-            block=[THREADS, 1, 1],
-            min_blocks_per_mp=MIN_CTAS_PER_SM,
+            grid=[self.heads * self.sh.m_split * cutlass.min((batch + self.rows - 1) // self.rows, Int32(columns)), 1, 1],
+            block=[self.sh.threads, 1, 1],
+            min_blocks_per_mp=self.sh.min_ctas,
             preferred_smem_carveout=-1,  # the driver's choice (and no device query at compile time)
             stream=stream,
             **({"use_pdl": True} if self.pdl else {}),
@@ -167,7 +202,7 @@ class Flush:
             cute.arch.griddepcontrol_wait()  # before the first global access
         smem = SmemAllocator()
         s_x, s_b, s_dt, s_dot, s_amax = self.shared_buffers(smem)
-        s_fmt = self.fmt.shared(smem, WARPS)
+        s_fmt = self.fmt.shared(smem, self.sh.warps)
         s_mask = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=4)
         s_slot = smem.allocate_tensor(Int64, cute.make_layout(64), byte_alignment=8)
 
@@ -180,15 +215,15 @@ class Flush:
     def for_each_flush_row(self, t, plan_flush, plan_slot, batch, s_mask, s_slot, row):
         """Call row(head, state-row half, batch row, slot) for every flushing row of this
         CTA's work items, in turn. Persistent over the row groups (self.rows rows): CTA
-        bid keeps head half bid % hm (hm = heads * M_SPLIT) and takes groups bid // hm,
+        bid keeps head part bid % hm (hm = heads * m_split) and takes groups bid // hm,
         + n_ctas // hm, ... (flush_columns says why); per group one ballot of the flags
         (flush_mask), then one trip per flushing row (usually one), not one per row of the
         group: the 16-trip scan cost ~9 instructions a trip in every warp."""
         bid, _, _ = cute.arch.block_idx()
         n_ctas, _, _ = cute.arch.grid_dim()
-        hm = Int32(self.heads * M_SPLIT)
+        hm = Int32(self.heads * self.sh.m_split)
         bx = Int32(bid) % hm
-        mh = bx % M_SPLIT
+        mh = bx % self.sh.m_split
         for by in range(Int32(bid) // hm, (batch + Int32(self.rows - 1)) // Int32(self.rows), Int32(n_ctas) // hm):
             buf = (by // (Int32(n_ctas) // hm)) & Int32(1)
             mask = flush_mask(t, by, plan_flush, plan_slot, batch, s_mask, s_slot, buf, self.rows)
@@ -197,7 +232,7 @@ class Flush:
                 rr = bits.lowest_set_bit(rows)
                 rows = rows & (rows - Int32(1))
                 if rr < Int32(self.rows):  # always true; keeps the body conditional (no hoisting out of the loop)
-                    row(Int64(bx // M_SPLIT), mh, Int64(by * self.rows + rr), s_slot[buf * 32 + rr])
+                    row(Int64(bx // self.sh.m_split), mh, Int64(by * self.rows + rr), s_slot[buf * 32 + rr])
 
     def shared_buffers(self, smem):
         """Staged x_j (FP32, X_ROW a row), B_j (FP32, fragment order, B_ROW a row), dt_j
@@ -205,16 +240,16 @@ class Flush:
         the partial dots and amax bits."""
         s_x = smem.allocate_tensor(Float32, cute.make_layout(RING * self.X_ROW), byte_alignment=16)
         s_b = smem.allocate_tensor(Float32, cute.make_layout(RING * self.B_ROW), byte_alignment=16)
-        s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING + self.ROWS_HALF), byte_alignment=16)
-        s_dot = smem.allocate_tensor(Float32, cute.make_layout(COL_PARTS * self.P), byte_alignment=16)
-        s_amax = smem.allocate_tensor(Int32, cute.make_layout(COL_PARTS * self.P), byte_alignment=16)
+        s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING + self.ROWS), byte_alignment=16)
+        s_dot = smem.allocate_tensor(Float32, cute.make_layout(self.sh.cp * self.P), byte_alignment=16)
+        s_amax = smem.allocate_tensor(Int32, cute.make_layout(self.sh.cp * self.P), byte_alignment=16)
         return s_x, s_b, s_dt, s_dot, s_amax
 
     @cute.jit
     def flush_row(self, t, hh, mh, bb, slot, s_x, s_b, s_dt, s_dot, s_amax, s_fmt, ckpt, ring, copy, inputs, plan):
         """State rows 32 mh .. + 31 of one flushing batch row of head hh (the whole CTA)."""
         fmt = self.fmt
-        q, nq, rows, col0 = self.lane_geometry(t, mh, self.N)
+        q, nq, rows, col0 = self.lane_geometry(t, mh, self.sh.mt)
         key = Uint32(plan.key[bb])
         ctx = fmt.begin_row(copy, plan, slot, bb, hh // self.hpg)
         acc, r_c, ck_w, ck_head = self.fold(t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, ring, inputs, 0, RING - 1)
@@ -233,21 +268,22 @@ class Flush:
         fmt.before_barrier(t, stats, s_fmt)
         # Also: the next flushing row of this CTA restages the shared buffers.
         cute.arch.sync_threads()
-        fmt.after_barrier(t, ctx, s_fmt, copy, WARPS)
+        fmt.after_barrier(t, ctx, s_fmt, copy, self.sh.warps)
 
     # -- the shared parts of a flushed row ------------------------------------------------
     @staticmethod
-    def lane_geometry(t, mh, N: int):
-        """(q, column half, [row 0, row 1], first column) of thread t in the CTA of
-        state-row half mh: warp w takes m-tile 2 mh + w % 2 and column half w // 2; lane
-        4 gq + q holds rows 16 mt + gq (+ 8) at columns 64 (w // 2) + 16 q .. + 15."""
+    def lane_geometry(t, mh, mt_cta: int = 2):
+        """(q, column part, [row 0, row 1], first column) of thread t in the CTA of state-row
+        part mh (`mt_cta` m-tiles a CTA): warp w takes m-tile mt_cta mh + w % mt_cta and
+        column part w // mt_cta; lane 4 gq + q holds rows 16 mt + gq (+ 8) at columns
+        64 part + 16 q .. + 15."""
         lane = t % 32
         w = t // 32
         gq = lane // 4
         q = lane % 4
-        mt = mh * 2 + w % 2
-        nq = w // 2
-        return q, nq, [mt * 16 + gq, mt * 16 + gq + 8], nq * (N // COL_PARTS) + q * (2 * NT)
+        mt = mh * mt_cta + w % mt_cta
+        nq = w // mt_cta
+        return q, nq, [mt * 16 + gq, mt * 16 + gq + 8], nq * COLUMNS + q * (2 * NT)
 
     @staticmethod
     def words(ptr, off, n: int) -> list:
@@ -286,7 +322,7 @@ class Flush:
         g = hh // self.hpg
         lane = t % 32
         gq = lane // 4
-        q, nq, rows, col0 = self.lane_geometry(t, mh, self.N)
+        q, nq, rows, col0 = self.lane_geometry(t, mh, self.sh.mt)
 
         # Checkpoint first (the largest read), in flight during the staging below: per
         # row 16 FP16 values = 8 words, two 16-byte loads.
@@ -308,7 +344,7 @@ class Flush:
             # D[p] of the CTA's state rows (threads 0..31), staged for the outputs. Loaded in
             # row_output, after the barrier that precedes it, D was a round trip inside every
             # flushed row's chain.
-            d_row = bits.ld_global_u32_if((inputs.D + (hh * inputs.d_stride_h + Int64(mh * self.ROWS_HALF + t % self.ROWS_HALF) * inputs.d_stride_p)).toint(), sel(t < self.ROWS_HALF, Int32(1), Int32(0)))
+            d_row = bits.ld_global_u32_if((inputs.D + (hh * inputs.d_stride_h + Int64(mh * self.ROWS + t % self.ROWS) * inputs.d_stride_p)).toint(), sel(t < self.ROWS, Int32(1), Int32(0)))
             c_w = cute.recast_ptr(inputs.C, dtype=Uint32)
             r_c = self.words(c_w, A.row_words(self.dense_rows, bb, inputs.c_stride16, self.groups * self.N // 2) + g * (self.N // 2) + Int64(col0 // 2), NT)
 
@@ -320,19 +356,20 @@ class Flush:
         if cutlass.const_expr(not self.pending):
             xcur = cute.recast_ptr(inputs.x, dtype=Uint32)
             bcur = cute.recast_ptr(inputs.B, dtype=Uint32)
-        ch = t % 16  # columns 8 ch .. 8 ch + 7
+        ch = t % (self.N // 8)  # columns 8 ch .. 8 ch + 7
         # B_j staging: 16 entries x 16 chunks of 8 columns, `reps` a thread (entry jb of
         # rep: t // 16 + rep * threads // 16; only the last rep holds entry 15).
-        reps = RING * (self.N // 8) // THREADS
-        tx = t % (RING * self.ROWS_HALF // 8)
-        jx = tx // (self.ROWS_HALF // 8)
-        xs = mh * self.ROWS_HALF + (tx % (self.ROWS_HALF // 8)) * 8
+        chunks = self.N // 8  # B staging: chunks of 8 columns a row
+        reps = RING * chunks // self.sh.threads
+        tx = t % (RING * self.ROWS // 8)
+        jx = tx // (self.ROWS // 8)
+        xs = mh * self.ROWS + (tx % (self.ROWS // 8)) * 8
         r_bs = []
         if cutlass.const_expr(self.fmt.stage_one_source):
             # One predicated 16-byte load a staging thread and source (the ring for entries
             # 0..14, the step's input for entry 15; the other load gives zeros), in
             # straight-line code, so that ptxas issues the x_j and B_j loads together.
-            x_on = sel(t < RING * self.ROWS_HALF // 8, Int32(1), Int32(0))
+            x_on = sel(t < RING * self.ROWS // 8, Int32(1), Int32(0))
             x_ring_on = sel(jx < count, x_on, Int32(0))
             x_ring_w = bits.ld_global_v4_u32_if((xw + (slot * ring.x_stride16 * 4 + (hh * RING + Int64(self.entry(base, jx))) * (self.P // 2) + Int64(xs // 2))).toint(), x_ring_on)
             x_cur_w = [Uint32(0)] * 4
@@ -340,7 +377,7 @@ class Flush:
                 x_cur_w = bits.ld_global_v4_u32_if((xcur + (A.row_words(self.dense_rows, bb, inputs.x_stride16, self.heads * self.P // 2) + hh * (self.P // 2) + Int64(xs // 2))).toint(), x_on - x_ring_on)
             b_words = []
             for rep in cutlass.range_constexpr(reps):
-                jb = t // 16 + rep * (THREADS // 16)
+                jb = t // chunks + rep * (self.sh.threads // chunks)
                 b_src = (bw + (slot * ring.b_stride16 * 4 + (g * RING + Int64(self.entry(base, jb))) * (self.N // 2) + Int64(ch * 4))).toint()
                 if cutlass.const_expr(self.pending):
                     b_words.append(bits.ld_global_v4_u32_if(b_src, sel(jb < count, Int32(1), Int32(0))))
@@ -351,7 +388,7 @@ class Flush:
                     b_words.append([b_ring_w[k] | b_cur_w[k] for k in range(4)])
                 else:
                     b_words.append(bits.ld_global_v4_u32_if(b_src, Int32(1)))
-            if t < RING * self.ROWS_HALF // 8:
+            if t < RING * self.ROWS // 8:
                 self.stage_x(s_x, jx, xs, [x_ring_w[k] | x_cur_w[k] for k in range(4)])
             for rep in cutlass.range_constexpr(reps):
                 r_rep = cute.make_rmem_tensor(cute.make_layout(8), Float32)
@@ -364,7 +401,7 @@ class Flush:
             # Both sources loaded by every staging thread, the entry picked by a select
             # (pending: the ring's entries j < count, zeros beyond: later entries may be
             # rejected drafts holding NaN).
-            if t < RING * self.ROWS_HALF // 8:
+            if t < RING * self.ROWS // 8:
                 from_ring = _vec_a(xw, slot * ring.x_stride16 * 4 + (hh * RING + Int64(self.entry(base, jx))) * (self.P // 2) + Int64(xs // 2), 4).load()
                 if cutlass.const_expr(self.pending):
                     self.stage_x(s_x, jx, xs, [sel(jx < count, from_ring[k], Uint32(0)) for k in range(4)])
@@ -372,7 +409,7 @@ class Flush:
                     cur = _vec_a(xcur, A.row_words(self.dense_rows, bb, inputs.x_stride16, self.heads * self.P // 2) + hh * (self.P // 2) + Int64(xs // 2), 4).load()
                     self.stage_x(s_x, jx, xs, [sel(jx == RING - 1, cur[k], from_ring[k]) for k in range(4)])
             for rep in cutlass.range_constexpr(reps):
-                jb = t // 16 + rep * (THREADS // 16)
+                jb = t // chunks + rep * (self.sh.threads // chunks)
                 from_ring = _vec_a(bw, slot * ring.b_stride16 * 4 + (g * RING + Int64(self.entry(base, jb))) * (self.N // 2) + Int64(ch * 4), 4).load()
                 r_rep = cute.make_rmem_tensor(cute.make_layout(8), Float32)
                 if cutlass.const_expr(self.pending):
@@ -393,7 +430,7 @@ class Flush:
                         r_rep[4 + k] = v[1]
                 r_bs.append(r_rep)
         for rep in cutlass.range_constexpr(reps):
-            jb = t // 16 + rep * (THREADS // 16)
+            jb = t // chunks + rep * (self.sh.threads // chunks)
             b_base = jb * self.B_ROW + _b_stage_base(ch)
             for k in cutlass.range_constexpr(2):
                 _vec_a(s_b.iterator, b_base + 4 * k, 4).store(_vec(r_bs[rep].iterator, 4 * k, 4).load())
@@ -404,7 +441,7 @@ class Flush:
                     dt_t = softplus(raw_dt + bias_dt.bitcast(Float32))
             s_dt[t] = dt_t
         if cutlass.const_expr(not self.pending):
-            if t < self.ROWS_HALF:
+            if t < self.ROWS:
                 s_dt[RING + t] = d_row.bitcast(Float32)
         cute.arch.sync_threads()
 
@@ -439,7 +476,7 @@ class Flush:
         for ks in cutlass.range_constexpr(2):
             pair = []
             for jj in cutlass.range_constexpr(2):
-                off = (ks * 8 + jj * 4 + q) * self.B_ROW + nq * (self.N // COL_PARTS) + gq * 4
+                off = (ks * 8 + jj * 4 + q) * self.B_ROW + nq * COLUMNS + gq * 4
                 frag = []
                 for k in cutlass.range_constexpr(NT // 4):
                     v = _vec_a(s_b.iterator, off + 32 * k, 4).load()
@@ -469,7 +506,7 @@ class Flush:
         """Row dots with C and (`row_amax`) amaxes of this column part: over the 4
         lanes of a row, into s_dot / s_amax[half * 64 + row] (a barrier must follow
         before they are read)."""
-        q, nq, rows, col0 = self.lane_geometry(t, mh, self.N)
+        q, nq, rows, col0 = self.lane_geometry(t, mh, self.sh.mt)
         for i in cutlass.range_constexpr(2):
             dot = Float32(0.0)
             amax = Int32(0)
@@ -493,12 +530,14 @@ class Flush:
     def row_output(self, t, mh, hh, bb, p, s_x, s_dot, s_dt, out):
         """y[p] = S[p] . C + D[p] x[p] from the column parts' dots and the staged D[p]
         (s_dt[RING + p % 32], written by `fold`); one lane writes it."""
-        q, nq, rows, col0 = self.lane_geometry(t, mh, self.N)
+        q, nq, rows, col0 = self.lane_geometry(t, mh, self.sh.mt)
         pp = Int64(p)
         if nq == 0:
             if q == 0:
-                dot = s_dot[p] + s_dot[self.P + p]
-                y = dot + s_dt[RING + p % self.ROWS_HALF] * s_x[(RING - 1) * self.X_ROW + p]
+                dot = s_dot[p]
+                for k in cutlass.range_constexpr(1, self.sh.cp):  # the parts in order
+                    dot = dot + s_dot[k * self.P + p]
+                y = dot + s_dt[RING + p % self.ROWS] * s_x[(RING - 1) * self.X_ROW + p]
                 out[(bb * self.heads + hh) * self.P + pp] = BFloat16(y)
 
     @cute.jit
@@ -549,13 +588,13 @@ class PendingFold(Flush):
         # sm_90a: the warp-voted rounding (the fold bounds a pending call; the flush is a
         # sixteenth of a step's rows). CTAs an SM: the format's (its grid and register bound).
         self.sr_voted = not fmt.hw
-        self.ctas_per_sm = fmt.fold_ctas_per_sm
+        self.ctas_per_sm = round(self.sh.ctas(fmt.fold_ctas_per_sm))
 
     @cute.jit
     def __call__(self, ckpt, ring, copy, params, plan, ctas: Int32, stream: cuda_driver.CUstream):
         self.kernel(ckpt, ring, copy, params, plan).launch(
             grid=[ctas, 1, 1],
-            block=[THREADS, 1, 1],
+            block=[self.sh.threads, 1, 1],
             min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=-1,
             stream=stream,
@@ -571,8 +610,8 @@ class PendingFold(Flush):
             cute.arch.griddepcontrol_wait()  # the plan kernel's list, before the first global access
         smem = SmemAllocator()
         s_x, s_b, s_dt, s_dot, s_amax = self.shared_buffers(smem)
-        s_fmt = self.fmt.shared(smem, WARPS)
-        hm = Int32(self.heads * M_SPLIT)
+        s_fmt = self.fmt.shared(smem, self.sh.warps)
+        hm = Int32(self.heads * self.sh.m_split)
         pw = cute.recast_ptr(plan.rows, dtype=Uint32)
         for it in range(Int32(bid), Int32(plan.fold_list[0]) * hm, Int32(n_ctas)):
             bb = Int64(plan.fold_list[it // hm + 1])
@@ -580,7 +619,7 @@ class PendingFold(Flush):
             row0 = bits.ld_global_v4_u32((pw + bb * 8).toint())
             row1 = bits.ld_global_v4_u32((pw + bb * 8 + 4).toint())
             self.fold_row(
-                t, Int64(hx // M_SPLIT), hx % M_SPLIT, bb, Int64(Int32(row0[0])), Int32(row0[2]), Int32(row0[3]),
+                t, Int64(hx // self.sh.m_split), hx % self.sh.m_split, bb, Int64(Int32(row0[0])), Int32(row0[2]), Int32(row0[3]),
                 Int32(row1[0]), row1[1], s_x, s_b, s_dt, s_dot, s_amax, s_fmt, ckpt, ring, copy, params, plan,
             )
 
@@ -589,7 +628,7 @@ class PendingFold(Flush):
         """State rows 32 mh .. + 31 of head hh of one folding row (the whole CTA): the
         flush's `flush_row` without the output."""
         fmt = self.fmt
-        q, nq, rows, col0 = self.lane_geometry(t, mh, self.N)
+        q, nq, rows, col0 = self.lane_geometry(t, mh, self.sh.mt)
         ctx = fmt.begin_fold(copy, Int64(Int32(1) - (live & Int32(1))), slot, hh // self.hpg)
         acc, _, ck_w, ck_head = self.fold(t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, ring, params, f_old, nf)
         self.row_partials(t, mh, acc, None, s_dot, s_amax, fmt.row_amax, False)
@@ -604,7 +643,7 @@ class PendingFold(Flush):
             self.store_checkpoint(hh + Int64(ckpt.head_offset), pp, col0, Uint32(key), acc, i, ck_w, ck_head)
         fmt.before_barrier(t, stats, s_fmt)
         cute.arch.sync_threads()  # the next item restages the shared buffers
-        fmt.after_barrier(t, ctx, s_fmt, copy, WARPS)
+        fmt.after_barrier(t, ctx, s_fmt, copy, self.sh.warps)
 
 
-__all__ = ["Flush", "PendingFold", "flush_columns", "flush_mask", "M_SPLIT", "MIN_CTAS_PER_SM"]
+__all__ = ["Flush", "PendingFold", "Shape", "flush_columns", "flush_mask", "shape"]

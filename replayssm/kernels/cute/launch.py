@@ -42,7 +42,7 @@ from . import args as A
 from .arch import arch_for, check_arch
 from .config import StepConfig, step_config, step_configs
 from .decode import Decode
-from .flush import Flush, flush_columns
+from .flush import Flush, flush_columns, shape
 from .read_copy import read_copy_format
 
 STATE_DTYPES = ("fp8", "nvfp4", "fp16")
@@ -412,7 +412,7 @@ def _kernels(config: StepConfig, dt_dtype: torch.dtype, dense: bool, debug: bool
     """(non-flush launcher, flush launcher, read-copy format, flush CTA columns) of a step:
     resolved once per config, inputs' layout, device and cache geometry (P, N)."""
     fmt = read_copy_format(config.state_dtype, config.arch, P, N)
-    columns = flush_columns(config.heads, fmt.ctas_per_sm, _sm_count(device_index))
+    columns = flush_columns(config.heads, fmt.ctas_per_sm, _sm_count(device_index), shape(P, N))
     return compiled_decode(config, dt_dtype, dense, P, N), compiled_flush(config, debug, dt_dtype, dense, P, N), fmt, columns
 
 

@@ -54,7 +54,7 @@ from . import args as A
 from . import bits
 from .bits import bf16x2_to_f32x2, f32x2_to_bf16x2, sel, softplus
 from .decode import Decode
-from .flush import M_SPLIT, PendingFold
+from .flush import PendingFold, shape
 from .launch import _sm_count, compile_entry, fork_streams, join_streams
 from .mma import mma_bf16_16x8x16
 from .read_copy import read_copy_format
@@ -322,7 +322,7 @@ class PendingLaunch:
     It holds no tensor (as `launch.Step`): its keeper (the kernel backend's per-cache
     context) keys it by the plan buffer, and passes the cache it was made for to each call."""
 
-    __slots__ = ("state_dtype", "arch", "heads", "groups", "dims", "fold_ctas", "ckpt", "ring", "copy", "plan", "kernels")
+    __slots__ = ("state_dtype", "arch", "heads", "groups", "dims", "fold_ctas", "head_parts", "ckpt", "ring", "copy", "plan", "kernels")
 
     def __init__(self, cache, plan_rows, fold_list, state_dtype: str, arch: str, head_offset: int = 0) -> None:
         self.state_dtype, self.arch = state_dtype, arch
@@ -333,7 +333,9 @@ class PendingLaunch:
         self.ring = tuple(A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING]))
         self.copy = tuple(A.raw(fmt.Args, **fmt.tensors(cache, L)))
         self.plan = tuple(A.raw(A.PendingPlan, rows=plan_rows, fold_list=fold_list))
-        self.fold_ctas = fmt.fold_ctas_per_sm * _sm_count(cache[L.CHECKPOINT].get_device())
+        sh = shape(*self.dims)  # the fold's CTA (flush.Shape)
+        self.fold_ctas = round(sh.ctas(fmt.fold_ctas_per_sm)) * _sm_count(cache[L.CHECKPOINT].get_device())
+        self.head_parts = self.heads * sh.m_split  # fold work items a row
         self.kernels: dict[tuple, object] = {}
 
     def compiled(self, key: tuple):
@@ -354,7 +356,7 @@ class PendingLaunch:
         batch = plan_rows.shape[0]
         debug = debug_state is not None
         fn = self.compiled(("fold", debug))
-        ctas = min(batch * self.heads * M_SPLIT, self.fold_ctas)
+        ctas = min(batch * self.head_parts, self.fold_ctas)
         plan = self.plan
         if debug:
             plan = tuple(A.raw(A.PendingDebugPlan, rows=plan_rows, fold_list=fold_list, state=debug_state))

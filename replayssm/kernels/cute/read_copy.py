@@ -194,8 +194,10 @@ class Fp8(_Format):
     @cute.jit
     def store_row(self, copy, slot, hh, pp, col0, q, nq, acc, i, s_amax, ctx, scodes, nt: cutlass.Constexpr):
         """Row i: codes of S * 2**-E and the row scale 2**E (exact power-of-two products);
-        the row's amax is the larger of its two column parts'."""
-        amax = cutlass.max(s_amax[pp], s_amax[self.P + pp])
+        the row's amax is the largest of its column parts' (N / 64, in order)."""
+        amax = s_amax[pp]
+        for k in cutlass.range_constexpr(1, self.N // 64):
+            amax = cutlass.max(amax, s_amax[k * self.P + pp])
         e = bits.pow2_exponent_above(amax, FP8_MANT_LIMIT, FP8_E_OFF)
         inv = bits.exp2_int(-e)
         if nq == 0:
