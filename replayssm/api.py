@@ -375,7 +375,7 @@ def direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, o
     batch = shape[0] if len(shape) == 1 else 0
     if batch == 0 or (scratch is not None and scratch.rows < batch):
         return False
-    P, N = L.HEAD_DIM, L.STATE_DIM
+    _, _, P, N = cache[L.CHECKPOINT].shape
     rows, bc = ((batch, heads, P), (batch, heads * P)), ((batch, groups, N), (batch, groups * N))
     if not (out.shape in rows and x.shape in rows and B.shape in bc and C.shape in bc and out.is_contiguous()):
         return False
@@ -410,7 +410,8 @@ def direct_decode_pending(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias
         type(acc) is not T or acc.dtype not in _IDS_DTYPES or acc.dim() != 1 or acc.shape[0] != batch or acc.get_device() != index
     ):
         return False
-    for t, n, width in ((out, heads, L.HEAD_DIM), (x, heads, L.HEAD_DIM), (B, groups, L.STATE_DIM), (C, groups, L.STATE_DIM)):
+    _, _, P, N = cache[L.CHECKPOINT].shape
+    for t, n, width in ((out, heads, P), (x, heads, P), (B, groups, N), (C, groups, N)):
         if type(t) is not T or t.dtype != torch.bfloat16 or t.get_device() != index:
             return False
         shape = t.shape
@@ -426,7 +427,7 @@ def direct_decode_pending(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias
     shape = dt.shape
     if not (
         len(shape) in (3, 4) and shape[0] == batch and shape[1] == max_seqlen and shape[2] == heads
-        and (len(shape) == 3 or (shape[3] == L.HEAD_DIM and dt.stride(3) == 0))
+        and (len(shape) == 3 or (shape[3] == P and dt.stride(3) == 0))
     ):  # fmt: skip
         return False
     params = _layer_params(A, D, dt_bias, heads, index)

@@ -331,15 +331,16 @@ class KernelBackend:
             ctx.pending = PendingPlan(max(batch, 64, 2 * (ctx.pending.rows if ctx.pending else 0)), cache[L.CHECKPOINT].device)
         varlen = cu_seqlens is not None
         ok = k.reads_as_is
-        if not (ok(x, L.HEAD_DIM, varlen) and ok(B, L.STATE_DIM, varlen) and ok(C, L.STATE_DIM, varlen)):
+        P, N = L.dims(cache)
+        if not (ok(x, P, varlen) and ok(B, N, varlen) and ok(C, N, varlen)):
             heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
             lead = x.shape[:1] if varlen else x.shape[:2]
             x, B, C = (
                 t if ok(t, w, varlen) else t.reshape(*lead, n, w).contiguous()
-                for t, n, w in ((x, heads, L.HEAD_DIM), (B, groups, L.STATE_DIM), (C, groups, L.STATE_DIM))
+                for t, n, w in ((x, heads, P), (B, groups, N), (C, groups, N))
             )
         result = out
-        if not ok(out, L.HEAD_DIM, varlen):  # contiguous (the API checked it) but not 16-byte aligned
+        if not ok(out, P, varlen):  # contiguous (the API checked it) but not 16-byte aligned
             out = torch.empty_like(out)
         plan = ctx.pending
         stream = k.current_stream(cache[L.CHECKPOINT].get_device())
@@ -439,11 +440,12 @@ class KernelBackend:
         cute = self.cute_for(tensors)
         if cute is None:  # every operation runs the reference (CPU): nothing to compile
             return []
-        out = torch.empty(2, heads, L.HEAD_DIM, dtype=torch.bfloat16, device=device)
+        P, N = L.dims(tensors)
+        out = torch.empty(2, heads, P, dtype=torch.bfloat16, device=device)
         # Prefill states read by 16-byte rows (broadcast, as `reset` passes them, or
         # contiguous) and element by element (a transposed view).
-        rows = torch.zeros(1, heads, L.HEAD_DIM, L.STATE_DIM, device=device)
-        columns = torch.zeros(1, heads, L.STATE_DIM, L.HEAD_DIM, device=device).transpose(2, 3)
+        rows = torch.zeros(1, heads, P, N, device=device)
+        columns = torch.zeros(1, heads, N, P, device=device).transpose(2, 3)
         names = []
         for dtype in (torch.int32, torch.int64):
             ids = torch.zeros(2, dtype=dtype, device=device)
@@ -547,8 +549,8 @@ def backend_for(
         reason = f"the kernels run state_dtype {kinds}; got {fmt.name!r}"
         if backend == "kernels":
             raise ValueError(f"backend='kernels' cannot run here: {reason}; pass backend='auto' or 'reference'")
-    elif cache is not None and L.dims(cache) != (L.HEAD_DIM, L.STATE_DIM):
-        reason = "the kernels take head_dim {} and state_dim {}; got {} and {}".format(L.HEAD_DIM, L.STATE_DIM, *L.dims(cache))
+    elif cache is not None and L.kernel_dims_error(*L.dims(cache)):
+        reason = L.kernel_dims_error(*L.dims(cache))
         if backend == "kernels":
             raise ValueError(f"backend='kernels' cannot run here: {reason}; pass backend='auto' or 'reference'")
     elif device.type != "cuda":

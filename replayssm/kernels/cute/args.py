@@ -24,24 +24,24 @@ from cutlass.cute.typing import Pointer
 
 
 class Ring(NamedTuple):
-    x: Pointer  # bf16 [S, H, 16, 64]
+    x: Pointer  # bf16 [S, H, 16, P]
     dt: Pointer  # f32 [S, H, 16] (processed dt)
-    b: Pointer  # bf16 [S, G, 16, 128]
+    b: Pointer  # bf16 [S, G, 16, N]
     x_stride16: Int64
     dt_stride: Int64
     b_stride16: Int64
 
 
 class Fp8Copy(NamedTuple):
-    codes: Pointer  # e4m3 [S, H, 64, 128], as 32-bit words
-    scales: Pointer  # f32 [S, H, 64]: one power-of-two scale a row
+    codes: Pointer  # e4m3 [S, H, P, N], as 32-bit words
+    scales: Pointer  # f32 [S, H, P]: one power-of-two scale a row
     codes_stride16: Int64
     scale_stride: Int64
 
 
 class Nvfp4Copy(NamedTuple):
-    codes: Pointer  # e2m1 pairs [S, H, 64, 64], as 32-bit words
-    scales: Pointer  # e4m3 [S, H, 64, 8]: one block scale per 16 values
+    codes: Pointer  # e2m1 pairs [S, H, P, N / 2], as 32-bit words
+    scales: Pointer  # e4m3 [S, H, P, N / 16]: one block scale per 16 values
     meta: Pointer  # f32 [S, G, 2]: second-level amax, double-buffered
     parity: Pointer  # int32 [S]: the live half of meta
     codes_stride16: Int64
@@ -53,12 +53,12 @@ class Nvfp4Copy(NamedTuple):
 class Fp16Copy(NamedTuple):
     """state_dtype="fp16": no read copy; the steps read the checkpoint itself."""
 
-    state: Pointer  # f16 [S, H, 64, 128]: the checkpoint, as 32-bit words
+    state: Pointer  # f16 [S, H, P, N]: the checkpoint, as 32-bit words
     stride16: Int64
 
 
 class Checkpoint(NamedTuple):
-    state: Pointer  # f16 [S, H, 64, 128]
+    state: Pointer  # f16 [S, H, P, N]
     stride16: Int64
     head_offset: Int32  # the model's head of this cache's head 0 (tensor-parallel shards)
 

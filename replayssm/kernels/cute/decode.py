@@ -154,7 +154,7 @@ class Decode:
         c_w = cute.recast_ptr(inputs.C, dtype=Uint32)
         c_row = A.row_words(self.dense_rows, bb, inputs.c_stride16, self.groups * self.N // 2) + g * (self.N // 2)
         cw = []
-        for c in cutlass.range_constexpr(2):
+        for c in cutlass.range_constexpr(self.fmt.CHUNKS):
             at = [(c_w + (c_row + Int64(self.fmt.c_word(c, q, h)))).toint() for h in range(2)]
             cw.append(bits.ld_global_v4_u32(at[0]) + bits.ld_global_v4_u32(at[1]))
         br_w = cute.recast_ptr(b_ring, dtype=Uint32)
@@ -176,12 +176,13 @@ class Decode:
     @property
     def vh_per_warp(self) -> int:
         """Vector halves (4 words, 2 k-steps of B_j . C) of the ring entries per warp."""
-        if 4 % self.hpc:
-            raise ValueError(f"heads per CTA must divide 4 (the ring entries' 4 vector halves); got {self.hpc}")
-        return 4 // self.hpc
+        vh = 2 * self.fmt.CHUNKS
+        if vh % self.hpc:
+            raise ValueError(f"heads per CTA must divide {vh} (the ring entries' vector halves); got {self.hpc}")
+        return vh // self.hpc
 
     def vh_word(self, vh, q):
-        """Word offset of vector half vh (runtime) of lane q's n-set in a row of 128."""
+        """Word offset of vector half vh (runtime) of lane q's n-set in a row of N."""
         return self.fmt.c_word(vh // 2, q, vh % 2)
 
     @cute.jit
@@ -215,9 +216,9 @@ class Decode:
     @cute.jit
     def c_prime(self, cw):
         """(down, up): C' = C down in f16 has max |C'| in [2**14, 2**15) and up = 1 / down
-        (0 when max |C| < 2**-112); max |C| over the lane's four lanes q, which hold all 128."""
+        (0 when max |C| < 2**-112); max |C| over the lane's four lanes q, which hold all N."""
         m = Uint32(0)
-        for c in cutlass.range_constexpr(2):
+        for c in cutlass.range_constexpr(self.fmt.CHUNKS):
             for v in cutlass.range_constexpr(8):
                 m = bits.max_u16x2(m, cw[c][v] & Uint32(0x7FFF7FFF))
         amax = Int32(cutlass.max(m >> 16, m & Uint32(0xFFFF)) << 16)  # FP32 bits of max |C|
@@ -263,7 +264,7 @@ class Decode:
                 a = [bq[0][i][2 * hs], bq[1][i][2 * hs], bq[0][i][2 * hs + 1], bq[1][i][2 * hs + 1]]
                 # C words 4 (vh % 2) + 2 hs, + 1 of chunk vh // 2 (vh is per warp: a select).
                 b0, b1 = cw[0][2 * hs], cw[0][2 * hs + 1]
-                for cand in cutlass.range_constexpr(1, 4):
+                for cand in cutlass.range_constexpr(1, 2 * self.fmt.CHUNKS):
                     v = 4 * (cand % 2) + 2 * hs
                     b0 = sel(vh == cand, cw[cand // 2][v], b0)
                     b1 = sel(vh == cand, cw[cand // 2][v + 1], b1)

@@ -11,7 +11,7 @@ the join as edges.
 
 Compile keys hold static properties only: the kernel, the format, arch, heads, groups,
 the config's variant fields and the cache geometry (head dim P, state dim N; the kernels
-take 64 / 128 only so far: `layout_ok`). Batch size, slot count and every stride are runtime
+take geometry.KERNEL_DIMS: `layout_ok`). Batch size, slot count and every stride are runtime
 arguments (kernels take raw pointers plus slot strides in 16-byte units, so one compile
 serves every batch, cache size and slot padding, and the kernels still know their vector
 accesses are 16-byte aligned). Every kernel is compiled with the DSL's TVM-FFI entry
@@ -212,8 +212,9 @@ def _aligned16(t: torch.Tensor) -> bool:
 def layout_ok(cache: Sequence[torch.Tensor]) -> str | None:
     """None when the compiled kernels can address `cache` (16-byte-aligned bases and
     slot strides for the tensors read with vector accesses), else the reason."""
-    if L.dims(cache) != (L.HEAD_DIM, L.STATE_DIM):
-        return "the kernels take head_dim {} and state_dim {}; got {} and {}".format(L.HEAD_DIM, L.STATE_DIM, *L.dims(cache))
+    reason = L.kernel_dims_error(*L.dims(cache))
+    if reason:
+        return reason
     has_copy = L.READ_COPY < len(cache) - 1  # fp16 has none: its positions (the last tensor) are there
     for i in (L.CHECKPOINT, L.X_RING, L.B_RING) + ((L.READ_COPY,) if has_copy else ()):
         if not _aligned16(cache[i]):
@@ -228,7 +229,7 @@ def _sm_count(index: int) -> int:
 
 def _rows_ok(t: torch.Tensor, stride: tuple, width: int) -> bool:
     """Whether the kernels read bf16 `t` ([batch, n, width] or [batch, n * width], `stride`
-    its strides; width 64 for x, 128 for B and C) as it is: each row's heads (groups)
+    its strides; width P for x, N for B and C) as it is: each row's heads (groups)
     contiguous, and the base and the row stride 16-byte aligned. Column slices of an
     engine's projection are (their row stride is its width)."""
     inner = stride[2] == 1 and stride[1] == width if len(stride) == 3 else stride[1] == 1

@@ -132,7 +132,7 @@ class PendingStep(Decode):
         c_on = sel(gq < tb, one, zero)
         c_row = (bb * inputs.c_row + Int64(start + gq) * inputs.c_tok + g * self.N) // 2
         cw = []
-        for c in cutlass.range_constexpr(2):
+        for c in cutlass.range_constexpr(self.fmt.CHUNKS):
             at = [(c_w + (c_row + Int64(self.fmt.c_word(c, q, h)))).toint() for h in range(2)]
             cw.append(bits.ld_global_v4_u32_if(at[0], c_on) + bits.ld_global_v4_u32_if(at[1], c_on))
 

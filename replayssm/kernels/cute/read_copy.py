@@ -41,13 +41,21 @@ class _Format:
     name = ""
     Args: type = tuple
     step_ctas_per_sm = CTAS_PER_SM  # the step kernels' (decode.py, pending.py) CTAs an SM
+    step_ctas_n256 = CTAS_PER_SM  # ... at state dim 256
 
     def __init__(self, arch: str, P: int = 64, N: int = 128) -> None:
         self.arch = check_arch(arch)
         self.hw = arch in HAS_CVT_RS
-        # The cache geometry (head dim P, state dim N), Python ints at trace time; the
-        # kernels take 64 / 128 only so far (launch.layout_ok).
+        # The cache geometry (head dim P, state dim N), Python ints at trace time
+        # (launch.layout_ok says which the kernels take).
         self.P, self.N = P, N
+        if N > 128:  # twice the row loads a lane: the step kernels' register bound
+            self.step_ctas_per_sm = self.step_ctas_n256
+
+    @property
+    def CHUNKS(self) -> int:
+        """Chunks of a lane's n-set in a state row (`c_word`): 16 values of each 64."""
+        return self.N // 64
 
     @property
     def K_STEPS(self) -> int:
@@ -84,6 +92,7 @@ class Fp8(_Format):
     stage_one_source = False
     row_amax = True  # the flush reduces a row's amax across its column parts
     sr_voted = False
+    step_ctas_n256 = 3  # 4 spills (72 bytes on sm_90a)
 
     def __init__(self, arch: str, P: int = 64, N: int = 128) -> None:
         super().__init__(arch, P, N)
@@ -109,7 +118,7 @@ class Fp8(_Format):
         rc_base = (read_w + (slot * copy.codes_stride16 * 4 + hh * (self.P * self.N // 4) + Int64(gq * (8 * self.N // 4) + 4 * q))).toint()
         rc = []
         for i in cutlass.range_constexpr(8):
-            rc.append([bits.ld_global_v4_u32(rc_base + self.N * i + 64 * c, hint) for c in range(2)])
+            rc.append([bits.ld_global_v4_u32(rc_base + self.N * i + 64 * c, hint) for c in range(self.CHUNKS)])
         return rc
 
     @cute.jit
@@ -132,7 +141,7 @@ class Fp8(_Format):
         """The f16 MMA accumulators of the four m-tiles: the codes of rows 2 mt, 2 mt + 1
         (rc, `code_rows`) against C' = C down from the lane's words cw."""
         ch = []
-        for c in cutlass.range_constexpr(2):
+        for c in cutlass.range_constexpr(self.CHUNKS):
             row = []
             for v in cutlass.range_constexpr(8):
                 pair = bf16x2_to_f32x2(cw[c][v])
@@ -245,6 +254,7 @@ class Fp16(Fp8):
     Args = A.Fp16Copy
     row_amax = False
     step_ctas_per_sm = 3
+    step_ctas_n256 = 2  # 3 spills (24 bytes on sm_90a)
 
     def __init__(self, arch: str, P: int = 64, N: int = 128) -> None:
         super().__init__(arch, P, N)
@@ -270,7 +280,7 @@ class Fp16(Fp8):
         rc = []
         for i in cutlass.range_constexpr(8):
             row = []
-            for c in cutlass.range_constexpr(2):
+            for c in cutlass.range_constexpr(self.CHUNKS):
                 at = [base + 2 * self.N * i + 4 * self.c_word(c, q, h) for h in range(2)]
                 row.append(bits.ld_global_v4_u32(at[0], hint) + bits.ld_global_v4_u32(at[1], hint))
             rc.append(row)
@@ -309,6 +319,7 @@ class Nvfp4(_Format):
     name = "nvfp4"
     Args = A.Nvfp4Copy
     ctas_per_sm = 4.0
+    step_ctas_n256 = 3  # 4 spills (32 bytes on sm_90a)
     fold_ctas_per_sm = 6  # 80 registers (sm_90a spills 16 bytes); docs/design.md section 10
     stage_one_source = True
     row_amax = False
@@ -334,38 +345,43 @@ class Nvfp4(_Format):
     # -- non-flush ------------------------------------------------------------------------
     def c_word(self, c: int, q, h=0):
         """Word offset of vector h (0, 1: four words) of chunk c of lane q's n-set:
-        n = 32 q + 16 c .. + 15 (two blocks), vector h the values 8 h .. 8 h + 7 of them."""
-        return 16 * q + 8 * c + 4 * h
+        n = 128 (c // 2) + 32 q + 16 (c % 2) .. + 15 (block 8 (c // 2) + 2 q + c % 2),
+        vector h the values 8 h .. 8 h + 7 of them."""
+        return 64 * (c // 2) + 16 * q + 8 * (c % 2) + 4 * h
 
     @cute.jit
-    def c_decoded(self, cw, downs):
-        """The lane's C[32 q + m] times downs[m // 16] as f16 pairs in the decoded order:
-        chm[wd][j] holds elements order[2 j], order[2 j + 1] of code word wd (elements
-        n = 32 q + 8 wd + e), as the decode of that word returns its values."""
+    def c_decoded(self, cw, downs, kh: int = 0):
+        """The lane's C[128 kh + 32 q + m] times downs[m // 16] as f16 pairs in the decoded
+        order: chm[wd][j] holds elements order[2 j], order[2 j + 1] of code word wd
+        (elements n = 128 kh + 32 q + 8 wd + e), as the decode of that word returns them."""
         cf = []
         for c in cutlass.range_constexpr(2):
             for v in cutlass.range_constexpr(8):
-                pair = bf16x2_to_f32x2(cw[c][v])
+                pair = bf16x2_to_f32x2(cw[2 * kh + c][v])
                 cf += [pair[0] * downs[c], pair[1] * downs[c]]
         order = self.decode_order
         return [[f32x2_to_f16x2(cf[8 * wd + order[2 * j]], cf[8 * wd + order[2 * j + 1]]) for j in range(4)] for wd in range(4)]
 
     @cute.jit
     def load_rows(self, copy, slot, hh, g, gq, q, hint: cutlass.Constexpr):
-        """rc[i]: codes of row 8 gq + i, elements 32 q .. + 31 (bytes 16 q .. + 15); the
-        block scales of blocks 2 q, 2 q + 1 of the same rows (two bytes); the live
-        second-level scale g = 2**E of this slot and group (`& 1` keeps a corrupt parity
-        word inside the slot's meta)."""
+        """rc[kh][i]: codes of row 8 gq + i, elements 128 kh + 32 q .. + 31 (bytes
+        64 kh + 16 q .. + 15); bs4[kh][mt] the block scales of blocks 8 kh + 2 q, + 1 of
+        the same rows (two bytes a row); the live second-level scale g = 2**E of this slot
+        and group (`& 1` keeps a corrupt parity word inside the slot's meta)."""
         read_w = cute.recast_ptr(copy.codes, dtype=Uint32)
         rc_base = (read_w + (slot * copy.codes_stride16 * 4 + hh * (self.P * self.N // 8) + Int64(gq * (8 * self.N // 8) + 4 * q))).toint()
+        halves = self.N // 128
         rc = []
-        for i in cutlass.range_constexpr(8):
-            rc.append(bits.ld_global_v4_u32(rc_base + (self.N // 2) * i, hint))
+        for kh in cutlass.range_constexpr(halves):
+            rc.append([bits.ld_global_v4_u32(rc_base + (self.N // 2) * i + 64 * kh, hint) for i in range(8)])
         s_base = slot * copy.scale_stride + hh * (self.P * self.BLOCKS) + Int64(gq * (8 * self.BLOCKS) + 2 * q)
-        bs4 = []  # rows 8 gq + 2 mt (bits [15:0]) and + 1 ([31:16]), blocks 2 q, 2 q + 1
-        for mt in cutlass.range_constexpr(4):
-            sb = [Uint32(copy.scales[s_base + self.BLOCKS * (2 * mt + i // 2) + i % 2]) for i in range(4)]
-            bs4.append(sb[0] | (sb[1] << 8) | (sb[2] << 16) | (sb[3] << 24))
+        bs4 = []  # rows 8 gq + 2 mt (bits [15:0]) and + 1 ([31:16]), blocks 8 kh + 2 q, + 1
+        for kh in cutlass.range_constexpr(halves):
+            row = []
+            for mt in cutlass.range_constexpr(4):
+                sb = [Uint32(copy.scales[s_base + self.BLOCKS * (2 * mt + i // 2) + 8 * kh + i % 2]) for i in range(4)]
+                row.append(sb[0] | (sb[1] << 8) | (sb[2] << 16) | (sb[3] << 24))
+            bs4.append(row)
         par = Int64(copy.parity[slot * copy.parity_stride] & Int32(1))
         a_live = copy.meta[slot * copy.meta_stride + g * 2 + par].bitcast(Int32) & Int32(0x7FFFFFFF)
         g_scale = bits.exp2_int(bits.pow2_exponent_above(a_live, bits_nvfp4.NVFP4_MANT_LIMIT, bits_nvfp4.NVFP4_E_OFF))
@@ -382,26 +398,32 @@ class Nvfp4(_Format):
         butterfly over the quad sums the 8 blocks. R[p] = g (dot' 2**e), the dots being
         sum v s C' / decode_factor."""
         rc, bs4, g_scale = loaded
-        # C[32 q + m] * down or * 0 (chunk c of the lane's n-set: block 2 q + c).
-        chm = self.c_decoded(cw, [sel(gq == 2 * q + c, down, Float32(0.0)) for c in range(2)])
+        halves = self.N // 128
+        # C[128 kh + 32 q + m] * down or * 0 (chunk c of the half's n-set: block 2 q + c of it).
+        chms = [self.c_decoded(cw, [sel(gq == 2 * q + c, down, Float32(0.0)) for c in range(2)], kh) for kh in range(halves)]
         # The k-steps of code word wd take its decoded words j0 (k = 2 q, 2 q + 1) and
         # j0 + 1 (k = 2 q + 8, + 9), j0 = 0, 2. acc = (rows 8 gq + 2 mt, + 1) x (blocks
-        # 2 q, 2 q + 1).
+        # 2 q, 2 q + 1 of the half); the halves' scaled sums added in order.
         b0 = (q % 2) == 1
         half = []  # m-tiles 2 h, 2 h + 1 summed over lane pairs -> m-tile 2 h + q % 2
         for h in cutlass.range_constexpr(2):
             part = []
             for mt in cutlass.range_constexpr(2 * h, 2 * h + 2):
-                acc = [Float32(0.0)] * 4
-                for wd in cutlass.range_constexpr(4):
-                    lo = self.e2m1x8_f16x2(rc[2 * mt][wd])
-                    hi = self.e2m1x8_f16x2(rc[2 * mt + 1][wd])
-                    for j0 in cutlass.range_constexpr(0, 4, 2):
-                        a = [lo[j0], hi[j0], lo[j0 + 1], hi[j0 + 1]]
-                        acc = mma_f16_16x8x16(a, [chm[wd][j0], chm[wd][j0 + 1]], acc)
-                s0 = bits.f16x2_to_f32x2(DSL_OPS.e4m3x2_f16x2(bs4[mt], 0))
-                s1 = bits.f16x2_to_f32x2(DSL_OPS.e4m3x2_f16x2(bs4[mt], 1))
-                part.append([acc[0] * s0[0] + acc[1] * s0[1], acc[2] * s1[0] + acc[3] * s1[1]])
+                sums = None
+                for kh in cutlass.range_constexpr(halves):
+                    chm = chms[kh]
+                    acc = [Float32(0.0)] * 4
+                    for wd in cutlass.range_constexpr(4):
+                        lo = self.e2m1x8_f16x2(rc[kh][2 * mt][wd])
+                        hi = self.e2m1x8_f16x2(rc[kh][2 * mt + 1][wd])
+                        for j0 in cutlass.range_constexpr(0, 4, 2):
+                            a = [lo[j0], hi[j0], lo[j0 + 1], hi[j0 + 1]]
+                            acc = mma_f16_16x8x16(a, [chm[wd][j0], chm[wd][j0 + 1]], acc)
+                    s0 = bits.f16x2_to_f32x2(DSL_OPS.e4m3x2_f16x2(bs4[kh][mt], 0))
+                    s1 = bits.f16x2_to_f32x2(DSL_OPS.e4m3x2_f16x2(bs4[kh][mt], 1))
+                    pk = [acc[0] * s0[0] + acc[1] * s0[1], acc[2] * s1[0] + acc[3] * s1[1]]
+                    sums = pk if sums is None else [sums[0] + pk[0], sums[1] + pk[1]]
+                part.append(sums)
             # Quad sum, butterfly: lane q ends with m-tile q's two rows (finish's selects).
             row = []
             for i in cutlass.range_constexpr(2):
@@ -429,18 +451,21 @@ class Nvfp4(_Format):
         times an e4m3 scale has at most 6 significant bits and lies within f16's range),
         so the dots need no per-block sums; rf = g * decode_factor for every row."""
         rc, bs4, g_scale = loaded
-        chm = self.c_decoded(cw, [down, down])
+        halves = self.N // 128
+        chms = [self.c_decoded(cw, [down, down], kh) for kh in range(halves)]
         acc_all = []
         for mt in cutlass.range_constexpr(4):
-            # Scale pairs of rows 2 mt (bytes 0, 1 of bs4: blocks 2 q, 2 q + 1) and 2 mt + 1.
-            s_lo = e4m3x4_to_f16x2x2(bits.prmt(bs4[mt], Uint32(0), 0x1100))
-            s_hi = e4m3x4_to_f16x2x2(bits.prmt(bs4[mt], Uint32(0), 0x3322))
             acc = [Float32(0.0)] * 4
-            for wd in cutlass.range_constexpr(4):
-                lo = [bits.mul_f16x2(w, s_lo[wd // 2]) for w in self.e2m1x8_f16x2(rc[2 * mt][wd])]
-                hi = [bits.mul_f16x2(w, s_hi[wd // 2]) for w in self.e2m1x8_f16x2(rc[2 * mt + 1][wd])]
-                for j0 in cutlass.range_constexpr(0, 4, 2):
-                    acc = mma_f16_16x8x16([lo[j0], hi[j0], lo[j0 + 1], hi[j0 + 1]], [chm[wd][j0], chm[wd][j0 + 1]], acc)
+            for kh in cutlass.range_constexpr(halves):
+                chm = chms[kh]
+                # Scale pairs of rows 2 mt (bytes 0, 1 of bs4: blocks 2 q, 2 q + 1) and 2 mt + 1.
+                s_lo = e4m3x4_to_f16x2x2(bits.prmt(bs4[kh][mt], Uint32(0), 0x1100))
+                s_hi = e4m3x4_to_f16x2x2(bits.prmt(bs4[kh][mt], Uint32(0), 0x3322))
+                for wd in cutlass.range_constexpr(4):
+                    lo = [bits.mul_f16x2(w, s_lo[wd // 2]) for w in self.e2m1x8_f16x2(rc[kh][2 * mt][wd])]
+                    hi = [bits.mul_f16x2(w, s_hi[wd // 2]) for w in self.e2m1x8_f16x2(rc[kh][2 * mt + 1][wd])]
+                    for j0 in cutlass.range_constexpr(0, 4, 2):
+                        acc = mma_f16_16x8x16([lo[j0], hi[j0], lo[j0 + 1], hi[j0 + 1]], [chm[wd][j0], chm[wd][j0 + 1]], acc)
             acc_all.append(acc)
         rf = g_scale * Float32(self.decode_factor)
         return acc_all, [rf] * 8
