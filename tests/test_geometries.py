@@ -6,16 +6,21 @@ bounds of the ratio (1 and 128); head dim 80 (Nemotron Nano 2) and state dim 256
 against the exact FP64 recurrence at or above each format's floor, single-token and
 pending mode (T = 4, drafts accepted with p 0.7): on the CPU through the reference, on
 the GPU through the kernels (tests/test_cute_decode_gpu.py and test_pending_kernels.py
-hold the 64 / 128 geometries against the reference step by step)."""
+hold the 64 / 128 geometries against the reference step by step). The Triton materialize
+kernel at every head and state dim against the reference's states: on the CPU through the
+Triton interpreter, on the GPU compiled and captured in a CUDA graph."""
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from replayssm import ReplaySSMCache, allocate_cache
+from replayssm import ReplaySSMCache, allocate_cache, reference
+from replayssm import layout as L
+from replayssm.pending import grid as pending_grid, pending_materialize
 from replayssm.synthetic import ExactRecurrence, engine_inputs, layer_params, prefill_states, sqnr_db, token
 from benchmarks.accuracy import pending, single
 
@@ -137,3 +142,189 @@ def test_nvfp4_group_amax_is_the_max_of_the_bits():
     got = group_amax(state, 2).view(torch.int32)
     assert got[1, 1] == 0x7FFFFFFF and got[2, 0] == 0x7F800000
     assert torch.equal(got[0], state[0].abs().reshape(2, -1).amax(-1).view(torch.int32))
+
+
+# -- The Triton materialize kernel at every head and state dim ---------------------------
+# (The kernels backend still runs only 64 / 128 caches, so these call the kernel module
+# directly on a cache the reference decoded.)
+
+GEOMETRIES = [(64, 128), (80, 128), (64, 256), (80, 256)]
+MAT_HEADS, MAT_GROUPS, MAT_SLOTS = 4, 2, 6
+NAN = float("nan")
+
+
+def _materialize_case(fmt, P, N, *, spec_tokens=0, device="cpu", seed=9):
+    """A reference-backend cache (4 heads / 2 groups, 6 slots) with 3 prefilled slots and
+    decoded tokens: separate mode leaves them at positions 21, 16 and 15 (live ring entries
+    5, 0 and 15); pending mode (max_seqlen = spec_tokens + 1) runs 11 calls of max_seqlen
+    tokens a row with random verdicts, a verdict by `accept` (all, one, none) and one more
+    call, so the slots hold max_seqlen pending drafts and committed counts off the fold
+    grid at different offsets, some past it (the ring read from f mod 16 != 0). Returns
+    (cache, params, slots, exact FP64 states of the slots (separate mode; None in pending
+    mode), generator)."""
+    gen = torch.Generator().manual_seed(seed)
+    H, G = MAT_HEADS, MAT_GROUPS
+    p = layer_params(H, generator=gen, device=device)
+    cache = ReplaySSMCache(
+        MAT_SLOTS, H, G, fmt, device, seed=2, head_dim=P, state_dim=N, spec_tokens=spec_tokens, backend="reference"
+    )
+    slots = cache.allocate(3)
+    states = prefill_states(p, 3, G, 8, generator=gen, device=device, head_dim=P, state_dim=N)
+    cache.prefill_init(states, slots)
+    dims = dict(generator=gen, device=device, head_dim=P, state_dim=N)
+    if not spec_tokens:
+        exact = ExactRecurrence(p, states)
+        for step in range(21):
+            rows = [0, 1, 2] if step < 15 else ([0, 1] if step < 16 else [0])
+            tok = token(len(rows), H, G, **dims)
+            cache.decode(tok.x, tok.dt, p.A, tok.B, tok.C, p.D, p.dt_bias, slots[rows])
+            sub = ExactRecurrence(p, states[:1])
+            sub.S = exact.S[rows]
+            sub.step(tok)
+            exact.S[rows] = sub.S
+        return cache, p, slots, exact, gen
+    M = cache.max_seqlen
+    rng = random.Random(seed)
+    for step in range(11):
+        _pending_call(cache, p, slots, rng, dims, verdict=step > 0)
+    cache.accept(slots, torch.tensor([M, 1, 0], dtype=torch.int32, device=device))
+    _pending_call(cache, p, slots, rng, dims, verdict=False)
+    pos = cache.positions[slots.long()].tolist()
+    assert len({c % pending_grid(M) for c, _ in pos}) == 3 and max(pos)[0] >= pending_grid(M), pos
+    assert all(q == M for _, q in pos), pos
+    return cache, p, slots, None, gen
+
+
+def _pending_call(cache, p, slots, rng, dims, *, verdict=True):
+    """One pending-mode decode call: max_seqlen tokens a row and, when `verdict`, the
+    previous call's verdict random in 0..max_seqlen."""
+    b, M = slots.numel(), cache.max_seqlen
+    tok = token(b * M, MAT_HEADS, MAT_GROUPS, **dims)
+    x, dt, B, C = (v.reshape(b, M, *v.shape[1:]) for v in (tok.x, tok.dt, tok.B, tok.C))
+    acc = None
+    if verdict:
+        acc = torch.tensor([rng.randint(0, M) for _ in range(b)], dtype=torch.int32, device=slots.device)
+    cache.decode(x, dt, p.A, B, C, p.D, p.dt_bias, slots, num_accepted_tokens=acc)
+
+
+def _poison(cache, slots):
+    """NaN in every ring entry (x, dt, B) the state must not read: separate mode, the
+    entries at and beyond positions mod 16; pending mode, the drafts awaiting a verdict."""
+    rings = (cache.tensors[L.X_RING], cache.tensors[L.DT_RING], cache.tensors[L.B_RING])
+    for s in slots.tolist():
+        pos = cache.positions[s].tolist()
+        dead = range(pos % 16, 16) if isinstance(pos, int) else [i % 16 for i in range(pos[0], pos[0] + pos[1])]
+        for t in rings:
+            t[s, :, list(dead)] = NAN
+
+
+def _want(cache, ids, A):
+    if cache.spec_tokens:
+        return pending_materialize(cache.tensors, ids, A, max_seqlen=cache.max_seqlen)
+    return reference.materialize(cache.tensors, ids, A)
+
+
+def _check_states(got, want, live_rows, pad_rows):
+    """The kernel's states against the reference's: both compute each state element in FP32
+    from the same FP16 checkpoint and bf16 / FP32 ring entries (the decay of S0 plus at
+    most 16 rank-1 terms; no sum over P or N, so the bound does not depend on the
+    geometry) and differ only in summation order and exp's last ulp: within FOLD_REL_TOL
+    of each state's max (as tests/test_handoff.py argues). Padding rows are zeros and
+    every element of `out` is written."""
+    assert not torch.isnan(got).any()
+    for r in live_rows:
+        err = (got[r] - want[r]).abs().max()
+        assert err <= tol.FOLD_REL_TOL * want[r].abs().max(), (r, float(err))
+        assert want[r].abs().max() > 0, r
+    assert torch.equal(got[pad_rows], torch.zeros_like(got[pad_rows]))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("P,N", GEOMETRIES)
+def test_materialize_kernel_at_every_geometry(fmt, P, N, monkeypatch):
+    """The Triton kernel (interpreter) on a separate-mode cache of each geometry against
+    `reference.materialize` and the exact FP64 states, ring entries beyond the live ones
+    NaN-poisoned, padding rows (0, -3, num_slots) in the batch, into a NaN-filled `out`.
+    Head dim 64 runs whole heads a program interpreted; forced to the GPU's 16-row blocks
+    it gives the same bits (each element's math does not depend on the block)."""
+    pytest.importorskip("triton")
+    from replayssm.kernels.triton import materialize as kernel
+
+    cache, p, slots, exact, _ = _materialize_case(fmt, P, N)
+    assert [int(cache.positions[s]) for s in slots.tolist()] == [21, 16, 15]
+    _poison(cache, slots)
+    ids = torch.tensor([0, *slots.tolist(), -3, MAT_SLOTS], dtype=torch.int64)
+    want = reference.materialize(cache.tensors, ids, p.A)
+    out = torch.full((ids.numel(), MAT_HEADS, P, N), NAN)
+    got = kernel.materialize(cache.tensors, ids, p.A, out)
+    assert got is out
+    _check_states(got, want, [1, 2, 3], [0, 4, 5])
+    assert sqnr_db(exact.S, got[1:4]) >= tol.STATE_SQNR_FLOOR_DB
+    assert torch.equal(kernel.materialize(cache.tensors, ids[1:2].int(), p.A), got[1:2])  # int32 ids, out allocated
+    if P == 64 and fmt == "fp8":  # (the kernel does not read the read copy: one format is enough)
+        monkeypatch.setattr(kernel, "interpreting", lambda: False)
+        assert torch.equal(kernel.materialize(cache.tensors, ids, p.A), got)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("P,N", GEOMETRIES)
+def test_materialize_kernel_in_pending_mode_at_every_geometry(fmt, P, N):
+    """The Triton kernel (interpreter) on a pending cache (max_seqlen 3, fold grid 14) of
+    each geometry against `pending.pending_materialize`: committed counts 18, 15 and 13
+    (4, 1 and 13 entries past the checkpoint, the first two read from ring index 14 on,
+    wrapping), the pending drafts NaN-poisoned (never part of the committed state),
+    padding rows zeros."""
+    pytest.importorskip("triton")
+    from replayssm.kernels.triton.materialize import materialize
+
+    cache, p, slots, _, _ = _materialize_case(fmt, P, N, spec_tokens=2)
+    assert cache.positions[slots.long(), 0].tolist() == [18, 15, 13]
+    _poison(cache, slots)
+    ids = torch.tensor([0, *slots.tolist(), MAT_SLOTS], dtype=torch.int64)
+    want = pending_materialize(cache.tensors, ids, p.A, max_seqlen=3)
+    out = torch.full((ids.numel(), MAT_HEADS, P, N), NAN)
+    assert materialize(cache.tensors, ids, p.A, out, max_seqlen=3) is out
+    _check_states(out, want, [1, 2, 3], [0, 4])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("P,N", GEOMETRIES)
+@pytest.mark.parametrize("spec_tokens", [0, 2], ids=["separate", "pending"])
+def test_gpu_materialize_kernel_at_every_geometry_in_a_cuda_graph(fmt, P, N, spec_tokens):
+    """The compiled Triton kernel on a CUDA cache of each geometry (decoded by the
+    reference backend), captured in a CUDA graph with device ids and `out`, replayed after
+    more decode calls and with the dead ring entries NaN-poisoned: within FOLD_REL_TOL of
+    the reference (`reference.materialize` / `pending.pending_materialize`), separate mode
+    within STATE_SQNR_FLOOR_DB of the exact states, padding rows zeros."""
+    pytest.importorskip("triton")
+    from replayssm.kernels.triton.materialize import materialize
+
+    cache, p, slots, exact, gen = _materialize_case(fmt, P, N, spec_tokens=spec_tokens, device="cuda")
+    ms = cache.max_seqlen if spec_tokens else None
+    ids = torch.tensor([0, *slots.tolist(), -3, MAT_SLOTS], dtype=torch.int64, device="cuda")
+    out = torch.full((ids.numel(), MAT_HEADS, P, N), NAN, device="cuda")
+    materialize(cache.tensors, ids, p.A, out, max_seqlen=ms)  # compile outside the capture
+    torch.cuda.synchronize()
+    _check_states(out, _want(cache, ids, p.A), [1, 2, 3], [0, 4, 5])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        materialize(cache.tensors, ids, p.A, out, max_seqlen=ms)
+    out.fill_(NAN)
+    dims = dict(generator=gen, device="cuda", head_dim=P, state_dim=N)
+    if spec_tokens:
+        rng = random.Random(1)
+        for _ in range(3):
+            _pending_call(cache, p, slots, rng, dims)
+    else:
+        for _ in range(7):  # positions 28, 23, 22
+            tok = token(slots.numel(), MAT_HEADS, MAT_GROUPS, **dims)
+            cache.decode(tok.x, tok.dt, p.A, tok.B, tok.C, p.D, p.dt_bias, slots)
+            exact.step(tok)
+    _poison(cache, slots)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = _want(cache, ids, p.A)
+    _check_states(out, want, [1, 2, 3], [0, 4, 5])
+    if not spec_tokens:
+        assert sqnr_db(exact.S, out[1:4]) >= tol.STATE_SQNR_FLOOR_DB

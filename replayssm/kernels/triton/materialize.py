@@ -1,8 +1,8 @@
-"""Materialize kernel: the FP32 state [n, H, 64, 128] of each row's slot after every
+"""Materialize kernel: the FP32 state [n, H, P, N] of each row's slot after every
 decoded token, `reference.materialize`'s math on the device: no host sync, no allocation
 when `out` is given, so a CUDA graph can capture it.
 
-Grid (n, H, 64 // BLOCK_P): program (i_b, i_h, i_p) computes state rows
+Grid (n, H, P // BLOCK_P): program (i_b, i_h, i_p) computes state rows
 p in [i_p * BLOCK_P, (i_p + 1) * BLOCK_P) of head i_h for batch row i_b:
 
     live   = positions[slot] mod 16, the entries from ring index start = 0 (separate mode);
@@ -51,6 +51,8 @@ def _materialize_kernel(
     grid,
     H: tl.constexpr,
     HPG: tl.constexpr,
+    P: tl.constexpr,
+    N: tl.constexpr,
     BLOCK_P: tl.constexpr,
     PENDING: tl.constexpr,
 ):
@@ -58,11 +60,11 @@ def _materialize_kernel(
     i_h = tl.program_id(1)
     i_p = tl.program_id(2)
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    o_n = tl.arange(0, 128)
-    p_o = p_out + i_b.to(tl.int64) * stride_out + (i_h * 64 + o_p)[:, None].to(tl.int64) * 128 + o_n[None, :]
+    o_n = tl.arange(0, N)
+    p_o = p_out + i_b.to(tl.int64) * stride_out + (i_h * P + o_p)[:, None].to(tl.int64) * N + o_n[None, :]
     raw = tl.load(p_ids + i_b.to(tl.int64) * stride_ids)
     if (raw <= 0) | (raw >= num_slots):  # padding row: a zero state
-        tl.store(p_o, tl.zeros([BLOCK_P, 128], tl.float32))
+        tl.store(p_o, tl.zeros([BLOCK_P, N], tl.float32))
         return
     slot = raw.to(tl.int64)
     pos = tl.load(p_pos + slot * stride_pos)  # pending mode: column 0, c
@@ -81,7 +83,7 @@ def _materialize_kernel(
     pre_k = tl.sum(tl.where(o_j == 15, b_pre, 0.0), axis=0)  # the entries beyond live add 0
     b_w = b_dt * tl.exp(a * (pre_k - b_pre))  # 0 where the entry is not live (dt = 0)
 
-    p_s0 = p_ckpt + slot * stride_ckpt + (i_h * 64 + o_p)[:, None].to(tl.int64) * 128 + o_n[None, :]
+    p_s0 = p_ckpt + slot * stride_ckpt + (i_h * P + o_p)[:, None].to(tl.int64) * N + o_n[None, :]
     acc = tl.exp(a * pre_k) * tl.load(p_s0).to(tl.float32)
     g = i_h // HPG
     for j in tl.static_range(16):
@@ -90,8 +92,8 @@ def _materialize_kernel(
         w_j = tl.sum(tl.where(o_j == j, b_w, 0.0), axis=0)
         # bf16 entries read as int16 and widened through their bits (exact; no float cast).
         # Vector masks (a scalar condition broadcast as a mask is int32 to Triton 3.9's interpreter).
-        b_xj = tl.load(p_x + slot * stride_x + (i_h * 16 + e_j) * 64 + o_p, mask=o_p < tl.where(on, 64, 0), other=0)
-        b_bj = tl.load(p_b + slot * stride_b + (g * 16 + e_j) * 128 + o_n, mask=o_n < tl.where(on, 128, 0), other=0)
+        b_xj = tl.load(p_x + slot * stride_x + (i_h * 16 + e_j) * P + o_p, mask=o_p < tl.where(on, P, 0), other=0)
+        b_bj = tl.load(p_b + slot * stride_b + (g * 16 + e_j) * N + o_n, mask=o_n < tl.where(on, N, 0), other=0)
         b_xj = (b_xj.to(tl.int32) << 16).to(tl.float32, bitcast=True)
         b_bj = (b_bj.to(tl.int32) << 16).to(tl.float32, bitcast=True)
         acc += (w_j * b_xj)[:, None] * b_bj[None, :]
@@ -101,16 +103,18 @@ def _materialize_kernel(
 def materialize(
     cache, ids: torch.Tensor, A: torch.Tensor, out: torch.Tensor | None = None, max_seqlen: int | None = None
 ) -> torch.Tensor:
-    """FP32 states [n, H, 64, 128] of the slots in `ids` (int32/int64 [n]; padding rows
-    read as zeros) into `out` (contiguous FP32 [n, H, 64, 128]; allocated when None).
+    """FP32 states [n, H, P, N] of the slots in `ids` (int32/int64 [n]; padding rows
+    read as zeros) into `out` (contiguous FP32 [n, H, P, N], P and N the cache's
+    `layout.dims`; allocated when None).
     `A`: FP32 [H] (any stride). A pending cache (positions [S, 2]) needs its `max_seqlen`
     and gives the state after the committed tokens. One launch; reads the cache only."""
     ids = ids.reshape(-1)
     n = ids.numel()
     ckpt = cache[L.CHECKPOINT]
     num_slots, heads = ckpt.shape[:2]
+    P, N = L.dims(cache)
     if out is None:
-        out = torch.empty(n, heads, L.HEAD_DIM, L.STATE_DIM, dtype=torch.float32, device=ckpt.device)
+        out = torch.empty(n, heads, P, N, dtype=torch.float32, device=ckpt.device)
     if n == 0:
         return out
     x_ring, dt_ring, b_ring, pos = cache[L.X_RING], cache[L.DT_RING], cache[L.B_RING], cache[L.POSITIONS]
@@ -120,8 +124,9 @@ def materialize(
         raise ValueError("materialize of a pending cache (positions [S, 2]) needs its max_seqlen")
     grid = pending_grid(max_seqlen) if pending else 0
     # The interpreter pays per program: a whole head per program there; 16 rows on the GPU.
-    block_p = 64 if interpreting() else 16
-    _materialize_kernel[(n, heads, L.HEAD_DIM // block_p)](
+    # tl.arange takes powers of two: head dim 80 runs 16 rows a program on both.
+    block_p = 64 if P == 64 and interpreting() else 16
+    _materialize_kernel[(n, heads, P // block_p)](
         ids,
         A,
         ckpt,
@@ -142,6 +147,8 @@ def materialize(
         grid,
         H=heads,
         HPG=heads // groups,
+        P=P,
+        N=N,
         BLOCK_P=block_p,
         PENDING=pending,
         num_warps=4,
