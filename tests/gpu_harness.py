@@ -43,20 +43,23 @@ class World:
     and zero block scales)."""
 
     def __init__(
-        self, fmt, heads=16, groups=2, seed=0, live=(3, 5, 1, 7, 2, 9, 4, 8, 10), num_slots=12, sync=False, wide=False
-    ):
+        self, fmt, heads=16, groups=2, seed=0, live=(3, 5, 1, 7, 2, 9, 4, 8, 10), num_slots=12, sync=False, wide=False,
+        head_dim=64, state_dim=128,
+    ):  # fmt: skip
         self.fmt, self.heads, self.groups, self.seed = fmt, heads, groups, seed
+        self.P, self.N = P, N = head_dim, state_dim
+        dims = {"head_dim": P, "state_dim": N}
         self.gen = torch.Generator().manual_seed(seed)
         self.params = layer_params(heads, generator=self.gen, device=DEVICE)
-        self.cache = cache = L.allocate_cache(num_slots, heads, groups, fmt, DEVICE, slot_padding=64, fill=NAN)
+        self.cache = cache = L.allocate_cache(num_slots, heads, groups, fmt, DEVICE, slot_padding=64, fill=NAN, **dims)
         if fmt == "nvfp4":
             cache[L.READ_COPY].fill_(0xFF)
         live_t = torch.tensor(live, dtype=torch.int32, device=DEVICE)
-        states = prefill_states(self.params, len(live), groups, 24, generator=self.gen, device=DEVICE)
+        states = prefill_states(self.params, len(live), groups, 24, generator=self.gen, device=DEVICE, **dims)
         self.wide_slot = live[0] if wide else None
         if wide:
-            mag = torch.pow(10.0, -12.0 * torch.rand(heads, 64, 128, generator=self.gen)).to(DEVICE)
-            states[0] = torch.randn(heads, 64, 128, generator=self.gen).to(DEVICE) * mag
+            mag = torch.pow(10.0, -12.0 * torch.rand(heads, P, N, generator=self.gen)).to(DEVICE)
+            states[0] = torch.randn(heads, P, N, generator=self.gen).to(DEVICE) * mag
         initialize_replayssm_state(cache, states, live_t, state_dtype=fmt, seed=seed)
         if fmt == "nvfp4":
             # The half the first flush encodes with (parity is 0 after init).
@@ -69,7 +72,7 @@ class World:
             q = 16 * (i % 3) + (13 if sync else (5 * i) % 16)
             r = q % 16
             pos[s] = q
-            tok = token(r, heads, groups, generator=self.gen, device=DEVICE)
+            tok = token(r, heads, groups, generator=self.gen, device=DEVICE, **dims)
             if s == self.wide_slot:
                 tok.x.zero_()
             dts = ref.softplus_dt(tok.dt, self.params.dt_bias.view(1, -1))
@@ -97,14 +100,14 @@ class World:
         self.gap = gap
 
     def token(self):
-        tok = token(self.batch, self.heads, self.groups, generator=self.gen, device=DEVICE)
+        tok = token(self.batch, self.heads, self.groups, generator=self.gen, device=DEVICE, head_dim=self.P, state_dim=self.N)
         if self.wide_slot is not None:
             tok.x[self.ids == self.wide_slot] = 0
         return tok
 
     def inputs(self, tok):
         p = self.params
-        return normalize_decode_inputs(tok.x, tok.dt, p.A, tok.B, tok.C, p.D, p.dt_bias, self.batch, self.heads, self.groups)
+        return normalize_decode_inputs(tok.x, tok.dt, p.A, tok.B, tok.C, p.D, p.dt_bias, self.batch, self.heads, self.groups, self.P, self.N)
 
     def gaps_untouched(self) -> bool:
         return bool((self.page[:, self.gap] == 0xFF).all())

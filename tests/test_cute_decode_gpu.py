@@ -48,7 +48,8 @@ pytestmark = [
 
 def _world(fmt, heads, groups, case, seed=0):
     many = {"live": MANY_LIVE, "num_slots": MANY_SLOTS} if case.get("many") else {"live": (5,)} if case.get("one") else {}
-    return World(fmt, heads, groups, seed=seed, sync=case.get("sync", False), wide=case.get("wide", False), **many)
+    dims = {"state_dim": case["N"]} if "N" in case else {}
+    return World(fmt, heads, groups, seed=seed, sync=case.get("sync", False), wide=case.get("wide", False), **many, **dims)
 
 
 def _config(w: World, case):
@@ -124,6 +125,12 @@ CASES = [
       for h, g in ((112, 8), (14, 1), (48, 1), (6, 1))),
     pytest.param("nvfp4", 8, 8, {}, id="nvfp4-h8-g8-mixed"),
     pytest.param("fp8", 128, 1, {}, id="fp8-h128-g1-mixed"),
+    # State dim 256 (Nemotron-H 47B / 56B: 256 heads in 8 groups, its TP-8 shard 32 / 1;
+    # Falcon-H1: 1 group): the flush's 8-warp CTA, the steps' four n-chunks.
+    *(pytest.param(f, h, g, {"N": 256, **c}, id=f"{f}-h{h}-g{g}-n256-{n}") for f in ("fp8", "nvfp4", "fp16")
+      for h, g, c, n in ((16, 2, {}, "mixed"), (32, 1, {}, "mixed"), (16, 2, {"many": True, "columns": 2}, "many-rows-2-columns"),
+                         (16, 2, {"wide": True}, "wide-range"))),
+    pytest.param("nvfp4", 8, 8, {"N": 256}, id="nvfp4-h8-g8-n256-mixed"),
 ]
 
 
@@ -138,7 +145,7 @@ def test_kernels_match_reference_over_three_periods(fmt, heads, groups, case, mo
     assert cfg.nonflush_pdl == (w.batch == 1)
     nvfp4 = fmt == "nvfp4"
     has_copy = FORMATS[fmt].has_read_copy
-    cache, H, P, N = w.cache, heads, L.HEAD_DIM, L.STATE_DIM
+    cache, H, (P, N) = w.cache, heads, L.dims(w.cache)
     hpg = H // groups
     out = torch.empty(w.batch, H, P, dtype=torch.bfloat16, device=DEVICE)
     state = torch.empty(w.batch, H, P, N, dtype=torch.float32, device=DEVICE)
@@ -176,7 +183,7 @@ def test_kernels_match_reference_over_three_periods(fmt, heads, groups, case, mo
             S_ref = ref.fold(before, slots, x[fl], dts, B[fl], A, plan.ring_index[fl])
             scale = S_ref.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
             assert float(((S - S_ref).abs() / scale).amax()) < tol.FOLD_REL_TOL, f"step {step}: FP32 state differs"
-            ck = to_fp16(S, checkpoint_rbits(plan.key[fl], H))
+            ck = to_fp16(S, checkpoint_rbits(plan.key[fl], H, 0, P, N))
             assert same_bits(cache[L.CHECKPOINT][slots], ck), f"step {step}: checkpoint bits differ from to_fp16(S)"
             if nvfp4:
                 old = plan.old_parity[fl]

@@ -63,6 +63,21 @@ def test_accuracy_at_model_geometries_gpu(fmt, heads, groups):
 DIMS = [(16, 1, 80, 128), (32, 1, 64, 256), (6, 1, 64, 256), (8, 2, 80, 256)]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("heads,groups", [(256, 8), (32, 1), (48, 1), (6, 1)])
+def test_accuracy_at_state_dim_256_gpu(fmt, heads, groups):
+    """Nemotron-H 47B / 56B (256 heads / 8 groups, its TP-8 shard 32 / 1) and Falcon-H1
+    (48 / 1, TP-8 6 / 1) at state dim 256 on the kernels, single-token and pending mode,
+    against the exact FP64 recurrence."""
+    pytest.importorskip("cutlass")
+    args = _args(tokens=96, batch=8, backend="kernels", state_dim=256)
+    for run in (single, pending):
+        r = run(fmt, heads, groups, args, torch.device("cuda"))
+        assert r["all"] >= tol.OUTPUT_SQNR_FLOOR_DB[fmt], (run.__name__, r)
+        print(f"[{fmt} {heads}h/{groups}g N=256 {run.__name__}] {r['all']:.2f} dB")
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("heads,groups,P,N", DIMS)
 def test_accuracy_at_head_and_state_dims_cpu(fmt, heads, groups, P, N):

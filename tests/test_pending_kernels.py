@@ -30,23 +30,23 @@ from .helpers import same_bits
 NAN = float("nan")
 
 
-def _world(fmt, heads, groups, device, slots, seed=5):
+def _world(fmt, heads, groups, device, slots, seed=5, N=L.STATE_DIM):
     gen = torch.Generator().manual_seed(heads + len(fmt))
     p = layer_params(heads, generator=gen)
-    cache = allocate_cache(slots, heads, groups, fmt, pending=True, device=device)
+    cache = allocate_cache(slots, heads, groups, fmt, pending=True, device=device, state_dim=N)
     live = list(range(1, slots - 1))
-    st = prefill_states(p, len(live), groups, 16, generator=gen).to(device)
+    st = prefill_states(p, len(live), groups, 16, generator=gen, state_dim=N).to(device)
     ref.initialize(cache, st, torch.tensor(live, device=device), fmt=FORMATS[fmt], seed=seed)
     params = (p.A.float().to(device), p.D.float().reshape(heads, -1).expand(heads, L.HEAD_DIM).to(device),
               p.dt_bias.float().to(device))  # fmt: skip
     return cache, params, gen
 
 
-def _tokens(gen, lead, heads, groups, device):
+def _tokens(gen, lead, heads, groups, device, N=L.STATE_DIM):
     x = torch.randn(*lead, heads, L.HEAD_DIM, generator=gen).to(torch.bfloat16)
     dt = (0.5 * torch.randn(*lead, heads, generator=gen)).to(torch.bfloat16)
-    B = torch.randn(*lead, groups, L.STATE_DIM, generator=gen).to(torch.bfloat16)
-    C = torch.randn(*lead, groups, L.STATE_DIM, generator=gen).to(torch.bfloat16)
+    B = torch.randn(*lead, groups, N, generator=gen).to(torch.bfloat16)
+    C = torch.randn(*lead, groups, N, generator=gen).to(torch.bfloat16)
     return [t.to(device) for t in (x, dt, B, C)]
 
 
@@ -88,7 +88,7 @@ def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, plan, cu=None, 
     out_shape = (*x.shape[:-1], L.HEAD_DIM) if x.dim() == 3 else (*x.shape[:2], heads, L.HEAD_DIM)
     want = torch.full(out_shape, NAN, device=dev, dtype=out_dtype)
     got = torch.full(out_shape, NAN, device=dev, dtype=out_dtype)
-    dbg = torch.full((ids.numel(), heads, L.HEAD_DIM, L.STATE_DIM), NAN, device=dev)
+    dbg = torch.full((ids.numel(), heads, *L.dims(cache)), NAN, device=dev)
     kx, kdt, kB, kC = _engine_shaped(x, dt, B, C) if engine else (x, dt, B, C)
     kernel(kc, kx, kdt, A, kB, kC, D, bias, ids, got, fmt=FORMATS[fmt], seed=seed, max_seqlen=M,
            num_accepted_tokens=acc, cu_seqlens=cu, debug_state=dbg, plan=plan)  # fmt: skip
@@ -133,8 +133,8 @@ def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, plan, cu=None, 
     return folds
 
 
-def _run(fmt, M, heads, groups, device, calls, varlen_every=3, seed=5, kernel=None, out_dtype=torch.float32):
-    cache, params, gen = _world(fmt, heads, groups, device, slots=6, seed=seed)
+def _run(fmt, M, heads, groups, device, calls, varlen_every=3, seed=5, kernel=None, out_dtype=torch.float32, N=L.STATE_DIM):
+    cache, params, gen = _world(fmt, heads, groups, device, slots=6, seed=seed, N=N)
     # Desynchronized rows: slot 3 starts just below a fold grid point (its committed entries
     # since the checkpoint are zero tokens), the others at 0.
     cache[L.POSITIONS][3, 0] = max(grid(M) - 2, 0)
@@ -160,10 +160,10 @@ def _run(fmt, M, heads, groups, device, calls, varlen_every=3, seed=5, kernel=No
         if call % varlen_every == varlen_every - 1:
             lens = [rng.randint(0, M) for _ in range(b)]
             cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-            toks = _tokens(gen, (int(cu[-1]),), heads, groups, device)
+            toks = _tokens(gen, (int(cu[-1]),), heads, groups, device, N)
         else:
             cu = None
-            toks = _tokens(gen, (b, M), heads, groups, device)
+            toks = _tokens(gen, (b, M), heads, groups, device, N)
         folds += _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, plan, cu, engine=call % 2 == 1,
                              kernel=kernel, out_dtype=out_dtype)  # fmt: skip
     return folds
@@ -196,8 +196,9 @@ def _cute_decode(cache, x, dt, A, B, C, D, bias, ids, out, *, fmt, seed, max_seq
     varlen = cu_seqlens is not None
     heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
     lead = x.shape[:1] if varlen else x.shape[:2]
+    N = L.dims(cache)[1]
     x, B, C = (t if reads_as_is(t, w, varlen) else t.reshape(*lead, n, w).contiguous()
-               for t, n, w in ((x, heads, L.HEAD_DIM), (B, groups, L.STATE_DIM), (C, groups, L.STATE_DIM)))  # fmt: skip
+               for t, n, w in ((x, heads, L.HEAD_DIM), (B, groups, N), (C, groups, N)))  # fmt: skip
     out_v = out.view(*lead, heads, L.HEAD_DIM)
     plan = plan or PendingPlan(ids.numel(), x.device)
     _plan_launch(cache, plan, ids, num_accepted_tokens, cu_seqlens, fmt, seed, max_seqlen, plan_launches)
@@ -236,6 +237,19 @@ def test_pending_cute_kernels_at_model_geometries_gpu(fmt, heads, groups):
     pytest.importorskip("cutlass")
     kernel = functools.partial(_cute_decode, plan_launches={})
     assert _run(fmt, 4, heads, groups, "cuda", calls=12, kernel=kernel, out_dtype=torch.bfloat16) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "fp16"])
+@pytest.mark.parametrize("heads,groups", [(16, 2), (32, 1)])
+@pytest.mark.parametrize("split", [False, True])
+def test_pending_cute_kernels_at_state_dim_256_gpu(fmt, heads, groups, split):
+    """The plan, fold (8-warp CTAs) and step (four n-chunks) against the reference at
+    state dim 256 (Nemotron-H 47B / 56B's TP-8 shard 32 / 1): 12 calls, M = 4, bf16
+    outputs, one step launch and the split one."""
+    pytest.importorskip("cutlass")
+    kernel = functools.partial(_cute_decode, split=split, plan_launches={})
+    assert _run(fmt, 4, heads, groups, "cuda", calls=12, kernel=kernel, out_dtype=torch.bfloat16, N=256) > 0
 
 
 @pytest.mark.gpu
