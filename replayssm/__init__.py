@@ -4,9 +4,8 @@ Per request slot the cache keeps an FP16 checkpoint of the recurrent state (head
 dim x state dim: 64 or 80 x 128 or 256), a ring of the last 16 inputs and an FP8 or NVFP4
 read copy. A decode step reads the
 read copy and the ring and writes no state; every 16th token a flush folds the ring into
-the checkpoint. CUDA kernels (CuTe DSL, Triton) on H100 / H200 and B200 / B300 for head
-dim 64 and state dim 128; the PyTorch reference of every operation on the CPU, other GPUs
-and the other geometries.
+the checkpoint. CUDA kernels (CuTe DSL, Triton) on H100 / H200 and B200 / B300 for every
+geometry; the PyTorch reference of every operation on the CPU and other GPUs.
 
 Names:
 

@@ -5,8 +5,8 @@ realistic states, decodes N tokens on the best available backend (GPU kernels wh
 is present, the PyTorch reference on the CPU) and reports tokens/s, output SQNR against
 an exact FP64 recurrence, and state bytes per token against standard decoding. The
 layer's geometry comes from the options or from a Hugging Face Mamba-2 config.json
-(--config); the GPU kernels take head dim 64 and state dim 128, other geometries run on
-the PyTorch reference (the table's backend column says which ran).
+(--config); the table's backend column says whether the GPU kernels or the PyTorch
+reference ran.
 """
 
 from __future__ import annotations
@@ -98,8 +98,7 @@ def run_demo(
 ) -> list[dict]:
     """Run the demo and print its table on `out` (stdout). `progress`: None writes progress
     to stderr (a bar on a terminal, plain lines elsewhere), False nothing, True lines
-    even on a terminal. `head_dim` / `state_dim`: the state geometry (64 / 128 run on the
-    GPU kernels, other pairs on the PyTorch reference). Returns one dict per format;
+    even on a terminal. `head_dim` / `state_dim`: the state geometry. Returns one dict per format;
     `tokens_per_s` is batch * steps / `elapsed_s`, the wall time of the decode loop alone."""
     out = sys.stdout if out is None else out
     if device == "auto":
@@ -328,11 +327,11 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     demo.add_argument(
         "--head-dim", type=int, choices=L.HEAD_DIMS, default=L.HEAD_DIM, action=_Geometry,
-        help="head dim P (the GPU kernels take 64; 80, Nemotron Nano 2's, runs on the PyTorch reference)",
+        help="head dim P (80: Nemotron Nano 2's)",
     )
     demo.add_argument(
         "--state-dim", type=int, choices=L.STATE_DIMS, default=L.STATE_DIM, action=_Geometry,
-        help="state dim N (the GPU kernels take 128; 256 runs on the PyTorch reference)",
+        help="state dim N (256: Nemotron-H 47B / 56B's, Falcon-H1's)",
     )
     demo.add_argument(
         "--config", type=read_mamba2_config, metavar="PATH",

@@ -81,8 +81,7 @@ class ReplaySSMCache:
     # one unsharded cache would; docs/format.md section 6).
     head_offset: int = attrs.field(default=0, kw_only=True)
     spec_tokens: int = attrs.field(default=0, kw_only=True)
-    # The state geometry: head dim P (64 or 80) and state dim N (128 or 256). The CuTe
-    # kernels take 64 / 128; other geometries run on the PyTorch reference.
+    # The state geometry: head dim P (64 or 80) and state dim N (128 or 256).
     head_dim: int = attrs.field(default=L.HEAD_DIM, kw_only=True)
     state_dim: int = attrs.field(default=L.STATE_DIM, kw_only=True)
     tensors: tuple[torch.Tensor, ...] = attrs.field(init=False)

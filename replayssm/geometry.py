@@ -9,7 +9,6 @@ HEAD_DIM = 64  # P: head dimension (the default)
 STATE_DIM = 128  # N: state dimension (the default)
 HEAD_DIMS = (64, 80)  # P a cache may have (Nemotron Nano 2: 80)
 STATE_DIMS = (128, 256)  # N a cache may have (Nemotron-H 47B / 56B, Falcon-H1: 256)
-KERNEL_DIMS = ((64, 128), (64, 256))  # (P, N) the kernels run; the others run on the reference
 RING = 16  # L: ring entries; one flush every RING tokens
 NVFP4_BLOCK = 16  # values per NVFP4 block scale
 MAX_HEADS_PER_GROUP = 128  # heads sharing one group's B and C: 1 (a tensor-parallel shard) .. 128
@@ -35,13 +34,6 @@ def dims_error(head_dim: object, state_dim: object) -> str | None:
     """Why (head_dim, state_dim) is no cache geometry (None when it is one)."""
     if head_dim not in HEAD_DIMS or state_dim not in STATE_DIMS or isinstance(head_dim, bool) or isinstance(state_dim, bool):
         return f"head_dim must be one of {HEAD_DIMS} and state_dim one of {STATE_DIMS}; got {head_dim!r} and {state_dim!r}"
-    return None
-
-
-def kernel_dims_error(head_dim: int, state_dim: int) -> str | None:
-    """Why the kernels cannot run a cache of this geometry (None when they can)."""
-    if (head_dim, state_dim) not in KERNEL_DIMS:
-        return f"the kernels take (head_dim, state_dim) in {KERNEL_DIMS}; got ({head_dim}, {state_dim})"
     return None
 
 

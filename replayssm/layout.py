@@ -17,7 +17,6 @@ from .geometry import (  # noqa: F401  (the cache tuple's names, re-exported)
     DT_RING,
     HEAD_DIM,
     HEAD_DIMS,
-    KERNEL_DIMS,
     MAX_HEADS_PER_GROUP,
     META,
     NVFP4_BLOCK,
@@ -32,7 +31,6 @@ from .geometry import (  # noqa: F401  (the cache tuple's names, re-exported)
     Geometry,
     dims_error,
     group_error,
-    kernel_dims_error,
 )
 
 STATE_DTYPES = tuple(FORMATS)

@@ -48,7 +48,7 @@ pytestmark = [
 
 def _world(fmt, heads, groups, case, seed=0):
     many = {"live": MANY_LIVE, "num_slots": MANY_SLOTS} if case.get("many") else {"live": (5,)} if case.get("one") else {}
-    dims = {"state_dim": case["N"]} if "N" in case else {}
+    dims = {"head_dim": case.get("P", 64), "state_dim": case.get("N", 128)}
     return World(fmt, heads, groups, seed=seed, sync=case.get("sync", False), wide=case.get("wide", False), **many, **dims)
 
 
@@ -131,6 +131,11 @@ CASES = [
       for h, g, c, n in ((16, 2, {}, "mixed"), (32, 1, {}, "mixed"), (16, 2, {"many": True, "columns": 2}, "many-rows-2-columns"),
                          (16, 2, {"wide": True}, "wide-range"))),
     pytest.param("nvfp4", 8, 8, {"N": 256}, id="nvfp4-h8-g8-n256-mixed"),
+    # Head dim 80 (Nemotron Nano 2: 128 heads / 8 groups, TP-8 16 / 1): the steps' fifth
+    # m-tile, the flush's five row parts a head; with state dim 256 too.
+    *(pytest.param(f, h, g, {"P": 80, "N": n, **c}, id=f"{f}-h{h}-g{g}-p80-n{n}-{k}") for f in ("fp8", "nvfp4", "fp16")
+      for h, g, n, c, k in ((16, 2, 128, {}, "mixed"), (16, 1, 128, {}, "mixed"), (16, 2, 128, {"many": True, "columns": 2}, "many-rows-2-columns"),
+                            (16, 2, 128, {"wide": True}, "wide-range"), (16, 2, 256, {}, "mixed"))),
 ]
 
 

@@ -30,20 +30,20 @@ from .helpers import same_bits
 NAN = float("nan")
 
 
-def _world(fmt, heads, groups, device, slots, seed=5, N=L.STATE_DIM):
+def _world(fmt, heads, groups, device, slots, seed=5, P=L.HEAD_DIM, N=L.STATE_DIM):
     gen = torch.Generator().manual_seed(heads + len(fmt))
     p = layer_params(heads, generator=gen)
-    cache = allocate_cache(slots, heads, groups, fmt, pending=True, device=device, state_dim=N)
+    cache = allocate_cache(slots, heads, groups, fmt, pending=True, device=device, head_dim=P, state_dim=N)
     live = list(range(1, slots - 1))
-    st = prefill_states(p, len(live), groups, 16, generator=gen, state_dim=N).to(device)
+    st = prefill_states(p, len(live), groups, 16, generator=gen, head_dim=P, state_dim=N).to(device)
     ref.initialize(cache, st, torch.tensor(live, device=device), fmt=FORMATS[fmt], seed=seed)
-    params = (p.A.float().to(device), p.D.float().reshape(heads, -1).expand(heads, L.HEAD_DIM).to(device),
+    params = (p.A.float().to(device), p.D.float().reshape(heads, -1).expand(heads, P).to(device),
               p.dt_bias.float().to(device))  # fmt: skip
     return cache, params, gen
 
 
-def _tokens(gen, lead, heads, groups, device, N=L.STATE_DIM):
-    x = torch.randn(*lead, heads, L.HEAD_DIM, generator=gen).to(torch.bfloat16)
+def _tokens(gen, lead, heads, groups, device, N=L.STATE_DIM, P=L.HEAD_DIM):
+    x = torch.randn(*lead, heads, P, generator=gen).to(torch.bfloat16)
     dt = (0.5 * torch.randn(*lead, heads, generator=gen)).to(torch.bfloat16)
     B = torch.randn(*lead, groups, N, generator=gen).to(torch.bfloat16)
     C = torch.randn(*lead, groups, N, generator=gen).to(torch.bfloat16)
@@ -62,7 +62,7 @@ def _engine_shaped(x, dt, B, C):
     xs = proj[..., :hp].view(*lead, x.shape[-2], x.shape[-1])
     Bs = proj[..., hp : hp + gn].view(*B.shape)
     Cs = proj[..., hp + gn : hp + 2 * gn].view(*C.shape)
-    return xs, dt.to(torch.bfloat16).unsqueeze(-1).expand(*dt.shape, L.HEAD_DIM)[..., 0], Bs, Cs
+    return xs, dt.to(torch.bfloat16).unsqueeze(-1).expand(*dt.shape, x.shape[-1])[..., 0], Bs, Cs
 
 
 def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, plan, cu=None, engine=False, kernel=None,
@@ -85,7 +85,8 @@ def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, plan, cu=None, 
     heads = cache[L.CHECKPOINT].shape[1]
     dev = x.device
     before = [t.clone() for t in cache]
-    out_shape = (*x.shape[:-1], L.HEAD_DIM) if x.dim() == 3 else (*x.shape[:2], heads, L.HEAD_DIM)
+    P = x.shape[-1]
+    out_shape = (*x.shape[:-1], P) if x.dim() == 3 else (*x.shape[:2], heads, P)
     want = torch.full(out_shape, NAN, device=dev, dtype=out_dtype)
     got = torch.full(out_shape, NAN, device=dev, dtype=out_dtype)
     dbg = torch.full((ids.numel(), heads, *L.dims(cache)), NAN, device=dev)
@@ -133,8 +134,9 @@ def _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, plan, cu=None, 
     return folds
 
 
-def _run(fmt, M, heads, groups, device, calls, varlen_every=3, seed=5, kernel=None, out_dtype=torch.float32, N=L.STATE_DIM):
-    cache, params, gen = _world(fmt, heads, groups, device, slots=6, seed=seed, N=N)
+def _run(fmt, M, heads, groups, device, calls, varlen_every=3, seed=5, kernel=None, out_dtype=torch.float32, P=L.HEAD_DIM,
+         N=L.STATE_DIM):  # fmt: skip
+    cache, params, gen = _world(fmt, heads, groups, device, slots=6, seed=seed, P=P, N=N)
     # Desynchronized rows: slot 3 starts just below a fold grid point (its committed entries
     # since the checkpoint are zero tokens), the others at 0.
     cache[L.POSITIONS][3, 0] = max(grid(M) - 2, 0)
@@ -160,10 +162,10 @@ def _run(fmt, M, heads, groups, device, calls, varlen_every=3, seed=5, kernel=No
         if call % varlen_every == varlen_every - 1:
             lens = [rng.randint(0, M) for _ in range(b)]
             cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-            toks = _tokens(gen, (int(cu[-1]),), heads, groups, device, N)
+            toks = _tokens(gen, (int(cu[-1]),), heads, groups, device, N, P)
         else:
             cu = None
-            toks = _tokens(gen, (b, M), heads, groups, device, N)
+            toks = _tokens(gen, (b, M), heads, groups, device, N, P)
         folds += _check_call(cache, kc, params, toks, ids, acc, M, fmt, seed, plan, cu, engine=call % 2 == 1,
                              kernel=kernel, out_dtype=out_dtype)  # fmt: skip
     return folds
@@ -196,10 +198,10 @@ def _cute_decode(cache, x, dt, A, B, C, D, bias, ids, out, *, fmt, seed, max_seq
     varlen = cu_seqlens is not None
     heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
     lead = x.shape[:1] if varlen else x.shape[:2]
-    N = L.dims(cache)[1]
+    P, N = L.dims(cache)
     x, B, C = (t if reads_as_is(t, w, varlen) else t.reshape(*lead, n, w).contiguous()
-               for t, n, w in ((x, heads, L.HEAD_DIM), (B, groups, N), (C, groups, N)))  # fmt: skip
-    out_v = out.view(*lead, heads, L.HEAD_DIM)
+               for t, n, w in ((x, heads, P), (B, groups, N), (C, groups, N)))  # fmt: skip
+    out_v = out.view(*lead, heads, P)
     plan = plan or PendingPlan(ids.numel(), x.device)
     _plan_launch(cache, plan, ids, num_accepted_tokens, cu_seqlens, fmt, seed, max_seqlen, plan_launches)
     rows, arch, stream = plan.view(ids.numel()), arch_for(x.device), torch.cuda.current_stream().cuda_stream
@@ -241,15 +243,16 @@ def test_pending_cute_kernels_at_model_geometries_gpu(fmt, heads, groups):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "fp16"])
-@pytest.mark.parametrize("heads,groups", [(16, 2), (32, 1)])
+@pytest.mark.parametrize("heads,groups,P,N", [(16, 2, 64, 256), (32, 1, 64, 256), (16, 2, 80, 128), (16, 1, 80, 128), (8, 2, 80, 256)])
 @pytest.mark.parametrize("split", [False, True])
-def test_pending_cute_kernels_at_state_dim_256_gpu(fmt, heads, groups, split):
-    """The plan, fold (8-warp CTAs) and step (four n-chunks) against the reference at
-    state dim 256 (Nemotron-H 47B / 56B's TP-8 shard 32 / 1): 12 calls, M = 4, bf16
-    outputs, one step launch and the split one."""
+def test_pending_cute_kernels_at_head_dim_80_and_state_dim_256_gpu(fmt, heads, groups, P, N, split):
+    """The plan, fold and step against the reference at state dim 256 (Nemotron-H 47B /
+    56B's TP-8 shard 32 / 1; the fold's 8-warp CTAs, the step's four n-chunks) and head
+    dim 80 (Nemotron Nano 2's TP-8 shard 16 / 1; five row parts a head, the step's fifth
+    m-tile): 12 calls, M = 4, bf16 outputs, one step launch and the split one."""
     pytest.importorskip("cutlass")
     kernel = functools.partial(_cute_decode, split=split, plan_launches={})
-    assert _run(fmt, 4, heads, groups, "cuda", calls=12, kernel=kernel, out_dtype=torch.bfloat16, N=256) > 0
+    assert _run(fmt, 4, heads, groups, "cuda", calls=12, kernel=kernel, out_dtype=torch.bfloat16, P=P, N=N) > 0
 
 
 @pytest.mark.gpu

@@ -549,10 +549,6 @@ def backend_for(
         reason = f"the kernels run state_dtype {kinds}; got {fmt.name!r}"
         if backend == "kernels":
             raise ValueError(f"backend='kernels' cannot run here: {reason}; pass backend='auto' or 'reference'")
-    elif cache is not None and L.kernel_dims_error(*L.dims(cache)):
-        reason = L.kernel_dims_error(*L.dims(cache))
-        if backend == "kernels":
-            raise ValueError(f"backend='kernels' cannot run here: {reason}; pass backend='auto' or 'reference'")
     elif device.type != "cuda":
         if backend == "kernels":
             if triton_interpreting():

@@ -118,9 +118,10 @@ class Decode:
             cw, bq = self.group_loads(inputs, ring.b, bb, g, gq, q, r, slot, ring.b_stride16, w)
             loaded = self.fmt.load_rows(copy, slot, hh, g, gq, q, self.read_hint)
             xw, dt_k, dt_raw, bias, a_h, d0, d1, xo = self.head_loads(ring, inputs, bb, hh, gq, q, lane, r, slot)
+            tail = self.tail_loads(ring, inputs, bb, hh, gq, q, r, slot) if self.fmt.TAIL else None
             down, up = self.c_prime(cw)
             rd, inner, outer = self.fmt.row_dots(loaded, cw, down, up, gq, q)
-            self.finish(cw, bq, w, s_bc, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, inner, outer, bb, hh, gq, q, lane, r, slot, inputs.out, ring)
+            self.finish(cw, bq, w, s_bc, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, inner, outer, bb, hh, gq, q, lane, r, slot, inputs.out, ring, tail)
 
     @cute.jit
     def warp_coords(self, t, bx):
@@ -214,6 +215,22 @@ class Decode:
         return xw, dt_k, dt_raw, bias, a_h, d0, d1, xo
 
     @cute.jit
+    def tail_loads(self, ring, inputs, bb, hh, gq, q, r, slot):
+        """Head dim 80, rows 64 + 2 gq and 65 + 2 gq (the fifth m-tile): x of the entries
+        `head_loads` takes (one word each: xt[u]), D and the step's x at these rows."""
+        x_w = cute.recast_ptr(inputs.x, dtype=Uint32)
+        xr_w = cute.recast_ptr(ring.x, dtype=Uint32)
+        x_row = A.row_words(self.dense_rows, bb, inputs.x_stride16, self.heads * self.P // 2) + hh * (self.P // 2) + Int64(32 + gq)
+        xr_row = slot * ring.x_stride16 * 4 + hh * (RING * self.P // 2) + Int64(32 + gq)
+        xt = []
+        for u in cutlass.range_constexpr(4):
+            j = 2 * q + (u % 2) + 8 * (u // 2)
+            src = sel(j < r, (xr_w + (xr_row + Int64(j * (self.P // 2)))).toint(), (x_w + x_row).toint())
+            xt.append(bits.ld_global_u32_if(src, sel(j <= r, Int32(1), Int32(0))))
+        d = [inputs.D[hh * inputs.d_stride_h + Int64(64 + 2 * gq + i) * inputs.d_stride_p] for i in range(2)]
+        return xt, d, bf16x2_to_f32x2(x_w[x_row])
+
+    @cute.jit
     def c_prime(self, cw):
         """(down, up): C' = C down in f16 has max |C'| in [2**14, 2**15) and up = 1 / down
         (0 when max |C| < 2**-112); max |C| over the lane's four lanes q, which hold all N."""
@@ -272,7 +289,7 @@ class Decode:
         return acc_bc
 
     @cute.jit
-    def finish(self, cw, bq, w, s_bc, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, inner, outer, bb, hh, gq, q, lane, r, slot, out, ring):
+    def finish(self, cw, bq, w, s_bc, xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, rd, inner, outer, bb, hh, gq, q, lane, r, slot, out, ring, tail=None):
         """B_j . C, the scan, the ring replay, the outputs and the ring writes. rd[mt]: the
         MMA row dots of m-tile mt (rows 8 gq + 2 mt, + 1); the read-copy term of output
         row p0 + i is outer[i] * (inner * dot), in that order (no intermediate overflow
@@ -325,6 +342,15 @@ class Decode:
         o = (bb * H + hh) * self.P + Int64(p0)
         out[o] = BFloat16(y0)
         out[o + 1] = BFloat16(y1)
+        if cutlass.const_expr(self.fmt.TAIL):  # rows 64 + 2 gq, 65 + 2 gq: m-tile 4, lanes q = 0
+            xt, dtl, xot = tail
+            a = [prmt(xt[0], xt[1], 0x5410), prmt(xt[0], xt[1], 0x7632), prmt(xt[2], xt[3], 0x5410), prmt(xt[2], xt[3], 0x7632)]
+            acc_t = mma_bf16_16x8x16(a, bfr, [Float32(0.0)] * 4)
+            if q == 0:
+                ot = (bb * H + hh) * self.P + Int64(64 + 2 * gq)
+                for i in cutlass.range_constexpr(2):
+                    yt = decay * (outer[2 + i] * (inner * rd[4][i])) + (acc_t[2 * i] + acc_t[2 * i + 1]) + dtl[i] * xot[i]
+                    out[ot + i] = BFloat16(yt)
 
         # The step's token into the ring: x (lanes with q = (r % 8) // 2), its processed
         # dt (lane r), B (the group's first head, lanes with gq = r % 8).
@@ -336,6 +362,11 @@ class Decode:
             xr_w = cute.recast_ptr(ring.x, dtype=Uint32)
             xr_row = slot * ring.x_stride16 * 4 + hh * (RING * self.P // 2) + Int64(4 * gq)
             bits.st_global_v4_u32((xr_w + (xr_row + Int64(r * (self.P // 2)))).toint(), xs)
+            if cutlass.const_expr(self.fmt.TAIL):
+                xst = tail[0][0]
+                for uu in cutlass.range_constexpr(1, 4):
+                    xst = sel(u == uu, tail[0][uu], xst)
+                xr_w[slot * ring.x_stride16 * 4 + hh * (RING * self.P // 2) + Int64(r * (self.P // 2) + 32 + gq)] = xst
         if lane == r:
             ring.dt[slot * ring.dt_stride + hh * RING + Int64(r)] = dt_k
         if (hh - Int64(w)) % HPG == 0:  # the CTA that holds the group's first head: each warp its share

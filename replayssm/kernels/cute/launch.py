@@ -10,8 +10,7 @@ after prepare and joined back after the step. A captured CUDA graph records the 
 the join as edges.
 
 Compile keys hold static properties only: the kernel, the format, arch, heads, groups,
-the config's variant fields and the cache geometry (head dim P, state dim N; the kernels
-take geometry.KERNEL_DIMS: `layout_ok`). Batch size, slot count and every stride are runtime
+the config's variant fields and the cache geometry (head dim P, state dim N). Batch size, slot count and every stride are runtime
 arguments (kernels take raw pointers plus slot strides in 16-byte units, so one compile
 serves every batch, cache size and slot padding, and the kernels still know their vector
 accesses are 16-byte aligned). Every kernel is compiled with the DSL's TVM-FFI entry
@@ -212,9 +211,6 @@ def _aligned16(t: torch.Tensor) -> bool:
 def layout_ok(cache: Sequence[torch.Tensor]) -> str | None:
     """None when the compiled kernels can address `cache` (16-byte-aligned bases and
     slot strides for the tensors read with vector accesses), else the reason."""
-    reason = L.kernel_dims_error(*L.dims(cache))
-    if reason:
-        return reason
     has_copy = L.READ_COPY < len(cache) - 1  # fp16 has none: its positions (the last tensor) are there
     for i in (L.CHECKPOINT, L.X_RING, L.B_RING) + ((L.READ_COPY,) if has_copy else ()):
         if not _aligned16(cache[i]):

@@ -116,6 +116,8 @@ class PendingStep(Decode):
                 if tt < tb:
                     o = bb * inputs.o_row + Int64(start + tt) * inputs.o_tok + hh * self.P + Int64(8 * gq)
                     bits.st_global_v4_u32((ow + o // 2).toint(), [Uint32(0)] * 4)
+                    if cutlass.const_expr(self.fmt.TAIL):  # rows 64 + 2 gq, + 1
+                        ow[(o + Int64(64 - 6 * gq)) // 2] = Uint32(0)
         elif (take != Int32(0)) & (tb > Int32(0)):
             s_bc = SmemAllocator().allocate_tensor(Float32, cute.make_layout(RING * TOKENS * self.hpc), byte_alignment=16)
             self.live_row(ring, copy, inputs, bb, Int64(slot32), cn, f_old + nf, start, tb, lane, gq, q, hh, w, s_bc)
@@ -160,19 +162,24 @@ class PendingStep(Decode):
         xr_w = cute.recast_ptr(ring.x, dtype=Uint32)
         x_w = cute.recast_ptr(inputs.x, dtype=Uint32)
         xr_head = slot * ring.x_stride16 * 4 + hh * (RING * self.P // 2) + Int64(4 * gq)
-        xw = []
+        xw, xw_t = [], []  # xw_t: head dim 80, rows 64 + 2 gq, + 1 (one word an entry)
         for v in cutlass.range_constexpr(4):
             j = 2 * q + (v % 2) + 8 * (v // 2)
             phys = Int64((f_new + j) % RING)
             x_tok = (bb * inputs.x_row + Int64(start + cutlass.max(j - u, zero)) * inputs.x_tok + hh * self.P) // 2 + Int64(4 * gq)
             src = sel(j < u, (xr_w + (xr_head + phys * (self.P // 2))).toint(), (x_w + x_tok).toint())
             xw.append(bits.ld_global_v4_u32_if(src, sel(j < u + tb, one, zero)))
+            if cutlass.const_expr(self.fmt.TAIL):
+                src_t = sel(j < u, (xr_w + (xr_head + phys * (self.P // 2) + Int64(32 - 3 * gq))).toint(), (x_w + (x_tok + Int64(32 - 3 * gq))).toint())
+                xw_t.append(bits.ld_global_u32_if(src_t, sel(j < u + tb, one, zero)))
         # x of this lane's output tokens 2 q, 2 q + 1 (the D term and the ring writes).
-        xt = []
+        xt, xt_t = [], []
         for s in cutlass.range_constexpr(2):
             tt = 2 * q + s
             x_tok = (bb * inputs.x_row + Int64(start + tt) * inputs.x_tok + hh * self.P) // 2 + Int64(4 * gq)
             xt.append(bits.ld_global_v4_u32_if((x_w + x_tok).toint(), sel(tt < tb, one, zero)))
+            if cutlass.const_expr(self.fmt.TAIL):
+                xt_t.append(bits.ld_global_u32_if((x_w + (x_tok + Int64(32 - 3 * gq))).toint(), sel(tt < tb, one, zero)))
 
         # dt of entry k = lane % 16 (processed; zero outside the window's live entries).
         k = lane % 16
@@ -185,6 +192,7 @@ class PendingStep(Decode):
         bias = inputs.dt_bias[hh * inputs.bias_stride]
         a_h = inputs.A[hh * inputs.a_stride]
         dd = [inputs.D[hh * inputs.d_h + Int64(8 * gq + i) * inputs.d_p] for i in range(8)]
+        dd += [inputs.D[hh * inputs.d_h + Int64(64 + 2 * gq + i) * inputs.d_p] for i in range(self.fmt.ROWS - 8)]
 
         down, up = self.c_prime(cw)  # per token: lane (gq, q) holds token gq's C
         rd, rf = self.fmt.pending_dots(loaded, cw, down, gq, q)
@@ -226,16 +234,17 @@ class PendingStep(Decode):
         for v in cutlass.range_constexpr(4):
             j = 2 * q + (v % 2) + 8 * (v // 2)
             nf_v = Int32(0)
-            for i in cutlass.range_constexpr(4):
-                wv = xw[v][i]
+            for wv in xw[v] + xw_t[v:v + 1]:
                 nf_v = nf_v | sel(((wv & Uint32(0x7F80)) == Uint32(0x7F80)) | ((wv & Uint32(0x7F800000)) == Uint32(0x7F800000)), one, zero)
             xw[v] = [sel(nf_v != zero, Uint32(0), xw[v][i]) for i in range(4)]
+            if cutlass.const_expr(self.fmt.TAIL):
+                xw_t[v] = sel(nf_v != zero, Uint32(0), xw_t[v])
             bad = bad | (nf_v << j)
         bad = bits.xor_reduce(bad, 32, lambda a_, b_: a_ | b_)
 
         rs = []
-        for mt in cutlass.range_constexpr(4):
-            a = self.x_fragment(xw, mt)
+        for mt in cutlass.range_constexpr(self.P // 16):
+            a = self.x_fragment(xw, mt) if mt < 4 else self.x_fragment([[w_] for w_ in xw_t], 0)
             acc = mma_bf16_16x8x16(a, b_hi, [Float32(0.0)] * 4)
             rs.append(mma_bf16_16x8x16(a, b_lo, acc))
 
@@ -250,8 +259,10 @@ class PendingStep(Decode):
             xo = []
             for wd in cutlass.range_constexpr(4):
                 xo += bf16x2_to_f32x2(xt[s][wd])
+            if cutlass.const_expr(self.fmt.TAIL):  # rows 64 + 2 gq, + 1: m-tile 4
+                xo += bf16x2_to_f32x2(xt_t[s])
             y = []
-            for i in cutlass.range_constexpr(8):
+            for i in cutlass.range_constexpr(self.fmt.ROWS):
                 mt, r = i // 2, i % 2
                 yi = decay * (rf[i] * (up_t * rd[mt][2 * r + s])) + rs[mt][2 * r + s] + dd[i] * xo[i]
                 y.append(sel(nan_t, Float32(float("nan")), yi))
@@ -260,6 +271,9 @@ class PendingStep(Decode):
                 bits.st_global_v4_u32((ow + o // 2).toint(), [f32x2_to_bf16x2(y[2 * i], y[2 * i + 1]) for i in range(4)])
                 dst = xr_head + Int64((cn + tt) % RING) * (self.P // 2)
                 bits.st_global_v4_u32((xr_w + dst).toint(), xt[s])
+                if cutlass.const_expr(self.fmt.TAIL):
+                    ow[(o + Int64(64 - 6 * gq)) // 2] = f32x2_to_bf16x2(y[8], y[9])
+                    xr_w[dst + Int64(32 - 3 * gq)] = xt_t[s]
         if lane < RING:
             if is_new:
                 ring.dt[slot * ring.dt_stride + hh * RING + Int64((f_new + k) % RING)] = dt_k

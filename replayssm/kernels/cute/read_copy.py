@@ -53,6 +53,17 @@ class _Format:
             self.step_ctas_per_sm = self.step_ctas_n256
 
     @property
+    def TAIL(self) -> bool:
+        """Head dim 80: the steps' fifth m-tile, rows 64 + 2 gq (MMA row gq) and 65 + 2 gq
+        (row gq + 8) of lane (gq, q), besides the 64 rows 8 gq + i of today's map."""
+        return self.P > 64
+
+    @property
+    def ROWS(self) -> int:
+        """Rows a lane loads: 8, and the tail's 2 at head dim 80."""
+        return 10 if self.TAIL else 8
+
+    @property
     def CHUNKS(self) -> int:
         """Chunks of a lane's n-set in a state row (`c_word`): 16 values of each 64."""
         return self.N // 64
@@ -115,10 +126,15 @@ class Fp8(_Format):
     def code_rows(self, copy, slot, hh, gq, q, hint: cutlass.Constexpr):
         """rc[i][c]: row 8 gq + i, bytes 64 c + 16 q .. + 15 (four words)."""
         read_w = cute.recast_ptr(copy.codes, dtype=Uint32)
-        rc_base = (read_w + (slot * copy.codes_stride16 * 4 + hh * (self.P * self.N // 4) + Int64(gq * (8 * self.N // 4) + 4 * q))).toint()
+        head = slot * copy.codes_stride16 * 4 + hh * (self.P * self.N // 4)
+        rc_base = (read_w + (head + Int64(gq * (8 * self.N // 4) + 4 * q))).toint()
         rc = []
         for i in cutlass.range_constexpr(8):
             rc.append([bits.ld_global_v4_u32(rc_base + self.N * i + 64 * c, hint) for c in range(self.CHUNKS)])
+        if cutlass.const_expr(self.TAIL):  # rows 64 + 2 gq, 65 + 2 gq
+            rt_base = (read_w + (head + Int64((64 + 2 * gq) * (self.N // 4) + 4 * q))).toint()
+            for i in cutlass.range_constexpr(2):
+                rc.append([bits.ld_global_v4_u32(rt_base + self.N * i + 64 * c, hint) for c in range(self.CHUNKS)])
         return rc
 
     @cute.jit
@@ -126,7 +142,11 @@ class Fp8(_Format):
         """`code_rows`; the scales of the lane's output rows 8 gq + 2 q, + 1."""
         rc = self.code_rows(copy, slot, hh, gq, q, hint)
         sc_off = slot * copy.scale_stride + hh * self.P + Int64(8 * gq + 2 * q)
-        return rc, [copy.scales[sc_off], copy.scales[sc_off + 1]]
+        scales = [copy.scales[sc_off], copy.scales[sc_off + 1]]
+        if cutlass.const_expr(self.TAIL):  # rows 64 + 2 gq, + 1
+            sc_t = slot * copy.scale_stride + hh * self.P + Int64(64 + 2 * gq)
+            scales += [copy.scales[sc_t], copy.scales[sc_t + 1]]
+        return rc, scales
 
     @cute.jit
     def row_dots(self, loaded, cw, down, up, gq, q):
@@ -138,8 +158,8 @@ class Fp8(_Format):
 
     @cute.jit
     def code_dots(self, rc, cw, down):
-        """The f16 MMA accumulators of the four m-tiles: the codes of rows 2 mt, 2 mt + 1
-        (rc, `code_rows`) against C' = C down from the lane's words cw."""
+        """The f16 MMA accumulators of the P / 16 m-tiles: the codes of rows 2 mt, 2 mt + 1
+        (rc, `code_rows`; m-tile 4 the tail) against C' = C down from the lane's words cw."""
         ch = []
         for c in cutlass.range_constexpr(self.CHUNKS):
             row = []
@@ -148,7 +168,7 @@ class Fp8(_Format):
                 row.append(f32x2_to_f16x2(pair[0] * down, pair[1] * down))
             ch.append(row)
         accs = []
-        for mt in cutlass.range_constexpr(4):
+        for mt in cutlass.range_constexpr(self.P // 16):
             acc = [Float32(0.0)] * 4
             for s in cutlass.range_constexpr(self.K_STEPS):
                 c, v = s // 4, s % 4
@@ -168,8 +188,12 @@ class Fp8(_Format):
     def pending_loads(self, copy, slot, hh, g, gq, q, hint: cutlass.Constexpr):
         """`code_rows`, and the scales of all eight rows 8 gq .. + 7 (two 16-byte loads)."""
         rc = self.code_rows(copy, slot, hh, gq, q, hint)
-        sc = (copy.scales + (slot * copy.scale_stride + hh * self.P + Int64(8 * gq))).toint()
-        return rc, bits.ld_global_v4_u32(sc) + bits.ld_global_v4_u32(sc + 16)
+        head = copy.scales + (slot * copy.scale_stride + hh * self.P)
+        sc = (head + Int64(8 * gq)).toint()
+        words = bits.ld_global_v4_u32(sc) + bits.ld_global_v4_u32(sc + 16)
+        if cutlass.const_expr(self.TAIL):  # rows 64 + 2 gq, + 1: one 8-byte load
+            words = words + bits.ld_global_v2_u32_if((head + Int64(64 + 2 * gq)).toint(), Int32(1))
+        return rc, words
 
     @cute.jit
     def pending_dots(self, loaded, cw, down, gq, q):
@@ -276,12 +300,14 @@ class Fp16(Fp8):
         """rc[i][c]: row 8 gq + i at the words of C's chunk c (`c_word`: word j of a row and
         of C hold the same two n), eight f16-pair words."""
         ck_w = cute.recast_ptr(copy.state, dtype=Uint32)
-        base = (ck_w + (slot * copy.stride16 * 4 + hh * (self.P * self.N // 2) + Int64(gq * (8 * self.N // 2)))).toint()
+        head = slot * copy.stride16 * 4 + hh * (self.P * self.N // 2)
+        base = (ck_w + (head + Int64(gq * (8 * self.N // 2)))).toint()
+        tail = (ck_w + (head + Int64((64 + 2 * gq) * (self.N // 2)))).toint() if self.TAIL else None
         rc = []
-        for i in cutlass.range_constexpr(8):
+        for i in cutlass.range_constexpr(self.ROWS):  # rows 8 gq + i, then 64 + 2 gq + i - 8
             row = []
             for c in cutlass.range_constexpr(self.CHUNKS):
-                at = [base + 2 * self.N * i + 4 * self.c_word(c, q, h) for h in range(2)]
+                at = [(base + 2 * self.N * i if i < 8 else tail + 2 * self.N * (i - 8)) + 4 * self.c_word(c, q, h) for h in range(2)]
                 row.append(bits.ld_global_v4_u32(at[0], hint) + bits.ld_global_v4_u32(at[1], hint))
             rc.append(row)
         return rc
@@ -297,7 +323,7 @@ class Fp16(Fp8):
     @cute.jit
     def row_dots(self, loaded, cw, down, up, gq, q):
         """`Fp8.row_dots` with every row factor 1."""
-        return [[acc[0], acc[2]] for acc in self.code_dots(loaded, cw, down)], up, [Float32(1.0)] * 2
+        return [[acc[0], acc[2]] for acc in self.code_dots(loaded, cw, down)], up, [Float32(1.0)] * (self.ROWS - 6)
 
     @cute.jit
     def pending_loads(self, copy, slot, hh, g, gq, q, hint: cutlass.Constexpr):
@@ -306,7 +332,7 @@ class Fp16(Fp8):
     @cute.jit
     def pending_dots(self, loaded, cw, down, gq, q):
         """`Fp8.pending_dots` with every row factor 1."""
-        return self.code_dots(loaded, cw, down), [Float32(1.0)] * 8
+        return self.code_dots(loaded, cw, down), [Float32(1.0)] * self.ROWS
 
     def store_row(self, copy, slot, hh, pp, col0, q, nq, acc, i, s_amax, ctx, scodes, nt):
         return None
@@ -369,17 +395,22 @@ class Nvfp4(_Format):
         the same rows (two bytes a row); the live second-level scale g = 2**E of this slot
         and group (`& 1` keeps a corrupt parity word inside the slot's meta)."""
         read_w = cute.recast_ptr(copy.codes, dtype=Uint32)
-        rc_base = (read_w + (slot * copy.codes_stride16 * 4 + hh * (self.P * self.N // 8) + Int64(gq * (8 * self.N // 8) + 4 * q))).toint()
+        head = slot * copy.codes_stride16 * 4 + hh * (self.P * self.N // 8)
+        rc_base = (read_w + (head + Int64(gq * (8 * self.N // 8) + 4 * q))).toint()
+        rt_base = (read_w + (head + Int64((64 + 2 * gq) * (self.N // 8) + 4 * q))).toint() if self.TAIL else None
         halves = self.N // 128
-        rc = []
+        rc = []  # rows 8 gq + i, then (head dim 80) 64 + 2 gq + i - 8
         for kh in cutlass.range_constexpr(halves):
-            rc.append([bits.ld_global_v4_u32(rc_base + (self.N // 2) * i + 64 * kh, hint) for i in range(8)])
+            rc.append([bits.ld_global_v4_u32(rc_base + (self.N // 2) * i + 64 * kh, hint) for i in range(8)]
+                      + [bits.ld_global_v4_u32(rt_base + (self.N // 2) * i + 64 * kh, hint) for i in range(self.ROWS - 8)])
         s_base = slot * copy.scale_stride + hh * (self.P * self.BLOCKS) + Int64(gq * (8 * self.BLOCKS) + 2 * q)
-        bs4 = []  # rows 8 gq + 2 mt (bits [15:0]) and + 1 ([31:16]), blocks 8 kh + 2 q, + 1
+        t_base = slot * copy.scale_stride + hh * (self.P * self.BLOCKS) + Int64((64 + 2 * gq) * self.BLOCKS + 2 * q) if self.TAIL else None
+        bs4 = []  # m-tile mt's rows (bits [15:0], [31:16]), blocks 8 kh + 2 q, + 1
         for kh in cutlass.range_constexpr(halves):
             row = []
-            for mt in cutlass.range_constexpr(4):
-                sb = [Uint32(copy.scales[s_base + self.BLOCKS * (2 * mt + i // 2) + 8 * kh + i % 2]) for i in range(4)]
+            for mt in cutlass.range_constexpr(self.P // 16):
+                base, m = (s_base, mt) if mt < 4 else (t_base, 0)
+                sb = [Uint32(copy.scales[base + self.BLOCKS * (2 * m + i // 2) + 8 * kh + i % 2]) for i in range(4)]
                 row.append(sb[0] | (sb[1] << 8) | (sb[2] << 16) | (sb[3] << 24))
             bs4.append(row)
         par = Int64(copy.parity[slot * copy.parity_stride] & Int32(1))
@@ -405,25 +436,27 @@ class Nvfp4(_Format):
         # j0 + 1 (k = 2 q + 8, + 9), j0 = 0, 2. acc = (rows 8 gq + 2 mt, + 1) x (blocks
         # 2 q, 2 q + 1 of the half); the halves' scaled sums added in order.
         b0 = (q % 2) == 1
+
+        def block_sums(mt):  # the lane's blocks' scaled dots of m-tile mt's two rows, halves added
+            sums = None
+            for kh in cutlass.range_constexpr(halves):
+                chm = chms[kh]
+                acc = [Float32(0.0)] * 4
+                for wd in cutlass.range_constexpr(4):
+                    lo = self.e2m1x8_f16x2(rc[kh][2 * mt][wd])
+                    hi = self.e2m1x8_f16x2(rc[kh][2 * mt + 1][wd])
+                    for j0 in cutlass.range_constexpr(0, 4, 2):
+                        a = [lo[j0], hi[j0], lo[j0 + 1], hi[j0 + 1]]
+                        acc = mma_f16_16x8x16(a, [chm[wd][j0], chm[wd][j0 + 1]], acc)
+                s0 = bits.f16x2_to_f32x2(DSL_OPS.e4m3x2_f16x2(bs4[kh][mt], 0))
+                s1 = bits.f16x2_to_f32x2(DSL_OPS.e4m3x2_f16x2(bs4[kh][mt], 1))
+                pk = [acc[0] * s0[0] + acc[1] * s0[1], acc[2] * s1[0] + acc[3] * s1[1]]
+                sums = pk if sums is None else [sums[0] + pk[0], sums[1] + pk[1]]
+            return sums
+
         half = []  # m-tiles 2 h, 2 h + 1 summed over lane pairs -> m-tile 2 h + q % 2
         for h in cutlass.range_constexpr(2):
-            part = []
-            for mt in cutlass.range_constexpr(2 * h, 2 * h + 2):
-                sums = None
-                for kh in cutlass.range_constexpr(halves):
-                    chm = chms[kh]
-                    acc = [Float32(0.0)] * 4
-                    for wd in cutlass.range_constexpr(4):
-                        lo = self.e2m1x8_f16x2(rc[kh][2 * mt][wd])
-                        hi = self.e2m1x8_f16x2(rc[kh][2 * mt + 1][wd])
-                        for j0 in cutlass.range_constexpr(0, 4, 2):
-                            a = [lo[j0], hi[j0], lo[j0 + 1], hi[j0 + 1]]
-                            acc = mma_f16_16x8x16(a, [chm[wd][j0], chm[wd][j0 + 1]], acc)
-                    s0 = bits.f16x2_to_f32x2(DSL_OPS.e4m3x2_f16x2(bs4[kh][mt], 0))
-                    s1 = bits.f16x2_to_f32x2(DSL_OPS.e4m3x2_f16x2(bs4[kh][mt], 1))
-                    pk = [acc[0] * s0[0] + acc[1] * s0[1], acc[2] * s1[0] + acc[3] * s1[1]]
-                    sums = pk if sums is None else [sums[0] + pk[0], sums[1] + pk[1]]
-                part.append(sums)
+            part = [block_sums(mt) for mt in range(2 * h, 2 * h + 2)]
             # Quad sum, butterfly: lane q ends with m-tile q's two rows (finish's selects).
             row = []
             for i in cutlass.range_constexpr(2):
@@ -437,7 +470,13 @@ class Nvfp4(_Format):
             mine = sel(b1, half[1][i], half[0][i])
             other = sel(b1, half[0][i], half[1][i])
             dots.append(mine + cute.arch.shuffle_sync_bfly(other, 2))
-        return [dots] * 4, up * Float32(self.decode_factor), [g_scale, g_scale]
+        rd = [dots] * 4
+        if cutlass.const_expr(self.TAIL):  # m-tile 4: its quad sum in every lane
+            tail = block_sums(4)
+            for m in (1, 2):
+                tail = [v + cute.arch.shuffle_sync_bfly(v, m) for v in tail]
+            rd.append(tail)
+        return rd, up * Float32(self.decode_factor), [g_scale] * (self.ROWS - 6)
 
     # -- pending (cute/pending.py) ---------------------------------------------------------
     @cute.jit
@@ -454,7 +493,7 @@ class Nvfp4(_Format):
         halves = self.N // 128
         chms = [self.c_decoded(cw, [down, down], kh) for kh in range(halves)]
         acc_all = []
-        for mt in cutlass.range_constexpr(4):
+        for mt in cutlass.range_constexpr(self.P // 16):
             acc = [Float32(0.0)] * 4
             for kh in cutlass.range_constexpr(halves):
                 chm = chms[kh]
@@ -468,7 +507,7 @@ class Nvfp4(_Format):
                         acc = mma_f16_16x8x16([lo[j0], hi[j0], lo[j0 + 1], hi[j0 + 1]], [chm[wd][j0], chm[wd][j0 + 1]], acc)
             acc_all.append(acc)
         rf = g_scale * Float32(self.decode_factor)
-        return acc_all, [rf] * 8
+        return acc_all, [rf] * self.ROWS
 
     # -- flush ----------------------------------------------------------------------------
     # The flush writes the NVFP4 copy of S, exactly `formats.nvfp4_encode(S, A_live)`, with
