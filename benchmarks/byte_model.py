@@ -6,8 +6,8 @@ tensor specs, so the benchmark can report achieved bandwidth and the fraction of
 copy bandwidth a kernel reaches. Pure Python; only `cache_bytes_per_slot` imports
 `replayssm.layout` (and so torch).
 
-Notation: H heads, G groups, P = 64 (head dim), N = 128 (state dim), L = 16 (ring), one
-token per row. Every row also moves its step inputs and output, the same for all formats:
+Notation: H heads, G groups, P (head dim, 64 unless `Shape` says otherwise), N (state dim,
+128 unless said otherwise), L = 16 (ring), one token per row. Every row also moves its step inputs and output, the same for all formats:
 
     inputs:  x  H*P*2 (bf16)  +  dt  H*4 (fp32 raw, per head)  +  B, C  2*G*N*2 (bf16)
              + the slot id 4 (int32)
@@ -63,39 +63,41 @@ REPLAY_FORMATS = ("fp8", "nvfp4", "fp16")
 class Shape:
     heads: int
     groups: int
+    head_dim: int = HEAD_DIM
+    state_dim: int = STATE_DIM
 
     @property
     def state_elems(self) -> int:
-        return self.heads * HEAD_DIM * STATE_DIM
+        return self.heads * self.head_dim * self.state_dim
 
 
 def io_bytes(s: Shape) -> dict[str, int]:
     """Per-row step inputs and output (all providers)."""
     return {
-        "x": s.heads * HEAD_DIM * 2,
+        "x": s.heads * s.head_dim * 2,
         "dt": s.heads * 4,
-        "B": s.groups * STATE_DIM * 2,
-        "C": s.groups * STATE_DIM * 2,
+        "B": s.groups * s.state_dim * 2,
+        "C": s.groups * s.state_dim * 2,
         "slot_id": 4,
-        "out": s.heads * HEAD_DIM * 2,
+        "out": s.heads * s.head_dim * 2,
     }
 
 
 def ring_entry_bytes(s: Shape) -> int:
     """One token's ring entry of one slot: x (bf16), processed dt (fp32), B (bf16)."""
-    return s.heads * HEAD_DIM * 2 + s.heads * 4 + s.groups * STATE_DIM * 2
+    return s.heads * s.head_dim * 2 + s.heads * 4 + s.groups * s.state_dim * 2
 
 
 def read_copy_bytes(s: Shape, fmt: str) -> dict[str, int]:
     """The read copy of one slot and everything a reader needs to decode it."""
     if fmt == "fp8":
-        return {"codes": s.state_elems, "scales": s.heads * HEAD_DIM * 4}
+        return {"codes": s.state_elems, "scales": s.heads * s.head_dim * 4}
     if fmt == "fp16":  # no read copy: the steps read the checkpoint
         return {"codes": s.state_elems * 2, "scales": 0}
     if fmt == "nvfp4":
         return {
             "codes": s.state_elems // 2,
-            "scales": s.heads * HEAD_DIM * (STATE_DIM // NVFP4_BLOCK),
+            "scales": s.heads * s.head_dim * (s.state_dim // NVFP4_BLOCK),
             "meta": s.groups * 2 * 4,
             "parity": 4,
         }
@@ -181,7 +183,7 @@ def cache_bytes_per_slot(provider: str, s: Shape) -> int:
 
     from replayssm import layout
 
-    specs = layout.tensor_specs(s.heads, s.groups, FORMATS[fmt])
+    specs = layout.tensor_specs(s.heads, s.groups, FORMATS[fmt], head_dim=s.head_dim, state_dim=s.state_dim)
     return sum(math.prod(shape) * dt.itemsize for _, shape, dt in specs)
 
 

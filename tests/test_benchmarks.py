@@ -17,8 +17,10 @@ from . import tolerances as tol
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import bench_decode, byte_model as bm  # noqa: E402
 
-SHAPES = [pytest.param(8, 1, id="h8-g1"), pytest.param(16, 2, id="h16-g2"), pytest.param(64, 8, id="h64-g8"),
-          pytest.param(32, 2, id="h32-g2")]  # fmt: skip
+SHAPES = [pytest.param(8, 1, 64, 128, id="h8-g1"), pytest.param(16, 2, 64, 128, id="h16-g2"),
+          pytest.param(64, 8, 64, 128, id="h64-g8"), pytest.param(32, 2, 64, 128, id="h32-g2"),
+          pytest.param(8, 1, 64, 256, id="h8-g1-64x256"), pytest.param(6, 2, 80, 128, id="h6-g2-80x128"),
+          pytest.param(4, 1, 80, 256, id="h4-g1-80x256")]  # fmt: skip
 
 
 # What the fixed clock reports for every timed call (seconds).
@@ -49,26 +51,26 @@ def us_per_step_of_period(layers: int) -> float:
     return PERIOD_S / (bench_decode.RING * layers) * 1e6
 
 
-@pytest.mark.parametrize("heads,groups", SHAPES)
+@pytest.mark.parametrize("heads,groups,P,N", SHAPES)
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-def test_cache_memory_matches_allocated_tensors(fmt, heads, groups):
-    cache = replayssm.allocate_cache(3, heads, groups, fmt)
+def test_cache_memory_matches_allocated_tensors(fmt, heads, groups, P, N):
+    cache = replayssm.allocate_cache(3, heads, groups, fmt, head_dim=P, state_dim=N)
     want = sum(slot_nbytes(t) for t in cache[1:])
-    shape = bm.Shape(heads, groups)
+    shape = bm.Shape(heads, groups, P, N)
     assert bm.cache_bytes_per_slot(f"replayssm-{fmt}", shape) == want
-    mgr = replayssm.ReplaySSMCache(3, heads, groups, fmt, "cpu")
+    mgr = replayssm.ReplaySSMCache(3, heads, groups, fmt, "cpu", backend="reference", head_dim=P, state_dim=N)
     assert mgr.bytes_per_slot() == want
-    assert bm.cache_bytes_per_slot("standard-fp32", shape) == torch.empty(heads, 64, 128).nbytes
-    assert bm.cache_bytes_per_slot("standard-bf16", shape) == torch.empty(heads, 64, 128, dtype=torch.bfloat16).nbytes
+    assert bm.cache_bytes_per_slot("standard-fp32", shape) == torch.empty(heads, P, N).nbytes
+    assert bm.cache_bytes_per_slot("standard-bf16", shape) == torch.empty(heads, P, N, dtype=torch.bfloat16).nbytes
 
 
-@pytest.mark.parametrize("heads,groups", SHAPES)
+@pytest.mark.parametrize("heads,groups,P,N", SHAPES)
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-def test_step_bytes_match_cache_tensors(fmt, heads, groups):
+def test_step_bytes_match_cache_tensors(fmt, heads, groups, P, N):
     """Every term of the model recomputed from the tensors a step touches."""
     nvfp4 = fmt == "nvfp4"
-    cache = replayssm.allocate_cache(3, heads, groups, fmt)
-    shape = bm.Shape(heads, groups)
+    cache = replayssm.allocate_cache(3, heads, groups, fmt, head_dim=P, state_dim=N)
+    shape = bm.Shape(heads, groups, P, N)
     # one ring entry: the x, dt and B of one token (ring index 0) of one slot
     entry = cache[L.X_RING][0, :, 0].nbytes + cache[L.DT_RING][0, :, 0].nbytes + cache[L.B_RING][0, :, 0].nbytes
     assert bm.ring_entry_bytes(shape) == entry
@@ -77,9 +79,9 @@ def test_step_bytes_match_cache_tensors(fmt, heads, groups):
     assert sum(bm.read_copy_bytes(shape, fmt).values()) == read_copy + meta
     ckpt = slot_nbytes(cache[L.CHECKPOINT])
     pos = slot_nbytes(cache[L.POSITIONS])
-    x = torch.empty(1, heads, 64, dtype=torch.bfloat16).nbytes
+    x = torch.empty(1, heads, P, dtype=torch.bfloat16).nbytes
     dt = torch.empty(1, heads).nbytes
-    bc = 2 * torch.empty(1, groups, 128, dtype=torch.bfloat16).nbytes
+    bc = 2 * torch.empty(1, groups, N, dtype=torch.bfloat16).nbytes
     inputs = x + dt + bc + torch.empty(1, dtype=torch.int32).nbytes
     out = x
 
@@ -96,7 +98,7 @@ def test_step_bytes_match_cache_tensors(fmt, heads, groups):
     assert bm.step_bytes(f"replayssm-{fmt}", shape) == avg
 
     for dtype, name in [(torch.float32, "fp32"), (torch.bfloat16, "bf16"), (torch.float16, "fp16")]:
-        state = torch.empty(1, heads, 64, 128, dtype=dtype).nbytes
+        state = torch.empty(1, heads, P, N, dtype=dtype).nbytes
         b = bm.step_bytes(f"standard-{name}", shape)
         assert (b.read, b.write) == (state + inputs, state + out)
 
