@@ -1,24 +1,25 @@
 """Standard Mamba-2 decode (no ReplaySSM): the baseline every speedup is quoted against.
 
 This is the step a serving engine runs when it keeps the full recurrent state: per batch
-row and head, read the state S [64, 128] (fp32, bf16 or fp16) from a slot-indexed cache
-[num_slots, H, 64, 128], and
+row and head, read the state S [P, N] (fp32, bf16 or fp16; head dim P 64 or 80, state dim
+N 128 or 256) from a slot-indexed cache [num_slots, H, P, N], and
 
     dt' = softplus(dt + dt_bias)   (linear above 20)
     S   = exp(A dt') S + dt' x (x) B
-    y   = S . C + D x               (bf16 out [batch, H, 64])
+    y   = S . C + D x               (bf16 out [batch, H, P])
 
 then write S back in its storage dtype (round to nearest on the GPU). Rows whose slot is
 <= 0 or >= num_slots are padding: zero output, nothing read or written in the cache.
 
-Kernel shape: one program per (head-dim block of BLOCK_P rows, head, batch row). A
-program streams its BLOCK_P x 128 tile of the state once (read, update in registers,
+Kernel shape: one program per (head-dim block of BLOCK_P rows, head, batch row); BLOCK_P
+(a power of two) divides P, so 16 at most for P = 80. A
+program streams its BLOCK_P x N tile of the state once (read, update in registers,
 write), so the kernel is a pure stream over the state and its speed is judged against the
-copy bandwidth. The tile is contiguous (128 state values per row, rows adjacent), so the
+copy bandwidth. The tile is contiguous (N state values per row, rows adjacent), so the
 loads and stores vectorize to 16-byte accesses (ld/st.global.v4.b32 in the sm_90a PTX,
 checked by a compile-only test); axis 0 of the grid walks the tiles of one slot in
 address order. At batch 32 with 16 heads and BLOCK_P = 16 that is 2,048 programs, about
-15 per SM on an H200's 132 SMs. No tl.dot: the contraction with C is a 128-wide
+15 per SM on an H200's 132 SMs. No tl.dot: the contraction with C is an N-wide
 multiply and row sum, which is not compute-bound anywhere near the stream rate.
 
 `standard_decode_ref` is the same computation in plain PyTorch (FP32 arithmetic in the
@@ -33,8 +34,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from replayssm.layout import HEAD_DIM, STATE_DIM
 
 
 @triton.jit
@@ -68,16 +67,16 @@ def _store_rn(p, v, mask, SOFT_BF16: tl.constexpr, EVICT: tl.constexpr):
 
 @triton.jit
 def standard_decode_kernel(
-    state,  # [num_slots, H, 64, 128] fp32 / bf16 / fp16, updated in place
-    x,  # [batch, H, 64] bf16
+    state,  # [num_slots, H, P, N] fp32 / bf16 / fp16, updated in place
+    x,  # [batch, H, P] bf16
     dt,  # [batch, H] raw dt (strides may be 0: tied)
     A,  # [H]
-    B,  # [batch, G, 128] bf16
-    C,  # [batch, G, 128] bf16
-    D,  # [H, 64] (strides may be 0)
+    B,  # [batch, G, N] bf16
+    C,  # [batch, G, N] bf16
+    D,  # [H, P] (strides may be 0)
     dt_bias,  # [H]
     slots,  # [batch] int32 / int64
-    out,  # [batch, H, 64] bf16
+    out,  # [batch, H, P] bf16
     num_slots,
     stride_s_slot,
     stride_s_head,
@@ -99,10 +98,11 @@ def standard_decode_kernel(
     stride_o_h,
     HEADS_PER_GROUP: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    P: tl.constexpr,
     N: tl.constexpr,
     SOFT_BF16: tl.constexpr,
 ):
-    NUM_PB: tl.constexpr = 64 // BLOCK_P
+    NUM_PB: tl.constexpr = P // BLOCK_P
     i_hp = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
     i_h = i_hp // NUM_PB
@@ -116,7 +116,7 @@ def standard_decode_kernel(
 
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
     o_n = tl.arange(0, N)
-    m_p = o_p < tl.where(valid, 64, 0)
+    m_p = o_p < tl.where(valid, P, 0)
     m_n = o_n < tl.where(valid, N, 0)
     m_s = m_p[:, None] & m_n[None, :]
 
@@ -139,7 +139,7 @@ def standard_decode_kernel(
 
     # y from the unrounded FP32 state (padding rows: b_s, b_x are all zero -> y = 0).
     b_y = tl.sum(b_s * b_C[None, :], axis=1) + b_D * b_x
-    _store_rn(out + i_b * stride_o_b + i_h * stride_o_h + o_p, b_y, o_p < 64, SOFT_BF16, "")
+    _store_rn(out + i_b * stride_o_b + i_h * stride_o_h + o_p, b_y, o_p < P, SOFT_BF16, "")
 
 
 def default_config(state_dtype: torch.dtype) -> tuple[int, int]:
@@ -167,19 +167,19 @@ def standard_decode(
 ) -> torch.Tensor:
     """Launch one standard decode step (see the module docstring); returns `out`.
 
-    state [num_slots, H, 64, 128] (each slot contiguous, any slot stride); x [b, H, 64]
-    bf16; dt [b, H] or a tied [b, H, 64] view; A [H] or tied [H, 64, 128]; dt_bias [H] or
-    tied [H, 64]; D [H] or [H, 64]; B, C [b, G, 128] bf16; state_indices [b] int32/int64.
+    state [num_slots, H, P, N] (each slot contiguous, any slot stride); x [b, H, P]
+    bf16; dt [b, H] or a tied [b, H, P] view; A [H] or tied [H, P, N]; dt_bias [H] or
+    tied [H, P]; D [H] or [H, P]; B, C [b, G, N] bf16; state_indices [b] int32/int64.
     The launcher maps tensors to kernel arguments; shapes are assumed valid.
     """
-    num_slots, heads = state.shape[0], state.shape[1]
+    num_slots, heads, P, N = state.shape
     batch = state_indices.numel()
     groups = B.shape[1]
     if out is None:
-        out = torch.empty(batch, heads, HEAD_DIM, dtype=torch.bfloat16, device=state.device)
+        out = torch.empty(batch, heads, P, dtype=torch.bfloat16, device=state.device)
     if batch == 0:
         return out
-    assert state.stride(3) == 1 and state.stride(2) == STATE_DIM, "state rows must be contiguous"
+    assert state.stride(3) == 1 and state.stride(2) == N, "state rows must be contiguous"
     assert B.stride(2) == 1 and C.stride(2) == 1 and out.stride(2) == 1
     dt2 = dt.reshape(batch, heads, -1)[:, :, 0] if dt.dim() == 3 else dt
     A1 = A.reshape(heads, -1)[:, 0]
@@ -189,7 +189,8 @@ def standard_decode(
     bp, nw = default_config(state.dtype)
     bp = block_p or bp
     nw = num_warps or nw
-    grid = (heads * (HEAD_DIM // bp), batch)
+    assert P % bp == 0, f"BLOCK_P {bp} must divide the head dim {P}"
+    grid = (heads * (P // bp), batch)
     standard_decode_kernel[grid](
         state, x, dt2, A1, B, C, D2, dtb1, state_indices.reshape(-1), out,
         num_slots,
@@ -204,7 +205,8 @@ def standard_decode(
         out.stride(0), out.stride(1),
         HEADS_PER_GROUP=heads // groups,
         BLOCK_P=bp,
-        N=STATE_DIM,
+        P=P,
+        N=N,
         SOFT_BF16=os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
         num_warps=nw,
     )  # fmt: skip
@@ -225,11 +227,11 @@ def standard_decode_ref(
 ) -> torch.Tensor:
     """PyTorch twin of `standard_decode` (same arguments, FP32 arithmetic in the kernel's
     order, state written back round-to-nearest in its dtype); returns `out`."""
-    num_slots, heads = state.shape[0], state.shape[1]
+    num_slots, heads, P = state.shape[:3]
     batch = state_indices.numel()
     groups = B.shape[1]
     if out is None:
-        out = torch.empty(batch, heads, HEAD_DIM, dtype=torch.bfloat16, device=state.device)
+        out = torch.empty(batch, heads, P, dtype=torch.bfloat16, device=state.device)
     slot = state_indices.reshape(-1).to(torch.int64)
     valid = (slot > 0) & (slot < num_slots)
     out[~valid] = 0
@@ -239,7 +241,7 @@ def standard_decode_ref(
     dt2 = (dt.reshape(batch, heads, -1)[:, :, 0] if dt.dim() == 3 else dt)[valid].float()
     A1 = A.reshape(heads, -1)[:, 0].float()
     dtb1 = dt_bias.reshape(heads, -1)[:, 0].float()
-    D2 = D.reshape(heads, -1).float().expand(heads, HEAD_DIM)
+    D2 = D.reshape(heads, -1).float().expand(heads, P)
     dtp = F.softplus(dt2 + dtb1, beta=1.0, threshold=20.0)  # [n, H]
     decay = torch.exp(A1 * dtp)
     xs = x[valid].float()
