@@ -32,37 +32,41 @@ from benchmarks.spec_baseline import (  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def make_problem(batch, T, heads, groups, num_slots, dtype, *, seed, tied=False):
+def make_problem(batch, T, heads, groups, num_slots, dtype, *, seed, tied=False, dims=(64, 128)):
     """Slots 1.. hold prefill states, slot 0 NaN; T tokens per row stacked on dim 1."""
+    P, N = dims
     g = torch.Generator().manual_seed(seed)
     params = synthetic.layer_params(heads, generator=g, device=DEV)
-    state = torch.full((num_slots, heads, 64, 128), float("nan"), dtype=dtype, device=DEV)
-    state[1:] = synthetic.prefill_states(params, num_slots - 1, groups, 3, generator=g, device=DEV).to(dtype)
-    toks = [synthetic.token(batch, heads, groups, generator=g, device=DEV) for _ in range(T)]
+    state = torch.full((num_slots, heads, P, N), float("nan"), dtype=dtype, device=DEV)
+    state[1:] = synthetic.prefill_states(params, num_slots - 1, groups, 3, generator=g, device=DEV, head_dim=P,
+                                         state_dim=N).to(dtype)  # fmt: skip
+    toks = [synthetic.token(batch, heads, groups, generator=g, device=DEV, head_dim=P, state_dim=N) for _ in range(T)]
     x, dt, B, C = (torch.stack([getattr(t, k) for t in toks], 1) for k in ("x", "dt", "B", "C"))
     A, D, dt_bias = params.A, params.D, params.dt_bias
     if tied:  # the serving engine's stride-0 views of per-head scalars
-        dt = dt[..., None].expand(batch, T, heads, 64)
-        A = A[:, None, None].expand(heads, 64, 128)
-        D = D[:, None].expand(heads, 64)
-        dt_bias = dt_bias[:, None].expand(heads, 64)
+        dt = dt[..., None].expand(batch, T, heads, P)
+        A = A[:, None, None].expand(heads, P, N)
+        D = D[:, None].expand(heads, P)
+        dt_bias = dt_bias[:, None].expand(heads, P)
     return params, state, dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias), toks
 
 
-@pytest.mark.parametrize("dtype,tied", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)],
-                         ids=["bf16", "bf16-tied", "fp32"])  # fmt: skip
-def test_step_matches_reference(dtype, tied):
+@pytest.mark.parametrize("dtype,tied,dims", [(torch.bfloat16, False, (64, 128)), (torch.bfloat16, True, (64, 128)),
+                                             (torch.float32, False, (64, 128)), (torch.bfloat16, True, (80, 256))],
+                         ids=["bf16", "bf16-tied", "fp32", "bf16-tied-80x256"])  # fmt: skip
+def test_step_matches_reference(dtype, tied, dims):
     """b = 3 with one padding row, T = 3, 2 heads, 1 group: the kernel reads the state
     without writing it, fills the live rows' intermediate states as the twin does (bf16:
     within one ulp and almost all bit-equal; fp32: FP32 noise), outputs within one bf16
-    ulp; padding rows output zeros and leave their intermediate rows untouched."""
+    ulp; padding rows output zeros and leave their intermediate rows untouched. Also at
+    head dim 80 (five 16-row tiles a head) and state dim 256."""
     heads, groups, T, num_slots = 2, 1, 3, 5
     ids = torch.tensor([3, 0, 1], dtype=torch.int32, device=DEV)
-    params, state, inp, _ = make_problem(3, T, heads, groups, num_slots, dtype, seed=11, tied=tied)
+    params, state, inp, _ = make_problem(3, T, heads, groups, num_slots, dtype, seed=11, tied=tied, dims=dims)
     before = state.clone()
-    inter = torch.full((3, T, heads, 64, 128), float("nan"), dtype=dtype, device=DEV)
+    inter = torch.full((3, T, heads, *dims), float("nan"), dtype=dtype, device=DEV)
     inter_ref = inter.clone()
-    out = torch.full((3, T, heads, 64), float("nan"), dtype=torch.bfloat16, device=DEV)
+    out = torch.full((3, T, heads, dims[0]), float("nan"), dtype=torch.bfloat16, device=DEV)
     y = spec_step(state, inter, **inp, state_indices=ids, out=out)
     assert y is out
     y_ref = spec_step_ref(state, inter_ref, **inp, state_indices=ids)
@@ -83,15 +87,16 @@ def test_step_matches_reference(dtype, tied):
     assert within_ulps(y[live], y_ref[live], torch.bfloat16, n=1.0, slack=y_slack)
 
 
-def test_commit_copies_the_accepted_state():
+@pytest.mark.parametrize("dims", [(64, 128), (80, 256)], ids=["64x128", "80x256"])
+def test_commit_copies_the_accepted_state(dims):
     """The commit kernel against its twin on the same intermediate states, bit for bit:
     a = 1, T and 7 (clamped to T) copy inter[row, a - 1]; a = 0 and padding rows change
     nothing (slot 0's NaN and the untouched slot stay)."""
     heads, T, num_slots = 2, 3, 7
     g = torch.Generator().manual_seed(3)
-    state = torch.randn(num_slots, heads, 64, 128, generator=g).to(DEV, torch.bfloat16)
+    state = torch.randn(num_slots, heads, *dims, generator=g).to(DEV, torch.bfloat16)
     state[0] = float("nan")
-    inter = torch.randn(5, T, heads, 64, 128, generator=g).to(DEV, torch.bfloat16)
+    inter = torch.randn(5, T, heads, *dims, generator=g).to(DEV, torch.bfloat16)
     ids = torch.tensor([2, 5, 0, 4, 1], dtype=torch.int32, device=DEV)
     acc = torch.tensor([1, 3, 2, 0, 7], dtype=torch.int32, device=DEV)
     want = state.clone()
@@ -173,19 +178,20 @@ def test_baseline_ref_accepting_all_equals_the_last_intermediate():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads,groups", [(16, 2), (64, 8)], ids=["h16-g2", "h64-g8"])
-def test_serving_shapes_gpu(heads, groups):
+@pytest.mark.parametrize("heads,groups,P,N", [(16, 2, 64, 128), (64, 8, 64, 128), (32, 1, 64, 256), (16, 1, 80, 128)],
+                         ids=["h16-g2", "h64-g8", "h32-g1-64x256", "h16-g1-80x128"])  # fmt: skip
+def test_serving_shapes_gpu(heads, groups, P, N):
     """Batch 256, T = 4, slots permuted, padding rows: intermediate states within one bf16
     ulp of the twin (plus FP32 noise where the update cancels) and rarely different at
     all; outputs within one ulp; the commit bit-exact to its twin."""
     batch, T, num_slots = 256, 4, 300
     g = torch.Generator(device="cuda").manual_seed(3)
-    state = (0.3 * torch.randn(num_slots, heads, 64, 128, device="cuda", generator=g)).to(torch.bfloat16)
+    state = (0.3 * torch.randn(num_slots, heads, P, N, device="cuda", generator=g)).to(torch.bfloat16)
     ids = torch.randperm(num_slots - 1, device="cuda", generator=g)[:batch].to(torch.int32) + 1
     ids[::37] = 0
     gc = torch.Generator().manual_seed(4)
     params = synthetic.layer_params(heads, generator=gc, device="cuda")
-    toks = [synthetic.token(batch, heads, groups, generator=gc, device="cuda") for _ in range(T)]
+    toks = [synthetic.token(batch, heads, groups, generator=gc, device="cuda", head_dim=P, state_dim=N) for _ in range(T)]
     x, dt, B, C = (torch.stack([getattr(t, k) for t in toks], 1) for k in ("x", "dt", "B", "C"))
     args = dict(x=x, dt=dt, A=params.A, B=B, C=C, D=params.D, dt_bias=params.dt_bias, state_indices=ids)
     inter, inter_ref = new_inter(state, batch, T), new_inter(state, batch, T)
@@ -195,7 +201,7 @@ def test_serving_shapes_gpu(heads, groups):
     amax = float(inter_ref[live].float().abs().amax())
     assert within_ulps(inter[live], inter_ref[live], torch.bfloat16, n=1.0, slack=tol.STANDARD_16BIT_SLACK_REL * amax)
     assert (inter[live] != inter_ref[live]).float().mean().item() < tol.STANDARD_16BIT_DIFF_FRACTION
-    assert within_ulps(y[live], y_ref[live], torch.bfloat16, n=1.0, slack=tol.STANDARD_OUTPUT_SLACK_REL * amax * math.sqrt(128))
+    assert within_ulps(y[live], y_ref[live], torch.bfloat16, n=1.0, slack=tol.STANDARD_OUTPUT_SLACK_REL * amax * math.sqrt(N))
     assert torch.equal(y[~live], torch.zeros_like(y[~live]))
     acc = torch.randint(0, T + 1, (batch,), device="cuda", generator=g)
     want = state.clone()
@@ -213,8 +219,9 @@ dtype = sys.argv[1]
 ptr = {"state": "*" + dtype, "inter": "*" + dtype, "x": "*bf16", "dt": "*fp32", "A": "*fp32", "B": "*bf16",
        "C": "*bf16", "D": "*fp32", "dt_bias": "*fp32", "slots": "*i32", "out": "*bf16", "num_accepted": "*i32"}
 info = {}
-for k, consts in ((spec_step_kernel, {"T": 4, "HEADS_PER_GROUP": 8, "BLOCK_P": BLOCK_P, "N": 128, "SOFT_BF16": False}),
-                  (spec_commit_kernel, {"T": 4, "BLOCK_P": BLOCK_P, "N": 128})):
+for k, consts in ((spec_step_kernel, {"T": 4, "HEADS_PER_GROUP": 8, "BLOCK_P": BLOCK_P, "P": 64, "N": 128,
+                                      "SOFT_BF16": False}),
+                  (spec_commit_kernel, {"T": 4, "BLOCK_P": BLOCK_P, "P": 64, "N": 128})):
     names = k.arg_names
     sig = {n: ptr.get(n, "i32") for n in names}
     sig.update({n: "constexpr" for n in consts})
