@@ -1,6 +1,20 @@
 """Decode-step benchmark: ReplaySSM (FP8, NVFP4) against a standard Mamba-2 decode kernel
 (fp32 / bf16 / fp16 state) over batch sizes and model shapes.
 
+Shapes are HEADSxGROUPS (head dim 64, state dim 128) or HEADSxGROUPSxHEADDIMxSTATEDIM
+(P in 64, 80; N in 128, 256); every provider's inputs, caches and states take the
+shape's P and N, and rows record them. On the GPU a ReplaySSM row at a geometry the
+kernels do not run (replayssm.geometry.KERNEL_DIMS) is skipped with the reason recorded.
+
+`vllm-replayssm-fp16` (opt-in via --providers; GPU only, skipped in --dry-run): vLLM's
+Triton ReplaySSM decode (`selective_state_update_replayssm_output_only`, fp16 state, x /
+dt / B rings of 16 tokens, the flush at the 16th), called from the peer code in --peers
+(default ../shared/peers/.peers beside the repository; put on sys.path only when the
+provider is asked for). It is timed as the ReplaySSM rows are (same inputs, rows
+desynchronized or synchronized by its per-row ring cursor, which vLLM's metadata gives
+every layer of a step), checked against the FP32 standard decode in PyTorch (SQNR), and
+its bytes are those of the replayssm-fp16 byte model (the same tensors move).
+
 Every timing covers whole 16-token periods, so ReplaySSM's flush is always paid for:
 
 - GPU, graph mode: for each layer cache in rotation, 16 consecutive decode steps are
@@ -29,6 +43,7 @@ Outputs: a table on stdout, results.json and (if matplotlib is installed) decode
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -47,12 +62,16 @@ if str(_ROOT) not in sys.path:  # run as a script from a source checkout
 import torch  # noqa: E402
 
 from benchmarks import byte_model as bm  # noqa: E402
-from benchmarks.common import base_states, version, write_json  # noqa: E402
+from benchmarks.common import base_states, kernel_skip, parse_shapes, row_shape, shape_label, version, write_json  # noqa: E402
 from replayssm.formats import FORMATS, FP8, NVFP4
 
 RING = 16
 STANDARD = ("standard-fp32", "standard-bf16", "standard-fp16")
 REPLAY = ("replayssm-fp8", "replayssm-nvfp4", "replayssm-fp16")
+VLLM = "vllm-replayssm-fp16"  # vLLM's Triton ReplaySSM, fp16 state (opt-in)
+RINGED = REPLAY + (VLLM,)  # 16-token rings: --sync alignment and --inputs apply
+PROVIDERS = REPLAY + STANDARD + (VLLM,)
+BYTE_MODEL = {VLLM: "replayssm-fp16"}  # byte_model's name of a provider's traffic, where it differs
 STD_DTYPES = {"standard-fp32": torch.float32, "standard-bf16": torch.bfloat16, "standard-fp16": torch.float16}
 DEFAULT_BATCHES = (1, 8, 32, 128, 256, 512, 1024)
 DEFAULT_SHAPES = ("16x2", "64x8")
@@ -63,9 +82,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="results", help="results folder (results.json, decode.png)")
     p.add_argument("--dry-run", action="store_true", help="CPU, PyTorch references, tiny sizes (smoke test)")
-    p.add_argument("--providers", default=",".join(REPLAY + STANDARD), help="comma-separated provider names")
+    p.add_argument("--providers", default=",".join(REPLAY + STANDARD), help=f"comma-separated, some of {PROVIDERS}")
     p.add_argument("--batches", default=None, help=f"comma-separated batch sizes (default {DEFAULT_BATCHES})")
-    p.add_argument("--shapes", default=None, help=f"HEADSxGROUPS list (default {','.join(DEFAULT_SHAPES)})")
+    p.add_argument("--shapes", default=None, help="HEADSxGROUPS or HEADSxGROUPSxHEADDIMxSTATEDIM list "
+                                                  f"(default {','.join(DEFAULT_SHAPES)})")  # fmt: skip
+    p.add_argument("--peers", default=str(_ROOT.parent / "shared" / "peers" / ".peers"),
+                   help=f"folder holding vLLM's peer code (vllm/), for {VLLM}")  # fmt: skip
     p.add_argument("--sync", default="desync,sync", help="ReplaySSM flush alignment: desync, sync or both")
     p.add_argument("--reps", type=int, default=20, help="timed graph replays (median)")
     p.add_argument("--eager-periods", type=int, default=2, help="timed periods in eager mode (median)")
@@ -94,11 +116,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.shapes is None:
         a.shapes = "8x1" if a.dry_run else ",".join(DEFAULT_SHAPES)
     a.batches = [int(b) for b in a.batches.split(",") if b]
-    a.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",") if s]
+    try:
+        a.shapes = parse_shapes(a.shapes)
+    except ValueError as e:
+        p.error(f"--shapes: {e}")
     a.providers = [s for s in a.providers.split(",") if s]
     for prov in a.providers:
-        if prov not in REPLAY + STANDARD:
-            p.error(f"--providers: unknown provider {prov!r}; expected some of {REPLAY + STANDARD}")
+        if prov not in PROVIDERS:
+            p.error(f"--providers: unknown provider {prov!r}; expected some of {PROVIDERS}")
     a.sync = [s for s in a.sync.split(",") if s]
     for s in a.sync:
         if s not in ("desync", "sync"):
@@ -173,55 +198,58 @@ class Inputs:
     params: list = field(default_factory=list)
 
 
-def make_inputs(heads, groups, batch, layers, device, seed, shape: str = "plain") -> Inputs:
-    """`shape` "plain": x, B, C contiguous, dt FP32 tied over the head dim; "engine": as a
-    Mamba-2 mixer passes them (x, B, C column slices of one projection row, dt bf16 tied
-    over the head dim; synthetic.engine_inputs). A, D, dt_bias tied views either way."""
+def make_inputs(shape, batch, layers, device, seed, kind: str = "plain") -> Inputs:
+    """Inputs at `shape` (heads, groups, P, N). `kind` "plain": x, B, C contiguous, dt FP32
+    tied over the head dim; "engine": as a Mamba-2 mixer passes them (x, B, C column slices
+    of one projection row, dt bf16 tied over the head dim; synthetic.engine_inputs). A, D,
+    dt_bias tied views either way."""
     from replayssm import synthetic
 
+    heads, groups, P, N = shape
     g = torch.Generator(device=device).manual_seed(seed)
     xs, dts, Bs, Cs = [], [], [], []
-    d_inner, gn = heads * 64, groups * 128
+    d_inner, gn = heads * P, groups * N
     for _ in range(RING):
-        x = torch.randn(batch, heads, 64, device=device, generator=g).to(torch.bfloat16)
+        x = torch.randn(batch, heads, P, device=device, generator=g).to(torch.bfloat16)
         dt = 0.5 * torch.randn(batch, heads, device=device, generator=g)
-        B = torch.randn(batch, groups, 128, device=device, generator=g).to(torch.bfloat16)
-        C = torch.randn(batch, groups, 128, device=device, generator=g).to(torch.bfloat16)
-        if shape == "engine":
+        B = torch.randn(batch, groups, N, device=device, generator=g).to(torch.bfloat16)
+        C = torch.randn(batch, groups, N, device=device, generator=g).to(torch.bfloat16)
+        if kind == "engine":
             proj = torch.zeros(batch, 2 * d_inner + 2 * gn + heads, dtype=torch.bfloat16, device=device)
             proj[:, d_inner : 2 * d_inner] = x.reshape(batch, d_inner)
             proj[:, 2 * d_inner : 2 * d_inner + gn] = B.reshape(batch, gn)
             proj[:, 2 * d_inner + gn : 2 * d_inner + 2 * gn] = C.reshape(batch, gn)
             proj[:, 2 * d_inner + 2 * gn :] = dt.to(torch.bfloat16)
-            x = proj[:, d_inner : 2 * d_inner].view(batch, heads, 64)
-            B = proj[:, 2 * d_inner : 2 * d_inner + gn].view(batch, groups, 128)
-            C = proj[:, 2 * d_inner + gn : 2 * d_inner + 2 * gn].view(batch, groups, 128)
+            x = proj[:, d_inner : 2 * d_inner].view(batch, heads, P)
+            B = proj[:, 2 * d_inner : 2 * d_inner + gn].view(batch, groups, N)
+            C = proj[:, 2 * d_inner + gn : 2 * d_inner + 2 * gn].view(batch, groups, N)
             dt = proj[:, 2 * d_inner + 2 * gn :]
         xs.append(x)
-        dts.append(dt[:, :, None].expand(batch, heads, 64))  # tied over the head dim
+        dts.append(dt[:, :, None].expand(batch, heads, P))  # tied over the head dim
         Bs.append(B)
         Cs.append(C)
     # A random permutation of slots 1..batch, as a scheduler hands them out.
     ids = (torch.randperm(batch, device=device, generator=g) + 1).to(torch.int32)
-    out = torch.empty(batch, heads, 64, dtype=torch.bfloat16, device=device)
+    out = torch.empty(batch, heads, P, dtype=torch.bfloat16, device=device)
     inp = Inputs(xs, dts, Bs, Cs, ids, out)
     gc = torch.Generator().manual_seed(seed + 1)
     for _ in range(layers):
         p = synthetic.layer_params(heads, generator=gc, device=device)
         inp.params.append({
-            "A": p.A[:, None, None].expand(heads, 64, 128),
-            "D": p.D[:, None].expand(heads, 64),
-            "dt_bias": p.dt_bias[:, None].expand(heads, 64),
+            "A": p.A[:, None, None].expand(heads, P, N),
+            "D": p.D[:, None].expand(heads, P),
+            "dt_bias": p.dt_bias[:, None].expand(heads, P),
         })  # fmt: skip
     return inp
 
 
-def make_replay_cache(fmt, heads, groups, batch, device, states, ids, sync: bool, seed: int):
+def make_replay_cache(fmt, shape, batch, device, states, ids, sync: bool, seed: int):
     """A cache for slots 1..batch: checkpoint and read copy from `states` (tiled), random
     ring contents, and positions offset per row (desync) or all at ring index 0 (sync)."""
     import replayssm
 
-    cache = replayssm.allocate_cache(batch + 1, heads, groups, fmt, device)
+    heads, groups, P, N = shape
+    cache = replayssm.allocate_cache(batch + 1, heads, groups, fmt, device, head_dim=P, state_dim=N)
     n0 = states.shape[0]
     for lo in range(0, batch, n0):
         n = min(n0, batch - lo)
@@ -254,6 +282,40 @@ def backend_name(device: torch.device) -> str:
         return f"backend lookup failed: {e!r}"
 
 
+@functools.cache
+def vllm_kernel(peers: str):
+    """vLLM's `selective_state_update_replayssm_output_only`, imported from the peer code in
+    `peers` (the folder holding vllm/), which goes on sys.path only here, when the provider
+    is asked for; SystemExit saying what is missing otherwise."""
+    folder = Path(peers).resolve()
+    if not (folder / "vllm").is_dir():
+        raise SystemExit(f"{VLLM}: vLLM's peer code is not at {folder} (no vllm/ there); pass --peers DIR")
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    try:
+        from vllm.model_executor.layers.mamba.ops import selective_state_update_replayssm_output_only as m
+    except Exception as e:  # noqa: BLE001 - a broken peer tree: say so before any row runs
+        raise SystemExit(f"{VLLM}: importing vLLM's Triton ReplaySSM from {folder} failed: {type(e).__name__}: {e}")
+    return m.selective_state_update_replayssm_output_only
+
+
+def ring_cursors(batch, sync, device) -> tuple[list, list]:
+    """vLLM's per-row ring cursors over one period, one (write_pos int32, is_flush bool) pair
+    a token, shared by the layers as its metadata is: row i at ring index (i + t) mod 16
+    (desync, as make_replay_cache's positions) or t (sync); the 16th token flushes."""
+    start = torch.arange(batch, device=device, dtype=torch.int32) % RING
+    start = start * 0 if sync else start
+    pos = [((start + t) % RING).to(torch.int32) for t in range(RING)]
+    return pos, [p == RING - 1 for p in pos]
+
+
+def provider_skip(provider, shape, device) -> str | None:
+    """Why `provider` is not run at `shape` on `device` (None when it is)."""
+    if provider == VLLM and device.type != "cuda":
+        return f"skipped: {VLLM} needs a CUDA GPU (vLLM's Triton kernel; not run in --dry-run)"
+    return kernel_skip(shape, device) if provider in REPLAY else None
+
+
 def probe_capturable(provider, shape, ctx) -> tuple[bool, str]:
     """Whether `provider`'s decode can be captured in a CUDA graph, decided without
     attempting one (a failed capture is best not risked mid-run): one
@@ -264,7 +326,7 @@ def probe_capturable(provider, shape, ctx) -> tuple[bool, str]:
     eager timing."""
     args, device = ctx["args"], ctx["device"]
     batch = 16
-    inp = make_inputs(shape[0], shape[1], batch, 1, device, args.seed)
+    inp = make_inputs(shape, batch, 1, device, args.seed)
     steps, keep = build_steps(provider, shape, batch, 1, inp, device, ctx["states"][shape], False, args)
     stage = "warm-up period failed"
     try:
@@ -288,55 +350,53 @@ def probe_capturable(provider, shape, ctx) -> tuple[bool, str]:
 
 
 def build_steps(provider, shape, batch, layers, inp: Inputs, device, states, sync, args):
-    """[period of step closures] (token-major over layers) and the layers' state."""
-    heads, groups = shape
-    steps, keep = [], []
-    if provider in REPLAY:
+    """[period of step closures] (token-major over layers) and the layers' state. vLLM's
+    kernel runs on an fp16 ReplaySSM cache's tensors: its state, x / dt / B rings have
+    the checkpoint's and rings' layouts ([slots, H, P, N] fp16, [slots, H, 16, P] bf16,
+    [slots, H, 16] fp32, [slots, G, 16, N] bf16)."""
+    if provider in RINGED:
         import replayssm
+        from replayssm import layout as L
 
-        fmt = provider.split("-")[1]
-        caches = [make_replay_cache(fmt, heads, groups, batch, device, states, inp.ids, sync, args.seed + li)
-                  for li in range(layers)]  # fmt: skip
-        keep = caches
-        for t in range(RING):
-            for li, cache in enumerate(caches):
-                prm = inp.params[li]
+        fmt = "fp16" if provider == VLLM else provider.split("-")[1]
+        keep = [make_replay_cache(fmt, shape, batch, device, states, inp.ids, sync, args.seed + li)
+                for li in range(layers)]  # fmt: skip
+        if provider == VLLM:
+            fn = vllm_kernel(args.peers)
+            pos, flush = ring_cursors(batch, sync, device)
+            bc_pre = torch.empty(batch, shape[1], RING, dtype=torch.float32, device=device)  # the kernel's scratch
 
-                def step(cache=cache, t=t, prm=prm):
-                    replayssm.selective_state_update_replayssm(
-                        cache, inp.x[t], inp.dt[t], prm["A"], inp.B[t], inp.C[t], prm["D"], prm["dt_bias"],
-                        inp.ids, inp.out, state_dtype=fmt, seed=args.seed,
-                    )  # fmt: skip
-
-                steps.append(step)
+        def one(li, t):
+            c, prm = keep[li], inp.params[li]
+            if provider == VLLM:
+                fn(c[L.CHECKPOINT], inp.x[t], inp.dt[t], prm["A"], inp.B[t], inp.C[t], prm["D"], prm["dt_bias"],
+                   dt_softplus=True, x_cache=c[L.X_RING], dt_cache=c[L.DT_RING], B_cache=c[L.B_RING], bc_pre=bc_pre,
+                   write_pos=pos[t], is_flush=flush[t], max_cache_len=RING, state_batch_indices=inp.ids, out=inp.out)
+            else:
+                replayssm.selective_state_update_replayssm(
+                    c, inp.x[t], inp.dt[t], prm["A"], inp.B[t], inp.C[t], prm["D"], prm["dt_bias"],
+                    inp.ids, inp.out, state_dtype=fmt, seed=args.seed,
+                )  # fmt: skip
     else:
         from benchmarks.standard_decode import standard_decode, standard_decode_ref
 
         dtype = STD_DTYPES[provider]
         g = torch.Generator(device=device).manual_seed(args.seed + 5)
         reps = math.ceil(batch / states.shape[0])
+        keep = []
         for _ in range(layers):
-            st = torch.empty(batch + 1, heads, 64, 128, dtype=dtype, device=device)
+            st = torch.empty(batch + 1, *states.shape[1:], dtype=dtype, device=device)
             st[1:] = states.to(dtype).repeat(reps, 1, 1, 1)[:batch]
-            st[0] = torch.randn(heads, 64, 128, device=device, generator=g).to(dtype)
+            st[0] = torch.randn(*states.shape[1:], device=device, generator=g).to(dtype)
             keep.append(st)
-        for t in range(RING):
-            for li, st in enumerate(keep):
-                prm = inp.params[li]
-                if device.type == "cuda":
+        fn = (functools.partial(standard_decode, block_p=args.block_p, num_warps=args.num_warps)
+              if device.type == "cuda" else standard_decode_ref)  # fmt: skip
 
-                    def step(st=st, t=t, prm=prm):
-                        standard_decode(st, inp.x[t], inp.dt[t], prm["A"], inp.B[t], inp.C[t], prm["D"],
-                                        prm["dt_bias"], inp.ids, inp.out, block_p=args.block_p,
-                                        num_warps=args.num_warps)  # fmt: skip
-                else:
+        def one(li, t):
+            prm = inp.params[li]
+            fn(keep[li], inp.x[t], inp.dt[t], prm["A"], inp.B[t], inp.C[t], prm["D"], prm["dt_bias"], inp.ids, inp.out)
 
-                    def step(st=st, t=t, prm=prm):
-                        standard_decode_ref(st, inp.x[t], inp.dt[t], prm["A"], inp.B[t], inp.C[t], prm["D"],
-                                            prm["dt_bias"], inp.ids, inp.out)  # fmt: skip
-
-                steps.append(step)
-    return steps, keep
+    return [functools.partial(one, li, t) for t in range(RING) for li in range(layers)], keep
 
 
 def time_period(steps, clock: Clock, graph: bool, reps: int) -> tuple[float, str]:
@@ -367,7 +427,7 @@ def time_period(steps, clock: Clock, graph: bool, reps: int) -> tuple[float, str
 def layers_for(provider, shape, batch, args, eager: bool) -> tuple[int, int]:
     """(layers in rotation, working-set bytes)."""
     s = bm.Shape(*shape)
-    per_layer = batch * bm.cache_bytes_per_slot(provider, s)
+    per_layer = batch * bm.cache_bytes_per_slot(BYTE_MODEL.get(provider, provider), s)
     inputs = RING * batch * (sum(bm.io_bytes(s).values()))
     target = args.ws_factor * args.l2_mb * 1e6
     cap = args.eager_max_layers if eager else args.max_layers
@@ -387,25 +447,32 @@ def settle_row(ctx) -> dict:
     order (FP8 3.87 / 3.89 us, NVFP4 4.02 / 4.06 us with either provider first). Larger
     batches were not seen to move this way. Returns what `meta.settle_row` records."""
     args = ctx["args"]
-    row = run_row(next(p for p in args.providers if p in REPLAY), args.shapes[0], 1, "desync", ctx)
+    shape = next(s for s in args.shapes if not kernel_skip(s, ctx["device"]))
+    row = run_row(next(p for p in args.providers if p in REPLAY), shape, 1, "desync", ctx)
     print(f"settle row (untimed): {row['provider']} b=1 {row['us_per_step']} us/step", flush=True)
     return {k: row[k] for k in ("provider", "batch", "us_per_step", "error")}
 
 
+def new_row(provider, shape, batch, sync_mode, args, error=None) -> dict:
+    """A results row before timing (`error`: why it is not timed)."""
+    return {
+        "provider": provider, "heads": shape[0], "groups": shape[1], "head_dim": shape[2], "state_dim": shape[3],
+        "batch": batch, "sync": sync_mode if provider in RINGED else "-",
+        "inputs": args.inputs if provider in RINGED else "plain", "timing": None, "layers": None,
+        "working_set_mb": None, "l2_resident": None, "us_per_step": None,
+        "bytes_per_step": batch * bm.step_bytes(BYTE_MODEL.get(provider, provider), bm.Shape(*shape)).total,
+        "tb_per_s": None, "frac_copy_bw": None, "error": error, "note": None,
+    }  # fmt: skip
+
+
 def run_row(provider, shape, batch, sync_mode, ctx) -> dict:
     args, device, clock = ctx["args"], ctx["device"], ctx["clock"]
-    s = bm.Shape(*shape)
-    row = {
-        "provider": provider, "heads": shape[0], "groups": shape[1], "batch": batch,
-        "sync": sync_mode if provider in REPLAY else "-", "inputs": args.inputs if provider in REPLAY else "plain",
-        "timing": None, "layers": None,
-        "working_set_mb": None, "l2_resident": None, "us_per_step": None,
-        "bytes_per_step": batch * bm.step_bytes(provider, s).total, "tb_per_s": None,
-        "frac_copy_bw": None, "error": None, "note": None,
-    }  # fmt: skip
+    row = new_row(provider, shape, batch, sync_mode, args, provider_skip(provider, shape, device))
+    if row["error"]:
+        return row
     graph = device.type == "cuda"
     if provider in REPLAY and graph:
-        key = f"{provider}/{shape[0]}x{shape[1]}"
+        key = f"{provider}/{shape_label(shape)}"
         if key not in ctx["capturable"]:
             ctx["capturable"][key] = probe_capturable(provider, shape, ctx)
         ok, why = ctx["capturable"][key]
@@ -442,7 +509,7 @@ def _measure(provider, shape, batch, sync_mode, layers, graph, ctx):
     """Build the row's caches and inputs and time them: (seconds per period, timing,
     note, steps per period). Everything allocated here is freed when it returns."""
     args, device, clock = ctx["args"], ctx["device"], ctx["clock"]
-    inp = make_inputs(shape[0], shape[1], batch, layers, device, args.seed, args.inputs if provider in REPLAY else "plain")
+    inp = make_inputs(shape, batch, layers, device, args.seed, args.inputs if provider in RINGED else "plain")
     states = ctx["states"][shape]
     sync = sync_mode == "sync"
     steps, keep = build_steps(provider, shape, batch, layers, inp, device, states, sync, args)
@@ -468,51 +535,59 @@ def _measure(provider, shape, batch, sync_mode, layers, graph, ctx):
 def check_standard(provider, shape, device, args) -> dict:
     from benchmarks.standard_decode import standard_decode, standard_decode_ref
 
-    heads, groups = shape
-    batch = 8
-    inp = make_inputs(heads, groups, batch, 1, device, args.seed + 7)
-    st = (0.5 * torch.randn(batch + 1, heads, 64, 128, device=device)).to(STD_DTYPES[provider])
+    batch, (heads, _, P, N) = 8, shape
+    inp = make_inputs(shape, batch, 1, device, args.seed + 7)
+    st = (0.5 * torch.randn(batch + 1, heads, P, N, device=device)).to(STD_DTYPES[provider])
     st_ref = st.clone()
     prm = inp.params[0]
     common = (inp.x[0], inp.dt[0], prm["A"], inp.B[0], inp.C[0], prm["D"], prm["dt_bias"], inp.ids)
     y = standard_decode(st, *common, block_p=args.block_p, num_warps=args.num_warps).float()
     y_ref = standard_decode_ref(st_ref, *common).float()
     return {
-        "check": f"{provider} h{heads}g{groups} vs PyTorch twin",
+        "check": f"{provider} {shape_label(shape, True)} vs PyTorch twin",
         "max_abs_err_y": float((y - y_ref).abs().max()), "max_abs_y": float(y_ref.abs().max()),
         "max_abs_err_state": float((st.float() - st_ref.float()).abs().max()),
         "max_abs_state": float(st_ref.float().abs().max()),
     }  # fmt: skip
 
 
-def check_replay(provider, shape, device, states, args) -> dict:
-    """One desynchronized period on `device` (public API) against the PyTorch reference
-    on a clone of the same cache."""
-    import replayssm
-    from replayssm import api
+def check_period(provider, shape, device, states, args) -> dict:
+    """One period at batch 16 on `device`, the benchmark's own steps, against a PyTorch
+    twin. ReplaySSM: desynchronized, against the reference decode on a clone of the same
+    cache. vLLM's kernel: synchronized (empty rings; every row flushes at the 16th token),
+    against the FP32 standard decode from the same (fp16) state: SQNR of the outputs and
+    of the state after the flush."""
+    from benchmarks.standard_decode import standard_decode_ref
+    from replayssm import api, synthetic
+    from replayssm import layout as L
     from replayssm import reference as ref
 
-    heads, groups = shape
-    fmt = provider.split("-")[1]
-    batch = 16
-    inp = make_inputs(heads, groups, batch, 1, device, args.seed + 7)
-    cache = make_replay_cache(fmt, heads, groups, batch, device, states, inp.ids, False, args.seed)
-    twin = [t.clone() for t in cache]
+    batch, vllm = 16, provider == VLLM
+    inp = make_inputs(shape, batch, 1, device, args.seed + 7)
+    steps, (cache,) = build_steps(provider, shape, batch, 1, inp, device, states, vllm, args)
+    twin = cache[L.CHECKPOINT].float() if vllm else [t.clone() for t in cache]
     prm = inp.params[0]
-    err, amax = 0.0, 0.0
-    for t in range(RING):
-        y = torch.empty_like(inp.out)
-        replayssm.selective_state_update_replayssm(
-            cache, inp.x[t], inp.dt[t], prm["A"], inp.B[t], inp.C[t], prm["D"], prm["dt_bias"], inp.ids, y,
-            state_dtype=fmt, seed=args.seed,
-        )  # fmt: skip
+    ys, refs = [], []
+    for t, step in enumerate(steps):
+        step()
+        ys.append(inp.out.float())
         y_ref = torch.empty_like(inp.out)
-        norm = api.normalize_decode_inputs(inp.x[t], inp.dt[t], prm["A"], inp.B[t], inp.C[t], prm["D"],
-                                           prm["dt_bias"], batch, heads, groups)  # fmt: skip
-        ref.decode(twin, *norm, inp.ids, y_ref, fmt=FORMATS[fmt], seed=args.seed)
-        err = max(err, float((y.float() - y_ref.float()).abs().max()))
-        amax = max(amax, float(y_ref.float().abs().max()))
-    return {"check": f"{provider} h{heads}g{groups} one period vs reference", "max_abs_err_y": err, "max_abs_y": amax}
+        if vllm:
+            standard_decode_ref(twin, inp.x[t], inp.dt[t], prm["A"], inp.B[t], inp.C[t], prm["D"], prm["dt_bias"],
+                                inp.ids, y_ref)  # fmt: skip
+        else:
+            norm = api.normalize_decode_inputs(inp.x[t], inp.dt[t], prm["A"], inp.B[t], inp.C[t], prm["D"],
+                                               prm["dt_bias"], batch, *shape)  # fmt: skip
+            ref.decode(twin, *norm, inp.ids, y_ref, fmt=FORMATS[provider.split("-")[1]], seed=args.seed)
+        refs.append(y_ref.float())
+    y, y_ref = torch.stack(ys), torch.stack(refs)
+    out = {"check": f"{provider} {shape_label(shape, True)} one period vs "
+                    + ("the FP32 standard decode (PyTorch)" if vllm else "reference"),
+           "max_abs_err_y": float((y - y_ref).abs().max()), "max_abs_y": float(y_ref.abs().max()),
+           "sqnr_y_db": synthetic.sqnr_db(y_ref, y)}  # fmt: skip
+    if vllm:
+        out["sqnr_state_db"] = synthetic.sqnr_db(twin[1:], cache[L.CHECKPOINT][1:].float())
+    return out
 
 
 # ----------------------------------------------------------------------------------------
@@ -520,34 +595,39 @@ def check_replay(provider, shape, device, states, args) -> dict:
 
 
 def add_speedups(rows: list[dict]) -> None:
-    base = {(r["provider"], r["heads"], r["batch"]): r["us_per_step"] for r in rows if r["provider"] in STANDARD}
+    """speedup_vs_<dtype>: the standard decode's time at the row's shape and batch over the
+    row's; with vLLM rows, speedup_vs_vllm_fp16: vLLM's at the same flush alignment too."""
+    base = {(r["provider"], row_shape(r), r["batch"], r["sync"]): r["us_per_step"] for r in rows}
+    vllm = any(r["provider"] == VLLM for r in rows)
     for r in rows:
-        for sp in STANDARD:
-            b = base.get((sp, r["heads"], r["batch"]))
-            key = "speedup_vs_" + sp.split("-")[1]
+        for sp in STANDARD + ((VLLM,) if vllm else ()):
+            b = base.get((sp, row_shape(r), r["batch"], r["sync"] if sp == VLLM else "-"))
+            key = "speedup_vs_" + sp.split("-")[1] if sp in STANDARD else "speedup_vs_vllm_fp16"
             r[key] = b / r["us_per_step"] if (b and r["us_per_step"]) else None
 
 
 def fmt_table(rows: list[dict], copy_tbs: float) -> str:
-    cols = [("shape", 7), ("batch", 5), ("provider", 16), ("sync", 6), ("timing", 6), ("lay", 3), ("us/step", 9),
-            ("MB/step", 8), ("TB/s", 6), ("%copy", 6), ("x fp32", 6), ("x bf16", 6), ("x fp16", 6)]  # fmt: skip
+    labels = [shape_label(row_shape(r), table=True) for r in rows]
+    cols = [("shape", max([7, *map(len, labels)])), ("batch", 5), ("provider", max(16, *(len(r["provider"]) for r in rows))), ("sync", 6), ("timing", 6),
+            ("lay", 3), ("us/step", 9), ("MB/step", 8), ("TB/s", 6), ("%copy", 6), ("x fp32", 6), ("x bf16", 6),
+            ("x fp16", 6)] + ([("x vllm", 6)] if any(r["provider"] == VLLM for r in rows) else [])  # fmt: skip
     lines = [f"copy bandwidth: {copy_tbs:.3f} TB/s (2 x bytes / time)",
              "  ".join(f"{c:>{w}}" for c, w in cols)]  # fmt: skip
 
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
-    for r in rows:
-        cells = [f"{r['heads']}h{r['groups']}g", str(r["batch"]), r["provider"], r["sync"], r["timing"] or "-",
+    for r, label in zip(rows, labels):
+        cells = [label, str(r["batch"]), r["provider"], r["sync"], r["timing"] or "-",
                  f(r["layers"], "d"), f(r["us_per_step"], ".2f"), f(r["bytes_per_step"] / 1e6, ".3f"),
                  f(r["tb_per_s"], ".3f"), f(None if r["frac_copy_bw"] is None else 100 * r["frac_copy_bw"], ".1f"),
                  f(r.get("speedup_vs_fp32"), ".2f"), f(r.get("speedup_vs_bf16"), ".2f"),
-                 f(r.get("speedup_vs_fp16"), ".2f")]  # fmt: skip
+                 f(r.get("speedup_vs_fp16"), ".2f"), f(r.get("speedup_vs_vllm_fp16"), ".2f")]  # fmt: skip
         line = "  ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, cols))
         if r["l2_resident"]:
             line += "  (L2)"
         if r["error"]:
-            line += f"  ERROR {r['error'][:120]}"
+            line += ("  " if r["error"].startswith("skipped") else "  ERROR ") + r["error"][:120]
         lines.append(line)
     return "\n".join(lines)
 
@@ -562,13 +642,13 @@ def plot(rows: list[dict], path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         return f"no plot: {e}"
-    shapes = sorted({(r["heads"], r["groups"]) for r in rows})
-    colors = dict(zip(REPLAY + STANDARD, ["tab:blue", "tab:green", "tab:cyan", "tab:red", "tab:orange", "tab:purple"]))
+    shapes = sorted({row_shape(r) for r in rows})
+    colors = dict(zip(PROVIDERS, ["tab:blue", "tab:green", "tab:cyan", "tab:red", "tab:orange", "tab:purple", "tab:brown"]))
     fig, axes = plt.subplots(2, len(shapes), figsize=(6.5 * len(shapes), 8.5), squeeze=False)
-    for c, (h, g) in enumerate(shapes):
+    for c, (h, g, hd, sd) in enumerate(shapes):
         series = {}
         for r in rows:
-            if (r["heads"], r["groups"]) == (h, g) and r["us_per_step"]:
+            if row_shape(r) == (h, g, hd, sd) and r["us_per_step"]:
                 series.setdefault((r["provider"], r["sync"], r["timing"]), []).append(
                     (r["batch"], r["us_per_step"], r["frac_copy_bw"]))
         top = 1.05
@@ -583,7 +663,8 @@ def plot(rows: list[dict], path: Path) -> str | None:
             top = max(top, 1.05 * max(p[2] for p in pts))
         batches = sorted({r["batch"] for r in rows})
         axes[0][c].set(xscale="log", yscale="log", ylabel="us per step (one layer)",
-                       title=f"{h} heads, {g} group{'s' if g > 1 else ''}; whole 16-token periods")  # fmt: skip
+                       title=f"{h} heads, {g} group{'s' if g > 1 else ''}"
+                             + ("" if (hd, sd) == (64, 128) else f", P {hd}, N {sd}") + "; whole 16-token periods")  # fmt: skip
         axes[1][c].set(xscale="log", xlabel="batch", ylabel="fraction of copy bandwidth", ylim=(0, top))
         for ax in axes[:, c]:
             ax.set_xticks(batches, [str(b) for b in batches])
@@ -605,16 +686,16 @@ def tune_standard(ctx) -> list[dict]:
     for shape in args.shapes:
         for prov in [p for p in args.providers if p in STANDARD]:
             for batch in args.batches:
-                for bp in (8, 16, 32, 64):
+                for bp in [bp for bp in (8, 16, 32, 64) if shape[2] % bp == 0]:  # BLOCK_P divides P
                     for nw in (1, 2, 4, 8):
                         args.block_p, args.num_warps = bp, nw
                         if time.perf_counter() - ctx["t_start"] > args.time_budget:
-                            r = run_row_skipped(prov, shape, batch, "-")
+                            r = new_row(prov, shape, batch, "-", args, "skipped: --time-budget exhausted")
                         else:
                             r = run_row(prov, shape, batch, "-", ctx)
                         r.update(block_p=bp, num_warps=nw)
                         out.append(r)
-                        print(f"{prov:14s} {shape[0]}h{shape[1]}g b={batch:5d} BLOCK_P={bp:2d} warps={nw} "
+                        print(f"{prov:14s} {shape_label(shape, True)} b={batch:5d} BLOCK_P={bp:2d} warps={nw} "
                               f"{r['us_per_step'] or float('nan'):9.2f} us  "
                               f"{100 * (r['frac_copy_bw'] or 0):5.1f}% copy  {r['error'] or ''}", flush=True)  # fmt: skip
     args.block_p = args.num_warps = None
@@ -649,7 +730,9 @@ def main(argv=None) -> dict:
     ctx = {"args": args, "device": device, "clock": clock, "t_start": t_start}
     ctx["copy"] = copy_bandwidth(device, args.copy_gib, clock)
     ctx["capturable"] = {}
-    ctx["states"] = {s: base_states(s[0], s[1], 16, device, args.seed) for s in args.shapes}
+    ctx["states"] = {s: base_states(s[0], s[1], 16, device, args.seed, *s[2:]) for s in args.shapes}
+    if VLLM in args.providers and device.type == "cuda":
+        vllm_kernel(args.peers)  # a missing or broken peer tree ends the run here, before any row
     meta = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
@@ -664,7 +747,8 @@ def main(argv=None) -> dict:
     result = {"meta": meta, "byte_model": {}, "checks": [], "rows": []}
     for shape in args.shapes:
         for prov in args.providers:
-            result["byte_model"][f"{prov}/{shape[0]}x{shape[1]}"] = bm.describe(prov, bm.Shape(*shape))
+            result["byte_model"][f"{prov}/{shape_label(shape)}"] = {
+                **bm.describe(BYTE_MODEL.get(prov, prov), bm.Shape(*shape)), "provider": prov}
 
     if args.tune_standard:
         if device.type != "cuda":
@@ -675,18 +759,19 @@ def main(argv=None) -> dict:
 
     if not args.no_check and device.type == "cuda":  # on the CPU both sides are the reference
         for shape in args.shapes:
-            for prov in args.providers:
+            for prov in [p for p in args.providers if not provider_skip(p, shape, device)]:
                 try:
                     if prov in STANDARD:
                         result["checks"].append(check_standard(prov, shape, device, args))
                     else:
-                        result["checks"].append(check_replay(prov, shape, device, ctx["states"][shape], args))
+                        result["checks"].append(check_period(prov, shape, device, ctx["states"][shape], args))
                 except Exception as e:  # noqa: BLE001
-                    result["checks"].append({"check": f"{prov} {shape}", "error": f"{type(e).__name__}: {e}"})
+                    result["checks"].append({"check": f"{prov} {shape_label(shape)}", "error": f"{type(e).__name__}: {e}"})
         for c in result["checks"]:
             print("check:", json.dumps(c), flush=True)
 
-    if not args.no_settle and device.type == "cuda" and any(p in REPLAY for p in args.providers):
+    if (not args.no_settle and device.type == "cuda" and any(p in REPLAY for p in args.providers)
+            and any(not kernel_skip(s, device) for s in args.shapes)):  # fmt: skip
         meta["settle_row"] = settle_row(ctx)
 
     # The most telling batch sizes first, so a --time-budget cut loses the least; the
@@ -696,23 +781,22 @@ def main(argv=None) -> dict:
     for batch in order:
         for shape in args.shapes:
             for prov in args.providers:
-                for sync_mode in args.sync if prov in REPLAY else ["-"]:
+                for sync_mode in args.sync if prov in RINGED else ["-"]:
                     plan.append((prov, shape, batch, sync_mode))
     for prov, shape, batch, sync_mode in plan:
         if time.perf_counter() - t_start > args.time_budget:
-            row = run_row_skipped(prov, shape, batch, sync_mode)
+            row = new_row(prov, shape, batch, sync_mode, args, "skipped: --time-budget exhausted")
         else:
             row = run_row(prov, shape, batch, sync_mode, ctx)
         result["rows"].append(row)
-        print(f"{prov:16s} {shape[0]:3d}h{shape[1]}g b={batch:5d} {row['sync']:6s} {row['timing'] or '-':5s} "
+        print(f"{prov:16s} {shape_label(shape, True):>7s} b={batch:5d} {row['sync']:6s} {row['timing'] or '-':5s} "
               f"layers={row['layers'] or 0:3d} "
               + (f"{row['us_per_step']:10.2f} us/step  {100 * row['frac_copy_bw']:5.1f}% copy"
                  if row["us_per_step"] else f"ERROR {row['error']}"), flush=True)  # fmt: skip
         write_json(result, out_dir / "results.json")  # partial results survive a crash or a kill
 
     rank = {p: i for i, p in enumerate(args.providers)}
-    result["rows"].sort(key=lambda r: (args.shapes.index((r["heads"], r["groups"])), r["batch"], rank[r["provider"]],
-                                       r["sync"]))  # fmt: skip
+    result["rows"].sort(key=lambda r: (args.shapes.index(row_shape(r)), r["batch"], rank[r["provider"]], r["sync"]))
     add_speedups(result["rows"])
     meta["seconds"] = time.perf_counter() - t_start
     print()
@@ -723,16 +807,6 @@ def main(argv=None) -> dict:
     write_json(result, out_dir / "results.json")
     print(f"\nwrote {out_dir / 'results.json'}; {meta['plot']}; {meta['seconds']:.1f} s")
     return result
-
-
-def run_row_skipped(prov, shape, batch, sync_mode) -> dict:
-    s = bm.Shape(*shape)
-    return {
-        "provider": prov, "heads": shape[0], "groups": shape[1], "batch": batch,
-        "sync": sync_mode, "timing": None, "layers": None, "working_set_mb": None, "l2_resident": None,
-        "us_per_step": None, "bytes_per_step": batch * bm.step_bytes(prov, s).total, "tb_per_s": None,
-        "frac_copy_bw": None, "error": "skipped: --time-budget exhausted", "note": None,
-    }  # fmt: skip
 
 
 if __name__ == "__main__":

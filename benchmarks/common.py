@@ -1,5 +1,5 @@
 """Helpers the benchmark scripts share: the run's metadata and results files, the
-realistic prefill states rows start from, and the CUDA-graph timer."""
+--shapes geometries, the realistic prefill states rows start from, and the CUDA-graph timer."""
 
 from __future__ import annotations
 
@@ -39,13 +39,57 @@ def write_json(obj, path: Path) -> None:
     path.write_text(json.dumps(obj, indent=1, default=str))
 
 
-def base_states(heads, groups, n, device, seed) -> torch.Tensor:
+def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
+    """A --shapes list: comma-separated "HxG" (head dim 64, state dim 128) or "HxGxPxN"
+    items, as (heads, groups, P, N); a ValueError names an item that is neither or no
+    cache geometry."""
+    from replayssm.geometry import HEAD_DIM, STATE_DIM, dims_error, group_error
+
+    out = []
+    for item in str(text).split(","):
+        parts = item.strip().lower().split("x") if item.strip() else []
+        if not parts:
+            continue
+        if len(parts) not in (2, 4) or not all(p.isdigit() for p in parts):
+            raise ValueError(f"shape {item!r}: expected HEADSxGROUPS or HEADSxGROUPSxHEADDIMxSTATEDIM")
+        shape = tuple(map(int, parts)) + (HEAD_DIM, STATE_DIM)[len(parts) - 2 :]
+        err = group_error(*shape[:2]) or dims_error(*shape[2:])
+        if err:
+            raise ValueError(f"shape {item!r}: {err}")
+        out.append(shape)
+    return out
+
+
+def shape_label(shape, table: bool = False) -> str:
+    """A (heads, groups, P, N) shape as --shapes spells it ("16x2" at P, N = 64, 128, else
+    "48x1x64x256"), or with `table` as the tables do ("16h2g", "48h1g/64x256")."""
+    h, g, p, n = shape
+    tail = "" if (p, n) == (64, 128) else (f"/{p}x{n}" if table else f"x{p}x{n}")
+    return (f"{h}h{g}g" if table else f"{h}x{g}") + tail
+
+
+def row_shape(row: dict) -> tuple[int, int, int, int]:
+    """A results row's (heads, groups, P, N); rows written before P and N were recorded are 64 / 128."""
+    return row["heads"], row["groups"], row.get("head_dim", 64), row.get("state_dim", 128)
+
+
+def kernel_skip(shape, device) -> str | None:
+    """Why a replayssm row at `shape` is not timed on `device` (None when it is): on a GPU
+    the kernels must run its geometry; the PyTorch reference is never timed there. The CPU
+    smoke test (--dry-run) runs the reference at every geometry."""
+    from replayssm.geometry import kernel_dims_error
+
+    err = kernel_dims_error(*shape[2:]) if torch.device(device).type == "cuda" else None
+    return f"skipped: {err} (the PyTorch reference is not timed)" if err else None
+
+
+def base_states(heads, groups, n, device, seed, head_dim: int = 64, state_dim: int = 128) -> torch.Tensor:
     """n realistic FP32 prefill states (exact recurrence over a short random prompt)."""
     from replayssm import synthetic
 
     gc = torch.Generator().manual_seed(seed + 2)
     params = synthetic.layer_params(heads, generator=gc)
-    return synthetic.prefill_states(params, n, groups, 8, generator=gc).to(device)
+    return synthetic.prefill_states(params, n, groups, 8, generator=gc, head_dim=head_dim, state_dim=state_dim).to(device)
 
 
 def graph_seconds(fn, reps: int, inner: int = 1) -> float:

@@ -155,6 +155,66 @@ def test_dry_run_writes_expected_rows(tmp_path, fixed_clock):
         assert (tmp_path / "decode.png").stat().st_size > 10_000
 
 
+def test_dry_run_at_another_geometry(tmp_path, fixed_clock):
+    """--shapes HxGxPxN (4 heads, 2 groups, P 80, N 256): every provider builds its inputs,
+    caches and states there (the CPU references check the shapes), rows and byte model
+    record P and N; vLLM's kernel cannot run on the CPU: its row says it was skipped."""
+    res = bench_decode.main(["--dry-run", "--out", str(tmp_path), "--batches", "1", "--shapes", "4x2x80x256",
+                             "--providers", "replayssm-fp8,vllm-replayssm-fp16,standard-bf16", "--sync", "desync",
+                             "--inputs", "engine"])  # fmt: skip
+    shape = bm.Shape(4, 2, 80, 256)
+    rows = {r["provider"]: r for r in res["rows"]}
+    assert set(rows) == {"replayssm-fp8", bench_decode.VLLM, "standard-bf16"} and len(res["rows"]) == 3
+    for r in res["rows"]:
+        assert (r["heads"], r["groups"], r["head_dim"], r["state_dim"]) == (4, 2, 80, 256)
+        model = bench_decode.BYTE_MODEL.get(r["provider"], r["provider"])
+        assert r["bytes_per_step"] == bm.step_bytes(model, shape).total
+    vllm = rows.pop(bench_decode.VLLM)
+    assert vllm["error"].startswith("skipped: ") and "CUDA" in vllm["error"] and vllm["us_per_step"] is None
+    for r in rows.values():
+        assert r["error"] is None and r["us_per_step"] == pytest.approx(us_per_step_of_period(r["layers"])), r
+    assert rows["replayssm-fp8"]["speedup_vs_bf16"] == pytest.approx(1.0)
+    model = res["byte_model"]["replayssm-fp8/4x2x80x256"]
+    assert model["cache_bytes_per_slot"] == bm.cache_bytes_per_slot("replayssm-fp8", shape)
+    assert res["byte_model"][f"{bench_decode.VLLM}/4x2x80x256"]["provider"] == bench_decode.VLLM
+    assert json.loads((tmp_path / "results.json").read_text())["rows"] == json.loads(json.dumps(res["rows"]))
+
+
+def test_shapes_and_geometry_skips():
+    """--shapes takes HxG (P 64, N 128) and HxGxPxN; a shape that is no cache geometry is
+    refused. On a GPU, ReplaySSM rows at a geometry the kernels do not run are skipped with
+    the reason (the reference is never timed); the standard decode runs everywhere."""
+    assert bench_decode.parse_args(["--shapes", "16x2,48x1x64x256,6x1x80x128"]).shapes == [
+        (16, 2, 64, 128), (48, 1, 64, 256), (6, 1, 80, 128)]  # fmt: skip
+    for bad in ("16x2x64", "16x2x96x128", "13x2", "16x2x80x512"):
+        with pytest.raises(SystemExit):
+            bench_decode.parse_args(["--shapes", bad])
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    skip = bench_decode.provider_skip("replayssm-nvfp4", (16, 1, 80, 128), cuda)
+    assert skip.startswith("skipped: the kernels take (head_dim, state_dim) in") and "(80, 128)" in skip
+    assert bench_decode.provider_skip("replayssm-fp8", (16, 1, 64, 256), cuda) is None
+    assert bench_decode.provider_skip("standard-bf16", (16, 1, 80, 128), cuda) is None
+    assert bench_decode.provider_skip(bench_decode.VLLM, (16, 1, 80, 128), cuda) is None
+    assert bench_decode.provider_skip("replayssm-fp8", (16, 1, 80, 128), cpu) is None  # the smoke test's reference
+    assert bench_decode.provider_skip(bench_decode.VLLM, (16, 2, 64, 128), cpu).startswith("skipped: ")
+
+
+def test_speedups_pair_rows_of_one_geometry():
+    """Speedups compare rows of the same heads, groups, P, N and batch (and, against vLLM's
+    kernel, the same flush alignment), never across geometries."""
+    def row(prov, n, us, sync="desync"):
+        return {"provider": prov, "heads": 32, "groups": 1, "head_dim": 64, "state_dim": n, "batch": 256,
+                "sync": sync, "us_per_step": us}  # fmt: skip
+
+    rows = [row("standard-bf16", 128, 40.0, "-"), row("standard-bf16", 256, 80.0, "-"), row("replayssm-fp8", 128, 20.0),
+            row("replayssm-fp8", 256, 10.0), row(bench_decode.VLLM, 256, 30.0), row(bench_decode.VLLM, 256, 60.0, "sync")]
+    bench_decode.add_speedups(rows)
+    assert [r["speedup_vs_bf16"] for r in rows] == [1.0, 1.0, 2.0, 8.0, 80 / 30, 80 / 60]
+    assert rows[2]["speedup_vs_vllm_fp16"] is None and rows[3]["speedup_vs_vllm_fp16"] == 3.0
+    assert "x vllm" in bench_decode.fmt_table([{**r, "timing": "graph", "layers": 1, "bytes_per_step": 1, "tb_per_s": 1.0,
+                                                 "frac_copy_bw": 0.5, "l2_resident": False, "error": None} for r in rows], 1.0)
+
+
 def test_replot_redraws_from_json(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     bench_decode.main(["--dry-run", "--out", str(tmp_path / "run"), "--batches", "1", "--providers", "standard-fp16"])
