@@ -62,7 +62,9 @@ if str(_ROOT) not in sys.path:  # run as a script from a source checkout
 import torch  # noqa: E402
 
 from benchmarks import byte_model as bm  # noqa: E402
-from benchmarks.common import base_states, kernel_skip, parse_shapes, row_shape, shape_label, version, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    base_states, kernel_skip, parse_shapes, row_shape, shape_label, version, write_json,
+)  # fmt: skip
 from replayssm.formats import FORMATS, FP8, NVFP4
 
 RING = 16
@@ -608,9 +610,10 @@ def add_speedups(rows: list[dict]) -> None:
 
 def fmt_table(rows: list[dict], copy_tbs: float) -> str:
     labels = [shape_label(row_shape(r), table=True) for r in rows]
-    cols = [("shape", max([7, *map(len, labels)])), ("batch", 5), ("provider", max(16, *(len(r["provider"]) for r in rows))), ("sync", 6), ("timing", 6),
-            ("lay", 3), ("us/step", 9), ("MB/step", 8), ("TB/s", 6), ("%copy", 6), ("x fp32", 6), ("x bf16", 6),
-            ("x fp16", 6)] + ([("x vllm", 6)] if any(r["provider"] == VLLM for r in rows) else [])  # fmt: skip
+    vllm = any(r["provider"] == VLLM for r in rows)
+    cols = [("shape", max([7, *map(len, labels)])), ("batch", 5), ("provider", 19 if vllm else 16), ("sync", 6),
+            ("timing", 6), ("lay", 3), ("us/step", 9), ("MB/step", 8), ("TB/s", 6), ("%copy", 6), ("x fp32", 6),
+            ("x bf16", 6), ("x fp16", 6)] + ([("x vllm", 6)] if vllm else [])  # fmt: skip
     lines = [f"copy bandwidth: {copy_tbs:.3f} TB/s (2 x bytes / time)",
              "  ".join(f"{c:>{w}}" for c, w in cols)]  # fmt: skip
 
@@ -643,7 +646,8 @@ def plot(rows: list[dict], path: Path) -> str | None:
     except ImportError as e:
         return f"no plot: {e}"
     shapes = sorted({row_shape(r) for r in rows})
-    colors = dict(zip(PROVIDERS, ["tab:blue", "tab:green", "tab:cyan", "tab:red", "tab:orange", "tab:purple", "tab:brown"]))
+    colors = dict(zip(PROVIDERS, ["tab:blue", "tab:green", "tab:cyan", "tab:red", "tab:orange", "tab:purple",
+                                  "tab:brown"]))  # fmt: skip
     fig, axes = plt.subplots(2, len(shapes), figsize=(6.5 * len(shapes), 8.5), squeeze=False)
     for c, (h, g, hd, sd) in enumerate(shapes):
         series = {}
@@ -662,9 +666,9 @@ def plot(rows: list[dict], path: Path) -> str | None:
             axes[1][c].plot(bs, [p[2] for p in pts], **kw)
             top = max(top, 1.05 * max(p[2] for p in pts))
         batches = sorted({r["batch"] for r in rows})
+        geo = "" if (hd, sd) == (64, 128) else f", P {hd}, N {sd}"
         axes[0][c].set(xscale="log", yscale="log", ylabel="us per step (one layer)",
-                       title=f"{h} heads, {g} group{'s' if g > 1 else ''}"
-                             + ("" if (hd, sd) == (64, 128) else f", P {hd}, N {sd}") + "; whole 16-token periods")  # fmt: skip
+                       title=f"{h} heads, {g} group{'s' if g > 1 else ''}{geo}; whole 16-token periods")  # fmt: skip
         axes[1][c].set(xscale="log", xlabel="batch", ylabel="fraction of copy bandwidth", ylim=(0, top))
         for ax in axes[:, c]:
             ax.set_xticks(batches, [str(b) for b in batches])
@@ -766,7 +770,8 @@ def main(argv=None) -> dict:
                     else:
                         result["checks"].append(check_period(prov, shape, device, ctx["states"][shape], args))
                 except Exception as e:  # noqa: BLE001
-                    result["checks"].append({"check": f"{prov} {shape_label(shape)}", "error": f"{type(e).__name__}: {e}"})
+                    result["checks"].append({"check": f"{prov} {shape_label(shape)}",
+                                             "error": f"{type(e).__name__}: {e}"})  # fmt: skip
         for c in result["checks"]:
             print("check:", json.dumps(c), flush=True)
 

@@ -2,7 +2,8 @@
 baseline of benchmarks/spec_baseline.py and the single-token steps, with pending mode's
 targets.
 
-Rows, per shape (HEADSxGROUPS) and batch, one layer's time:
+Rows, per shape (HEADSxGROUPS, head dim 64 and state dim 128, or
+HEADSxGROUPSxHEADDIMxSTATEDIM; rows record P and N) and batch, one layer's time:
 
 - `spec-bf16` (per T): the baseline call as engines run speculative Mamba-2 today, a
   bf16-state step over T tokens a row that writes T intermediate states, then the
@@ -29,7 +30,9 @@ baseline's speedup over it and whether it meets that bound. Layer caches rotate 
 `--ws-factor` L2 sizes where `--max-layers` allows (rows below twice the L2 are flagged
 `(L2)`); a row that does not fit in the free GPU memory is skipped and says why. Bytes
 per call come from spec_baseline.step_bytes and byte_model.py; TB/s and the fraction of
-the copy bandwidth measured in the same run follow.
+the copy bandwidth measured in the same run follow. On the GPU, replayssm rows (pending
+and single-token) at a geometry outside replayssm.geometry.KERNEL_DIMS are skipped with
+the reason (the PyTorch reference is never timed).
 
 Prints a table last; with `--out DIR` writes DIR/results.json (meta: device, versions,
 commit, command, arguments, copy bandwidth; the correctness checks; every row).
@@ -58,7 +61,9 @@ if str(_ROOT) not in sys.path:  # run as a script from a source checkout
 import torch  # noqa: E402
 
 from benchmarks import byte_model as bm  # noqa: E402
-from benchmarks.common import base_states, commit, graph_seconds, version, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    base_states, commit, graph_seconds, kernel_skip, parse_shapes, row_shape, shape_label, version, write_json,
+)  # fmt: skip
 
 RING = 16
 SPEC = "spec-bf16"
@@ -78,7 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="CPU, PyTorch references, tiny sizes (smoke test)")
     p.add_argument("--providers", default=",".join(PROVIDERS), help=f"comma-separated, some of {PROVIDERS}")
     p.add_argument("--tokens", default="2,4", help="T values (tokens a row per speculative call)")
-    p.add_argument("--shapes", default="16x2,64x8", help="HEADSxGROUPS list")
+    p.add_argument("--shapes", default=None,
+                   help="HEADSxGROUPS or HEADSxGROUPSxHEADDIMxSTATEDIM list (default 16x2,64x8)")  # fmt: skip
     p.add_argument("--batches", default="32,256,1024")
     p.add_argument("--accept", type=float, default=0.7, help="probability that a draft is accepted")
     p.add_argument("--calls", type=int, default=4, help="speculative calls (own inputs and verdicts) per graph")
@@ -91,15 +97,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--time-budget", type=float, default=300.0, help="seconds; later rows are skipped (recorded)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    a.shapes = a.shapes or ("8x1" if a.dry_run else "16x2,64x8")
     if a.dry_run:
-        a.shapes, a.batches, a.tokens = "8x1", "2", "2"
+        a.batches, a.tokens = "2", "2"
         a.max_layers, a.reps, a.calls, a.copy_gib = 1, 1, 2, 1 / 64
     a.providers = [s for s in a.providers.split(",") if s]
     for prov in a.providers:
         if prov not in PROVIDERS:
             p.error(f"--providers: unknown provider {prov!r}; expected some of {PROVIDERS}")
     a.tokens = [int(t) for t in str(a.tokens).split(",") if t]
-    a.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in str(a.shapes).split(",") if s]
+    try:
+        a.shapes = parse_shapes(a.shapes)
+    except ValueError as e:
+        p.error(f"--shapes: {e}")
     a.batches = [int(b) for b in str(a.batches).split(",") if b]
     if not 0.0 <= a.accept <= 1.0:
         p.error(f"--accept must be a probability; got {a.accept}")
@@ -147,12 +157,14 @@ def verdicts(batch: int, T: int, p: float, gen: torch.Generator) -> torch.Tensor
     return (1 + torch.cumprod(u.int(), dim=1).sum(dim=1)).to(torch.int32)
 
 
-def tokens(batch, T, heads, groups, device, gen):
-    """One call's inputs: x, dt (fp32, raw), B, C with T tokens a row ([b, T, ...])."""
-    x = torch.randn(batch, T, heads, 64, device=device, generator=gen).to(torch.bfloat16)
+def tokens(batch, T, shape, device, gen):
+    """One call's inputs at `shape` (heads, groups, P, N): x, dt (fp32, raw), B, C with T
+    tokens a row ([b, T, ...])."""
+    heads, groups, P, N = shape
+    x = torch.randn(batch, T, heads, P, device=device, generator=gen).to(torch.bfloat16)
     dt = 0.5 * torch.randn(batch, T, heads, device=device, generator=gen)
-    B = torch.randn(batch, T, groups, 128, device=device, generator=gen).to(torch.bfloat16)
-    C = torch.randn(batch, T, groups, 128, device=device, generator=gen).to(torch.bfloat16)
+    B = torch.randn(batch, T, groups, N, device=device, generator=gen).to(torch.bfloat16)
+    C = torch.randn(batch, T, groups, N, device=device, generator=gen).to(torch.bfloat16)
     return x, dt, B, C
 
 
@@ -171,9 +183,9 @@ def tiled(states: torch.Tensor, n: int) -> torch.Tensor:
 # rows
 
 
-def row_bytes(provider, heads, groups, batch, T) -> dict:
+def row_bytes(provider, shape, batch, T) -> dict:
     """(memory per layer, DRAM bytes per call) for the whole batch."""
-    s = bm.Shape(heads, groups)
+    s = bm.Shape(*shape)
     if provider in PENDING:  # the cache as the single-token step's; no byte model of a call
         fmt = provider.split("-")[1]
         return {"mem_per_layer": (batch + 1) * bm.cache_bytes_per_slot("replayssm-" + fmt, s), "bytes_per_call": None,
@@ -182,7 +194,7 @@ def row_bytes(provider, heads, groups, batch, T) -> dict:
         from benchmarks.spec_baseline import step_bytes
 
         e = s.state_elems * 2
-        b = step_bytes(heads, groups, T)
+        b = step_bytes(*shape[:2], T, 2, *shape[2:])
         return {"mem_per_layer": (batch + 1) * e + batch * T * e, "bytes_per_call": batch * (b["step"] + b["commit"]),
                 "commit_bytes": batch * b["commit"]}  # fmt: skip
     return {"mem_per_layer": (batch + 1) * bm.cache_bytes_per_slot(provider, s),
@@ -206,23 +218,23 @@ def build_spec(shape, batch, T, layers, ctx):
     from benchmarks import spec_baseline as sb
 
     args, device = ctx["args"], ctx["device"]
-    heads, groups = shape
+    heads, P = shape[0], shape[2]
     gen = torch.Generator(device=device).manual_seed(args.seed + 3)
     hgen = torch.Generator().manual_seed(args.seed + 4)
     states = tiled(ctx["states"][shape], batch).to(torch.bfloat16)
     caches, inters = [], []
     for _ in range(layers):
-        st = torch.empty(batch + 1, heads, 64, 128, dtype=torch.bfloat16, device=device)
+        st = torch.empty(batch + 1, *states.shape[1:], dtype=torch.bfloat16, device=device)
         st[1:] = states
         st[0] = 0
         caches.append(st)
         inters.append(sb.new_inter(st, batch, T))
     params = layer_params(heads, layers, args.seed, device)
     ids = (torch.randperm(batch, device=device, generator=gen) + 1).to(torch.int32)
-    calls = [tokens(batch, T, heads, groups, device, gen) for _ in range(args.calls)]
+    calls = [tokens(batch, T, shape, device, gen) for _ in range(args.calls)]
     accs = [verdicts(batch, T, args.accept, hgen).to(device) for _ in range(args.calls)]
     mean_acc = float(torch.stack(accs).float().mean())
-    out = torch.empty(batch, T, heads, 64, dtype=torch.bfloat16, device=device)
+    out = torch.empty(batch, T, heads, P, dtype=torch.bfloat16, device=device)
     cuda = device.type == "cuda"
     step = sb.spec_step if cuda else sb.spec_step_ref
     commit = sb.spec_commit if cuda else sb.spec_commit_ref
@@ -249,11 +261,12 @@ def replayssm_caches(fmt, shape, batch, layers, states, gen, ctx, spec_tokens=0)
     from replayssm import layout as L
 
     args, device = ctx["args"], ctx["device"]
-    heads, groups = shape
+    heads, groups, P, N = shape
     caches = []
     for li in range(layers):
         c = ReplaySSMCache(batch + 1, heads, groups, fmt, device, seed=args.seed + li, spec_tokens=spec_tokens,
-                           backend="kernels" if device.type == "cuda" else "reference")  # fmt: skip
+                           backend="kernels" if device.type == "cuda" else "reference", head_dim=P,
+                           state_dim=N)  # fmt: skip
         c.prefill_init(states, c.allocate(batch))
         t = c.tensors
         t[L.X_RING].copy_(torch.randn(t[L.X_RING].shape, device=device, generator=gen))
@@ -273,7 +286,7 @@ def build_pending(provider, shape, batch, T, layers, ctx):
     from replayssm import layout as L
 
     args, device = ctx["args"], ctx["device"]
-    heads, groups = shape
+    heads, P = shape[0], shape[2]
     fmt = provider.split("-")[1]
     gen = torch.Generator(device=device).manual_seed(args.seed + 6)
     hgen = torch.Generator().manual_seed(args.seed + 4)
@@ -286,10 +299,10 @@ def build_pending(provider, shape, batch, T, layers, ctx):
         pos[slots, 0] = (torch.arange(batch, device=device, dtype=torch.int32) % RING).to(pos.dtype)
         pos[slots, 1] = T
     ids = (torch.randperm(batch, device=device, generator=gen) + 1).to(torch.int32)
-    calls = [tokens(batch, T, heads, groups, device, gen) for _ in range(args.calls)]
+    calls = [tokens(batch, T, shape, device, gen) for _ in range(args.calls)]
     accs = [verdicts(batch, T, args.accept, hgen).to(device) for _ in range(args.calls)]
     mean_acc = float(torch.stack(accs).float().mean())
-    out = torch.empty(batch, T, heads, 64, dtype=torch.bfloat16, device=device)
+    out = torch.empty(batch, T, heads, P, dtype=torch.bfloat16, device=device)
 
     def run():
         for (x, dt, B, C), acc in zip(calls, accs):
@@ -302,12 +315,12 @@ def build_pending(provider, shape, batch, T, layers, ctx):
 def build_single(provider, shape, batch, layers, ctx):
     """(period closure: 16 single-token steps over every layer, token-major), what to keep."""
     args, device = ctx["args"], ctx["device"]
-    heads, groups = shape
+    heads, P = shape[0], shape[2]
     gen = torch.Generator(device=device).manual_seed(args.seed + 5)
-    toks = [tokens(batch, 1, heads, groups, device, gen) for _ in range(RING)]
+    toks = [tokens(batch, 1, shape, device, gen) for _ in range(RING)]
     toks = [(x[:, 0], dt[:, 0], B[:, 0], C[:, 0]) for x, dt, B, C in toks]
     params = layer_params(heads, layers, args.seed, device)
-    out = torch.empty(batch, heads, 64, dtype=torch.bfloat16, device=device)
+    out = torch.empty(batch, heads, P, dtype=torch.bfloat16, device=device)
     states = tiled(ctx["states"][shape], batch)
     cuda = device.type == "cuda"
     if provider == STANDARD:
@@ -316,7 +329,7 @@ def build_single(provider, shape, batch, layers, ctx):
         fn = standard_decode if cuda else standard_decode_ref
         caches = []
         for _ in range(layers):
-            st = torch.zeros(batch + 1, heads, 64, 128, dtype=torch.bfloat16, device=device)
+            st = torch.zeros(batch + 1, *states.shape[1:], dtype=torch.bfloat16, device=device)
             st[1:] = states.to(torch.bfloat16)
             caches.append(st)
         ids = (torch.randperm(batch, device=device, generator=gen) + 1).to(torch.int32)
@@ -346,9 +359,10 @@ def build_single(provider, shape, batch, layers, ctx):
 
 def run_row(provider, shape, batch, T, ctx, skip: str | None = None) -> dict:
     args, device = ctx["args"], ctx["device"]
-    heads, groups = shape
-    nb = row_bytes(provider, heads, groups, batch, T)
-    row = {"provider": provider, "heads": heads, "groups": groups, "batch": batch, "T": T if provider in MULTI else 1,
+    nb = row_bytes(provider, shape, batch, T)
+    skip = skip or (kernel_skip(shape, device) if provider not in (SPEC, STANDARD) else None)
+    row = {"provider": provider, "heads": shape[0], "groups": shape[1], "head_dim": shape[2], "state_dim": shape[3],
+           "batch": batch, "T": T if provider in MULTI else 1,
            "timing": None, "layers": None, "working_set_mb": None, "l2_resident": None, "us_per_call": None,
            "tokens_per_row": None, "us_per_token": None, "commit_us": None, "bytes_per_call": nb["bytes_per_call"],
            "tb_per_s": None, "frac_copy_bw": None, "error": None}  # fmt: skip
@@ -395,26 +409,26 @@ def run_row(provider, shape, batch, T, ctx, skip: str | None = None) -> dict:
 def add_targets(rows: list[dict]) -> None:
     """Per spec row: its us/call against each single-token step, and the target us/call of
     the pending step in each format (min of 1.6x the single-token step and baseline / 3)."""
-    single = {(r["provider"], r["heads"], r["batch"]): r["us_per_call"] for r in rows if r["provider"] not in MULTI}
+    single = {(r["provider"], row_shape(r), r["batch"]): r["us_per_call"] for r in rows if r["provider"] not in MULTI}
     for r in rows:
         if r["provider"] != SPEC:
             continue
         for prov in (*REPLAY, STANDARD):
             key = prov.split("-")[1] if prov in REPLAY else "std_bf16"
-            s = single.get((prov, r["heads"], r["batch"]))
+            s = single.get((prov, row_shape(r), r["batch"]))
             ok = bool(s and r["us_per_call"])
             r[f"x_{key}_step"] = r["us_per_call"] / s if ok else None
             if prov in REPLAY:
                 r[f"target_us_{key}"] = (min(TARGET_STEP_RATIO * s, r["us_per_call"] / TARGET_BASELINE_SPEEDUP)
                                          if ok else None)  # fmt: skip
     # Per pending row: x its format's single-token step, the baseline's speedup over it, its target.
-    spec = {(r["heads"], r["batch"], r["T"]): r for r in rows if r["provider"] == SPEC}
+    spec = {(row_shape(r), r["batch"], r["T"]): r for r in rows if r["provider"] == SPEC}
     for r in rows:
         if r["provider"] not in PENDING or not r["us_per_call"]:
             continue
         fmt = r["provider"].split("-")[1]
-        s = single.get(("replayssm-" + fmt, r["heads"], r["batch"]))
-        base = spec.get((r["heads"], r["batch"], r["T"]))
+        s = single.get(("replayssm-" + fmt, row_shape(r), r["batch"]))
+        base = spec.get((row_shape(r), r["batch"], r["T"]))
         r["x_step"] = r["us_per_call"] / s if s else None
         r["baseline_speedup"] = base["us_per_call"] / r["us_per_call"] if base and base["us_per_call"] else None
         r["target_us"] = base.get(f"target_us_{fmt}") if base else None
@@ -430,12 +444,12 @@ def check_spec(shape, T, ctx) -> dict:
     from benchmarks import spec_baseline as sb
 
     device = ctx["device"]
-    heads, groups = shape
+    heads = shape[0]
     batch = 8
     gen = torch.Generator(device=device).manual_seed(7)
     st = tiled(ctx["states"][shape], batch + 1).to(torch.bfloat16)
     st_ref = st.clone()
-    x, dt, B, C = tokens(batch, T, heads, groups, device, gen)
+    x, dt, B, C = tokens(batch, T, shape, device, gen)
     p = layer_params(heads, 1, 7, device)[0]
     ids = (torch.randperm(batch, device=device, generator=gen) + 1).to(torch.int32)
     ids[3] = 0
@@ -446,7 +460,7 @@ def check_spec(shape, T, ctx) -> dict:
     y_ref = sb.spec_baseline_ref(st_ref, inter_ref, x, dt, p.A, B, C, p.D, p.dt_bias, ids, acc)
     live = ids != 0
     return {
-        "check": f"{SPEC} h{heads}g{groups} T={T} vs PyTorch twin",
+        "check": f"{SPEC} {shape_label(shape, True)} T={T} vs PyTorch twin",
         "max_abs_err_y": float((y - y_ref).float().abs().max()), "max_abs_y": float(y_ref.float().abs().max()),
         "max_abs_err_inter": float((inter[live] - inter_ref[live]).float().abs().max()),
         "max_abs_err_state": float((st - st_ref).float().abs().max()), "max_abs_state": float(st_ref.float().abs().max()),
@@ -454,17 +468,18 @@ def check_spec(shape, T, ctx) -> dict:
 
 
 def fmt_table(rows: list[dict], copy_tbs: float) -> str:
-    cols = [("shape", 6), ("batch", 5), ("provider", 15), ("T", 2), ("lay", 3), ("us/call", 9), ("tok/row", 7),
-            ("us/token", 9), ("commit", 7), ("MB/call", 8), ("%copy", 6), ("x fp8", 6), ("tgt fp8", 8),
-            ("tgt nvfp4", 9), ("x step", 6), ("base/x", 6), ("target", 7)]  # fmt: skip
+    labels = [shape_label(row_shape(r), table=True) for r in rows]
+    cols = [("shape", max([6, *map(len, labels)])), ("batch", 5), ("provider", 15), ("T", 2), ("lay", 3),
+            ("us/call", 9), ("tok/row", 7), ("us/token", 9), ("commit", 7), ("MB/call", 8), ("%copy", 6), ("x fp8", 6),
+            ("tgt fp8", 8), ("tgt nvfp4", 9), ("x step", 6), ("base/x", 6), ("target", 7)]  # fmt: skip
     lines = [f"copy bandwidth: {copy_tbs:.3f} TB/s (2 x bytes / time); us per call of one layer, whole batch",
              "  ".join(f"{c:>{w}}" for c, w in cols)]  # fmt: skip
 
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
-    for r in rows:
-        cells = [f"{r['heads']}h{r['groups']}g", str(r["batch"]), r["provider"], str(r["T"]), f(r["layers"], "d"),
+    for r, label in zip(rows, labels):
+        cells = [label, str(r["batch"]), r["provider"], str(r["T"]), f(r["layers"], "d"),
                  f(r["us_per_call"], ".2f"), f(r["tokens_per_row"], ".2f"), f(r["us_per_token"], ".2f"),
                  f(r["commit_us"], ".2f"), f(None if r["bytes_per_call"] is None else r["bytes_per_call"] / 1e6, ".2f"),
                  f(None if r["frac_copy_bw"] is None else 100 * r["frac_copy_bw"], ".1f"),
@@ -492,7 +507,7 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     ctx = {"args": args, "device": device}
     ctx["copy"] = copy_bandwidth(device, args.copy_gib, args.reps)
-    ctx["states"] = {s: base_states(s[0], s[1], 16, device, args.seed) for s in args.shapes}
+    ctx["states"] = {s: base_states(s[0], s[1], 16, device, args.seed, *s[2:]) for s in args.shapes}
     meta = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
@@ -514,7 +529,8 @@ def main(argv=None) -> dict:
                 try:
                     result["checks"].append(check_spec(shape, T, ctx))
                 except Exception as e:  # noqa: BLE001
-                    result["checks"].append({"check": f"{SPEC} {shape} T={T}", "error": f"{type(e).__name__}: {e}"})
+                    result["checks"].append({"check": f"{SPEC} {shape_label(shape)} T={T}",
+                                             "error": f"{type(e).__name__}: {e}"})  # fmt: skip
         for c in result["checks"]:
             print("check:", json.dumps(c), flush=True)
     # Issue 30's target batch first, so a --time-budget cut loses the least; the table and
@@ -532,13 +548,12 @@ def main(argv=None) -> dict:
         else:
             row = run_row(prov, shape, batch, T, ctx)
         result["rows"].append(row)
-        print(f"{prov:16s} {shape[0]:3d}h{shape[1]}g b={batch:5d} T={row['T']} layers={row['layers'] or 0:3d} "
+        print(f"{prov:16s} {shape_label(shape, True):>7s} b={batch:5d} T={row['T']} layers={row['layers'] or 0:3d} "
               + (f"{row['us_per_call']:10.2f} us/call" if row["us_per_call"] else f"{row['error']}"), flush=True)
         if out_dir:
             write_json(result, out_dir / "results.json")  # partial results survive a crash
     rank = {p: i for i, p in enumerate(PROVIDERS)}
-    result["rows"].sort(key=lambda r: (args.shapes.index((r["heads"], r["groups"])), r["batch"], rank[r["provider"]],
-                                       r["T"]))  # fmt: skip
+    result["rows"].sort(key=lambda r: (args.shapes.index(row_shape(r)), r["batch"], rank[r["provider"]], r["T"]))
     add_targets(result["rows"])
     meta["seconds"] = time.perf_counter() - t_start
     if out_dir:

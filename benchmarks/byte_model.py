@@ -7,7 +7,8 @@ copy bandwidth a kernel reaches. Pure Python; only `cache_bytes_per_slot` import
 `replayssm.layout` (and so torch).
 
 Notation: H heads, G groups, P (head dim, 64 unless `Shape` says otherwise), N (state dim,
-128 unless said otherwise), L = 16 (ring), one token per row. Every row also moves its step inputs and output, the same for all formats:
+128 unless said otherwise), L = 16 (ring), one token per row. Every row also moves its
+step inputs and output, the same for all formats:
 
     inputs:  x  H*P*2 (bf16)  +  dt  H*4 (fp32 raw, per head)  +  B, C  2*G*N*2 (bf16)
              + the slot id 4 (int32)

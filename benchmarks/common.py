@@ -89,7 +89,8 @@ def base_states(heads, groups, n, device, seed, head_dim: int = 64, state_dim: i
 
     gc = torch.Generator().manual_seed(seed + 2)
     params = synthetic.layer_params(heads, generator=gc)
-    return synthetic.prefill_states(params, n, groups, 8, generator=gc, head_dim=head_dim, state_dim=state_dim).to(device)
+    states = synthetic.prefill_states(params, n, groups, 8, generator=gc, head_dim=head_dim, state_dim=state_dim)
+    return states.to(device)
 
 
 def graph_seconds(fn, reps: int, inner: int = 1) -> float:

@@ -207,12 +207,15 @@ def test_speedups_pair_rows_of_one_geometry():
                 "sync": sync, "us_per_step": us}  # fmt: skip
 
     rows = [row("standard-bf16", 128, 40.0, "-"), row("standard-bf16", 256, 80.0, "-"), row("replayssm-fp8", 128, 20.0),
-            row("replayssm-fp8", 256, 10.0), row(bench_decode.VLLM, 256, 30.0), row(bench_decode.VLLM, 256, 60.0, "sync")]
+            row("replayssm-fp8", 256, 10.0), row(bench_decode.VLLM, 256, 30.0),
+            row(bench_decode.VLLM, 256, 60.0, "sync")]  # fmt: skip
     bench_decode.add_speedups(rows)
     assert [r["speedup_vs_bf16"] for r in rows] == [1.0, 1.0, 2.0, 8.0, 80 / 30, 80 / 60]
     assert rows[2]["speedup_vs_vllm_fp16"] is None and rows[3]["speedup_vs_vllm_fp16"] == 3.0
-    assert "x vllm" in bench_decode.fmt_table([{**r, "timing": "graph", "layers": 1, "bytes_per_step": 1, "tb_per_s": 1.0,
-                                                 "frac_copy_bw": 0.5, "l2_resident": False, "error": None} for r in rows], 1.0)
+    more = {"timing": "graph", "layers": 1, "bytes_per_step": 1, "tb_per_s": 1.0, "frac_copy_bw": 0.5,
+            "l2_resident": False, "error": None}  # fmt: skip
+    table = bench_decode.fmt_table([{**r, **more} for r in rows], 1.0)
+    assert "x vllm" in table.splitlines()[1] and "32h1g/64x256" in table
 
 
 def test_replot_redraws_from_json(tmp_path, capsys):
@@ -272,6 +275,25 @@ def test_gpu_smoke_run(tmp_path):
     for c in res["checks"]:
         assert "error" not in c, c
         assert c["max_abs_err_y"] <= tol.BF16_OUTPUT_RTOL * c["max_abs_y"] + tol.BF16_OUTPUT_ATOL, c
+
+
+@pytest.mark.gpu
+def test_gpu_vllm_provider(tmp_path):
+    """vLLM's Triton ReplaySSM beside ours (the peer tree must be at --peers' default): its
+    rows are captured in CUDA graphs at 64x128 and 64x256, and one synchronized period
+    tracks the FP32 standard decode (loose floors: fp16 state, bf16 B in the flush's dot)."""
+    if not Path(bench_decode.parse_args([]).peers, "vllm").is_dir():
+        pytest.skip("vLLM's peer code is not beside the repository")
+    res = bench_decode.main(["--out", str(tmp_path), "--batches", "32", "--shapes", "16x2,8x1x64x256", "--reps", "3",
+                             "--max-layers", "2", "--copy-gib", "0.25", "--no-settle",
+                             "--providers", f"replayssm-fp8,{bench_decode.VLLM}"])  # fmt: skip
+    for r in res["rows"]:
+        assert r["error"] is None and r["timing"] in ("graph", "eager" if r["provider"] != bench_decode.VLLM else ""), r
+        assert r["provider"] == bench_decode.VLLM or r["speedup_vs_vllm_fp16"] > 0, r
+    checks = [c for c in res["checks"] if c["check"].startswith(bench_decode.VLLM)]
+    assert len(checks) == 2
+    for c in checks:
+        assert c["sqnr_y_db"] >= 30.0 and c["sqnr_state_db"] >= 30.0, c
 
 
 def test_step_timeline_statistics():
@@ -409,6 +431,30 @@ def test_bench_spec_dry_run_rows_bytes_and_targets(tmp_path):
     assert data["rows"] == json.loads(json.dumps(res["rows"], default=str))
     assert data["meta"]["command"].startswith("python benchmarks/bench_spec.py --dry-run")
     assert "commit" in data["meta"]
+
+
+def test_bench_spec_dry_run_at_another_geometry():
+    """bench_spec.py --dry-run --shapes 4x2x80x256: the baseline, pending and single-token
+    rows run there and record P and N; the baseline's bytes are the state read once, T
+    intermediate states written and the commit's copy at that geometry. On a GPU the
+    replayssm rows at a geometry the kernels do not run are skipped with the reason."""
+    from benchmarks import bench_spec as bs
+
+    res = bs.main(["--dry-run", "--shapes", "4x2x80x256", "--providers", "spec-bf16,pending-fp8,replayssm-fp8"])
+    rows = {r["provider"]: r for r in res["rows"]}
+    assert set(rows) == {"spec-bf16", "pending-fp8", "replayssm-fp8"} and len(res["rows"]) == 3
+    for r in res["rows"]:
+        assert r["error"] is None and r["us_per_call"] > 0, r
+        assert (r["heads"], r["groups"], r["head_dim"], r["state_dim"], r["batch"]) == (4, 2, 80, 256, 2)
+    spec, T, state = rows[bs.SPEC], 2, 4 * 80 * 256 * 2
+    per_token = 4 * 80 * 2 + 4 * 4 + 2 * 2 * 256 * 2 + 4 * 80 * 2  # x, dt, B, C in; y out
+    assert spec["bytes_per_call"] == 2 * ((1 + T) * state + T * per_token + 4 + 2 * state + 8)
+    pending = rows["pending-fp8"]
+    assert math.isclose(pending["baseline_speedup"], spec["us_per_call"] / pending["us_per_call"])
+    args = bs.parse_args(["--shapes", "8x1x80x128"])
+    for prov in ("pending-nvfp4", "replayssm-fp8"):  # decided before anything touches the GPU
+        r = bs.run_row(prov, args.shapes[0], 256, 4, {"args": args, "device": torch.device("cuda")})
+        assert r["error"].startswith("skipped: the kernels take") and r["us_per_call"] is None, r
 
 
 def test_results_record_the_commit_and_whether_the_tree_differs(tmp_path):

@@ -238,8 +238,8 @@ def test_compiles_for_sm90_with_16_byte_state_accesses(dtype, P, N):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _COMPILE_SM90, dtype, str(P), str(N)], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)  # fmt: skip
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SM90, dtype, str(P), str(N)], env=env, capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)  # fmt: skip
     if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr:
         pytest.skip("Triton's bundled ptxas is unavailable")
     assert res.returncode == 0, res.stderr[-3000:]
