@@ -3,8 +3,7 @@
 
 Shapes are HEADSxGROUPS (head dim 64, state dim 128) or HEADSxGROUPSxHEADDIMxSTATEDIM
 (P in 64, 80; N in 128, 256); every provider's inputs, caches and states take the
-shape's P and N, and rows record them. On the GPU a ReplaySSM row at a geometry the
-kernels do not run (replayssm.geometry.KERNEL_DIMS) is skipped with the reason recorded.
+shape's P and N, and rows record them.
 
 `vllm-replayssm-fp16` (opt-in via --providers; GPU only, skipped in --dry-run): vLLM's
 Triton ReplaySSM decode (`selective_state_update_replayssm_output_only`, fp16 state, x /
@@ -63,7 +62,7 @@ import torch  # noqa: E402
 
 from benchmarks import byte_model as bm  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    base_states, kernel_skip, parse_shapes, row_shape, shape_label, version, write_json,
+    base_states, parse_shapes, row_shape, shape_label, version, write_json,
 )  # fmt: skip
 from replayssm.formats import FORMATS, FP8, NVFP4
 
@@ -315,7 +314,7 @@ def provider_skip(provider, shape, device) -> str | None:
     """Why `provider` is not run at `shape` on `device` (None when it is)."""
     if provider == VLLM and device.type != "cuda":
         return f"skipped: {VLLM} needs a CUDA GPU (vLLM's Triton kernel; not run in --dry-run)"
-    return kernel_skip(shape, device) if provider in REPLAY else None
+    return None
 
 
 def probe_capturable(provider, shape, ctx) -> tuple[bool, str]:
@@ -449,7 +448,7 @@ def settle_row(ctx) -> dict:
     order (FP8 3.87 / 3.89 us, NVFP4 4.02 / 4.06 us with either provider first). Larger
     batches were not seen to move this way. Returns what `meta.settle_row` records."""
     args = ctx["args"]
-    shape = next(s for s in args.shapes if not kernel_skip(s, ctx["device"]))
+    shape = args.shapes[0]
     row = run_row(next(p for p in args.providers if p in REPLAY), shape, 1, "desync", ctx)
     print(f"settle row (untimed): {row['provider']} b=1 {row['us_per_step']} us/step", flush=True)
     return {k: row[k] for k in ("provider", "batch", "us_per_step", "error")}
@@ -775,8 +774,7 @@ def main(argv=None) -> dict:
         for c in result["checks"]:
             print("check:", json.dumps(c), flush=True)
 
-    if (not args.no_settle and device.type == "cuda" and any(p in REPLAY for p in args.providers)
-            and any(not kernel_skip(s, device) for s in args.shapes)):  # fmt: skip
+    if not args.no_settle and device.type == "cuda" and any(p in REPLAY for p in args.providers):
         meta["settle_row"] = settle_row(ctx)
 
     # The most telling batch sizes first, so a --time-budget cut loses the least; the

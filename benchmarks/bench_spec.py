@@ -30,9 +30,7 @@ baseline's speedup over it and whether it meets that bound. Layer caches rotate 
 `--ws-factor` L2 sizes where `--max-layers` allows (rows below twice the L2 are flagged
 `(L2)`); a row that does not fit in the free GPU memory is skipped and says why. Bytes
 per call come from spec_baseline.step_bytes and byte_model.py; TB/s and the fraction of
-the copy bandwidth measured in the same run follow. On the GPU, replayssm rows (pending
-and single-token) at a geometry outside replayssm.geometry.KERNEL_DIMS are skipped with
-the reason (the PyTorch reference is never timed).
+the copy bandwidth measured in the same run follow.
 
 Prints a table last; with `--out DIR` writes DIR/results.json (meta: device, versions,
 commit, command, arguments, copy bandwidth; the correctness checks; every row).
@@ -62,7 +60,7 @@ import torch  # noqa: E402
 
 from benchmarks import byte_model as bm  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    base_states, commit, graph_seconds, kernel_skip, parse_shapes, row_shape, shape_label, version, write_json,
+    base_states, commit, graph_seconds, parse_shapes, row_shape, shape_label, version, write_json,
 )  # fmt: skip
 
 RING = 16
@@ -360,7 +358,6 @@ def build_single(provider, shape, batch, layers, ctx):
 def run_row(provider, shape, batch, T, ctx, skip: str | None = None) -> dict:
     args, device = ctx["args"], ctx["device"]
     nb = row_bytes(provider, shape, batch, T)
-    skip = skip or (kernel_skip(shape, device) if provider not in (SPEC, STANDARD) else None)
     row = {"provider": provider, "heads": shape[0], "groups": shape[1], "head_dim": shape[2], "state_dim": shape[3],
            "batch": batch, "T": T if provider in MULTI else 1,
            "timing": None, "layers": None, "working_set_mb": None, "l2_resident": None, "us_per_call": None,

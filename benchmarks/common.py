@@ -73,19 +73,6 @@ def row_shape(row: dict) -> tuple[int, int, int, int]:
     return row["heads"], row["groups"], row.get("head_dim", 64), row.get("state_dim", 128)
 
 
-def kernel_skip(shape, device) -> str | None:
-    """Why a replayssm row at `shape` is not timed on `device` (None when it is): on a GPU
-    the kernels must run its geometry (replayssm.geometry.KERNEL_DIMS, where the package
-    still limits them); the PyTorch reference is never timed there. The CPU smoke test
-    (--dry-run) runs the reference at every geometry."""
-    from replayssm import geometry
-
-    dims = getattr(geometry, "KERNEL_DIMS", None)
-    if torch.device(device).type != "cuda" or dims is None or tuple(shape[2:]) in dims:
-        return None
-    return f"skipped: the kernels take (head_dim, state_dim) in {dims}; got {tuple(shape[2:])} (reference not timed)"
-
-
 def base_states(heads, groups, n, device, seed, head_dim: int = 64, state_dim: int = 128) -> torch.Tensor:
     """n realistic FP32 prefill states (exact recurrence over a short random prompt; the
     random draws on the CPU, the FP64 recurrence on `device`: at 256 heads and N = 256

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import replayssm
-from replayssm import geometry
 from replayssm import layout as L
 
 from . import tolerances as tol
@@ -181,22 +180,16 @@ def test_dry_run_at_another_geometry(tmp_path, fixed_clock):
     assert json.loads((tmp_path / "results.json").read_text())["rows"] == json.loads(json.dumps(res["rows"]))
 
 
-def test_shapes_and_geometry_skips():
+def test_shapes_and_provider_skips():
     """--shapes takes HxG (P 64, N 128) and HxGxPxN; a shape that is no cache geometry is
-    refused. On a GPU, ReplaySSM rows at a geometry the kernels do not run (outside
-    geometry.KERNEL_DIMS, where the package still has it) are skipped with the reason (the
-    reference is never timed); the standard decode runs everywhere."""
+    refused. Every provider runs every geometry; vLLM's kernel needs a GPU."""
     assert bench_decode.parse_args(["--shapes", "16x2,48x1x64x256,6x1x80x128"]).shapes == [
         (16, 2, 64, 128), (48, 1, 64, 256), (6, 1, 80, 128)]  # fmt: skip
     for bad in ("16x2x64", "16x2x96x128", "13x2", "16x2x80x512"):
         with pytest.raises(SystemExit):
             bench_decode.parse_args(["--shapes", bad])
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    skip = bench_decode.provider_skip("replayssm-nvfp4", (16, 1, 80, 128), cuda)
-    if (80, 128) in getattr(geometry, "KERNEL_DIMS", [(80, 128)]):
-        assert skip is None
-    else:
-        assert skip.startswith("skipped: the kernels take (head_dim, state_dim) in") and "(80, 128)" in skip
+    assert bench_decode.provider_skip("replayssm-nvfp4", (16, 1, 80, 128), cuda) is None
     assert bench_decode.provider_skip("replayssm-fp8", (16, 1, 64, 256), cuda) is None
     assert bench_decode.provider_skip("standard-bf16", (16, 1, 80, 128), cuda) is None
     assert bench_decode.provider_skip(bench_decode.VLLM, (16, 1, 80, 128), cuda) is None
@@ -442,8 +435,7 @@ def test_bench_spec_dry_run_rows_bytes_and_targets(tmp_path):
 def test_bench_spec_dry_run_at_another_geometry():
     """bench_spec.py --dry-run --shapes 4x2x80x256: the baseline, pending and single-token
     rows run there and record P and N; the baseline's bytes are the state read once, T
-    intermediate states written and the commit's copy at that geometry. On a GPU the
-    replayssm rows at a geometry the kernels do not run are skipped with the reason."""
+    intermediate states written and the commit's copy at that geometry."""
     from benchmarks import bench_spec as bs
 
     res = bs.main(["--dry-run", "--shapes", "4x2x80x256", "--providers", "spec-bf16,pending-fp8,replayssm-fp8"])
@@ -457,12 +449,6 @@ def test_bench_spec_dry_run_at_another_geometry():
     assert spec["bytes_per_call"] == 2 * ((1 + T) * state + T * per_token + 4 + 2 * state + 8)
     pending = rows["pending-fp8"]
     assert math.isclose(pending["baseline_speedup"], spec["us_per_call"] / pending["us_per_call"])
-    if (80, 128) in getattr(geometry, "KERNEL_DIMS", [(80, 128)]):
-        return  # the kernels take every geometry
-    args = bs.parse_args(["--shapes", "8x1x80x128"])
-    for prov in ("pending-nvfp4", "replayssm-fp8"):  # decided before anything touches the GPU
-        r = bs.run_row(prov, args.shapes[0], 256, 4, {"args": args, "device": torch.device("cuda")})
-        assert r["error"].startswith("skipped: the kernels take") and r["us_per_call"] is None, r
 
 
 def test_results_record_the_commit_and_whether_the_tree_differs(tmp_path):
