@@ -340,18 +340,18 @@ _PARAMS: dict[tuple, tuple] = {}  # (id(A), id(D), id(dt_bias), heads) -> (tenso
 _PARAMS_MAX = 1024
 
 
-def _layer_params(A, D, dt_bias, heads: int, index: int):
+def _layer_params(A, D, dt_bias, heads: int, index: int, P: int, N: int):
     """(A, D, dt_bias) normalized as `normalize_decode_inputs` leaves them, made once per
     tensors and reused while none of them is modified in place (the entry holds them, so
     their ids stay theirs; a version counter moves on every in-place change); None when
     they are not plain tensors on device `index` (the general path then validates them)."""
-    key = (id(A), id(D), id(dt_bias), heads, index)
+    key = (id(A), id(D), id(dt_bias), heads, index, P, N)
     hit = _PARAMS.get(key)
     if hit is not None and hit[1] == (A._version, D._version, dt_bias._version):
         return hit[2]
     if any(type(t) is not torch.Tensor or t.get_device() != index for t in (A, D, dt_bias)):
         return None
-    norm = chk.params(A, D, dt_bias, heads)
+    norm = chk.params(A, D, dt_bias, heads, P, N)
     if len(_PARAMS) >= _PARAMS_MAX:
         _PARAMS.clear()
     _PARAMS[key] = ((A, D, dt_bias), (A._version, D._version, dt_bias._version), norm)
@@ -382,7 +382,7 @@ def direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, o
     shape = dt.shape
     if shape != (batch, heads) and (shape != (batch, heads, P) or dt.stride()[2] != 0):
         return False  # the kernels read dt[b, h] through dt's first two strides
-    params = _layer_params(A, D, dt_bias, heads, index)
+    params = _layer_params(A, D, dt_bias, heads, index, P, N)
     if params is None:
         return False
     A, D, dt_bias = params
@@ -430,7 +430,7 @@ def direct_decode_pending(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias
         and (len(shape) == 3 or (shape[3] == P and dt.stride(3) == 0))
     ):  # fmt: skip
         return False
-    params = _layer_params(A, D, dt_bias, heads, index)
+    params = _layer_params(A, D, dt_bias, heads, index, P, N)
     if params is None:
         return False
     A, D, dt_bias = params

@@ -343,3 +343,29 @@ def test_gpu_materialize_kernel_at_every_geometry_in_a_cuda_graph(fmt, P, N, spe
     _check_states(out, want, [1, 2, 3], [0, 4, 5])
     if not spec_tokens:
         assert sqnr_db(exact.S, out[1:4]) >= tol.STATE_SQNR_FLOOR_DB
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P,N", [(80, 128), (64, 256), (80, 256)])
+def test_engine_shaped_parameters_at_head_and_state_dims_gpu(P, N):
+    """A as engines pass it ([H, P, N], tied), D [H, P] and dt_bias [H, P] (tied) through
+    a cache's eager calls at this geometry: the same outputs and cache bits as A, D and
+    dt_bias [H], over a flush."""
+    pytest.importorskip("cutlass")
+    H, G = 8, 2
+    gen = torch.Generator().manual_seed(4)
+    params = layer_params(H, generator=gen, device="cuda")
+    caches = [ReplaySSMCache(6, H, G, "fp8", "cuda", head_dim=P, state_dim=N, backend="kernels") for _ in range(2)]
+    states = prefill_states(params, 2, G, 8, generator=gen, device="cuda", head_dim=P, state_dim=N)
+    slots = [c.allocate(2) for c in caches]
+    for c, s in zip(caches, slots):
+        c.prefill_init(states, s)
+    A_t = params.A.view(H, 1, 1).expand(H, P, N)
+    D_t, bias_t = params.D.view(H, 1).expand(H, P), params.dt_bias.view(H, 1).expand(H, P)
+    for _ in range(20):
+        tok = token(2, H, G, generator=gen, device="cuda", head_dim=P, state_dim=N)
+        y0 = caches[0].decode(tok.x, tok.dt, params.A, tok.B, tok.C, params.D, params.dt_bias, slots[0])
+        y1 = caches[1].decode(tok.x, tok.dt, A_t, tok.B, tok.C, D_t, bias_t, slots[1])
+        assert torch.equal(y0, y1)
+    for a, b in zip(caches[0].tensors, caches[1].tensors):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
