@@ -581,3 +581,41 @@ def test_the_hot_paths_structs_are_the_specs():
             assert list(step.copy) == list(step.ckpt)[:2]
         assert list(step.plan) == A.raw(A.Plan, **plan._asdict())
         assert (step.batch, step.heads, step.groups) == (3, 16, 2)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
+def test_every_kernel_compiles_at_head_dim_80_and_state_dim_256(arch, tmp_path):
+    """Compile-only, both dims off 64 / 128 at once (the fifth m-tile and four n-chunks in
+    the steps, 5 row parts of 4 warps a head in the flush, fold and initialize): every
+    kernel builds for each target, the rounding of the checkpoint is `cvt.rs` exactly where
+    the target has it, and (from the cubins; cuobjdump has no sm_103a) the registers allow
+    the CTAs an SM each kernel is launched with."""
+    pytest.importorskip("cutlass")
+    import torch
+
+    from replayssm.kernels.cute import bookkeeping, launch, pending
+    from replayssm.kernels.cute.config import step_config
+    from replayssm.kernels.cute.flush import shape
+    from replayssm.kernels.cute.read_copy import read_copy_format
+
+    P, N, hw = 80, 256, arch != "sm_90a"
+    sh = shape(P, N)
+    tool = _sass_stats().default_cuobjdump() if arch != "sm_103a" else None
+    for fmt in ("fp8", "nvfp4"):
+        f = read_copy_format(fmt, arch, P, N)
+        cfg = step_config(arch, fmt, 16, 2, 256)
+        kernels = {
+            "decode": (launch.decode_kernel(cfg, P=P, N=N), 32 * 4, f.step_ctas_per_sm),
+            "step": (pending.pending_kernel(fmt, arch, 16, 2, torch.bfloat16, "all", P, N), 32 * 4, f.step_ctas_per_sm),
+            "flush": (launch.flush_kernel(cfg, P=P, N=N), sh.threads, sh.min_ctas),
+            "fold": (pending.fold_kernel(fmt, arch, 16, 2, P=P, N=N), sh.threads, round(sh.ctas(f.fold_ctas_per_sm))),
+            "init": (bookkeeping.bookkeeping_kernel(fmt, arch, 8, 1, torch.int32, True, P, N), bookkeeping.THREADS, 1),
+        }
+        for kind, ((obj, fake), threads, ctas) in kernels.items():
+            paths = launch.compile_into(obj, fake, arch, tmp_path / f"{kind}-{fmt}")
+            body = open(next(p for p in paths if p.endswith(".ptx"))).read()
+            if kind in ("flush", "fold", "init"):
+                assert ("cvt.rs.satfinite.f16x2.f32" in body) == hw, (kind, fmt)
+            if tool is not None:
+                st = _sass_stats().cubin_stats(Path(next(p for p in paths if p.endswith(".cubin"))), tool)
+                assert _fits(st["regs"], threads, ctas), (kind, fmt, st["regs"], threads, ctas)
