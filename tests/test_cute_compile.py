@@ -595,7 +595,7 @@ def test_every_kernel_compiles_at_head_dim_80_and_state_dim_256(arch, tmp_path):
 
     from replayssm.kernels.cute import bookkeeping, launch, pending
     from replayssm.kernels.cute.config import step_config
-    from replayssm.kernels.cute.flush import shape
+    from replayssm.kernels.cute.flush import fold_ctas_per_sm, shape
     from replayssm.kernels.cute.read_copy import read_copy_format
 
     P, N, hw = 80, 256, arch != "sm_90a"
@@ -608,7 +608,7 @@ def test_every_kernel_compiles_at_head_dim_80_and_state_dim_256(arch, tmp_path):
             "decode": (launch.decode_kernel(cfg, P=P, N=N), 32 * 4, f.step_ctas_per_sm),
             "step": (pending.pending_kernel(fmt, arch, 16, 2, torch.bfloat16, "all", P, N), 32 * 4, f.step_ctas_per_sm),
             "flush": (launch.flush_kernel(cfg, P=P, N=N), sh.threads, sh.min_ctas),
-            "fold": (pending.fold_kernel(fmt, arch, 16, 2, P=P, N=N), sh.threads, round(sh.ctas(f.fold_ctas_per_sm))),
+            "fold": (pending.fold_kernel(fmt, arch, 16, 2, P=P, N=N), sh.threads, fold_ctas_per_sm(f)),
             "init": (bookkeeping.bookkeeping_kernel(fmt, arch, 8, 1, torch.int32, True, P, N), bookkeeping.THREADS, 1),
         }
         for kind, ((obj, fake), threads, ctas) in kernels.items():

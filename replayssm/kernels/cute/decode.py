@@ -344,8 +344,7 @@ class Decode:
         out[o + 1] = BFloat16(y1)
         if cutlass.const_expr(self.fmt.TAIL):  # rows 64 + 2 gq, 65 + 2 gq: m-tile 4, lanes q = 0
             xt, dtl, xot = tail
-            a = [prmt(xt[0], xt[1], 0x5410), prmt(xt[0], xt[1], 0x7632), prmt(xt[2], xt[3], 0x5410), prmt(xt[2], xt[3], 0x7632)]
-            acc_t = mma_bf16_16x8x16(a, bfr, [Float32(0.0)] * 4)
+            acc_t = mma_bf16_16x8x16(self.x_fragment([[w_] for w_ in xt], 0), bfr, [Float32(0.0)] * 4)
             if q == 0:
                 ot = (bb * H + hh) * self.P + Int64(64 + 2 * gq)
                 for i in cutlass.range_constexpr(2):

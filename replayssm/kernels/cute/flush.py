@@ -99,6 +99,12 @@ def shape(P: int, N: int) -> Shape:
     return Shape(mt, N // COLUMNS, P // (16 * mt))
 
 
+def fold_ctas_per_sm(fmt) -> int:
+    """The pending fold's CTAs an SM (its grid and register bound): the format's figure
+    for 4-warp CTAs, scaled to the fold CTA of the format's geometry."""
+    return round(shape(fmt.P, fmt.N).ctas(fmt.fold_ctas_per_sm))
+
+
 def flush_columns(heads: int, ctas_per_sm: float, sm_count: int, sh: Shape) -> int:
     """CTA columns of the flush grid: it launches heads * m_split * min(row groups,
     columns) CTAs, CTA i taking head part i % (heads * m_split) of the row groups
@@ -176,7 +182,7 @@ class Flush:
         # The cache geometry (head dim P, state dim N) is the format's (read_copy_format).
         self.P, self.N = fmt.P, fmt.N
         self.sh = shape(self.P, self.N)
-        self.ROWS = 16 * self.sh.mt  # state rows a CTA folds
+        self.ROWS_CTA = 16 * self.sh.mt  # state rows a CTA folds
         # Shared-memory rows (floats): a staged B_j is N values in fragment order plus 8
         # (rows 8 banks apart: the eight lanes of a 16-byte load phase hit distinct banks);
         # a staged x_j is P values plus 8 (the four entries a warp's A fragment reads 8
@@ -240,7 +246,7 @@ class Flush:
         the partial dots and amax bits."""
         s_x = smem.allocate_tensor(Float32, cute.make_layout(RING * self.X_ROW), byte_alignment=16)
         s_b = smem.allocate_tensor(Float32, cute.make_layout(RING * self.B_ROW), byte_alignment=16)
-        s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING + self.ROWS), byte_alignment=16)
+        s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING + self.ROWS_CTA), byte_alignment=16)
         s_dot = smem.allocate_tensor(Float32, cute.make_layout(self.sh.cp * self.P), byte_alignment=16)
         s_amax = smem.allocate_tensor(Int32, cute.make_layout(self.sh.cp * self.P), byte_alignment=16)
         return s_x, s_b, s_dt, s_dot, s_amax
@@ -344,7 +350,7 @@ class Flush:
             # D[p] of the CTA's state rows (threads 0..31), staged for the outputs. Loaded in
             # row_output, after the barrier that precedes it, D was a round trip inside every
             # flushed row's chain.
-            d_row = bits.ld_global_u32_if((inputs.D + (hh * inputs.d_stride_h + Int64(mh * self.ROWS + t % self.ROWS) * inputs.d_stride_p)).toint(), sel(t < self.ROWS, Int32(1), Int32(0)))
+            d_row = bits.ld_global_u32_if((inputs.D + (hh * inputs.d_stride_h + Int64(mh * self.ROWS_CTA + t % self.ROWS_CTA) * inputs.d_stride_p)).toint(), sel(t < self.ROWS_CTA, Int32(1), Int32(0)))
             c_w = cute.recast_ptr(inputs.C, dtype=Uint32)
             r_c = self.words(c_w, A.row_words(self.dense_rows, bb, inputs.c_stride16, self.groups * self.N // 2) + g * (self.N // 2) + Int64(col0 // 2), NT)
 
@@ -361,15 +367,15 @@ class Flush:
         # rep: t // 16 + rep * threads // 16; only the last rep holds entry 15).
         chunks = self.N // 8  # B staging: chunks of 8 columns a row
         reps = RING * chunks // self.sh.threads
-        tx = t % (RING * self.ROWS // 8)
-        jx = tx // (self.ROWS // 8)
-        xs = mh * self.ROWS + (tx % (self.ROWS // 8)) * 8
+        tx = t % (RING * self.ROWS_CTA // 8)
+        jx = tx // (self.ROWS_CTA // 8)
+        xs = mh * self.ROWS_CTA + (tx % (self.ROWS_CTA // 8)) * 8
         r_bs = []
         if cutlass.const_expr(self.fmt.stage_one_source):
             # One predicated 16-byte load a staging thread and source (the ring for entries
             # 0..14, the step's input for entry 15; the other load gives zeros), in
             # straight-line code, so that ptxas issues the x_j and B_j loads together.
-            x_on = sel(t < RING * self.ROWS // 8, Int32(1), Int32(0))
+            x_on = sel(t < RING * self.ROWS_CTA // 8, Int32(1), Int32(0))
             x_ring_on = sel(jx < count, x_on, Int32(0))
             x_ring_w = bits.ld_global_v4_u32_if((xw + (slot * ring.x_stride16 * 4 + (hh * RING + Int64(self.entry(base, jx))) * (self.P // 2) + Int64(xs // 2))).toint(), x_ring_on)
             x_cur_w = [Uint32(0)] * 4
@@ -388,7 +394,7 @@ class Flush:
                     b_words.append([b_ring_w[k] | b_cur_w[k] for k in range(4)])
                 else:
                     b_words.append(bits.ld_global_v4_u32_if(b_src, Int32(1)))
-            if t < RING * self.ROWS // 8:
+            if t < RING * self.ROWS_CTA // 8:
                 self.stage_x(s_x, jx, xs, [x_ring_w[k] | x_cur_w[k] for k in range(4)])
             for rep in cutlass.range_constexpr(reps):
                 r_rep = cute.make_rmem_tensor(cute.make_layout(8), Float32)
@@ -401,7 +407,7 @@ class Flush:
             # Both sources loaded by every staging thread, the entry picked by a select
             # (pending: the ring's entries j < count, zeros beyond: later entries may be
             # rejected drafts holding NaN).
-            if t < RING * self.ROWS // 8:
+            if t < RING * self.ROWS_CTA // 8:
                 from_ring = _vec_a(xw, slot * ring.x_stride16 * 4 + (hh * RING + Int64(self.entry(base, jx))) * (self.P // 2) + Int64(xs // 2), 4).load()
                 if cutlass.const_expr(self.pending):
                     self.stage_x(s_x, jx, xs, [sel(jx < count, from_ring[k], Uint32(0)) for k in range(4)])
@@ -441,7 +447,7 @@ class Flush:
                     dt_t = softplus(raw_dt + bias_dt.bitcast(Float32))
             s_dt[t] = dt_t
         if cutlass.const_expr(not self.pending):
-            if t < self.ROWS:
+            if t < self.ROWS_CTA:
                 s_dt[RING + t] = d_row.bitcast(Float32)
         cute.arch.sync_threads()
 
@@ -537,7 +543,7 @@ class Flush:
                 dot = s_dot[p]
                 for k in cutlass.range_constexpr(1, self.sh.cp):  # the parts in order
                     dot = dot + s_dot[k * self.P + p]
-                y = dot + s_dt[RING + p % self.ROWS] * s_x[(RING - 1) * self.X_ROW + p]
+                y = dot + s_dt[RING + p % self.ROWS_CTA] * s_x[(RING - 1) * self.X_ROW + p]
                 out[(bb * self.heads + hh) * self.P + pp] = BFloat16(y)
 
     @cute.jit
@@ -588,7 +594,7 @@ class PendingFold(Flush):
         # sm_90a: the warp-voted rounding (the fold bounds a pending call; the flush is a
         # sixteenth of a step's rows). CTAs an SM: the format's (its grid and register bound).
         self.sr_voted = not fmt.hw
-        self.ctas_per_sm = round(self.sh.ctas(fmt.fold_ctas_per_sm))
+        self.ctas_per_sm = fold_ctas_per_sm(fmt)
 
     @cute.jit
     def __call__(self, ckpt, ring, copy, params, plan, ctas: Int32, stream: cuda_driver.CUstream):
@@ -646,4 +652,4 @@ class PendingFold(Flush):
         fmt.after_barrier(t, ctx, s_fmt, copy, self.sh.warps)
 
 
-__all__ = ["Flush", "PendingFold", "Shape", "flush_columns", "flush_mask", "shape"]
+__all__ = ["Flush", "PendingFold", "Shape", "flush_columns", "flush_mask", "fold_ctas_per_sm", "shape"]

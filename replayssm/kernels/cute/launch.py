@@ -10,8 +10,9 @@ after prepare and joined back after the step. A captured CUDA graph records the 
 the join as edges.
 
 Compile keys hold static properties only: the kernel, the format, arch, heads, groups,
-the config's variant fields and the cache geometry (head dim P, state dim N). Batch size, slot count and every stride are runtime
-arguments (kernels take raw pointers plus slot strides in 16-byte units, so one compile
+the config's variant fields and the cache geometry (head dim P, state dim N). Batch size,
+slot count and every stride are runtime arguments (kernels take raw pointers plus slot
+strides in 16-byte units, so one compile
 serves every batch, cache size and slot padding, and the kernels still know their vector
 accesses are 16-byte aligned). Every kernel is compiled with the DSL's TVM-FFI entry
 (`compile_entry`) and called with its argument structs as tuples of ints (`args.raw`),
@@ -119,12 +120,9 @@ def compiled_flush(cfg: StepConfig, debug: bool = False, dt_dtype: torch.dtype =
     return fn
 
 
-def variant_name(kind: str, cfg: StepConfig, P: int = 64, N: int = 128) -> str:
-    """A readable name of one kernel variant: `decode-fp8-h16g2-pdl`, `flush-nvfp4-h64g8-rows32`
-    (head dim `P` / state dim `N` other than 64 / 128 as `-p80` / `-n256` after the geometry)."""
+def variant_name(kind: str, cfg: StepConfig) -> str:
+    """A readable name of one kernel variant: `decode-fp8-h16g2-pdl`, `flush-nvfp4-h64g8-rows32`."""
     name = f"{kind}-{cfg.state_dtype}-h{cfg.heads}g{cfg.groups}"
-    name += f"-p{P}" if P != 64 else ""
-    name += f"-n{N}" if N != 128 else ""
     if kind == "decode":
         name += "-pdl" if cfg.nonflush_pdl else ""
         name += {"": "", ".L2::128B": "-l2", ".cs": "-cs"}[cfg.read_hint]

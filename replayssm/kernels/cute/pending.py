@@ -54,7 +54,7 @@ from . import args as A
 from . import bits
 from .bits import bf16x2_to_f32x2, f32x2_to_bf16x2, sel, softplus
 from .decode import Decode
-from .flush import PendingFold, shape
+from .flush import PendingFold, fold_ctas_per_sm, shape
 from .launch import _sm_count, compile_entry, fork_streams, join_streams
 from .mma import mma_bf16_16x8x16
 from .read_copy import read_copy_format
@@ -347,9 +347,8 @@ class PendingLaunch:
         self.ring = tuple(A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING]))
         self.copy = tuple(A.raw(fmt.Args, **fmt.tensors(cache, L)))
         self.plan = tuple(A.raw(A.PendingPlan, rows=plan_rows, fold_list=fold_list))
-        sh = shape(*self.dims)  # the fold's CTA (flush.Shape)
-        self.fold_ctas = round(sh.ctas(fmt.fold_ctas_per_sm)) * _sm_count(cache[L.CHECKPOINT].get_device())
-        self.head_parts = self.heads * sh.m_split  # fold work items a row
+        self.fold_ctas = fold_ctas_per_sm(fmt) * _sm_count(cache[L.CHECKPOINT].get_device())
+        self.head_parts = self.heads * shape(*self.dims).m_split  # fold work items a row
         self.kernels: dict[tuple, object] = {}
 
     def compiled(self, key: tuple):

@@ -46,8 +46,7 @@ class _Format:
     def __init__(self, arch: str, P: int = 64, N: int = 128) -> None:
         self.arch = check_arch(arch)
         self.hw = arch in HAS_CVT_RS
-        # The cache geometry (head dim P, state dim N), Python ints at trace time
-        # (launch.layout_ok says which the kernels take).
+        # The cache geometry (head dim P, state dim N), Python ints at trace time.
         self.P, self.N = P, N
         if N > 128:  # twice the row loads a lane: the step kernels' register bound
             self.step_ctas_per_sm = self.step_ctas_n256
@@ -62,6 +61,11 @@ class _Format:
     def ROWS(self) -> int:
         """Rows a lane loads: 8, and the tail's 2 at head dim 80."""
         return 10 if self.TAIL else 8
+
+    @property
+    def OUT_ROWS(self) -> int:
+        """Rows a decode lane writes: 8 gq + 2 q, + 1, and the tail's two at head dim 80."""
+        return 4 if self.TAIL else 2
 
     @property
     def CHUNKS(self) -> int:
@@ -323,7 +327,7 @@ class Fp16(Fp8):
     @cute.jit
     def row_dots(self, loaded, cw, down, up, gq, q):
         """`Fp8.row_dots` with every row factor 1."""
-        return [[acc[0], acc[2]] for acc in self.code_dots(loaded, cw, down)], up, [Float32(1.0)] * (self.ROWS - 6)
+        return [[acc[0], acc[2]] for acc in self.code_dots(loaded, cw, down)], up, [Float32(1.0)] * self.OUT_ROWS
 
     @cute.jit
     def pending_loads(self, copy, slot, hh, g, gq, q, hint: cutlass.Constexpr):
@@ -476,7 +480,7 @@ class Nvfp4(_Format):
             for m in (1, 2):
                 tail = [v + cute.arch.shuffle_sync_bfly(v, m) for v in tail]
             rd.append(tail)
-        return rd, up * Float32(self.decode_factor), [g_scale] * (self.ROWS - 6)
+        return rd, up * Float32(self.decode_factor), [g_scale] * self.OUT_ROWS
 
     # -- pending (cute/pending.py) ---------------------------------------------------------
     @cute.jit
