@@ -12,9 +12,8 @@ the join as edges.
 Compile keys hold static properties only: the kernel, the format, arch, heads, groups,
 the config's variant fields and the cache geometry (head dim P, state dim N). Batch size,
 slot count and every stride are runtime arguments (kernels take raw pointers plus slot
-strides in 16-byte units, so one compile
-serves every batch, cache size and slot padding, and the kernels still know their vector
-accesses are 16-byte aligned). Every kernel is compiled with the DSL's TVM-FFI entry
+strides in 16-byte units, so one compile serves every batch, cache size and slot padding,
+and the kernels still know their vector accesses are 16-byte aligned). Every kernel is compiled with the DSL's TVM-FFI entry
 (`compile_entry`) and called with its argument structs as tuples of ints (`args.raw`),
 its scalars and the stream handle; the structs that repeat between calls are made once
 as the ffi.Array the entry takes a tuple as (`tvm_ffi.convert`; converting the tuples on
