@@ -71,20 +71,21 @@ def graph_us(fn, reps: int) -> float:
     return replay_seconds(g, reps) * 1e6
 
 
-def make_layer(fmt: str, batch: int, heads: int, groups: int, padding: int, gen: torch.Generator, device: str = "cuda"):
-    """A `fmt` cache with `batch` live slots (random states, full random rings) at ring
-    positions i mod 16, the slot ids shuffled (`gen` a generator on `device`)."""
-    cache = L.allocate_cache(batch + 1, heads, groups, fmt, device, slot_padding=padding)
+def make_layer(fmt: str, batch: int, heads: int, groups: int, padding: int, gen: torch.Generator, device: str = "cuda", P: int = L.HEAD_DIM, N: int = L.STATE_DIM):
+    """A `fmt` cache (head dim `P`, state dim `N`) with `batch` live slots (random states,
+    full random rings) at ring positions i mod 16, the slot ids shuffled (`gen` a
+    generator on `device`)."""
+    cache = L.allocate_cache(batch + 1, heads, groups, fmt, device, slot_padding=padding, head_dim=P, state_dim=N)
     ids = (torch.randperm(batch, generator=gen, device=device) + 1).to(torch.int32)
     for s in range(0, batch, 256):
         chunk = ids[s : s + 256]
-        states = torch.randn(chunk.numel(), heads, L.HEAD_DIM, L.STATE_DIM, generator=gen, device=device) * 0.5
+        states = torch.randn(chunk.numel(), heads, P, N, generator=gen, device=device) * 0.5
         initialize_replayssm_state(cache, states, chunk, state_dtype=fmt, seed=0)
     slots = ids.long()
     rand = dict(generator=gen, device=device)
-    cache[L.X_RING][slots] = torch.randn(batch, heads, RING, L.HEAD_DIM, **rand).to(torch.bfloat16)
+    cache[L.X_RING][slots] = torch.randn(batch, heads, RING, P, **rand).to(torch.bfloat16)
     cache[L.DT_RING][slots] = 0.001 + 0.1 * torch.rand(batch, heads, RING, **rand)
-    cache[L.B_RING][slots] = torch.randn(batch, groups, RING, L.STATE_DIM, **rand).to(torch.bfloat16)
+    cache[L.B_RING][slots] = torch.randn(batch, groups, RING, N, **rand).to(torch.bfloat16)
     cache[L.POSITIONS][slots] = torch.arange(batch, dtype=torch.int32, device=device) % RING
     return cache, ids
 

@@ -118,7 +118,7 @@ def run_pending(fmt: str, batch: int, T: int, layers: int, heads: int, groups: i
     return {"us_call": us_call, **stats}
 
 
-def capture_period(fmt: str, batch: int, layers: int, heads: int, groups: int, sync: bool = False):
+def capture_period(fmt: str, batch: int, layers: int, heads: int, groups: int, sync: bool = False, P: int = 64, N: int = 128):
     """(CUDA graph of one 16-token period over `layers` layer caches, us a step from 10
     replays). `sync`: every row at ring position 1 before the period, so that all rows
     flush at its 15th token and none at its last."""
@@ -126,12 +126,13 @@ def capture_period(fmt: str, batch: int, layers: int, heads: int, groups: int, s
 
     p = layer_params(heads, generator=torch.Generator().manual_seed(0), device="cuda")
     gen = torch.Generator("cuda").manual_seed(0)
-    caches = [make_layer(fmt, batch, heads, groups, 128, gen) for _ in range(layers)]
+    caches = [make_layer(fmt, batch, heads, groups, 128, gen, P=P, N=N) for _ in range(layers)]
     if sync:
         for cache, ids in caches:
             cache[L.POSITIONS][ids.long()] = 1
-    out = torch.empty(batch, heads, 64, dtype=torch.bfloat16, device="cuda")
-    toks = [token(batch, heads, groups, generator=torch.Generator().manual_seed(1), device="cuda") for _ in range(4)]
+    out = torch.empty(batch, heads, P, dtype=torch.bfloat16, device="cuda")
+    toks = [token(batch, heads, groups, generator=torch.Generator().manual_seed(1), device="cuda", head_dim=P, state_dim=N)
+            for _ in range(4)]
 
     def period():
         for i in range(RING):
@@ -174,8 +175,8 @@ def traced(g) -> list[tuple[str, float, float]]:
     )
 
 
-def run(fmt: str, batch: int, layers: int, heads: int, groups: int) -> dict[str, float]:
-    g, us_step = capture_period(fmt, batch, layers, heads, groups)
+def run(fmt: str, batch: int, layers: int, heads: int, groups: int, P: int = 64, N: int = 128) -> dict[str, float]:
+    g, us_step = capture_period(fmt, batch, layers, heads, groups, P=P, N=N)
     return {"us_step": us_step, **step_stats(traced(g))}
 
 
@@ -187,6 +188,8 @@ def step_args(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--groups", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64, help="decode steps only")
+    ap.add_argument("--state-dim", type=int, default=128, help="decode steps only")
     ap.add_argument("--pending-tokens", nargs="*", type=int, default=[], help="pending-mode calls of T tokens a row instead")
     return ap
 
@@ -206,7 +209,7 @@ def main(argv=None) -> None:
     print("   fmt batch  us/step prepare  flush nonflush  gap  next  flush-start  flush-end")
     for fmt in a.formats:
         for batch in a.batch:
-            r = run(fmt, batch, a.layers, a.heads, a.groups)
+            r = run(fmt, batch, a.layers, a.heads, a.groups, a.head_dim, a.state_dim)
             print(f"{fmt:>6} {batch:5d} {r['us_step']:8.2f} {r['prepare']:7.2f} {r['flush']:6.2f} {r['nonflush']:8.2f} "
                   f"{r['gap']:4.2f} {r['next']:5.2f} {r['flush_start']:12.2f} {r['flush_end']:10.2f}", flush=True)  # fmt: skip
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import re
 import subprocess
 import sys
@@ -462,9 +463,12 @@ def test_flush_grid_visits_every_row_group_once(heads, batch):
     for rows in (16, 32):
         n_by = -(-batch // rows)
         for ctas_per_sm in (Fp8.ctas_per_sm, Nvfp4.ctas_per_sm, 0.0, 100.0):
-            for sms in (132, 148, 1):
-                columns = flush_columns(heads, ctas_per_sm, sms, sh)
-                assert columns >= 1
+            for sms, round_up in itertools.product((132, 148, 1), (False, True)):
+                columns = flush_columns(heads, ctas_per_sm, sms, sh, round_up)
+                # About ctas_per_sm CTAs of 4 warps an SM: the nearest whole column count
+                # or (round_up) the least one at or above it, never none.
+                exact = ctas_per_sm * 4 / sh.warps * sms / hm
+                assert columns >= 1 and (columns == 1 or (exact <= columns < exact + 1 if round_up else abs(columns - exact) <= 0.5))
                 n_ctas = hm * min(n_by, columns)
                 seen = []
                 for bid in range(n_ctas):
@@ -619,3 +623,27 @@ def test_every_kernel_compiles_at_head_dim_80_and_state_dim_256(arch, tmp_path):
             if tool is not None:
                 st = _sass_stats().cubin_stats(Path(next(p for p in paths if p.endswith(".cubin"))), tool)
                 assert _fits(st["regs"], threads, ctas), (kind, fmt, st["regs"], threads, ctas)
+
+
+def test_two_head_ctas_keep_sixteen_warps_an_sm(tmp_path):
+    """At 14 heads a group (Nemotron-H 4B: 112 heads, 8 groups) a step CTA holds 2 heads;
+    its launch asks registers for twice the CTAs, so an SM still holds 16 warps (sm_90a
+    cubins of the decode and the pending step, FP8 and NVFP4: 128 registers a thread)."""
+    import torch
+
+    from replayssm.kernels.cute import decode, launch, pending
+    from replayssm.kernels.cute.config import step_config
+
+    arch, heads, groups = "sm_90a", 112, 8
+    assert decode.heads_per_cta(heads // groups) == 2
+    tool = _sass_stats().default_cuobjdump()
+    for fmt in ("fp8", "nvfp4"):
+        cfg = step_config(arch, fmt, heads, groups, 256)
+        for kind, (obj, fake) in {
+            "decode": launch.decode_kernel(cfg),
+            "step": pending.pending_kernel(fmt, arch, heads, groups, torch.bfloat16, "all"),
+        }.items():
+            assert obj.ctas_per_sm == 8, (kind, fmt)
+            paths = launch.compile_into(obj, fake, arch, tmp_path / f"{kind}-{fmt}")
+            st = _sass_stats().cubin_stats(Path(next(p for p in paths if p.endswith(".cubin"))), tool)
+            assert _fits(st["regs"], 64, 8), (kind, fmt, st["regs"])

@@ -61,9 +61,10 @@ from .mma import mma_bf16_16x8x16
 # 2**-e brings max |C| to [2**14, 2**15).
 C_TARGET_EXP = 14
 HEADS_PER_CTA = 4
-# CTAs an SM should hold (caps the registers at 65536 / (32 x heads_per_cta x this));
-# 4 measured best for FP8 and NVFP4 (docs/design.md). The kernels take the format's
-# `step_ctas_per_sm` (read_copy.py), this unless the format says otherwise.
+# CTAs of HEADS_PER_CTA warps an SM should hold (caps the registers at 65536 / (32 x
+# HEADS_PER_CTA x this)); 4 measured best for FP8 and NVFP4 (docs/design.md). The kernels
+# take the format's `step_ctas_per_sm` (read_copy.py), this unless the format says
+# otherwise, scaled to their CTA (`Decode.ctas_per_sm`).
 CTAS_PER_SM = 4
 
 
@@ -91,6 +92,14 @@ class Decode:
         self.pdl = pdl
         self.read_hint = read_hint
 
+    @property
+    def ctas_per_sm(self) -> int:
+        """The CTAs an SM the launch asks registers for: the format's figure for CTAs of
+        HEADS_PER_CTA warps, scaled to this CTA's warps (the same registers a thread; at 2
+        heads a CTA, 14 heads a group, the unscaled bound let ptxas take 186 registers,
+        10 warps an SM instead of 16)."""
+        return self.fmt.step_ctas_per_sm * HEADS_PER_CTA // self.hpc
+
     @cute.jit
     def __call__(self, ring, copy, inputs, plan, batch: Int32, stream: cuda_driver.CUstream):
         # preferred_smem_carveout -1: the driver's choice (no device query at compile time).
@@ -98,7 +107,7 @@ class Decode:
             grid=[self.heads // self.hpc, batch, 1],
             block=[32 * self.hpc, 1, 1],
             stream=stream,
-            min_blocks_per_mp=self.fmt.step_ctas_per_sm,
+            min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=-1,
             **({"use_pdl": True} if self.pdl else {}),
         )

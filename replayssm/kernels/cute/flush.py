@@ -41,6 +41,7 @@ column parts (shared memory, in part order). Each lane holds 32 values in every 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import cutlass
@@ -105,17 +106,19 @@ def fold_ctas_per_sm(fmt) -> int:
     return round(shape(fmt.P, fmt.N).ctas(fmt.fold_ctas_per_sm))
 
 
-def flush_columns(heads: int, ctas_per_sm: float, sm_count: int, sh: Shape) -> int:
+def flush_columns(heads: int, ctas_per_sm: float, sm_count: int, sh: Shape, round_up: bool = False) -> int:
     """CTA columns of the flush grid: it launches heads * m_split * min(row groups,
     columns) CTAs, CTA i taking head part i % (heads * m_split) of the row groups
     i // (heads * m_split), + columns, ... in turn; about `ctas_per_sm` CTAs of 4 warps an
-    SM (`Shape.ctas`).
+    SM (`Shape.ctas`), the nearest whole number of columns, or with `round_up` the next
+    (the format's `flush_round_up_batch` says at which batches).
 
     Persistent because the flush runs beside the non-flush kernel: with one CTA per
     (head part, row group) its pending CTAs held back the non-flush kernel, which started
     only when the last of them was handed out; with a fixed few CTAs an SM the non-flush
     CTAs take the rest of every SM from the start (docs/design.md)."""
-    return max(1, round(sh.ctas(ctas_per_sm) * sm_count / (heads * sh.m_split)))
+    exact = sh.ctas(ctas_per_sm) * sm_count / (heads * sh.m_split)
+    return max(1, math.ceil(exact) if round_up else round(exact))
 
 
 def _b_slot(n: int, N: int) -> int:

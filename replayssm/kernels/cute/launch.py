@@ -371,7 +371,7 @@ class Step:
         key = (dt.dtype, dense, debug)
         kernels = self.kernels.get(key)
         if kernels is None:
-            kernels = self.kernels[key] = _kernels(self.config, dt.dtype, dense, debug, self.index, P, N)
+            kernels = self.kernels[key] = _kernels(self.config, dt.dtype, dense, debug, self.index, P, N, batch)
         nonflush, flush, _, columns = kernels
         flush_plan = tuple(A.raw(A.DebugPlan, **plan._asdict(), state=state_out)) if debug else self.plan
         flush_args = (self.ckpt, self.ring, self.copy, inputs, flush_plan, columns, batch)
@@ -402,11 +402,12 @@ def inputs_words(x, dt, A_, B, C, D, dt_bias, out, x_stride: int, b_stride: int,
 
 
 @functools.lru_cache(maxsize=1024)
-def _kernels(config: StepConfig, dt_dtype: torch.dtype, dense: bool, debug: bool, device_index: int, P: int = 64, N: int = 128):
+def _kernels(config: StepConfig, dt_dtype: torch.dtype, dense: bool, debug: bool, device_index: int, P: int = 64, N: int = 128, batch: int = 1):
     """(non-flush launcher, flush launcher, read-copy format, flush CTA columns) of a step:
-    resolved once per config, inputs' layout, device and cache geometry (P, N)."""
+    resolved once per config, inputs' layout, device, cache geometry (P, N) and batch."""
     fmt = read_copy_format(config.state_dtype, config.arch, P, N)
-    columns = flush_columns(config.heads, fmt.ctas_per_sm, _sm_count(device_index), shape(P, N))
+    round_up = batch <= fmt.flush_round_up_batch
+    columns = flush_columns(config.heads, fmt.ctas_per_sm, _sm_count(device_index), shape(P, N), round_up)
     return compiled_decode(config, dt_dtype, dense, P, N), compiled_flush(config, debug, dt_dtype, dense, P, N), fmt, columns
 
 

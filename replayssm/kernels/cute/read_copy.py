@@ -42,6 +42,7 @@ class _Format:
     Args: type = tuple
     step_ctas_per_sm = CTAS_PER_SM  # the step kernels' (decode.py, pending.py) CTAs an SM
     step_ctas_n256 = CTAS_PER_SM  # ... at state dim 256
+    flush_round_up_batch = 0  # flush.flush_columns rounds up up to this batch, else to nearest
 
     def __init__(self, arch: str, P: int = 64, N: int = 128) -> None:
         self.arch = check_arch(arch)
@@ -104,6 +105,7 @@ class Fp8(_Format):
     # Flush: CTAs an SM of the persistent grid, and the x_j / B_j staging with both
     # sources loaded and picked by a select (flush.Flush.fold); docs/design.md.
     ctas_per_sm = 1.5
+    flush_round_up_batch = 256  # docs/design.md section 7 ("FP8 flush width")
     stage_one_source = False
     row_amax = True  # the flush reduces a row's amax across its column parts
     sr_voted = False
@@ -282,6 +284,7 @@ class Fp16(Fp8):
     Args = A.Fp16Copy
     row_amax = False
     step_ctas_per_sm = 3
+    flush_round_up_batch = 0  # FP8's rule not measured here
     step_ctas_n256 = 2  # 3 spills (24 bytes on sm_90a)
 
     def __init__(self, arch: str, P: int = 64, N: int = 128) -> None:
