@@ -73,13 +73,6 @@ def f32_bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int32).to(torch.int64) & MASK32
 
 
-def bits_f32(b: torch.Tensor) -> torch.Tensor:
-    """Inverse of `f32_bits`."""
-    b = b & MASK32
-    b = torch.where(b >= (1 << 31), b - (1 << 32), b)
-    return b.to(torch.int32).view(torch.float32)
-
-
 def _random_increment(rbits: torch.Tensor, shift: torch.Tensor, k: int) -> torch.Tensor:
     r = rbits & ((1 << k) - 1)
     up = r << (shift - k).clamp(min=0, max=40)
