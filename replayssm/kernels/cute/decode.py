@@ -95,9 +95,8 @@ class Decode:
     @property
     def ctas_per_sm(self) -> int:
         """The CTAs an SM the launch asks registers for: the format's figure for CTAs of
-        HEADS_PER_CTA warps, scaled to this CTA's warps (the same registers a thread; at 2
-        heads a CTA, 14 heads a group, the unscaled bound let ptxas take 186 registers,
-        10 warps an SM instead of 16)."""
+        HEADS_PER_CTA warps, scaled to this CTA's warps, so that a CTA of 2 heads (14
+        heads a group) gets the registers a thread of 4 does (docs/design.md section 3)."""
         return self.fmt.step_ctas_per_sm * HEADS_PER_CTA // self.hpc
 
     @cute.jit

@@ -42,7 +42,7 @@ class _Format:
     Args: type = tuple
     step_ctas_per_sm = CTAS_PER_SM  # the step kernels' (decode.py, pending.py) CTAs an SM
     step_ctas_n256 = CTAS_PER_SM  # ... at state dim 256
-    flush_round_up_batch = 0  # flush.flush_columns rounds up up to this batch, else to nearest
+    flush_round_up_batch = 0  # flush.flush_columns rounds up at batches to this one, above to nearest
 
     def __init__(self, arch: str, P: int = 64, N: int = 128) -> None:
         self.arch = check_arch(arch)
