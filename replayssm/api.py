@@ -101,7 +101,7 @@ def initialize(
     chk.on_device("states", states, device)
     ids = _check_indices(state_indices, device, ids_name)
     if ids.numel() != states.shape[0]:
-        raise ValueError(f"state_indices must hold one slot per state ({states.shape[0]}); got {ids.numel()}")
+        raise ValueError(f"{ids_name} must hold one slot per state ({states.shape[0]}); got {ids.numel()}")
     if ids.numel() == 0:
         return
     if checks and not torch.compiler.is_compiling():  # host reads: eager only (ops.py)

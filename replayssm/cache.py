@@ -150,18 +150,14 @@ class ReplaySSMCache:
     def _slots(self, slots) -> torch.Tensor:
         """Slot ids as a 1-D integer tensor on the cache device (lists and ints accepted)."""
         if isinstance(slots, torch.Tensor):
-            if slots.dim() == 1 and slots.get_device() == self.tensors[L.CHECKPOINT].get_device():
+            if slots.dim() == 1 and slots.get_device() == self.tensors[L.CHECKPOINT].get_device() and not slots.is_meta:
                 if slots.dtype not in (torch.int32, torch.int64):
                     chk.int_ids("slots", slots)
                 return slots  # already on the cache device (the common case: no view made)
+            if slots.is_meta:
+                raise ValueError(f"slots must be on the cache device {self.device}; got {slots.device}")
             return chk.int_ids("slots", slots).to(self.device)
-        if isinstance(slots, int) and not isinstance(slots, bool):
-            slots = [slots]
-        try:
-            host = torch.tensor(list(slots), dtype=torch.int64)
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise TypeError(f"slots must be a tensor, an int or a sequence of ints; got {type(slots).__name__}") from e
-        return self._issue(host)
+        return self._issue(chk.id_list("slots", slots))
 
     def _issue(self, host: torch.Tensor) -> torch.Tensor:
         """Host ids on the cache device, copied without waiting for the GPU, and remembered
@@ -441,12 +437,7 @@ class ReplaySSMCache:
             if slots.dtype not in (torch.int32, torch.int64):
                 raise TypeError(f"{name} must be int32 or int64; got {slots.dtype}")
             return slots.reshape(-1)
-        if isinstance(slots, int) and not isinstance(slots, bool):
-            slots = [slots]
-        try:
-            return torch.tensor(list(slots), dtype=torch.int64)
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise TypeError(f"{name} must be a tensor, an int or a sequence of ints; got {type(slots).__name__}") from e
+        return chk.id_list(name, slots)
 
     def _check_handoff_live(self, ids: torch.Tensor, name: str, *, unique: bool = True) -> None:
         """Host check (a sync for CUDA ids): every id in [1, num_slots - 1], allocated, and

@@ -16,6 +16,8 @@ GPU memory: host tensors always, device tensors with REPLAYSSM_DEBUG=1 (eager ca
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from . import layout as L
@@ -76,6 +78,21 @@ def int_ids(name: str, t: object) -> torch.Tensor:
     if t.dim() > 1:
         raise ValueError(f"{name} must be 1-D [batch]; got {describe(t)}")
     return t if t.dim() == 1 else t.reshape(-1)
+
+
+def id_list(name: str, ids: object) -> torch.Tensor:
+    """Ids given as an int or a sequence of ints (Python or NumPy integers, not bools or
+    floats, which a cast would truncate to another slot) as a host int64 tensor."""
+    if isinstance(ids, int) and not isinstance(ids, bool):
+        ids = [ids]
+    try:
+        values = list(ids)
+    except TypeError as e:
+        raise TypeError(f"{name} must be a tensor, an int or a sequence of ints; got {type(ids).__name__}") from e
+    for v in values:
+        if isinstance(v, bool) or type(v).__name__ == "bool_" or not hasattr(type(v), "__index__"):
+            raise TypeError(f"{name} must hold ints; got {v!r} ({type(v).__name__}) in {values!r}")
+    return torch.tensor([operator.index(v) for v in values], dtype=torch.int64)
 
 
 def slot_ids(name: str, t: object, device: torch.device) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """ReplaySSMCache end to end on the reference backend: the lifecycle a scheduler drives."""
 
+import numpy as np
 import torch
 
 from replayssm import ReplaySSMCache, layout as L
@@ -72,7 +73,8 @@ def test_slots_accept_lists_and_ints_and_conv_dtype_is_configurable():
     assert torch.equal(cache.tensors[L.CHECKPOINT][2], ref.tensors[L.CHECKPOINT][2])
     assert torch.equal(cache.materialize(2), ref.materialize(torch.tensor([2])))
     cache.release(1)
-    assert cache.allocator.num_free == 2
+    cache.release([np.int64(2)])  # NumPy integers are ids too
+    assert cache.allocator.num_free == 3
 
 
 def test_repr_is_short_and_says_geometry_format_device_backend_and_slots():
