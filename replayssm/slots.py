@@ -8,6 +8,8 @@ from collections.abc import Iterable, Sequence
 import attrs
 import torch
 
+from .checks import id_list
+
 NULL_SLOT = 0
 """The padding slot id. Never allocated; a decode row whose slot is `NULL_SLOT` (or any
 id <= 0 or >= num_slots) is padding: its output is zero and no cache state changes."""
@@ -92,19 +94,17 @@ class SlotAllocator:
             if slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
                 raise TypeError(f"slots must be an integer tensor; got {slots.dtype}")
             ids = [int(s) for s in slots.reshape(-1).tolist()]
-        elif isinstance(slots, int):
-            ids = [slots]
         else:
-            ids = [int(s) for s in slots]
+            ids = id_list("slots", slots).tolist()
         for s in ids:
             if s == NULL_SLOT:
-                raise ValueError("slot 0 is the padding slot and is never allocated; cannot release it")
+                raise ValueError("slots: slot 0 is the padding slot and is never allocated; cannot release it")
             if not 0 < s < self.num_slots:
-                raise ValueError(f"slot ids must be in [1, {self.num_slots - 1}]; got {s}")
+                raise ValueError(f"slots must be in [1, {self.num_slots - 1}]; got {s}")
             if s not in self._used:
-                raise ValueError(f"slot {s} is not allocated (double release?)")
+                raise ValueError(f"slots: slot {s} is not allocated (double release?)")
         if len(set(ids)) != len(ids):
-            raise ValueError(f"slots to release must be unique; got {ids}")
+            raise ValueError(f"slots must be unique; got {ids}")
         for s in ids:
             self._used.remove(s)
             self._free.append(s)

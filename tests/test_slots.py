@@ -34,18 +34,29 @@ def test_release_and_reuse_lowest_first():
 @pytest.mark.parametrize(
     "bad,match",
     [
-        pytest.param([0], "slot 0 is the padding slot", id="slot-zero"),
-        pytest.param([7], r"must be in \[1, 5\]", id="out-of-range"),
-        pytest.param([-1], r"must be in \[1, 5\]", id="negative"),
-        pytest.param([5], "not allocated", id="never-allocated"),
-        pytest.param([1, 1], "unique", id="repeated"),
+        pytest.param([0], "^slots: slot 0 is the padding slot", id="slot-zero"),
+        pytest.param([7], r"^slots must be in \[1, 5\]", id="out-of-range"),
+        pytest.param([-1], r"^slots must be in \[1, 5\]", id="negative"),
+        pytest.param([5], "^slots: slot 5 is not allocated", id="never-allocated"),
+        pytest.param([1, 1], "^slots must be unique", id="repeated"),
     ],
 )
 def test_release_errors_leave_allocator_unchanged(bad, match):
     a = SlotAllocator(6)
     a.allocate(3)
-    with pytest.raises(ValueError, match=match):
-        a.release(torch.tensor(bad))
+    for given in (torch.tensor(bad), bad):
+        with pytest.raises(ValueError, match=match):
+            a.release(given)
+        assert a.num_used == 3 and a.num_free == 2
+
+
+@pytest.mark.parametrize("bad", [[1.5], [True], [2.9], [1, 2.0]])
+def test_release_rejects_non_integer_ids_in_a_list(bad):
+    """A float or bool would be cast to another slot (1.5 and True to 1)."""
+    a = SlotAllocator(6)
+    a.allocate(3)
+    with pytest.raises(TypeError, match="^slots must hold ints"):
+        a.release(bad)
     assert a.num_used == 3 and a.num_free == 2
 
 
