@@ -16,8 +16,6 @@ GPU memory: host tensors always, device tensors with REPLAYSSM_DEBUG=1 (eager ca
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from . import layout as L
@@ -87,12 +85,15 @@ def id_list(name: str, ids: object) -> torch.Tensor:
         ids = [ids]
     try:
         values = list(ids)
-    except TypeError as e:
+        host = torch.tensor(values) if values else torch.empty(0, dtype=torch.int64)
+    except (TypeError, ValueError, RuntimeError) as e:
         raise TypeError(f"{name} must be a tensor, an int or a sequence of ints; got {type(ids).__name__}") from e
-    for v in values:
-        if isinstance(v, bool) or type(v).__name__ == "bool_" or not hasattr(type(v), "__index__"):
-            raise TypeError(f"{name} must hold ints; got {v!r} ({type(v).__name__}) in {values!r}")
-    return torch.tensor([operator.index(v) for v in values], dtype=torch.int64)
+    kinds = set(map(type, values))
+    if host.dtype != torch.int64 or any(k is bool or k.__name__ == "bool_" for k in kinds):
+        bad = (v for v in values if isinstance(v, bool) or type(v).__name__ == "bool_" or not hasattr(type(v), "__index__"))
+        v = next(bad, values)
+        raise TypeError(f"{name} must hold ints; got {v!r} ({type(v).__name__}) in {values!r}")
+    return host
 
 
 def slot_ids(name: str, t: object, device: torch.device) -> torch.Tensor:
