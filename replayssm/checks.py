@@ -79,21 +79,27 @@ def int_ids(name: str, t: object) -> torch.Tensor:
 
 
 def id_list(name: str, ids: object) -> torch.Tensor:
-    """Ids given as an int or a sequence of ints (Python or NumPy integers, not bools or
-    floats, which a cast would truncate to another slot) as a host int64 tensor."""
+    """Ids given as an int or a flat sequence of integers (Python, NumPy or 0-D integer
+    tensors; not bools or floats, which a cast would turn into another slot) as a host
+    int64 tensor."""
     if isinstance(ids, int) and not isinstance(ids, bool):
         ids = [ids]
     try:
         values = list(ids)
-        host = torch.tensor(values) if values else torch.empty(0, dtype=torch.int64)
-    except (TypeError, ValueError, RuntimeError) as e:
+    except TypeError as e:
         raise TypeError(f"{name} must be a tensor, an int or a sequence of ints; got {type(ids).__name__}") from e
-    kinds = set(map(type, values))
-    if host.dtype != torch.int64 or any(k is bool or k.__name__ == "bool_" for k in kinds):
-        bad = (v for v in values if isinstance(v, bool) or type(v).__name__ == "bool_" or not hasattr(type(v), "__index__"))
-        v = next(bad, values)
-        raise TypeError(f"{name} must hold ints; got {v!r} ({type(v).__name__}) in {values!r}")
-    return host
+    bad = [v for v in values if type(v).__name__ in ("bool", "bool_")]
+    if not bad:
+        try:
+            host = torch.tensor(values) if values else torch.empty(0, dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"{name} must be a sequence of ints; got {values!r}") from e
+        if host.dim() != 1:
+            raise ValueError(f"{name} must be a flat sequence of ints; got shape {list(host.shape)}")
+        if not (host.dtype.is_floating_point or host.dtype.is_complex or host.dtype == torch.bool):
+            return host.to(torch.int64)
+        bad = [v for v in values if not hasattr(type(v), "__index__")] or values
+    raise TypeError(f"{name} must hold ints; got {bad[0]!r} ({type(bad[0]).__name__}) in {values!r}")
 
 
 def slot_ids(name: str, t: object, device: torch.device) -> torch.Tensor:

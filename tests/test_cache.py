@@ -73,8 +73,11 @@ def test_slots_accept_lists_and_ints_and_conv_dtype_is_configurable():
     assert torch.equal(cache.tensors[L.CHECKPOINT][2], ref.tensors[L.CHECKPOINT][2])
     assert torch.equal(cache.materialize(2), ref.materialize(torch.tensor([2])))
     cache.release(1)
-    cache.release([np.int64(2)])  # NumPy integers are ids too
-    assert cache.allocator.num_free == 3
+    cache.release([np.int64(2)])  # NumPy integers and integer 0-D tensors are ids too
+    again = cache.allocate(3)
+    cache.reset([again[0]])
+    cache.release(np.array(again[:2].tolist(), dtype=np.int32))
+    assert cache.allocator.num_free == 2
 
 
 def test_repr_is_short_and_says_geometry_format_device_backend_and_slots():

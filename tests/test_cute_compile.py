@@ -515,8 +515,9 @@ def test_sass_stats_reads_the_kernels_resources(compiled, arch):
         else:
             assert cls["BAR"] == 1, (name, cls)
             fmt, heads, groups = re.search(r"-(\w+)-h(\d+)g(\d+)", name).groups()
-            threads = 32 * decode.heads_per_cta(int(heads) // int(groups))
-            ctas = read_copy_format(fmt, arch).step_ctas_per_sm
+            hpc = decode.heads_per_cta(int(heads) // int(groups))
+            threads = 32 * hpc
+            ctas = decode.Decode(read_copy_format(fmt, arch), int(heads), int(groups)).ctas_per_sm
         assert _fits(st["regs"], threads, ctas), (name, st["regs"], threads, ctas)
         if not name.startswith("flush-fp8"):  # the FP8 flush is not: 8 bytes at 16h/2g on sm_90a
             assert st["stack"] == 0, (name, st["stack"])
@@ -625,17 +626,19 @@ def test_every_kernel_compiles_at_head_dim_80_and_state_dim_256(arch, tmp_path):
                 assert _fits(st["regs"], threads, ctas), (kind, fmt, st["regs"], threads, ctas)
 
 
-def test_two_head_ctas_keep_sixteen_warps_an_sm(tmp_path):
-    """At 14 heads a group (Nemotron-H 4B: 112 heads, 8 groups) a step CTA holds 2 heads;
-    its launch asks registers for twice the CTAs, so an SM still holds 16 warps (sm_90a
-    cubins of the decode and the pending step, FP8 and NVFP4: 128 registers a thread)."""
+@pytest.mark.parametrize("heads,groups,hpc", [(112, 8, 2), (8, 8, 1)])
+def test_small_ctas_keep_sixteen_warps_an_sm(tmp_path, heads, groups, hpc):
+    """At 14 heads a group (Nemotron-H 4B: 112 heads, 8 groups) a step CTA holds 2 heads,
+    at 1 head a group 1; its launch asks registers for 4 / hpc times the CTAs, so an SM
+    still holds 16 warps (sm_90a cubins of the decode and the pending step, FP8 and
+    NVFP4: 128 registers a thread)."""
     import torch
 
     from replayssm.kernels.cute import decode, launch, pending
     from replayssm.kernels.cute.config import step_config
 
-    arch, heads, groups = "sm_90a", 112, 8
-    assert decode.heads_per_cta(heads // groups) == 2
+    arch = "sm_90a"
+    assert decode.heads_per_cta(heads // groups) == hpc
     tool = _sass_stats().default_cuobjdump()
     for fmt in ("fp8", "nvfp4"):
         cfg = step_config(arch, fmt, heads, groups, 256)
@@ -643,7 +646,29 @@ def test_two_head_ctas_keep_sixteen_warps_an_sm(tmp_path):
             "decode": launch.decode_kernel(cfg),
             "step": pending.pending_kernel(fmt, arch, heads, groups, torch.bfloat16, "all"),
         }.items():
-            assert obj.ctas_per_sm == 8, (kind, fmt)
+            assert obj.ctas_per_sm == 16 // hpc, (kind, fmt)
             paths = launch.compile_into(obj, fake, arch, tmp_path / f"{kind}-{fmt}")
             st = _sass_stats().cubin_stats(Path(next(p for p in paths if p.endswith(".cubin"))), tool)
-            assert _fits(st["regs"], 64, 8), (kind, fmt, st["regs"])
+            assert _fits(st["regs"], 32 * hpc, 16 // hpc), (kind, fmt, st["regs"])
+
+
+def test_the_flush_rounds_its_columns_up_for_fp8_up_to_batch_256(monkeypatch):
+    """The column count a step passes the flush (132 SMs): FP8 16h/2g takes 7 columns
+    (1.5 x 132 / 32 = 6.19 rounded up) at batch 256 and below, 6 above; NVFP4 (4 CTAs an
+    SM: 16.5) and fp16 keep the nearest at every batch."""
+    import torch
+
+    from replayssm import layout as L
+    from replayssm.kernels.cute import launch
+    from replayssm.reference import Plan
+
+    monkeypatch.setattr(launch, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(launch, "compiled_decode", lambda *a: None)
+    monkeypatch.setattr(launch, "compiled_flush", lambda *a: None)
+    want = {("fp8", 256): 7, ("fp8", 1): 7, ("fp8", 257): 6, ("fp8", 1024): 6, ("nvfp4", 256): 16, ("nvfp4", 1024): 16,
+            ("fp16", 256): 6, ("fp16", 1024): 6}  # fmt: skip
+    for (fmt, batch), columns in want.items():
+        plan = Plan(*(torch.zeros(batch, dtype=d) for d in (torch.bool, torch.int64, torch.int64, torch.bool, torch.int64, torch.int64)))
+        step = launch.Step(L.allocate_cache(2, 16, 2, fmt, "cpu"), plan, fmt, "sm_90a")
+        got = launch._kernels.__wrapped__(step.config, torch.bfloat16, True, False, 0, 64, 128, step.round_up)[3]
+        assert got == columns, (fmt, batch, got)

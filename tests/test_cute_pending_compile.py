@@ -115,7 +115,7 @@ def test_fold_is_the_flush_fold_without_outputs(ptx, arch, fmt):
 @pytest.mark.parametrize("fmt", FMTS)
 def test_registers_allow_the_kernels_ctas_an_sm(compiled, arch, fmt):
     """From the cubins (cuobjdump; Triton's has no sm_103a, whose code is sm_100a's): the
-    step's registers allow its format's `step_ctas_per_sm` CTAs an SM (4: 128 a thread;
+    step's registers allow the CTAs an SM its launch asks for (`Decode.ctas_per_sm`, 4: 128 a thread;
     fp16 3: 168), the fold's its format's `fold_ctas_per_sm` (docs/design.md section 10); no spill stack in the sm_90a
     step or in the sm_100a fold (sm_90a's fold spills a few bytes by design, at 5 and 6
     CTAs an SM)."""
@@ -127,7 +127,7 @@ def test_registers_allow_the_kernels_ctas_an_sm(compiled, arch, fmt):
 
     tool = sass_stats.default_cuobjdump()
     fmt_obj = read_copy_format(fmt, arch)
-    ctas = {"step": fmt_obj.step_ctas_per_sm, "fold": fmt_obj.fold_ctas_per_sm}
+    ctas = {"step": decode.Decode(fmt_obj, HEADS, GROUPS).ctas_per_sm, "fold": fmt_obj.fold_ctas_per_sm}
     threads = {"step": 32 * decode.heads_per_cta(HEADS // GROUPS), "fold": flush.shape(64, 128).threads}
     for kind in ("step", "fold"):
         usage = subprocess.run([tool, "--dump-resource-usage", str(compiled[arch, fmt, kind][".cubin"])], capture_output=True, text=True, check=True).stdout

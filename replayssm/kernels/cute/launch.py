@@ -330,7 +330,7 @@ class Step:
     between calls keys them so that the cache and the plan are the ones it was made for
     (the kernel backend keeps them in its per-cache context), and passes them to each call."""
 
-    __slots__ = ("batch", "heads", "groups", "P", "N", "index", "config", "ckpt", "ring", "copy", "plan", "kernels")
+    __slots__ = ("batch", "heads", "groups", "P", "N", "index", "config", "round_up", "ckpt", "ring", "copy", "plan", "kernels")
 
     def __init__(self, cache, plan, state_dtype: str, arch: str, head_offset: int = 0, config: StepConfig | None = None) -> None:
         self.batch = plan.valid.shape[0]
@@ -339,6 +339,7 @@ class Step:
         self.index = cache[L.CHECKPOINT].get_device()
         self.config = config or step_config(arch, state_dtype, self.heads, self.groups, self.batch)
         fmt = read_copy_format(state_dtype, arch, self.P, self.N)
+        self.round_up = self.batch <= fmt.flush_round_up_batch  # the flush's column count (flush_columns)
         self.ckpt = tvm_ffi.convert(A.raw(A.Checkpoint, state=cache[L.CHECKPOINT], head_offset=head_offset))
         self.ring = tvm_ffi.convert(A.raw(A.Ring, x=cache[L.X_RING], dt=cache[L.DT_RING], b=cache[L.B_RING]))
         self.copy = tvm_ffi.convert(A.raw(fmt.Args, **fmt.tensors(cache, L)))
@@ -371,7 +372,7 @@ class Step:
         key = (dt.dtype, dense, debug)
         kernels = self.kernels.get(key)
         if kernels is None:
-            kernels = self.kernels[key] = _kernels(self.config, dt.dtype, dense, debug, self.index, P, N, batch)
+            kernels = self.kernels[key] = _kernels(self.config, dt.dtype, dense, debug, self.index, P, N, self.round_up)
         nonflush, flush, _, columns = kernels
         flush_plan = tuple(A.raw(A.DebugPlan, **plan._asdict(), state=state_out)) if debug else self.plan
         flush_args = (self.ckpt, self.ring, self.copy, inputs, flush_plan, columns, batch)
@@ -402,11 +403,11 @@ def inputs_words(x, dt, A_, B, C, D, dt_bias, out, x_stride: int, b_stride: int,
 
 
 @functools.lru_cache(maxsize=1024)
-def _kernels(config: StepConfig, dt_dtype: torch.dtype, dense: bool, debug: bool, device_index: int, P: int = 64, N: int = 128, batch: int = 1):
+def _kernels(config: StepConfig, dt_dtype: torch.dtype, dense: bool, debug: bool, device_index: int, P: int = 64, N: int = 128, round_up: bool = False):
     """(non-flush launcher, flush launcher, read-copy format, flush CTA columns) of a step:
-    resolved once per config, inputs' layout, device, cache geometry (P, N) and batch."""
+    resolved once per config, inputs' layout, device, cache geometry (P, N) and rounding of
+    the column count (`Step.round_up`: the batch at most the format's flush_round_up_batch)."""
     fmt = read_copy_format(config.state_dtype, config.arch, P, N)
-    round_up = batch <= fmt.flush_round_up_batch
     columns = flush_columns(config.heads, fmt.ctas_per_sm, _sm_count(device_index), shape(P, N), round_up)
     return compiled_decode(config, dt_dtype, dense, P, N), compiled_flush(config, debug, dt_dtype, dense, P, N), fmt, columns
 

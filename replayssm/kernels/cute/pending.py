@@ -71,8 +71,8 @@ STEP_READ_HINT = ".cs"
 
 class PendingStep(Decode):
     """The pending-mode step for one (format, heads, groups): `decode.Decode`'s launch
-    (grid heads / heads-per-CTA x batch, registers for the format's `step_ctas_per_sm`
-    CTAs an SM: FP8 and NVFP4 4, measured 5% faster than 3), CTA (the heads of one group
+    (grid heads / heads-per-CTA x batch, registers for `Decode.ctas_per_sm` CTAs an SM:
+    FP8 and NVFP4 4 of 4 heads, measured 5% faster than 3), CTA (the heads of one group
     of one row, a warp each), lane map and helpers. `rows` (one of ROWS): the rows it
     computes, the others return at once; "rest" (padding included) may run beside the
     fold, "fold" after it. Each row's code is the same in every variant, so is its output."""

@@ -40,7 +40,7 @@ FP8_MANT_LIMIT, FP8_E_OFF = 0x600000, 8
 class _Format:
     name = ""
     Args: type = tuple
-    step_ctas_per_sm = CTAS_PER_SM  # the step kernels' (decode.py, pending.py) CTAs an SM
+    step_ctas_per_sm = CTAS_PER_SM  # the step kernels' CTAs of 4 heads an SM (Decode.ctas_per_sm scales it)
     step_ctas_n256 = CTAS_PER_SM  # ... at state dim 256
     flush_round_up_batch = 0  # flush.flush_columns rounds up at batches to this one, above to nearest
 
