@@ -62,7 +62,7 @@ import torch  # noqa: E402
 
 from benchmarks import byte_model as bm  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    base_states, parse_shapes, row_shape, shape_label, version, write_json,
+    base_states, copy_bandwidth, parse_shapes, row_shape, shape_label, version, write_json,
 )  # fmt: skip
 from replayssm.formats import FORMATS, FP8, NVFP4
 
@@ -166,19 +166,6 @@ class Clock:
             e.record()
         torch.cuda.synchronize()
         return [s.elapsed_time(e) * 1e-3 for s, e in ev]
-
-
-def copy_bandwidth(device: torch.device, gib: float, clock: Clock) -> dict:
-    """Device-to-device copy of a `gib` GiB buffer: bandwidth = 2 * bytes / time."""
-    n = int(gib * 2**30) // 4
-    src = torch.rand(n, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    clock.sync()
-    t = statistics.median(clock.time_each(lambda: dst.copy_(src), 10 if clock.cuda else 3))
-    del src, dst
-    return {"bytes": 4 * n, "seconds": t, "tb_per_s": 2 * 4 * n / t / 1e12}
 
 
 # ----------------------------------------------------------------------------------------
@@ -731,7 +718,7 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
 
     ctx = {"args": args, "device": device, "clock": clock, "t_start": t_start}
-    ctx["copy"] = copy_bandwidth(device, args.copy_gib, clock)
+    ctx["copy"] = copy_bandwidth(device, args.copy_gib, 10 if device.type == "cuda" else 3)
     ctx["capturable"] = {}
     ctx["states"] = {s: base_states(s[0], s[1], 16, device, args.seed, *s[2:]) for s in args.shapes}
     if VLLM in args.providers and device.type == "cuda":

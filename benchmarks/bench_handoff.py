@@ -52,7 +52,7 @@ if str(_ROOT) not in sys.path:  # run as a script from a source checkout
 import torch  # noqa: E402
 
 import replayssm  # noqa: E402
-from benchmarks.common import commit  # noqa: E402
+from benchmarks.common import commit, copy_bandwidth  # noqa: E402
 from benchmarks.common import graph_seconds as common_graph_seconds  # noqa: E402
 from replayssm import ReplaySSMCache, materialize_replayssm_state  # noqa: E402
 from replayssm import layout as L  # noqa: E402
@@ -341,12 +341,10 @@ def main(argv=None) -> dict:
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     rows, checks = [], []
-    probe = torch.empty(2**30 if CUDA else 2**20, dtype=torch.uint8, device=device)
-    probe_dst = torch.empty_like(probe)
-    copy_bw = 2 * probe.numel() / graph_seconds(lambda: probe_dst.copy_(probe), 1, args.reps)
+    probe = copy_bandwidth(device, 1.0 if CUDA else 2**-10, 10 if CUDA else 3)
+    copy_bw = probe["tb_per_s"] * 1e12
     meta["copy_bandwidth_gb_per_s"] = copy_bw / 1e9  # a device copy (2 * bytes / time)
-    meta["copy_probe_bytes"] = probe.numel()
-    del probe, probe_dst
+    meta["copy_probe_bytes"] = probe["bytes"]
     for fmt in args.formats:
         t0 = time.perf_counter()
         caches = make_layers(fmt, args, device)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -33,29 +32,13 @@ if str(_ROOT) not in sys.path:  # run as a script from a source checkout
 import torch  # noqa: E402
 
 from benchmarks import byte_model as bm  # noqa: E402
-from benchmarks.common import replay_seconds  # noqa: E402
+from benchmarks.common import copy_bandwidth, replay_seconds  # noqa: E402
 from replayssm import layout as L  # noqa: E402
 from replayssm.api import initialize_replayssm_state, selective_state_update_replayssm  # noqa: E402
 from replayssm.kernels import kernel_backend  # noqa: E402
 from replayssm.synthetic import layer_params, token  # noqa: E402
 
 RING = 16
-
-
-def copy_tb_s(gib: float = 1.0) -> float:
-    """The device-to-device copy bandwidth (read + write), TB/s: median of 6 timed copies."""
-    n = int(gib * 2**30) // 4
-    src = torch.rand(n, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(8):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return 2 * 4 * n / statistics.median(times[2:]) / 1e12
 
 
 def graph_us(fn, reps: int) -> float:
@@ -127,7 +110,7 @@ def main() -> None:
     backend = kernel_backend()
     p = layer_params(H, generator=torch.Generator().manual_seed(0), device="cuda")
     gen = torch.Generator("cuda").manual_seed(0)
-    tb_s = copy_tb_s()
+    tb_s = copy_bandwidth("cuda", 1.0)["tb_per_s"]
     print(f"# {torch.cuda.get_device_name()}  heads={H} groups={G}  copy {tb_s:.2f} TB/s")
     print(f"{'fmt':>6}{'batch':>6}{'layers':>7}{'us/step':>9}{'nonflush':>9}{'flush':>7}{'floor':>7}{'GB/s':>7}{'of copy':>8}")
     for fmt in args.formats:

@@ -60,7 +60,7 @@ import torch  # noqa: E402
 
 from benchmarks import byte_model as bm  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    base_states, commit, graph_seconds, parse_shapes, row_shape, shape_label, version, write_json,
+    base_states, commit, copy_bandwidth, graph_seconds, parse_shapes, row_shape, shape_label, version, write_json,
 )  # fmt: skip
 
 RING = 16
@@ -130,18 +130,6 @@ def timed(fn, reps: int, cuda: bool) -> tuple[float, str]:
             times.append(time.perf_counter() - t0)
         return statistics.median(times), "cpu"
     return graph_seconds(fn, reps), "graph"
-
-
-def copy_bandwidth(device, gib: float, reps: int) -> dict:
-    """Device-to-device copy of a `gib` GiB buffer: bandwidth = 2 * bytes / time."""
-    n = int(gib * 2**30) // 4
-    src = torch.rand(n, device=device)
-    dst = torch.empty_like(src)
-    t, _ = timed(lambda: dst.copy_(src), max(reps, 3), device.type == "cuda")
-    del src, dst
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the rows size their layers by the free memory
-    return {"bytes": 4 * n, "seconds": t, "tb_per_s": 2 * 4 * n / t / 1e12}
 
 
 # ----------------------------------------------------------------------------------------
@@ -503,7 +491,9 @@ def main(argv=None) -> dict:
         raise SystemExit("bench_spec needs a CUDA GPU (no CUDA device is visible); --dry-run runs a CPU smoke test")
     torch.manual_seed(args.seed)
     ctx = {"args": args, "device": device}
-    ctx["copy"] = copy_bandwidth(device, args.copy_gib, args.reps)
+    ctx["copy"] = copy_bandwidth(device, args.copy_gib, 10 if device.type == "cuda" else 3)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the rows size their layers by the free memory
     ctx["states"] = {s: base_states(s[0], s[1], 16, device, args.seed, *s[2:]) for s in args.shapes}
     meta = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",

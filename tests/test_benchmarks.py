@@ -1,6 +1,7 @@
 """The benchmark's byte model against the bytes of real cache tensors, and the benchmark
 script end to end in --dry-run mode (CPU, PyTorch references, tiny sizes)."""
 
+import itertools
 import json
 import math
 import sys
@@ -15,7 +16,7 @@ from replayssm import layout as L
 from . import tolerances as tol
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import bench_decode, byte_model as bm  # noqa: E402
+from benchmarks import bench_decode, byte_model as bm, common  # noqa: E402
 
 SHAPES = [pytest.param(8, 1, 64, 128, id="h8-g1"), pytest.param(16, 2, 64, 128, id="h16-g2"),
           pytest.param(64, 8, 64, 128, id="h64-g8"), pytest.param(32, 2, 64, 128, id="h32-g2"),
@@ -34,7 +35,9 @@ def slot_nbytes(t: torch.Tensor) -> int:
 @pytest.fixture
 def fixed_clock(monkeypatch):
     """The benchmark's clock still runs every timed call (the steps and the copy probe
-    execute) but reports PERIOD_S for each, so every derived figure has an exact value."""
+    execute) but reports PERIOD_S for each, so every derived figure has an exact value
+    (the probe's clock, `common.perf_counter`, advances PERIOD_S a reading from 0 at the
+    start of a copy)."""
 
     def time_each(self, fn, reps):
         out = []
@@ -43,7 +46,9 @@ def fixed_clock(monkeypatch):
             out.append(PERIOD_S)
         return out
 
+    readings = itertools.count()
     monkeypatch.setattr(bench_decode.Clock, "time_each", time_each)
+    monkeypatch.setattr(common, "perf_counter", lambda: (next(readings) % 2) * PERIOD_S)
 
 
 def us_per_step_of_period(layers: int) -> float:
