@@ -88,7 +88,8 @@ def id_list(name: str, ids: object) -> torch.Tensor:
         values = list(ids)
     except TypeError as e:
         raise TypeError(f"{name} must be a tensor, an int or a sequence of ints; got {type(ids).__name__}") from e
-    bad = [v for v in values if type(v).__name__ in ("bool", "bool_")]
+    bools = any(k.__name__ in ("bool", "bool_") for k in set(map(type, values)))  # one pass in C
+    bad = [v for v in values if type(v).__name__ in ("bool", "bool_")] if bools else []
     if not bad:
         try:
             host = torch.tensor(values) if values else torch.empty(0, dtype=torch.int64)
