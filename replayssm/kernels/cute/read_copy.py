@@ -1,18 +1,13 @@
-"""The read-copy formats as strategy objects of the decode kernels (CuTe DSL).
+"""The read-copy formats as strategy objects of the CuTe kernels (format.md sections 3-4).
 
 `Fp8(arch)`, `Nvfp4(arch)` and `Fp16(arch)` (no read copy: the steps read the checkpoint,
-on FP8's lane map) supply what differs between the formats, and nothing else:
-- the argument struct of their cache tensors (`Args`, args.py) and its binding;
-- non-flush (decode.py): which n-set of a state row lane q holds (`c_word`), the loads of
-  a warp's read-copy rows and scales (`load_rows`), the row dots R[p] on the tensor
-  cores (`row_dots`), and the CTAs an SM of the step kernels (`step_ctas_per_sm`);
-- flush (flush.py): the FP16 stochastic rounding of the checkpoint (`fp16x2_sr`,
-  `sr_voted`), the staging and occupancy choices, and the re-derivation of the read
-  copy from the FP32 state (`begin_row`, `lane_stats`, `block_scales`, `store_row`,
-  `finish_row`).
-The arch picks the conversion instructions: sm_90a has no e2m1 or `cvt.rs` conversions
-and runs integer steps; sm_100a / sm_103a (`hw`) use the hardware forms. Both give the
-reference's bits (docs/format.md), so everything else is shared by every target.
+on FP8's lane map) supply only what differs between the formats: the argument struct of
+their cache tensors (`Args`, args.py); for the steps (decode.py, pending.py) a lane's
+n-set (`c_word`), the loads of a warp's rows and the row dots on the tensor cores; for the
+flush and the fold (flush.py) the checkpoint's stochastic rounding and the re-derivation of
+the read copy from the FP32 state. sm_90a has no e2m1 or `cvt.rs` conversions and runs
+integer steps, sm_100a / sm_103a (`hw`) use the hardware forms: both give the reference's
+bits, so everything else is shared by every target.
 """
 
 from __future__ import annotations
@@ -51,50 +46,18 @@ class _Format:
         self.P, self.N = P, N
         if N > 128:  # twice the row loads a lane: the step kernels' register bound
             self.step_ctas_per_sm = self.step_ctas_n256
-
-    @property
-    def TAIL(self) -> bool:
-        """Head dim 80: the steps' fifth m-tile, rows 64 + 2 gq (MMA row gq) and 65 + 2 gq
-        (row gq + 8) of lane (gq, q), besides the 64 rows 8 gq + i of today's map."""
-        return self.P > 64
-
-    @property
-    def ROWS(self) -> int:
-        """Rows a lane loads: 8, and the tail's 2 at head dim 80."""
-        return 10 if self.TAIL else 8
-
-    @property
-    def OUT_ROWS(self) -> int:
-        """Rows a decode lane writes: 8 gq + 2 q, + 1, and the tail's two at head dim 80."""
-        return 4 if self.TAIL else 2
-
-    @property
-    def CHUNKS(self) -> int:
-        """Chunks of a lane's n-set in a state row (`c_word`): 16 values of each 64."""
-        return self.N // 64
-
-    @property
-    def K_STEPS(self) -> int:
-        """k-steps of 16 over the state dimension."""
-        return self.N // 16
-
-    @property
-    def BLOCKS(self) -> int:
-        """NVFP4 block scales per state row."""
-        return self.N // NVFP4_BLOCK
-
-    @property
-    def WORDS_PER_ROW(self) -> int:
-        """Packed e2m1 codes of one state row, in 32-bit words."""
-        return self.N // 8
+        # Head dim 80: the steps' fifth m-tile, rows 64 + 2 gq (MMA row gq) and 65 + 2 gq
+        # (row gq + 8) of lane (gq, q), besides the 64 rows 8 gq + i.
+        self.TAIL = P > 64
+        self.ROWS = 10 if self.TAIL else 8  # rows a lane loads
+        self.OUT_ROWS = 4 if self.TAIL else 2  # rows a decode lane writes: 8 gq + 2 q, + 1 (and the tail's)
+        self.CHUNKS = N // 64  # chunks of a lane's n-set (`c_word`) in a state row: 16 values of each 64
+        self.K_STEPS = N // 16
+        self.BLOCKS = N // NVFP4_BLOCK  # NVFP4 block scales a state row
+        self.WORDS_PER_ROW = N // 8  # packed e2m1 codes of a state row, in 32-bit words
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.arch!r}, P={self.P}, N={self.N})"
-
-    def e4m3x2_rn(self, lo, hi):
-        """Two e4m3 codes (nearest, satfinite), lo in bits [7:0]: `cvt.rn.satfinite.e4m3x2.f32`
-        on every target (Hopper has it too)."""
-        return bits.e4m3x2_rn_hw(lo, hi)
 
 
 class Fp8(_Format):
@@ -215,20 +178,11 @@ class Fp8(_Format):
         """sm_90a: bits.fp16x2_sr_fma (about 8 instructions a value); sm_100a: cvt.rs."""
         return bits.fp16x2_sr_hw(lo, hi, word) if self.hw else bits.fp16x2_sr_fma(lo, hi, word)
 
-    def shared(self, smem, warps: int):
+    def _nothing(self, *args):
         return None
 
-    def begin_row(self, copy, plan, slot, bb, g):
-        return None
-
-    def begin_fold(self, copy, old, slot, g):
-        return None
-
-    def lane_stats(self, acc, rows: int, nt: int):
-        return None
-
-    def block_scales(self, stats, ctx):
-        return None
+    # The hooks of NVFP4's group amax and block scales (`Nvfp4`, same arguments).
+    shared = begin_row = begin_fold = lane_stats = block_scales = before_barrier = after_barrier = _nothing
 
     @cute.jit
     def store_row(self, copy, slot, hh, pp, col0, q, nq, acc, i, s_amax, ctx, scodes, nt: cutlass.Constexpr):
@@ -243,42 +197,32 @@ class Fp8(_Format):
             if q == 0:
                 copy.scales[slot * copy.scale_stride + hh * self.P + pp] = bits.exp2_int(e)
         r_rc = cute.make_rmem_tensor(cute.make_layout(nt // 2), Uint32)
+        # cvt.rn.satfinite.e4m3x2.f32 (lo in bits [7:0]) on every target: Hopper has it too.
         for m in cutlass.range_constexpr(nt // 2):  # columns 4 m .. 4 m + 3 = n-tiles 2 m, 2 m + 1
-            lo = self.e4m3x2_rn(acc[2 * m][2 * i] * inv, acc[2 * m][2 * i + 1] * inv)
-            hi = self.e4m3x2_rn(acc[2 * m + 1][2 * i] * inv, acc[2 * m + 1][2 * i + 1] * inv)
+            lo = bits.e4m3x2_rn_hw(acc[2 * m][2 * i] * inv, acc[2 * m][2 * i + 1] * inv)
+            hi = bits.e4m3x2_rn_hw(acc[2 * m + 1][2 * i] * inv, acc[2 * m + 1][2 * i + 1] * inv)
             r_rc[m] = lo | (hi << 16)
         rc_w = cute.recast_ptr(copy.codes, dtype=Uint32)
         rc_head = slot * copy.codes_stride16 * 4 + hh * (self.P * self.N // 4)
         bits.vec_aligned(rc_w, rc_head + pp * (self.N // 4) + Int64(col0 // 4), nt // 2).store(r_rc.load())
 
-    def before_barrier(self, t, stats, shared):
-        return None
-
-    def after_barrier(self, t, ctx, shared, copy, warps: int):
-        return None
-
 
 class Fp16(Fp8):
     """state_dtype="fp16": no read copy (format.md section 4b). The steps read the FP16
-    checkpoint itself, on FP8's lane map and MMAs (`Fp8.code_dots`) with its own n-set
-    (`c_word`): 16 f16 values of a row a chunk, two 16-byte loads, whose words are the
-    MMA's A pairs as they are (no conversion). No row scale: a product of a checkpoint value (|v| <=
-    65504 < 2**16) and C' (< 2**15, decode.c_prime) is exact in the FP32 accumulator and
-    below 2**31, a row's 128 of them sum below 2**38, and the smallest nonzero product
-    (2**-24 * 2**-24) is a normal FP32 number, so R[p] = up (dot) as for an FP8 row of
-    scale 1 (the reference: checkpoint.float() . C in FP32).
+    checkpoint on FP8's lane map and MMAs (`Fp8.code_dots`), with their own n-set
+    (`c_word`) whose words are the MMA's A pairs as they are. No row scale: a checkpoint
+    value (< 2**16) times C' (< 2**15, decode.c_prime) is exact in FP32, a row's 128 sum
+    below 2**38 and the smallest nonzero product (2**-48) is normal, so R[p] = up (dot),
+    as the reference's checkpoint.float() . C in FP32.
 
-    The flush and the fold write the checkpoint (FP8's staging choices) and re-encode
-    nothing: `store_row` is empty and the other hooks are FP8's, which do nothing. Each
-    flush / fold lane loads the checkpoint elements it stores before storing them, and no
-    other CTA touches them (flush.Flush.fold); a step kernel reads only the checkpoints of
-    rows that do not flush (fold) while the flush (fold) runs beside it, or runs after
+    The flush and the fold rewrite the checkpoint and re-encode nothing. Each lane loads
+    the checkpoint elements it stores before storing them and no other CTA touches them;
+    a step kernel reads only rows that do not flush (fold) beside the flush, or runs after
     the fold (PDL wait), so no kernel reads a checkpoint row another has rewritten.
 
-    The loaded rows take twice FP8's registers (128 words a lane): the step kernels ask
-    for 3 CTAs an SM (168 registers a thread), where neither spills on any target; at 4
-    (128 registers) the sm_90a non-flush kernel and the sm_100a pending step spill 8
-    bytes. Chosen from the cubins, not measured on a GPU."""
+    The loaded rows take twice FP8's registers (128 words a lane): 3 CTAs an SM (168
+    registers) spill nowhere; at 4 the sm_90a non-flush kernel and the sm_100a pending
+    step spill 8 bytes (from the cubins, not measured on a GPU)."""
 
     name = "fp16"
     Args = A.Fp16Copy
@@ -327,22 +271,19 @@ class Fp16(Fp8):
     def load_rows(self, copy, slot, hh, g, gq, q, hint: cutlass.Constexpr):
         return self.code_rows(copy, slot, hh, gq, q, hint)
 
+    pending_loads = load_rows
+
     @cute.jit
     def row_dots(self, loaded, cw, down, up, gq, q):
         """`Fp8.row_dots` with every row factor 1."""
         return [[acc[0], acc[2]] for acc in self.code_dots(loaded, cw, down)], up, [Float32(1.0)] * self.OUT_ROWS
 
     @cute.jit
-    def pending_loads(self, copy, slot, hh, g, gq, q, hint: cutlass.Constexpr):
-        return self.code_rows(copy, slot, hh, gq, q, hint)
-
-    @cute.jit
     def pending_dots(self, loaded, cw, down, gq, q):
         """`Fp8.pending_dots` with every row factor 1."""
         return self.code_dots(loaded, cw, down), [Float32(1.0)] * self.ROWS
 
-    def store_row(self, copy, slot, hh, pp, col0, q, nq, acc, i, s_amax, ctx, scodes, nt):
-        return None
+    store_row = Fp8._nothing
 
 
 class Nvfp4(_Format):
@@ -461,23 +402,14 @@ class Nvfp4(_Format):
                 sums = pk if sums is None else [sums[0] + pk[0], sums[1] + pk[1]]
             return sums
 
-        half = []  # m-tiles 2 h, 2 h + 1 summed over lane pairs -> m-tile 2 h + q % 2
-        for h in cutlass.range_constexpr(2):
-            part = [block_sums(mt) for mt in range(2 * h, 2 * h + 2)]
-            # Quad sum, butterfly: lane q ends with m-tile q's two rows (finish's selects).
-            row = []
-            for i in cutlass.range_constexpr(2):
-                mine = sel(b0, part[1][i], part[0][i])
-                other = sel(b0, part[0][i], part[1][i])
-                row.append(mine + cute.arch.shuffle_sync_bfly(other, 1))
-            half.append(row)
-        b1 = (q // 2) == 1
-        dots = []
-        for i in cutlass.range_constexpr(2):
-            mine = sel(b1, half[1][i], half[0][i])
-            other = sel(b1, half[0][i], half[1][i])
-            dots.append(mine + cute.arch.shuffle_sync_bfly(other, 2))
-        rd = [dots] * 4
+        def exchange(pair, b, m):  # keep pair[b] (both rows), add lane ^ m's pair[1 - b]
+            bfly = cute.arch.shuffle_sync_bfly
+            return [sel(b, pair[1][i], pair[0][i]) + bfly(sel(b, pair[0][i], pair[1][i]), m) for i in range(2)]
+
+        # Quad sum, butterfly: lane q ends with m-tile q's two rows (finish's selects);
+        # first m-tiles 2 h, 2 h + 1 over lane pairs -> m-tile 2 h + q % 2.
+        half = [exchange([block_sums(mt) for mt in range(2 * h, 2 * h + 2)], b0, 1) for h in range(2)]
+        rd = [exchange(half, (q // 2) == 1, 2)] * 4
         if cutlass.const_expr(self.TAIL):  # m-tile 4: its quad sum in every lane
             tail = block_sums(4)
             for m in (1, 2):
@@ -486,9 +418,7 @@ class Nvfp4(_Format):
         return rd, up * Float32(self.decode_factor), [g_scale] * self.OUT_ROWS
 
     # -- pending (cute/pending.py) ---------------------------------------------------------
-    @cute.jit
-    def pending_loads(self, copy, slot, hh, g, gq, q, hint: cutlass.Constexpr):
-        return self.load_rows(copy, slot, hh, g, gq, q, hint)
+    pending_loads = load_rows
 
     @cute.jit
     def pending_dots(self, loaded, cw, down, gq, q):
@@ -517,17 +447,14 @@ class Nvfp4(_Format):
         return acc_all, [rf] * self.ROWS
 
     # -- flush ----------------------------------------------------------------------------
-    # The flush writes the NVFP4 copy of S, exactly `formats.nvfp4_encode(S, A_live)`, with
-    # A_live = meta[slot, group, 1 - old_parity] (the prepare kernel has already set
-    # parity[slot] = 1 - old_parity and zeroed meta[slot, group, old_parity]), and
-    # max-accumulates the group amax of S into meta[slot, group, old_parity] with an atomic
-    # max on the FP32 bits as int32 (non-negative values order like their bits; max is
-    # order-independent, so every run writes the same bits). Race-free (format.md section
-    # 4): the CTAs of one (slot, group) read only the half 1 - old and write only the half
-    # old; the reset and the flip happened in the prepare launch before, on the same
-    # stream, and the non-flush launch of the step touches only non-flushing slots.
-    # A lane holds 16 consecutive columns of each of its rows: one whole block, so its
-    # amax needs no shuffle, its codes are two words and the lane writes the scale byte.
+    # The flush writes `formats.nvfp4_encode(S, A_live)`, A_live = meta[slot, group,
+    # 1 - old_parity], and max-accumulates the group amax of S into meta[slot, group,
+    # old_parity] by an atomic max on the FP32 bits as int32 (non-negative values order like
+    # their bits; order-independent, so every run writes the same bits). Race-free: the
+    # prepare launch before (same stream) flipped the parity and zeroed the old half, the
+    # CTAs of a (slot, group) read only the live half and write only the old one, and the
+    # non-flush launch touches only other slots. A lane holds one whole block of each of
+    # its rows: no shuffle for its amax, two code words, and the lane writes the scale byte.
     def fp16x2_sr(self, lo, hi, word):
         """sm_90a: bits.fp16x2_sr_fast (the general path of the voted rounding); sm_100a: cvt.rs."""
         return bits.fp16x2_sr_hw(lo, hi, word) if self.hw else bits.fp16x2_sr_fast(lo, hi, word)
@@ -567,7 +494,7 @@ class Nvfp4(_Format):
         ig_scale = ctx[3]
         t0 = bits_nvfp4.block_scale_input(bamax[0].bitcast(Float32), ig_scale, DSL_OPS)
         t1 = bits_nvfp4.block_scale_input(bamax[1].bitcast(Float32), ig_scale, DSL_OPS)
-        s_pair = self.e4m3x2_rn(t0, t1)
+        s_pair = bits.e4m3x2_rn_hw(t0, t1)
         return [s_pair & Uint32(0xFF), (s_pair >> 8) & Uint32(0xFF)]
 
     @cute.jit
