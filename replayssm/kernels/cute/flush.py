@@ -1,42 +1,22 @@
-"""Flush kernel (CuTe DSL, tensor-core fold), every format: the format (`read_copy.Fp8` /
-`Nvfp4` / `Fp16`) supplies the checkpoint's rounding conversion and the re-derivation of
-the read copy (fp16: none); everything else is shared.
-
+"""Flush kernel (CuTe DSL) of every format, and the pending mode's fold (`PendingFold`); the
+format (`read_copy`) supplies the checkpoint's rounding and the read copy's re-derivation.
 For every batch row whose plan says flush (ring index 15, docs/format.md section 5):
 
     S = exp(A pre_15) float(checkpoint) + sum_{j=0..15} dt_j exp(A (pre_15 - pre_j)) x_j (x) B_j
 
 in FP32 (entries 0..14 from the rings, 15 the current token), y = S . C + D x from the
-unrounded S, then the checkpoint is rewritten as FP16 with stochastic rounding (the hash
-bits of format.md section 6) and the read copy is re-derived from S (format.md section
-3). Rows that do not flush return at once. The ring is not written: the next step starts
-a period at entry 0.
-
-Work item (head part, row group): part mh of the state rows (16 mt of P; `Shape`: 32 of
-64 at head dim 64, 16 of 80 at 80) of one head, for the batch rows of one group (`rows`:
-16, or 32 for the FP8 flush at 64 heads and batch >= 128, config.step_config). A
-persistent grid of heads * m_split * columns CTAs (`flush_columns`: about
-`fmt.ctas_per_sm` CTAs of 4 warps an SM, so that the non-flush kernel shares every SM
-from the start) walks the items: CTA i keeps head part i % (heads * m_split) and takes
-row groups i // (heads * m_split), + columns, ...; per group it reads the flush flags
-with one ballot and folds each flushing row in turn, visiting only the set bits of the
-mask. The CTAs of a (row, head) need no communication: every output y[p], FP8 row scale
-and NVFP4 block depends on state row p alone (the NVFP4 group amax is an
+unrounded S; the checkpoint is rewritten as FP16 with stochastic rounding (format.md section
+6) and the read copy re-derived from S (section 3); the ring is not written (the next step
+starts a period at entry 0). The CTAs of a (row, head) need no communication: every y[p],
+FP8 row scale and NVFP4 block depends on state row p alone (the NVFP4 group amax is an
 order-independent atomic max).
 
-The fold is a K = 16 matrix product, S = decay ckpt + X' B with X'[p, j] = w_j x_j[p]
-(P x 16) and B[j, n] = B_j[n] (16 x N), on the tensor cores: `mma.m16n8k8` tf32 with
-X' split into two tf32 terms (hi = X' with its low 13 bits cleared, lo = X' - hi, exact),
-B exact in tf32 (bf16), the accumulator initialized with decay * ckpt; the result equals
-the FP32 fold to ~2**-21 relative per term. Warp w takes m-tile mt mh + w % mt (state
-rows 16 mt + gq and + 8 for lane 4 gq + q) and column part w // mt of 64 columns; the
-MMA's n index is permuted so that lane q's accumulators are the 16 consecutive columns
-64 (w // mt) + 16 q .. + 15 of its two rows: two 16-byte loads of the checkpoint and two
-16-byte stores of it per row, one 16-byte store of the FP8 read copy (NVFP4: a whole
-block a lane), and adjacent (even, odd) pairs for the FP16x2 hash words and the e4m3x2
-conversions. Row dots and amaxes are reduced over the four lanes of a row and the N / 64
-column parts (shared memory, in part order). Each lane holds 32 values in every shape;
-16 warps an SM fit at 128 registers a thread. docs/design.md gives the measurements behind the map.
+The fold, S = decay ckpt + X' B (K = 16, X'[p, j] = w_j x_j[p], B[j, n] = B_j[n]), runs on
+`mma.m16n8k8` tf32 with X' split into hi (low 13 bits cleared) + lo (exact) and B exact in
+tf32 (bf16): the FP32 fold to ~2**-21 relative per term. The MMA's n index is permuted
+(`_b_slot`) so that a lane holds 16 consecutive columns of its two rows (`lane_geometry`):
+16-byte checkpoint and read-copy accesses, adjacent pairs for the FP16x2 hash words.
+docs/design.md gives the measurements behind the map.
 """
 
 from __future__ import annotations
@@ -53,11 +33,8 @@ from cutlass.memory import SmemAllocator
 from ...layout import RING
 from . import args as A
 from . import bits
-from .bits import bf16x2_to_f32x2 as _bf16x2
-from .bits import sel, softplus
-from .bits import vec as _vec
-from .bits import vec_aligned as _vec_a
-from .bits import xor_reduce as _xor_reduce
+from .bits import bf16x2_to_f32x2 as _bf16x2, sel, softplus
+from .bits import vec as _vec, vec_aligned as _vec_a, xor_reduce as _xor_reduce
 from .mma import mma_tf32_16x8x8
 
 NT = 8  # n-tiles of 8 per warp; a lane holds 2 rows x 16 columns
@@ -65,11 +42,9 @@ COLUMNS = 64  # state columns of a column part (4 lanes x 16)
 
 
 class Shape(NamedTuple):
-    """The flush CTA of one cache geometry: `mt` m-tiles of 16 state rows by `cp` column
-    parts of 64 columns, a warp each (warp w: m-tile w % mt, part w // mt), and `m_split`
-    CTAs a (row, head). A lane's work is the same in every shape (2 rows x 16 columns);
-    CTAs an SM scale with 1 / warps, so an SM holds the same threads (16 warps: 128
-    registers a thread)."""
+    """The flush CTA of a cache geometry: `mt` m-tiles of 16 state rows by `cp` parts of 64
+    columns, a warp each, and `m_split` CTAs a (row, head). A lane's work is 2 rows x 16
+    columns in every shape, so CTAs an SM scale with 1 / warps (16 warps: 128 registers)."""
 
     mt: int
     cp: int
@@ -83,13 +58,11 @@ class Shape(NamedTuple):
     def threads(self) -> int:
         return 32 * self.warps
 
-    def ctas(self, at_4_warps: float) -> float:
-        """CTAs an SM holding the threads of `at_4_warps` CTAs of 4 warps."""
+    def ctas(self, at_4_warps: float) -> float:  # CTAs an SM with the threads of that many 4-warp CTAs
         return at_4_warps * 4 / self.warps
 
     @property
-    def min_ctas(self) -> int:
-        """The register bound: 16 warps an SM."""
+    def min_ctas(self) -> int:  # the register bound: 16 warps an SM
         return 16 // self.warps
 
 
@@ -101,22 +74,15 @@ def shape(P: int, N: int) -> Shape:
 
 
 def fold_ctas_per_sm(fmt) -> int:
-    """The pending fold's CTAs an SM (its grid and register bound): the format's figure
-    for 4-warp CTAs, scaled to the fold CTA of the format's geometry."""
+    """The pending fold's CTAs an SM (grid, register bound): the format's, scaled by `Shape`."""
     return round(shape(fmt.P, fmt.N).ctas(fmt.fold_ctas_per_sm))
 
 
 def flush_columns(heads: int, ctas_per_sm: float, sm_count: int, sh: Shape, round_up: bool = False) -> int:
-    """CTA columns of the flush grid: it launches heads * m_split * min(row groups,
-    columns) CTAs, CTA i taking head part i % (heads * m_split) of the row groups
-    i // (heads * m_split), + columns, ... in turn; about `ctas_per_sm` CTAs of 4 warps an
-    SM (`Shape.ctas`), the nearest whole number of columns, or with `round_up` the next
-    (the format's `flush_round_up_batch` says at which batches).
-
-    Persistent because the flush runs beside the non-flush kernel: with one CTA per
-    (head part, row group) its pending CTAs held back the non-flush kernel, which started
-    only when the last of them was handed out; with a fixed few CTAs an SM the non-flush
-    CTAs take the rest of every SM from the start (docs/design.md)."""
+    """CTA columns of the persistent flush grid: about `ctas_per_sm` CTAs of 4 warps an SM,
+    the nearest whole number, or with `round_up` the next. Persistent because the flush runs
+    beside the non-flush kernel, which one CTA per (head part, row group) held back until the
+    last was handed out; a few CTAs an SM leave it the rest of every SM (docs/design.md)."""
     exact = sh.ctas(ctas_per_sm) * sm_count / (heads * sh.m_split)
     return max(1, math.ceil(exact) if round_up else round(exact))
 
@@ -134,15 +100,9 @@ def _b_slot(n: int, N: int) -> int:
 
 @cute.jit
 def flush_mask(t, by, plan_flush, plan_slot, batch, s_mask, s_slot, buf, rows: cutlass.Constexpr):
-    """Bit rr set when batch row by * rows + rr flushes (rows <= 32): one load per lane of
-    warp 0 and one ballot, shared with the whole CTA through `s_mask[buf]` (two Int32
-    words, used in turn by a CTA's successive row groups: warp 0 rewrites a word only
-    after every thread has passed the barrier that followed the other word's write, so
-    after every thread has read this word; no second barrier a group). The same lanes
-    load the rows' plan.slot with their flags into s_slot[32 buf + lane] (read after the
-    same barrier; rewritten under the same rule as the flag words, and read only for rows
-    whose flag bit is set, all of which this call wrote), so a flushed row's data loads
-    need no round trip of their own for the slot."""
+    """Bit rr set when batch row by * rows + rr flushes (one ballot, rows <= 32); warp 0 also
+    stages the rows' plan.slot in s_slot[32 buf + lane]. Groups alternate buf: a word is
+    rewritten only after every thread passed the barrier after the other's write."""
     if t < 32:
         b_t = by * rows + t
         f = Int32(0)
@@ -158,51 +118,40 @@ def flush_mask(t, by, plan_flush, plan_slot, batch, s_mask, s_slot, buf, rows: c
 
 
 def _b_stage_base(ch):
-    """Staged position of column 8 ch (a staging thread's first column, ch runtime):
-    columns 8 ch + i sit there + 4 (i % 2) + i // 2 (= _b_slot(8 ch + i)), so a staging
-    thread writes 8 consecutive floats (even columns, then odd)."""
+    """Staged position of column 8 ch: columns 8 ch + i sit there + 4 (i % 2) + i // 2
+    (= _b_slot(8 ch + i)), so a staging thread writes 8 consecutive floats."""
     return 64 * (ch // 8) + 32 * (ch % 2) + 8 * ((ch % 8) // 2)
 
 
 class Flush:
-    """The flush for one (format, heads, groups) and launch variant: `pdl` (the CTAs may
-    become resident while the prepare kernel runs and wait for it by griddepcontrol
-    before their first global access), `rows` (batch rows of a row group, <= 32: one
-    ballot), `debug` (the test variant: its plan is a `DebugPlan`, and it also writes
-    the FP32 state S of every flushed row, so tests can apply the reference quantizers
-    to the kernel's own S) and `dense_rows` (as `decode.Decode`'s)."""
+    """The flush of one (format, heads, groups) and launch variant: `pdl` (wait for the
+    prepare kernel before the first global access), `rows` (a row group's batch rows, <= 32),
+    `debug` (a `DebugPlan`; also writes the FP32 S of every flushed row, so tests can quantize
+    the kernel's own S) and `dense_rows` (as `decode.Decode`'s)."""
 
-    def __init__(self, fmt, heads: int, groups: int, *, pdl: bool = False, rows: int = 16, debug: bool = False, dense_rows: bool = True, pending: bool = False) -> None:
-        self.pending = pending
-        self.fmt = fmt
-        self.dense_rows = dense_rows
-        self.heads, self.groups = heads, groups
-        self.hpg = heads // groups
-        self.pdl = pdl
-        self.rows = rows
-        self.debug = debug
+    def __init__(self, fmt, heads: int, groups: int, *, pdl: bool = False, rows: int = 16,
+                 debug: bool = False, dense_rows: bool = True, pending: bool = False) -> None:
+        self.fmt, self.heads, self.groups, self.hpg = fmt, heads, groups, heads // groups
+        self.pdl, self.rows, self.debug, self.dense_rows, self.pending = pdl, rows, debug, dense_rows, pending
         self.sr_voted = fmt.sr_voted  # the checkpoint's rounding through the warp-voted normal-range path
-        # The cache geometry (head dim P, state dim N) is the format's (read_copy_format).
-        self.P, self.N = fmt.P, fmt.N
+        self.P, self.N = fmt.P, fmt.N  # the cache geometry
         self.sh = shape(self.P, self.N)
         self.ROWS_CTA = 16 * self.sh.mt  # state rows a CTA folds
-        # Shared-memory rows (floats): a staged B_j is N values in fragment order plus 8
-        # (rows 8 banks apart: the eight lanes of a 16-byte load phase hit distinct banks);
-        # a staged x_j is P values plus 8 (the four entries a warp's A fragment reads 8
-        # banks apart).
+        # Staged rows padded by 8 floats (8 banks): B_j's so that the eight lanes of a 16-byte
+        # load phase hit distinct banks, x_j's so that the four entries of an A fragment do.
         self.B_ROW = self.N + 8
         self.X_ROW = self.P + 8
 
+    def _launch(self, kernel, ctas, min_ctas: int, stream):
+        # Shared-memory carveout -1: the driver's choice (and no device query at compile time).
+        kernel.launch(grid=[ctas, 1, 1], block=[self.sh.threads, 1, 1], min_blocks_per_mp=min_ctas,
+                      preferred_smem_carveout=-1, stream=stream, **({"use_pdl": True} if self.pdl else {}))
+
     @cute.jit
     def __call__(self, ckpt, ring, copy, inputs, plan, columns: Int64, batch: Int32, stream: cuda_driver.CUstream):
-        self.kernel(ckpt, ring, copy, inputs, plan, batch).launch(
-            grid=[self.heads * self.sh.m_split * cutlass.min((batch + self.rows - 1) // self.rows, Int32(columns)), 1, 1],
-            block=[self.sh.threads, 1, 1],
-            min_blocks_per_mp=self.sh.min_ctas,
-            preferred_smem_carveout=-1,  # the driver's choice (and no device query at compile time)
-            stream=stream,
-            **({"use_pdl": True} if self.pdl else {}),
-        )
+        kernel = self.kernel(ckpt, ring, copy, inputs, plan, batch)
+        groups = cutlass.min((batch + self.rows - 1) // self.rows, Int32(columns))
+        self._launch(kernel, self.heads * self.sh.m_split * groups, self.sh.min_ctas, stream)
 
     @cute.kernel
     def kernel(self, ckpt, ring, copy, inputs, plan, batch: Int32):
@@ -210,24 +159,13 @@ class Flush:
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()  # before the first global access
         smem = SmemAllocator()
-        s_x, s_b, s_dt, s_dot, s_amax = self.shared_buffers(smem)
+        bufs = self.shared_buffers(smem)
         s_fmt = self.fmt.shared(smem, self.sh.warps)
         s_mask = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=4)
         s_slot = smem.allocate_tensor(Int64, cute.make_layout(64), byte_alignment=8)
-
-        def row(hh, mh, bb, slot):
-            self.flush_row(t, hh, mh, bb, slot, s_x, s_b, s_dt, s_dot, s_amax, s_fmt, ckpt, ring, copy, inputs, plan)
-
-        self.for_each_flush_row(t, plan.flush, plan.slot, batch, s_mask, s_slot, row)
-
-    @cute.jit
-    def for_each_flush_row(self, t, plan_flush, plan_slot, batch, s_mask, s_slot, row):
-        """Call row(head, state-row half, batch row, slot) for every flushing row of this
-        CTA's work items, in turn. Persistent over the row groups (self.rows rows): CTA
-        bid keeps head part bid % hm (hm = heads * m_split) and takes groups bid // hm,
-        + n_ctas // hm, ... (flush_columns says why); per group one ballot of the flags
-        (flush_mask), then one trip per flushing row (usually one), not one per row of the
-        group: the 16-trip scan cost ~9 instructions a trip in every warp."""
+        # Persistent: CTA bid keeps head part bid % hm and takes row groups bid // hm, + n_ctas
+        # // hm, ...; per group one ballot (flush_mask), then one trip per flushing row, not
+        # one per row: the 16-trip scan cost ~9 instructions a trip in every warp.
         bid, _, _ = cute.arch.block_idx()
         n_ctas, _, _ = cute.arch.grid_dim()
         hm = Int32(self.heads * self.sh.m_split)
@@ -235,18 +173,18 @@ class Flush:
         mh = bx % self.sh.m_split
         for by in range(Int32(bid) // hm, (batch + Int32(self.rows - 1)) // Int32(self.rows), Int32(n_ctas) // hm):
             buf = (by // (Int32(n_ctas) // hm)) & Int32(1)
-            mask = flush_mask(t, by, plan_flush, plan_slot, batch, s_mask, s_slot, buf, self.rows)
+            mask = flush_mask(t, by, plan.flush, plan.slot, batch, s_mask, s_slot, buf, self.rows)
             rows = mask
             for _ in range(bits.popc(mask)):
                 rr = bits.lowest_set_bit(rows)
                 rows = rows & (rows - Int32(1))
                 if rr < Int32(self.rows):  # always true; keeps the body conditional (no hoisting out of the loop)
-                    row(Int64(bx // self.sh.m_split), mh, Int64(by * self.rows + rr), s_slot[buf * 32 + rr])
+                    self.fold_row(t, Int64(bx // self.sh.m_split), mh, Int64(by * self.rows + rr),
+                                  s_slot[buf * 32 + rr], 0, RING - 1, None, None, bufs, s_fmt, ckpt, ring,
+                                  copy, inputs, plan)
 
     def shared_buffers(self, smem):
-        """Staged x_j (FP32, X_ROW a row), B_j (FP32, fragment order, B_ROW a row), dt_j
-        followed by D[p] of the CTA's 32 state rows, and per (column part, state row)
-        the partial dots and amax bits."""
+        """Staged x_j, B_j, dt_j then D[p] (FP32); per (column part, state row) dots, amaxes."""
         s_x = smem.allocate_tensor(Float32, cute.make_layout(RING * self.X_ROW), byte_alignment=16)
         s_b = smem.allocate_tensor(Float32, cute.make_layout(RING * self.B_ROW), byte_alignment=16)
         s_dt = smem.allocate_tensor(Float32, cute.make_layout(RING + self.ROWS_CTA), byte_alignment=16)
@@ -255,94 +193,96 @@ class Flush:
         return s_x, s_b, s_dt, s_dot, s_amax
 
     @cute.jit
-    def flush_row(self, t, hh, mh, bb, slot, s_x, s_b, s_dt, s_dot, s_amax, s_fmt, ckpt, ring, copy, inputs, plan):
-        """State rows 32 mh .. + 31 of one flushing batch row of head hh (the whole CTA)."""
+    def fold_row(self, t, hh, mh, bb, slot, base, count, live, key, bufs, s_fmt, ckpt, ring, copy, inputs,
+                 plan):
+        """State-row part mh of head hh of one flushing (pending: folding, its plan row's
+        `live` word and `key`) batch row, the whole CTA; `base`, `count` as `fold`'s."""
         fmt = self.fmt
+        s_x, s_b, s_dt, s_dot, s_amax = bufs
         q, nq, rows, col0 = self.lane_geometry(t, mh, self.sh.mt)
-        key = Uint32(plan.key[bb])
-        ctx = fmt.begin_row(copy, plan, slot, bb, hh // self.hpg)
-        acc, r_c, ck_w, ck_head = self.fold(t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, ring, inputs, 0, RING - 1)
-        self.row_partials(t, mh, acc, r_c, s_dot, s_amax, fmt.row_amax)
+        if cutlass.const_expr(self.pending):
+            ctx = fmt.begin_fold(copy, Int64(Int32(1) - (live & Int32(1))), slot, hh // self.hpg)
+        else:
+            key = Uint32(plan.key[bb])
+            ctx = fmt.begin_row(copy, plan, slot, bb, hh // self.hpg)
+        acc, r_c, ck_w, ck_head = self.fold(t, hh, mh, bb, slot, bufs, ckpt, ring, inputs, base, count)
+        self.row_partials(t, mh, acc, r_c, s_dot, s_amax, fmt.row_amax, not self.pending)
         stats = fmt.lane_stats(acc, 2, NT)
         cute.arch.sync_threads()
         scodes = fmt.block_scales(stats, ctx)
         for i in cutlass.range_constexpr(2):
-            p = rows[i]
-            pp = Int64(p)
-            self.row_output(t, mh, hh, bb, p, s_x, s_dot, s_dt, inputs.out)
+            pp = Int64(rows[i])
+            if cutlass.const_expr(not self.pending):
+                self.row_output(t, mh, hh, bb, rows[i], s_x, s_dot, s_dt, inputs.out)
             if cutlass.const_expr(self.debug):
                 self.store_state(hh, bb, pp, col0, acc, i, plan)
             fmt.store_row(copy, slot, hh, pp, col0, q, nq, acc, i, s_amax, ctx, scodes, NT)
-            self.store_checkpoint(hh + Int64(ckpt.head_offset), pp, col0, key, acc, i, ck_w, ck_head)
+            self.store_checkpoint(hh + Int64(ckpt.head_offset), pp, col0, Uint32(key), acc, i, ck_w, ck_head)
         fmt.before_barrier(t, stats, s_fmt)
-        # Also: the next flushing row of this CTA restages the shared buffers.
-        cute.arch.sync_threads()
+        cute.arch.sync_threads()  # also: the next row or item restages the shared buffers
         fmt.after_barrier(t, ctx, s_fmt, copy, self.sh.warps)
 
-    # -- the shared parts of a flushed row ------------------------------------------------
     @staticmethod
     def lane_geometry(t, mh, mt_cta: int = 2):
-        """(q, column part, [row 0, row 1], first column) of thread t in the CTA of state-row
-        part mh (`mt_cta` m-tiles a CTA): warp w takes m-tile mt_cta mh + w % mt_cta and
-        column part w // mt_cta; lane 4 gq + q holds rows 16 mt + gq (+ 8) at columns
-        64 part + 16 q .. + 15."""
-        lane = t % 32
-        w = t // 32
-        gq = lane // 4
-        q = lane % 4
+        """(q, column part, [row 0, row 1], first column) of thread t in CTA mh: warp w takes
+        m-tile mt_cta mh + w % mt_cta and part w // mt_cta; lane 4 gq + q rows 16 mt + gq
+        (+ 8) at columns 64 part + 16 q .. + 15."""
+        lane, w = t % 32, t // 32
+        gq, q = lane // 4, lane % 4
         mt = mh * mt_cta + w % mt_cta
         nq = w // mt_cta
         return q, nq, [mt * 16 + gq, mt * 16 + gq + 8], nq * COLUMNS + q * (2 * NT)
 
     @staticmethod
     def words(ptr, off, n: int) -> list:
-        """n (a multiple of 4) 32-bit words at word offset `off` (16-byte aligned), by
-        16-byte loads, as a list."""
+        """n (a multiple of 4) 32-bit words at word offset `off` by 16-byte loads, as a list."""
         out = []
         for k in range(n // 4):
             v = _vec_a(ptr, off + 4 * k, 4).load()
             out += [v[u] for u in range(4)]
         return out
 
+    @staticmethod
+    def f32x8(word, pairs: bool = False):
+        """bf16x2 words word(0..3) as 8 FP32 registers: in order (`pairs`), or the even
+        elements then the odd (B_j's staged order, `_b_stage_base`)."""
+        r = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+        for k in range(4):
+            v = _bf16x2(word(k))
+            r[2 * k if pairs else k] = v[0]
+            r[2 * k + 1 if pairs else 4 + k] = v[1]
+        return r
+
     @cute.jit
     def stage_x(self, s_x, jx, xs, words):
         """x_j of entry jx, state rows xs .. xs + 7 (4 bf16x2 words), to s_x as FP32."""
-        r_xs = cute.make_rmem_tensor(cute.make_layout(8), Float32)
-        for k in cutlass.range_constexpr(4):
-            v = _bf16x2(words[k])
-            r_xs[2 * k] = v[0]
-            r_xs[2 * k + 1] = v[1]
+        r_xs = self.f32x8(lambda k: words[k], True)
         for k in cutlass.range_constexpr(2):
             _vec_a(s_x.iterator, jx * self.X_ROW + xs + 4 * k, 4).store(_vec(r_xs.iterator, 4 * k, 4).load())
 
     def entry(self, base, j):
-        """Ring entry of staged entry j: j itself (a flush folds the ring in order), or
-        (base + j) mod 16 (pending: the committed entries from the checkpoint's index)."""
+        """Ring entry of staged entry j: j (flush), or (base + j) mod 16 (pending: committed)."""
         return (base + j) & Int32(RING - 1) if self.pending else j  # base, j >= 0
 
     @cute.jit
-    def fold(self, t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, ring, inputs, base, count):
-        """S of this lane's 32 elements, from the checkpoint and the 16 ring entries (the
-        current token as entry 15; pending: ring entries `entry(base, j)` for j < count,
-        zeros beyond), on the tensor cores. Returns (acc, this lane's C words,
-        the checkpoint as words, the head's first checkpoint word); acc[nt][2 i + e] is
-        row i at lane column 2 nt + e. Leaves s_x (x_j of this CTA's state rows, FP32)
-        and s_dt[RING:] (their D[p]) staged for the outputs."""
+    def fold(self, t, hh, mh, bb, slot, bufs, ckpt, ring, inputs, base, count):
+        """S of this lane's 32 elements from the checkpoint and entries 0..15 (15 the current
+        token; pending: ring entries `entry(base, j)` for j < count, zeros beyond): (acc, the
+        lane's C words, checkpoint words, the head's first checkpoint word), acc[nt][2 i + e]
+        row i at lane column 2 nt + e. Leaves s_x and s_dt[RING:] (D[p]) for the outputs."""
+        s_x, s_b, s_dt = bufs[:3]
         g = hh // self.hpg
         lane = t % 32
         gq = lane // 4
         q, nq, rows, col0 = self.lane_geometry(t, mh, self.sh.mt)
 
-        # Checkpoint first (the largest read), in flight during the staging below: per
-        # row 16 FP16 values = 8 words, two 16-byte loads.
+        # Checkpoint first (the largest read), in flight during the staging below.
         ck_w = cute.recast_ptr(ckpt.state, dtype=Uint32)
         ck_head = slot * ckpt.stride16 * 4 + hh * (self.P * self.N // 2)
         r_ck = [self.words(ck_w, ck_head + Int64(rows[i] * (self.N // 2) + col0 // 2), NT) for i in range(2)]
         # dt_j (threads 0..14: the ring; thread 15: the step's raw dt and dt_bias) and A,
-        # as predicated loads in straight-line code: ptxas issues them with the others
-        # here. Loaded inside the `t < RING` branch below, they were issued only after
-        # the x_j / B_j stores to shared memory, a memory round trip of their own before
-        # the barrier.
+        # predicated in straight-line code so that ptxas issues them with the others (inside
+        # the `t < RING` branch below they waited for the x_j / B_j stores: a round trip).
         ring_dt = bits.ld_global_u32_if((ring.dt + (slot * ring.dt_stride + hh * RING + Int64(self.entry(base, t)))).toint(), sel(t < count, Int32(1), Int32(0)))
         a_h = bits.ld_global_u32_if((inputs.A + hh * inputs.a_stride).toint(), Int32(1)).bitcast(Float32)
         raw_dt, bias_dt, d_row, r_c = Float32(0.0), Uint32(0), Uint32(0), None
@@ -350,15 +290,13 @@ class Flush:
             last = sel(t == RING - 1, Int32(1), Int32(0))
             raw_dt = bits.ld_global_dt_if(inputs.dt, bb * inputs.dt_stride_b + hh * inputs.dt_stride_h, last)
             bias_dt = bits.ld_global_u32_if((inputs.dt_bias + hh * inputs.dt_bias_stride).toint(), last)
-            # D[p] of the CTA's state rows (threads 0..31), staged for the outputs. Loaded in
-            # row_output, after the barrier that precedes it, D was a round trip inside every
-            # flushed row's chain.
+            # D[p] of the CTA's state rows, staged for the outputs (loaded in row_output, after
+            # its barrier, D was a round trip in every flushed row's chain).
             d_row = bits.ld_global_u32_if((inputs.D + (hh * inputs.d_stride_h + Int64(mh * self.ROWS_CTA + t % self.ROWS_CTA) * inputs.d_stride_p)).toint(), sel(t < self.ROWS_CTA, Int32(1), Int32(0)))
             c_w = cute.recast_ptr(inputs.C, dtype=Uint32)
             r_c = self.words(c_w, A.row_words(self.dense_rows, bb, inputs.c_stride16, self.groups * self.N // 2) + g * (self.N // 2) + Int64(col0 // 2), NT)
 
-        # Stage x_j (FP32) of this CTA's 32 state rows and B_j (FP32, fragment order) of
-        # entries 0..15: 15 from the rings, the current token as entry 15; and dt_j.
+        # Stage x_j of this CTA's state rows, B_j (fragment order) and dt_j, in FP32.
         xw = cute.recast_ptr(ring.x, dtype=Uint32)
         bw = cute.recast_ptr(ring.b, dtype=Uint32)
         xcur = bcur = None
@@ -366,17 +304,15 @@ class Flush:
             xcur = cute.recast_ptr(inputs.x, dtype=Uint32)
             bcur = cute.recast_ptr(inputs.B, dtype=Uint32)
         ch = t % (self.N // 8)  # columns 8 ch .. 8 ch + 7
-        # B_j staging: 16 entries x 16 chunks of 8 columns, `reps` a thread (entry jb of
-        # rep: t // 16 + rep * threads // 16; only the last rep holds entry 15).
-        chunks = self.N // 8  # B staging: chunks of 8 columns a row
+        # B_j staging: 16 entries x N / 8 chunks, `reps` a thread (the last holds entry 15).
+        chunks = self.N // 8
         reps = RING * chunks // self.sh.threads
         tx = t % (RING * self.ROWS_CTA // 8)
         jx = tx // (self.ROWS_CTA // 8)
         xs = mh * self.ROWS_CTA + (tx % (self.ROWS_CTA // 8)) * 8
         r_bs = []
         if cutlass.const_expr(self.fmt.stage_one_source):
-            # One predicated 16-byte load a staging thread and source (the ring for entries
-            # 0..14, the step's input for entry 15; the other load gives zeros), in
+            # One predicated 16-byte load a thread and source (the other gives zeros), in
             # straight-line code, so that ptxas issues the x_j and B_j loads together.
             x_on = sel(t < RING * self.ROWS_CTA // 8, Int32(1), Int32(0))
             x_ring_on = sel(jx < count, x_on, Int32(0))
@@ -400,16 +336,10 @@ class Flush:
             if t < RING * self.ROWS_CTA // 8:
                 self.stage_x(s_x, jx, xs, [x_ring_w[k] | x_cur_w[k] for k in range(4)])
             for rep in cutlass.range_constexpr(reps):
-                r_rep = cute.make_rmem_tensor(cute.make_layout(8), Float32)
-                for k in cutlass.range_constexpr(4):
-                    v = _bf16x2(b_words[rep][k])
-                    r_rep[k] = v[0]  # column 8 ch + 2 k
-                    r_rep[4 + k] = v[1]  # column 8 ch + 2 k + 1
-                r_bs.append(r_rep)
+                r_bs.append(self.f32x8(lambda k: b_words[rep][k]))
         else:
-            # Both sources loaded by every staging thread, the entry picked by a select
-            # (pending: the ring's entries j < count, zeros beyond: later entries may be
-            # rejected drafts holding NaN).
+            # Both sources loaded, the entry picked by a select (pending: zeros for j >= count,
+            # whose entries may be rejected drafts holding NaN).
             if t < RING * self.ROWS_CTA // 8:
                 from_ring = _vec_a(xw, slot * ring.x_stride16 * 4 + (hh * RING + Int64(self.entry(base, jx))) * (self.P // 2) + Int64(xs // 2), 4).load()
                 if cutlass.const_expr(self.pending):
@@ -420,24 +350,13 @@ class Flush:
             for rep in cutlass.range_constexpr(reps):
                 jb = t // chunks + rep * (self.sh.threads // chunks)
                 from_ring = _vec_a(bw, slot * ring.b_stride16 * 4 + (g * RING + Int64(self.entry(base, jb))) * (self.N // 2) + Int64(ch * 4), 4).load()
-                r_rep = cute.make_rmem_tensor(cute.make_layout(8), Float32)
                 if cutlass.const_expr(self.pending):
-                    for k in cutlass.range_constexpr(4):
-                        v = _bf16x2(sel(jb < count, from_ring[k], Uint32(0)))
-                        r_rep[k] = v[0]
-                        r_rep[4 + k] = v[1]
+                    r_bs.append(self.f32x8(lambda k: sel(jb < count, from_ring[k], Uint32(0))))
                 elif cutlass.const_expr(rep == reps - 1):
                     cur = _vec_a(bcur, A.row_words(self.dense_rows, bb, inputs.b_stride16, self.groups * self.N // 2) + g * (self.N // 2) + Int64(ch * 4), 4).load()
-                    for k in cutlass.range_constexpr(4):
-                        v = _bf16x2(sel(jb == RING - 1, cur[k], from_ring[k]))
-                        r_rep[k] = v[0]  # column 8 ch + 2 k
-                        r_rep[4 + k] = v[1]  # column 8 ch + 2 k + 1
+                    r_bs.append(self.f32x8(lambda k: sel(jb == RING - 1, cur[k], from_ring[k])))
                 else:
-                    for k in cutlass.range_constexpr(4):
-                        v = _bf16x2(from_ring[k])
-                        r_rep[k] = v[0]
-                        r_rep[4 + k] = v[1]
-                r_bs.append(r_rep)
+                    r_bs.append(self.f32x8(lambda k: from_ring[k]))
         for rep in cutlass.range_constexpr(reps):
             jb = t // chunks + rep * (self.sh.threads // chunks)
             b_base = jb * self.B_ROW + _b_stage_base(ch)
@@ -466,59 +385,48 @@ class Flush:
         decay = cute.math.exp(a_h * total)
 
         # A fragments (X' = w_j x_j[p], tf32 hi + lo) of k-steps 0 and 1.
-        a_hi, a_lo = [], []
+        a_hi, a_lo = [[], []], [[], []]
         for ks in cutlass.range_constexpr(2):
-            hi_k, lo_k = [], []
             for jj in cutlass.range_constexpr(2):  # a0/a1: entry 8 ks + q, a2/a3: + 4
                 j = ks * 8 + jj * 4 + q
                 w_s = cute.arch.shuffle_sync(w_j, j)
                 for i in cutlass.range_constexpr(2):
                     xp = w_s * s_x[j * self.X_ROW + rows[i]]
                     hb = xp.bitcast(Uint32) & Uint32(0xFFFFE000)
-                    hi_k.append(hb)
-                    lo_k.append((xp - hb.bitcast(Float32)).bitcast(Uint32))
-            a_hi.append(hi_k)
-            a_lo.append(lo_k)
-        # B fragments: b0 = B_{8 ks + q}, b1 = B_{8 ks + q + 4} at lane column gq of the
-        # column half's 8 n-tiles: two 16-byte loads (_b_slot).
-        b_frag = []
+                    a_hi[ks].append(hb)
+                    a_lo[ks].append((xp - hb.bitcast(Float32)).bitcast(Uint32))
+        # B fragments b0 = B_{8 ks + q}, b1 = B_{8 ks + q + 4}, column gq: 16-byte loads (_b_slot).
+        b_frag = [[], []]
         for ks in cutlass.range_constexpr(2):
-            pair = []
             for jj in cutlass.range_constexpr(2):
                 off = (ks * 8 + jj * 4 + q) * self.B_ROW + nq * COLUMNS + gq * 4
                 frag = []
                 for k in cutlass.range_constexpr(NT // 4):
                     v = _vec_a(s_b.iterator, off + 32 * k, 4).load()
                     frag += [v[u].bitcast(Uint32) for u in range(4)]
-                pair.append(frag)
-            b_frag.append(pair)
+                b_frag[ks].append(frag)
 
         # S: acc[nt] = (row 0 at lane columns 2 nt, 2 nt + 1, row 1 at the same).
         acc = []
         for nt in cutlass.range_constexpr(NT):
-            c4 = []
+            a4 = []
             for i in cutlass.range_constexpr(2):
                 pair = bits.f16x2_to_f32x2(r_ck[i][nt])
-                c4.append(decay * pair[0])
-                c4.append(decay * pair[1])
-            a4 = [c4[0], c4[1], c4[2], c4[3]]
+                a4 += [decay * pair[0], decay * pair[1]]
             for ks in cutlass.range_constexpr(2):
                 bf = [b_frag[ks][0][nt], b_frag[ks][1][nt]]
                 a4 = mma_tf32_16x8x8(a_hi[ks], bf, a4)
                 a4 = mma_tf32_16x8x8(a_lo[ks], bf, a4)
             acc.append(a4)
-        # Values of row i (0, 1) at this lane's column 2 nt + e: acc[nt][2 i + e].
         return acc, r_c, ck_w, ck_head
 
     @cute.jit
     def row_partials(self, t, mh, acc, r_c, s_dot, s_amax, row_amax: cutlass.Constexpr = True, dots: cutlass.Constexpr = True):
-        """Row dots with C and (`row_amax`) amaxes of this column part: over the 4
-        lanes of a row, into s_dot / s_amax[half * 64 + row] (a barrier must follow
-        before they are read)."""
+        """Row dots with C (`dots`) and amaxes (`row_amax`) of this column part, reduced over
+        the 4 lanes of a row into s_dot / s_amax[part * P + row] (read after a barrier)."""
         q, nq, rows, col0 = self.lane_geometry(t, mh, self.sh.mt)
         for i in cutlass.range_constexpr(2):
-            dot = Float32(0.0)
-            amax = Int32(0)
+            dot, amax = Float32(0.0), Int32(0)
             for nt in cutlass.range_constexpr(NT):
                 for e in cutlass.range_constexpr(2):
                     v = acc[nt][2 * i + e]
@@ -537,8 +445,7 @@ class Flush:
 
     @cute.jit
     def row_output(self, t, mh, hh, bb, p, s_x, s_dot, s_dt, out):
-        """y[p] = S[p] . C + D[p] x[p] from the column parts' dots and the staged D[p]
-        (s_dt[RING + p % 32], written by `fold`); one lane writes it."""
+        """y[p] = S[p] . C + D[p] x[p] from the parts' dots and the staged D[p]; one lane."""
         q, nq, rows, col0 = self.lane_geometry(t, mh, self.sh.mt)
         pp = Int64(p)
         if nq == 0:
@@ -552,20 +459,18 @@ class Flush:
     @cute.jit
     def store_state(self, hh, bb, pp, col0, acc, i, plan):
         """Test variant (a `DebugPlan`): this lane's 16 FP32 values of row i to plan.state."""
-        if cutlass.const_expr(self.debug):
-            r_state = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-            for k4 in cutlass.range_constexpr(NT // 2):
-                for k in cutlass.range_constexpr(4):
-                    c = 4 * k4 + k  # column col0 + c = 2 nt + e
-                    r_state[k] = acc[c // 2][2 * i + c % 2]
-                _vec_a(plan.state, ((bb * self.heads + hh) * self.P + pp) * self.N + Int64(col0 + 4 * k4), 4).store(r_state.load())
+        r_state = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        for k4 in cutlass.range_constexpr(NT // 2):
+            for k in cutlass.range_constexpr(4):
+                c = 4 * k4 + k  # column col0 + c = 2 nt + e
+                r_state[k] = acc[c // 2][2 * i + c % 2]
+            at = ((bb * self.heads + hh) * self.P + pp) * self.N + Int64(col0 + 4 * k4)
+            _vec_a(plan.state, at, 4).store(r_state.load())
 
     @cute.jit
     def store_checkpoint(self, h_model, pp, col0, key, acc, i, ck_w, ck_head):
-        """Row i's 16 values as FP16 pairs with stochastic rounding; one hash word per
-        pair, word index ((h * 64 + p) * 128 + n) / 2 with h the model's head (the
-        cache's head plus its head_offset), so tensor-parallel shards draw the bits one
-        unsharded cache would."""
+        """Row i's 16 values as FP16 pairs with stochastic rounding, hash word ((h P + p) N + n) / 2
+        a pair, h the model's head: tensor-parallel shards draw an unsharded cache's bits."""
         r_ck_out = cute.make_rmem_tensor(cute.make_layout(NT), Uint32)
         w0 = Uint32((h_model * self.P + pp) * (self.N // 2)) + Uint32(col0 // 2)
         if cutlass.const_expr(self.sr_voted):
@@ -582,15 +487,10 @@ class Flush:
 
 
 class PendingFold(Flush):
-    """Pending mode's fold (plan.py's plan kernel lists the rows that
-    fold): per listed row and head, S = exp(A pre) ckpt + sum_{j < nf} w_j x_j (x) B_j over
-    the committed ring entries (f_old + j) mod 16, j < nf (dt from the ring; later entries
-    are zeros: they may be rejected drafts holding NaN), then the checkpoint (stochastic
-    rounding, the plan row's key) and the read copy exactly as the flush writes them; no
-    outputs (the step kernel reads the new read copy). Work items (listed row, head half)
-    over a persistent grid of `ctas` CTAs; `pdl` (the default): launched with programmatic
-    dependent launch behind the plan kernel. `debug`: `PendingDebugPlan`, S of every folded
-    row to its state buffer."""
+    """Pending mode's fold of the rows plan.py's plan kernel lists: S over the committed ring
+    entries (f_old + j) mod 16, j < nf, then the checkpoint (the plan row's key) and the read
+    copy as the flush writes them; no outputs. Work items (listed row, head part) over a
+    persistent grid of `ctas` CTAs; `pdl` behind the plan kernel; `debug` as Flush's."""
 
     def __init__(self, fmt, heads: int, groups: int, *, pdl: bool = True, debug: bool = False) -> None:
         super().__init__(fmt, heads, groups, pdl=pdl, debug=debug, pending=True)
@@ -601,14 +501,7 @@ class PendingFold(Flush):
 
     @cute.jit
     def __call__(self, ckpt, ring, copy, params, plan, ctas: Int32, stream: cuda_driver.CUstream):
-        self.kernel(ckpt, ring, copy, params, plan).launch(
-            grid=[ctas, 1, 1],
-            block=[self.sh.threads, 1, 1],
-            min_blocks_per_mp=self.ctas_per_sm,
-            preferred_smem_carveout=-1,
-            stream=stream,
-            **({"use_pdl": True} if self.pdl else {}),
-        )
+        self._launch(self.kernel(ckpt, ring, copy, params, plan), ctas, self.ctas_per_sm, stream)
 
     @cute.kernel
     def kernel(self, ckpt, ring, copy, params, plan):
@@ -618,7 +511,7 @@ class PendingFold(Flush):
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()  # the plan kernel's list, before the first global access
         smem = SmemAllocator()
-        s_x, s_b, s_dt, s_dot, s_amax = self.shared_buffers(smem)
+        bufs = self.shared_buffers(smem)
         s_fmt = self.fmt.shared(smem, self.sh.warps)
         hm = Int32(self.heads * self.sh.m_split)
         pw = cute.recast_ptr(plan.rows, dtype=Uint32)
@@ -627,32 +520,9 @@ class PendingFold(Flush):
             hx = it % hm
             row0 = bits.ld_global_v4_u32((pw + bb * 8).toint())
             row1 = bits.ld_global_v4_u32((pw + bb * 8 + 4).toint())
-            self.fold_row(
-                t, Int64(hx // self.sh.m_split), hx % self.sh.m_split, bb, Int64(Int32(row0[0])), Int32(row0[2]), Int32(row0[3]),
-                Int32(row1[0]), row1[1], s_x, s_b, s_dt, s_dot, s_amax, s_fmt, ckpt, ring, copy, params, plan,
-            )
-
-    @cute.jit
-    def fold_row(self, t, hh, mh, bb, slot, f_old, nf, live, key, s_x, s_b, s_dt, s_dot, s_amax, s_fmt, ckpt, ring, copy, params, plan):
-        """State rows 32 mh .. + 31 of head hh of one folding row (the whole CTA): the
-        flush's `flush_row` without the output."""
-        fmt = self.fmt
-        q, nq, rows, col0 = self.lane_geometry(t, mh, self.sh.mt)
-        ctx = fmt.begin_fold(copy, Int64(Int32(1) - (live & Int32(1))), slot, hh // self.hpg)
-        acc, _, ck_w, ck_head = self.fold(t, hh, mh, bb, slot, s_x, s_b, s_dt, ckpt, ring, params, f_old, nf)
-        self.row_partials(t, mh, acc, None, s_dot, s_amax, fmt.row_amax, False)
-        stats = fmt.lane_stats(acc, 2, NT)
-        cute.arch.sync_threads()
-        scodes = fmt.block_scales(stats, ctx)
-        for i in cutlass.range_constexpr(2):
-            pp = Int64(rows[i])
-            if cutlass.const_expr(self.debug):
-                self.store_state(hh, bb, pp, col0, acc, i, plan)
-            fmt.store_row(copy, slot, hh, pp, col0, q, nq, acc, i, s_amax, ctx, scodes, NT)
-            self.store_checkpoint(hh + Int64(ckpt.head_offset), pp, col0, Uint32(key), acc, i, ck_w, ck_head)
-        fmt.before_barrier(t, stats, s_fmt)
-        cute.arch.sync_threads()  # the next item restages the shared buffers
-        fmt.after_barrier(t, ctx, s_fmt, copy, self.sh.warps)
+            self.fold_row(t, Int64(hx // self.sh.m_split), hx % self.sh.m_split, bb, Int64(Int32(row0[0])),
+                          Int32(row0[2]), Int32(row0[3]), Int32(row1[0]), row1[1], bufs, s_fmt, ckpt, ring,
+                          copy, params, plan)
 
 
 __all__ = ["Flush", "PendingFold", "Shape", "flush_columns", "flush_mask", "fold_ctas_per_sm", "shape"]

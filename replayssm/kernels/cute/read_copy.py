@@ -1,13 +1,10 @@
-"""The read-copy formats as strategy objects of the CuTe kernels (format.md sections 3-4).
-
-`Fp8(arch)`, `Nvfp4(arch)` and `Fp16(arch)` (no read copy: the steps read the checkpoint,
-on FP8's lane map) supply only what differs between the formats: the argument struct of
-their cache tensors (`Args`, args.py); for the steps (decode.py, pending.py) a lane's
-n-set (`c_word`), the loads of a warp's rows and the row dots on the tensor cores; for the
-flush and the fold (flush.py) the checkpoint's stochastic rounding and the re-derivation of
-the read copy from the FP32 state. sm_90a has no e2m1 or `cvt.rs` conversions and runs
-integer steps, sm_100a / sm_103a (`hw`) use the hardware forms: both give the reference's
-bits, so everything else is shared by every target.
+"""The read-copy formats as strategy objects of the CuTe kernels (format.md sections 3-4):
+`Fp8`, `Nvfp4` and `Fp16` (no read copy: the steps read the checkpoint on FP8's lane map)
+supply what differs between the formats: their cache tensors' struct (`Args`), for the steps
+(decode.py, pending.py) a lane's n-set (`c_word`), row loads and row dots, for the flush and
+the fold (flush.py) the checkpoint's rounding and the read copy's re-derivation. sm_90a has
+no e2m1 or `cvt.rs` conversions and runs integer steps; sm_100a / sm_103a (`hw`) use the
+hardware forms; both give the reference's bits.
 """
 
 from __future__ import annotations
@@ -42,12 +39,10 @@ class _Format:
     def __init__(self, arch: str, P: int = 64, N: int = 128) -> None:
         self.arch = check_arch(arch)
         self.hw = arch in HAS_CVT_RS
-        # The cache geometry (head dim P, state dim N), Python ints at trace time.
-        self.P, self.N = P, N
+        self.P, self.N = P, N  # the cache geometry, Python ints at trace time
         if N > 128:  # twice the row loads a lane: the step kernels' register bound
             self.step_ctas_per_sm = self.step_ctas_n256
-        # Head dim 80: the steps' fifth m-tile, rows 64 + 2 gq (MMA row gq) and 65 + 2 gq
-        # (row gq + 8) of lane (gq, q), besides the 64 rows 8 gq + i.
+        # Head dim 80: the steps' fifth m-tile, rows 64 + 2 gq, 65 + 2 gq (MMA rows gq, gq + 8).
         self.TAIL = P > 64
         self.ROWS = 10 if self.TAIL else 8  # rows a lane loads
         self.OUT_ROWS = 4 if self.TAIL else 2  # rows a decode lane writes: 8 gq + 2 q, + 1 (and the tail's)
@@ -65,24 +60,22 @@ class Fp8(_Format):
 
     name = "fp8"
     Args = A.Fp8Copy
-    # Flush: CTAs an SM of the persistent grid, and the x_j / B_j staging with both
-    # sources loaded and picked by a select (flush.Flush.fold); docs/design.md.
-    ctas_per_sm = 1.5
+    ctas_per_sm = 1.5  # the flush's persistent grid (docs/design.md)
     flush_round_up_batch = 256  # docs/design.md section 7 ("FP8 flush width")
-    stage_one_source = False
+    stage_one_source = False  # flush.Flush.fold: both sources loaded, picked by a select
     row_amax = True  # the flush reduces a row's amax across its column parts
     sr_voted = False
     step_ctas_n256 = 3  # 4 spills (72 bytes on sm_90a)
 
     def __init__(self, arch: str, P: int = 64, N: int = 128) -> None:
         super().__init__(arch, P, N)
-        # The pending fold (flush.PendingFold): CTAs an SM of its persistent grid, so its
-        # register bound. sm_90a: 5 (96 registers, 8 bytes spilled; docs/design.md section
-        # 10); sm_100a / sm_103a: 4 (5 spills 40 bytes there; not measured).
+        # The pending fold's CTAs an SM (grid and register bound): sm_90a 5 (96 registers, 8
+        # bytes spilled; design.md section 10), sm_100a / sm_103a 4 (5 spills 40 bytes there).
         self.fold_ctas_per_sm = 4 if self.hw else 5
+        # The checkpoint's rounding: sm_90a bits.fp16x2_sr_fma (~8 instructions a value).
+        self.fp16x2_sr = bits.fp16x2_sr_hw if self.hw else bits.fp16x2_sr_fma
 
-    def tensors(self, cache, L) -> dict:
-        """The cache tensors of `Args`, by field."""
+    def tensors(self, cache, L) -> dict:  # the cache tensors of `Args`, by field
         return {"codes": cache[L.READ_COPY], "scales": cache[L.SCALES]}
 
     # -- non-flush ------------------------------------------------------------------------
@@ -119,16 +112,15 @@ class Fp8(_Format):
 
     @cute.jit
     def row_dots(self, loaded, cw, down, up, gq, q):
-        """(rd, inner, outer): rd[mt] the f16 MMA dots of m-tile mt with C' in natural
-        pairs (k-step s takes word s % 4 of chunk s // 4 of rows 2 mt, 2 mt + 1; its codes
-        0, 1 are k = 2 q, 2 q + 1); R[p] = scale[p] (dot 2**e)."""
+        """(rd, inner, outer): rd[mt] the f16 MMA dots of m-tile mt (`code_dots`); R[p] =
+        scale[p] (dot 2**e)."""
         rc, scales = loaded
         return [[acc[0], acc[2]] for acc in self.code_dots(rc, cw, down)], up, scales
 
     @cute.jit
     def code_dots(self, rc, cw, down):
         """The f16 MMA accumulators of the P / 16 m-tiles: the codes of rows 2 mt, 2 mt + 1
-        (rc, `code_rows`; m-tile 4 the tail) against C' = C down from the lane's words cw."""
+        (m-tile 4 the tail) against C' = C down; k-step s takes word s % 4 of chunk s // 4."""
         ch = []
         for c in cutlass.range_constexpr(self.CHUNKS):
             row = []
@@ -148,8 +140,7 @@ class Fp8(_Format):
         return accs
 
     def row_pairs(self, words, v: int):
-        """The f16 pairs of k-step v of a row's chunk (`code_rows`' words): elements
-        4 v, 4 v + 1 and 4 v + 2, 4 v + 3 of the lane's 16 (word v's four codes, exactly)."""
+        """k-step v's f16 pairs of a row's chunk: word v's four codes (elements 4 v .. + 3)."""
         return e4m3x4_to_f16x2x2(words[v])
 
     # -- pending (cute/pending.py) ---------------------------------------------------------
@@ -166,28 +157,21 @@ class Fp8(_Format):
 
     @cute.jit
     def pending_dots(self, loaded, cw, down, gq, q):
-        """(acc, rf): acc[mt] the f16 MMA dots of m-tile mt against the tokens' C' (lane
-        (gq, q) supplies column gq: token gq's C' on its n-set): (row 8 gq + 2 mt, tokens
-        2 q, 2 q + 1), then (row + 1, the same tokens); rf[i] the factor of row 8 gq + i
-        (its power-of-two scale): R[p] C_t = rf (up_t acc)."""
+        """(acc, rf): acc[mt] the f16 MMA dots of m-tile mt against the tokens' C' (column gq
+        token gq's), rf[i] the power-of-two scale of row 8 gq + i: R[p] C_t = rf (up_t acc)."""
         rc, sc = loaded
         return self.code_dots(rc, cw, down), [w.bitcast(Float32) for w in sc]
 
     # -- flush ----------------------------------------------------------------------------
-    def fp16x2_sr(self, lo, hi, word):
-        """sm_90a: bits.fp16x2_sr_fma (about 8 instructions a value); sm_100a: cvt.rs."""
-        return bits.fp16x2_sr_hw(lo, hi, word) if self.hw else bits.fp16x2_sr_fma(lo, hi, word)
-
     def _nothing(self, *args):
         return None
 
-    # The hooks of NVFP4's group amax and block scales (`Nvfp4`, same arguments).
+    # NVFP4's hooks (group amax, block scales); none for FP8.
     shared = begin_row = begin_fold = lane_stats = block_scales = before_barrier = after_barrier = _nothing
 
     @cute.jit
     def store_row(self, copy, slot, hh, pp, col0, q, nq, acc, i, s_amax, ctx, scodes, nt: cutlass.Constexpr):
-        """Row i: codes of S * 2**-E and the row scale 2**E (exact power-of-two products);
-        the row's amax is the largest of its column parts' (N / 64, in order)."""
+        """Row i: codes of S * 2**-E (exact) and the row scale 2**E from its parts' amaxes."""
         amax = s_amax[pp]
         for k in cutlass.range_constexpr(1, self.N // 64):
             amax = cutlass.max(amax, s_amax[k * self.P + pp])
@@ -208,21 +192,13 @@ class Fp8(_Format):
 
 
 class Fp16(Fp8):
-    """state_dtype="fp16": no read copy (format.md section 4b). The steps read the FP16
-    checkpoint on FP8's lane map and MMAs (`Fp8.code_dots`), with their own n-set
-    (`c_word`) whose words are the MMA's A pairs as they are. No row scale: a checkpoint
-    value (< 2**16) times C' (< 2**15, decode.c_prime) is exact in FP32, a row's 128 sum
-    below 2**38 and the smallest nonzero product (2**-48) is normal, so R[p] = up (dot),
-    as the reference's checkpoint.float() . C in FP32.
-
-    The flush and the fold rewrite the checkpoint and re-encode nothing. Each lane loads
-    the checkpoint elements it stores before storing them and no other CTA touches them;
-    a step kernel reads only rows that do not flush (fold) beside the flush, or runs after
-    the fold (PDL wait), so no kernel reads a checkpoint row another has rewritten.
-
-    The loaded rows take twice FP8's registers (128 words a lane): 3 CTAs an SM (168
-    registers) spill nowhere; at 4 the sm_90a non-flush kernel and the sm_100a pending
-    step spill 8 bytes (from the cubins, not measured on a GPU)."""
+    """state_dtype="fp16": no read copy (format.md section 4b); the steps read the checkpoint
+    on FP8's MMAs, its words the A pairs as they are. No row scale: a value (< 2**16) times
+    C' (< 2**15) is exact in FP32, a row's sum stays below 2**38 and the smallest product
+    (2**-48) is normal, so R[p] = up (dot) as the reference's FP32 checkpoint.float() . C.
+    The flush and the fold only rewrite the checkpoint (each lane the elements it loaded); a
+    step reads only rows that do not flush, or runs after the fold (PDL wait). 3 CTAs an SM
+    spill nowhere; at 4 the sm_90a non-flush and sm_100a pending steps spill 8 bytes."""
 
     name = "fp16"
     Args = A.Fp16Copy
@@ -233,23 +209,20 @@ class Fp16(Fp8):
 
     def __init__(self, arch: str, P: int = 64, N: int = 128) -> None:
         super().__init__(arch, P, N)
-        # sm_90a: the checkpoint's rounding through the warp-voted path, as NVFP4's (FP8's
-        # bits.fp16x2_sr_fma spills 24 bytes in this flush; the voted form none).
+        # sm_90a: the warp-voted rounding (FP8's fp16x2_sr_fma spills 24 bytes in this flush).
         self.sr_voted = not self.hw
 
     def tensors(self, cache, L) -> dict:
         return {"state": cache[L.CHECKPOINT]}
 
     def c_word(self, c: int, q, h=0):
-        """Word offset of vector h (0, 1) of chunk c of lane q's n-set: n = 64 c + 32 h + 8 q
-        .. + 7, so that the four lanes q of a row read a 64-byte span (whole 32-byte sectors)
-        with each of a row's four 16-byte loads."""
+        """Word offset of vector h of chunk c of lane q's n-set, n = 64 c + 32 h + 8 q .. + 7:
+        a row's four lanes read one 64-byte span (whole sectors) with each 16-byte load."""
         return 32 * c + 16 * h + 4 * q
 
     @cute.jit
     def code_rows(self, copy, slot, hh, gq, q, hint: cutlass.Constexpr):
-        """rc[i][c]: row 8 gq + i at the words of C's chunk c (`c_word`: word j of a row and
-        of C hold the same two n), eight f16-pair words."""
+        """rc[i][c]: row 8 gq + i, eight f16-pair words at C's words of chunk c (`c_word`)."""
         ck_w = cute.recast_ptr(copy.state, dtype=Uint32)
         head = slot * copy.stride16 * 4 + hh * (self.P * self.N // 2)
         base = (ck_w + (head + Int64(gq * (8 * self.N // 2)))).toint()
@@ -300,27 +273,23 @@ class Nvfp4(_Format):
 
     def __init__(self, arch: str, P: int = 64, N: int = 128) -> None:
         super().__init__(arch, P, N)
-        # sm_90a: the checkpoint's rounding through a warp-voted branch to the normal-range
-        # path (bits.fp16x2_sr_voted); sm_100a rounds in hardware.
+        # sm_90a rounds the checkpoint through a warp-voted branch to the normal-range path
+        # (bits.fp16x2_sr_voted; fp16x2_sr_fast is its general path); sm_100a in hardware.
         self.sr_voted = not self.hw
+        self.fp16x2_sr = bits.fp16x2_sr_hw if self.hw else bits.fp16x2_sr_fast
         # The decoded f16 values are e2m1 value / decode_factor, in decode_order.
         self.decode_order = bits_nvfp4.HW_DECODE_ORDER if self.hw else bits_nvfp4.SOFT_DECODE_ORDER
         self.decode_factor = 1.0 if self.hw else bits_nvfp4.SOFT_DECODE_FACTOR
+        self.e2m1x8_f16x2 = bits_nvfp4.e2m1x8_f16x2_hw if self.hw else bits_nvfp4.e2m1x8_f16x2_sw
+        self.e2m1x8_rn = bits_nvfp4.e2m1x8_rn_hw if self.hw else bits_nvfp4.e2m1x8_rn_soft
 
     def tensors(self, cache, L) -> dict:
         return {"codes": cache[L.READ_COPY], "scales": cache[L.SCALES], "meta": cache[L.META], "parity": cache[L.PARITY]}
 
-    def e2m1x8_f16x2(self, w):
-        return bits_nvfp4.e2m1x8_f16x2_hw(w) if self.hw else bits_nvfp4.e2m1x8_f16x2_sw(w)
-
-    def e2m1x8_rn(self, vals):
-        return bits_nvfp4.e2m1x8_rn_hw(vals) if self.hw else bits_nvfp4.e2m1x8_rn_soft(vals)
-
     # -- non-flush ------------------------------------------------------------------------
     def c_word(self, c: int, q, h=0):
-        """Word offset of vector h (0, 1: four words) of chunk c of lane q's n-set:
-        n = 128 (c // 2) + 32 q + 16 (c % 2) .. + 15 (block 8 (c // 2) + 2 q + c % 2),
-        vector h the values 8 h .. 8 h + 7 of them."""
+        """Word offset of vector h (values 8 h .. + 7) of chunk c of lane q's n-set:
+        n = 128 (c // 2) + 32 q + 16 (c % 2) .. + 15, block 8 (c // 2) + 2 q + c % 2."""
         return 64 * (c // 2) + 16 * q + 8 * (c % 2) + 4 * h
 
     @cute.jit
@@ -338,10 +307,9 @@ class Nvfp4(_Format):
 
     @cute.jit
     def load_rows(self, copy, slot, hh, g, gq, q, hint: cutlass.Constexpr):
-        """rc[kh][i]: codes of row 8 gq + i, elements 128 kh + 32 q .. + 31 (bytes
-        64 kh + 16 q .. + 15); bs4[kh][mt] the block scales of blocks 8 kh + 2 q, + 1 of
-        the same rows (two bytes a row); the live second-level scale g = 2**E of this slot
-        and group (`& 1` keeps a corrupt parity word inside the slot's meta)."""
+        """rc[kh][i]: codes of row 8 gq + i, elements 128 kh + 32 q .. + 31; bs4[kh][mt] the
+        scales of blocks 8 kh + 2 q, + 1 of m-tile mt's rows; the live scale g = 2**E of the
+        slot and group (`& 1` keeps a corrupt parity word inside the slot's meta)."""
         read_w = cute.recast_ptr(copy.codes, dtype=Uint32)
         head = slot * copy.codes_stride16 * 4 + hh * (self.P * self.N // 8)
         rc_base = (read_w + (head + Int64(gq * (8 * self.N // 8) + 4 * q))).toint()
@@ -368,21 +336,17 @@ class Nvfp4(_Format):
 
     @cute.jit
     def row_dots(self, loaded, cw, down, up, gq, q):
-        """Row dots by block: B column j holds C' on block j's k-values and zeros
-        elsewhere, so accumulator column j is the dot of an A row with C' over block j and
-        no A value is scaled. Lane (gq, q) supplies column gq for its k-values of chunk c
-        (code words 2 c, 2 c + 1: block 2 q + c): C' where gq = 2 q + c, else C times a
-        zero factor (an infinite C gives NaN there; the dot is not finite then anyway).
-        Each lane scales its blocks 2 q, 2 q + 1 by their block scales in FP32 and a
-        butterfly over the quad sums the 8 blocks. R[p] = g (dot' 2**e), the dots being
-        sum v s C' / decode_factor."""
+        """Row dots by block: B column j holds C' on block j's k-values and zeros elsewhere
+        (lane (gq, q), chunk c = block 2 q + c: C' where gq = 2 q + c, else C times 0; an
+        infinite C gives NaN there, the dot is not finite then anyway), so accumulator
+        column j is an A row's dot over block j with no A value scaled. Each lane scales its
+        blocks 2 q, 2 q + 1 in FP32 and a quad butterfly sums the 8; R[p] = g (dot' 2**e)."""
         rc, bs4, g_scale = loaded
         halves = self.N // 128
         # C[128 kh + 32 q + m] * down or * 0 (chunk c of the half's n-set: block 2 q + c of it).
         chms = [self.c_decoded(cw, [sel(gq == 2 * q + c, down, Float32(0.0)) for c in range(2)], kh) for kh in range(halves)]
-        # The k-steps of code word wd take its decoded words j0 (k = 2 q, 2 q + 1) and
-        # j0 + 1 (k = 2 q + 8, + 9), j0 = 0, 2. acc = (rows 8 gq + 2 mt, + 1) x (blocks
-        # 2 q, 2 q + 1 of the half); the halves' scaled sums added in order.
+        # Code word wd's k-steps take its decoded words j0, j0 + 1 (j0 = 0, 2); acc = (rows
+        # 8 gq + 2 mt, + 1) x (blocks 2 q, 2 q + 1 of the half), halves added in order.
         b0 = (q % 2) == 1
 
         def block_sums(mt):  # the lane's blocks' scaled dots of m-tile mt's two rows, halves added
@@ -422,10 +386,9 @@ class Nvfp4(_Format):
 
     @cute.jit
     def pending_dots(self, loaded, cw, down, gq, q):
-        """(acc, rf) as `Fp8.pending_dots`, the MMA's columns the tokens: each decoded f16
-        pair is multiplied by its block's scale (f16x2, exact: an e2m1 value / decode_factor
-        times an e4m3 scale has at most 6 significant bits and lies within f16's range),
-        so the dots need no per-block sums; rf = g * decode_factor for every row."""
+        """(acc, rf) as `Fp8.pending_dots`: each decoded f16 pair times its block scale
+        (exact in f16: at most 6 significant bits, within range), so no per-block sums;
+        rf = g * decode_factor for every row."""
         rc, bs4, g_scale = loaded
         halves = self.N // 128
         chms = [self.c_decoded(cw, [down, down], kh) for kh in range(halves)]
@@ -447,18 +410,13 @@ class Nvfp4(_Format):
         return acc_all, [rf] * self.ROWS
 
     # -- flush ----------------------------------------------------------------------------
-    # The flush writes `formats.nvfp4_encode(S, A_live)`, A_live = meta[slot, group,
-    # 1 - old_parity], and max-accumulates the group amax of S into meta[slot, group,
-    # old_parity] by an atomic max on the FP32 bits as int32 (non-negative values order like
-    # their bits; order-independent, so every run writes the same bits). Race-free: the
-    # prepare launch before (same stream) flipped the parity and zeroed the old half, the
-    # CTAs of a (slot, group) read only the live half and write only the old one, and the
-    # non-flush launch touches only other slots. A lane holds one whole block of each of
-    # its rows: no shuffle for its amax, two code words, and the lane writes the scale byte.
-    def fp16x2_sr(self, lo, hi, word):
-        """sm_90a: bits.fp16x2_sr_fast (the general path of the voted rounding); sm_100a: cvt.rs."""
-        return bits.fp16x2_sr_hw(lo, hi, word) if self.hw else bits.fp16x2_sr_fast(lo, hi, word)
-
+    # The flush writes `formats.nvfp4_encode(S, A_live)`, A_live = meta[slot, group, 1 - old
+    # parity], and max-accumulates S's group amax into meta[slot, group, old parity] by an
+    # atomic max on the FP32 bits as int32 (non-negative floats order like their bits; the
+    # max is order-independent: every run writes the same bits). Race-free: the prepare
+    # launch (same stream) flipped the parity and zeroed the old half, a (slot, group)'s CTAs
+    # read only the live half and write only the old one, and the non-flush launch touches
+    # other slots. A lane holds a whole block of each row.
     def shared(self, smem, warps: int):
         """Per-warp group amaxes, and meta as int32 bits for the atomic max."""
         return smem.allocate_tensor(Int32, cute.make_layout(warps), byte_alignment=16)
@@ -489,18 +447,14 @@ class Nvfp4(_Format):
         return bamax
 
     def block_scales(self, bamax, ctx):
-        """Both rows' block scales in one e4m3x2 conversion (nearest, satfinite):
-        s = e4m3((bamax * 2**-E) * fp32(1/6))."""
-        ig_scale = ctx[3]
-        t0 = bits_nvfp4.block_scale_input(bamax[0].bitcast(Float32), ig_scale, DSL_OPS)
-        t1 = bits_nvfp4.block_scale_input(bamax[1].bitcast(Float32), ig_scale, DSL_OPS)
-        s_pair = bits.e4m3x2_rn_hw(t0, t1)
+        """Both rows' block scales, one e4m3x2 conversion: s = e4m3((bamax * 2**-E) * fp32(1/6))."""
+        t = [bits_nvfp4.block_scale_input(b.bitcast(Float32), ctx[3], DSL_OPS) for b in bamax]
+        s_pair = bits.e4m3x2_rn_hw(t[0], t[1])
         return [s_pair & Uint32(0xFF), (s_pair >> 8) & Uint32(0xFF)]
 
     @cute.jit
     def store_row(self, copy, slot, hh, pp, col0, q, nq, acc, i, s_amax, ctx, scodes, nt: cutlass.Constexpr):
-        """Row i: e2m1(x * r), r = 1 / (e4m3(s) * 2**E), this lane's 16 codes as two words;
-        the block's scale byte."""
+        """Row i: this lane's block, e2m1(x / (e4m3(s) * 2**E)) as two words, and its scale byte."""
         g_scale = ctx[2]
         r = bits_nvfp4.block_recip(scodes[i], g_scale, DSL_OPS)
         scaled = [acc[c // 2][2 * i + c % 2] * r for c in range(2 * nt)]
@@ -533,8 +487,7 @@ class Nvfp4(_Format):
 
 @functools.lru_cache(maxsize=None)
 def read_copy_format(state_dtype: str, arch: str, P: int = 64, N: int = 128) -> _Format:
-    """The strategy object of `state_dtype` ("fp8", "nvfp4", "fp16") on `arch` for head
-    dim `P` and state dim `N`."""
+    """The strategy object of `state_dtype` ("fp8", "nvfp4", "fp16") on `arch`, geometry (P, N)."""
     return {"fp8": Fp8, "nvfp4": Nvfp4, "fp16": Fp16}[state_dtype](arch, P, N)
 
 
