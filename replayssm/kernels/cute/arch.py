@@ -26,7 +26,8 @@ def arch_for(device: torch.device | str | int | None = None) -> str:
         return env
     if not torch.cuda.is_available():
         raise ValueError(
-            f"no CUDA device to pick a CuTe target for; set ${ARCH_ENV} to one of {SUPPORTED} to compile without one"
+            f"no CUDA device to pick a CuTe target for; set ${ARCH_ENV} to one of {SUPPORTED} "
+            "to compile without one"
         )
     cc = torch.cuda.get_device_capability(device)
     arch = ARCHS.get(tuple(cc))

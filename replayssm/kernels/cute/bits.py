@@ -35,8 +35,52 @@ def inline_ptx(text: str, constraints: str, args, results=(), *, side_effects=Fa
     return [r(llvm.extractvalue(t, res, [i], loc=loc, ip=ip)) for i, (r, t) in enumerate(zip(results, types))]
 
 
+def _ptx_op(text: str, constraints: str, arg_types, result, *, side_effects: bool = False):
+    """A DSL op of one PTX statement `text`: its arguments converted to `arg_types`, one
+    result of DSL type `result`."""
+
+    @dsl_user_op
+    def op(*args, loc=None, ip=None):
+        conv = [t(a) for t, a in zip(arg_types, args, strict=True)]
+        return inline_ptx(text, constraints, conv, [result], side_effects=side_effects, loc=loc, ip=ip)
+
+    return op
+
+
+add_rz = _ptx_op("add.rz.f32 $0, $1, $2;", "=f,f,f", [Float32] * 2, Float32)
+fma_rz = _ptx_op("fma.rz.f32 $0, $1, $2, $3;", "=f,f,f,f", [Float32] * 3, Float32)
+popc = _ptx_op("popc.b32 $0, $1;", "=r,r", [Int32], Int32)
+mul_f16x2 = _ptx_op("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [Uint32] * 2, Uint32)
+max_u16x2 = _ptx_op("max.u16x2 $0, $1, $2;", "=r,r,r", [Uint32] * 2, Uint32)  # sm_90+
+# The index of the lowest set bit of v != 0: `bfind` of v & -v.
+lowest_set_bit = _ptx_op(
+    "{\n\t.reg .b32 t;\n\tneg.s32 t, $1;\n\tand.b32 t, t, $1;\n\tbfind.u32 $0, t;\n\t}", "=r,r",
+    [Int32], Int32,
+)
+# min(|x|, FP32 max) with x's sign: +-infinity to +-FP32 max; NaN and signed zeros kept.
+clamp_finite = _ptx_op("min.NaN.xorsign.abs.f32 $0, $1, 0f7F7FFFFF;", "=f,f", [Float32], Float32)
+# A move the compiler cannot see through (a loop over its result stays a loop).
+opaque_u32 = _ptx_op("mov.b32 $0, $1;", "=r,r", [Int32], Int32, side_effects=True)
+
+
+def _f32x2_cvt(cvt: str):
+    """`cvt` of an FP32 pair (lo, hi) to a 16-bit pair: hi -> bits [31:16], lo -> [15:0]."""
+
+    @dsl_user_op
+    def op(lo, hi, *, loc=None, ip=None) -> Uint32:
+        args = [Float32(hi), Float32(lo)]
+        return inline_ptx(f"{cvt} $0, $1, $2;", "=r,f,f", args, [Uint32], loc=loc, ip=ip)
+
+    return op
+
+
+f32x2_to_f16x2 = _f32x2_cvt("cvt.rn.f16x2.f32")
+f32x2_to_bf16x2 = _f32x2_cvt("cvt.rn.bf16x2.f32")
+# Toward zero: a finite input never becomes infinite; NaN becomes the canonical 0x7FFF.
+f16x2_rz = _f32x2_cvt("cvt.rz.f16x2.f32")
+
+
 def vec(ptr, offset, n: int):
-    """A rank-1 view of `n` contiguous elements at `ptr + offset`."""
     return cute.make_tensor(ptr + offset, cute.make_layout(n))
 
 
@@ -110,19 +154,6 @@ def exp2_int(e: Int32) -> Float32:
 # docs/format.md section 6 and emulated against the encoder by tests/test_sr_fast.py.
 
 
-@dsl_user_op
-def add_rz(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    return inline_ptx("add.rz.f32 $0, $1, $2;", "=f,f,f", [Float32(a), Float32(b)], [Float32], loc=loc, ip=ip)
-
-
-@dsl_user_op
-def f16x2_rz(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
-    """hi -> bits [31:16], lo -> [15:0], rounded toward zero (a finite input never becomes
-    infinite; NaN becomes the canonical 0x7FFF)."""
-    args = [Float32(hi), Float32(lo)]
-    return inline_ptx("cvt.rz.f16x2.f32 $0, $1, $2;", "=r,f,f", args, [Uint32], loc=loc, ip=ip)
-
-
 def _sr_pick(x: Float32, r: Uint32) -> Float32:
     """An FP32 value whose FP16 truncation is the stochastic rounding of x with the 13
     random bits r."""
@@ -152,34 +183,6 @@ def fp16x2_sr_fast(lo: Float32, hi: Float32, word: Uint32) -> Uint32:
     """FP16 stochastic rounding of a pair by integer and round-toward-zero steps, then one
     truncating conversion; lo takes word[12:0], hi word[28:16]."""
     return f16x2_rz(_sr_pick(lo, word & Uint32(0x1FFF)), _sr_pick(hi, (word >> 16) & Uint32(0x1FFF)))
-
-
-@dsl_user_op
-def popc(v: Int32, *, loc=None, ip=None) -> Int32:
-    return inline_ptx("popc.b32 $0, $1;", "=r,r", [Int32(v)], [Int32], loc=loc, ip=ip)
-
-
-@dsl_user_op
-def lowest_set_bit(v: Int32, *, loc=None, ip=None) -> Int32:
-    """The index of v's lowest set bit (v != 0): `bfind` of v & -v."""
-    return inline_ptx(
-        "{\n\t.reg .b32 t;\n\tneg.s32 t, $1;\n\tand.b32 t, t, $1;\n\tbfind.u32 $0, t;\n\t}",
-        "=r,r", [Int32(v)], [Int32], loc=loc, ip=ip,
-    )
-
-
-@dsl_user_op
-def clamp_finite(x: Float32, *, loc=None, ip=None) -> Float32:
-    """x with +-infinity replaced by +-FP32 max (min(|x|, max) with x's sign; NaN stays
-    NaN, signed zeros keep their sign)."""
-    ptx = "min.NaN.xorsign.abs.f32 $0, $1, 0f7F7FFFFF;"
-    return inline_ptx(ptx, "=f,f", [Float32(x)], [Float32], loc=loc, ip=ip)
-
-
-@dsl_user_op
-def fma_rz(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
-    args = [Float32(a), Float32(b), Float32(c)]
-    return inline_ptx("fma.rz.f32 $0, $1, $2, $3;", "=f,f,f,f", args, [Float32], loc=loc, ip=ip)
 
 
 def _sr_fma_pick(x: Float32, r: Uint32) -> Float32:
@@ -214,13 +217,6 @@ def fp16x2_sr_normal(lo: Float32, hi: Float32, word: Uint32) -> Uint32:
     vlo = (lo.bitcast(Uint32) + (word & Uint32(0x1FFF))).bitcast(Float32)
     vhi = (hi.bitcast(Uint32) + ((word >> 16) & Uint32(0x1FFF))).bitcast(Float32)
     return f16x2_rz(vlo, vhi)
-
-
-@dsl_user_op
-def opaque_u32(v: Int32, *, loc=None, ip=None) -> Int32:
-    """v through an inline-PTX move the compiler cannot see through (a loop over it stays
-    a loop)."""
-    return inline_ptx("mov.b32 $0, $1;", "=r,r", [Int32(v)], [Int32], side_effects=True, loc=loc, ip=ip)
 
 
 @cute.jit
@@ -361,36 +357,11 @@ def e4m3x4_to_f16x2x2(word: Uint32, *, loc=None, ip=None) -> list:
 
 
 @dsl_user_op
-def f32x2_to_f16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
-    """f16(hi) -> bits [31:16], f16(lo) -> [15:0], nearest."""
-    args = [Float32(hi), Float32(lo)]
-    return inline_ptx("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", args, [Uint32], loc=loc, ip=ip)
-
-
-@dsl_user_op
-def f32x2_to_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
-    """bf16(hi) -> bits [31:16], bf16(lo) -> [15:0], nearest."""
-    args = [Float32(hi), Float32(lo)]
-    return inline_ptx("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", args, [Uint32], loc=loc, ip=ip)
-
-
-@dsl_user_op
 def prmt(a: Uint32, b: Uint32, selector: int, *, loc=None, ip=None) -> Uint32:
     """Byte i of the result is byte (selector >> 4 i) & 7 of b:a (a bytes 0-3, b 4-7)."""
     return inline_ptx(
         f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r", [Uint32(a), Uint32(b)], [Uint32], loc=loc, ip=ip,
     )
-
-
-@dsl_user_op
-def mul_f16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
-    return inline_ptx("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [Uint32(a), Uint32(b)], [Uint32], loc=loc, ip=ip)
-
-
-@dsl_user_op
-def max_u16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
-    """Halfwise unsigned maximum (sm_90+)."""
-    return inline_ptx("max.u16x2 $0, $1, $2;", "=r,r,r", [Uint32(a), Uint32(b)], [Uint32], loc=loc, ip=ip)
 
 
 __all__ = [

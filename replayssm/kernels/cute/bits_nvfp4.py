@@ -1,19 +1,17 @@
-"""NVFP4 bit helpers of the CuTe DSL kernels: e2m1 encode / decode, e4m3 block-scale
-decode and the block-scale pipeline of the flush (docs/format.md section 3).
+"""NVFP4 bit helpers of the CuTe DSL kernels (docs/format.md section 3): e2m1 encode /
+decode, e4m3 block-scale decode and the flush's block-scale steps. A packed word holds
+elements 8w .. 8w + 7, element k in bits [4k + 3 : 4k].
 
-The software routines are written once against a tiny `ops` namespace (unsigned 32-bit
-constructor, select, min / max, bit casts) and run two ways: `DSL_OPS` traces them inside
-a `cute.kernel`, `NUMPY_OPS` runs the same source on numpy uint32 / float32 arrays, which
-tests compare bit for bit with quant/minifloat.py and quant/formats.py. numpy's uint32
-arithmetic wraps mod 2**32 like PTX's; every shift below is < 32 (PTX clamps larger
-shifts, C does not); FP32 products and quotients round to nearest on both sides.
-
-Packed layout: a 32-bit word of a row holds elements 8w .. 8w + 7, element k in bits
-[4k + 3 : 4k].
+The software routines are written once against an `ops` namespace and run two ways:
+`DSL_OPS` traces them inside a `cute.kernel`, `NUMPY_OPS` runs them on numpy uint32 /
+float32 arrays, which tests compare bit for bit with quant/. Both wrap uint32 arithmetic
+mod 2**32 and round FP32 products and quotients to nearest; every shift is < 32 (PTX
+clamps larger shifts, C does not).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from types import SimpleNamespace
 
@@ -33,15 +31,11 @@ HW_DECODE_ORDER = (0, 1, 2, 3, 4, 5, 6, 7)
 
 def e2m1_code_rn(x_bits, ops):
     """FP32 bits -> e2m1 code, nearest-even, satfinite, NaN -> 0x7 (quant/minifloat.py
-    `encode` for e2m1), by one FP32 addition instead of integer rounding.
-
-    Where |x| < 2**(k + 1) for k = min(max(E, 0), 3), E the exponent of |x|, the e2m1 grid
-    is the multiples of 2**(k - 1) (k = 0: 0, 0.5, 1, 1.5 and 2; k = 1: 2, 3, 4; k = 2:
-    4, 6, 8), and so is the FP32 grid of M + |x| for M = 2**(22 + k), in [M, 2 M). One
-    round-to-nearest-even addition rounds |x| onto it, ties to the even multiple, which
-    is the even code; its bits minus M's count the multiples: the code is that count plus
-    2 k (k = 1: 2 -> 4, k = 2: 2 -> 6). 8 and beyond (k = 3, |x| >= 8, infinities, and
-    sums that leave [M, 2 M)) give 8 or more: satfinite to 7."""
+    `encode`), by one FP32 addition. With k = min(max(E, 0), 3), E the exponent of |x|,
+    the e2m1 grid below 2**(k + 1) is the multiples of 2**(k - 1), as is the FP32 grid of
+    M + |x| in [M, 2 M) for M = 2**(22 + k): the nearest-even sum rounds |x| onto it (ties
+    to the even code), and its bits minus M's plus 2 k are the code. k = 3 (|x| >= 8,
+    infinities) and sums that leave [M, 2 M) give 8 or more: satfinite to 7."""
     u, sel = ops.u, ops.sel
     a = x_bits & u(0x7FFFFFFF)
     k = ops.umin(ops.umax(a >> u(23), u(127)), u(130)) - u(127)
@@ -61,13 +55,10 @@ def e2m1x8_rn_soft_words(vals, ops):
 
 def e2m1x8_f16x2_soft(w, ops):
     """Packed word (8 e2m1 codes) -> four f16x2 words in SOFT_DECODE_ORDER, each half
-    equal to its e2m1 value * 2**-6.
-
-    A code's 3 magnitude bits put at bits [4:2] of a byte, its sign at bit 7, make the
-    e4m3 code of value * 2**-6 (exponent bias 7 against 1; the e2m1 subnormal 0.5 lands
-    on an e4m3 subnormal with the same ratio): the even elements move there by shifts of
-    2 and 4, the odd ones by one shift of 2, and `cvt.rn.f16x2.e4m3x2` (exact) converts
-    each half-word. The codes are never 0x7F / 0xFF (NaN)."""
+    equal to its e2m1 value * 2**-6. A code's 3 magnitude bits at bits [4:2] of a byte,
+    its sign at bit 7, make the e4m3 code of value * 2**-6 (exponent bias 7 against 1; the
+    e2m1 subnormal 0.5 lands on an e4m3 subnormal), never NaN; `cvt.rn.f16x2.e4m3x2`
+    converts each half-word exactly."""
     u = ops.u
     even = ((w << u(2)) & u(0x1C1C1C1C)) | ((w << u(4)) & u(0x80808080))
     odd = ((w >> u(2)) & u(0x1C1C1C1C)) | (w & u(0x80808080))
@@ -146,13 +137,9 @@ try:
 
     from .bits import inline_ptx as _inline_ptx
     from .bits import sel as _sel
-
-    _HAVE_DSL = True
 except ImportError:  # pragma: no cover - CPU twins only
-    _HAVE_DSL = False
-
-
-if _HAVE_DSL:
+    pass
+else:
 
     def _rcp_rn(d):
         # Lowers to rcp.rn.f32 (IEEE-rounded reciprocal, = div.rn.f32 1/d; checked in
@@ -190,9 +177,9 @@ if _HAVE_DSL:
         fadd=_fadd_rn, rcp=_rcp_rn, e4m3x2_f16x2=_e4m3x2_f16x2,
     )
 
-    def e2m1x8_rn_soft(vals) -> Uint32:
-        """sm_90a: eight FP32 values -> packed e2m1 word (software, nearest)."""
-        return e2m1x8_rn_soft_words(vals, DSL_OPS)
+    # sm_90a: the software encode (eight FP32 values -> packed word) and decode.
+    e2m1x8_rn_soft = functools.partial(e2m1x8_rn_soft_words, ops=DSL_OPS)
+    e2m1x8_f16x2_sw = functools.partial(e2m1x8_f16x2_soft, ops=DSL_OPS)
 
     @dsl_user_op
     def e2m1x8_rn_hw(vals, *, loc=None, ip=None) -> Uint32:
@@ -213,10 +200,6 @@ if _HAVE_DSL:
     def e2m1x8_f16x2_hw(w) -> list:
         """sm_100a / sm_103a: packed word -> four f16x2 words in element order (true values)."""
         return [_e2m1x2_f16x2(w, j) for j in range(4)]
-
-    def e2m1x8_f16x2_sw(w) -> list:
-        """sm_90a: packed word -> four f16x2 words, SOFT_DECODE_ORDER, values * 2**-6."""
-        return e2m1x8_f16x2_soft(w, DSL_OPS)
 
 
 __all__ = [

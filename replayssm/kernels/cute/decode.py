@@ -5,10 +5,9 @@ plan says valid and not flush (docs/format.md section 5):
 
     y[p] = exp(A pre_r) R[p] + sum_{j <= r} dt_j exp(A (pre_r - pre_j)) (B_j . C) x_j[p] + D[p] x[p]
 
-with ring entries j < r, the current token as entry r and R[p] the read-copy row dot; the
-token's (x, processed dt, B) is stored at entry r and no state is written. Padding and
-flush rows return at once (prepare zeroed the padding rows' outputs; the flush kernel owns
-flush rows), so both kernels launch every step and a captured CUDA graph replays any mix.
+with ring entries j < r, the current token as entry r (its x, processed dt and B are
+stored there) and R[p] the read-copy row dot. Padding and flush rows return at once, so a
+captured CUDA graph of both kernels replays any mix of rows.
 
 Per warp, lane (g, q) = (lane // 4, lane % 4) (fragment layouts in mma.py):
 
@@ -126,8 +125,8 @@ class Decode:
         s_bc = SmemAllocator().allocate_tensor(Float32, cute.make_layout(RING * self.hpc), byte_alignment=16)
         cw, bq = self.group_loads(inputs, ring.b, bb, g, gq, q, r, slot, ring.b_stride16, w)
         loaded = self.fmt.load_rows(copy, slot, hh, g, gq, q, self.read_hint)
-        xw, dt_k, dt_raw, bias, a_h, d0, d1, xo = self.head_loads(ring, inputs, bb, hh, gq, q, lane, r, slot)
-        tail = self.tail_loads(ring, inputs, bb, hh, gq, q, r, slot) if self.fmt.TAIL else None
+        xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, tail = self.head_loads(
+            ring, inputs, bb, hh, gq, q, lane, r, slot)
         down, up = self.c_prime(cw)
         # rd[mt]: the row dots of m-tile mt (rows 8 gq + 2 mt, + 1); the read-copy term of
         # row p0 + i is outer[i] * (inner * dot), in that order (no intermediate overflow
@@ -261,8 +260,9 @@ class Decode:
     @cute.jit
     def head_loads(self, ring, inputs, bb, hh, gq, q, lane, r, slot):
         """Ring x (xw[u]: entry 2 q + u % 2 + 8 (u // 2) at p = 8 gq .. + 7, the step's x
-        at r, zeros beyond) and the scalars: dt of entry lane % 16 (zero beyond r), the
-        step's raw dt, dt_bias, A, D and x at the lane's output rows p0, p0 + 1."""
+        at r, zeros beyond), the scalars (dt of entry lane % 16, zero beyond r; the step's
+        raw dt, dt_bias, A; D and x at the lane's output rows p0, p0 + 1) and at head dim
+        80 `tail`: x words of the same entries (xt[u]), D and x at rows 64 + 2 gq, + 1."""
         one = Int32(1)
         xr_w = cute.recast_ptr(ring.x, dtype=Uint32)
         x_w = cute.recast_ptr(inputs.x, dtype=Uint32)
@@ -286,24 +286,20 @@ class Decode:
         d0 = inputs.D[hh * inputs.d_stride_h + Int64(p0) * inputs.d_stride_p]
         d1 = inputs.D[hh * inputs.d_stride_h + Int64(p0 + 1) * inputs.d_stride_p]
         xo = bf16x2_to_f32x2(x_w[x_row + Int64(p0 // 2)])
-        return xw, dt_k, dt_raw, bias, a_h, d0, d1, xo
-
-    @cute.jit
-    def tail_loads(self, ring, inputs, bb, hh, gq, q, r, slot):
-        """Head dim 80, rows 64 + 2 gq and 65 + 2 gq (the fifth m-tile): x of the entries
-        `head_loads` takes (one word each: xt[u]), D and the step's x at these rows."""
-        x_w = cute.recast_ptr(inputs.x, dtype=Uint32)
-        xr_w = cute.recast_ptr(ring.x, dtype=Uint32)
-        x_row = A.row_words(self.dense_rows, bb, inputs.x_stride16, self.heads * self.P // 2)
-        x_row = x_row + hh * (self.P // 2) + Int64(32 + gq)
-        xr_row = slot * ring.x_stride16 * 4 + hh * (RING * self.P // 2) + Int64(32 + gq)
-        xt = []
-        for u in cutlass.range_constexpr(4):
-            j = 2 * q + (u % 2) + 8 * (u // 2)
-            src = sel(j < r, (xr_w + (xr_row + Int64(j * (self.P // 2)))).toint(), (x_w + x_row).toint())
-            xt.append(bits.ld_global_u32_if(src, sel(j <= r, Int32(1), Int32(0))))
-        d = [inputs.D[hh * inputs.d_stride_h + Int64(64 + 2 * gq + i) * inputs.d_stride_p] for i in range(2)]
-        return xt, d, bf16x2_to_f32x2(x_w[x_row])
+        tail = None
+        if cutlass.const_expr(self.fmt.TAIL):  # rows 64 + 2 gq, + 1: the fifth m-tile
+            x_row = A.row_words(self.dense_rows, bb, inputs.x_stride16, self.heads * self.P // 2)
+            x_row = x_row + hh * (self.P // 2) + Int64(32 + gq)
+            xr_row = slot * ring.x_stride16 * 4 + hh * (RING * self.P // 2) + Int64(32 + gq)
+            xt = []
+            for u in cutlass.range_constexpr(4):
+                j = 2 * q + (u % 2) + 8 * (u // 2)
+                src = sel(j < r, (xr_w + (xr_row + Int64(j * (self.P // 2)))).toint(), (x_w + x_row).toint())
+                xt.append(bits.ld_global_u32_if(src, sel(j <= r, Int32(1), Int32(0))))
+            d = [inputs.D[hh * inputs.d_stride_h + Int64(64 + 2 * gq + i) * inputs.d_stride_p]
+                 for i in range(2)]
+            tail = (xt, d, bf16x2_to_f32x2(x_w[x_row]))
+        return xw, dt_k, dt_raw, bias, a_h, d0, d1, xo, tail
 
     @cute.jit
     def c_prime(self, cw):
