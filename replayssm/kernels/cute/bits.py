@@ -305,23 +305,17 @@ def ld_global_v4_u32(addr, hint: str = "", *, loc=None, ip=None) -> list:
     return _ld_global_if(addr, Int32(1), 4, hint, loc, ip)
 
 
-@dsl_user_op
-def ld_global_u16_if(addr, pred, *, loc=None, ip=None) -> Uint32:
-    """The 16-bit word at `addr`, zero-extended, if `pred` is nonzero, else 0 (as _ld_global_if)."""
-    return inline_ptx(
-        "{\n\t.reg .pred p;\n\t.reg .b16 h;\n\tsetp.ne.s32 p, $2, 0;\n\tmov.b16 h, 0;\n\t"
-        "@p ld.global.b16 h, [$1];\n\tcvt.u32.u16 $0, h;\n\t}",
-        "=r,l,r", [Int64(addr), Int32(pred)], [Uint32], side_effects=True, loc=loc, ip=ip,
-    )
-
-
 def ld_global_dt_if(ptr, offset, pred) -> Float32:
     """Element `offset` of the f32, bf16 or f16 tensor at `ptr` as FP32 (exact) if `pred`,
-    else 0.0, by a predicated load of its width (the element type is static)."""
+    else 0.0, by a predicated load of its width (as _ld_global_if; the type is static)."""
     addr = (ptr + offset).toint()
     if ptr.dtype.width == 32:
         return ld_global_u32_if(addr, pred).bitcast(Float32)
-    half = ld_global_u16_if(addr, pred)
+    half = inline_ptx(  # zero-extended
+        "{\n\t.reg .pred p;\n\t.reg .b16 h;\n\tsetp.ne.s32 p, $2, 0;\n\tmov.b16 h, 0;\n\t"
+        "@p ld.global.b16 h, [$1];\n\tcvt.u32.u16 $0, h;\n\t}",
+        "=r,l,r", [Int64(addr), Int32(pred)], [Uint32], side_effects=True,
+    )
     if ptr.dtype is BFloat16:
         return (half << 16).bitcast(Float32)
     return f16x2_to_f32x2(half)[0]
