@@ -1,14 +1,10 @@
 """Kernel arguments as a few structs, built from one spec.
 
-Every decode kernel takes the same structs: the cache's `Ring`, the read copy
-(`Fp8Copy`, `Nvfp4Copy`, `Fp16Copy`: the format's), the `Checkpoint` (flush only), the step's
-`Inputs` and the prepare kernel's `Plan`. A struct is a `typing.NamedTuple` of DSL values,
-which the CuTe DSL flattens field by field into kernel parameters. Each struct's spec
-lists its fields once: a pointer field as (dtype, alignment in bytes), a stride field as
-(tensor field, dim, unit), unit 16 meaning "in 16-byte units" (the kernels address the
-16-byte-aligned tensors by vector, and a 16-byte slot stride keeps every vector aligned).
-`fake(struct)` types the compile-time placeholders and `raw(struct, **tensors)` the
-launch-time values (ints, as the kernels' TVM-FFI entry takes them) from the same spec, so
+A struct is a `typing.NamedTuple` of DSL values, which the CuTe DSL flattens field by field
+into kernel parameters. `SPECS` lists each struct's fields once: a pointer as (dtype,
+alignment in bytes), a stride as (tensor field, dim, unit[, DSL type]), unit 16 meaning
+16-byte units (the kernels address 16-byte-aligned tensors by vector). `fake` (compile-time
+placeholders) and `raw` (launch-time ints, as the TVM-FFI entry takes them) both read it, so
 the two cannot disagree.
 """
 
@@ -64,10 +60,9 @@ class Checkpoint(NamedTuple):
 
 
 class Inputs(NamedTuple):
-    """The step's inputs, read through their strides (engines pass x, B and C as column
-    slices of one projection, dt in bf16 tied over the head dim, A / D / dt_bias as tied
-    views: nothing is copied or converted before the kernels), and the contiguous output.
-    x, B, C: rows of heads (groups) at 64 (128) elements each, 16-byte-aligned rows."""
+    """The step's inputs, read through their strides (an engine's column slices and tied views
+    are neither copied nor converted), and the contiguous output. x, B, C: 16-byte-aligned
+    rows of heads (groups) at 64 (128) elements each."""
 
     x: Pointer  # bf16 [batch, H, 64]
     dt: Pointer  # f32, bf16 or f16 [batch, H] (raw dt)
@@ -126,13 +121,8 @@ class PendingPlan(NamedTuple):
     fold_list: Pointer
 
 
-class PendingDebugPlan(NamedTuple):
-    """`PendingPlan` of the pending fold's test variant, and a buffer for the FP32 state of
-    every folded row."""
-
-    rows: Pointer
-    fold_list: Pointer
-    state: Pointer  # f32 [batch, H, 64, 128]
+# The pending fold's test variant: `PendingPlan` and f32 [batch, H, P, N] for every folded row.
+PendingDebugPlan = NamedTuple("PendingDebugPlan", [(f, Pointer) for f in (*PendingPlan._fields, "state")])
 
 
 class FoldParams(NamedTuple):
@@ -166,17 +156,8 @@ class Plan(NamedTuple):
     old_parity: Pointer  # int64
 
 
-class DebugPlan(NamedTuple):
-    """The plan of the flush's test variant: `Plan` and a buffer for the FP32 state of
-    every flushed row."""
-
-    valid: Pointer
-    slot: Pointer
-    ring_index: Pointer
-    flush: Pointer
-    key: Pointer
-    old_parity: Pointer
-    state: Pointer  # f32 [batch, H, 64, 128]
+# The flush's test variant: `Plan` and f32 [batch, H, P, N] for every flushed row.
+DebugPlan = NamedTuple("DebugPlan", [(f, Pointer) for f in (*Plan._fields, "state")])
 
 
 # A pointer whose element type is the tensor's (one of DSL_DTYPES), aligned to its size.
@@ -229,16 +210,9 @@ SPECS[PendingDebugPlan] = {**SPECS[PendingPlan], "state": (Float32, 16)}
 SPECS[FoldParams] = {"A": (Float32, 4), "a_stride": ("A", 0, 1)}
 
 
-def dense_rows(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> bool:
-    """Whether x, B and C are plain contiguous rows (row stride = heads x 64, groups x 128):
-    the kernels' `dense_rows` variant addresses them with that constant stride, the other
-    reads `Inputs`' row strides (engine-shaped inputs: column slices of a projection)."""
-    return x.stride(0) == x.shape[1] * x.shape[2] and B.stride(0) == B.shape[1] * B.shape[2] and C.stride(0) == C.shape[1] * C.shape[2]
-
-
 def row_words(dense: bool, bb, stride16, words_per_row: int):
-    """Word (32-bit) offset of batch row bb (Int64) of x, B or C: bb * words_per_row in
-    the dense variant, else bb times the runtime row stride (Int32 16-byte units)."""
+    """32-bit word offset of batch row bb (Int64) of x, B or C: at the constant row stride in
+    the `dense` variant (contiguous rows), else at the runtime one (Int32 16-byte units)."""
     if dense:
         return bb * words_per_row
     return Int64(Int32(bb) * stride16 * 4)
@@ -246,12 +220,6 @@ def row_words(dense: bool, bb, stride16, words_per_row: int):
 
 def _is_stride(entry: tuple) -> bool:
     return len(entry) >= 3  # (tensor field, dim, unit[, DSL type: Int64]); a pointer is (dtype, alignment)
-
-
-def _pointer_type(entry: tuple, dtype: torch.dtype | None) -> tuple:
-    if entry[0] != INPUT_DTYPE:
-        return entry
-    return DSL_DTYPES[dtype], dtype.itemsize
 
 
 def fake(struct: type, **dtypes: torch.dtype):
@@ -263,32 +231,27 @@ def fake(struct: type, **dtypes: torch.dtype):
             values.append((entry[3] if len(entry) > 3 else Int64)(0))
         elif entry[0] == VALUE:
             values.append(entry[1](0))
+        elif entry[0] == INPUT_DTYPE:
+            dtype = dtypes.get(name, torch.float32)
+            values.append(make_ptr(DSL_DTYPES[dtype], 0, assumed_align=dtype.itemsize))
         else:
-            dtype, align = _pointer_type(entry, dtypes.get(name, torch.float32))
-            values.append(make_ptr(dtype, 0, assumed_align=align))
+            values.append(make_ptr(entry[0], 0, assumed_align=entry[1]))
     return struct(*values)
 
 
 @functools.cache
 def _raw_plan(struct: type) -> tuple:
-    """How `raw` reads each field of `struct` off the tensors: (kind, tensor or field
-    name, dim, unit), kind 0 a pointer, 1 a stride, 2 a value."""
-    readers = []
-    for name, entry in SPECS[struct].items():
-        if _is_stride(entry):
-            source, dim, unit = entry[:3]
-            readers.append((1, source, dim, unit))
-        elif entry[0] == VALUE:
-            readers.append((2, name, 0, 0))
-        else:
-            readers.append((0, name, 0, 0))
-    return tuple(readers)
+    """How `raw` reads each field: (kind, tensor or field name, dim, unit), kind 0 a pointer,
+    1 a stride, 2 a value."""
+    return tuple(
+        (1, *entry[:3]) if _is_stride(entry) else (2 if entry[0] == VALUE else 0, name, 0, 0)
+        for name, entry in SPECS[struct].items()
+    )
 
 
 def raw(struct: type, **tensors) -> list[int]:
-    """`struct`'s fields for the given tensors (one a pointer field) as plain ints in field
-    order: pointer fields' addresses, strides in the spec's units, VALUE fields' ints. A
-    compiled kernel's TVM-FFI entry takes a struct as such a tuple (launch.compile_entry)."""
+    """`struct`'s fields as ints for the given tensors (one per pointer field): addresses,
+    strides in the spec's units, VALUE fields' ints."""
     out = []
     for kind, name, dim, unit in _raw_plan(struct):
         t = tensors[name]
@@ -301,4 +264,8 @@ def raw(struct: type, **tensors) -> list[int]:
     return out
 
 
-__all__ = ["PendingInputs", "PendingPlan", "PendingDebugPlan", "FoldParams", "raw", "dense_rows", "row_words", "DSL_DTYPES", "Ring", "Fp8Copy", "Nvfp4Copy", "Fp16Copy", "Checkpoint", "Inputs", "Plan", "DebugPlan", "Slots", "SPECS", "fake"]
+__all__ = [
+    "PendingInputs", "PendingPlan", "PendingDebugPlan", "FoldParams", "raw", "row_words", "DSL_DTYPES",
+    "Ring", "Fp8Copy", "Nvfp4Copy", "Fp16Copy", "Checkpoint", "Inputs", "Plan", "DebugPlan", "Slots", "SPECS",
+    "fake",
+]
