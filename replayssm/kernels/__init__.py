@@ -12,8 +12,8 @@ Two backends run the cache operations with the same methods (`initialize`, `clea
 
 `backend_for` turns the caller's choice into one of them; "auto" falls back to the reference
 with a `ReferenceFallbackWarning`, once per reason and process. Triton and the CuTe DSL are
-imported on first use: `triton.jit` picks compiler or interpreter when a kernel is defined,
-so TRITON_INTERPRET must be set before then.
+imported on first use, never by importing replayssm: `triton.jit` picks compiler or
+interpreter when a kernel is defined, so TRITON_INTERPRET must be set before then.
 """
 
 from __future__ import annotations
