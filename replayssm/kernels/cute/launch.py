@@ -205,19 +205,14 @@ current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 )
 
 
-_SIDE: dict[int, tuple] = {}
-
-
+@functools.cache
 def _side_stream(index: int) -> tuple:
     """(side stream handle, fork event, join event, side stream) of device `index`."""
-    side = _SIDE.get(index)
-    if side is None:
-        stream = torch.cuda.Stream(device=index, priority=-1)
-        flags = cuda_driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
-        with torch.cuda.device(index):  # events belong to the current device's context
-            fork, join = (_checked(cuda_driver.cuEventCreate(flags)) for _ in range(2))
-        side = _SIDE[index] = (stream.cuda_stream, fork, join, stream)
-    return side
+    stream = torch.cuda.Stream(device=index, priority=-1)
+    flags = cuda_driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
+    with torch.cuda.device(index):  # events belong to the current device's context
+        fork, join = (_checked(cuda_driver.cuEventCreate(flags)) for _ in range(2))
+    return stream.cuda_stream, fork, join, stream
 
 
 def _checked(result):
