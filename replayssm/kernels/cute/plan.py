@@ -1,28 +1,21 @@
 """The plan kernels (CuTe DSL): the first launch of every decode call, bit-exact with the
-reference's bookkeeping. No host sync and no allocation once a plan buffer of the batch
-size exists, so a CUDA graph captures them with the seed baked in; freshness comes from
-the device-resident positions. Live slots are unique (API precondition), so each slot's
-positions, parity and meta are touched by one thread only; padding rows write nothing in
-the cache.
+reference's bookkeeping, with no host sync and no allocation, so a CUDA graph captures them
+(the seed baked in, freshness from the device-resident positions). Live slots are unique
+(API precondition), so one thread touches a slot's positions, parity and meta; padding
+rows write nothing in the cache.
 
-`Prepare` (single-token mode, `reference.prepare_decode`), grid (batch,), thread 0 of CTA
-i_b: the plan row (valid, slot: 0 for padding rows, ring_index = positions[slot] mod 16,
-flush = valid and ring_index == 15, key = stream tag of (seed, slot, position),
-old_parity: NVFP4 flush rows' parity before the step, else 0); positions[slot] + 1 (valid
-rows); NVFP4 flush rows flip parity[slot] and zero meta[slot, g, old_parity] for every
-group g (the half that becomes the flush's amax accumulator). The CTA's threads zero the
-output row of a padding row. With `trigger` it signals programmatic dependent launch as
-it starts: the PDL-launched step kernel behind it becomes resident while it runs (and
-waits for the whole grid by griddepcontrol.wait either way).
+`Prepare` (single-token mode, `reference.prepare_decode`; docs/design.md section 2): CTA
+i_b's thread 0 writes the plan row (valid, slot: 0 for padding, ring_index = position mod
+16, flush = valid and ring_index == 15, key, NVFP4 flush rows' old parity, else 0),
+advances the position and, NVFP4 flush rows, flips the parity and zeroes meta[slot, g,
+old] (docs/format.md section 4); the CTA zeroes a padding row's output. `trigger` signals
+dependent launch at once, so the PDL step behind it becomes resident while it runs.
 
-`PendingPlanKernel` (pending mode, docs/format.md section 5b, `pending.pending_decode`
-steps 1-2), one thread a row: from the positions (c, q), a = clamp(num_accepted, 0, q)
-(q when no verdicts), c' = c + a, f_old = f(c), f_new = f(c'); positions become (c', T_b);
-NVFP4 rows that fold flip parity and zero the half of meta that becomes the amax
-accumulator. It writes the plan row (PLAN_COLS int32 words: slot or -1, c', f_old,
-nf = f_new - f_old, the live parity, the fold's stream key, the row's first token, T_b)
-and appends the rows that fold to the fold's work list (a count, reset by the step, then
-rows).
+`PendingPlanKernel` (pending mode, format.md section 5b steps 1-2), a thread a row: a =
+clamp(num_accepted, 0, q) (q without verdicts), c' = c + a, positions (c', T_b), NVFP4
+fold rows' parity flip and accumulator reset, the plan row (PLAN_COLS int32: slot or -1,
+c', f_old, nf, live parity, the fold's stream key, first token, T_b), and the rows that
+fold appended to the fold's work list (a count the step resets, then rows).
 """
 
 from __future__ import annotations
@@ -59,8 +52,8 @@ def slots_words(cache, fmt) -> tuple:
 
 @cute.jit
 def stream_key(seed: Int32, slot: Int64, position: Int32) -> Uint32:
-    """quant/rng.py `stream_key` from the seed's key (int32 bits): the low 32 bits of
-    slot and position, each mixed in."""
+    """quant/rng.py `stream_key` from the seed's key (int32 bits) and the low 32 bits of
+    slot and position."""
     k = mix32(Uint32(seed) ^ Uint32(Int32(slot)))
     return mix32(k ^ Uint32(position))
 
@@ -219,9 +212,8 @@ def compiled_pending_plan(arch: str, T: int, groups: int, has_acc: bool, varlen:
 
 class PrepareLaunch:
     """The prepare launches of one cache, plan scratch (`buffers.PlanScratch`), format and
-    seed: the argument structs made once, as ffi.Arrays of ints (as `launch.Step`'s), and
-    the compiled kernel of each ids dtype looked up once (it holds no tensor; its keeper
-    passes the ids and output of each call)."""
+    seed: the structs made once as ffi.Arrays of ints, the kernel of each ids dtype looked
+    up once; it holds no tensor."""
 
     __slots__ = ("slots", "plan", "seed", "key", "entries")
 
@@ -242,7 +234,7 @@ class PrepareLaunch:
 
 class PendingPlanLaunch:
     """The pending plan launches of one cache, plan buffer (`buffers.PendingPlan`), format,
-    seed and max_seqlen (argument structs made once, as `PrepareLaunch`)."""
+    seed and max_seqlen (structs made once, as `PrepareLaunch`)."""
 
     __slots__ = ("slots", "plan", "seed", "grid", "key", "two_level")
 
