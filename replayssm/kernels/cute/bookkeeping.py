@@ -2,17 +2,15 @@
 `reference.initialize` / `reference.clear`; one launch each, no host sync, no allocation.
 
 Grid (batch, groups * splits), 256 threads: CTA (b, g * splits + k) serves row b's slot
-(padding rows: nothing) and heads g * hpg + k, + splits, .. of group g. Each head: its x
-and dt rings zeroed; initialize reads its FP32 state in the flush's lane map (the CTA as
-256 / threads flush CTAs, `flush.Shape`, in as many trips as the row parts need) and
-writes it as the flush writes a folded state: the FP16 checkpoint stochastically rounded
-under the tag of (seed, slot, INIT_POSITION), the read copy by the format's strategy.
-k = 0: the group's B ring zeroed, NVFP4 meta[slot, g, 0..1] = the group amax; g = k = 0
-also the positions (both words in pending mode) and NVFP4's parity.
-NVFP4 needs the group amax before any head is encoded: every CTA reduces it over the whole
-group (max of |x|'s bits: exact, order-free), so no CTA waits for another. The repeated
-reads (mostly L2 hits) are what `splits` trades against parallelism: about NVFP4_CTAS CTAs
-a launch, at least one a (row, group). FP8, fp16 and clear take one head a CTA.
+(padding rows: nothing) and heads g * hpg + k, + splits, .. of group g: their x and dt
+rings zeroed and, initialize, their FP32 state written as the flush writes a folded state
+(the checkpoint under the tag of (seed, slot, INIT_POSITION), the read copy by the
+format's strategy). k = 0 also zeroes the group's B ring and writes NVFP4's meta, g = k = 0
+the positions (both words in pending mode) and NVFP4's parity. NVFP4 encodes with the
+group amax, which every CTA reduces over the whole group (max of |x|'s bits: exact,
+order-free), so none waits for another; `splits` trades those repeated reads (mostly L2
+hits) against parallelism: about NVFP4_CTAS CTAs a launch, at least one a (row, group).
+Other formats and clear take one head a CTA.
 """
 
 from __future__ import annotations
@@ -77,8 +75,7 @@ class Bookkeeping:
         t, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         g, k = Int32(by) // splits, Int32(by) % splits
-        smem = SmemAllocator()
-        s_amax = smem.allocate_tensor(Int32, cute.make_layout(self.sh.cp * self.P), byte_alignment=16)
+        s_amax = SmemAllocator().allocate_tensor(Int32, cute.make_layout(self.sh.cp * self.P), byte_alignment=16)
         valid, slot = row_slot(ids, Int64(bx), ids_stride, slots.num_slots)
         if valid != Int32(0):  # the same for the whole CTA (one row)
             row = Int64(bx) * sb

@@ -1,27 +1,15 @@
 """Pending-mode step kernel (CuTe DSL; docs/format.md section 5b, docs/design.md section
 10): every live row's T_b <= 8 outputs and ring writes, one warp per (row, head),
-`decode.Decode`'s lane map with the tokens in the MMA's n dimension, the read-copy format
-supplying the read-copy loads and row dots. It runs behind the plan and the fold (PDL) and
-resets the fold's work list, or as the two launches of `fold_and_step`.
+`decode.Decode`'s lane map (fragment layouts in mma.py) with the call's tokens in the MMA's
+n dimension: lane (g, q) = (lane // 4, lane % 4) supplies token g's C', so one pass over
+the read copy (the format's `pending_dots`) gives R . C_t for every token; B_j . C_t and
+the replay sum_j coef_j,t x_j are bf16 MMAs. It runs behind the plan and the fold (PDL).
 
-The plan row (slot or -1, c', f_old, nf, parity, key, first token, T_b) gives the window
-of 16 entries from f_new = f_old + nf: entry j is ring entry (f_new + j) mod 16 for j <
-u = c' - f_new (committed), else token j - u of the call. For token t (last = u + t),
-with pre_j = dt_0 + .. + dt_j:
+The plan row (slot or -1, c', f_old, nf, parity, key, first token, T_b) gives a window of
+16 entries from f_new = f_old + nf: entry j is ring entry (f_new + j) mod 16 for j < u =
+c' - f_new (committed), else token j - u. For token t (last = u + t), pre_j = dt_0 + .. + dt_j:
 
     y_t[p] = exp(A pre_last) R[p] . C_t + sum_{j <= last} dt_j exp(A (pre_last - pre_j)) (B_j . C_t) x_j[p] + D[p] x_t[p]
-
-Per warp, lane (g, q) = (lane // 4, lane % 4) (fragment layouts in mma.py):
-1. R C_t (the format's `pending_dots`): B column g is token g's C', so one pass over the
-   read copy serves all tokens; m-tile mt holds rows 8 g + 2 mt, + 1 by tokens 2 q, 2 q + 1.
-2. B_j . C_t (bf16 MMA, exact products) for the 16 entries, k split between the CTA's
-   warps; the partial [16 entries, 8 tokens] tiles meet in shared memory.
-3. A scan over the entries (lane k % 16 = entry k) gives pre; lane (g, q) forms token g's
-   coefficients at entries 2 q, 2 q + 1, 2 q + 8, 2 q + 9 (zero past last_g): the replay
-   MMA's B fragment, as bf16 plus its bf16 remainder (two MMAs).
-4. The replay sum_j coef_j,t x_j (bf16 MMA, A = the window's x) lands on step 1's layout.
-5. Lane (g, q) writes rows 8 g .. + 7 of tokens 2 q, 2 q + 1 and their x into the ring,
-   lane k < 16 entry k's dt, the group's first head's warps B.
 
 A later draft's non-finite x is zeroed in the MMA and only the tokens that read it output
 NaN (an entry's B, C and dt are selected, never multiplied, into other tokens' terms).
@@ -110,8 +98,7 @@ class PendingStep(Decode):
 
     @cute.jit
     def live_row(self, ring, copy, inputs, bb, slot, cn, f_new, start, tb, lane, gq, q, hh, w, s_bc):
-        HPG = self.hpg
-        g = hh // HPG
+        g = hh // self.hpg
         u = cn - f_new  # committed entries in the window
         one, zero = Int32(1), Int32(0)
 
@@ -141,7 +128,6 @@ class PendingStep(Decode):
                 row.append(bits.ld_global_v4_u32_if(src, on))
             bq.append(row)
 
-        # The read copy.
         loaded = self.fmt.pending_loads(copy, slot, hh, g, gq, q, self.read_hint)
 
         # x of window entries 2 q + v % 2 + 8 (v // 2) at rows 8 gq .. + 7.
@@ -186,16 +172,15 @@ class PendingStep(Decode):
         # B_j . C_t, this warp's k share; partial tiles [entry, token] meet in shared memory.
         acc_bc = self.bc_partial(bq, cw, w)
         tile = w * (RING * TOKENS)
-        s_bc[tile + gq * TOKENS + 2 * q] = acc_bc[0]
-        s_bc[tile + gq * TOKENS + 2 * q + 1] = acc_bc[1]
-        s_bc[tile + (gq + 8) * TOKENS + 2 * q] = acc_bc[2]
-        s_bc[tile + (gq + 8) * TOKENS + 2 * q + 1] = acc_bc[3]
+        for e in cutlass.range_constexpr(4):  # entries gq, gq + 8 by tokens 2 q, 2 q + 1
+            s_bc[tile + (gq + 8 * (e // 2)) * TOKENS + 2 * q + e % 2] = acc_bc[e]
         cute.arch.sync_threads()
 
         # Scan over the entries (lane k % 16 = entry k).
         dt_k = sel(is_new, softplus(dt_raw + bias), sel(k < u, dt_ring, Float32(0.0)))
         pre = self.prefix_sum(dt_k, k)
-        # Token gq's coefficients at entries 2 q, 2 q + 1, 2 q + 8, 2 q + 9.
+        # Token gq's coefficients at entries 2 q, 2 q + 1, 2 q + 8, 2 q + 9 (zero past last_g):
+        # the replay MMA's B fragment, as bf16 plus its bf16 remainder (two MMAs).
         last_g = u + gq
         pre_last = cute.arch.shuffle_sync(pre, last_g % RING)
         coef = []
@@ -242,9 +227,7 @@ class PendingStep(Decode):
             up_t = cute.arch.shuffle_sync(up, 4 * tt)
             decay = cute.math.exp(a_h * pre_t)
             nan_t = (bad & ((Int32(2) << cutlass.min(u + tt, Int32(RING - 1))) - one)) != zero
-            xo = []
-            for wd in cutlass.range_constexpr(4):
-                xo += bf16x2_to_f32x2(xt[s][wd])
+            xo = [v for wd in range(4) for v in bf16x2_to_f32x2(xt[s][wd])]
             if cutlass.const_expr(self.fmt.TAIL):  # rows 64 + 2 gq, + 1: m-tile 4
                 xo += bf16x2_to_f32x2(xt_t[s])
             y = []
@@ -263,7 +246,7 @@ class PendingStep(Decode):
         if lane < RING:
             if is_new:
                 ring.dt[slot * ring.dt_stride + hh * RING + Int64((f_new + k) % RING)] = dt_k
-        if (hh - Int64(w)) % HPG == 0:  # the CTA holding the group's first head: each warp its share
+        if (hh - Int64(w)) % self.hpg == 0:  # the CTA holding the group's first head: each warp its share
             for e in cutlass.range_constexpr(2):
                 j = gq + 8 * e
                 if (j >= u) & (j < u + tb):
@@ -334,24 +317,21 @@ class PendingLaunch:
     def fold(self, cache, A_, plan_rows, fold_list, stream: int, debug_state=None) -> None:
         """Launch the fold of the listed rows on a persistent grid (`fold_ctas_per_sm` CTAs an
         SM at most); `debug_state`: FP32 [b, H, P, N] receiving each folded row's S (tests)."""
-        batch = plan_rows.shape[0]
-        debug = debug_state is not None
-        fn = self.compiled(("fold", debug))
-        ctas = min(batch * self.head_parts, self.fold_ctas)
         plan = self.plan
-        if debug:
+        if debug_state is not None:
             plan = tuple(A.raw(A.PendingDebugPlan, rows=plan_rows, fold_list=fold_list, state=debug_state))
+        ctas = min(plan_rows.shape[0] * self.head_parts, self.fold_ctas)
+        fn = self.compiled(("fold", debug_state is not None))
         fn(self.ckpt, self.ring, self.copy, (A_.data_ptr(), A_.stride(0)), plan, ctas, stream)
 
     def step(self, cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, varlen: bool, stream: int, rows: str = "all") -> None:
         """Launch the step (`rows`: PendingStep's) behind the plan and, unless "rest", the fold:
         x [b, T, H, 64] (varlen [total, H, 64]), B, C [.., G, 128], out like x, dt [b, T, H]
         ([total, H]), A, dt_bias [H], D [H, 64]; the caller checked `reads_as_is`."""
-        batch = plan_rows.shape[0]
         if dt.dtype not in A.DSL_DTYPES:
             dt = dt.float()
         fn = self.compiled((dt.dtype, rows))
-        fn(self.ring, self.copy, step_words(x, dt, A_, B, C, D, dt_bias, out, varlen), self.plan, batch, stream)
+        fn(self.ring, self.copy, step_words(x, dt, A_, B, C, D, dt_bias, out, varlen), self.plan, plan_rows.shape[0], stream)
 
 
 def step_inputs(x, dt, A_, B, C, D, dt_bias, out, varlen: bool) -> dict:

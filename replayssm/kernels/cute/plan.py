@@ -4,18 +4,11 @@ reference's bookkeeping, with no host sync and no allocation, so a CUDA graph ca
 (API precondition), so one thread touches a slot's positions, parity and meta; padding
 rows write nothing in the cache.
 
-`Prepare` (single-token mode, `reference.prepare_decode`; docs/design.md section 2): CTA
-i_b's thread 0 writes the plan row (valid, slot: 0 for padding, ring_index = position mod
-16, flush = valid and ring_index == 15, key, NVFP4 flush rows' old parity, else 0),
-advances the position and, NVFP4 flush rows, flips the parity and zeroes meta[slot, g,
-old] (docs/format.md section 4); the CTA zeroes a padding row's output. `trigger` signals
-dependent launch at once, so the PDL step behind it becomes resident while it runs.
-
-`PendingPlanKernel` (pending mode, format.md section 5b steps 1-2), a thread a row: a =
-clamp(num_accepted, 0, q) (q without verdicts), c' = c + a, positions (c', T_b), NVFP4
-fold rows' parity flip and accumulator reset, the plan row (PLAN_COLS int32: slot or -1,
-c', f_old, nf, live parity, the fold's stream key, first token, T_b), and the rows that
-fold appended to the fold's work list (a count the step resets, then rows).
+`Prepare`: single-token mode's (`reference.prepare_decode`; docs/design.md sections 1-2),
+a CTA a row. `PendingPlanKernel`: pending mode's (docs/format.md section 5b steps 1-2), a
+thread a row; its plan row is PLAN_COLS int32 words (slot or -1, c', f_old, nf, the live
+parity, the fold's stream key, the first token, T_b) and the rows that fold are appended
+to the fold's work list (a count the step resets, then rows).
 """
 
 from __future__ import annotations
@@ -67,10 +60,12 @@ def row_slot(ids, i: Int64, ids_stride: Int64, num_slots: Int32):
 
 
 class Prepare:
-    """Single-token mode's plan kernel for one (groups, output row, format, trigger, ids dtype)."""
+    """Single-token mode's plan kernel for one (groups, output row, format, trigger); the
+    ids' type is the compile-time pointer's. `trigger`: signal dependent launch at once, so
+    the PDL kernel behind it becomes resident while it runs (it still waits for the grid)."""
 
-    def __init__(self, groups: int, out_row: int, two_level: bool, trigger: bool, ids_dtype=Int64) -> None:
-        self.groups, self.out_row, self.two_level, self.trigger, self.ids_dtype = groups, out_row, two_level, trigger, ids_dtype
+    def __init__(self, groups: int, out_row: int, two_level: bool, trigger: bool) -> None:
+        self.groups, self.out_row, self.two_level, self.trigger = groups, out_row, two_level, trigger
 
     @cute.jit
     def __call__(self, ids: Pointer, ids_stride: Int64, slots: A.Slots, out: Pointer, plan: A.Plan, seed: Int32, batch: Int32, stream: cuda_driver.CUstream):
@@ -112,12 +107,10 @@ class Prepare:
 
 
 class PendingPlanKernel:
-    """Pending mode's plan kernel for one (T, groups, verdicts given, varlen, format, ids
-    and verdicts dtypes)."""
+    """Pending mode's plan kernel for one (T, groups, verdicts given, varlen, format)."""
 
-    def __init__(self, T: int, groups: int, has_acc: bool, varlen: bool, two_level: bool, ids_dtype=Int64, acc_dtype=Int64) -> None:
+    def __init__(self, T: int, groups: int, has_acc: bool, varlen: bool, two_level: bool) -> None:
         self.T, self.groups, self.has_acc, self.varlen, self.two_level = T, groups, has_acc, varlen, two_level
-        self.ids_dtype, self.acc_dtype = ids_dtype, acc_dtype
 
     @cute.jit
     def __call__(self, ids: Pointer, ids_stride: Int64, acc: Pointer, cu: Pointer, slots: A.Slots, plan: A.PendingPlan,
@@ -182,7 +175,7 @@ def _ptr(dtype, align: int):
 def prepare_kernel(groups: int, out_row: int, two_level: bool, trigger: bool, ids_dtype: torch.dtype) -> tuple[Prepare, list]:
     """The prepare kernel object and its compile-time arguments."""
     idt = ID_DTYPES[ids_dtype]
-    obj = Prepare(groups, out_row, two_level, trigger, idt)
+    obj = Prepare(groups, out_row, two_level, trigger)
     fake = [_ptr(idt, ids_dtype.itemsize), Int64(0), A.fake(A.Slots), _ptr(cutlass.Int16, 2), A.fake(A.Plan), Int32(0), Int32(0), make_fake_stream()]
     return obj, fake
 
@@ -190,7 +183,7 @@ def prepare_kernel(groups: int, out_row: int, two_level: bool, trigger: bool, id
 def pending_plan_kernel(T: int, groups: int, has_acc: bool, varlen: bool, two_level: bool, ids_dtype: torch.dtype, acc_dtype: torch.dtype):
     """The pending plan kernel object and its compile-time arguments."""
     idt, adt = ID_DTYPES[ids_dtype], ID_DTYPES[acc_dtype]
-    obj = PendingPlanKernel(T, groups, has_acc, varlen, two_level, idt, adt)
+    obj = PendingPlanKernel(T, groups, has_acc, varlen, two_level)
     fake = [
         _ptr(idt, ids_dtype.itemsize), Int64(0), _ptr(adt, acc_dtype.itemsize), _ptr(Int32, 4), A.fake(A.Slots), A.fake(A.PendingPlan),
         Int32(0), Int32(1), Int32(0), make_fake_stream(),
@@ -206,7 +199,6 @@ def compiled_prepare(arch: str, groups: int, out_row: int, two_level: bool, ids_
 
 @functools.lru_cache(maxsize=None)
 def compiled_pending_plan(arch: str, T: int, groups: int, has_acc: bool, varlen: bool, two_level: bool, ids_dtype, acc_dtype):
-    """The compiled pending plan kernel."""
     return compile_entry(*pending_plan_kernel(T, groups, has_acc, varlen, two_level, ids_dtype, acc_dtype), arch)
 
 
