@@ -180,13 +180,12 @@ def bookkeeping_kernel(state_dtype: str | None, arch: str, hpg: int, pos_width: 
     fmt = read_copy_format(state_dtype, arch, P, N) if state_dtype else None
     copy = (fmt or read_copy_format("fp16", arch, P, N)).Args  # clear: the checkpoint's struct in the copy's place
     idt = ID_DTYPES[ids_dtype]
-    obj = Bookkeeping(fmt, hpg, pos_width, vec, P, N)
     fake = [
         make_ptr(idt, 0, assumed_align=ids_dtype.itemsize), Int64(0), make_ptr(Float32, 0, assumed_align=16 if vec else 4),
         *[Int64(0)] * 4, A.fake(A.Checkpoint), A.fake(A.Ring), A.fake(copy), A.fake(A.Slots), Int32(0), Int32(0), Int32(0),
         Int32(1), make_fake_stream(),
     ]  # fmt: skip
-    return obj, fake
+    return Bookkeeping(fmt, hpg, pos_width, vec, P, N), fake
 
 
 @functools.lru_cache(maxsize=None)

@@ -67,8 +67,7 @@ class PendingStep(Decode):
         pw = cute.recast_ptr(plan.rows, dtype=Uint32)
         row0 = bits.ld_global_v4_u32((pw + bb * 8).toint())
         row1 = bits.ld_global_v4_u32((pw + bb * 8 + 4).toint())
-        slot32 = Int32(row0[0])
-        cn, f_old, nf = Int32(row0[1]), Int32(row0[2]), Int32(row0[3])
+        slot32, cn, f_old, nf = [Int32(v) for v in row0]
         start, tb = Int32(row1[2]), Int32(row1[3])
         lane = t % 32
         gq, q = lane // 4, lane % 4
@@ -259,9 +258,8 @@ class PendingStep(Decode):
 def pending_kernel(state_dtype: str, arch: str, heads: int, groups: int, dt_dtype: torch.dtype = torch.float32, rows: str = "all", P: int = 64, N: int = 128):
     """The step (`rows`: as PendingStep takes it) and its compile-time arguments."""
     fmt = read_copy_format(state_dtype, arch, P, N)
-    obj = PendingStep(fmt, heads, groups, pdl=True, rows=rows)
     fake = [A.fake(A.Ring), A.fake(fmt.Args), A.fake(A.PendingInputs, dt=dt_dtype), A.fake(A.PendingPlan), Int32(0), make_fake_stream()]
-    return obj, fake
+    return PendingStep(fmt, heads, groups, pdl=True, rows=rows), fake
 
 
 @functools.lru_cache(maxsize=None)
@@ -374,9 +372,7 @@ def pending_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, 
     launcher.step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, varlen, stream, rows)
 
 
-# From this batch on a captured call's step is two launches (`fold_and_step`); eager calls
-# keep one: their host time is several times the kernels' GPU time.
-SPLIT_MIN_BATCH = 64
+SPLIT_MIN_BATCH = 64  # from this batch on a captured call's step is two launches
 
 
 def fold_and_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, launch_fold, *, state_dtype: str,
@@ -385,7 +381,8 @@ def fold_and_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list,
     (`launcher`: the cache's, else one made for this call). `split` (None: from
     SPLIT_MIN_BATCH rows on while a CUDA graph is captured): the rows that do not fold step
     on the side stream, forked after the plan, beside the fold, the others after the fold;
-    the side stream joins `stream` after both. Else one step after the fold (eager big calls
+    the side stream joins `stream` after both. Else one step after the fold (eager calls:
+    their host time is several times the kernels' GPU time; from SPLIT_MIN_BATCH rows they
     compile the split variants, so that a capture compiles nothing)."""
     if launcher is None:
         launcher = PendingLaunch(cache, plan_rows, fold_list, state_dtype, arch)

@@ -175,20 +175,18 @@ def _ptr(dtype, align: int):
 def prepare_kernel(groups: int, out_row: int, two_level: bool, trigger: bool, ids_dtype: torch.dtype) -> tuple[Prepare, list]:
     """The prepare kernel object and its compile-time arguments."""
     idt = ID_DTYPES[ids_dtype]
-    obj = Prepare(groups, out_row, two_level, trigger)
     fake = [_ptr(idt, ids_dtype.itemsize), Int64(0), A.fake(A.Slots), _ptr(cutlass.Int16, 2), A.fake(A.Plan), Int32(0), Int32(0), make_fake_stream()]
-    return obj, fake
+    return Prepare(groups, out_row, two_level, trigger), fake
 
 
 def pending_plan_kernel(T: int, groups: int, has_acc: bool, varlen: bool, two_level: bool, ids_dtype: torch.dtype, acc_dtype: torch.dtype):
     """The pending plan kernel object and its compile-time arguments."""
     idt, adt = ID_DTYPES[ids_dtype], ID_DTYPES[acc_dtype]
-    obj = PendingPlanKernel(T, groups, has_acc, varlen, two_level)
     fake = [
         _ptr(idt, ids_dtype.itemsize), Int64(0), _ptr(adt, acc_dtype.itemsize), _ptr(Int32, 4), A.fake(A.Slots), A.fake(A.PendingPlan),
         Int32(0), Int32(1), Int32(0), make_fake_stream(),
     ]  # fmt: skip
-    return obj, fake
+    return PendingPlanKernel(T, groups, has_acc, varlen, two_level), fake
 
 
 @functools.lru_cache(maxsize=None)
