@@ -3,7 +3,8 @@
 `decode.Decode`'s lane map (fragment layouts in mma.py) with the call's tokens in the MMA's
 n dimension: lane (g, q) = (lane // 4, lane % 4) supplies token g's C', so one pass over
 the read copy (the format's `pending_dots`) gives R . C_t for every token; B_j . C_t and
-the replay sum_j coef_j,t x_j are bf16 MMAs. It runs behind the plan and the fold (PDL).
+the replay sum_j coef_j,t x_j are bf16 MMAs. It runs behind the plan and the fold (PDL)
+and resets the fold's work list, or split in two launches (`fold_and_step`).
 
 The plan row (slot or -1, c', f_old, nf, parity, key, first token, T_b) gives a window of
 16 entries from f_new = f_old + nf: entry j is ring entry (f_new + j) mod 16 for j < u =
