@@ -75,7 +75,8 @@ class Bookkeeping:
         t, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         g, k = Int32(by) // splits, Int32(by) % splits
-        s_amax = SmemAllocator().allocate_tensor(Int32, cute.make_layout(self.sh.cp * self.P), byte_alignment=16)
+        smem = SmemAllocator()
+        s_amax = smem.allocate_tensor(Int32, cute.make_layout(self.sh.cp * self.P), byte_alignment=16)
         valid, slot = row_slot(ids, Int64(bx), ids_stride, slots.num_slots)
         if valid != Int32(0):  # the same for the whole CTA (one row)
             row = Int64(bx) * sb

@@ -327,10 +327,11 @@ class PendingLaunch:
         """Launch the step (`rows`: PendingStep's) behind the plan and, unless "rest", the fold:
         x [b, T, H, 64] (varlen [total, H, 64]), B, C [.., G, 128], out like x, dt [b, T, H]
         ([total, H]), A, dt_bias [H], D [H, 64]; the caller checked `reads_as_is`."""
+        batch = plan_rows.shape[0]
         if dt.dtype not in A.DSL_DTYPES:
             dt = dt.float()
         fn = self.compiled((dt.dtype, rows))
-        fn(self.ring, self.copy, step_words(x, dt, A_, B, C, D, dt_bias, out, varlen), self.plan, plan_rows.shape[0], stream)
+        fn(self.ring, self.copy, step_words(x, dt, A_, B, C, D, dt_bias, out, varlen), self.plan, batch, stream)
 
 
 def step_inputs(x, dt, A_, B, C, D, dt_bias, out, varlen: bool) -> dict:
