@@ -53,15 +53,11 @@ def initialize_replayssm_state(
     head_offset: int = 0,
 ) -> None:
     """Initialize the FP16 checkpoint and the read copy independently from FP32 prefill
-    states [batch, heads, P, N] (the cache's head and state dims), and clear the rings
-    and positions of the slots.
-
-    Nonpositive and out-of-range slot indices are ignored. `states` may be a broadcast
-    view (stride 0 on the batch dim). With REPLAYSSM_DEBUG=1 live slots must be unique and
-    their states finite. `backend`: "auto", "kernels" or "reference" (module docstring).
-    `head_offset`: the model's head of this cache's head 0 when the cache is one
-    tensor-parallel shard of a layer's heads (docs/format.md section 6).
-    """
+    states [batch, heads, P, N] (may be broadcast over the batch), and clear the rings and
+    positions of the slots. Nonpositive and out-of-range slot indices are ignored; with
+    REPLAYSSM_DEBUG=1 live slots must be unique and their states finite. `head_offset`:
+    the model's head of this cache's head 0 in a tensor-parallel shard (docs/format.md
+    section 6)."""
     fmt = format_of(state_dtype)
     checks = debug()  # read (and validated) once per call
     chk.seed(seed)
@@ -188,7 +184,7 @@ def check_max_seqlen(max_seqlen: object) -> int:
     """Pending mode's tokens per row and call: a Python int in 1..8."""
     from .pending import MAX_SEQLEN
 
-    if not 1 <= chk.integer("max_seqlen", max_seqlen) <= max_seqlen <= MAX_SEQLEN:
+    if not 1 <= chk.integer("max_seqlen", max_seqlen) <= MAX_SEQLEN:
         raise ValueError(f"max_seqlen must be in 1..{MAX_SEQLEN} in pending mode; got {max_seqlen}")
     return max_seqlen
 
@@ -306,11 +302,9 @@ def decode(
     return out
 
 
-# -- the eager fast path ------------------------------------------------------------------
-# An eager call on the kernel backend with inputs as engines pass them goes straight to the
-# backend, without the op's dispatch (23 boxed arguments), after checks of types, shapes,
-# strides, dtypes and devices only. Anything else, a bad input included, takes the general
-# path, which validates it in full.
+# -- the eager fast path: inputs as engines pass them go straight to the kernel backend,
+# without the op's dispatch (23 boxed arguments), after checks of types, shapes, strides,
+# dtypes and devices only; anything else, a bad input included, takes the general path.
 _IDS_DTYPES = (torch.int32, torch.int64)
 _DT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PARAMS: dict[tuple, tuple] = {}  # (id(A), id(D), id(dt_bias), heads, ...) -> (tensors, versions, normalized)
@@ -449,8 +443,7 @@ def decode_pending(
     _check_out(out, lead, heads, " (varlen: one row a token)" if varlen else " (dense, T == max_seqlen)", P)
     chk.verdicts(num_accepted_tokens, batch, device, max_seqlen)
     if varlen and not own_cu:
-        # cu_seqlens' values too (a host read) outside torch.compile; inside it the op
-        # checks them before writing anything.
+        # Its values (a host read) outside torch.compile; inside it the op checks them.
         chk.tensor("cu_seqlens", cu_seqlens)
         if cu_seqlens.dtype != torch.int32 or tuple(cu_seqlens.shape) != (batch + 1,):
             error = chk.DTypeError if cu_seqlens.dtype != torch.int32 else ValueError
@@ -466,8 +459,7 @@ def decode_pending(
     if host_reads and checks:
         _check_unique(ids, slots)
     if host_reads and not own_seqlen:
-        # The pending counts must fit this call's max_seqlen (a changed max_seqlen
-        # otherwise); the op checks it again inside torch.compile.
+        # The pending counts fit this call's max_seqlen (the op checks it under torch.compile).
         live = ids[(ids > 0) & (ids < slots)].long()
         q = cache[L.POSITIONS][live][:, 1]
         if q.numel() and int(q.max()) > max_seqlen:
@@ -517,8 +509,7 @@ def materialize(
     ids = chk.slot_ids(ids_name, state_indices, device)
     A1 = chk.A_param(A, heads, P, N).to(ids.device)
     if out is not None:
-        # Into the caller's buffer: the backend writes it directly (the op returns a new
-        # tensor, which torch.compile can trace; `out` is for eager and captured calls).
+        # The backend writes `out` directly: the op returns a new tensor (for torch.compile).
         shape = (ids.numel(), heads, P, N)
         chk.tensor("out", out)
         if out.dtype != torch.float32 or tuple(out.shape) != shape or not out.is_contiguous():

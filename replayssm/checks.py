@@ -1,10 +1,8 @@
-"""Argument checks shared by the functional API, `ReplaySSMCache` and the hand-off
-functions, so one fault gives one exception and message wherever it is made: TypeError for
-a missing tensor or int, `DTypeError` for a tensor's dtype (also a ValueError: the serving
-engine's contract raises ValueError for a dtype), ValueError for a shape, device, layout
-or value. Checks that read values (ids, A, verdicts) read only host tensors, and device
-tensors with REPLAYSSM_DEBUG=1 in eager calls.
-"""
+"""Argument checks shared by every entry point, so one fault gives one exception and
+message wherever it is made: TypeError for a missing tensor or int, `DTypeError` for a
+dtype (also a ValueError, as the serving engine's contract has it), ValueError for a
+shape, device, layout or value. Values are read from host tensors only, and from device
+tensors with REPLAYSSM_DEBUG=1 in eager calls."""
 
 from __future__ import annotations
 
@@ -33,9 +31,8 @@ def integer(name: str, v: object, *, low: int | None = None, high: int | None = 
     if not isinstance(v, int) or isinstance(v, bool):
         raise TypeError(f"{name} must be a Python int; got {type(v).__name__}")
     if (low is not None and v < low) or (high is not None and v > high):
-        lo = "" if low is None else f">= {low}"
-        hi = "" if high is None else f"<= {high}"
-        raise ValueError(f"{name} must be {' and '.join(s for s in (lo, hi) if s)}; got {v}")
+        bounds = [f"{op} {b}" for op, b in ((">=", low), ("<=", high)) if b is not None]
+        raise ValueError(f"{name} must be {' and '.join(bounds)}; got {v}")
     return v
 
 

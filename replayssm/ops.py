@@ -1,23 +1,21 @@
 """The cache operations as torch custom ops: `replayssm::initialize`, `::clear`,
 `::decode`, `::materialize`, and pending mode's `::decode_pending`, `::materialize_pending`.
 
-torch.compile sees each as one opaque op whose schema (`SCHEMAS`) marks exactly the cache
-tensors it writes, so a model calling `ReplaySSMCache.decode` compiles with
-fullgraph=True. The ops validate nothing: `replayssm.api` and `ReplaySSMCache` validate
-first (at trace time under torch.compile, so a rejected call raises there and writes
-nothing). Under torch.compile a wrapper below calls the op; an eager call runs the op's
-body directly, without the dispatcher's boxing of ~20 arguments.
+torch.compile sees each as one opaque op whose schema marks exactly the cache tensors it
+writes, so a model calling `ReplaySSMCache.decode` compiles with fullgraph=True. The ops
+validate nothing (`replayssm.api` does, at trace time under torch.compile). Under
+torch.compile a wrapper below calls the op; an eager call runs its body directly, without
+the dispatcher's boxing of ~20 arguments.
 
 - The cache tensors are separate arguments, not one `Tensor(a!)[]` list: a list marks
   every entry written (the conv state, and for `clear` the checkpoint and read copy), and
   functionalization (e.g. backend="aot_eager") then copies them all on every call.
 - One op per operation for every format: read copy, scales, meta and parity are optional
   (meta and parity None for FP8, all four for FP16).
-- `seed` goes as the int64 equal to it mod 2**64 (the random streams take it mod 2**64),
-  so every Python int fits the schema. `scratch` is a handle (`scratch_handle`) to the
-  kernel backend's plan scratch (0: its shared one), a workspace private to the call.
-- No autograd formula (inference ops): the bodies run under no_grad, so inputs that
-  require grad leave no history on the cache or `out`.
+- `seed` goes as the int64 equal to it mod 2**64 (the random streams take it mod 2**64).
+  `scratch` is a handle to the kernel backend's plan scratch (0: its shared one).
+- No autograd formula: the bodies run under no_grad, so inputs that require grad leave
+  no history on the cache or `out`.
 - A cache carved from one byte page per slot (`slot_padding` > 0) holds views of one
   storage with different dtypes: torch 2.13's AOTAutograd (aot_eager, Inductor) refuses
   such mutated inputs, dynamo alone (backend="eager") compiles it.
@@ -102,10 +100,9 @@ def _int64(seed: int) -> int:
 
 
 # -- plan scratch handles ------------------------------------------------------------------
-# handle -> scratch (weak: the owner, e.g. a ReplaySSMCache, keeps it alive) and
-# id(scratch) -> handle (an entry is dropped when its scratch is collected, before the id
-# can be reused). Looking up a registered scratch traces under torch.compile; registering
-# does not (weakref), so ReplaySSMCache registers its scratch when it is built.
+# handle -> scratch (weak: its owner keeps it alive), id(scratch) -> handle (dropped when the
+# scratch is collected, before the id can be reused). A lookup traces under torch.compile,
+# registering (weakref) does not: ReplaySSMCache registers its scratch when it is built.
 _SCRATCH: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
 _HANDLE_OF: dict[int, int] = {}
 _NEXT_HANDLE = itertools.count(1)
@@ -215,13 +212,11 @@ def materialize_pending(cache, state_indices, A, *, backend: str, max_seqlen: in
 
 
 # -- the ops -------------------------------------------------------------------------------
-# Registered with the plain `torch.library.Library` API, not `torch.library.custom_op`:
-# custom_op runs Python kernels at the Autograd and ADInplaceOrView keys on every call, and
-# its ADInplaceOrView kernel (`torch._library.utils.fill_defaults`) re-reads
-# `schema.arguments` per argument (quadratic in the 23 arguments of decode): 130-250 us of
-# host time a call on this project's CPU machine, against ~20 us here (most of it the
-# dispatcher boxing 23 arguments), where the Autograd key takes the C++ fallback and
-# ADInplaceOrView falls through. Meta and fake tensors get the fake implementations.
+# Plain `torch.library.Library`, not `custom_op`, whose ADInplaceOrView kernel
+# (`torch._library.utils.fill_defaults`) re-reads `schema.arguments` per argument on every
+# call, quadratic in decode's 23: 130-250 us of host time a call on this project's CPU
+# machine against ~20 us here, where Autograd takes the C++ fallback and ADInplaceOrView
+# falls through.
 
 _LIB = torch.library.Library("replayssm", "DEF")
 
