@@ -33,8 +33,7 @@ def _check_unique(ids: torch.Tensor, num_slots: int) -> None:
 
 
 def _check_finite(states: torch.Tensor, ids: torch.Tensor, num_slots: int) -> None:
-    """REPLAYSSM_DEBUG=1: the prefill states of live rows hold no NaN or Inf (stored
-    unchecked otherwise, docs/format.md); padding rows are ignored."""
+    """REPLAYSSM_DEBUG=1: the prefill states of live rows are finite (unchecked otherwise)."""
     live = (ids > 0) & (ids < num_slots)
     bad = (~torch.isfinite(states[live])).flatten(1).any(dim=1)
     if bool(bad.any()):
@@ -120,34 +119,23 @@ def _check_rows(x, B, Cm, lead: tuple[int, ...], heads: int, groups: int, lay: s
             raise ValueError(f"{name} must be {want}; got {_describe(t)}")
 
 
-def _normalized(x, dt, dt_flat, A, B, C, D, dt_bias, lead: tuple[int, ...], heads: int, groups: int, P: int,
-                N: int):  # fmt: skip
-    """The inputs in the kernels' layout, as views: x lead + [H, P], dt lead + [H], A [H]
-    f32, B, C lead + [G, N], D [H, P] f32, dt_bias [H] f32 (`dt_flat`: dt as lead + [H,
-    1 or P]). Tied (stride-0) views are read at their first element."""
-    chk.tied("dt", dt, dt_flat)
-    A, D, dt_bias = chk.params(A, D, dt_bias, heads, P, N)
-    x = x.reshape(*lead, heads, P)
-    B = B.reshape(*lead, groups, N)
-    C = C.reshape(*lead, groups, N)
-    return x, dt_flat[..., 0] if dt_flat is dt else dt, A, B, C, D, dt_bias
-
-
 def normalize_decode_inputs(
     x, dt, A, B, C, D, dt_bias, batch: int, heads: int, groups: int, P: int = L.HEAD_DIM, N: int = L.STATE_DIM
 ):
-    """Validate one decode step's inputs and return them as `_normalized` does (no copy;
-    row-strided x, B, C keep their strides): x [b, H, P] (or [b, H*P]) bf16, dt [b, H] (or
-    tied [b, H, P]) f32 / bf16 / f16 (another float type is converted), A [H] (or tied
-    [H, P] / [H, P, N]), B, C [b, G, N] (or [b, G*N]) bf16, D [H] or [H, P], dt_bias [H]
-    (or tied [H, P])."""
+    """Validate one decode step's inputs and return them in the kernels' layout, as views
+    (row-strided x, B, C keep their strides): x [b, H, P] (or [b, H*P]) bf16, dt [b, H] (or
+    tied [b, H, P]; a float type other than f32 / bf16 / f16 is converted), B, C [b, G, N]
+    (or [b, G*N]) bf16, A, D, dt_bias as `chk.params` leaves them."""
     _check_rows(x, B, C, (batch,), heads, groups, "", P, N)
     chk.floating("dt", dt)
     if tuple(dt.shape) not in ((batch, heads), (batch, heads, P)):
         raise ValueError(f"dt must be [{batch}, {heads}] or a tied [{batch}, {heads}, {P}] view; got {_describe(dt)}")
-    dt_flat = dt if dt.dim() == 3 else dt.unsqueeze(-1)
-    norm = _normalized(x, dt, dt_flat, A, B, C, D, dt_bias, (batch,), heads, groups, P, N)
-    x, dt, A, B, C, D, dt_bias = norm
+    chk.tied("dt", dt, dt if dt.dim() == 3 else dt.unsqueeze(-1))
+    A, D, dt_bias = chk.params(A, D, dt_bias, heads, P, N)
+    x = x.reshape(batch, heads, P)
+    B = B.reshape(batch, groups, N)
+    C = C.reshape(batch, groups, N)
+    dt = dt[:, :, 0] if dt.dim() == 3 else dt
     if dt.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         dt = dt.float()
     return x, dt, A, B, C, D, dt_bias
@@ -157,17 +145,21 @@ def normalize_pending_inputs(
     x, dt, A, B, C, D, dt_bias, lead: tuple[int, ...], heads: int, groups: int, P: int = L.HEAD_DIM,
     N: int = L.STATE_DIM,
 ):
-    """`normalize_decode_inputs` of a pending-mode call: `lead` is (b, T) for the dense
-    layout, (total,) for varlen; x lead + [H, P], dt lead + [H] (any float, not converted),
-    B, C lead + [G, N], each with the same alternatives."""
+    """`normalize_decode_inputs` of a pending-mode call, [b] replaced by `lead`: (b, T) for
+    the dense layout, (total,) for varlen; dt of any float type is not converted."""
     lead = tuple(int(v) for v in lead)
     lay = "dense [b, T, ...] with T == max_seqlen" if len(lead) == 2 else "varlen [total, ...]"
     _check_rows(x, B, C, lead, heads, groups, f" ({lay})", P, N)
     chk.floating("dt", dt)
     if tuple(dt.shape) not in (lead + (heads,), lead + (heads, P)):
         raise ValueError(f"dt must be {[*lead, heads]} or {[*lead, heads, P]} (tied) ({lay}); got {_describe(dt)}")
-    dt_flat = dt if dt.dim() == len(lead) + 2 else dt.unsqueeze(-1)
-    return _normalized(x, dt, dt_flat, A, B, C, D, dt_bias, lead, heads, groups, P, N)
+    dt_flat = dt if dt.dim() == len(lead) + 2 else dt.unsqueeze(-1)  # lead + [H, 1 or P]
+    chk.tied("dt", dt, dt_flat)
+    A, D, dt_bias = chk.params(A, D, dt_bias, heads, P, N)
+    x = x.reshape(*lead, heads, P)
+    B = B.reshape(*lead, groups, N)
+    C = C.reshape(*lead, groups, N)
+    return x, dt_flat[..., 0], A, B, C, D, dt_bias
 
 
 def _check_out(out: object, lead: tuple[int, ...], heads: int, lay: str, P: int = L.HEAD_DIM) -> None:
@@ -227,9 +219,8 @@ def selective_state_update_replayssm(
     (0 first, non-decreasing, x.shape[0] last), x [total, H, P], dt [total, H], B, C
     [total, G, N], out [total, H, P] (a row with no tokens still commits). Decode a
     cache's slots with one max_seqlen between inits (a pending count above the call's
-    max_seqlen is rejected). Eager calls read
-    cu_seqlens and the pending counts on the host for their checks (not while a CUDA
-    graph is captured).
+    max_seqlen is rejected). Eager calls read cu_seqlens and the pending counts on the
+    host for their checks (not while a CUDA graph is captured).
     """
     fmt = format_of(state_dtype)
     checks = debug()  # read (and validated) once per call
@@ -312,9 +303,8 @@ _PARAMS_MAX = 1024
 
 
 def _layer_params(A, D, dt_bias, heads: int, index: int, P: int, N: int):
-    """(A, D, dt_bias) as `chk.params` leaves them, cached while none of them is modified in
-    place (the entry holds them, so their ids stay theirs; the version counter moves on
-    every in-place change); None when they are not plain tensors on device `index`."""
+    """`chk.params`, cached while no tensor's version counter moves (the entry holds them,
+    so their ids stay theirs); None unless they are plain tensors on device `index`."""
     key = (id(A), id(D), id(dt_bias), heads, index, P, N)
     hit = _PARAMS.get(key)
     if hit is not None and hit[1] == (A._version, D._version, dt_bias._version):
@@ -330,10 +320,9 @@ def _layer_params(A, D, dt_bias, heads: int, index: int, P: int, N: int):
 
 def direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, scratch,
                   head_offset) -> bool:  # fmt: skip
-    """Run the step on the kernel backend when the inputs are in an accepted layout; False
-    (nothing done) otherwise. x, B and C go as they are ([b, n, w] or [b, n * w]: the
-    launcher reads their row strides). Each property is tested for every tensor at once
-    (chained comparisons): this runs on every eager step."""
+    """Run the step on the kernel backend if the inputs are in an accepted layout (x, B, C
+    go as they are: the launcher reads their row strides), else return False. Each
+    property is tested for every tensor at once: this runs every step."""
     index = cache[L.CHECKPOINT].get_device()
     if not (
         type(ids) is type(out) is type(x) is type(B) is type(C) is type(dt) is torch.Tensor
@@ -364,10 +353,8 @@ def direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, o
 
 def direct_decode_pending(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, max_seqlen,
                            num_accepted_tokens, head_offset) -> bool:  # fmt: skip
-    """`direct_decode` of a dense pending-mode call on a cache that holds one max_seqlen
-    for its slots (`ReplaySSMCache`): x, B, C, out lead + [n, w] or lead + [n * w] with
-    lead (b, T == max_seqlen), dt [b, T, H] (or tied over P), `num_accepted_tokens` None
-    or int32 / int64 [b]."""
+    """`direct_decode` of a dense pending-mode call on a cache that holds one max_seqlen for
+    its slots (`ReplaySSMCache`): T == max_seqlen tokens a row."""
     index = cache[L.CHECKPOINT].get_device()
     T = torch.Tensor
     if type(ids) is not T or ids.dim() != 1 or ids.dtype not in _IDS_DTYPES or ids.get_device() != index:
@@ -418,10 +405,9 @@ def decode_pending(
     *, fmt: Format, seed: int, checks: bool, max_seqlen: int, num_accepted_tokens=None, cu_seqlens=None,
     head_offset: int = 0, own_seqlen: bool = False, own_cu: bool = False, ids_name: str = "state_indices",
 ) -> torch.Tensor:
-    """Validate a pending-mode call, then run the op. The eager checks that read the GPU
-    are skipped where the caller guarantees them: `own_seqlen` (the cache holds one
-    max_seqlen for its slots' lifetime: `ReplaySSMCache`), `own_cu` (cu_seqlens built by
-    the caller: `accept`)."""
+    """Validate a pending-mode call, then run the op. The caller guarantees with
+    `own_seqlen` one max_seqlen for its slots' lifetime (`ReplaySSMCache`), with `own_cu`
+    a valid cu_seqlens (`accept`): the eager checks that read the GPU are skipped."""
     slots, heads, groups, P, N = geometry
     device = cache[L.CHECKPOINT].device
     ids = chk.slot_ids(ids_name, state_indices, device)
@@ -519,6 +505,4 @@ def materialize(
         if pending_seqlen is not None:
             return impl.materialize_pending(cache, ids, A1, max_seqlen=pending_seqlen, out=out)
         return impl.materialize(cache, ids, A1, out)
-    if pending_seqlen is not None:
-        return ops.materialize_pending(cache, ids, A1, backend=impl.name, max_seqlen=pending_seqlen)
-    return ops.materialize(cache, ids, A1, backend=impl.name)
+    return ops.materialize(cache, ids, A1, backend=impl.name, max_seqlen=pending_seqlen)

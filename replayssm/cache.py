@@ -177,8 +177,7 @@ class ReplaySSMCache:
         )
 
     def reset(self, slots: torch.Tensor) -> None:
-        """Start `slots` from a zero state (a request with no prefill); slots as for
-        `prefill_init`."""
+        """Start `slots` from a zero state (a request with no prefill)."""
         debug()
         slots = self._slots(slots)
         zero = torch.zeros(1, self.num_heads, self.head_dim, self.state_dim, device=self.device)
@@ -307,8 +306,7 @@ class ReplaySSMCache:
         )
 
     def warmup(self) -> list[str]:
-        """Compile every kernel variant this cache will launch (before CUDA-graph capture);
-        returns their names."""
+        """Compile every kernel variant this cache launches (before graph capture); their names."""
         debug()
         warm = getattr(self._backend, "warmup", None)
         return list(warm(self)) if warm else []
@@ -357,8 +355,7 @@ class ReplaySSMCache:
 
     # -- slot hand-off (replayssm/handoff.py; docs/format.md "Slot hand-off") --------------
     def _handoff_ids(self, name: str, slots) -> torch.Tensor:
-        """Slot ids as a 1-D integer tensor; lists and ints stay on the host (CPU), so that
-        validating them never synchronizes with the GPU."""
+        """Slot ids as a 1-D integer tensor; lists and ints stay on the host (no GPU sync)."""
         if isinstance(slots, torch.Tensor):
             if slots.dtype not in (torch.int32, torch.int64):
                 raise TypeError(f"{name} must be int32 or int64; got {slots.dtype}")
@@ -460,8 +457,7 @@ class ReplaySSMCache:
 
 # -- slot hand-off over every layer of a model (docs/format.md "Slot hand-off") -------------
 def _check_layers(caches: Sequence, backend: str) -> torch.device | None:
-    """The device (with its index) of a list of ReplaySSMCache with one num_slots on one
-    device, None for an empty list; `backend` checked."""
+    """The one device (with its index) of caches with one num_slots; None for no caches."""
     if isinstance(caches, ReplaySSMCache) or not isinstance(caches, Sequence):
         raise TypeError(f"caches must be a sequence of ReplaySSMCache; got {type(caches).__name__}")
     for i, c in enumerate(caches):
@@ -517,10 +513,9 @@ def _layer_ids(caches: Sequence, slots, device: torch.device) -> torch.Tensor:
 
 
 def export_slots(caches: Sequence, slots, *, non_blocking: bool = False, backend: str = "auto") -> list[dict[str, torch.Tensor]]:
-    """`ReplaySSMCache.export(slots)` over all layers' caches: one dict per layer. With the
+    """`ReplaySSMCache.export(slots)` over all layers' caches, a dict per layer. With the
     kernel (`backend` as for `copy_slots`) every tensor is a view of one pinned host buffer
-    (one gather launch, one device-to-host copy). `non_blocking`: synchronize before
-    reading."""
+    (one gather launch, one device-to-host copy)."""
     device = _check_layers(caches, backend)
     if device is None:
         return []
@@ -549,8 +544,8 @@ def import_slots(caches: Sequence, data: Sequence[dict], slots, *, backend: str 
     ids = _layer_ids(caches, slots, device)
     compact = [handoff.check_export(d, c.tensors, c.format, ids.numel(), c.max_seqlen) for c, d in zip(caches, data)]
     if kernel and not any(compact):
-        tuples = [c.tensors for c in caches]
-        if handoff.import_staged(handoff.copy_plan(caches), tuples, [c.format for c in caches], data, ids):
+        plan = handoff.copy_plan(caches)
+        if handoff.import_staged(plan, [c.tensors for c in caches], [c.format for c in caches], data, ids):
             return
     staged = [handoff.stage_import(c.tensors, d, small, c.format) for c, d, small in zip(caches, data, compact)]
     for c, d, small, st in zip(caches, data, compact, staged):

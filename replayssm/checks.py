@@ -68,9 +68,8 @@ def int_ids(name: str, t: object) -> torch.Tensor:
 
 
 def id_list(name: str, ids: object) -> torch.Tensor:
-    """Ids given as an int or a flat sequence of integers (Python, NumPy or 0-D integer
-    tensors; not bools or floats, which a cast would turn into another slot) as a host
-    int64 tensor."""
+    """An int or a flat sequence of integers (not bools or floats, which a cast would turn
+    into another slot) as a host int64 tensor."""
     if isinstance(ids, int) and not isinstance(ids, bool):
         ids = [ids]
     try:
@@ -97,8 +96,7 @@ def slot_ids(name: str, t: object, device: torch.device) -> torch.Tensor:
 
 
 def host_values(t: torch.Tensor) -> list | None:
-    """The values of a host tensor, or of any with REPLAYSSM_DEBUG=1 where host reads are
-    allowed; None otherwise."""
+    """The values of a host tensor, or of any with REPLAYSSM_DEBUG=1 where host reads are allowed."""
     if (t.device.type == "cpu" or debug()) and host_reads_allowed():
         return t.tolist()
     return None
@@ -154,9 +152,8 @@ def params(A: object, D: object, dt_bias: object, heads: int, P: int = L.HEAD_DI
 
 
 def verdicts(t: object, batch: int, device: torch.device, max_seqlen: int) -> None:
-    """num_accepted_tokens: None, or int32 / int64 [batch] on the cache device. The call
-    clamps values outside 0..max_seqlen (docs/format.md section 5b); REPLAYSSM_DEBUG=1
-    (eager) rejects them."""
+    """num_accepted_tokens: None, or int32 / int64 [batch] on the cache device; values outside
+    0..max_seqlen are clamped (docs/format.md section 5b), an error with REPLAYSSM_DEBUG=1."""
     if t is None:
         return
     name = "num_accepted_tokens"

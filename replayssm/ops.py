@@ -174,11 +174,19 @@ def decode(
         )
 
 
-def materialize(cache, state_indices, A, *, backend: str) -> torch.Tensor:
+def materialize(cache, state_indices, A, *, backend: str, max_seqlen: int | None = None) -> torch.Tensor:
+    """A new FP32 tensor; `max_seqlen` given: a pending cache's states after the committed
+    tokens (`replayssm::materialize_pending`)."""
     if torch.compiler.is_compiling():
-        return _materialize_op(*cache_args(cache), state_indices, A, backend=backend)
+        if max_seqlen is None:
+            return _materialize_op(*cache_args(cache), state_indices, A, backend=backend)
+        return _materialize_pending_op(
+            *cache_args(cache), state_indices, A, backend=backend, max_seqlen=max_seqlen
+        )
     with torch.no_grad():
-        return _backend(backend).materialize(cache, state_indices, A)
+        if max_seqlen is None:
+            return _backend(backend).materialize(cache, state_indices, A)
+        return _backend(backend).materialize_pending(cache, state_indices, A, max_seqlen=max_seqlen)
 
 
 def decode_pending(
@@ -199,16 +207,6 @@ def decode_pending(
             fmt=format_of(state_dtype), seed=_int64(seed), max_seqlen=max_seqlen,
             num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=head_offset,
         )
-
-
-def materialize_pending(cache, state_indices, A, *, backend: str, max_seqlen: int) -> torch.Tensor:
-    """The FP32 states after the committed tokens; a new tensor."""
-    if torch.compiler.is_compiling():
-        return _materialize_pending_op(
-            *cache_args(cache), state_indices, A, backend=backend, max_seqlen=max_seqlen
-        )
-    with torch.no_grad():
-        return _backend(backend).materialize_pending(cache, state_indices, A, max_seqlen=max_seqlen)
 
 
 # -- the ops -------------------------------------------------------------------------------
@@ -248,10 +246,10 @@ _clear_op = _register("clear", clear, _writes_only)
 _decode_op = _register("decode", decode, _writes_only)
 _materialize_op = _register("materialize", materialize, _states_fake)
 _decode_pending_op = _register("decode_pending", decode_pending, _writes_only)
-_materialize_pending_op = _register("materialize_pending", materialize_pending, _states_fake)
+_materialize_pending_op = _register("materialize_pending", materialize, _states_fake)
 
 
 __all__ = [
     "CACHE_ARGS", "SCHEMAS", "WRITES", "cache_args", "clear", "decode", "decode_pending", "initialize",
-    "materialize", "materialize_pending", "register_scratch", "scratch_handle",
+    "materialize", "register_scratch", "scratch_handle",
 ]

@@ -100,7 +100,6 @@ class SlotAllocator:
                 raise ValueError(f"slots: slot {s} is not allocated (double release?)")
         if len(set(ids)) != len(ids):
             raise ValueError(f"slots must be unique; got {ids}")
-        for s in ids:
-            self._used.remove(s)
-            self._free.append(s)
+        self._used.difference_update(ids)
+        self._free.extend(ids)
         self._free.sort(reverse=True)
