@@ -48,9 +48,8 @@ def token(
     dt = 0.5 * torch.randn(batch, heads, generator=g)
     B = torch.randn(batch, groups, state_dim, generator=g)
     C = torch.randn(batch, groups, state_dim, generator=g)
-    return Token(
-        x.to(device, torch.bfloat16), dt.to(device), B.to(device, torch.bfloat16), C.to(device, torch.bfloat16)
-    )
+    bf16 = torch.bfloat16
+    return Token(x.to(device, bf16), dt.to(device), B.to(device, bf16), C.to(device, bf16))
 
 
 def engine_inputs(tok: Token, params: LayerParams) -> tuple[torch.Tensor, ...]:
@@ -93,8 +92,7 @@ class ExactRecurrence:
         self.S = state.double().clone()
 
     def step(self, tok: Token) -> torch.Tensor:
-        heads = self.S.shape[1]
-        groups = tok.B.shape[1]
+        heads, groups = self.S.shape[1], tok.B.shape[1]
         dt = torch.nn.functional.softplus(tok.dt.double() + self.p.dt_bias.double().to(tok.dt.device))
         a = torch.exp(self.p.A.double().to(dt.device) * dt)
         Bh = tok.B.double().repeat_interleave(heads // groups, 1)
