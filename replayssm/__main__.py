@@ -36,8 +36,7 @@ def state_bytes_per_token(state_dtype: str, heads: int, head_dim: int = L.HEAD_D
         copy = n // 2 + n // L.NVFP4_BLOCK  # e2m1 codes + e4m3 block scales
     else:  # fp16: 15 steps read the checkpoint, the flush reads and writes it
         return heads * (15 * 2 * n + 2 * n * 2) / 16
-    flush = 2 * n * 2 + copy
-    return heads * (15 * copy + flush) / 16
+    return heads * (15 * copy + 2 * n * 2 + copy) / 16  # the flush: the checkpoint both ways and the copy
 
 
 def standard_bytes_per_token(itemsize: int, heads: int, head_dim: int = L.HEAD_DIM, state_dim: int = L.STATE_DIM) -> int:
@@ -69,9 +68,8 @@ class _Progress:
         if self.mode == "bar":
             fill = int(30 * done / self.total)
             bar = f"[{'#' * fill}{'.' * (30 - fill)}]"
-            self.stream.write(f"\r{self.label} {bar} {done}/{self.total} steps {rate:9.1f} tokens/s")
-            if done == self.total:
-                self.stream.write("\n")
+            end = "\n" if done == self.total else ""
+            self.stream.write(f"\r{self.label} {bar} {done}/{self.total} steps {rate:9.1f} tokens/s{end}")
         else:
             self.stream.write(f"{self.label}: {done}/{self.total} steps, {rate:.1f} tokens/s\n")
         self.stream.flush()
@@ -206,9 +204,8 @@ def _device(text: str) -> str:
     return text
 
 
-# The keys that give the Mamba layers' state geometry (heads, groups, head dim, state dim) per
-# transformers `model_type`: Mamba2Config and the hybrids' configs (nemotron_h's own
-# head_dim is the attention's).
+# (heads, groups, head dim, state dim) keys per transformers `model_type`: Mamba2Config and
+# the hybrids' configs (nemotron_h's own head_dim is the attention's).
 CONFIG_KEYS = {
     "mamba2": ("num_heads", "n_groups", "head_dim", "state_size"),
     "nemotron_h": ("mamba_num_heads", "n_groups", "mamba_head_dim", "ssm_state_size"),
@@ -221,9 +218,7 @@ CONFIG_KEYS = {
 def read_mamba2_config(text: str) -> tuple[int, int, int, int]:
     """An argparse type: (heads, groups, head dim, state dim) of the Mamba-2 config.json at
     `text` (the file, or a directory holding it), read with json alone (no transformers)."""
-    path = Path(text)
-    if path.is_dir():
-        path = path / "config.json"
+    path = Path(text) / "config.json" if Path(text).is_dir() else Path(text)
     where = repr(str(path))
     try:
         cfg = json.loads(path.read_text())
@@ -303,27 +298,26 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 
 def main(argv=None) -> int:
     parser, demo = _parser()
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        # Every option is checked here, before anything is printed. --config sets the whole
-        # geometry: an explicit geometry option with it is an error, not an override.
-        if args.config is not None:
-            if args.geometry_given:
-                demo.error(f"argument {args.geometry_given[0]}: not allowed with argument --config (the config sets "
-                           "heads, groups, head dim and state dim)")
-            args.heads, args.groups, args.head_dim, args.state_dim = args.config
-        if L.group_error(args.heads, args.groups):
-            demo.error(f"--heads {args.heads} --groups {args.groups}: {L.group_error(args.heads, args.groups)}")
-        try:
-            torch.set_num_threads(args.threads)
-            run_demo(
-                device=args.device, formats=("fp8", "nvfp4") if args.format == "both" else (args.format,),
-                batch=args.batch, steps=args.steps, heads=args.heads, groups=args.groups,
-                head_dim=args.head_dim, state_dim=args.state_dim, prompt=args.prompt, seed=args.seed,
-                progress=False if args.no_progress else None,
-            )
-        except (ValueError, TypeError) as exc:
-            demo.error(str(exc))
+    args = parser.parse_args(argv)  # "demo" is the one command
+    # Every option is checked here, before anything is printed. --config sets the whole
+    # geometry: an explicit geometry option with it is an error, not an override.
+    if args.config is not None:
+        if args.geometry_given:
+            demo.error(f"argument {args.geometry_given[0]}: not allowed with argument --config (the config "
+                       "sets heads, groups, head dim and state dim)")
+        args.heads, args.groups, args.head_dim, args.state_dim = args.config
+    if L.group_error(args.heads, args.groups):
+        demo.error(f"--heads {args.heads} --groups {args.groups}: {L.group_error(args.heads, args.groups)}")
+    try:
+        torch.set_num_threads(args.threads)
+        run_demo(
+            device=args.device, formats=("fp8", "nvfp4") if args.format == "both" else (args.format,),
+            batch=args.batch, steps=args.steps, heads=args.heads, groups=args.groups, head_dim=args.head_dim,
+            state_dim=args.state_dim, prompt=args.prompt, seed=args.seed,
+            progress=False if args.no_progress else None,
+        )
+    except (ValueError, TypeError) as exc:
+        demo.error(str(exc))
     return 0
 
 

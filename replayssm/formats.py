@@ -29,9 +29,8 @@ def group_amax(state: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class Format:
-    """A read-copy format. `name` is its `state_dtype`; `two_level` whether it keeps a
-    second-level scale per (slot, group), double-buffered, with a parity per slot (the
-    cache's `meta` and `parity` tensors)."""
+    """A read-copy format named by its `state_dtype`; `two_level`: a double-buffered scale
+    per (slot, group) with a parity per slot (the cache's `meta` and `parity` tensors)."""
 
     name: str = ""
     two_level: bool = False
@@ -39,8 +38,7 @@ class Format:
     on_kernels: bool = True  # else backend="auto" runs it on the PyTorch reference, with a warning
 
     def specs(self, heads: int, groups: int, P: int = HEAD_DIM, N: int = STATE_DIM) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        """[(name, per-slot shape, dtype)] of the tensors this format adds after the rings
-        (P x N states)."""
+        """[(name, per-slot shape, dtype)] of the tensors this format adds after the rings."""
         raise NotImplementedError
 
     def cache_len(self) -> int:
@@ -105,10 +103,11 @@ class Nvfp4Format(Format):
             ("parity", (), torch.int32),
         ]
 
+    def _per_head(self, cache, amax: torch.Tensor) -> torch.Tensor:
+        return amax[:, head_group(cache[READ_COPY].shape[1], cache[META].shape[1], amax.device)]
+
     def _write(self, cache, slot, state, live_amax) -> None:
-        heads, groups = state.shape[1], cache[META].shape[1]
-        amax_h = live_amax[:, head_group(heads, groups, state.device)]
-        cache[READ_COPY][slot], cache[SCALES][slot] = Q.nvfp4_encode(state, amax_h)
+        cache[READ_COPY][slot], cache[SCALES][slot] = Q.nvfp4_encode(state, self._per_head(cache, live_amax))
 
     def _live_amax(self, cache, slot, parity) -> torch.Tensor:
         groups = cache[META].shape[1]
@@ -135,10 +134,8 @@ class Nvfp4Format(Format):
         self._write(cache, slot, state, live_amax)
 
     def read(self, cache, slot):
-        heads, groups = cache[READ_COPY].shape[1], cache[META].shape[1]
         live_amax = self._live_amax(cache, slot, cache[PARITY][slot].to(torch.int64))
-        amax_h = live_amax[:, head_group(heads, groups, slot.device)]
-        return Q.nvfp4_decode(cache[READ_COPY][slot], cache[SCALES][slot], amax_h)
+        return Q.nvfp4_decode(cache[READ_COPY][slot], cache[SCALES][slot], self._per_head(cache, live_amax))
 
 
 class Fp16Format(Format):

@@ -1,16 +1,10 @@
 """Slot hand-off: copy and fork, prefix snapshots, host swap (export / import), in separate
 and pending mode. docs/format.md section 5a specifies what moves (every per-slot tensor,
-indices 1..; never the conv state), the random stream after a move and the slot-id rules;
-docs/design.md section 9 the copy and staging kernels.
-
-Host-side ids (CPU tensors) are validated on every call; ids already on a CUDA device are
-not read back (a sync would break graph capture) unless REPLAYSSM_DEBUG=1. A rejected call
-changes nothing. On a CUDA device a copy is one launch of kernels/triton/copy_slots.py over
-a table of every tensor's address and slot stride (`CopyPlan`, built by a host-to-device
-copy on the first copy of a cache list, so before any graph capture); an export gathers
-every tensor into one staging buffer with one launch (`StagePlan`) and copies it into one
-pinned host buffer, and an import of such data takes the same way back. The per-tensor
-index copies (`copy_rows`, `export_rows`) serve the CPU and backend="reference".
+never the conv state), the random stream after a move and the slot-id rules; docs/design.md
+section 9 the copy and staging kernels (`CopyPlan`, `StagePlan`: one launch for every
+tensor of every layer; the per-tensor copies serve the CPU and backend="reference").
+Host ids are validated on every call; ids on a CUDA device are not read back (a sync would
+break graph capture) unless REPLAYSSM_DEBUG=1. A rejected call changes nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +23,7 @@ from . import layout as L
 from .formats import Format, format_of
 from .kernels import triton_interpreting, backend_for, check_backend
 from .kernels.env import debug
+from .pending import MAX_SEQLEN
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 COMPACT_KEY = "state"  # export(compact=True): the materialized FP32 state alone
@@ -88,8 +83,7 @@ def validate_pair(src, dst, device, num_slots: int, *, keep_dtype: bool = False)
     if not keep_dtype:
         return src.to(device, torch.int64), dst.to(device, torch.int64)
     if host and device.type != "cpu":
-        pair = torch.stack([src.to(torch.int64), dst.to(torch.int64)]).to(device)
-        return pair[0], pair[1]
+        return tuple(torch.stack([src.to(torch.int64), dst.to(torch.int64)]).to(device))
     return src.to(device), dst.to(device)
 
 
@@ -102,8 +96,7 @@ def validate_slots(slots, device, num_slots: int) -> torch.Tensor:
 
 # -- copy -----------------------------------------------------------------------------------
 def copy_rows(cache: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Every per-slot tensor: dst rows <- src rows (valid int64 ids on the cache device);
-    a gather and a scatter launch a tensor, no host sync."""
+    """dst rows <- src rows of every per-slot tensor (valid int64 ids on the cache device)."""
     if src.numel() == 0:
         return
     for t in cache[1:]:
@@ -112,8 +105,7 @@ def copy_rows(cache: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tenso
 
 
 def kernel_copy_unavailable(device: torch.device) -> str | None:
-    """None when the Triton copy kernel can run on `device` (CUDA with Triton compiling, or
-    the CPU under TRITON_INTERPRET=1); else the reason, in words."""
+    """None when the Triton copy kernel can run on `device`; else the reason, in words."""
     interpreting = triton_interpreting()
     if device.type == "cuda" and interpreting:
         return "TRITON_INTERPRET=1 runs Triton kernels on host memory only; the cache is on the GPU"
@@ -160,8 +152,7 @@ class CopyPlan:
                 "copy_slots: the copy table of these caches is built on the first call, which cannot run inside a "
                 "CUDA graph capture; call it once (or replayssm.handoff.copy_plan) before capturing"
             )
-        self.device = device
-        self.num_slots = num_slots
+        self.device, self.num_slots = device, num_slots
         self.chunk = K.default_chunk() if chunk is None else chunk
         self.table = K.copy_table([t for c in tuples for t in c[1:]], device, self.chunk)
         self.staging: StagePlan | None = None  # built by the first staged export / import
@@ -175,8 +166,7 @@ class CopyPlan:
             fn(*args, **kw)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Slots src[i] -> dst[i] in every tensor (validated int32 / int64 ids on the device;
-        padding pairs are skipped)."""
+        """Slots src[i] -> dst[i] in every tensor (validated ids on the device; padding pairs skipped)."""
         self._launch(self._kernels.copy_slots, self.table, src, dst, self.num_slots, chunk=self.chunk)
 
     def stage_plan(self, tuples: Sequence[Sequence[torch.Tensor]], formats: Sequence[Format]) -> StagePlan:
@@ -186,8 +176,7 @@ class CopyPlan:
         return self.staging
 
     def stage(self, plan: StagePlan, slots: torch.Tensor, staging: torch.Tensor, *, to_staging: bool) -> None:
-        """One launch: every per-slot tensor of `slots` into the byte buffer `staging` at
-        `plan`'s layout (`to_staging`), or back."""
+        """Every per-slot tensor of `slots` into the byte buffer `staging` (`to_staging`), or back."""
         self._launch(
             self._kernels.stage_slots, plan.table, slots, staging, self.num_slots, to_staging=to_staging, chunk=self.chunk
         )
@@ -195,22 +184,18 @@ class CopyPlan:
 
 class StagePlan:
     """Where every per-slot tensor of a list of cache tuples lies in one byte buffer of n
-    slots: tensor k's n slots at bytes [n * prefix_k, n * (prefix_k + size_k)), viewed as
-    [n, *per-slot shape] of its dtype; the same tensor of every layer one after another
-    (kernels/triton/copy_slots.py, "Staging"). `table` is the kernel's staging table."""
+    slots (kernels/triton/copy_slots.py, "Staging"): tensor k's n slots at bytes
+    [n * prefix_k, n * (prefix_k + size_k)); `table` is the kernel's staging table."""
 
     def __init__(self, tuples, formats: Sequence[Format], device: torch.device, chunk: int):
         from .kernels.triton import copy_slots as K
 
-        tensors, names = [], []
-        for layer, (cache, fmt) in enumerate(zip(tuples, formats)):
-            for name, i in per_slot_names(cache, fmt):
-                tensors.append(cache[i])
-                names.append((layer, name))
+        items = [((layer, name), cache[i]) for layer, (cache, fmt) in enumerate(zip(tuples, formats))
+                 for name, i in per_slot_names(cache, fmt)]  # fmt: skip
+        names, tensors = [k for k, _ in items], [t for _, t in items]
         kinds = [(name, tuple(t.shape[1:]), t.dtype) for (_, name), t in zip(names, tensors)]
         rows, prefixes = K.stage_rows(tensors, chunk, kinds)
         self.table = K.stage_table(rows, device)
-        self.layers = len(tuples)
         self.names = [[name for layer_, name in names if layer_ == layer] for layer in range(len(tuples))]
         sizes = [t[0].numel() * t.element_size() for t in tensors]
         # (layer, name, prefix), in staging order (prefix 0 first)
@@ -240,7 +225,7 @@ class StagePlan:
         """The 1-D uint8 buffer of n * slot_bytes that the checked per-layer dicts `data`
         view, when every tensor is a contiguous view at exactly its place in one storage
         (as `views` made them); else None."""
-        if n == 0 or len(data) != self.layers:
+        if n == 0 or len(data) != len(self.names):
             return None
         layer, name, _ = self.entries[0]
         first = data[layer][name]
@@ -256,14 +241,12 @@ class StagePlan:
         return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, offset, (n * self.slot_bytes,))
 
 
-# Plans of ReplaySSMCache lists, keyed by the caches' ids; an entry holds weak references to
-# its caches (dropped when one dies) and their tensor tuples (so a reused id or a replaced
-# tuple is never mistaken for it). Never evicted while the caches live: a captured graph
-# keeps reading the table.
+# Plans of ReplaySSMCache lists, keyed by the caches' ids, holding weak references to them
+# (dropped when one dies) and their tensor tuples (a reused id or a replaced tuple is never
+# mistaken for them). Never evicted while the caches live: a captured graph reads the table.
 _LIST_PLANS: dict[tuple[int, ...], tuple[list, list, CopyPlan]] = {}
-# Plans of bare cache tuples (the functional API), keyed by the checkpoint tensor and
-# checked against the tuple's layout; a tuple that changes another tensor gets a new table
-# (a graph captured with the old one must be captured again).
+# Plans of bare cache tuples (the functional API), keyed by the checkpoint tensor and checked
+# against the tuple's layout: a changed tensor gets a new table (graphs on the old: recapture).
 _TUPLE_PLANS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -300,11 +283,10 @@ def copy_replayssm_slots(
     cache: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor, *, state_dtype: str, backend: str = "auto"
 ) -> None:
     """Copy every per-slot tensor of slots `src` into slots `dst` (not the conv state), so
-    that each dst continues as its src would (docs/format.md 5a). `src` may repeat (a
-    fork); `dst` unique; disjoint. No host sync for ids on the cache device. `backend`:
-    "auto" one copy-kernel launch on a CUDA device (its table is built on the first call
-    for a tuple: call once before capturing a graph), per-tensor copies elsewhere;
-    "kernels" the kernel or a ValueError; "reference" the per-tensor copies."""
+    that each dst continues as its src would. `src` may repeat (a fork); `dst` unique;
+    disjoint. `backend`: "auto" one copy-kernel launch on a CUDA device (its table is built
+    on the first call for a tuple: call once before capturing a graph), per-tensor copies
+    elsewhere; "kernels" the kernel or a ValueError; "reference" the per-tensor copies."""
     fmt = format_of(state_dtype)
     num_slots = L.check_cache(cache, fmt).num_slots
     device = cache[L.CHECKPOINT].device
@@ -349,9 +331,8 @@ def export_replayssm_slots(
     cache: Sequence[torch.Tensor], slots: torch.Tensor, *, state_dtype: str, non_blocking: bool = False
 ) -> dict[str, torch.Tensor]:
     """Every per-slot tensor of `slots` (unique, in range) as host tensors {name: [n,
-    *per-slot shape]} named as `layout.tensor_specs` names them, pinned where CUDA is
-    available (on a CUDA device, views of one host buffer). With `non_blocking` the copies
-    are only queued on the current stream: synchronize before reading them."""
+    *per-slot shape]} (pinned where CUDA is available). With `non_blocking` the copies are
+    only queued on the current stream: synchronize before reading them."""
     fmt = format_of(state_dtype)
     num_slots = L.check_cache(cache, fmt).num_slots
     device = cache[L.CHECKPOINT].device
@@ -374,9 +355,8 @@ def export_rows(cache, ids: torch.Tensor, fmt: Format, non_blocking: bool) -> di
 
 
 def export_staged(plan: CopyPlan, tuples, formats: Sequence[Format], ids: torch.Tensor, non_blocking: bool) -> list[dict]:
-    """Slots `ids` (validated, on the device) of every tuple: one gather launch into a
-    device staging buffer, one copy into one (pinned) host buffer; per-tuple dicts of views
-    of it."""
+    """Slots `ids` of every tuple: one gather launch into a device staging buffer, one copy
+    into one (pinned) host buffer; per-tuple dicts of views of it."""
     staged = plan.stage_plan(tuples, formats)
     n = ids.numel()
     staging = torch.empty(n * staged.slot_bytes, dtype=torch.uint8, device=plan.device)
@@ -408,12 +388,10 @@ def finish(cache, non_blocking: bool) -> None:
 
 
 def check_export(data: object, cache, fmt: Format, n: int, max_pending: int | None = None) -> bool:
-    """Validate exported `data` for `n` slots of `cache`; True for the compact form
-    ({"state": FP32 [n, H, P, N]}), False for the full form. Every tensor on the host or
-    the cache device, of the cache's dtype and shape; the values the cache's operations
-    trust (positions >= 0, pending counts in 0..`max_pending`, default
-    pending.MAX_SEQLEN; NVFP4 parity 0 or 1) where `checks.host_values` reads them
-    without a GPU read. TypeError / ValueError naming the key."""
+    """Validate exported `data` for `n` slots of `cache`: True for the compact form
+    ({"state": FP32 [n, H, P, N]}), False for the full form. Dtypes, shapes, devices, and
+    the values the cache trusts (positions >= 0, pending counts in 0..`max_pending`,
+    NVFP4 parity 0 or 1) where `checks.host_values` reads them without a GPU read."""
     if not isinstance(data, dict):
         raise TypeError(f"data must be a dict of tensors (from export); got {type(data).__name__}")
     if set(data) == {COMPACT_KEY}:
@@ -436,8 +414,6 @@ def check_export(data: object, cache, fmt: Format, n: int, max_pending: int | No
             raise ValueError(f"data[{name!r}] must be on the host or the cache device {device}; got {t.device}")
     if COMPACT_KEY in want:
         return True
-    from .pending import MAX_SEQLEN
-
     pos = chk.host_values(data["positions"])
     if pos is not None:
         pending = data["positions"].dim() == 2

@@ -30,12 +30,9 @@ def check_device(device: object) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, ValueError):  # an unknown device type or a malformed string
         dev = None
-    if (
-        dev is None
-        or dev.type not in ("cpu", "cuda")
-        or (dev.type == "cpu" and dev.index not in (None, 0))
-        or (dev.type == "cuda" and (gpus == 0 or (dev.index is not None and dev.index >= gpus)))
-    ):
+    cpu_ok = dev is not None and dev.type == "cpu" and dev.index in (None, 0)
+    cuda_ok = dev is not None and dev.type == "cuda" and gpus > 0 and (dev.index is None or dev.index < gpus)
+    if not (cpu_ok or cuda_ok):
         raise ValueError(f"device must be {accepted}; got {given!r}")
     return dev
 
@@ -98,9 +95,8 @@ def allocate_cache(
 
 
 def check_geometry(num_slots: object, heads: object, groups: object, head_dim: object = HEAD_DIM, state_dim: object = STATE_DIM) -> None:
-    """Slots (>= 2: slot 0 is the padding slot), heads and groups: Python ints, heads
-    a multiple of groups with 1 .. MAX_HEADS_PER_GROUP heads a group; head_dim in
-    HEAD_DIMS, state_dim in STATE_DIMS."""
+    """Python ints: slots >= 2 (slot 0 is the padding slot), heads and groups as
+    `group_error` wants them, head_dim and state_dim as `dims_error` does."""
     for name, v in (("num_slots", num_slots), ("num_heads", heads), ("num_groups", groups), ("head_dim", head_dim), ("state_dim", state_dim)):
         if not isinstance(v, int) or isinstance(v, bool):
             raise TypeError(f"{name} must be an int; got {type(v).__name__}")
@@ -115,8 +111,7 @@ def check_geometry(num_slots: object, heads: object, groups: object, head_dim: o
 
 
 def check_conv(shape: object, dtype: object) -> tuple[int, ...] | None:
-    """The caller's conv-state shape per slot (a sequence of ints >= 0, or None) and dtype
-    (a torch.dtype); returns the shape as a tuple."""
+    """Check the conv-state shape per slot (ints >= 0, or None) and dtype; the shape as a tuple."""
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"conv_state_dtype must be a torch.dtype (e.g. torch.bfloat16); got {dtype!r}")
     if shape is None:

@@ -3,7 +3,7 @@
 docs/format.md section 5b specifies it: positions [S, 2] = (c committed tokens, q tokens
 awaiting a verdict), the fold grid f(c) = Gd * (c div Gd) with Gd = 17 - max_seqlen, and
 one call's four steps per live row (commit, fold, outputs, append), with the proof that
-no ring entry is overwritten while live. Padding rows output zeros and change nothing.
+no ring entry is overwritten while live.
 
 Inputs (normalized, as `reference.py` takes them): x [b, T, H, P] (or [b, T, H*P]) bf16,
 dt [b, T, H] (raw), A [H], B, C [b, T, G, N] bf16, D [H] or [H, P], dt_bias [H], slots
@@ -21,7 +21,7 @@ from . import layout as L
 from .quant.minifloat import to_fp16
 from .quant.rng import checkpoint_rbits, stream_key
 from .formats import Format
-from .reference import expand_groups, fold_entries, replay_weights, ring_entries, valid_rows
+from .reference import expand_groups, fold_entries, materialize, replay_weights, ring_entries, valid_rows
 
 MAX_SEQLEN = 8
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -109,9 +109,8 @@ def fold_range(cache, slot, start, count, A) -> torch.Tensor:
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, total: int, max_seqlen: int) -> torch.Tensor:
-    """Validate `cu_seqlens` (int32 [batch + 1], 0 first, non-decreasing, `total` last,
-    no row longer than `max_seqlen`; reads it on the host) and return the row lengths T_b
-    (int64 [batch], on its device). ValueError / TypeError naming it otherwise."""
+    """Validate `cu_seqlens` on the host (int32 [batch + 1], 0 first, non-decreasing, `total`
+    last, rows of at most `max_seqlen`); return the row lengths T_b (int64 [batch])."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be an int32 tensor [{batch + 1}]; got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32 or tuple(cu_seqlens.shape) != (batch + 1,):
@@ -144,10 +143,7 @@ def varlen_to_dense(cu_seqlens: torch.Tensor, max_seqlen: int, *tensors: torch.T
     dense = []
     for v in tensors:
         shape = (batch, max_seqlen, *v.shape[1:])
-        if total == 0:
-            dense.append(torch.zeros(shape, dtype=v.dtype, device=v.device))
-            continue
-        g = v[idx.reshape(-1)].reshape(shape)
+        g = v[idx.reshape(-1)].reshape(shape) if total else v.new_zeros(shape)
         keep = ok.view(batch, max_seqlen, *([1] * (v.dim() - 1)))
         dense.append(torch.where(keep, g, torch.zeros((), dtype=v.dtype, device=v.device)))
     return lens, ok, dense
@@ -159,12 +155,10 @@ def pending_decode(
     fmt: Format, seed: int, max_seqlen: int, num_accepted_tokens: torch.Tensor | None = None,
     seq_lens: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None, head_offset: int = 0,
 ) -> torch.Tensor:
-    """One pending-mode call (docs/format.md 5b); returns `out` [b, T, H, P].
-
-    Varlen layout with `cu_seqlens` (int32 [b + 1], see `check_cu_seqlens`): x [total, H,
-    P] (or [total, H*P]), dt [total, H], B, C [total, G, N], out [total, H, P], gathered
-    into the dense layout and run through the dense path (the same bits). Runs wherever
-    the cache lives; it reads a few values on the host, so it is not graph-capturable."""
+    """One pending-mode call (docs/format.md 5b); returns `out` [b, T, H, P]. Varlen layout
+    with `cu_seqlens` (int32 [b + 1]): x [total, H, P] (or [total, H*P]), dt [total, H], B,
+    C [total, G, N], out [total, H, P], gathered into the dense layout (the same bits). It
+    reads a few values on the host, so it is not graph-capturable."""
     if cu_seqlens is not None:
         if seq_lens is not None:
             raise ValueError("pass seq_lens (dense layout) or cu_seqlens (varlen layout), not both")
@@ -267,16 +261,7 @@ def pending_materialize(cache: Sequence[torch.Tensor], slots: torch.Tensor, A: t
     """FP32 state [n, H, P, N] of `slots` after their committed tokens: the FP16
     checkpoint (at f(c)) advanced through ring entries f(c) .. c-1; pending drafts are not
     included. Padding rows read as zero states. Reads only. (`reference.materialize`
-    assumes separate mode's grid and must not be used on a pending cache.)"""
+    without `grid` assumes separate mode's grid and must not be used on a pending cache.)"""
     _check_max_seqlen(max_seqlen)
-    pos = cache[L.POSITIONS]
-    _check_pending_positions(pos)
-    num_slots, heads, P, N = cache[L.CHECKPOINT].shape
-    slot = slots.reshape(-1).to(torch.int64)
-    valid = valid_rows(slot, num_slots)
-    states = torch.zeros(slot.shape[0], heads, P, N, device=slot.device)
-    live = slot[valid]
-    c = pos[live][:, 0].to(torch.int64)
-    f = checkpoint_index(c, max_seqlen)
-    states[valid] = fold_range(cache, live, f, c - f, A.float())
-    return states
+    _check_pending_positions(cache[L.POSITIONS])
+    return materialize(cache, slots, A, grid(max_seqlen))

@@ -51,16 +51,14 @@ def clear(cache: Sequence[torch.Tensor], slots: torch.Tensor) -> None:
 def initialize(
     cache: Sequence[torch.Tensor], states: torch.Tensor, slots: torch.Tensor, *, fmt: Format, seed: int, head_offset: int = 0
 ) -> None:
-    """FP16 checkpoint (stochastic rounding, position tag INIT_POSITION), read copy and
-    its scales from FP32 `states` [batch, H, P, N]; rings and positions cleared.
-    `head_offset`: the model's head of the cache's head 0 (quant/rng.py checkpoint_rbits)."""
+    """FP16 checkpoint (stochastic rounding, tag INIT_POSITION, `head_offset` as in
+    checkpoint_rbits) and read copy from FP32 `states` [batch, H, P, N]; rings, positions cleared."""
     slot = slots.reshape(-1).to(torch.int64)
     keep = valid_rows(slot, cache[L.CHECKPOINT].shape[0])
-    slot = slot[keep]
-    state = states[keep].float()
-    heads = state.shape[1]
+    slot, state = slot[keep], states[keep].float()
     key = stream_key(seed, slot, torch.full_like(slot, INIT_POSITION))
-    cache[L.CHECKPOINT][slot] = to_fp16(state, checkpoint_rbits(key, heads, head_offset, *L.dims(cache)))
+    rbits = checkpoint_rbits(key, state.shape[1], head_offset, *L.dims(cache))
+    cache[L.CHECKPOINT][slot] = to_fp16(state, rbits)
     fmt.init(cache, slot, state)
     clear(cache, slot)
 
@@ -70,9 +68,8 @@ def prepare_decode(
 ) -> Plan:
     """Per-row plan; zero the output rows of padding rows; advance positions; for NVFP4
     flush rows flip the parity and zero the half that becomes the amax accumulator."""
-    num_slots = cache[L.CHECKPOINT].shape[0]
     slot = slots.reshape(-1).to(torch.int64)
-    valid = valid_rows(slot, num_slots)
+    valid = valid_rows(slot, cache[L.CHECKPOINT].shape[0])
     slot = torch.where(valid, slot, torch.zeros_like(slot))
     pos_t = cache[L.POSITIONS]
     pos = pos_t[slot].to(torch.int64)
@@ -105,8 +102,7 @@ def ring_entries(cache, slot, start, count):
 
 
 def _entries(cache, slot, x, dt, B, r):
-    """Ring entries 0..r-1 of each row plus the current token at entry r (FP32, as
-    `ring_entries`)."""
+    """Ring entries 0..r-1 of each row plus the current token at entry r (as `ring_entries`)."""
     cur = torch.arange(L.RING, device=x.device).view(1, -1) == r.view(-1, 1)  # [n, 16]
     x_e, dt_e, B_e = ring_entries(cache, slot, torch.zeros_like(r), r)
     x_e = torch.where(cur[:, None, :, None], x.float()[:, :, None, :], x_e)
@@ -163,9 +159,8 @@ def decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan: Plan, out, *, fmt: 
     y = y + torch.einsum("nhj,nhjp->nhp", w * expand_groups(bc, heads), x_e)
     y = y + D.view(1, heads, -1) * xs.float()
     out[rows] = y.to(out.dtype)
-    cache[L.X_RING][slot, :, r] = xs
-    cache[L.DT_RING][slot, :, r] = dts
-    cache[L.B_RING][slot, :, r] = Bs
+    for i, v in ((L.X_RING, xs), (L.DT_RING, dts), (L.B_RING, Bs)):
+        cache[i][slot, :, r] = v
 
 
 def fold(cache, slot, x, dts, B, A, last) -> torch.Tensor:
@@ -197,17 +192,20 @@ def decode(cache, x, dt, A, B, C, D, dt_bias, slots, out, *, fmt: Format, seed: 
     return out
 
 
-def materialize(cache: Sequence[torch.Tensor], slots: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
-    """FP32 state [n, H, P, N] of `slots` after every decoded token: the FP16 checkpoint
-    advanced through the live ring entries. Padding rows (slot <= 0 or >= num_slots) read
-    as zero states, as decode writes zero outputs for them. Reads only."""
+def materialize(
+    cache: Sequence[torch.Tensor], slots: torch.Tensor, A: torch.Tensor, grid: int = L.RING
+) -> torch.Tensor:
+    """FP32 state [n, H, P, N] of `slots` after every decoded (committed) token c: the FP16
+    checkpoint, standing at token index f = grid * (c div grid), advanced through ring entries
+    f .. c-1 (`grid`: pending mode's). Padding rows (slot <= 0 or >= num_slots) read as zero
+    states, as decode writes zero outputs for them. Reads only."""
     num_slots, heads, P, N = cache[L.CHECKPOINT].shape
     slot = slots.reshape(-1).to(torch.int64)
     valid = valid_rows(slot, num_slots)
     states = torch.zeros(slot.shape[0], heads, P, N, device=slot.device)
     slot = slot[valid]
-    live = cache[L.POSITIONS][slot].to(torch.int64)
-    live = (live[:, 0] if live.dim() == 2 else live) % L.RING
-    entries = ring_entries(cache, slot, torch.zeros_like(live), live)
-    states[valid] = fold_entries(cache, slot, *entries, A.float(), live - 1)
+    c = cache[L.POSITIONS][slot].to(torch.int64)
+    c = c[:, 0] if c.dim() == 2 else c
+    f = (c // grid) * grid
+    states[valid] = fold_entries(cache, slot, *ring_entries(cache, slot, f, c - f), A.float(), c - f - 1)
     return states

@@ -41,11 +41,9 @@ def fp8_row_scale(row_amax: torch.Tensor) -> torch.Tensor:
 def fp8_encode(state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FP32 state [..., P, N] -> (codes float8_e4m3fn [..., P, N], scales fp32 [..., P]);
     nearest-even, value = code * scale (1/scale is a power of two: the product is exact)."""
-    amax = state.abs().amax(dim=-1)
-    scale = fp8_row_scale(amax)
-    inv = _exp2(-_pow2_exponent_above(amax, 0x600000, 8))
-    codes = encode(state * inv.unsqueeze(-1), E4M3)
-    return codes.to(torch.uint8).view(torch.float8_e4m3fn), scale
+    e = _pow2_exponent_above(state.abs().amax(dim=-1), 0x600000, 8)  # fp8_row_scale's
+    codes = encode(state * _exp2(-e).unsqueeze(-1), E4M3)
+    return codes.to(torch.uint8).view(torch.float8_e4m3fn), _exp2(e)
 
 
 def fp8_decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -32,9 +32,8 @@ E4M3 = MiniFloat("e4m3", 4, 3, 7, 0x7E, 0x7F, rand_bits=8)
 E2M1 = MiniFloat("e2m1", 2, 1, 1, 0x7, 0x7, rand_bits=8)
 FP16 = MiniFloat("fp16", 5, 10, 15, 0x7BFF, 0x7FFF, rand_bits=13)
 
-# FP16 thresholds as FP32 bit patterns (the sm_90a flush's fast stochastic rounding,
-# kernels/cute/bits.py, and its CPU emulation test): smallest normal 2**-14, largest
-# finite 65504, and 65536, from which every finite magnitude saturates.
+# FP16 thresholds as FP32 bits for the sm_90a flush's fast stochastic rounding (kernels/cute/
+# bits.py): smallest normal 2**-14, largest finite 65504, 65536 (from which all saturate).
 FP16_MIN_NORMAL_F32_BITS = 0x38800000
 FP16_MAX_F32_BITS = 0x477FE000
 FP16_OVERFLOW_F32_BITS = 0x47800000
@@ -47,19 +46,10 @@ def f32_bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int32).to(torch.int64) & MASK32
 
 
-def _random_increment(rbits: torch.Tensor, shift: torch.Tensor, k: int) -> torch.Tensor:
-    r = rbits & ((1 << k) - 1)
-    up = r << (shift - k).clamp(min=0, max=40)
-    down = r >> (k - shift).clamp(min=0, max=40)
-    return torch.where(shift >= k, up, down)
-
-
 def encode(x: torch.Tensor, fmt: MiniFloat, rbits: torch.Tensor | None = None) -> torch.Tensor:
-    """Encode FP32 `x` to `fmt` codes (int64, sign included), saturating.
-
-    Nearest-even when `rbits` is None; otherwise stochastic, drawing the low
-    `fmt.rand_bits` bits of each element's entry in `rbits` (int64, broadcastable).
-    """
+    """Encode FP32 `x` to `fmt` codes (int64, sign included), saturating: nearest-even when
+    `rbits` is None, else stochastic with the low `fmt.rand_bits` bits of each element's
+    entry in `rbits` (int64, broadcastable), added at the top of the discarded field."""
     bits = f32_bits(x)
     sign = bits >> 31
     a = bits & 0x7FFFFFFF
@@ -78,7 +68,10 @@ def encode(x: torch.Tensor, fmt: MiniFloat, rbits: torch.Tensor | None = None) -
     if rbits is None:
         inc = (torch.ones_like(shift) << (shift - 1)) - 1 + ((v >> shift) & 1)
     else:
-        inc = _random_increment(rbits.to(torch.int64) & MASK32, shift, fmt.rand_bits)
+        k = fmt.rand_bits
+        r = rbits.to(torch.int64) & ((1 << k) - 1)
+        up, down = r << (shift - k).clamp(min=0, max=40), r >> (k - shift).clamp(min=0, max=40)
+        inc = torch.where(shift >= k, up, down)
     code = (v + inc) >> shift
     code = code.clamp(max=fmt.max_code) | (sign << (fmt.exp_bits + fmt.man_bits))
     return torch.where(a > 0x7F800000, torch.full_like(code, fmt.nan_code), code)

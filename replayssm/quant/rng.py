@@ -34,8 +34,7 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     x = _mul32(x, MIX_M1)
     x = x ^ (x >> 15)
     x = _mul32(x, MIX_M2)
-    x = x ^ (x >> 16)
-    return x
+    return x ^ (x >> 16)
 
 
 def mix32_int(x: int) -> int:
@@ -45,13 +44,11 @@ def mix32_int(x: int) -> int:
     x = (x * MIX_M1) & MASK32
     x ^= x >> 15
     x = (x * MIX_M2) & MASK32
-    x ^= x >> 16
-    return x
+    return x ^ (x >> 16)
 
 
 def seed_key(seed: int) -> int:
-    """The part of the stream key that depends on the seed alone (a 32-bit int); the seed
-    is taken mod 2**64 and split into its low and high words."""
+    """The seed's part of the stream key (32 bits; the seed is taken mod 2**64)."""
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be a Python int; got {type(seed).__name__}")
     s = seed % (1 << 64)
@@ -69,8 +66,7 @@ def stream_key(seed: int, slot: torch.Tensor, position: torch.Tensor) -> torch.T
     positions (int tensors)."""
     k = torch.full_like(slot, seed_key(seed), dtype=torch.int64)
     k = mix32(k ^ (slot.to(torch.int64) & MASK32))
-    k = mix32(k ^ (position.to(torch.int64) & MASK32))
-    return k
+    return mix32(k ^ (position.to(torch.int64) & MASK32))
 
 
 def random_words(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
