@@ -16,7 +16,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple, TextIO
+from typing import TextIO
 
 import torch
 
@@ -26,11 +26,9 @@ from .synthetic import ExactRecurrence, layer_params, prefill_states, sqnr_db, t
 
 
 def state_bytes_per_token(state_dtype: str, heads: int, head_dim: int = L.HEAD_DIM, state_dim: int = L.STATE_DIM) -> float:
-    """State bytes moved per token per layer, averaged over a 16-token period (design
-    brief section 6): 15 non-flush steps read the read copy and its scales; the flush
-    reads and writes the FP16 checkpoint and writes the read copy and scales (fp16: every
-    step reads the checkpoint, the flush writes it). Ring bytes are not included (they are
-    inputs: 2 * head_dim + 4 bytes per head and 2 * state_dim per group a live entry)."""
+    """State bytes moved per token per layer over a 16-token period: 15 steps read the read
+    copy and its scales; the flush reads and writes the FP16 checkpoint and writes the
+    read copy and scales. Ring bytes (inputs) are not included."""
     n = head_dim * state_dim
     if state_dtype == "fp8":
         copy = n + head_dim * 4  # e4m3 codes + one fp32 scale per row
@@ -38,8 +36,7 @@ def state_bytes_per_token(state_dtype: str, heads: int, head_dim: int = L.HEAD_D
         copy = n // 2 + n // L.NVFP4_BLOCK  # e2m1 codes + e4m3 block scales
     else:  # fp16: 15 steps read the checkpoint, the flush reads and writes it
         return heads * (15 * 2 * n + 2 * n * 2) / 16
-    flush = 2 * n * 2 + copy
-    return heads * (15 * copy + flush) / 16
+    return heads * (15 * copy + 2 * n * 2 + copy) / 16  # the flush: the checkpoint both ways and the copy
 
 
 def standard_bytes_per_token(itemsize: int, heads: int, head_dim: int = L.HEAD_DIM, state_dim: int = L.STATE_DIM) -> int:
@@ -48,9 +45,8 @@ def standard_bytes_per_token(itemsize: int, heads: int, head_dim: int = L.HEAD_D
 
 
 class _Progress:
-    """Progress of the demo on `stream` (stderr). Rates are tokens/s, the table's unit:
-    batch rows x decode steps a second. `mode`: "bar" redraws one line (a terminal),
-    "lines" writes a plain line at each tenth of the decode (pipes, CI logs), None is silent."""
+    """Progress on `stream` in tokens/s (the table's unit). `mode`: "bar" redraws one line
+    (a terminal), "lines" writes a line at each tenth of the decode (pipes), None nothing."""
 
     def __init__(self, stream: TextIO, mode: str | None):
         self.stream, self.mode = stream, mode
@@ -70,53 +66,34 @@ class _Progress:
             return
         rate = done * self.batch / max(time.perf_counter() - self.t0, 1e-9)
         if self.mode == "bar":
-            width = 30
-            fill = int(width * done / self.total)
-            bar = f"[{'#' * fill}{'.' * (width - fill)}]"
-            self.stream.write(f"\r{self.label} {bar} {done}/{self.total} steps {rate:9.1f} tokens/s")
-            if done == self.total:
-                self.stream.write("\n")
+            fill = int(30 * done / self.total)
+            bar = f"[{'#' * fill}{'.' * (30 - fill)}]"
+            end = "\n" if done == self.total else ""
+            self.stream.write(f"\r{self.label} {bar} {done}/{self.total} steps {rate:9.1f} tokens/s{end}")
         else:
             self.stream.write(f"{self.label}: {done}/{self.total} steps, {rate:.1f} tokens/s\n")
         self.stream.flush()
 
 
 def run_demo(
-    *,
-    device: str = "auto",
-    formats=("fp8", "nvfp4"),
-    batch: int = 8,
-    steps: int = 256,
-    heads: int = 16,
-    groups: int = 2,
-    head_dim: int = L.HEAD_DIM,
-    state_dim: int = L.STATE_DIM,
-    prompt: int = 64,
-    seed: int = 0,
-    progress: bool | None = None,
-    out: TextIO | None = None,
+    *, device: str = "auto", formats=("fp8", "nvfp4"), batch: int = 8, steps: int = 256, heads: int = 16,
+    groups: int = 2, head_dim: int = L.HEAD_DIM, state_dim: int = L.STATE_DIM, prompt: int = 64,
+    seed: int = 0, progress: bool | None = None, out: TextIO | None = None,
 ) -> list[dict]:
     """Run the demo and print its table on `out` (stdout). `progress`: None writes progress
-    to stderr (a bar on a terminal, plain lines elsewhere), False nothing, True lines
-    even on a terminal. `head_dim` / `state_dim`: the state geometry. Returns one dict per format;
-    `tokens_per_s` is batch * steps / `elapsed_s`, the wall time of the decode loop alone."""
+    to stderr (a bar on a terminal, plain lines elsewhere), False nothing, True lines.
+    Returns one dict per format; `tokens_per_s` is batch * steps / `elapsed_s`, the wall
+    time of the decode loop alone."""
     out = sys.stdout if out is None else out
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if progress is False:
-        mode = None
-    elif progress is None and sys.stderr.isatty():
-        mode = "bar"
-    else:
-        mode = "lines"
-    bar = _Progress(sys.stderr, mode)
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    tty = progress is None and sys.stderr.isatty()
+    bar = _Progress(sys.stderr, None if progress is False else "bar" if tty else "lines")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else lambda: None
     results = []
     print(
         f"replayssm demo: {heads} heads, {groups} groups, head dim {head_dim}, state dim {state_dim}, "
         f"batch {batch}, {steps} tokens, device {dev}",
-        file=out,
-        flush=True,  # a pipe reader sees it now, not when the demo ends
+        file=out, flush=True,  # a pipe reader sees it now, not when the demo ends
     )
     for fmt in formats:
         bar.note(f"{fmt}: prefill states ({prompt} prompt tokens), cache init and warmup")
@@ -136,22 +113,20 @@ def run_demo(
         exact = ExactRecurrence(params, states)
         tokens = [token(batch, heads, groups, generator=gen, device=dev, **dims) for _ in range(steps)]
         out_buf = torch.empty(steps, batch, heads, head_dim, dtype=torch.bfloat16, device=dev)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
+        sync()
         bar.start(fmt, steps, batch)
         t0 = time.perf_counter()
         for i, tok in enumerate(tokens):
             cache.decode(tok.x, tok.dt, params.A, tok.B, tok.C, params.D, params.dt_bias, slots, out=out_buf[i])
             bar.update(i + 1)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
+        sync()
         elapsed = time.perf_counter() - t0
         rate = steps * batch / elapsed
         bar.note(f"{fmt}: {steps} steps x batch {batch} decoded in {elapsed:.2f} s: {rate:.1f} tokens/s")
         bar.note(f"{fmt}: the exact FP64 recurrence, for the SQNR")
         ref = torch.stack([exact.step(tok) for tok in tokens])
         half = steps // 2  # the halves show drift; a 1-step demo has none
-        r = {
+        results.append({
             "format": fmt,
             "backend": cache.backend_name,
             "elapsed_s": elapsed,
@@ -163,24 +138,21 @@ def run_demo(
             "standard_bf16_bytes_per_token": standard_bytes_per_token(2, heads, head_dim, state_dim),
             "standard_fp32_bytes_per_token": standard_bytes_per_token(4, heads, head_dim, state_dim),
             "cache_bytes_per_slot": cache.bytes_per_slot(),
-        }
-        results.append(r)
+        })
     print(
         f"{'format':>6} {'backend':>16} {'tokens/s':>10} {'SQNR dB':>8} {'1st/2nd half':>13} "
         f"{'state B/token':>13} {'vs bf16':>8} {'vs fp32':>8}",
         file=out,
     )
     for r in results:
-        if r["sqnr_first_half_db"] is None:
-            halves = f"{'-':>6}/{'-':<6}"
-        else:
+        halves = f"{'-':>6}/{'-':<6}"
+        if r["sqnr_first_half_db"] is not None:
             halves = f"{r['sqnr_first_half_db']:>6.2f}/{r['sqnr_second_half_db']:<6.2f}"
+        b = r["state_bytes_per_token"]
         print(
-            f"{r['format']:>6} {r['backend']:>16} {r['tokens_per_s']:>10.0f} {r['sqnr_db']:>8.2f} "
-            f"{halves} "
-            f"{r['state_bytes_per_token']:>13.0f} "
-            f"{r['standard_bf16_bytes_per_token'] / r['state_bytes_per_token']:>7.2f}x "
-            f"{r['standard_fp32_bytes_per_token'] / r['state_bytes_per_token']:>7.2f}x",
+            f"{r['format']:>6} {r['backend']:>16} {r['tokens_per_s']:>10.0f} {r['sqnr_db']:>8.2f} {halves} "
+            f"{b:>13.0f} {r['standard_bf16_bytes_per_token'] / b:>7.2f}x "
+            f"{r['standard_fp32_bytes_per_token'] / b:>7.2f}x",
             file=out,
         )
     print(
@@ -188,8 +160,7 @@ def run_demo(
         "FP64 recurrence (over all steps, and over the first and second half); state B/token: state "
         "bytes moved per token per layer over a 16-token period (standard decode reads and writes "
         "the whole state).",
-        file=out,
-        flush=True,
+        file=out, flush=True,
     )
     return results
 
@@ -233,18 +204,8 @@ def _device(text: str) -> str:
     return text
 
 
-class ConfigGeometry(NamedTuple):
-    """The layer geometry read from a Hugging Face Mamba-2 config.json."""
-
-    heads: int
-    groups: int
-    head_dim: int
-    state_dim: int
-
-
-# The keys that give the Mamba layers' state geometry, in the order of ConfigGeometry's
-# fields, per transformers `model_type`: Mamba2Config and the hybrids' configs
-# (nemotron_h's own head_dim is the attention's).
+# (heads, groups, head dim, state dim) keys per transformers `model_type`: Mamba2Config and
+# the hybrids' configs (nemotron_h's own head_dim is the attention's).
 CONFIG_KEYS = {
     "mamba2": ("num_heads", "n_groups", "head_dim", "state_size"),
     "nemotron_h": ("mamba_num_heads", "n_groups", "mamba_head_dim", "ssm_state_size"),
@@ -254,12 +215,10 @@ CONFIG_KEYS = {
 }
 
 
-def read_mamba2_config(text: str) -> ConfigGeometry:
-    """An argparse type: the geometry of the Mamba-2 config.json at `text` (the file, or a
-    directory holding it), read with json alone, so the demo needs no transformers."""
-    path = Path(text)
-    if path.is_dir():
-        path = path / "config.json"
+def read_mamba2_config(text: str) -> tuple[int, int, int, int]:
+    """An argparse type: (heads, groups, head dim, state dim) of the Mamba-2 config.json at
+    `text` (the file, or a directory holding it), read with json alone (no transformers)."""
+    path = Path(text) / "config.json" if Path(text).is_dir() else Path(text)
     where = repr(str(path))
     try:
         cfg = json.loads(path.read_text())
@@ -275,22 +234,19 @@ def read_mamba2_config(text: str) -> ConfigGeometry:
     keys = CONFIG_KEYS.get(model)
     if keys is None:
         raise argparse.ArgumentTypeError(f"{where}: model_type must be one of {tuple(CONFIG_KEYS)}; got {model!r}")
-    values = []
     for key in keys:
         if key not in cfg:
             raise argparse.ArgumentTypeError(f"{where}: missing key {key!r} (a {model} config has {', '.join(keys)})")
-        value = cfg[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise argparse.ArgumentTypeError(f"{where}: {key} must be a positive integer; got {value!r}")
-        values.append(value)
-    heads, groups, head_dim, state_dim = values
+        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 1:
+            raise argparse.ArgumentTypeError(f"{where}: {key} must be a positive integer; got {cfg[key]!r}")
+    heads, groups, head_dim, state_dim = (cfg[key] for key in keys)
     if head_dim not in L.HEAD_DIMS:
         raise argparse.ArgumentTypeError(f"{where}: {keys[2]} must be one of {L.HEAD_DIMS}; got {head_dim}")
     if state_dim not in L.STATE_DIMS:
         raise argparse.ArgumentTypeError(f"{where}: {keys[3]} must be one of {L.STATE_DIMS}; got {state_dim}")
     if L.group_error(heads, groups):
         raise argparse.ArgumentTypeError(f"{where}: {keys[0]} {heads}, {keys[1]} {groups}: {L.group_error(heads, groups)}")
-    return ConfigGeometry(heads, groups, head_dim, state_dim)
+    return heads, groups, head_dim, state_dim
 
 
 class _Geometry(argparse.Action):
@@ -306,95 +262,63 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     parser = argparse.ArgumentParser(prog="python -m replayssm", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
-        "demo",
-        help="decode a synthetic Mamba-2 layer and report speed and accuracy",
+        "demo", help="decode a synthetic Mamba-2 layer and report speed and accuracy",
         description=__doc__.split("\n\n")[1].replace("\n", " "),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    demo.add_argument(
-        "--device", type=_device, default="auto", help="auto (cuda when a GPU is present, else cpu), cpu or cuda[:N]"
-    )
-    demo.add_argument("--format", default="both", choices=["fp8", "nvfp4", "fp16", "both"],
-                      help="read-copy format (both: fp8 and nvfp4; fp16: no read copy)")
-    demo.add_argument("--batch", type=_int_at_least(1), default=8, help="requests decoded together")
-    demo.add_argument(
-        "--steps", type=_int_at_least(1), default=256, help="tokens decoded per request; every 16th is a flush"
-    )
-    demo.add_argument("--heads", type=_int_at_least(1), default=16, action=_Geometry, help="SSM heads of the layer")
-    demo.add_argument(
-        "--groups", type=_int_at_least(1), default=2, action=_Geometry, help="B/C groups (1 to 128 heads per group)"
-    )
-    demo.add_argument(
-        "--head-dim", type=int, choices=L.HEAD_DIMS, default=L.HEAD_DIM, action=_Geometry,
-        help="head dim P (80: Nemotron Nano 2's)",
-    )
-    demo.add_argument(
-        "--state-dim", type=int, choices=L.STATE_DIMS, default=L.STATE_DIM, action=_Geometry,
-        help="state dim N (256: Nemotron-H 47B / 56B's, Falcon-H1's)",
-    )
-    demo.add_argument(
-        "--config", type=read_mamba2_config, metavar="PATH",
+    add = demo.add_argument
+    add("--device", type=_device, default="auto",
+        help="auto (cuda when a GPU is present, else cpu), cpu or cuda[:N]")
+    add("--format", default="both", choices=["fp8", "nvfp4", "fp16", "both"],
+        help="read-copy format (both: fp8 and nvfp4; fp16: no read copy)")
+    add("--batch", type=_int_at_least(1), default=8, help="requests decoded together")
+    add("--steps", type=_int_at_least(1), default=256,
+        help="tokens decoded per request; every 16th is a flush")
+    add("--heads", type=_int_at_least(1), default=16, action=_Geometry, help="SSM heads of the layer")
+    add("--groups", type=_int_at_least(1), default=2, action=_Geometry,
+        help="B/C groups (1 to 128 heads per group)")
+    add("--head-dim", type=int, choices=L.HEAD_DIMS, default=L.HEAD_DIM, action=_Geometry,
+        help="head dim P (80: Nemotron Nano 2's)")
+    add("--state-dim", type=int, choices=L.STATE_DIMS, default=L.STATE_DIM, action=_Geometry,
+        help="state dim N (256: Nemotron-H 47B / 56B's, Falcon-H1's)")
+    add("--config", type=read_mamba2_config, metavar="PATH",
         help="a Hugging Face config.json of a Mamba-2 model or hybrid (mamba2, nemotron_h, falcon_h1, bamba, "
         "granitemoehybrid), or a directory holding one: its Mamba heads, groups, head dim and state size set the "
-        "geometry (not allowed with --heads, --groups, --head-dim, --state-dim)",
-    )
+        "geometry (not allowed with --heads, --groups, --head-dim, --state-dim)")
     demo.set_defaults(geometry_given=[])
-    demo.add_argument(
-        "--prompt", type=_int_at_least(0), default=64, help="prefill tokens that build each request's state"
-    )
-    demo.add_argument(
-        "--seed",
-        type=_int_at_least(0, SEED_LIMIT, "2**64"),
-        default=0,
-        help="seed of the data and of the stochastic rounding",
-    )
-    demo.add_argument(
-        "--threads",
-        type=_int_at_least(1),
-        default=1,
+    add("--prompt", type=_int_at_least(0), default=64, help="prefill tokens that build each request's state")
+    add("--seed", type=_int_at_least(0, SEED_LIMIT, "2**64"), default=0,
+        help="seed of the data and of the stochastic rounding")
+    add("--threads", type=_int_at_least(1), default=1,
         help="torch CPU threads (on a 2-core CPU two threads ran the demo 1.25x faster on idle cores and 3-4x "
-        "slower on busy ones)",
-    )
-    demo.add_argument("--no-progress", action="store_true", help="print no progress on stderr")
+        "slower on busy ones)")
+    add("--no-progress", action="store_true", help="print no progress on stderr")
     return parser, demo
 
 
 def main(argv=None) -> int:
     parser, demo = _parser()
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        # Every option is checked here, before anything is printed. --config sets the whole
-        # geometry: an explicit geometry option with it is an error, not an override.
-        if args.config is not None:
-            if args.geometry_given:
-                demo.error(f"argument {args.geometry_given[0]}: not allowed with argument --config (the config sets "
-                           "heads, groups, head dim and state dim)")
-            args.heads, args.groups, args.head_dim, args.state_dim = args.config
-        if L.group_error(args.heads, args.groups):
-            demo.error(f"--heads {args.heads} --groups {args.groups}: {L.group_error(args.heads, args.groups)}")
-        formats = ("fp8", "nvfp4") if args.format == "both" else (args.format,)
-        try:
-            _run_cli_demo(args, formats)
-        except (ValueError, TypeError) as exc:
-            demo.error(str(exc))
+    args = parser.parse_args(argv)  # "demo" is the one command
+    # Every option is checked here, before anything is printed. --config sets the whole
+    # geometry: an explicit geometry option with it is an error, not an override.
+    if args.config is not None:
+        if args.geometry_given:
+            demo.error(f"argument {args.geometry_given[0]}: not allowed with argument --config (the config "
+                       "sets heads, groups, head dim and state dim)")
+        args.heads, args.groups, args.head_dim, args.state_dim = args.config
+    if L.group_error(args.heads, args.groups):
+        demo.error(f"--heads {args.heads} --groups {args.groups}: {L.group_error(args.heads, args.groups)}")
+    try:
+        torch.set_num_threads(args.threads)
+        run_demo(
+            device=args.device, formats=("fp8", "nvfp4") if args.format == "both" else (args.format,),
+            batch=args.batch, steps=args.steps, heads=args.heads, groups=args.groups, head_dim=args.head_dim,
+            state_dim=args.state_dim, prompt=args.prompt, seed=args.seed,
+            progress=False if args.no_progress else None,
+        )
+    except (ValueError, TypeError) as exc:
+        demo.error(str(exc))
     return 0
-
-
-def _run_cli_demo(args, formats) -> None:
-    torch.set_num_threads(args.threads)
-    run_demo(
-        device=args.device,
-        formats=formats,
-        batch=args.batch,
-        steps=args.steps,
-        heads=args.heads,
-        groups=args.groups,
-        head_dim=args.head_dim,
-        state_dim=args.state_dim,
-        prompt=args.prompt,
-        seed=args.seed,
-        progress=False if args.no_progress else None,
-    )
 
 
 if __name__ == "__main__":

@@ -1,18 +1,11 @@
 """Functional API with the serving engine's signatures: validate -> plan -> launch.
 
-Everything a call could reject is checked before anything is written, so a rejected call
-leaves the cache untouched. `backend` picks what runs the call ("auto", the default: the
-kernels where they can run, else the PyTorch reference with a warning; "kernels";
-"reference"), as `replayssm.kernels.backend_for` describes.
-
-Each public function validates the cache tuple on every call, then calls its checked
-entry (`initialize`, `clear`, `decode`, `decode_pending`, `materialize`: the entries
-`ReplaySSMCache` and the hand-off functions call too), which validates the other inputs
-(`replayssm.checks`) and calls the operation's torch custom op (`replayssm.ops`:
-`replayssm::initialize`, `::clear`, `::decode`, `::decode_pending`, `::materialize`,
-`::materialize_pending`), which runs the backend. A cache whose positions are [slots, 2]
-is in pending mode (speculative decoding, docs/format.md section 5b). `ReplaySSMCache`, whose
-tuple was validated once when it was built, calls the checked entries directly.
+Everything a call could reject is checked before anything is written. `backend`: "auto"
+(the default: the kernels where they can run, else the PyTorch reference with a warning),
+"kernels" or "reference" (`replayssm.kernels.backend_for`). A public function validates
+the cache tuple and calls its checked entry (`initialize`, `clear`, `decode`,
+`decode_pending`, `materialize`: what `ReplaySSMCache` and the hand-off functions call),
+which validates the other inputs and calls the op (`replayssm.ops`).
 """
 
 from __future__ import annotations
@@ -29,27 +22,18 @@ from .geometry import Geometry
 from .kernels import backend_for
 from .kernels.env import debug
 
-
-
 _describe = chk.describe
 
 
-def _check_indices(state_indices: torch.Tensor, device: torch.device, name: str = "state_indices") -> torch.Tensor:
-    return chk.slot_ids(name, state_indices, device)
-
-
 def _check_unique(ids: torch.Tensor, num_slots: int) -> None:
-    """Debug-mode check (REPLAYSSM_DEBUG=1) of the precondition that live slots are unique;
-    it synchronizes with the host, so it is off on the hot path."""
+    """REPLAYSSM_DEBUG=1: live slots are unique (a host sync, so off on the hot path)."""
     live = ids[(ids > 0) & (ids < num_slots)]
     if live.numel() != torch.unique(live).numel():
         raise ValueError(f"state_indices must name each live slot once; got {ids.tolist()}")
 
 
 def _check_finite(states: torch.Tensor, ids: torch.Tensor, num_slots: int) -> None:
-    """Debug-mode check (REPLAYSSM_DEBUG=1) that the prefill states of live rows hold no
-    NaN or Inf (stored unchecked otherwise, as docs/format.md says); padding rows' states
-    are ignored, as the rows are."""
+    """REPLAYSSM_DEBUG=1: the prefill states of live rows are finite (unchecked otherwise)."""
     live = (ids > 0) & (ids < num_slots)
     bad = (~torch.isfinite(states[live])).flatten(1).any(dim=1)
     if bool(bad.any()):
@@ -68,43 +52,40 @@ def initialize_replayssm_state(
     head_offset: int = 0,
 ) -> None:
     """Initialize the FP16 checkpoint and the read copy independently from FP32 prefill
-    states [batch, heads, P, N] (the cache's head and state dims), and clear the rings
-    and positions of the slots.
-
-    Nonpositive and out-of-range slot indices are ignored. `states` may be a broadcast
-    view (stride 0 on the batch dim) and need not be contiguous. With REPLAYSSM_DEBUG=1
-    live slots must be unique and their states finite (ValueError otherwise). `backend`:
-    "auto", "kernels" or "reference" (module docstring). `head_offset`: the model's head
-    of this cache's head 0 when the cache is one tensor-parallel shard of a layer's heads
-    (the checkpoint's random bits follow the model's head; docs/format.md section 6).
-    """
+    states [batch, heads, P, N] (may be broadcast over the batch), and clear the rings and
+    positions of the slots. Nonpositive and out-of-range slot indices are ignored; with
+    REPLAYSSM_DEBUG=1 live slots must be unique and their states finite. `head_offset`:
+    the model's head of this cache's head 0 in a tensor-parallel shard (docs/format.md
+    section 6)."""
     fmt = format_of(state_dtype)
     checks = debug()  # read (and validated) once per call
     chk.seed(seed)
     chk.head_offset(head_offset)
     geometry = L.check_cache(cache, fmt)
     impl = backend_for(cache[L.CHECKPOINT].device, backend, cache, fmt)
-    initialize(cache, geometry, impl, states, state_indices, fmt=fmt, seed=seed, checks=checks, head_offset=head_offset)
+    initialize(
+        cache, geometry, impl, states, state_indices, fmt=fmt, seed=seed, checks=checks,
+        head_offset=head_offset,
+    )
 
 
 def initialize(
-    cache, geometry: Geometry, impl, states, state_indices, *, fmt: Format, seed: int, checks: bool, head_offset: int = 0,
-    ids_name: str = "state_indices",
+    cache, geometry: Geometry, impl, states, state_indices, *, fmt: Format, seed: int, checks: bool,
+    head_offset: int = 0, ids_name: str = "state_indices",
 ) -> None:
     slots, heads, _, P, N = geometry
     device = cache[L.CHECKPOINT].device
     chk.tensor("states", states)
-    if states.dtype != torch.float32:
-        raise chk.DTypeError(f"states must be float32 [batch, {heads}, {P}, {N}]; got {_describe(states)}")
-    if states.dim() != 4 or states.shape[1:] != (heads, P, N):
-        raise ValueError(f"states must be float32 [batch, {heads}, {P}, {N}]; got {_describe(states)}")
+    if states.dtype != torch.float32 or states.dim() != 4 or states.shape[1:] != (heads, P, N):
+        error = chk.DTypeError if states.dtype != torch.float32 else ValueError
+        raise error(f"states must be float32 [batch, {heads}, {P}, {N}]; got {_describe(states)}")
     chk.on_device("states", states, device)
-    ids = _check_indices(state_indices, device, ids_name)
+    ids = chk.slot_ids(ids_name, state_indices, device)
     if ids.numel() != states.shape[0]:
         raise ValueError(f"{ids_name} must hold one slot per state ({states.shape[0]}); got {ids.numel()}")
     if ids.numel() == 0:
         return
-    if checks and not torch.compiler.is_compiling():  # host reads: eager only (ops.py)
+    if checks and not torch.compiler.is_compiling():  # host reads: eager only
         _check_unique(ids, slots)
         _check_finite(states, ids, slots)
     ops.initialize(cache, states, ids, state_dtype=fmt.name, seed=seed, backend=impl.name, head_offset=head_offset)
@@ -116,27 +97,35 @@ def clear_replayssm_slots(
     """Zero the rings and positions of the given slots (invalid ids ignored). `backend`
     as for `initialize_replayssm_state`."""
     fmt = format_of(state_dtype)
-    debug()  # validates $REPLAYSSM_DEBUG, as every entry point does; no check here needs it
+    debug()  # validates $REPLAYSSM_DEBUG, as every entry point does
     L.check_cache(cache, fmt)
-    impl = backend_for(cache[L.CHECKPOINT].device, backend, cache, fmt)
-    clear(cache, impl, state_indices)
+    clear(cache, backend_for(cache[L.CHECKPOINT].device, backend, cache, fmt), state_indices)
 
 
 def clear(cache, impl, state_indices) -> None:
-    ids = _check_indices(state_indices, cache[L.CHECKPOINT].device)
+    ids = chk.slot_ids("state_indices", state_indices, cache[L.CHECKPOINT].device)
     if ids.numel():
         ops.clear(cache, ids, backend=impl.name)
+
+
+def _check_rows(x, B, Cm, lead: tuple[int, ...], heads: int, groups: int, lay: str, P: int, N: int) -> None:
+    """x lead + [H, P] or lead + [H*P], B and C lead + [G, N] or lead + [G*N], all bf16."""
+    for name, t, n, w in (("x", x, heads, P), ("B", B, groups, N), ("C", Cm, groups, N)):
+        chk.tensor(name, t)
+        want = f"bfloat16 {[*lead, n, w]} or {[*lead, n * w]}{lay}"
+        if t.dtype != torch.bfloat16:
+            raise chk.DTypeError(f"{name} must be {want}; got {_describe(t)}")
+        if tuple(t.shape) not in (lead + (n, w), lead + (n * w,)):
+            raise ValueError(f"{name} must be {want}; got {_describe(t)}")
 
 
 def normalize_decode_inputs(
     x, dt, A, B, C, D, dt_bias, batch: int, heads: int, groups: int, P: int = L.HEAD_DIM, N: int = L.STATE_DIM
 ):
-    """Validate shapes/dtypes of one decode step's inputs and return them in the kernels'
-    layout, as views (no copy, no conversion for the inputs engines pass): x [b, H, P]
-    bf16, dt [b, H] f32 / bf16 / f16 (another float type is converted), A [H] f32,
-    B, C [b, G, N] bf16, D [H, P] f32, dt_bias [H] f32. Row-strided x, B, C (column
-    slices of one projection) keep their strides; tied (stride-0) views are read at their
-    first element."""
+    """Validate one decode step's inputs and return them in the kernels' layout, as views
+    (row-strided x, B, C keep their strides): x [b, H, P] (or [b, H*P]) bf16, dt [b, H] (or
+    tied [b, H, P]; a float type other than f32 / bf16 / f16 is converted), B, C [b, G, N]
+    (or [b, G*N]) bf16, A, D, dt_bias as `chk.params` leaves them."""
     _check_rows(x, B, C, (batch,), heads, groups, "", P, N)
     chk.floating("dt", dt)
     if tuple(dt.shape) not in ((batch, heads), (batch, heads, P)):
@@ -152,37 +141,12 @@ def normalize_decode_inputs(
     return x, dt, A, B, C, D, dt_bias
 
 
-def _check_out(out: object, lead: tuple[int, ...], heads: int, lay: str, P: int = L.HEAD_DIM) -> None:
-    """`out` of a decode call: contiguous bf16 lead + [H, P] (or lead + [H*P])."""
-    chk.tensor("out", out)
-    want = f"contiguous bfloat16 {[*lead, heads, P]} or {[*lead, heads * P]}{lay}"
-    if out.dtype != torch.bfloat16:
-        raise chk.DTypeError(f"out must be {want}; got {_describe(out)}")
-    if tuple(out.shape) not in (lead + (heads, P), lead + (heads * P,)) or not out.is_contiguous():
-        raise ValueError(f"out must be {want}; got {_describe(out)}")
-
-
-def _check_rows(x, B, Cm, lead: tuple[int, ...], heads: int, groups: int, lay: str, P: int, N: int) -> None:
-    """x lead + [H, P] or lead + [H*P], B and C lead + [G, N] or lead + [G*N], all
-    bf16 (DTypeError for another dtype, ValueError for another shape)."""
-    for name, t, n, w in (("x", x, heads, P), ("B", B, groups, N), ("C", Cm, groups, N)):
-        chk.tensor(name, t)
-        want = f"bfloat16 {[*lead, n, w]} or {[*lead, n * w]}{lay}"
-        if t.dtype != torch.bfloat16:
-            raise chk.DTypeError(f"{name} must be {want}; got {_describe(t)}")
-        if tuple(t.shape) not in (lead + (n, w), lead + (n * w,)):
-            raise ValueError(f"{name} must be {want}; got {_describe(t)}")
-
-
 def normalize_pending_inputs(
-    x, dt, A, B, C, D, dt_bias, lead: tuple[int, ...], heads: int, groups: int, P: int = L.HEAD_DIM, N: int = L.STATE_DIM
+    x, dt, A, B, C, D, dt_bias, lead: tuple[int, ...], heads: int, groups: int, P: int = L.HEAD_DIM,
+    N: int = L.STATE_DIM,
 ):
-    """Validate the inputs of one pending-mode call and return them as `pending.py` takes
-    them. `lead` is (b, T) for the dense layout, (total,) for varlen: x lead + [H, P] (or
-    lead + [H*P]) bf16, dt lead + [H] (or lead + [H, P] tied over the last dim) any float,
-    B, C lead + [G, N] (or lead + [G*N]) bf16; A, D, dt_bias as for
-    `normalize_decode_inputs`. Returns x lead + [H, P], dt lead + [H], A [H] f32,
-    B, C lead + [G, N], D [H, P] f32, dt_bias [H] f32."""
+    """`normalize_decode_inputs` of a pending-mode call, [b] replaced by `lead`: (b, T) for
+    the dense layout, (total,) for varlen; dt of any float type is not converted."""
     lead = tuple(int(v) for v in lead)
     lay = "dense [b, T, ...] with T == max_seqlen" if len(lead) == 2 else "varlen [total, ...]"
     _check_rows(x, B, C, lead, heads, groups, f" ({lay})", P, N)
@@ -195,17 +159,24 @@ def normalize_pending_inputs(
     x = x.reshape(*lead, heads, P)
     B = B.reshape(*lead, groups, N)
     C = C.reshape(*lead, groups, N)
-    dt = dt_flat[..., 0]
-    return x, dt, A, B, C, D, dt_bias
+    return x, dt_flat[..., 0], A, B, C, D, dt_bias
+
+
+def _check_out(out: object, lead: tuple[int, ...], heads: int, lay: str, P: int = L.HEAD_DIM) -> None:
+    """`out` of a decode call: contiguous bf16 lead + [H, P] (or lead + [H*P])."""
+    chk.tensor("out", out)
+    want = f"contiguous bfloat16 {[*lead, heads, P]} or {[*lead, heads * P]}{lay}"
+    if out.dtype != torch.bfloat16:
+        raise chk.DTypeError(f"out must be {want}; got {_describe(out)}")
+    if tuple(out.shape) not in (lead + (heads, P), lead + (heads * P,)) or not out.is_contiguous():
+        raise ValueError(f"out must be {want}; got {_describe(out)}")
 
 
 def check_max_seqlen(max_seqlen: object) -> int:
     """Pending mode's tokens per row and call: a Python int in 1..8."""
     from .pending import MAX_SEQLEN
 
-    if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool):
-        raise TypeError(f"max_seqlen must be a Python int; got {type(max_seqlen).__name__}")
-    if not 1 <= max_seqlen <= MAX_SEQLEN:
+    if not 1 <= chk.integer("max_seqlen", max_seqlen) <= MAX_SEQLEN:
         raise ValueError(f"max_seqlen must be in 1..{MAX_SEQLEN} in pending mode; got {max_seqlen}")
     return max_seqlen
 
@@ -235,29 +206,21 @@ def selective_state_update_replayssm(
 
     Applies softplus to dt + dt_bias. Rows whose slot is <= 0 or >= num_slots are padding:
     their output rows are zeroed and nothing else changes. Active slot indices must be
-    unique (checked when REPLAYSSM_DEBUG=1). Returns `out` (bf16 [batch, heads, P]; P, N
-    the cache's head and state dims, 64 and 128 unless the cache was made with others).
-    `scratch`: optional per-row plan buffers for the kernel backend (ReplaySSMCache passes
-    its own, sized for its max_batch); the backend keeps shared ones otherwise. `backend`
-    and `head_offset` as for `initialize_replayssm_state`.
+    unique (checked when REPLAYSSM_DEBUG=1). Returns `out` (bf16 [batch, heads, P]).
+    `scratch`: optional per-row plan buffers for the kernel backend (shared ones
+    otherwise). `backend` and `head_offset` as for `initialize_replayssm_state`.
 
-    A cache whose positions are [slots, 2] is in pending mode (speculative decoding;
-    docs/format.md section 5b): each row brings up to `max_seqlen` (1..8) tokens, and
-    `num_accepted_tokens` (int32 / int64 [b], or None: accept all) is the verdict on each
-    row's previous call, clamped to 0..(the tokens the row has pending) (with
-    REPLAYSSM_DEBUG=1 a verdict outside 0..max_seqlen is a ValueError). Dense layout
-    (`cu_seqlens` None): x [b, max_seqlen, H, P] (or [b, max_seqlen, H*P]), dt [b,
-    max_seqlen, H] (or tied over P), B, C [b, max_seqlen, G, N], out [b, max_seqlen, H, P];
-    every live row brings max_seqlen tokens. Varlen layout: `cu_seqlens` int32 [b + 1] (0
-    first, non-decreasing, x.shape[0] last), x [total, H, P], dt [total, H], B, C [total, G,
-    N], out [total, H, P]; row b brings tokens
-    cu_seqlens[b] .. cu_seqlens[b+1]-1 (none at all still commits). Decode a cache's slots
-    with one max_seqlen between inits (a slot whose pending count exceeds the call's
-    max_seqlen is rejected; other changes go undetected here, `ReplaySSMCache` pins it).
-    The kernel backend runs pending mode on CuTe plan, fold and step kernels (no host sync; a CUDA graph
-    captures it once a call of the batch size has run eagerly: the host-side checks of
-    cu_seqlens and the pending counts are skipped while capturing); the reference backend
-    runs `replayssm.pending`, which reads a few values on the host.
+    Pending mode (positions [slots, 2]; docs/format.md section 5b): each row brings up to
+    `max_seqlen` (1..8) tokens; `num_accepted_tokens` (int32 / int64 [b], None: accept
+    all) is the verdict on each row's previous call, clamped to the row's pending count
+    (with REPLAYSSM_DEBUG=1 one outside 0..max_seqlen is a ValueError). Dense layout
+    (`cu_seqlens` None): x [b, max_seqlen, H, P], dt [b, max_seqlen, H], B, C [b,
+    max_seqlen, G, N], out [b, max_seqlen, H, P]. Varlen layout: `cu_seqlens` int32 [b + 1]
+    (0 first, non-decreasing, x.shape[0] last), x [total, H, P], dt [total, H], B, C
+    [total, G, N], out [total, H, P] (a row with no tokens still commits). Decode a
+    cache's slots with one max_seqlen between inits (a pending count above the call's
+    max_seqlen is rejected). Eager calls read cu_seqlens and the pending counts on the
+    host for their checks (not while a CUDA graph is captured).
     """
     fmt = format_of(state_dtype)
     checks = debug()  # read (and validated) once per call
@@ -289,6 +252,9 @@ def selective_state_update_replayssm(
     )
 
 
+_INPUTS = ("x", "dt", "A", "B", "C", "D", "dt_bias", "out")
+
+
 def decode(
     cache, geometry: Geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
     *, fmt: Format, seed: int, checks: bool, scratch=None, head_offset: int = 0, try_direct: bool = True,
@@ -304,19 +270,19 @@ def decode(
         and impl.name == "kernels"
         and device.type == "cuda"
         and not torch.compiler.is_compiling()
-        and direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, state_indices, out, fmt, seed, scratch, head_offset)
-    ):
+        and direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, state_indices, out, fmt,
+                          seed, scratch, head_offset)
+    ):  # fmt: skip
         return out
-    ids = _check_indices(state_indices, device, ids_name)
+    ids = chk.slot_ids(ids_name, state_indices, device)
     batch = ids.numel()
     _check_out(out, (batch,), heads, "", P)
-    tensors = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "dt_bias": dt_bias, "out": out}
-    for name, t in tensors.items():
+    for name, t in zip(_INPUTS, (x, dt, A, B, C, D, dt_bias, out)):
         chk.on_device(name, chk.tensor(name, t), device)
     norm = normalize_decode_inputs(x, dt, A, B, C, D, dt_bias, batch, heads, groups, P, N)
     if batch == 0:
         return out
-    if checks and not torch.compiler.is_compiling():  # host reads: eager only (ops.py)
+    if checks and not torch.compiler.is_compiling():  # host reads: eager only
         _check_unique(ids, slots)
     if scratch is not None and getattr(scratch, "rows", batch) < batch:
         raise ValueError(f"scratch holds {scratch.rows} rows; the batch has {batch}")
@@ -327,24 +293,18 @@ def decode(
     return out
 
 
-# -- the eager fast path ------------------------------------------------------------------
-# An eager call on the kernel backend with inputs as engines and models pass them goes from
-# here straight to the backend, without the custom op's dispatch (23 boxed arguments) and
-# with a validation that reads only shapes, strides, dtypes and devices: `direct_decode`
-# takes a call only when every input is a plain tensor on the cache device in one of the
-# accepted layouts, so anything else (a bad input included) takes the general path, which
-# validates it in full and raises there. Under torch.compile the op is always used.
+# -- the eager fast path: inputs as engines pass them go straight to the kernel backend,
+# without the op's dispatch (23 boxed arguments), after checks of types, shapes, strides,
+# dtypes and devices only; anything else, a bad input included, takes the general path.
 _IDS_DTYPES = (torch.int32, torch.int64)
 _DT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_PARAMS: dict[tuple, tuple] = {}  # (id(A), id(D), id(dt_bias), heads) -> (tensors, versions, normalized)
+_PARAMS: dict[tuple, tuple] = {}  # (id(A), id(D), id(dt_bias), heads, ...) -> (tensors, versions, normalized)
 _PARAMS_MAX = 1024
 
 
 def _layer_params(A, D, dt_bias, heads: int, index: int, P: int, N: int):
-    """(A, D, dt_bias) normalized as `normalize_decode_inputs` leaves them, made once per
-    tensors and reused while none of them is modified in place (the entry holds them, so
-    their ids stay theirs; a version counter moves on every in-place change); None when
-    they are not plain tensors on device `index` (the general path then validates them)."""
+    """`chk.params`, cached while no tensor's version counter moves (the entry holds them,
+    so their ids stay theirs); None unless they are plain tensors on device `index`."""
     key = (id(A), id(D), id(dt_bias), heads, index, P, N)
     hit = _PARAMS.get(key)
     if hit is not None and hit[1] == (A._version, D._version, dt_bias._version):
@@ -358,11 +318,11 @@ def _layer_params(A, D, dt_bias, heads: int, index: int, P: int, N: int):
     return norm
 
 
-def direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, scratch, head_offset) -> bool:
-    """Run the step on the kernel backend directly when the inputs are in an accepted
-    layout (see above); False (nothing done) otherwise. x, B and C go as they are ([b, n,
-    w] or [b, n * w]: the launcher reads their row strides). Each property is tested for
-    every tensor at once (chained comparisons): this runs on every eager step."""
+def direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, scratch,
+                  head_offset) -> bool:  # fmt: skip
+    """Run the step on the kernel backend if the inputs are in an accepted layout (x, B, C
+    go as they are: the launcher reads their row strides), else return False. Each
+    property is tested for every tensor at once: this runs every step."""
     index = cache[L.CHECKPOINT].get_device()
     if not (
         type(ids) is type(out) is type(x) is type(B) is type(C) is type(dt) is torch.Tensor
@@ -393,11 +353,8 @@ def direct_decode(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, o
 
 def direct_decode_pending(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, max_seqlen,
                            num_accepted_tokens, head_offset) -> bool:  # fmt: skip
-    """`direct_decode` of a pending-mode call of the dense layout on a cache that holds one
-    max_seqlen for its slots (`ReplaySSMCache`): x [b, T, H, 64] or [b, T, H * 64], B, C
-    [b, T, G, 128] or [b, T, G * 128] bf16, dt [b, T, H] (or tied over 64), out contiguous
-    bf16 [b, T, H, 64] or [b, T, H * 64], T == max_seqlen, `num_accepted_tokens` None or
-    int32 / int64 [b], every tensor on the cache device; False (nothing done) otherwise."""
+    """`direct_decode` of a dense pending-mode call on a cache that holds one max_seqlen for
+    its slots (`ReplaySSMCache`): T == max_seqlen tokens a row."""
     index = cache[L.CHECKPOINT].get_device()
     T = torch.Tensor
     if type(ids) is not T or ids.dim() != 1 or ids.dtype not in _IDS_DTYPES or ids.get_device() != index:
@@ -443,36 +400,17 @@ def direct_decode_pending(cache, heads, groups, impl, x, dt, A, B, C, D, dt_bias
     return True
 
 
-def _check_cu_seqlens(cu_seqlens: object, batch: int, total: int, max_seqlen: int, device: torch.device) -> None:
-    """cu_seqlens' type, dtype, shape and device; its values too (a host read) outside
-    torch.compile (inside it the op checks them before writing anything)."""
-    chk.tensor("cu_seqlens", cu_seqlens)
-    if cu_seqlens.dtype != torch.int32:
-        raise chk.DTypeError(f"cu_seqlens must be int32 [{batch + 1}] (batch + 1); got {_describe(cu_seqlens)}")
-    if tuple(cu_seqlens.shape) != (batch + 1,):
-        raise ValueError(f"cu_seqlens must be int32 [{batch + 1}] (batch + 1); got {_describe(cu_seqlens)}")
-    chk.on_device("cu_seqlens", cu_seqlens, device)
-    if _host_reads_allowed():
-        from .pending import check_cu_seqlens
-
-        check_cu_seqlens(cu_seqlens, batch, total, max_seqlen)
-
-
-_host_reads_allowed = chk.host_reads_allowed
-
-
 def decode_pending(
     cache, geometry: Geometry, impl, x, dt, A, B, C, D, dt_bias, state_indices, out,
     *, fmt: Format, seed: int, checks: bool, max_seqlen: int, num_accepted_tokens=None, cu_seqlens=None,
     head_offset: int = 0, own_seqlen: bool = False, own_cu: bool = False, ids_name: str = "state_indices",
 ) -> torch.Tensor:
-    """Validate a pending-mode call (everything before anything is written), then run
-    `replayssm::decode_pending`. The eager checks that read the GPU are skipped where the
-    caller guarantees them: `own_seqlen` (the cache holds one max_seqlen for its slots'
-    lifetime: `ReplaySSMCache`), `own_cu` (cu_seqlens built by the caller: `accept`)."""
+    """Validate a pending-mode call, then run the op. The caller guarantees with
+    `own_seqlen` one max_seqlen for its slots' lifetime (`ReplaySSMCache`), with `own_cu`
+    a valid cu_seqlens (`accept`): the eager checks that read the GPU are skipped."""
     slots, heads, groups, P, N = geometry
     device = cache[L.CHECKPOINT].device
-    ids = _check_indices(state_indices, device, ids_name)
+    ids = chk.slot_ids(ids_name, state_indices, device)
     batch = ids.numel()
     varlen = cu_seqlens is not None
     chk.tensor("x", x)
@@ -485,22 +423,29 @@ def decode_pending(
         lead = (x.shape[0],)
     else:
         lead = (batch, max_seqlen)
-    tensors = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "dt_bias": dt_bias, "out": out}
-    for name, t in tensors.items():
+    for name, t in zip(_INPUTS, (x, dt, A, B, C, D, dt_bias, out)):
         chk.on_device(name, chk.tensor(name, t), device)
     norm = normalize_pending_inputs(x, dt, A, B, C, D, dt_bias, lead, heads, groups, P, N)
     _check_out(out, lead, heads, " (varlen: one row a token)" if varlen else " (dense, T == max_seqlen)", P)
     chk.verdicts(num_accepted_tokens, batch, device, max_seqlen)
     if varlen and not own_cu:
-        _check_cu_seqlens(cu_seqlens, batch, lead[0], max_seqlen, device)
+        # Its values (a host read) outside torch.compile; inside it the op checks them.
+        chk.tensor("cu_seqlens", cu_seqlens)
+        if cu_seqlens.dtype != torch.int32 or tuple(cu_seqlens.shape) != (batch + 1,):
+            error = chk.DTypeError if cu_seqlens.dtype != torch.int32 else ValueError
+            raise error(f"cu_seqlens must be int32 [{batch + 1}] (batch + 1); got {_describe(cu_seqlens)}")
+        chk.on_device("cu_seqlens", cu_seqlens, device)
+        if chk.host_reads_allowed():
+            from .pending import check_cu_seqlens
+
+            check_cu_seqlens(cu_seqlens, batch, lead[0], max_seqlen)
     if batch == 0:
         return out
-    host_reads = _host_reads_allowed()  # eager, not under torch.compile (ops.py) or a CUDA graph capture
+    host_reads = chk.host_reads_allowed()  # not under torch.compile or a CUDA graph capture
     if host_reads and checks:
         _check_unique(ids, slots)
     if host_reads and not own_seqlen:
-        # The pending counts must fit this call's max_seqlen (a changed max_seqlen
-        # otherwise); the op checks it again inside torch.compile.
+        # The pending counts fit this call's max_seqlen (the op checks it under torch.compile).
         live = ids[(ids > 0) & (ids < slots)].long()
         q = cache[L.POSITIONS][live][:, 1]
         if q.numel() and int(q.max()) > max_seqlen:
@@ -516,68 +461,48 @@ def decode_pending(
 
 
 def materialize_replayssm_state(
-    cache: Sequence[torch.Tensor], state_indices: torch.Tensor, A: torch.Tensor, *, state_dtype: str, backend: str = "auto",
-    out: torch.Tensor | None = None, max_seqlen: int | None = None,
+    cache: Sequence[torch.Tensor], state_indices: torch.Tensor, A: torch.Tensor, *, state_dtype: str,
+    backend: str = "auto", out: torch.Tensor | None = None, max_seqlen: int | None = None,
 ) -> torch.Tensor:
     """FP32 states [n, heads, P, N] of the given slots after every decoded token
-    (checkpoint plus live ring entries). Reads only; `A` as for decode.
-
-    Rows whose slot is padding (<= 0 or >= num_slots) read as zero states, as decode
-    writes zero outputs for them, so a padded batch of slot indices can be passed as is.
-    The kernel backend runs one Triton launch (no host sync, graph-capturable); `out`
-    (contiguous FP32 [n, heads, P, N] on the cache device) receives the states when
-    given. `backend` is resolved as for the other entry points.
-
-    A pending-mode cache (positions [slots, 2]) needs the `max_seqlen` its slots are
-    decoded with (where its checkpoints stand depends on it); it returns the states after
-    the committed tokens (drafts not yet accepted are left out). A separate-mode cache
-    takes max_seqlen None or 1."""
+    (checkpoint plus live ring entries); reads only. `A` as for decode; padding rows read
+    as zero states. `out` (contiguous FP32 [n, heads, P, N] on the cache device) receives
+    the states when given. A pending-mode cache needs the `max_seqlen` its slots are
+    decoded with (where its checkpoints stand depends on it) and returns the states after
+    the committed tokens; a separate-mode cache takes max_seqlen None or 1."""
     fmt = format_of(state_dtype)
-    debug()  # validates $REPLAYSSM_DEBUG, as every entry point does; no check here needs it
+    debug()  # validates $REPLAYSSM_DEBUG, as every entry point does
     geometry = L.check_cache(cache, fmt)
     impl = backend_for(cache[L.CHECKPOINT].device, backend, cache, fmt)
     return materialize(cache, geometry, impl, state_indices, A, out, max_seqlen=max_seqlen)
-
-
-def _check_materialize_seqlen(cache, max_seqlen: object) -> int | None:
-    """max_seqlen of a materialize: required (1..8) for a pending cache; None or 1 for a
-    separate one. Returns it for a pending cache, None otherwise."""
-    if cache[L.POSITIONS].dim() == 2:
-        if max_seqlen is None:
-            raise ValueError(
-                "max_seqlen is required for a pending-mode cache (positions [slots, 2]): the max_seqlen its slots "
-                "are decoded with; got None"
-            )
-        return check_max_seqlen(max_seqlen)
-    if max_seqlen is not None and max_seqlen != 1:
-        raise ValueError(f"max_seqlen must be None or 1 for a separate-mode cache; got {max_seqlen!r}")
-    return None
 
 
 def materialize(
     cache, geometry: Geometry, impl, state_indices, A, out=None, *, max_seqlen=None, ids_name: str = "state_indices"
 ) -> torch.Tensor:
     _, heads, _, P, N = geometry
-    pending_seqlen = _check_materialize_seqlen(cache, max_seqlen)
-    ids = _check_indices(state_indices, cache[L.CHECKPOINT].device, ids_name)
+    pending_seqlen = None  # max_seqlen: required (1..8) for a pending cache, None or 1 for a separate one
+    if cache[L.POSITIONS].dim() == 2:
+        if max_seqlen is None:
+            raise ValueError(
+                "max_seqlen is required for a pending-mode cache (positions [slots, 2]): the max_seqlen its slots "
+                "are decoded with; got None"
+            )
+        pending_seqlen = check_max_seqlen(max_seqlen)
+    elif max_seqlen is not None and max_seqlen != 1:
+        raise ValueError(f"max_seqlen must be None or 1 for a separate-mode cache; got {max_seqlen!r}")
+    device = cache[L.CHECKPOINT].device
+    ids = chk.slot_ids(ids_name, state_indices, device)
     A1 = chk.A_param(A, heads, P, N).to(ids.device)
     if out is not None:
-        # Into the caller's buffer: the backend writes it directly (the op returns a new
-        # tensor, which torch.compile can trace; `out` is for eager and captured calls).
-        _check_materialize_out(out, (ids.numel(), heads, P, N), cache[L.CHECKPOINT].device)
+        # The backend writes `out` directly: the op returns a new tensor (for torch.compile).
+        shape = (ids.numel(), heads, P, N)
+        chk.tensor("out", out)
+        if out.dtype != torch.float32 or tuple(out.shape) != shape or not out.is_contiguous():
+            error = chk.DTypeError if out.dtype != torch.float32 else ValueError
+            raise error(f"out must be contiguous float32 {list(shape)}; got {_describe(out)}")
+        chk.on_device("out", out, device)
         if pending_seqlen is not None:
             return impl.materialize_pending(cache, ids, A1, max_seqlen=pending_seqlen, out=out)
         return impl.materialize(cache, ids, A1, out)
-    if pending_seqlen is not None:
-        return ops.materialize_pending(cache, ids, A1, backend=impl.name, max_seqlen=pending_seqlen)
-    return ops.materialize(cache, ids, A1, backend=impl.name)
-
-
-def _check_materialize_out(out: object, shape: tuple[int, ...], device: torch.device) -> None:
-    """`out` of materialize: contiguous float32 `shape` ([n, heads, P, N]) on the cache device."""
-    chk.tensor("out", out)
-    if out.dtype != torch.float32:
-        raise chk.DTypeError(f"out must be contiguous float32 {list(shape)}; got {_describe(out)}")
-    if tuple(out.shape) != shape or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous float32 {list(shape)}; got {_describe(out)}")
-    chk.on_device("out", out, device)
+    return ops.materialize(cache, ids, A1, backend=impl.name, max_seqlen=pending_seqlen)

@@ -3,19 +3,17 @@
 Vocabulary (used the same way everywhere in replayssm):
 
 - slot: one request's share of the cache; dim 0 of every cache tensor. Slot 0 is the
-  padding slot: never handed out, never read for a live row.
-- padding row: a batch row whose slot id is <= 0 or >= num_slots; its output is zeros and
-  it changes nothing.
-- checkpoint: the FP16 state [heads, P, N] of a slot as of its last flush (head dim P
-  64 or 80, state dim N 128 or 256); the only tensor the recurrence accumulates into.
+  padding slot. A padding row is a batch row whose slot id is <= 0 or >= num_slots: its
+  output is zeros and it changes nothing.
+- checkpoint: the FP16 state [heads, P, N] of a slot as of its last flush (head dim P 64
+  or 80, state dim N 128 or 256); the only tensor the recurrence accumulates into.
 - read copy: the checkpoint quantized to FP8 (e4m3, per-row scales) or NVFP4 (e2m1 codes,
   e4m3 block scales, second-level scale); what a non-flush step reads.
-- ring: the last inputs since the checkpoint, 16 entries per slot: x [heads, P],
-  processed dt [heads], B [groups, N]. An entry is one token's inputs.
-- position: tokens decoded since the slot's last `prefill_init`; the ring index is
-  position mod 16.
-- flush: the step at ring index 15, which folds 16 tokens into the checkpoint and
-  re-derives the read copy. A period is the 16 tokens between two flushes.
+- ring: 16 entries per slot, the inputs since the checkpoint; an entry is one token's x
+  [heads, P], processed dt [heads] and B [groups, N].
+- position: tokens decoded since the slot's last `prefill_init`; ring index = position
+  mod 16. A flush is the step at ring index 15: it folds the period's 16 tokens into the
+  checkpoint and re-derives the read copy.
 - group: heads sharing B and C (1 to 128 heads per group).
 - parity: NVFP4 only; which half of the double-buffered second-level scale is live.
 - pending mode (speculative decoding, `spec_tokens` > 0): positions are (committed,
@@ -43,27 +41,12 @@ from .slots import NULL_SLOT, SlotAllocator
 
 @attrs.define(eq=False, repr=False)
 class ReplaySSMCache:
-    """One model layer's ReplaySSM state for `num_slots` slots (slot 0 reserved).
-
-    Owns the cache tuple (`.tensors`, laid out as docs/format.md says; validated once
-    here, so its methods skip the per-call tuple checks of the functional API), allocates
-    slots, and runs prefill initialization and decode steps. `max_batch` (default
-    num_slots - 1) bounds the rows of one decode call.
-
-    `backend` (keyword only) picks what runs the operations, once, here: "auto" (the
-    default) the kernels where they can run on `device` (a CUDA GPU in the arch table, the
-    CuTe DSL installed), else the PyTorch reference with a `ReferenceFallbackWarning`
-    giving the reason; "kernels" a ValueError instead of that fallback; "reference" the
-    PyTorch reference. `backend_name` says which one runs.
-
-    `spec_tokens` (keyword only): 0 (the default) decodes one token a row and call
-    (separate mode); k in 1..7 is pending mode for speculative decoding with k draft
-    tokens: positions [S, 2], every call brings up to max_seqlen = k + 1 tokens a row
-    (`decode` with `num_accepted_tokens` / `cu_seqlens`, `accept`), and the cache holds that
-    one max_seqlen for its lifetime. On a GPU the kernel backend runs pending mode on
-    CuTe plan, fold and step kernels (CUDA-graph capturable after one
-    eager call of the batch size).
-    """
+    """One model layer's ReplaySSM state for `num_slots` slots (slot 0 reserved): the cache
+    tuple (`.tensors`, docs/format.md; validated once here, so the methods skip the
+    functional API's per-call tuple checks), its slots, prefill and decode. `max_batch`
+    (default num_slots - 1) bounds the rows of a call; `backend` as for the functional API,
+    chosen once (`backend_name`). `spec_tokens` k in 1..7 is pending mode for speculative
+    decoding with k draft tokens (max_seqlen = k + 1 for the cache's lifetime)."""
 
     num_slots: int
     num_heads: int
@@ -76,12 +59,9 @@ class ReplaySSMCache:
     conv_state_dtype: torch.dtype = torch.bfloat16
     slot_padding: int = 0
     backend: str = attrs.field(default="auto", kw_only=True)
-    # A tensor-parallel shard of a layer's heads: the model's head of this cache's head 0
-    # (the checkpoint's random bits follow the model's head, so N shards hold the bytes
-    # one unsharded cache would; docs/format.md section 6).
+    # The model's head of this cache's head 0 in a tensor-parallel shard (docs/format.md section 6).
     head_offset: int = attrs.field(default=0, kw_only=True)
     spec_tokens: int = attrs.field(default=0, kw_only=True)
-    # The state geometry: head dim P (64 or 80) and state dim N (128 or 256).
     head_dim: int = attrs.field(default=L.HEAD_DIM, kw_only=True)
     state_dim: int = attrs.field(default=L.STATE_DIM, kw_only=True)
     tensors: tuple[torch.Tensor, ...] = attrs.field(init=False)
@@ -89,9 +69,9 @@ class ReplaySSMCache:
     _format: Format = attrs.field(init=False, repr=False)
     _geometry: L.Geometry = attrs.field(init=False, repr=False)
     _backend: object = attrs.field(init=False, repr=False)
-    _last_A: torch.Tensor = attrs.field(init=False, repr=False)
+    # The A of the last decode call (a reference, not a copy), None before the first.
+    _last_A: torch.Tensor | None = attrs.field(init=False, default=None, repr=False)
     _scratch: object = attrs.field(init=False, default=None, repr=False)
-    _have_A: bool = attrs.field(init=False, default=False, repr=False)
     # Whether eager decode calls may take api.direct_decode (kernel backend, CUDA cache).
     _direct: bool = attrs.field(init=False, default=False, repr=False)
     # id -> (weak reference, version, host values) of the id tensors `allocate` returned.
@@ -123,16 +103,9 @@ class ReplaySSMCache:
         # A tuple: entries cannot be swapped for tensors the validation below never saw.
         self.tensors = tuple(
             L.allocate_cache(
-                self.num_slots,
-                self.num_heads,
-                self.num_groups,
-                self.state_dtype,
-                self.device,
-                conv_shape=self.conv_state_shape,
-                conv_dtype=self.conv_state_dtype,
-                slot_padding=self.slot_padding,
-                pending=self.spec_tokens > 0,
-                head_dim=self.head_dim,
+                self.num_slots, self.num_heads, self.num_groups, self.state_dtype, self.device,
+                conv_shape=self.conv_state_shape, conv_dtype=self.conv_state_dtype,
+                slot_padding=self.slot_padding, pending=self.spec_tokens > 0, head_dim=self.head_dim,
                 state_dim=self.state_dim,
             )
         )
@@ -140,12 +113,10 @@ class ReplaySSMCache:
         self._backend = backend_for(self.device, self.backend, self.tensors, self._format)
         self._direct = getattr(self._backend, "name", None) == "kernels" and self.device.type == "cuda"
         self.allocator = SlotAllocator(self.num_slots)
-        # Plan scratch for the kernel backend, owned by this cache and sized for
-        # max_batch, so a decode step allocates nothing (None on the reference backend).
+        # The kernel backend's plan scratch, sized for max_batch: a decode step allocates nothing.
         make = getattr(self._backend, "new_scratch", None)
         self._scratch = make(self.device, self.max_batch) if make else None
         ops.register_scratch(self._scratch)  # now, so a compiled decode only looks it up
-        self._last_A = torch.zeros(self.num_heads, dtype=torch.float32, device=self.device)
 
     def _slots(self, slots) -> torch.Tensor:
         """Slot ids as a 1-D integer tensor on the cache device (lists and ints accepted)."""
@@ -161,7 +132,7 @@ class ReplaySSMCache:
 
     def _issue(self, host: torch.Tensor) -> torch.Tensor:
         """Host ids on the cache device, copied without waiting for the GPU, and remembered
-        so that the checks of the calls they go to read nothing back (`_host_ids`)."""
+        so that checking them reads nothing back (`_host_ids`)."""
         ids = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
         if len(self._issued) >= 1024:  # drop the records of tensors gone
             self._issued = {k: v for k, v in self._issued.items() if v[0]() is not None}
@@ -169,25 +140,21 @@ class ReplaySSMCache:
         return ids
 
     def _host_ids(self, ids: torch.Tensor) -> list[int]:
-        """The values of slot ids on the host: a tensor this cache made (`allocate`, or from a
-        list of ids) and nothing has changed since (the same object at the same version)
-        from its record, anything else read from its device (a sync on CUDA)."""
+        """Slot ids' values: from `_issue`'s record for a tensor it made that is unchanged
+        since (the same object at the same version), else read (a sync on CUDA)."""
         hit = self._issued.get(id(ids))
         if hit is not None and hit[0]() is ids and hit[1] == ids._version:
             return hit[2]
         return ids.tolist()
 
     def _check_live(self, ids: torch.Tensor) -> None:
-        """Host-side check that the live ids are allocated and unique; padding ids pass.
-        It synchronizes on CUDA unless the ids are a tensor from `allocate`."""
+        """Live ids allocated and unique; padding ids pass."""
         chk.int_ids("slots", ids)
         self.allocator.check_live(self._host_ids(ids))
 
-    # -- slots --------------------------------------------------------------------------
     def allocate(self, n: int) -> torch.Tensor:
-        """n unique free slot ids (int32, on the cache device). The copy to a GPU does not
-        wait for the GPU, and this cache remembers the values, so passing the tensor back
-        (to `prefill_init`, `release`, ...) reads nothing from the device."""
+        """n unique free slot ids (int32, on the cache device); passing the tensor back
+        (to `prefill_init`, `release`, ...) reads nothing from the device (`_issue`)."""
         debug()
         return self._issue(self.allocator.allocate(n))
 
@@ -198,13 +165,10 @@ class ReplaySSMCache:
         self.allocator.release(self._host_ids(ids))  # validates every id before changing anything
         api.clear(self.tensors, self._backend, ids)
 
-    # -- operations ---------------------------------------------------------------------
     def prefill_init(self, states: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write the checkpoint and read copy of `slots` from FP32 `states`
-        [n, heads, head_dim, state_dim] and clear their rings and positions.
-
-        Every live id must be allocated (`allocate`) and appear once; padding ids (<= 0 or
-        >= num_slots) are ignored. Checked on the host on every call (a sync on CUDA)."""
+        """Write the checkpoint and read copy of `slots` from FP32 `states` [n, heads,
+        head_dim, state_dim], clear their rings and positions. Live ids must be allocated
+        and unique (checked on the host); padding ids are ignored."""
         slots = self._slots(slots)
         self._check_live(slots)
         api.initialize(
@@ -213,50 +177,30 @@ class ReplaySSMCache:
         )
 
     def reset(self, slots: torch.Tensor) -> None:
-        """Start `slots` from a zero state (a request with no prefill); slots as for
-        `prefill_init`."""
+        """Start `slots` from a zero state (a request with no prefill)."""
         debug()
         slots = self._slots(slots)
-        n = slots.numel()
         zero = torch.zeros(1, self.num_heads, self.head_dim, self.state_dim, device=self.device)
-        self.prefill_init(zero.expand(n, -1, -1, -1), slots)
+        self.prefill_init(zero.expand(slots.numel(), -1, -1, -1), slots)
 
     def decode(
         self, x, dt, A, B, C, D, dt_bias, slots, out=None, *, num_accepted_tokens=None, cu_seqlens=None
     ) -> torch.Tensor:
-        """One decode step; returns bf16 [batch, heads, P] (`out` if given; pass `out`
-        when capturing a CUDA graph, so that the step allocates nothing).
-
-        Live ids must be allocated and unique (padding ids are ignored). That is a
-        precondition, not checked here, since checking reads the ids on the host; with
-        REPLAYSSM_DEBUG=1 it is checked, with a host sync.
-
-        Pending mode (`spec_tokens` = k > 0, max_seqlen = k + 1): `num_accepted_tokens`
-        (int32 / int64 [batch], None: accept all) is the verdict on each row's previous
-        call, counting its first token; the rejected tokens are dropped. A verdict is
-        clamped to 0..(the tokens the row has pending); with REPLAYSSM_DEBUG=1 one outside
-        0..max_seqlen is a ValueError instead. Dense layout
-        (`cu_seqlens` None): x [batch, max_seqlen, heads, P] (or [.., heads*P]), dt [batch,
-        max_seqlen, heads] (or tied over P), B, C [batch, max_seqlen, groups, N]; returns
-        [batch, max_seqlen, heads, P]. Varlen layout: `cu_seqlens` int32 [batch + 1], x
-        [total, heads, P], dt [total, heads], B, C [total, groups, N]; returns [total,
-        heads, P]. Token t's output is the layer's output after the committed tokens and
-        the row's tokens 0..t. Padding rows output zeros and change nothing; a live row
-        with no tokens still commits. The kernel backend runs it on CuTe kernels; eager
-        calls read a few values on the host for their checks (skipped under a CUDA graph
-        capture)."""
+        """One decode step; returns bf16 [batch, heads, P] (`out` if given: pass it when
+        capturing a CUDA graph). Live ids must be allocated and unique (padding ids are
+        ignored), checked only with REPLAYSSM_DEBUG=1. Pending mode: `num_accepted_tokens`
+        and the layouts (dense, or varlen with `cu_seqlens`) as for
+        `selective_state_update_replayssm`; token t's output is the layer's after the
+        committed tokens and the row's tokens 0..t."""
         checks = debug()
         direct = not checks and self._direct and not torch.compiler.is_compiling()
-        # The eager fast path of a single-token call given `out` first: api.direct_decode takes
-        # only ids `_slots` returns as they are (1-D int32 / int64 on the cache device) and at
-        # most its scratch's rows (max_batch); any other call goes the checked way below.
+        # The eager fast path first (ids as `_slots` returns them, at most max_batch rows).
         if (
             direct and out is not None and not self.spec_tokens and num_accepted_tokens is None and cu_seqlens is None
             and api.direct_decode(self.tensors, self.num_heads, self.num_groups, self._backend, x, dt, A, B, C, D,
                                    dt_bias, slots, out, self._format, self.seed, self._scratch, self.head_offset)
         ):  # fmt: skip
             object.__setattr__(self, "_last_A", A)  # as at the end
-            object.__setattr__(self, "_have_A", True)
             return out
         given, slots = slots, self._slots(slots)
         batch = slots.numel()
@@ -295,21 +239,15 @@ class ReplaySSMCache:
                 fmt=self._format, seed=self.seed, checks=checks, scratch=self._scratch, head_offset=self.head_offset,
                 try_direct=try_direct, ids_name="slots",
             )
-        # A reference, not a copy: no extra launch per step. Stored with object.__setattr__:
-        # torch 2.13's dynamo recurses without end into the __setattr__ that attrs generates
-        # for this class (the `device` converter), so `self._last_A = A` breaks the graph.
+        # Not `self._last_A = A`: torch 2.13's dynamo recurses without end into the attrs
+        # __setattr__ of this class (the `device` converter) and breaks the graph.
         object.__setattr__(self, "_last_A", A)
-        object.__setattr__(self, "_have_A", True)
         return out
 
     def accept(self, slots, num_accepted_tokens, A: torch.Tensor | None = None) -> None:
-        """Pending mode: commit the verdict on each row's previous call without new tokens
-        (for engines that learn it after the step). The cache then holds, after the next
-        `decode` of these rows (whose own verdict no longer matters: nothing is pending),
-        the same bits as if `num_accepted_tokens` had been passed to that decode, its
-        outputs included. A commit may fold the checkpoint, which needs
-        `A` (default: the one seen by the last decode call). Slots and
-        `num_accepted_tokens` as for `decode`."""
+        """Pending mode: commit the verdict on each row's previous call without new tokens,
+        with the bits passing it to the next `decode` would give. A commit may fold the
+        checkpoint, which needs `A` (default: the last decode call's)."""
         checks = debug()
         if not self.spec_tokens:
             raise ValueError("accept is pending mode's: this cache has spec_tokens=0 (separate mode)")
@@ -320,11 +258,12 @@ class ReplaySSMCache:
         if checks and not torch.compiler.is_compiling():  # host reads: eager only
             self._check_live(slots)
         if A is None:
-            if not self._have_A:
+            A = self._last_A
+            if A is None:
                 live = slots[(slots > 0) & (slots < self.num_slots)].long()
                 if bool((self.tensors[L.POSITIONS][live][:, 1] != 0).any()):
                     raise ValueError("accept needs A: no decode call has supplied one yet")
-            A = self._last_A
+                A = torch.zeros(self.num_heads, dtype=torch.float32, device=self.device)  # nothing to fold
         h, g = self.num_heads, self.num_groups
         bf = dict(dtype=torch.bfloat16, device=self.device)
         x = torch.empty(0, h, self.head_dim, **bf)
@@ -341,19 +280,16 @@ class ReplaySSMCache:
         )
 
     def materialize(self, slots: torch.Tensor, A: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """FP32 state [n, heads, head_dim, state_dim] of `slots` (checkpoint plus live ring entries;
-        in pending mode the committed tokens only, not the drafts awaiting a verdict).
-        Live ids must be allocated and appear once (checked on the host); padding ids
-        (<= 0 or >= num_slots) read as zero states, as decode writes zero outputs for
-        them. `A` defaults to the one seen by the last decode call; `out` (contiguous FP32
-        [n, heads, head_dim, state_dim]) receives the states when given."""
+        """FP32 state [n, heads, head_dim, state_dim] of `slots` after their committed tokens,
+        into `out` if given; padding ids read as zero states. Live ids as for
+        `prefill_init`; `A` defaults to the last decode call's."""
         debug()
         slots = self._slots(slots)
         self._check_live(slots)
         if A is None:
-            if not self._have_A:
-                live_slots = slots[(slots > 0) & (slots < self.num_slots)].long()
-                pos = self.tensors[L.POSITIONS][live_slots]
+            A = self._last_A
+            if A is None:
+                pos = self.tensors[L.POSITIONS][slots[(slots > 0) & (slots < self.num_slots)].long()]
                 if self.spec_tokens:
                     from .pending import checkpoint_index
 
@@ -363,41 +299,30 @@ class ReplaySSMCache:
                     live = pos % L.RING
                 if bool((live != 0).any()):
                     raise ValueError("materialize needs A: no decode call has supplied one yet")
-            A = self._last_A
+                A = torch.zeros(self.num_heads, dtype=torch.float32, device=self.device)
         return api.materialize(
             self.tensors, self._geometry, self._backend, slots, A, out,
             max_seqlen=self.max_seqlen if self.spec_tokens else None, ids_name="slots",
         )
 
     def warmup(self) -> list[str]:
-        """Compile every kernel variant this cache will launch (before CUDA-graph capture).
-        Returns the names of the variants compiled (empty where none are needed)."""
+        """Compile every kernel variant this cache launches (before graph capture); their names."""
         debug()
         warm = getattr(self._backend, "warmup", None)
         return list(warm(self)) if warm else []
 
-    # -- reporting ----------------------------------------------------------------------
     def __repr__(self) -> str:
-        """Geometry, format, device, the backend that runs, and slots in use / capacity
-        (no tensor contents)."""
+        """Geometry, format, device, backend and slots in use / capacity (no tensor contents)."""
         parts = [
-            f"num_slots={self.num_slots}",
-            f"num_heads={self.num_heads}",
-            f"num_groups={self.num_groups}",
-            f"state_dtype={self.state_dtype!r}",
-            f"device={str(self.device)!r}",
-            f"backend={self.backend_name!r}",
-            f"seed={self.seed}",
-            f"max_batch={self.max_batch}",
+            f"num_slots={self.num_slots}", f"num_heads={self.num_heads}", f"num_groups={self.num_groups}",
+            f"state_dtype={self.state_dtype!r}", f"device={str(self.device)!r}",
+            f"backend={self.backend_name!r}", f"seed={self.seed}", f"max_batch={self.max_batch}",
         ]
         if (self.head_dim, self.state_dim) != (L.HEAD_DIM, L.STATE_DIM):
             parts += [f"head_dim={self.head_dim}", f"state_dim={self.state_dim}"]
-        if self.head_offset:
-            parts.append(f"head_offset={self.head_offset}")
-        if self.spec_tokens:
-            parts.append(f"spec_tokens={self.spec_tokens}")
-        if self.slot_padding:
-            parts.append(f"slot_padding={self.slot_padding}")
+        optional = (("head_offset", self.head_offset), ("spec_tokens", self.spec_tokens),
+                    ("slot_padding", self.slot_padding))  # fmt: skip
+        parts += [f"{name}={value}" for name, value in optional if value]
         if self.conv_state_shape is not None:
             parts.append(f"conv_state_shape={tuple(self.conv_state_shape)}")
         parts.append(f"slots_in_use={self.allocator.num_used}/{self.allocator.capacity}")
@@ -420,9 +345,8 @@ class ReplaySSMCache:
 
     @property
     def positions(self) -> torch.Tensor:
-        """The positions tensor (int32 [num_slots], or [num_slots, 2] (committed, pending)
-        in pending mode): tokens decoded since each slot's last init. A view into the
-        cache, not a copy."""
+        """Tokens decoded since each slot's last init: int32 [num_slots], or [num_slots, 2]
+        (committed, pending) in pending mode; the cache tensor itself, not a copy."""
         return self.tensors[L.POSITIONS]
 
     def bytes_per_slot(self) -> int:
@@ -431,8 +355,7 @@ class ReplaySSMCache:
 
     # -- slot hand-off (replayssm/handoff.py; docs/format.md "Slot hand-off") --------------
     def _handoff_ids(self, name: str, slots) -> torch.Tensor:
-        """Slot ids as a 1-D integer tensor; lists and ints stay on the host (CPU), so that
-        validating them never synchronizes with the GPU."""
+        """Slot ids as a 1-D integer tensor; lists and ints stay on the host (no GPU sync)."""
         if isinstance(slots, torch.Tensor):
             if slots.dtype not in (torch.int32, torch.int64):
                 raise TypeError(f"{name} must be int32 or int64; got {slots.dtype}")
@@ -440,8 +363,8 @@ class ReplaySSMCache:
         return chk.id_list(name, slots)
 
     def _check_handoff_live(self, ids: torch.Tensor, name: str, *, unique: bool = True) -> None:
-        """Host check (a sync for CUDA ids): every id in [1, num_slots - 1], allocated, and
-        (with `unique`) named once; a ValueError naming `name` otherwise."""
+        """Every id in [1, num_slots - 1], allocated and (with `unique`) named once (a host
+        read: a sync for CUDA ids)."""
         values = [int(v) for v in ids.tolist()]
         handoff.check_host_ids(name, values, self.num_slots, unique=unique)
         stray = sorted({s for s in values if not self.allocator.is_allocated(s)})
@@ -449,13 +372,9 @@ class ReplaySSMCache:
             raise ValueError(f"{name} must be allocated slots; slot(s) {stray} are not allocated; got {values}")
 
     def copy_slots(self, src, dst) -> None:
-        """Copy every per-slot tensor (not the conv state) of slots `src` into the allocated
-        slots `dst`, so that each dst continues as its src would (docs/format.md "Slot
-        hand-off": bit-identically up to the first flush folding a checkpoint written after
-        the copy). Host ids are checked (allocated, in range, dst unique, disjoint); ids on
-        the GPU are checked only with REPLAYSSM_DEBUG=1, so the copy can be captured. On a
-        CUDA device (unless backend="reference") one launch of the copy kernel moves every
-        tensor; its table is built on the first call (make it before capturing a graph)."""
+        """Copy every per-slot tensor of slots `src` into the allocated slots `dst`. Ids on
+        the GPU are checked only with REPLAYSSM_DEBUG=1, so the copy can be captured (once a
+        first call has built the copy kernel's table)."""
         debug()
         src, dst = self._handoff_ids("src", src), self._handoff_ids("dst", dst)
         device = self.tensors[L.CHECKPOINT].device  # with its index: device ids compare equal to it
@@ -467,17 +386,14 @@ class ReplaySSMCache:
         self._copy(s, d, kernel)
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, kernel: bool) -> None:
-        """Validated device ids: one copy-kernel launch (table cached per cache), or the
-        per-tensor copies (int64 ids)."""
         if kernel:
             handoff.copy_plan((self,)).copy(src, dst)
         else:
             handoff.copy_rows(self.tensors, src.to(torch.int64), dst.to(torch.int64))
 
     def fork(self, src, n: int = 1) -> torch.Tensor:
-        """Allocate `n` slots per slot of `src` (allocated, unique) and copy it into them;
-        returns the new ids (int32 on the cache device), src-major: the forks of src[i]
-        are [i * n, (i + 1) * n)."""
+        """Allocate `n` slots per slot of `src` and copy it into them; returns the new ids
+        (int32 on the cache device), the forks of src[i] at [i * n, (i + 1) * n)."""
         debug()
         chk.integer("n", n, low=1)
         src = self._handoff_ids("src", src)
@@ -489,10 +405,8 @@ class ReplaySSMCache:
         return dst
 
     def snapshot(self, src, dst, A: torch.Tensor | None = None) -> None:
-        """Start the allocated slots `dst` from the current states of slots `src` as if
-        prefilled with them: materialize src (FP32; `A` as for `materialize`), initialize
-        dst from it (checkpoint and read copy derived from it, rings and positions cleared).
-        src and dst unique, allocated, disjoint."""
+        """Start the allocated slots `dst` as if prefilled with the materialized states of
+        slots `src` (`A` as for `materialize`). src and dst unique, allocated, disjoint."""
         checks = debug()
         src, dst = self._handoff_ids("src", src), self._handoff_ids("dst", dst)
         s, d = handoff.validate_pair(src, dst, self.tensors[L.CHECKPOINT].device, self.num_slots)
@@ -505,12 +419,9 @@ class ReplaySSMCache:
         )
 
     def export(self, slots, compact: bool = False, A: torch.Tensor | None = None, *, non_blocking: bool = False) -> dict:
-        """Host copies of everything `slots` (allocated, unique) need: {name: tensor [n,
-        ...]} of every per-slot tensor (names as layout.tensor_specs gives them), pinned
-        when CUDA is available (on a CUDA device, views of one host buffer filled by one
-        gather launch and one device-to-host copy). `compact=True`: only the materialized FP32 state
-        {"state": [n, heads, head_dim, state_dim]} (`A` as for `materialize`), restored as a snapshot.
-        With `non_blocking` the copies are only queued: synchronize before reading."""
+        """Host copies of every per-slot tensor of `slots`: {name: [n, ...]}, names as
+        layout.tensor_specs gives them; `compact=True`: the materialized FP32 {"state": [n,
+        heads, head_dim, state_dim]} (`A` as for `materialize`) alone."""
         debug()
         ids = self._handoff_ids("slots", slots)
         self._check_handoff_live(ids, "slots")
@@ -526,10 +437,8 @@ class ReplaySSMCache:
         return {handoff.COMPACT_KEY: host}
 
     def import_(self, data: dict, slots) -> None:
-        """Write `export`ed data back into the allocated slots `slots` (unique, one per
-        exported slot): every per-slot tensor (same slot id: continues bit-identically; another
-        id: with the same accuracy), or, for the compact form, initialized from the state.
-        Shapes, dtypes and the format are checked against this cache first."""
+        """Write `export`ed data into the allocated slots `slots` (one per exported slot),
+        or for the compact form initialize them from it; everything is checked first."""
         checks = debug()
         ids = self._handoff_ids("slots", slots)
         self._check_handoff_live(ids, "slots")
@@ -548,9 +457,7 @@ class ReplaySSMCache:
 
 # -- slot hand-off over every layer of a model (docs/format.md "Slot hand-off") -------------
 def _check_layers(caches: Sequence, backend: str) -> torch.device | None:
-    """Check a list of layer caches (ReplaySSMCache, same num_slots, one device) and
-    `backend`; their device (with its index: "cuda" caches hold "cuda:0" tensors), None
-    for an empty list."""
+    """The one device (with its index) of caches with one num_slots; None for no caches."""
     if isinstance(caches, ReplaySSMCache) or not isinstance(caches, Sequence):
         raise TypeError(f"caches must be a sequence of ReplaySSMCache; got {type(caches).__name__}")
     for i, c in enumerate(caches):
@@ -571,14 +478,10 @@ def _check_layers(caches: Sequence, backend: str) -> torch.device | None:
 
 
 def copy_slots(caches: Sequence, src, dst, *, backend: str = "auto") -> None:
-    """`ReplaySSMCache.copy_slots(src, dst)` over all layers' caches (a list of
-    ReplaySSMCache with the same number of slots on one device): the ids are validated
-    against every layer's allocator and moved to the device once; then one launch of the
-    copy kernel copies every per-slot tensor of every layer (on a CUDA device; no host
-    sync after the validation; graph-capturable once a first call has built the list's
-    copy table). `backend`: "auto" (the default) the kernel where it can run and no cache
-    chose backend="reference", per-tensor copies otherwise; "kernels" the kernel or a
-    ValueError; "reference" per-tensor copies."""
+    """`ReplaySSMCache.copy_slots(src, dst)` over all layers' caches (one num_slots, one
+    device) in one copy-kernel launch. `backend`: "auto" the kernel where it can run and no
+    cache chose backend="reference"; "kernels" the kernel or a ValueError; "reference"
+    per-tensor copies."""
     device = _check_layers(caches, backend)
     if device is None:
         return
@@ -597,33 +500,22 @@ def copy_slots(caches: Sequence, src, dst, *, backend: str = "auto") -> None:
         handoff.copy_rows(c.tensors, s, d)
 
 
-
 def _layer_ids(caches: Sequence, slots, device: torch.device) -> torch.Tensor:
-    """`slots` of a call over layers: validated (in range, unique, allocated in every
-    layer; ids on the device only with REPLAYSSM_DEBUG=1), as int64 on the device."""
+    """`slots` in range, unique and allocated in every layer (ids on the device checked
+    only with REPLAYSSM_DEBUG=1), as int64 on the device."""
     first = caches[0]
     ids = first._handoff_ids("slots", slots)  # lists stay on the host
     d = handoff.validate_slots(ids, device, first.num_slots)
     if ids.device.type == "cpu" or debug():
-        values = [int(v) for v in ids.tolist()]  # in range and unique: validate_slots
         for c in caches:
-            stray = sorted({s for s in values if not c.allocator.is_allocated(s)})
-            if stray:
-                raise ValueError(f"slots must be allocated slots; slot(s) {stray} are not allocated; got {values}")
+            c._check_handoff_live(ids, "slots")
     return d
 
 
 def export_slots(caches: Sequence, slots, *, non_blocking: bool = False, backend: str = "auto") -> list[dict[str, torch.Tensor]]:
-    """`ReplaySSMCache.export(slots)` over all layers' caches (a list of ReplaySSMCache
-    with the same number of slots on one device): one dict per layer, {name: host tensor
-    [n, *per-slot shape]} as `export` gives it. On a CUDA device (backend "auto" or
-    "kernels"; no cache chose backend="reference") one gather launch copies every
-    per-slot tensor of every layer into one device staging buffer and one device-to-host
-    copy brings it into one host buffer (pinned): every returned tensor is a view of that
-    buffer (`import_slots` of the list takes it back in one host-to-device copy and one
-    scatter launch). `backend="reference"`: per-tensor copies, a host tensor each. With
-    `non_blocking` the copies are only queued on the current stream: synchronize before
-    reading them. The ids are checked (in range, unique, allocated in every layer)."""
+    """`ReplaySSMCache.export(slots)` over all layers' caches, a dict per layer. With the
+    kernel (`backend` as for `copy_slots`) every tensor is a view of one pinned host buffer
+    (one gather launch, one device-to-host copy)."""
     device = _check_layers(caches, backend)
     if device is None:
         return []
@@ -638,14 +530,9 @@ def export_slots(caches: Sequence, slots, *, non_blocking: bool = False, backend
 
 
 def import_slots(caches: Sequence, data: Sequence[dict], slots, *, backend: str = "auto") -> None:
-    """`ReplaySSMCache.import_(data[i], slots)` for every layer i: `data` one dict per
-    cache (from `export_slots`, or any full or compact `export` dicts). Everything is
-    checked first (ids allocated in every layer, each dict's keys, shapes and dtypes
-    against its cache); a rejected call changes nothing. When every dict is full and all
-    are views of one buffer at the staging layout (as `export_slots` returns them), one
-    host-to-device copy of that buffer and one scatter launch write every layer (a CUDA
-    device; backend "auto" or "kernels"); otherwise each layer is imported as `import_`
-    imports it."""
+    """`ReplaySSMCache.import_(data[i], slots)` for every layer i, everything checked
+    first. `export_slots`' one buffer goes back in one host-to-device copy and one scatter
+    launch (`backend` as for `copy_slots`)."""
     device = _check_layers(caches, backend)
     if device is None:
         return
@@ -657,8 +544,8 @@ def import_slots(caches: Sequence, data: Sequence[dict], slots, *, backend: str 
     ids = _layer_ids(caches, slots, device)
     compact = [handoff.check_export(d, c.tensors, c.format, ids.numel(), c.max_seqlen) for c, d in zip(caches, data)]
     if kernel and not any(compact):
-        tuples = [c.tensors for c in caches]
-        if handoff.import_staged(handoff.copy_plan(caches), tuples, [c.format for c in caches], data, ids):
+        plan = handoff.copy_plan(caches)
+        if handoff.import_staged(plan, [c.tensors for c in caches], [c.format for c in caches], data, ids):
             return
     staged = [handoff.stage_import(c.tensors, d, small, c.format) for c, d, small in zip(caches, data, compact)]
     for c, d, small, st in zip(caches, data, compact, staged):

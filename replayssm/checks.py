@@ -1,18 +1,8 @@
-"""Argument checks shared by every public entry point.
-
-One check per kind of argument (slot ids, the per-head parameters, verdicts, Python ints,
-tensors), used by the functional API, `ReplaySSMCache` and the hand-off functions alike,
-so the same fault gives the same exception and message wherever it is made. Messages
-name the caller's argument, what it accepts and what it got. The kinds of fault:
-
-- not a tensor / not an int where one is needed: `TypeError`;
-- a tensor of the wrong dtype: `DTypeError`, which is a `TypeError` and also a
-  `ValueError` (the serving engine's contract raises ValueError for a dtype);
-- a wrong shape, device, layout or value: `ValueError`.
-
-Checks that read values (ids, A, verdicts) read them only where that needs no read of
-GPU memory: host tensors always, device tensors with REPLAYSSM_DEBUG=1 (eager calls).
-"""
+"""Argument checks shared by every entry point, so one fault gives one exception and
+message wherever it is made: TypeError for a missing tensor or int, `DTypeError` for a
+dtype (also a ValueError, as the serving engine's contract has it), ValueError for a
+shape, device, layout or value. Values are read from host tensors only, and from device
+tensors with REPLAYSSM_DEBUG=1 in eager calls."""
 
 from __future__ import annotations
 
@@ -41,9 +31,8 @@ def integer(name: str, v: object, *, low: int | None = None, high: int | None = 
     if not isinstance(v, int) or isinstance(v, bool):
         raise TypeError(f"{name} must be a Python int; got {type(v).__name__}")
     if (low is not None and v < low) or (high is not None and v > high):
-        lo = "" if low is None else f">= {low}"
-        hi = "" if high is None else f"<= {high}"
-        raise ValueError(f"{name} must be {' and '.join(s for s in (lo, hi) if s)}; got {v}")
+        bounds = [f"{op} {b}" for op, b in ((">=", low), ("<=", high)) if b is not None]
+        raise ValueError(f"{name} must be {' and '.join(bounds)}; got {v}")
     return v
 
 
@@ -79,9 +68,8 @@ def int_ids(name: str, t: object) -> torch.Tensor:
 
 
 def id_list(name: str, ids: object) -> torch.Tensor:
-    """Ids given as an int or a flat sequence of integers (Python, NumPy or 0-D integer
-    tensors; not bools or floats, which a cast would turn into another slot) as a host
-    int64 tensor."""
+    """An int or a flat sequence of integers (not bools or floats, which a cast would turn
+    into another slot) as a host int64 tensor."""
     if isinstance(ids, int) and not isinstance(ids, bool):
         ids = [ids]
     try:
@@ -104,24 +92,18 @@ def id_list(name: str, ids: object) -> torch.Tensor:
 
 
 def slot_ids(name: str, t: object, device: torch.device) -> torch.Tensor:
-    """Slot ids of a decode / init / clear / materialize call: int32 or int64, 1-D, on the
-    cache device."""
-    ids = int_ids(name, t)
-    return on_device(name, ids, device)
+    return on_device(name, int_ids(name, t), device)
 
 
 def host_values(t: torch.Tensor) -> list | None:
-    """The values of `t` where reading them needs no read of GPU memory (a host tensor),
-    or with REPLAYSSM_DEBUG=1 outside torch.compile and CUDA graph capture; None
-    otherwise."""
+    """The values of a host tensor, or of any with REPLAYSSM_DEBUG=1 where host reads are allowed."""
     if (t.device.type == "cpu" or debug()) and host_reads_allowed():
         return t.tolist()
     return None
 
 
 def host_reads_allowed() -> bool:
-    """Whether a call may read device values on the host for its checks: not while
-    torch.compile traces it and not while a CUDA graph is being captured."""
+    """Not while torch.compile traces the call, nor while a CUDA graph is captured."""
     if torch.compiler.is_compiling():
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
@@ -151,9 +133,8 @@ def per_head(name: str, t: object, heads: int, shapes: tuple[tuple[int, ...], ..
 
 
 def A_param(A: object, heads: int, P: int = L.HEAD_DIM, N: int = L.STATE_DIM) -> torch.Tensor:
-    """A: float [H], or a tied [H, P] / [H, P, N] view, every value finite and <= 0
-    (A = -exp(A_log); 0, no decay, is allowed), checked where the values can be read without a GPU read (a host
-    tensor; device tensors with REPLAYSSM_DEBUG=1). Returns A [H] float32."""
+    """A: float [H], or a tied [H, P] / [H, P, N] view, finite and <= 0 (0, no decay, is
+    allowed; values checked as `host_values` reads them). Returns A [H] float32."""
     flat = per_head("A", A, heads, ((heads,), (heads, P), (heads, P, N)), tie=True)
     a = flat[:, 0].float()
     values = host_values(a)
@@ -163,8 +144,7 @@ def A_param(A: object, heads: int, P: int = L.HEAD_DIM, N: int = L.STATE_DIM) ->
 
 
 def params(A: object, D: object, dt_bias: object, heads: int, P: int = L.HEAD_DIM, N: int = L.STATE_DIM):
-    """The per-head parameters of a decode call, validated: A [H] f32, D [H, P] f32,
-    dt_bias [H] f32 (tied views read at their first element)."""
+    """A [H] f32, D [H, P] f32, dt_bias [H] f32 (tied views read at their first element)."""
     a = A_param(A, heads, P, N)
     bias = per_head("dt_bias", dt_bias, heads, ((heads,), (heads, P)), tie=True)[:, 0].float()
     d = per_head("D", D, heads, ((heads,), (heads, P)), tie=False)
@@ -172,17 +152,15 @@ def params(A: object, D: object, dt_bias: object, heads: int, P: int = L.HEAD_DI
 
 
 def verdicts(t: object, batch: int, device: torch.device, max_seqlen: int) -> None:
-    """num_accepted_tokens: None, or an int32 / int64 [batch] tensor on the cache device.
-    Values outside 0..max_seqlen are clamped by the call (docs/format.md section 5b);
-    with REPLAYSSM_DEBUG=1 (eager) they are an error instead."""
+    """num_accepted_tokens: None, or int32 / int64 [batch] on the cache device; values outside
+    0..max_seqlen are clamped (docs/format.md section 5b), an error with REPLAYSSM_DEBUG=1."""
     if t is None:
         return
     name = "num_accepted_tokens"
     tensor(name, t)
-    if t.dtype not in (torch.int32, torch.int64):
-        raise DTypeError(f"{name} must be int32 or int64 [{batch}] (one per row); got {describe(t)}")
-    if tuple(t.shape) != (batch,):
-        raise ValueError(f"{name} must be int32 or int64 [{batch}] (one per row); got {describe(t)}")
+    if t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (batch,):
+        error = DTypeError if t.dtype not in (torch.int32, torch.int64) else ValueError
+        raise error(f"{name} must be int32 or int64 [{batch}] (one per row); got {describe(t)}")
     on_device(name, t, device)
     if debug() and host_reads_allowed() and t.numel():
         lo, hi = int(t.min()), int(t.max())

@@ -1,15 +1,9 @@
-"""Read-copy formats as objects: what a format adds to a slot and its reference operations.
-
-A `Format` is made from the user's `state_dtype` at the API's edge (`format_of`) and
-carried to the backends. It names the cache tensors the format adds after the rings
-(docs/format.md sections 2-4) and implements, in PyTorch, the four places where the
-formats differ: writing the read copy at init, the parity flip a flush's prepare makes,
-re-deriving the read copy from a folded state, and reading it back as FP32. The
-quantizers themselves are `replayssm.quant.formats`; the kernels' strategies are
-`kernels.cute.read_copy`.
-
-A new format is a new subclass here, its quantizer in `quant.formats` and its kernel
-strategy.
+"""Read-copy formats as objects, made from the user's `state_dtype` at the API's edge
+(`format_of`): the cache tensors a format adds after the rings (docs/format.md sections
+2-4) and, in PyTorch, the four places where formats differ (write the read copy at init,
+the parity flip of a fold, re-derive the copy from a folded state, read it back as FP32).
+The quantizers are `replayssm.quant.formats`, the kernels' strategies
+`kernels.cute.read_copy`; a new format needs all three.
 """
 
 from __future__ import annotations
@@ -28,30 +22,23 @@ def head_group(heads: int, groups: int, device) -> torch.Tensor:
 def group_amax(state: torch.Tensor, groups: int) -> torch.Tensor:
     """[n, H, P, N] FP32 -> [n, G] max |value| over each group's heads, taken on the
     floats' bits (docs/format.md section 4: a NaN keeps its payload, as in the kernels)."""
-    n, heads = state.shape[:2]
-    # An explicit group size: with n = 0 (a batch of padding rows only) -1 is ambiguous.
-    per_group = (heads // groups) * state.shape[2] * state.shape[3]
+    n, heads, P, N = state.shape
     mag = state.float().contiguous().view(torch.int32) & 0x7FFFFFFF
-    return mag.reshape(n, groups, per_group).amax(dim=-1).view(torch.float32)
+    # An explicit group size: with n = 0 (a batch of padding rows only) -1 is ambiguous.
+    return mag.reshape(n, groups, (heads // groups) * P * N).amax(dim=-1).view(torch.float32)
 
 
 class Format:
-    """A read-copy format. `name` is its `state_dtype`; `two_level` whether it keeps a
-    second-level scale per (slot, group), double-buffered, with a parity per slot (the
-    cache's `meta` and `parity` tensors)."""
+    """A read-copy format named by its `state_dtype`; `two_level`: a double-buffered scale
+    per (slot, group) with a parity per slot (the cache's `meta` and `parity` tensors)."""
 
     name: str = ""
     two_level: bool = False
-    # Whether the slot holds a read copy (cache[READ_COPY], cache[SCALES]); fp16's steps
-    # read the checkpoint instead.
-    has_read_copy: bool = True
-    # Whether the GPU kernels run this format (`backend="auto"` runs the others on the
-    # PyTorch reference, with a warning).
-    on_kernels: bool = True
+    has_read_copy: bool = True  # fp16's steps read the checkpoint instead
+    on_kernels: bool = True  # else backend="auto" runs it on the PyTorch reference, with a warning
 
     def specs(self, heads: int, groups: int, P: int = HEAD_DIM, N: int = STATE_DIM) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        """[(name, per-slot shape, dtype)] of the tensors this format adds after the rings
-        (P x N states)."""
+        """[(name, per-slot shape, dtype)] of the tensors this format adds after the rings."""
         raise NotImplementedError
 
     def cache_len(self) -> int:
@@ -90,16 +77,11 @@ class Fp8Format(Format):
             ("row_scales", (heads, P), torch.float32),
         ]
 
-    def _write(self, cache, slot, state) -> None:
-        codes, scales = Q.fp8_encode(state)
-        cache[READ_COPY][slot] = codes
-        cache[SCALES][slot] = scales
-
     def init(self, cache, slot, state) -> None:
-        self._write(cache, slot, state)
+        cache[READ_COPY][slot], cache[SCALES][slot] = Q.fp8_encode(state)
 
     def refresh(self, cache, slot, state, old_parity) -> None:
-        self._write(cache, slot, state)
+        self.init(cache, slot, state)
 
     def read(self, cache, slot):
         return Q.fp8_decode(cache[READ_COPY][slot], cache[SCALES][slot])
@@ -121,11 +103,11 @@ class Nvfp4Format(Format):
             ("parity", (), torch.int32),
         ]
 
+    def _per_head(self, cache, amax: torch.Tensor) -> torch.Tensor:
+        return amax[:, head_group(cache[READ_COPY].shape[1], cache[META].shape[1], amax.device)]
+
     def _write(self, cache, slot, state, live_amax) -> None:
-        heads, groups = state.shape[1], cache[META].shape[1]
-        codes, bscales = Q.nvfp4_encode(state, live_amax[:, head_group(heads, groups, state.device)])
-        cache[READ_COPY][slot] = codes
-        cache[SCALES][slot] = bscales
+        cache[READ_COPY][slot], cache[SCALES][slot] = Q.nvfp4_encode(state, self._per_head(cache, live_amax))
 
     def _live_amax(self, cache, slot, parity) -> torch.Tensor:
         groups = cache[META].shape[1]
@@ -141,31 +123,23 @@ class Nvfp4Format(Format):
         """The parity flips; the half that was live becomes the amax accumulator (zeroed)."""
         old = cache[PARITY][slot].to(torch.int64)
         cache[PARITY][slot] = (1 - old).to(torch.int32)
-        meta = cache[META]
-        for g in range(meta.shape[1]):
-            meta[slot, g, old] = 0.0
+        cache[META][slot, :, old] = 0.0
         return old
 
     def refresh(self, cache, slot, state, old_parity) -> None:
         """Encode with the amax of the previous fold (the new live half); store the folded
         state's group amax in the half that was live."""
         live_amax = self._live_amax(cache, slot, 1 - old_parity)
-        measured = group_amax(state, cache[META].shape[1])
-        for g in range(measured.shape[1]):
-            cache[META][slot, g, old_parity] = measured[:, g]
+        cache[META][slot, :, old_parity] = group_amax(state, cache[META].shape[1])
         self._write(cache, slot, state, live_amax)
 
     def read(self, cache, slot):
-        heads, groups = cache[READ_COPY].shape[1], cache[META].shape[1]
         live_amax = self._live_amax(cache, slot, cache[PARITY][slot].to(torch.int64))
-        amax_h = live_amax[:, head_group(heads, groups, slot.device)]
-        return Q.nvfp4_decode(cache[READ_COPY][slot], cache[SCALES][slot], amax_h)
+        return Q.nvfp4_decode(cache[READ_COPY][slot], cache[SCALES][slot], self._per_head(cache, live_amax))
 
 
 class Fp16Format(Format):
-    """No read copy: a step reads the FP16 checkpoint itself (docs/format.md section 4b).
-    The slot holds the checkpoint, the rings and the positions; the fold writes the
-    checkpoint with the stochastic rounding of the other formats, and nothing else."""
+    """No read copy: a step reads the FP16 checkpoint itself (docs/format.md section 4b)."""
 
     name = "fp16"
     has_read_copy = False

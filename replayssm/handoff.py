@@ -1,46 +1,17 @@
 """Slot hand-off: copy and fork, prefix snapshots, host swap (export / import), in separate
-and pending mode.
-
-A request's state is every per-slot tensor of the cache tuple (indices 1..: checkpoint,
-rings, read copy, scales, NVFP4 meta and parity, positions; both position columns of a
-pending-mode cache, so a copied slot keeps its drafts awaiting a verdict). A snapshot or a
-compact export holds the state after the committed tokens; restoring it clears both
-position columns, as an init does. The conv state (index 0) is
-never touched, here as everywhere in replayssm: an engine copies / swaps its conv state
-itself, with the rest of its own per-slot state.
-
-The random stream of a slot is keyed by (seed, slot id, position) (docs/format.md section
-6, "Slot hand-off"). A copy into the *same* slot id (export, release, import back) is
-therefore bit-identical to never having moved; a copy into *another* slot id continues
-bit-identically up to the first flush that folds from a checkpoint written after the copy,
-and with the same accuracy after it (its stochastic roundings draw other bits).
-
-Slot ids (`src`, `dst`, `slots`) are integer tensors. Host-side ids (CPU tensors) are
-validated on every call: every id in [1, num_slots - 1] (padding ids are rejected: a
-hand-off of nothing is a caller bug), unique (`src` of a copy may repeat: one source
-forked into several destinations), `src` and `dst` disjoint. Ids already on a CUDA device
-are not read back on the hot path (that would synchronize and break graph capture); they
-are validated the same way only with REPLAYSSM_DEBUG=1. ReplaySSMCache's methods also
-check its allocator (every id allocated). A rejected call changes nothing.
-
-Copies on a CUDA device run the copy kernel (kernels/triton/copy_slots.py): one launch
-moves every per-slot tensor of every cache in the call, from a table of the tensors'
-addresses and slot strides built on the first copy of a cache list (`copy_plan`; a
-host-to-device copy, so the first copy must come before any graph capture) and kept
-while the caches live. The per-tensor index copies (`copy_rows`) serve the CPU and
-backend="reference".
-
-Host swap on a CUDA device goes through one buffer: an export (`export_slots` over
-layers, a cache's `export`, `export_replayssm_slots`) gathers every per-slot tensor of
-its slots into one device staging buffer with one launch of the staging kernel (the same
-kernel file, a staging table kept with the copy table: `StagePlan`), copies it into one
-pinned host buffer, and returns dicts of views of that buffer; an import of such data
-copies the buffer back and scatters it with one launch. Other data import per tensor.
+and pending mode. docs/format.md section 5a specifies what moves (every per-slot tensor,
+never the conv state), the random stream after a move and the slot-id rules; docs/design.md
+section 9 the copy and staging kernels (`CopyPlan`, `StagePlan`: one launch for every
+tensor of every layer; the per-tensor copies serve the CPU and backend="reference").
+Host ids are validated on every call; ids on a CUDA device are not read back (a sync would
+break graph capture) unless REPLAYSSM_DEBUG=1. A rejected call changes nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -52,6 +23,7 @@ from . import layout as L
 from .formats import Format, format_of
 from .kernels import triton_interpreting, backend_for, check_backend
 from .kernels.env import debug
+from .pending import MAX_SEQLEN
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 COMPACT_KEY = "state"  # export(compact=True): the materialized FP32 state alone
@@ -63,21 +35,19 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_VIEW[t.element_size()])
 
 
-def per_slot_names(cache: Sequence[torch.Tensor], fmt: Format) -> list[tuple[str, int]]:
-    """[(name, cache index)] of every per-slot tensor (the conv state excluded), named as
-    `layout.tensor_specs` names them."""
+def _specs(cache, fmt: Format):
     heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
-    specs = tensor_specs_for(cache, fmt, heads, groups)
-    return [(name, i if i < len(specs) else len(cache) - 1) for i, (name, _, _) in enumerate(specs, start=1)]
-
-
-def tensor_specs_for(cache, fmt: Format, heads: int, groups: int):
     return L.tensor_specs(heads, groups, fmt, cache[L.POSITIONS].dim() == 2, *L.dims(cache))
+
+
+def per_slot_names(cache: Sequence[torch.Tensor], fmt: Format) -> list[tuple[str, int]]:
+    """[(name, cache index)] of every per-slot tensor, named as `layout.tensor_specs` does."""
+    specs = _specs(cache, fmt)
+    return [(name, i if i < len(specs) else len(cache) - 1) for i, (name, _, _) in enumerate(specs, start=1)]
 
 
 # -- validation ---------------------------------------------------------------------------
 def _ids(name: str, ids: object, device: torch.device) -> torch.Tensor:
-    """`ids` as a 1-D integer tensor, on the cache device or on the host (CPU)."""
     ids = chk.int_ids(name, ids)
     if ids.device != device and ids.device.type != "cpu":
         raise ValueError(f"{name} must be on the cache device {device} or on the host; got {ids.device}")
@@ -85,22 +55,19 @@ def _ids(name: str, ids: object, device: torch.device) -> torch.Tensor:
 
 
 def check_host_ids(name: str, values: list[int], num_slots: int, *, unique: bool = True) -> None:
-    """Every id in [1, num_slots - 1] and, with `unique`, each once; else a ValueError
-    naming `name`."""
+    """Every id in [1, num_slots - 1] and, with `unique`, each once; else a ValueError."""
     bad = sorted({s for s in values if not 0 < s < num_slots})
     if bad:
         raise ValueError(f"{name} must be slot ids in [1, {num_slots - 1}]; got {bad} in {values}")
     if unique and len(set(values)) != len(values):
-        seen: set[int] = set()
-        rep = sorted({s for s in values if s in seen or seen.add(s)})
+        rep = sorted(s for s, k in Counter(values).items() if k > 1)
         raise ValueError(f"{name} must name each slot once; slot(s) {rep} repeat; got {values}")
 
 
 def validate_pair(src, dst, device, num_slots: int, *, keep_dtype: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """src / dst ids of a copy or snapshot: same count; with host values, in range, dst
-    unique, src and dst disjoint. Returns both on the cache device, as int64 (or, with
-    `keep_dtype`, as given when already there: the copy kernel reads int32 and int64; host
-    ids then travel in one host-to-device copy)."""
+    """src / dst ids of a copy or snapshot (same count; host values in range, dst unique,
+    disjoint), returned on the cache device as int64, or with `keep_dtype` as given (the
+    copy kernel reads int32 and int64; host ids then travel in one host-to-device copy)."""
     src = _ids("src", src, device)
     dst = _ids("dst", dst, device)
     if src.numel() != dst.numel():
@@ -116,8 +83,7 @@ def validate_pair(src, dst, device, num_slots: int, *, keep_dtype: bool = False)
     if not keep_dtype:
         return src.to(device, torch.int64), dst.to(device, torch.int64)
     if host and device.type != "cpu":
-        pair = torch.stack([src.to(torch.int64), dst.to(torch.int64)]).to(device)
-        return pair[0], pair[1]
+        return tuple(torch.stack([src.to(torch.int64), dst.to(torch.int64)]).to(device))
     return src.to(device), dst.to(device)
 
 
@@ -130,9 +96,7 @@ def validate_slots(slots, device, num_slots: int) -> torch.Tensor:
 
 # -- copy -----------------------------------------------------------------------------------
 def copy_rows(cache: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Every per-slot tensor: dst rows <- src rows (int64 ids on the cache device, valid).
-    Two launches a tensor (gather, scatter); no host sync. The per-tensor path: the CPU,
-    backend="reference", and wherever the copy kernel cannot run."""
+    """dst rows <- src rows of every per-slot tensor (valid int64 ids on the cache device)."""
     if src.numel() == 0:
         return
     for t in cache[1:]:
@@ -141,9 +105,7 @@ def copy_rows(cache: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tenso
 
 
 def kernel_copy_unavailable(device: torch.device) -> str | None:
-    """None when the Triton copy kernel (kernels/triton/copy_slots.py) can run on `device`:
-    a CUDA device with Triton compiling, or the CPU under the Triton interpreter
-    (TRITON_INTERPRET=1, tests); else the reason, in words."""
+    """None when the Triton copy kernel can run on `device`; else the reason, in words."""
     interpreting = triton_interpreting()
     if device.type == "cuda" and interpreting:
         return "TRITON_INTERPRET=1 runs Triton kernels on host memory only; the cache is on the GPU"
@@ -157,10 +119,10 @@ def kernel_copy_unavailable(device: torch.device) -> str | None:
 
 
 def use_kernel(device: torch.device, backend: str, caches: Sequence = ()) -> bool:
-    """Whether a copy runs on the copy kernel. backend "reference": never (per-tensor
-    PyTorch copies); "kernels": always, a ValueError where it cannot run; "auto": on a
-    CUDA device unless a cache of `caches` chose backend="reference", on the CPU only when
-    every cache of `caches` runs the kernels backend (the interpreter; tests)."""
+    """Whether a copy runs on the copy kernel. "reference": never; "kernels": always, a
+    ValueError where it cannot run; "auto": on a CUDA device unless a cache of `caches`
+    chose backend="reference", on the CPU only when every cache of `caches` runs the
+    kernels backend (the interpreter; tests)."""
     check_backend(backend)
     if backend == "reference":
         return False
@@ -177,10 +139,9 @@ def use_kernel(device: torch.device, backend: str, caches: Sequence = ()) -> boo
 
 
 class CopyPlan:
-    """The copy kernel's table for a list of cache tuples on one device: one row per chunk
-    of every per-slot tensor (the conv state excluded), built once (a host-to-device copy,
-    so before any graph capture) and launched as often as needed. `copy(src, dst)`: one
-    launch for every tensor of every tuple; no host sync, capturable."""
+    """The copy kernel's table for a list of cache tuples on one device (one row per chunk
+    of every per-slot tensor), built once and launched as often as needed; `copy` is one
+    launch for every tensor of every tuple, no host sync, capturable."""
 
     def __init__(self, tuples: Sequence[Sequence[torch.Tensor]], num_slots: int, chunk: int | None = None):
         from .kernels.triton import copy_slots as K
@@ -191,8 +152,7 @@ class CopyPlan:
                 "copy_slots: the copy table of these caches is built on the first call, which cannot run inside a "
                 "CUDA graph capture; call it once (or replayssm.handoff.copy_plan) before capturing"
             )
-        self.device = device
-        self.num_slots = num_slots
+        self.device, self.num_slots = device, num_slots
         self.chunk = K.default_chunk() if chunk is None else chunk
         self.table = K.copy_table([t for c in tuples for t in c[1:]], device, self.chunk)
         self.staging: StagePlan | None = None  # built by the first staged export / import
@@ -200,52 +160,42 @@ class CopyPlan:
 
     def _launch(self, fn, *args, **kw) -> None:
         index = self.device.index
-        if self.device.type == "cuda" and index is not None and index != torch.cuda.current_device():
-            with torch.cuda.device(index):  # Triton launches on the current device
-                fn(*args, **kw)
-            return
-        fn(*args, **kw)
+        other = self.device.type == "cuda" and index is not None and index != torch.cuda.current_device()
+        # Triton launches on the current device
+        with torch.cuda.device(index) if other else contextlib.nullcontext():
+            fn(*args, **kw)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Slots src[i] -> dst[i] in every tensor (int32/int64 ids on the device, already
-        validated; padding pairs are skipped)."""
+        """Slots src[i] -> dst[i] in every tensor (validated ids on the device; padding pairs skipped)."""
         self._launch(self._kernels.copy_slots, self.table, src, dst, self.num_slots, chunk=self.chunk)
 
     def stage_plan(self, tuples: Sequence[Sequence[torch.Tensor]], formats: Sequence[Format]) -> StagePlan:
-        """The staging table of the same tuples (those this plan was built for; `formats`
-        each tuple's format), built on first use (a host-to-device copy) and kept."""
+        """The staging table of this plan's tuples, built on first use and kept."""
         if self.staging is None:
             self.staging = StagePlan(tuples, formats, self.device, self.chunk)
         return self.staging
 
     def stage(self, plan: StagePlan, slots: torch.Tensor, staging: torch.Tensor, *, to_staging: bool) -> None:
-        """One launch: every per-slot tensor of `slots` (validated ids on the device) into
-        the byte buffer `staging` (`to_staging`) at `plan`'s layout, or back."""
+        """Every per-slot tensor of `slots` into the byte buffer `staging` (`to_staging`), or back."""
         self._launch(
             self._kernels.stage_slots, plan.table, slots, staging, self.num_slots, to_staging=to_staging, chunk=self.chunk
         )
 
 
 class StagePlan:
-    """Where every per-slot tensor of a list of cache tuples lies in one contiguous byte
-    buffer of n slots (kernels/triton/copy_slots.py, "Staging"): for the export of n slots
-    of every layer, tensor k's n slots at bytes [n * prefix_k, n * (prefix_k + size_k)),
-    viewed as [n, *per-slot shape] of its dtype and named as `layout.tensor_specs` names
-    it; the same tensor of every layer (same name, shape, dtype) one after another;
-    `table` the kernel's staging table."""
+    """Where every per-slot tensor of a list of cache tuples lies in one byte buffer of n
+    slots (kernels/triton/copy_slots.py, "Staging"): tensor k's n slots at bytes
+    [n * prefix_k, n * (prefix_k + size_k)); `table` is the kernel's staging table."""
 
     def __init__(self, tuples, formats: Sequence[Format], device: torch.device, chunk: int):
         from .kernels.triton import copy_slots as K
 
-        tensors, names = [], []
-        for layer, (cache, fmt) in enumerate(zip(tuples, formats)):
-            for name, i in per_slot_names(cache, fmt):
-                tensors.append(cache[i])
-                names.append((layer, name))
+        items = [((layer, name), cache[i]) for layer, (cache, fmt) in enumerate(zip(tuples, formats))
+                 for name, i in per_slot_names(cache, fmt)]  # fmt: skip
+        names, tensors = [k for k, _ in items], [t for _, t in items]
         kinds = [(name, tuple(t.shape[1:]), t.dtype) for (_, name), t in zip(names, tensors)]
         rows, prefixes = K.stage_rows(tensors, chunk, kinds)
         self.table = K.stage_table(rows, device)
-        self.layers = len(tuples)
         self.names = [[name for layer_, name in names if layer_ == layer] for layer in range(len(tuples))]
         sizes = [t[0].numel() * t.element_size() for t in tensors]
         # (layer, name, prefix), in staging order (prefix 0 first)
@@ -263,7 +213,7 @@ class StagePlan:
 
     def views(self, buffer: torch.Tensor, n: int) -> list[dict[str, torch.Tensor]]:
         """Per-layer dicts {name: [n, *per-slot shape]} viewing the byte buffer of n slots
-        (keys in `tensor_specs` order; one view and one unbind per run of a kind)."""
+        (one view and one unbind per run of a kind)."""
         out = [dict.fromkeys(names) for names in self.names]
         for (_, shape, dtype), prefix, size, members in self.groups:
             region = buffer[n * prefix : n * (prefix + len(members) * size)]
@@ -272,11 +222,10 @@ class StagePlan:
         return out
 
     def buffer_of(self, data: Sequence[dict], n: int) -> torch.Tensor | None:
-        """The byte buffer (a 1-D uint8 view of n * slot_bytes) that the per-layer dicts
-        `data` (shapes and dtypes already checked) are views of, when every tensor is a
-        contiguous view at exactly its place in one storage (as `views` made them); else
-        None."""
-        if n == 0 or len(data) != self.layers:
+        """The 1-D uint8 buffer of n * slot_bytes that the checked per-layer dicts `data`
+        view, when every tensor is a contiguous view at exactly its place in one storage
+        (as `views` made them); else None."""
+        if n == 0 or len(data) != len(self.names):
             return None
         layer, name, _ = self.entries[0]
         first = data[layer][name]
@@ -285,8 +234,6 @@ class StagePlan:
         offset = base - storage.data_ptr()
         if offset < 0 or offset + n * self.slot_bytes > storage.nbytes():
             return None
-        # Every tensor contiguous at its place inside the first one's storage: the buffer's
-        # bytes are theirs.
         for layer, name, prefix in self.entries:
             t = data[layer][name]
             if t.data_ptr() != base + n * prefix or t.is_cuda != cuda or not t.is_contiguous():
@@ -294,15 +241,12 @@ class StagePlan:
         return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, offset, (n * self.slot_bytes,))
 
 
-# Plans of ReplaySSMCache lists, keyed by the caches' ids; an entry holds weak references to
-# its caches (dropped when one dies) and their tensor tuples (so a reused id or a replaced
-# tuple is never mistaken for it). Entries are never evicted while their caches live: a
-# captured graph keeps reading the table.
+# Plans of ReplaySSMCache lists, keyed by the caches' ids, holding weak references to them
+# (dropped when one dies) and their tensor tuples (a reused id or a replaced tuple is never
+# mistaken for them). Never evicted while the caches live: a captured graph reads the table.
 _LIST_PLANS: dict[tuple[int, ...], tuple[list, list, CopyPlan]] = {}
-# Plans of bare cache tuples (the functional API), keyed by the checkpoint tensor (dropped
-# with it) and checked against the tuple's layout (addresses, strides, shapes, dtypes); a
-# tuple that keeps its checkpoint but changes another tensor gets a new table, and a graph
-# captured with the old one must be captured again.
+# Plans of bare cache tuples (the functional API), keyed by the checkpoint tensor and checked
+# against the tuple's layout: a changed tensor gets a new table (graphs on the old: recapture).
 _TUPLE_PLANS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -338,15 +282,11 @@ def tuple_plan(cache: Sequence[torch.Tensor], num_slots: int) -> CopyPlan:
 def copy_replayssm_slots(
     cache: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor, *, state_dtype: str, backend: str = "auto"
 ) -> None:
-    """Copy every per-slot tensor of slots `src` into slots `dst` (checkpoint, rings, read
-    copy, scales, NVFP4 meta and parity, positions; not the conv state), so that each dst
-    continues as its src would (bit-identically up to the first flush folding a checkpoint
-    written after the copy, with the same accuracy after it: docs/format.md "Slot
-    hand-off"). `src` may repeat (a fork); `dst` unique; disjoint. No host sync for ids
-    already on the cache device (graph-capturable). `backend`: "auto" (the default) one
-    copy-kernel launch on a CUDA device (its table is built on the first call for a
-    tuple: call once before capturing a graph), per-tensor copies elsewhere; "kernels" the
-    kernel or a ValueError; "reference" the per-tensor copies."""
+    """Copy every per-slot tensor of slots `src` into slots `dst` (not the conv state), so
+    that each dst continues as its src would. `src` may repeat (a fork); `dst` unique;
+    disjoint. `backend`: "auto" one copy-kernel launch on a CUDA device (its table is built
+    on the first call for a tuple: call once before capturing a graph), per-tensor copies
+    elsewhere; "kernels" the kernel or a ValueError; "reference" the per-tensor copies."""
     fmt = format_of(state_dtype)
     num_slots = L.check_cache(cache, fmt).num_slots
     device = cache[L.CHECKPOINT].device
@@ -358,25 +298,15 @@ def copy_replayssm_slots(
         copy_rows(cache, src, dst)
 
 
-# -- snapshot -------------------------------------------------------------------------------
 def snapshot_replayssm_slots(
-    cache: Sequence[torch.Tensor],
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    A: torch.Tensor,
-    *,
-    state_dtype: str,
-    seed: int = 0,
-    backend: str = "auto",
-    head_offset: int = 0,
-    max_seqlen: int | None = None,
+    cache: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor, A: torch.Tensor, *, state_dtype: str,
+    seed: int = 0, backend: str = "auto", head_offset: int = 0, max_seqlen: int | None = None,
 ) -> None:
-    """Start slots `dst` from the current states of slots `src` as if prefilled with
-    them: materialize src (FP32), then initialize dst from it (checkpoint and read copy
-    derived from that state, rings and positions cleared; random stream of an init of
-    dst). `A` as for decode; `src` unique, `dst` unique, disjoint. A pending-mode cache
-    needs `max_seqlen` (as `materialize_replayssm_state`); its snapshot holds the state
-    after the committed tokens."""
+    """Start slots `dst` from the current states of slots `src` as if prefilled with them:
+    materialize src (FP32), initialize dst from it (random stream of an init of dst). `A`
+    as for decode; `src` unique, `dst` unique, disjoint. A pending-mode cache needs
+    `max_seqlen` (as `materialize_replayssm_state`); its snapshot holds the state after
+    the committed tokens."""
     fmt = format_of(state_dtype)
     checks = debug()
     chk.seed(seed)
@@ -386,15 +316,7 @@ def snapshot_replayssm_slots(
     if src.device.type == "cpu" or checks:
         check_host_ids("src", src.tolist(), geometry[0])
     impl = backend_for(device, backend, cache, fmt)
-    _snapshot(
-        cache, geometry, impl, src, dst, A, fmt=fmt, seed=seed, checks=checks,
-        head_offset=chk.head_offset(head_offset), max_seqlen=max_seqlen,
-    )
-
-
-def _snapshot(
-    cache, geometry, impl, src, dst, A, *, fmt: Format, seed: int, checks: bool, head_offset: int = 0, max_seqlen=None
-) -> None:
+    head_offset = chk.head_offset(head_offset)
     states = api.materialize(cache, geometry, impl, src, A, max_seqlen=max_seqlen)
     api.initialize(cache, geometry, impl, states, dst, fmt=fmt, seed=seed, checks=checks, head_offset=head_offset)
 
@@ -409,11 +331,8 @@ def export_replayssm_slots(
     cache: Sequence[torch.Tensor], slots: torch.Tensor, *, state_dtype: str, non_blocking: bool = False
 ) -> dict[str, torch.Tensor]:
     """Every per-slot tensor of `slots` (unique, in range) as host tensors {name: [n,
-    *per-slot shape]} named as `layout.tensor_specs` names them (pinned where CUDA is
-    available). On a CUDA device the tensors are views of one host buffer, filled by one
-    gather launch and one device-to-host copy (`import_replayssm_slots` takes it back the
-    same way); elsewhere one host tensor each. With `non_blocking` the copies are only
-    queued on the current stream: synchronize before reading them."""
+    *per-slot shape]} (pinned where CUDA is available). With `non_blocking` the copies are
+    only queued on the current stream: synchronize before reading them."""
     fmt = format_of(state_dtype)
     num_slots = L.check_cache(cache, fmt).num_slots
     device = cache[L.CHECKPOINT].device
@@ -424,8 +343,7 @@ def export_replayssm_slots(
 
 
 def export_rows(cache, ids: torch.Tensor, fmt: Format, non_blocking: bool) -> dict[str, torch.Tensor]:
-    """The per-tensor export: an index_select and a device-to-host copy per tensor (the
-    CPU, backend="reference")."""
+    """The per-tensor export: an index_select and a device-to-host copy per tensor."""
     data = {}
     for name, i in per_slot_names(cache, fmt):
         t = cache[i]
@@ -437,9 +355,8 @@ def export_rows(cache, ids: torch.Tensor, fmt: Format, non_blocking: bool) -> di
 
 
 def export_staged(plan: CopyPlan, tuples, formats: Sequence[Format], ids: torch.Tensor, non_blocking: bool) -> list[dict]:
-    """Every per-slot tensor of slots `ids` (validated, on the device) of every tuple: one
-    gather launch into a device staging buffer, one copy of it into one (pinned) host
-    buffer; per-tuple dicts of views of that buffer (`StagePlan.views`)."""
+    """Slots `ids` of every tuple: one gather launch into a device staging buffer, one copy
+    into one (pinned) host buffer; per-tuple dicts of views of it."""
     staged = plan.stage_plan(tuples, formats)
     n = ids.numel()
     staging = torch.empty(n * staged.slot_bytes, dtype=torch.uint8, device=plan.device)
@@ -451,9 +368,9 @@ def export_staged(plan: CopyPlan, tuples, formats: Sequence[Format], ids: torch.
 
 
 def import_staged(plan: CopyPlan, tuples, formats: Sequence[Format], data: Sequence[dict], ids: torch.Tensor) -> bool:
-    """When `data` (checked, full form, one dict per tuple) are views of one buffer at the
-    staging layout (an export's): one copy of that buffer to the device and one scatter
-    launch into slots `ids` (validated, on the device); True. Else nothing, False."""
+    """When the checked full-form `data` (one dict per tuple) view one buffer at the staging
+    layout (an export's): one copy of it to the device and one scatter launch into slots
+    `ids`; True. Else nothing, False."""
     staged = plan.stage_plan(tuples, formats)
     buffer = staged.buffer_of(data, ids.numel())
     if buffer is None:
@@ -471,21 +388,16 @@ def finish(cache, non_blocking: bool) -> None:
 
 
 def check_export(data: object, cache, fmt: Format, n: int, max_pending: int | None = None) -> bool:
-    """Validate exported `data` for `n` slots of `cache`; True when it is the compact form
-    ({"state": FP32 [n, H, P, N]}), False for the full form. Every tensor on the host
-    or the cache device, of the cache's dtype and shape; the values that the cache's
-    operations trust (positions >= 0, pending counts in 0..`max_pending`, default
-    pending.MAX_SEQLEN; NVFP4 parity 0 or 1) where they can be read without a GPU read
-    (`checks.host_values`). TypeError / ValueError naming the key, what was expected and
-    what was given."""
+    """Validate exported `data` for `n` slots of `cache`: True for the compact form
+    ({"state": FP32 [n, H, P, N]}), False for the full form. Dtypes, shapes, devices, and
+    the values the cache trusts (positions >= 0, pending counts in 0..`max_pending`,
+    NVFP4 parity 0 or 1) where `checks.host_values` reads them without a GPU read."""
     if not isinstance(data, dict):
         raise TypeError(f"data must be a dict of tensors (from export); got {type(data).__name__}")
-    heads = cache[L.CHECKPOINT].shape[1]
     if set(data) == {COMPACT_KEY}:
-        want = {COMPACT_KEY: ((n, heads, *L.dims(cache)), torch.float32)}
+        want = {COMPACT_KEY: ((n, cache[L.CHECKPOINT].shape[1], *L.dims(cache)), torch.float32)}
     else:
-        specs = tensor_specs_for(cache, fmt, heads, cache[L.B_RING].shape[1])
-        want = {name: ((n, *shape), dt) for name, shape, dt in specs}
+        want = {name: ((n, *shape), dt) for name, shape, dt in _specs(cache, fmt)}
         if set(data) != set(want):
             raise ValueError(
                 f"data must hold the {fmt.name} cache's tensors {sorted(want)} (or only {COMPACT_KEY!r}, the compact "
@@ -502,13 +414,10 @@ def check_export(data: object, cache, fmt: Format, n: int, max_pending: int | No
             raise ValueError(f"data[{name!r}] must be on the host or the cache device {device}; got {t.device}")
     if COMPACT_KEY in want:
         return True
-    from .pending import MAX_SEQLEN
-
     pos = chk.host_values(data["positions"])
     if pos is not None:
         pending = data["positions"].dim() == 2
-        committed = [p[0] for p in pos] if pending else pos
-        bad = sorted({c for c in committed if c < 0})
+        bad = sorted({c for c in ([p[0] for p in pos] if pending else pos) if c < 0})
         if bad:
             raise ValueError(f"data['positions'] must hold token counts >= 0; got {bad}")
         q_max = MAX_SEQLEN if max_pending is None else max_pending
@@ -526,14 +435,8 @@ def check_export(data: object, cache, fmt: Format, n: int, max_pending: int | No
 
 
 def import_replayssm_slots(
-    cache: Sequence[torch.Tensor],
-    data: dict[str, torch.Tensor],
-    slots: torch.Tensor,
-    *,
-    state_dtype: str,
-    seed: int = 0,
-    backend: str = "auto",
-    head_offset: int = 0,
+    cache: Sequence[torch.Tensor], data: dict[str, torch.Tensor], slots: torch.Tensor, *, state_dtype: str,
+    seed: int = 0, backend: str = "auto", head_offset: int = 0,
 ) -> None:
     """Write exported `data` into `slots` (unique, in range; one per exported slot). The
     full form restores every per-slot tensor (same slot id: bit-identical continuation);
@@ -555,9 +458,8 @@ def import_replayssm_slots(
 
 
 def stage_import(cache, data: dict, compact: bool, fmt: Format):
-    """Checked `data` copied to the cache device, before anything is written (so that a
-    copy that fails, from a device it cannot come from or for want of memory, fails
-    first): the compact form's states, or [(cache index, tensor as its integer type)]."""
+    """Checked `data` copied to the cache device before anything is written (a copy that
+    fails fails first): the compact form's states, or [(cache index, integer view)]."""
     device = cache[L.CHECKPOINT].device
     if compact:
         return data[COMPACT_KEY].to(device, non_blocking=data[COMPACT_KEY].is_pinned())
@@ -577,11 +479,6 @@ def import_rows(cache, geometry, impl, data, ids, compact: bool, *, fmt: Format,
 
 
 __all__ = [
-    "CopyPlan",
-    "StagePlan",
-    "copy_plan",
-    "copy_replayssm_slots",
-    "export_replayssm_slots",
-    "import_replayssm_slots",
-    "snapshot_replayssm_slots",
+    "CopyPlan", "StagePlan", "copy_plan", "copy_replayssm_slots", "export_replayssm_slots",
+    "import_replayssm_slots", "snapshot_replayssm_slots",
 ]

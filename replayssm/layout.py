@@ -11,54 +11,28 @@ import torch
 
 from .formats import FORMATS, Format, format_of
 from .geometry import (  # noqa: F401  (the cache tuple's names, re-exported)
-    B_RING,
-    CHECKPOINT,
-    CONV,
-    DT_RING,
-    HEAD_DIM,
-    HEAD_DIMS,
-    MAX_HEADS_PER_GROUP,
-    META,
-    NVFP4_BLOCK,
-    PARITY,
-    POSITIONS,
-    READ_COPY,
-    RING,
-    SCALES,
-    STATE_DIM,
-    STATE_DIMS,
-    X_RING,
-    Geometry,
-    dims_error,
-    group_error,
+    B_RING, CHECKPOINT, CONV, DT_RING, HEAD_DIM, HEAD_DIMS, MAX_HEADS_PER_GROUP, META, NVFP4_BLOCK, PARITY,
+    POSITIONS, READ_COPY, RING, SCALES, STATE_DIM, STATE_DIMS, X_RING, Geometry, dims_error, group_error,
 )
 
 STATE_DTYPES = tuple(FORMATS)
 
 
 def check_device(device: object) -> torch.device:
-    """`device` as a torch.device where replayssm can place a cache: the CPU or a CUDA GPU
-    that torch sees. Anything else (another device type, a CUDA index beyond the GPUs
-    present, CUDA on a machine without one) is one ValueError naming the argument, what it
-    accepts and what it got; a value that is no device at all is a TypeError."""
+    """`device` as a torch.device where a cache can live: the CPU or a CUDA GPU torch sees;
+    else a ValueError saying what it accepts (a TypeError for a value that is no device)."""
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be a str or torch.device; got {type(device).__name__}")
     given = str(device)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus:
-        accepted = f"'cpu', 'cuda' or 'cuda:0'..'cuda:{gpus - 1}'"
-    else:
-        accepted = "'cpu' (no CUDA GPU is visible)"
+    accepted = f"'cpu', 'cuda' or 'cuda:0'..'cuda:{gpus - 1}'" if gpus else "'cpu' (no CUDA GPU is visible)"
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError):  # an unknown device type or a malformed string
         dev = None
-    if (
-        dev is None
-        or dev.type not in ("cpu", "cuda")
-        or (dev.type == "cpu" and dev.index not in (None, 0))
-        or (dev.type == "cuda" and (gpus == 0 or (dev.index is not None and dev.index >= gpus)))
-    ):
+    cpu_ok = dev is not None and dev.type == "cpu" and dev.index in (None, 0)
+    cuda_ok = dev is not None and dev.type == "cuda" and gpus > 0 and (dev.index is None or dev.index < gpus)
+    if not (cpu_ok or cuda_ok):
         raise ValueError(f"device must be {accepted}; got {given!r}")
     return dev
 
@@ -66,40 +40,24 @@ def check_device(device: object) -> torch.device:
 def tensor_specs(heads: int, groups: int, fmt: Format, pending: bool = False, head_dim: int = HEAD_DIM, state_dim: int = STATE_DIM):
     """[(name, per-slot shape, dtype)] for cache indices 1.. (index 0, the conv state, is
     the caller's): checkpoint, rings, the format's tensors, positions."""
-    P, N = head_dim, state_dim
-    specs = [
-        ("checkpoint", (heads, P, N), torch.float16),
-        ("x_ring", (heads, RING, P), torch.bfloat16),
+    return [
+        ("checkpoint", (heads, head_dim, state_dim), torch.float16),
+        ("x_ring", (heads, RING, head_dim), torch.bfloat16),
         ("dt_ring", (heads, RING), torch.float32),
-        ("b_ring", (groups, RING, N), torch.bfloat16),
-        *fmt.specs(heads, groups, P, N),
+        ("b_ring", (groups, RING, state_dim), torch.bfloat16),
+        *fmt.specs(heads, groups, head_dim, state_dim),
         ("positions", (2,) if pending else (), torch.int32),
     ]
-    return specs
 
 
 def allocate_cache(
-    num_slots: int,
-    heads: int,
-    groups: int,
-    state_dtype: str,
-    device: torch.device | str = "cpu",
-    *,
-    conv_shape: Sequence[int] | None = None,
-    conv_dtype: torch.dtype = torch.bfloat16,
-    slot_padding: int = 0,
-    fill: float | None = None,
-    pending: bool = False,
-    head_dim: int = HEAD_DIM,
-    state_dim: int = STATE_DIM,
+    num_slots: int, heads: int, groups: int, state_dtype: str, device: torch.device | str = "cpu", *,
+    conv_shape: Sequence[int] | None = None, conv_dtype: torch.dtype = torch.bfloat16, slot_padding: int = 0,
+    fill: float | None = None, pending: bool = False, head_dim: int = HEAD_DIM, state_dim: int = STATE_DIM,
 ) -> list[torch.Tensor]:
-    """Allocate a cache tuple.
-
-    With `slot_padding` > 0 every slot's tensors are carved from one byte page per slot
-    (as serving engines do), `slot_padding` bytes of slack after each tensor, so every
-    tensor has a slot stride larger than its per-slot size. `fill` (e.g. NaN) poisons the
-    state tensors; rings and positions are always zeroed.
-    """
+    """Allocate a cache tuple. With `slot_padding` > 0 every slot's tensors are carved from
+    one byte page per slot (as serving engines do), `slot_padding` bytes of slack after
+    each tensor. `fill` (e.g. NaN) poisons the state tensors; rings and positions are zeroed."""
     fmt = format_of(state_dtype)
     device = check_device(device)
     check_geometry(num_slots, heads, groups, head_dim, state_dim)
@@ -117,35 +75,28 @@ def allocate_cache(
     if slot_padding <= 0:
         tensors = [torch.empty(num_slots, *shape, dtype=dt, device=device) for _, shape, dt in specs]
     else:
-        sizes, offset, offsets = [], 0, []
-        for _, shape, dt in specs:
+        sizes = [math.prod(shape) * dt.itemsize for _, shape, dt in specs]
+        offsets, offset = [], 0
+        for nbytes in sizes:
             offset = -(-offset // 16) * 16  # 16-byte alignment of every tensor
             offsets.append(offset)
-            nbytes = math.prod(shape) * dt.itemsize
-            sizes.append(nbytes)
             offset += nbytes + slot_padding
-        page_bytes = -(-offset // 16) * 16
-        page = torch.empty(num_slots, page_bytes, dtype=torch.uint8, device=device)
+        page = torch.empty(num_slots, -(-offset // 16) * 16, dtype=torch.uint8, device=device)
         if fill is not None:
             page.fill_(0xFF)  # NaN in every float dtype used here
-        tensors = []
-        for (_, shape, dt), off, nbytes in zip(specs, offsets, sizes):
-            t = page[:, off : off + nbytes].view(dt)
-            tensors.append(t.reshape(num_slots, *shape) if shape else t.reshape(num_slots))
+        tensors = [page[:, off : off + nbytes].view(dt).reshape(num_slots, *shape)
+                   for (_, shape, dt), off, nbytes in zip(specs, offsets, sizes)]  # fmt: skip
     for (name, _, _), t in zip(specs, tensors):
-        if name in ("x_ring", "dt_ring", "b_ring", "positions", "parity"):
+        if fill is None or name in ("x_ring", "dt_ring", "b_ring", "positions", "parity"):
             t.zero_()
-        elif fill is not None:
-            t.fill_(fill if t.dtype.is_floating_point else 0)
         else:
-            t.zero_()
+            t.fill_(fill if t.dtype.is_floating_point else 0)
     return [conv, *tensors]
 
 
 def check_geometry(num_slots: object, heads: object, groups: object, head_dim: object = HEAD_DIM, state_dim: object = STATE_DIM) -> None:
-    """Slots (>= 2: slot 0 is the padding slot), heads and groups: Python ints, heads
-    a multiple of groups with 1 .. MAX_HEADS_PER_GROUP heads a group; head_dim in
-    HEAD_DIMS, state_dim in STATE_DIMS."""
+    """Python ints: slots >= 2 (slot 0 is the padding slot), heads and groups as
+    `group_error` wants them, head_dim and state_dim as `dims_error` does."""
     for name, v in (("num_slots", num_slots), ("num_heads", heads), ("num_groups", groups), ("head_dim", head_dim), ("state_dim", state_dim)):
         if not isinstance(v, int) or isinstance(v, bool):
             raise TypeError(f"{name} must be an int; got {type(v).__name__}")
@@ -160,8 +111,7 @@ def check_geometry(num_slots: object, heads: object, groups: object, head_dim: o
 
 
 def check_conv(shape: object, dtype: object) -> tuple[int, ...] | None:
-    """The caller's conv-state shape per slot (a sequence of ints >= 0, or None) and dtype
-    (a torch.dtype); returns the shape as a tuple."""
+    """Check the conv-state shape per slot (ints >= 0, or None) and dtype; the shape as a tuple."""
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"conv_state_dtype must be a torch.dtype (e.g. torch.bfloat16); got {dtype!r}")
     if shape is None:
@@ -177,9 +127,8 @@ def check_conv(shape: object, dtype: object) -> tuple[int, ...] | None:
 
 def slot_stride_ok(t: torch.Tensor) -> bool:
     """Every dim after the slot dim is contiguous; the slot stride covers one slot."""
-    inner = t.shape[1:]
     expect = 1
-    for size, stride in zip(reversed(inner), reversed(t.stride()[1:])):
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
         if size != 1 and stride != expect:
             return False
         expect *= size
@@ -188,8 +137,7 @@ def slot_stride_ok(t: torch.Tensor) -> bool:
 
 def dims(cache: Sequence[torch.Tensor]) -> tuple[int, int]:
     """(head dim P, state dim N) of a cache tuple (from its checkpoint)."""
-    shape = cache[CHECKPOINT].shape
-    return shape[2], shape[3]
+    return tuple(cache[CHECKPOINT].shape[2:4])
 
 
 def check_cache(cache: Sequence[torch.Tensor], fmt: Format) -> Geometry:
@@ -214,9 +162,7 @@ def check_cache(cache: Sequence[torch.Tensor], fmt: Format) -> Geometry:
     groups = bring.shape[1]
     if group_error(heads, groups):
         raise ValueError(group_error(heads, groups))
-    pos = cache[POSITIONS]
-    pending = pos.dim() == 2
-    specs = tensor_specs(heads, groups, fmt, pending, P, N)
+    specs = tensor_specs(heads, groups, fmt, cache[POSITIONS].dim() == 2, P, N)
     device = ckpt.device
     for i, (name, shape, dt) in enumerate(specs, start=1):
         idx = i if i < len(specs) else len(cache) - 1

@@ -1,16 +1,9 @@
-"""Pure-PyTorch reference of every replayssm operation (CPU or CUDA).
-
-Each function has the argument names of its kernel twin and the same split:
-`initialize` (prefill), `clear`, `prepare_decode` (per-row plan, position advance,
-NVFP4 parity flip), `decode_nonflush`, `decode_flush`, and `materialize`. Quantization
-and random bits come from `replayssm.quant`, which is bit-exact with the kernels; the
-float accumulation here is FP32 in the order the kernels use, and tests compare kernels
-to it with tolerances. Inputs are already normalized by `replayssm.api`:
-
-    x [batch, H, P] bf16, dt [batch, H] f32 (raw), A [H] f32, D [H, P] f32,
-    dt_bias [H] f32, B, C [batch, G, N] bf16, slots [batch] int
-
-(P the head dim, N the state dim: the cache's, `layout.dims`).
+"""Pure-PyTorch reference of every replayssm operation (CPU or CUDA), split as the kernels
+are and with their argument names. Quantization and random bits come from
+`replayssm.quant` (bit-exact with the kernels); float accumulation is FP32 in the
+kernels' order. Inputs are normalized by `replayssm.api`: x [batch, H, P] bf16, dt
+[batch, H] f32 (raw), A [H] f32, D [H, P] f32, dt_bias [H] f32, B, C [batch, G, N] bf16,
+slots [batch] int (P, N the cache's `layout.dims`).
 """
 
 from __future__ import annotations
@@ -58,16 +51,14 @@ def clear(cache: Sequence[torch.Tensor], slots: torch.Tensor) -> None:
 def initialize(
     cache: Sequence[torch.Tensor], states: torch.Tensor, slots: torch.Tensor, *, fmt: Format, seed: int, head_offset: int = 0
 ) -> None:
-    """FP16 checkpoint (stochastic rounding, position tag INIT_POSITION), read copy and
-    its scales from FP32 `states` [batch, H, P, N]; rings and positions cleared.
-    `head_offset`: the model's head of the cache's head 0 (quant/rng.py checkpoint_rbits)."""
+    """FP16 checkpoint (stochastic rounding, tag INIT_POSITION, `head_offset` as in
+    checkpoint_rbits) and read copy from FP32 `states` [batch, H, P, N]; rings, positions cleared."""
     slot = slots.reshape(-1).to(torch.int64)
     keep = valid_rows(slot, cache[L.CHECKPOINT].shape[0])
-    slot = slot[keep]
-    state = states[keep].float()
-    heads = state.shape[1]
+    slot, state = slot[keep], states[keep].float()
     key = stream_key(seed, slot, torch.full_like(slot, INIT_POSITION))
-    cache[L.CHECKPOINT][slot] = to_fp16(state, checkpoint_rbits(key, heads, head_offset, *L.dims(cache)))
+    rbits = checkpoint_rbits(key, state.shape[1], head_offset, *L.dims(cache))
+    cache[L.CHECKPOINT][slot] = to_fp16(state, rbits)
     fmt.init(cache, slot, state)
     clear(cache, slot)
 
@@ -77,9 +68,8 @@ def prepare_decode(
 ) -> Plan:
     """Per-row plan; zero the output rows of padding rows; advance positions; for NVFP4
     flush rows flip the parity and zero the half that becomes the amax accumulator."""
-    num_slots = cache[L.CHECKPOINT].shape[0]
     slot = slots.reshape(-1).to(torch.int64)
-    valid = valid_rows(slot, num_slots)
+    valid = valid_rows(slot, cache[L.CHECKPOINT].shape[0])
     slot = torch.where(valid, slot, torch.zeros_like(slot))
     pos_t = cache[L.POSITIONS]
     pos = pos_t[slot].to(torch.int64)
@@ -95,45 +85,61 @@ def prepare_decode(
     return Plan(valid, slot, ring_index, flush, key, old_parity)
 
 
-def _entries(cache, slot, x, dt, B, ring_index, live_count):
-    """The live ring entries of each row plus the current token at entry `ring_index`.
+def ring_entries(cache, slot, start, count):
+    """Ring entries of token indices start .. start+count-1 (count <= 16) in logical order,
+    FP32: x [n, H, 16, P], dt [n, H, 16], B [n, G, 16, N]; entries past `count` are zero
+    (selected with where, never multiplied: dead entries may hold NaN)."""
+    j = torch.arange(L.RING, device=slot.device)
+    idx = (start.view(-1, 1) + j.view(1, -1)) % L.RING  # [n, 16]
+    live = j.view(1, -1) < count.view(-1, 1)
+    zero = torch.zeros((), device=slot.device)
+    out = []
+    for i in (L.X_RING, L.DT_RING, L.B_RING):
+        t = cache[i][slot].float()
+        shape = (-1, 1, L.RING) + (1,) * (t.dim() - 3)
+        out.append(torch.where(live.view(shape), t.gather(2, idx.view(shape).expand(t.shape)), zero))
+    return out
 
-    Returns x_e [n, H, 16, P], dt_e [n, H, 16], B_e [n, G, 16, N] in FP32, entries
-    beyond the current one replaced by zeros (never multiplied: NaN * 0 is NaN)."""
-    j = torch.arange(L.RING, device=x.device)
-    cur = j.view(1, -1) == ring_index.view(-1, 1)  # [n, 16]
-    live = j.view(1, -1) < live_count.view(-1, 1)
-    x_e = cache[L.X_RING][slot].float()
-    dt_e = cache[L.DT_RING][slot].float()
-    B_e = cache[L.B_RING][slot].float()
-    zero = torch.zeros((), device=x.device)
-    x_e = torch.where(cur[:, None, :, None], x.float()[:, :, None, :], torch.where(live[:, None, :, None], x_e, zero))
-    dt_e = torch.where(cur[:, None, :], dt[:, :, None], torch.where(live[:, None, :], dt_e, zero))
-    B_e = torch.where(cur[:, None, :, None], B.float()[:, :, None, :], torch.where(live[:, None, :, None], B_e, zero))
+
+def _entries(cache, slot, x, dt, B, r):
+    """Ring entries 0..r-1 of each row plus the current token at entry r (as `ring_entries`)."""
+    cur = torch.arange(L.RING, device=x.device).view(1, -1) == r.view(-1, 1)  # [n, 16]
+    x_e, dt_e, B_e = ring_entries(cache, slot, torch.zeros_like(r), r)
+    x_e = torch.where(cur[:, None, :, None], x.float()[:, :, None, :], x_e)
+    dt_e = torch.where(cur[:, None, :], dt[:, :, None], dt_e)
+    B_e = torch.where(cur[:, None, :, None], B.float()[:, :, None, :], B_e)
     return x_e, dt_e, B_e
 
 
-def _replay_weights(dt_e: torch.Tensor, A: torch.Tensor, last: torch.Tensor):
-    """pre_j = dt_0 + .. + dt_j; returns (exp(A * pre_last) [n, H],
-    w_j = dt_j * exp(A * (pre_last - pre_j)) [n, H, 16], zero beyond `last`)."""
+def replay_weights(dt_e: torch.Tensor, A: torch.Tensor, last: torch.Tensor):
+    """pre_j = dt_0 + .. + dt_j; (exp(A pre_last) [n, H], w_j = dt_j exp(A (pre_last - pre_j))
+    [n, H, E], zero for j > last). last = -1 gives decay 1 and no terms."""
     pre = torch.cumsum(dt_e, dim=-1)
-    pre_k = pre.gather(-1, last.view(-1, 1, 1).expand(-1, pre.shape[1], 1))  # [n, H, 1]
+    pre_k = pre.gather(-1, last.clamp_min(0).view(-1, 1, 1).expand(-1, pre.shape[1], 1))  # [n, H, 1]
+    pre_k = torch.where(last.view(-1, 1, 1) >= 0, pre_k, torch.zeros((), device=pre.device))
     a = A.view(1, -1, 1)
     w = dt_e * torch.exp(a * (pre_k - pre))
-    j = torch.arange(L.RING, device=dt_e.device)
+    j = torch.arange(dt_e.shape[-1], device=dt_e.device)
     w = torch.where(j.view(1, 1, -1) <= last.view(-1, 1, 1), w, torch.zeros((), device=w.device))
     return torch.exp(a * pre_k).squeeze(-1), w
 
 
+def fold_entries(cache, slot, x_e, dt_e, B_e, A, last) -> torch.Tensor:
+    """FP32 state after folding entries 0..last into the FP16 checkpoint:
+    exp(A pre_last) S_ckpt + sum_j w_j x_j (x) B_j."""
+    decay, w = replay_weights(dt_e, A, last)
+    s0 = cache[L.CHECKPOINT][slot].float()
+    upd = torch.einsum("nhj,nhjp,nhjk->nhpk", w, x_e, expand_groups(B_e, x_e.shape[1]))
+    return decay[:, :, None, None] * s0 + upd
+
+
 def expand_groups(t: torch.Tensor, heads: int) -> torch.Tensor:
     """[n, G, ...] -> [n, H, ...] (head h reads group h // (H / G))."""
-    groups = t.shape[1]
-    return t.repeat_interleave(heads // groups, dim=1)
+    return t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
 def _select(rows, plan: Plan, x, dt, B, C, dt_bias):
-    """The plan's slot and ring index and the step's inputs for the selected `rows`
-    (x, B bf16; processed dt FP32; C as FP32)."""
+    """The plan's slot and ring index and the step's inputs (processed dt, C as FP32) of `rows`."""
     dts = softplus_dt(dt[rows], dt_bias.view(1, -1))
     return plan.slot[rows], plan.ring_index[rows], x[rows], dts, B[rows], C[rows].float()
 
@@ -146,29 +152,21 @@ def decode_nonflush(cache, x, dt, A, B, C, D, dt_bias, plan: Plan, out, *, fmt: 
         return
     slot, r, xs, dts, Bs, Cs = _select(rows, plan, x, dt, B, C, dt_bias)
     heads = xs.shape[1]
-    x_e, dt_e, B_e = _entries(cache, slot, xs, dts, Bs, r, r)
-    decay, w = _replay_weights(dt_e, A, r)
-    state = fmt.read(cache, slot)
-    Ch = expand_groups(Cs, heads)  # [n, H, N]
-    y = decay.unsqueeze(-1) * torch.einsum("nhpk,nhk->nhp", state, Ch)
+    x_e, dt_e, B_e = _entries(cache, slot, xs, dts, Bs, r)
+    decay, w = replay_weights(dt_e, A, r)
+    y = decay.unsqueeze(-1) * torch.einsum("nhpk,nhk->nhp", fmt.read(cache, slot), expand_groups(Cs, heads))
     bc = torch.einsum("ngjk,ngk->ngj", B_e, Cs)  # B_j . C, shared by a group's heads
     y = y + torch.einsum("nhj,nhjp->nhp", w * expand_groups(bc, heads), x_e)
     y = y + D.view(1, heads, -1) * xs.float()
     out[rows] = y.to(out.dtype)
-    cache[L.X_RING][slot, :, r] = xs
-    cache[L.DT_RING][slot, :, r] = dts
-    cache[L.B_RING][slot, :, r] = Bs
+    for i, v in ((L.X_RING, xs), (L.DT_RING, dts), (L.B_RING, Bs)):
+        cache[i][slot, :, r] = v
 
 
 def fold(cache, slot, x, dts, B, A, last) -> torch.Tensor:
     """FP32 state after folding ring entries 0..last-1 and the current token (entry
-    `last`) into the FP16 checkpoint: exp(A pre_k) S0 + sum_j w_j x_j (x) B_j."""
-    heads = x.shape[1]
-    x_e, dt_e, B_e = _entries(cache, slot, x, dts, B, last, last)
-    decay, w = _replay_weights(dt_e, A, last)
-    s0 = cache[L.CHECKPOINT][slot].float()
-    upd = torch.einsum("nhj,nhjp,nhjk->nhpk", w, x_e, expand_groups(B_e, heads))
-    return decay[:, :, None, None] * s0 + upd
+    `last`) into the FP16 checkpoint."""
+    return fold_entries(cache, slot, *_entries(cache, slot, x, dts, B, last), A, last)
 
 
 def decode_flush(cache, x, dt, A, B, C, D, dt_bias, plan: Plan, out, *, fmt: Format, seed: int, head_offset: int = 0) -> None:
@@ -194,25 +192,20 @@ def decode(cache, x, dt, A, B, C, D, dt_bias, slots, out, *, fmt: Format, seed: 
     return out
 
 
-def materialize(cache: Sequence[torch.Tensor], slots: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
-    """FP32 state [n, H, P, N] of `slots` after every decoded token: the FP16
-    checkpoint advanced through the live ring entries. Rows whose slot is padding (<= 0 or
-    >= num_slots) read as zero states, as decode writes zero outputs for them. Reads only."""
+def materialize(
+    cache: Sequence[torch.Tensor], slots: torch.Tensor, A: torch.Tensor, grid: int = L.RING
+) -> torch.Tensor:
+    """FP32 state [n, H, P, N] of `slots` after every decoded (committed) token c: the FP16
+    checkpoint, standing at token index f = grid * (c div grid), advanced through ring entries
+    f .. c-1 (`grid`: pending mode's). Padding rows (slot <= 0 or >= num_slots) read as zero
+    states, as decode writes zero outputs for them. Reads only."""
     num_slots, heads, P, N = cache[L.CHECKPOINT].shape
     slot = slots.reshape(-1).to(torch.int64)
     valid = valid_rows(slot, num_slots)
     states = torch.zeros(slot.shape[0], heads, P, N, device=slot.device)
     slot = slot[valid]
-    live = cache[L.POSITIONS][slot].to(torch.int64)
-    if live.dim() == 2:
-        live = live[:, 0]
-    live = live % L.RING
-    groups = cache[L.B_RING].shape[1]
-    n = slot.shape[0]
-    dev = slot.device
-    # An empty "current token" (dt = 0, zeros) at entry `live` leaves the fold unchanged.
-    zx = torch.zeros(n, heads, P, device=dev)
-    zB = torch.zeros(n, groups, N, device=dev)
-    zdt = torch.zeros(n, heads, device=dev)
-    states[valid] = fold(cache, slot, zx, zdt, zB, A.float(), live)
+    c = cache[L.POSITIONS][slot].to(torch.int64)
+    c = c[:, 0] if c.dim() == 2 else c
+    f = (c // grid) * grid
+    states[valid] = fold_entries(cache, slot, *ring_entries(cache, slot, f, c - f), A.float(), c - f - 1)
     return states

@@ -11,8 +11,8 @@ import torch
 from .checks import id_list
 
 NULL_SLOT = 0
-"""The padding slot id. Never allocated; a decode row whose slot is `NULL_SLOT` (or any
-id <= 0 or >= num_slots) is padding: its output is zero and no cache state changes."""
+"""The padding slot id: a row whose slot is `NULL_SLOT` (or any id <= 0 or >= num_slots)
+outputs zeros and changes no cache state."""
 
 
 def _show(ids: Sequence[int], limit: int = 16) -> str:
@@ -37,8 +37,7 @@ class SlotAllocator:
             raise ValueError(f"num_slots must be an int >= 2 (slot 0 is reserved); got {value!r}")
 
     def __attrs_post_init__(self) -> None:
-        # A stack popped from the end: lowest ids first.
-        self._free = list(range(self.num_slots - 1, NULL_SLOT, -1))
+        self._free = list(range(self.num_slots - 1, NULL_SLOT, -1))  # popped from the end
 
     @property
     def capacity(self) -> int:
@@ -47,22 +46,18 @@ class SlotAllocator:
 
     @property
     def num_free(self) -> int:
-        """Slots free to allocate now."""
         return len(self._free)
 
     @property
     def num_used(self) -> int:
-        """Slots allocated and not released."""
         return len(self._used)
 
     def is_allocated(self, slot: int) -> bool:
-        """Whether `slot` is allocated (False for padding and out-of-range ids)."""
         return slot in self._used
 
     def check_live(self, ids: Sequence[int], name: str = "slots") -> None:
         """Raise a ValueError naming `name` unless every live id in `ids` (0 < id <
-        num_slots) is allocated and appears once. Padding ids (<= 0 or >= num_slots) pass:
-        they are ignored by every operation."""
+        num_slots) is allocated and appears once; padding ids pass."""
         live = [s for s in ids if 0 < s < self.num_slots]
         stray = sorted({s for s in live if s not in self._used})
         if stray:
@@ -88,8 +83,8 @@ class SlotAllocator:
         return torch.tensor(ids, dtype=torch.int32, device=device)
 
     def release(self, slots: torch.Tensor | Iterable[int] | int) -> None:
-        """Return slots to the pool. Rejects (and changes nothing on) slot 0, ids out of
-        range, ids not allocated, and ids repeated in one call."""
+        """Return slots to the pool; rejects (changing nothing) slot 0, ids out of range or
+        not allocated, and ids repeated in one call."""
         if isinstance(slots, torch.Tensor):
             if slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
                 raise TypeError(f"slots must be an integer tensor; got {slots.dtype}")
@@ -105,7 +100,6 @@ class SlotAllocator:
                 raise ValueError(f"slots: slot {s} is not allocated (double release?)")
         if len(set(ids)) != len(ids):
             raise ValueError(f"slots must be unique; got {ids}")
-        for s in ids:
-            self._used.remove(s)
-            self._free.append(s)
+        self._used.difference_update(ids)
+        self._free.extend(ids)
         self._free.sort(reverse=True)

@@ -1,10 +1,7 @@
-"""Synthetic but realistic Mamba-2 layer data and the exact FP64 recurrence.
-
-Shared by the demo, the tests, the benchmarks and the notebooks. Ranges follow Mamba-2's
-initialization: A = -exp(U(log 1, log 16)) per head, dt_bias = softplus^-1(dt0) with dt0
-log-uniform in [0.001, 0.1], D = 1, and the raw dt a small Gaussian around 0. Prefill
-states are the exact recurrence run over a random prompt, so they have the magnitudes a
-real prefill produces.
+"""Synthetic but realistic Mamba-2 layer data and the exact FP64 recurrence. Ranges follow
+Mamba-2's initialization: A = -exp(U(log 1, log 16)) per head, dt_bias = softplus^-1(dt0)
+with dt0 log-uniform in [0.001, 0.1], D = 1, the raw dt a small Gaussian around 0. Prefill
+states are the exact recurrence over a random prompt: the magnitudes a real prefill makes.
 """
 
 from __future__ import annotations
@@ -48,9 +45,8 @@ def token(
     dt = 0.5 * torch.randn(batch, heads, generator=g)
     B = torch.randn(batch, groups, state_dim, generator=g)
     C = torch.randn(batch, groups, state_dim, generator=g)
-    return Token(
-        x.to(device, torch.bfloat16), dt.to(device), B.to(device, torch.bfloat16), C.to(device, torch.bfloat16)
-    )
+    bf16 = torch.bfloat16
+    return Token(x.to(device, bf16), dt.to(device), B.to(device, bf16), C.to(device, bf16))
 
 
 def engine_inputs(tok: Token, params: LayerParams) -> tuple[torch.Tensor, ...]:
@@ -60,23 +56,15 @@ def engine_inputs(tok: Token, params: LayerParams) -> tuple[torch.Tensor, ...]:
     [H, P, N] with strides (1, 0, 0), D and dt_bias [H, P] tied. dt holds `tok.dt`
     rounded to bf16; everything else holds `tok`'s and `params`' values exactly."""
     b, heads = tok.dt.shape
-    groups, P, N = tok.B.shape[1], tok.x.shape[2], tok.B.shape[2]
-    d_inner, gn = heads * P, groups * N
-    width = 2 * d_inner + 2 * gn + heads
-    proj = torch.empty(b, width, dtype=torch.bfloat16, device=tok.x.device)
-    proj[:, :d_inner] = 0.0  # z (the gate applied after the norm): not read
-    x = proj[:, d_inner : 2 * d_inner]
-    B = proj[:, 2 * d_inner : 2 * d_inner + gn]
-    C = proj[:, 2 * d_inner + gn : 2 * d_inner + 2 * gn]
-    x.copy_(tok.x.reshape(b, d_inner))
-    B.copy_(tok.B.reshape(b, gn))
-    C.copy_(tok.C.reshape(b, gn))
-    proj[:, 2 * d_inner + 2 * gn :] = tok.dt.to(torch.bfloat16)
-    dt = proj[:, 2 * d_inner + 2 * gn :].unsqueeze(-1).expand(b, heads, P)
+    P, N = tok.x.shape[2], tok.B.shape[2]
+    # z (the gate applied after the norm: not read) | x | B | C | dt
+    parts = [tok.x.new_zeros(b, heads * P), *(t.reshape(b, -1) for t in (tok.x, tok.B, tok.C)), tok.dt]
+    proj = torch.cat([p.to(torch.bfloat16) for p in parts], dim=1)
+    _, x, B, C, dt = proj.split([p.shape[1] for p in parts], dim=1)
     A = params.A.view(heads, 1, 1).expand(heads, P, N)
     D = params.D.view(heads, 1).expand(heads, P)
     dt_bias = params.dt_bias.view(heads, 1).expand(heads, P)
-    return x, dt, A, B, C, D, dt_bias
+    return x, dt.unsqueeze(-1).expand(b, heads, P), A, B, C, D, dt_bias
 
 
 def plain_inputs(tok: Token, params: LayerParams) -> tuple[torch.Tensor, ...]:
@@ -93,8 +81,7 @@ class ExactRecurrence:
         self.S = state.double().clone()
 
     def step(self, tok: Token) -> torch.Tensor:
-        heads = self.S.shape[1]
-        groups = tok.B.shape[1]
+        heads, groups = self.S.shape[1], tok.B.shape[1]
         dt = torch.nn.functional.softplus(tok.dt.double() + self.p.dt_bias.double().to(tok.dt.device))
         a = torch.exp(self.p.A.double().to(dt.device) * dt)
         Bh = tok.B.double().repeat_interleave(heads // groups, 1)

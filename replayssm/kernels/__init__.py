@@ -1,32 +1,19 @@
 """Device code and backend choice.
 
-Two backends run the cache operations, with the same methods (`initialize`, `clear`,
-`decode`, `materialize`, and pending mode's `decode_pending`, `materialize_pending`), on inputs already validated and normalized by `replayssm.api`
-(backends never validate user input):
+Two backends run the cache operations with the same methods (`initialize`, `clear`, `decode`,
+`materialize`, pending mode's `decode_pending`, `materialize_pending`) on inputs that
+`replayssm.api` validated (backends never validate user input):
 
-- `ReferenceBackend` ("reference"): the PyTorch reference (`replayssm.reference`), on any
-  device.
-- `KernelBackend` ("kernels"): the CuTe DSL kernels of initialize and clear
-  (`cute.bookkeeping`) and of every decode call (the plan kernels of `cute.plan`, the
-  step of `cute.decode` / `cute.flush`, pending mode's fold and step of `cute.pending`),
-  and the Triton kernels of materialize and slot copies, on a CUDA GPU in the arch table
-  with the CuTe DSL installed and a 16-byte-aligned cache. On the CPU it runs only under
-  the Triton interpreter (TRITON_INTERPRET=1, for tests): the Triton kernels
-  interpreted, every other operation the reference's.
+- `ReferenceBackend` ("reference"): the PyTorch reference, on any device.
+- `KernelBackend` ("kernels"): CuTe DSL kernels for initialize, clear and every decode call,
+  Triton kernels for materialize and slot copies, on a CUDA GPU in the arch table with a
+  16-byte-aligned cache. On the CPU only under TRITON_INTERPRET=1 (tests): the Triton
+  kernels interpreted, everything else the reference.
 
-`backend_for(device, backend, cache)` turns the caller's choice into one of them:
-"reference"; "kernels", a ValueError saying why where they cannot run; "auto" (the
-default), the kernels where they can run, else the reference with a
-`ReferenceFallbackWarning` giving the reason, once per reason and process.
-
-The Triton kernels live in `replayssm.kernels.triton` and are imported on first use:
-`triton.jit` chooses between compiler and CPU interpreter when a kernel is defined, so
-TRITON_INTERPRET=1 (CPU tests) must be set before then; importing replayssm alone never
-imports Triton. The CuTe DSL kernels (`replayssm.kernels.cute`, FP8, NVFP4 and fp16)
-are imported on first use too; `compile_all` builds the decode kernels for any target
-without a GPU.
-One launch mechanism per language: the CuTe kernels through their TVM-FFI entry
-(`cute.launch.compile_entry`), the Triton kernels through Triton's own launcher.
+`backend_for` turns the caller's choice into one of them; "auto" falls back to the reference
+with a `ReferenceFallbackWarning`, once per reason and process. Triton and the CuTe DSL are
+imported on first use, never by importing replayssm: `triton.jit` picks compiler or
+interpreter when a kernel is defined, so TRITON_INTERPRET must be set before then.
 """
 
 from __future__ import annotations
@@ -75,7 +62,6 @@ class ReferenceBackend:
         return states if out is None else out.copy_(states)
 
     def decode_pending(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs) -> None:
-        """Pending mode (positions [S, 2]): `pending.pending_decode`."""
         pend.pending_decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, **kwargs)
 
     def materialize_pending(self, cache, ids, A, *, max_seqlen: int, out=None) -> torch.Tensor:
@@ -91,17 +77,11 @@ EAGER_FORK_MIN_BATCH = 512
 
 
 class _CacheContext:
-    """What the kernel backend knows of one CUDA cache tuple between calls: its device
-    index, whether the CuTe kernels can run it ((launch module, arch), or the reason they
-    cannot), its prepare launches (`cute.plan.PrepareLaunch`, by format, seed and plan
-    scratch), its step launches (`cute.launch.Step`, by batch, format, head offset and
-    plan scratch), both by a decode call's key (`decodes`: one lookup a call), its
-    pending-mode plan buffer, plan launches (`cute.plan.PendingPlanLaunch`) and fold and
-    step launches (`cute.pending.PendingLaunch`), and its initialize and clear launches
-    (`cute.bookkeeping.BookkeepingLaunch`). Holds weak references only: a context never
-    keeps a cache alive (its launches hold addresses and are given the tensors on each
-    call); `alive` turns False when one of the tensors is freed (the weak reference's
-    callback), after which another tensor may take its id."""
+    """What the kernel backend keeps of one CUDA cache tuple between calls: (launch module,
+    arch) or the reason the CuTe kernels cannot run it, and its launch objects by key
+    (`decodes`: a decode call's prepare and step, one lookup a call). Weak references only
+    (launches hold addresses and get the tensors on each call): `alive` turns False when a
+    tensor is freed, after which another tensor may take its id."""
 
     __slots__ = (
         "refs", "alive", "index", "cute", "reason", "prepares", "steps", "decodes", "pending", "outgrown", "plan_launches",
@@ -116,36 +96,26 @@ class _CacheContext:
         self.prepares: dict[tuple, object] = {}
         self.steps: dict[tuple, object] = {}
         self.decodes: dict[tuple, tuple] = {}
-        self.pending = None  # its pending-mode plan buffer (buffers.PendingPlan)
-        self.outgrown: list = []  # the smaller ones before it, kept: a captured graph may still use them
+        self.pending = None  # buffers.PendingPlan
+        self.outgrown: list = []  # the smaller ones before it: a captured graph may still use them
         self.plan_launches: dict[tuple, object] = {}
         self.pending_launches: dict[tuple, object] = {}
-        self.bookkeeping: dict[tuple, object] = {}  # cute.bookkeeping.BookkeepingLaunch by (format, seed, head offset)
+        self.bookkeeping: dict[tuple, object] = {}
 
     def _freed(self, ref) -> None:
-        """The callback of `refs`: one of the tensors is gone."""
         self.alive = False
 
 
 class KernelBackend:
-    """`initialize`, `clear` and every decode call on the CuTe DSL kernels (`decode`
-    launches the prepare kernel and the CuTe launcher's `Step`), `materialize` on a
-    Triton kernel. `cute_unavailable` says why the CuTe kernels cannot run a
-    cache (no CuTe DSL, a GPU outside the arch table, an unaligned cache); `backend_for`
-    asks it before choosing this backend, and `decode` on a CUDA cache they cannot run is
-    a ValueError, never a silent fallback. On the CPU (Triton interpreter,
-    TRITON_INTERPRET=1: tests) the Triton kernels are interpreted and every other
-    operation runs the reference.
+    """The kernels (see the module docstring). `cute_unavailable` says why the CuTe kernels
+    cannot run a cache; a CUDA call they cannot run is a ValueError, never a silent fallback.
 
-    Plan scratch: `prepare` / `decode` write the plan into a `PlanScratch` so a step
-    allocates no device memory. A caller may pass its own (`scratch=`, e.g. one per cache
-    sized for its max batch, or one per stream). Otherwise the backend keeps a few, keyed
-    by (device, capacity): a call uses the smallest one with room for its batch, and only
-    when none has room creates one (capacity: the batch rounded up to a power of two, at
-    least 64), so once `warmup` has made the max-batch one, every later batch reuses an
-    existing buffer -- the same one in eager calls and in a captured CUDA graph. Shared
+    Plan scratch: `prepare` / `decode` write the plan into a `PlanScratch`, so a step
+    allocates no device memory: the caller's (`scratch=`), else the smallest shared one on
+    the device with room for the batch (created at the batch rounded up to a power of two,
+    at least 64), so after `warmup` eager calls and captured graphs reuse one buffer. Shared
     buffers assume one stream per device: a plan is consumed by the kernels launched right
-    after it, before the next `prepare` on the same stream overwrites it.
+    after it, before the next `prepare` on that stream overwrites it.
     """
 
     name = "kernels"
@@ -153,18 +123,17 @@ class KernelBackend:
     def __init__(self) -> None:
         self._scratch: dict[tuple[torch.device, int], object] = {}
         self._cute_launch = None  # replayssm.kernels.cute.launch, False when unavailable
-        self._cute_error: str | None = None  # why the CuTe DSL could not be imported
+        self._cute_error: str | None = None
         self._cute_arch: dict[torch.device, tuple[str | None, str | None]] = {}  # (arch, reason)
         self._contexts: dict[tuple, _CacheContext] = {}
 
     def new_scratch(self, device: torch.device | str, rows: int) -> PlanScratch:
-        """A private `PlanScratch` for `rows` rows (ReplaySSMCache owns one, sized for its
-        max_batch, so caches decoded on different streams never share plan buffers)."""
+        """A private `PlanScratch` (ReplaySSMCache owns one, so caches decoded on different
+        streams never share plan buffers)."""
         return PlanScratch(rows, torch.device(device))
 
     def scratch(self, device: torch.device | str, rows: int) -> PlanScratch:
-        """The smallest shared `PlanScratch` on `device` with room for `rows` rows
-        (created when none has room)."""
+        """The smallest shared `PlanScratch` on `device` with room for `rows` rows."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -172,21 +141,17 @@ class KernelBackend:
         if fits:
             return self._scratch[(device, min(fits))]
         capacity = max(64, 1 << max(rows - 1, 0).bit_length())
-        buf = self._scratch[(device, capacity)] = PlanScratch(capacity, device)
-        return buf
+        return self._scratch.setdefault((device, capacity), PlanScratch(capacity, device))
 
     def initialize(self, cache, states, ids, *, fmt: Format, seed: int, head_offset: int = 0) -> None:
-        """The CuTe initialize kernel (kernels/cute/bookkeeping.py, one launch on the current
-        stream); on the CPU the reference."""
+        """One CuTe launch on the current stream (cute/bookkeeping.py); on the CPU the reference."""
         self._bookkeeping(cache, ids, states, fmt, seed, head_offset)
 
     def clear(self, cache, ids) -> None:
-        """The CuTe clear kernel (kernels/cute/bookkeeping.py), as `initialize`."""
         self._bookkeeping(cache, ids, None, None, 0, 0)
 
     def _bookkeeping(self, cache, ids, states, fmt: Format | None, seed: int, head_offset: int) -> None:
-        """Initialize (`fmt` given) or clear through the cache context's
-        `cute.bookkeeping.BookkeepingLaunch` (made on first use)."""
+        """Initialize (`fmt` given) or clear."""
         ctx = self._context(cache) if cache[L.CHECKPOINT].device.type == "cuda" else None
         if ctx is not None and ctx.cute is None:
             raise ValueError(f"the kernel backend cannot {'initialize' if fmt else 'clear'} this cache: {ctx.reason}")
@@ -209,9 +174,8 @@ class KernelBackend:
         launch(ids, ctx.cute[0].current_stream(ctx.index), states)
 
     def prepare(self, cache, ids, out, *, fmt: Format, seed: int, scratch=None) -> ref.Plan:
-        """Kernel twin of `reference.prepare_decode` (cute/plan.py's prepare kernel, on the
-        current stream) into `scratch` (a shared one when None); returns its views. On a
-        cache the CuTe kernels cannot run, the reference (which allocates its plan)."""
+        """Kernel twin of `reference.prepare_decode` (cute/plan.py) into `scratch` (a shared
+        one when None); returns its views. Where the CuTe kernels cannot run, the reference."""
         ctx = self._context(cache) if cache[L.CHECKPOINT].device.type == "cuda" else None
         if ctx is None or ctx.cute is None:
             return ref.prepare_decode(cache, ids, out, fmt=fmt, seed=seed)
@@ -221,13 +185,12 @@ class KernelBackend:
             scratch = self.scratch(ids.device, ids.shape[0])
         if ids.shape[0] == 0:
             return scratch.plan(0)
-        launch = ctx.cute[0]
-        self._prepare_launch(ctx, cache, scratch, fmt, seed)(ids, out, launch.current_stream(ids.get_device()))
+        stream = ctx.cute[0].current_stream(ids.get_device())
+        self._prepare_launch(ctx, cache, scratch, fmt, seed)(ids, out, stream)
         return scratch.plan(ids.shape[0])
 
     @staticmethod
     def _prepare_launch(ctx, cache, scratch: PlanScratch, fmt: Format, seed: int):
-        """The context's `cute.plan.PrepareLaunch` for this scratch, format and seed."""
         key = (fmt, seed, scratch.words)
         prep = ctx.prepares.get(key)
         if prep is None:
@@ -239,8 +202,7 @@ class KernelBackend:
     def decode(
         self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, fmt: Format, seed: int, scratch=None, head_offset: int = 0
     ) -> None:
-        """The prepare kernel, then the CuTe decode kernels (the non-flush and the flush
-        kernel launch every step), all kept in the cache's `_CacheContext`; on the CPU the
+        """The prepare kernel, then the CuTe step (flush and non-flush kernel); on the CPU the
         reference. On CUDA, x, B, C may be [batch, H * 64] / [batch, G * 128]."""
         if not cache[L.CHECKPOINT].is_cuda:
             ref.decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt=fmt, seed=seed, head_offset=head_offset)
@@ -271,9 +233,8 @@ class KernelBackend:
         step(cache, plan, x, dt, A, B, C, D, dt_bias, out, stream, fork=fork)
 
     def _context(self, cache) -> "_CacheContext":
-        """The `_CacheContext` of a CUDA cache tuple (made on first use; keyed by the
-        tensors' ids: a context still `alive` was made for these very tensors, as no id of
-        a live object is reused; a tuple of other tensors under reused ids gets its own)."""
+        """The `_CacheContext` of a CUDA cache tuple, keyed by the tensors' ids (a context
+        still `alive` was made for these very tensors: no live object's id is reused)."""
         key = tuple(map(id, cache))
         ctx = self._contexts.get(key)
         if ctx is not None and ctx.alive:
@@ -289,16 +250,9 @@ class KernelBackend:
         self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, fmt: Format, seed: int, max_seqlen: int,
         num_accepted_tokens=None, cu_seqlens=None, head_offset: int = 0,
     ) -> None:  # fmt: skip
-        """Pending mode on a CUDA cache: the plan kernel of kernels/cute/plan.py, then the
-        CuTe fold and step (cute/pending.py `fold_and_step`: in a captured call
-        of SPLIT_MIN_BATCH rows or more, the step of the rows that do not fold beside the
-        fold); no host sync; the plan buffer is the cache context's, grown (at least
-        doubled) for a larger batch, the outgrown ones kept alive, so a CUDA graph captured
-        with any of them replays it. x, B, C that the step cannot read
-        as they are (`cute.pending.reads_as_is`) are copied once (out is contiguous: the
-        API checked it). On the CPU, and on a cache the CuTe kernels cannot run (`cute_for`),
-        the PyTorch reference (`pending.pending_decode`, which reads a few values on the
-        host)."""
+        """Pending mode: the plan kernel (cute/plan.py), then the CuTe fold and step
+        (`cute.pending.fold_and_step`), no host sync. On the CPU and where the CuTe kernels
+        cannot run, the reference (which reads a few values on the host)."""
         if cache[L.CHECKPOINT].device.type == "cuda":
             ctx = self._context(cache)
             if ctx.cute is not None and not triton_interpreting():
@@ -315,10 +269,9 @@ class KernelBackend:
     def _pending_launch(
         self, ctx, cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, max_seqlen, accepted, cu_seqlens, head_offset
     ) -> None:  # fmt: skip
-        """The plan (the context's `PendingPlanLaunch`), then `fold_and_step` from the context's
-        `PendingLaunch`, on the current stream, read once. Dense x, B, C, out [b, T, n, w]
-        or [b, T, n * w] (varlen: [total, ...]) go as they are where the step reads them so
-        (its row and token strides), else x, B, C as contiguous copies."""
+        """x, B, C, out go as they are where the step reads them so (`reads_as_is`), else as
+        contiguous copies. The plan buffer grows (at least doubled) for a larger batch; the
+        outgrown ones stay alive, so a CUDA graph captured with any of them replays it."""
         k = _pending_cute()
         if ids.dim() != 1:
             ids = ids.reshape(-1)
@@ -351,7 +304,12 @@ class KernelBackend:
 
             launch = ctx.plan_launches[key] = PendingPlanLaunch(cache, plan, fmt, seed, max_seqlen, ctx.cute[1])
         launch(ids, accepted, cu_seqlens, stream)
-        launcher = self._pending_launcher(ctx, cache, fmt.name, head_offset)
+        key = (fmt.name, head_offset, plan.words)
+        launcher = ctx.pending_launches.get(key)
+        if launcher is None:
+            launcher = ctx.pending_launches[key] = k.PendingLaunch(
+                cache, plan.buf, plan.fold_list, fmt.name, ctx.cute[1], head_offset
+            )
         rows, fold_list = plan.buf[:batch], plan.fold_list
         k.fold_and_step(
             cache, x, dt, A, B, C, D, dt_bias, out, rows, fold_list, lambda: launcher.fold(cache, A, rows, fold_list, stream),
@@ -360,38 +318,21 @@ class KernelBackend:
         if out is not result:
             result.copy_(out)
 
-    @staticmethod
-    def _pending_launcher(ctx, cache, state_dtype: str, head_offset: int):
-        """The cache context's `cute.pending.PendingLaunch` for its plan buffer (made on first use)."""
-        plan = ctx.pending
-        key = (state_dtype, head_offset, plan.buf.data_ptr(), plan.fold_list.data_ptr())
-        launcher = ctx.pending_launches.get(key)
-        if launcher is None:
-            launcher = ctx.pending_launches[key] = _pending_cute().PendingLaunch(
-                cache, plan.buf, plan.fold_list, state_dtype, ctx.cute[1], head_offset
-            )
-        return launcher
-
     def materialize_pending(self, cache, ids, A, *, max_seqlen: int, out=None) -> torch.Tensor:
-        """The Triton materialize kernel in pending mode (the checkpoint at the fold grid
-        point of the committed count, then the committed entries): one launch, no host
-        sync; into `out` when given."""
         from .triton.materialize import materialize
 
         return materialize(cache, ids, A, out, max_seqlen=max_seqlen)
 
     def materialize(self, cache, ids, A, out=None) -> torch.Tensor:
-        """The Triton materialize kernel (kernels/triton/materialize.py): one launch, no
-        host sync; into `out` when given."""
+        """The Triton materialize kernel: one launch, no host sync; into `out` when given."""
         from .triton.materialize import materialize
 
         return materialize(cache, ids, A, out)
 
     def cute_unavailable(self, cache: Sequence[torch.Tensor] | None = None, device: torch.device | str | None = None) -> str | None:
-        """None when the CuTe decode kernels can run `cache` (or, without a cache, on
-        `device`): a CUDA device, the CuTe DSL importable, a GPU in the arch table, and a
-        16-byte-aligned layout; else the reason, in words. Imports and arch queries are
-        done once per process / device; the layout is checked on every call with a cache."""
+        """None when the CuTe decode kernels can run `cache` (without one, on `device`): a CUDA
+        device, the CuTe DSL importable, a GPU in the arch table, a 16-byte-aligned layout;
+        else the reason. Import and arch query are done once per process / device."""
         device = torch.device(device) if cache is None else cache[L.CHECKPOINT].device
         if device.type != "cuda":
             return f"the CuTe decode kernels need a CUDA device; got {device}"
@@ -413,26 +354,20 @@ class KernelBackend:
             except ValueError as exc:
                 self._cute_arch[device] = (None, str(exc))
         arch, reason = self._cute_arch[device]
-        if arch is None:
+        if arch is None or cache is None:
             return reason
-        if cache is not None:
-            reason = self._cute_launch.layout_ok(cache)
-            if reason is not None:
-                return f"the CuTe decode kernels cannot address this cache: {reason}"
-        return None
+        reason = self._cute_launch.layout_ok(cache)
+        return None if reason is None else f"the CuTe decode kernels cannot address this cache: {reason}"
 
     def cute_for(self, cache):
-        """(launch module, arch) when the CuTe decode kernels can run `cache`, else None
-        (`cute_unavailable` says why); one launcher serves every format."""
+        """(launch module, arch) when the CuTe decode kernels can run `cache`, else None."""
         if self.cute_unavailable(cache) is not None:
             return None
-        arch = self._cute_arch[cache[L.CHECKPOINT].device][0]
-        return self._cute_launch, arch
+        return self._cute_launch, self._cute_arch[cache[L.CHECKPOINT].device][0]
 
     def warmup(self, cache) -> list[str]:
-        """Compile the bookkeeping kernels for a `ReplaySSMCache` and create its plan
-        scratch, changing nothing in the cache: every launch uses padding rows only
-        (slot 0), which write nothing but their own output rows."""
+        """Compile the kernels for a `ReplaySSMCache` and create its plan scratch, changing
+        nothing in the cache: every launch uses padding rows (slot 0) only."""
         fmt = cache.format
         tensors, device = cache.tensors, cache.tensors[L.CHECKPOINT].device
         heads = tensors[L.CHECKPOINT].shape[1]
@@ -454,10 +389,8 @@ class KernelBackend:
             self.clear(tensors, ids)
             self.prepare(tensors, ids, out, fmt=fmt, seed=cache.seed, scratch=scratch)
             names += [f"cute.initialize[{dtype}]", f"cute.clear[{dtype}]", f"cute.prepare[{dtype}]"]
-        # Compile the decode kernels in each variant a step may launch (the non-flush
-        # kernel with PDL at batch 1, the flush with PDL above it), then launch them once
-        # on padding rows (which exit at once) so their modules are loaded before any
-        # graph capture.
+        # Every decode variant a step may launch, then launched once on padding rows so their
+        # modules are loaded before any graph capture.
         launch, arch = cute
         names += launch.warmup(cache.state_dtype, heads, tensors[L.B_RING].shape[1], arch)
         ids = torch.zeros(2, dtype=torch.int32, device=device)
@@ -467,9 +400,8 @@ class KernelBackend:
 
 
 def compile_all(arch: str, dump_dir) -> list[str]:
-    """Compile every CuTe DSL decode kernel variant (FP8, NVFP4 and fp16, non-flush and flush,
-    8 and 16 heads per group) for `arch` ("sm_90a", "sm_100a" or "sm_103a"; no GPU needed) into
-    the existing folder `dump_dir`; returns the paths of the PTX and cubin files."""
+    """Compile every CuTe DSL decode kernel variant for `arch` (no GPU needed) into the
+    existing folder `dump_dir`; returns the paths of the PTX and cubin files."""
     from .cute.arch import check_arch
     from .env import arch_override
 
@@ -489,8 +421,7 @@ class _PendingCute(NamedTuple):
 
 @functools.cache
 def _pending_cute() -> _PendingCute:
-    """Pending mode's CuTe launchers, imported on first use (only for caches the CuTe
-    kernels run: the CuTe DSL is then installed)."""
+    """Pending mode's CuTe launchers, imported on first use."""
     from .cute.launch import current_stream
     from .cute.pending import PendingLaunch, fold_and_step, reads_as_is
 
@@ -498,20 +429,13 @@ def _pending_cute() -> _PendingCute:
 
 
 REFERENCE = ReferenceBackend()
-_KERNELS: KernelBackend | None = None
 _WARNED: set[str] = set()  # fallback reasons already warned about in this process
 
 
+@functools.cache
 def kernel_backend() -> KernelBackend:
     """The process-wide `KernelBackend` (its shared plan scratch lives there)."""
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = KernelBackend()
-    return _KERNELS
-
-
-# Alias for the callers not yet moved to `kernel_backend` (tests/gpu_harness.py,
-# tests/test_cute_*.py, benchmarks/bench_cute_*.py); not part of __all__.
+    return KernelBackend()
 
 
 def triton_interpreting() -> bool:
@@ -519,8 +443,7 @@ def triton_interpreting() -> bool:
 
 
 def check_backend(backend: object) -> str:
-    """`backend` when it is one of BACKEND_CHOICES; a TypeError / ValueError naming it
-    otherwise."""
+    """`backend` when it is one of BACKEND_CHOICES, else a TypeError / ValueError."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str in {BACKEND_CHOICES}; got {type(backend).__name__}")
     if backend not in BACKEND_CHOICES:
@@ -532,14 +455,10 @@ def backend_for(
     device: torch.device | str, backend: str = "auto", cache: Sequence[torch.Tensor] | None = None,
     fmt: Format | None = None,
 ) -> ReferenceBackend | KernelBackend:
-    """The backend object for the caller's choice `backend` ("auto", "kernels",
-    "reference"; see the module docstring) on `device`; with `cache` (a validated cache
-    tuple on `device`) the kernels' layout requirements are checked too, with `fmt` (the
-    cache's format) whether the kernels run that format (`Format.on_kernels`).
-
-    "kernels" on a non-CUDA device needs the Triton interpreter (TRITON_INTERPRET=1); on a
-    CUDA device, the CuTe decode kernels able to run. "auto" on the CPU is the reference
-    (the interpreter is for tests, which ask for "kernels")."""
+    """The backend for the caller's choice on `device`; with `cache` (a validated cache tuple)
+    the kernels' layout is checked too, with `fmt` whether the kernels run that format.
+    "kernels" off CUDA needs TRITON_INTERPRET=1, and is a ValueError saying why where the
+    kernels cannot run; "auto" off CUDA is the reference (the interpreter is for tests)."""
     check_backend(backend)
     if backend == "reference":
         return REFERENCE
@@ -547,8 +466,6 @@ def backend_for(
     if fmt is not None and not fmt.on_kernels:
         kinds = tuple(name for name, f in FORMATS.items() if f.on_kernels)
         reason = f"the kernels run state_dtype {kinds}; got {fmt.name!r}"
-        if backend == "kernels":
-            raise ValueError(f"backend='kernels' cannot run here: {reason}; pass backend='auto' or 'reference'")
     elif device.type != "cuda":
         if backend == "kernels":
             if triton_interpreting():
@@ -562,8 +479,8 @@ def backend_for(
         reason = kernel_backend().cute_unavailable(cache, device)
         if reason is None:
             return kernel_backend()
-        if backend == "kernels":
-            raise ValueError(f"backend='kernels' cannot run here: {reason}; pass backend='auto' or 'reference'")
+    if backend == "kernels":
+        raise ValueError(f"backend='kernels' cannot run here: {reason}; pass backend='auto' or 'reference'")
     if reason not in _WARNED:
         _WARNED.add(reason)
         warnings.warn(
@@ -576,26 +493,16 @@ def backend_for(
 
 
 def _caller_stacklevel() -> int:
-    """The `warnings.warn` stacklevel, called from `backend_for`, of the first frame outside
-    replayssm (and the attrs-generated __init__ of ReplaySSMCache): the user's line."""
+    """`warnings.warn`'s stacklevel, called from `backend_for`, of the user's line: the first
+    frame outside replayssm (and attrs-generated __init__s)."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
     frame, level = sys._getframe(1), 1
-    while frame is not None and (
-        frame.f_code.co_filename.startswith(package) or frame.f_code.co_filename.startswith("<attrs generated")
-    ):
+    while frame is not None and frame.f_code.co_filename.startswith((package, "<attrs generated")):
         frame, level = frame.f_back, level + 1
     return level
 
 
 __all__ = [
-    "BACKENDS",
-    "BACKEND_CHOICES",
-    "KernelBackend",
-    "REFERENCE",
-    "ReferenceBackend",
-    "ReferenceFallbackWarning",
-    "backend_for",
-    "check_backend",
-    "compile_all",
-    "kernel_backend",
+    "BACKENDS", "BACKEND_CHOICES", "KernelBackend", "REFERENCE", "ReferenceBackend",
+    "ReferenceFallbackWarning", "backend_for", "check_backend", "compile_all", "kernel_backend",
 ]

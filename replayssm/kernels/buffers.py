@@ -1,5 +1,5 @@
-"""The plan buffers the kernel backend owns (device memory the plan kernels write and the
-decode kernels read; no kernel code here, so a CPU install needs no CuTe DSL)."""
+"""The plan buffers the plan kernels write and the decode kernels read (no kernel code here,
+so a CPU install needs no CuTe DSL)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,9 @@ PLAN_COLS = 8
 
 
 class PlanScratch:
-    """Single-token mode's plan of up to `rows` batch rows, in `reference.Plan`'s dtypes:
-    valid / flush bool, slot / ring_index / old_parity int64, key int64 holding the uint32
-    stream tag. `plan(batch)` returns views of the first `batch` rows (made once per batch
-    size), so a step allocates nothing. A later prepare into the same scratch overwrites
-    them: a plan is consumed (the kernels that read it launched) before the next prepare
-    on that stream."""
+    """Single-token mode's plan of up to `rows` batch rows in `reference.Plan`'s dtypes;
+    `plan(batch)`: views of the first `batch` rows (made once per batch size), so a step
+    allocates nothing. The next prepare into it overwrites them."""
 
     def __init__(self, rows: int, device: torch.device | str) -> None:
         self.rows = rows
@@ -29,7 +26,6 @@ class PlanScratch:
         self._plans: dict[int, Plan] = {}
 
     def plan(self, batch: int) -> Plan:
-        """Views of the first `batch` rows."""
         plan = self._plans.get(batch)
         if plan is None:
             plan = self._plans[batch] = Plan(*(t[:batch] for t in self.buffers))
@@ -37,9 +33,8 @@ class PlanScratch:
 
 
 class PendingPlan:
-    """Pending mode's plan for up to `rows` batch rows: `buf` (int32 [rows, PLAN_COLS];
-    `view(batch)` its first rows) and the fold's work list (int32 [rows + 1]: a count,
-    zero between calls, then rows)."""
+    """Pending mode's plan for up to `rows` batch rows: `buf` (int32 [rows, PLAN_COLS]) and
+    the fold's work list (int32 [rows + 1]: a count, zero between calls, then rows)."""
 
     def __init__(self, rows: int, device: torch.device | str) -> None:
         self.rows = rows

@@ -1,10 +1,5 @@
-"""Environment variables, read in one place (importable without Triton or the CuTe DSL).
-
-The package reads two: `REPLAYSSM_DEBUG` (`debug()`) and `REPLAYSSM_ARCH`
-(`arch_override()`). Each call site reads its variable once per call (an `os.environ`
-lookup); a value outside the documented set is a ValueError naming the variable, the
-accepted values and the value, wherever it is read.
-"""
+"""The package's environment variables, read in one place (no Triton or CuTe DSL import):
+each read is an `os.environ` lookup, and a value outside the documented set a ValueError."""
 
 from __future__ import annotations
 
@@ -23,9 +18,8 @@ SUPPORTED = tuple(ARCHS.values())
 
 
 def debug() -> bool:
-    """$REPLAYSSM_DEBUG: "1" turns on the host-side checks (unique live slots, slot
-    ownership in ReplaySSMCache.decode, finite prefill states), which synchronize with the
-    host; "0", empty or unset: off."""
+    """$REPLAYSSM_DEBUG="1": the host-side checks (unique live slots, slot ownership, finite
+    prefill states), which synchronize with the host; "0", empty or unset: off."""
     value = os.environ.get(DEBUG_ENV, "")
     if value not in ("", "0", "1"):
         raise ValueError(f"${DEBUG_ENV} must be '0' or '1' (or unset); got {value!r}")
@@ -33,8 +27,8 @@ def debug() -> bool:
 
 
 def arch_override() -> str | None:
-    """$REPLAYSSM_ARCH: the CuTe target to compile for instead of asking the GPU (so a
-    machine without one can compile), one of `SUPPORTED`; None when unset or empty."""
+    """$REPLAYSSM_ARCH: the CuTe target to compile for instead of asking the GPU, one of
+    `SUPPORTED`; None when unset or empty."""
     value = os.environ.get(ARCH_ENV, "")
     if not value:
         return None

@@ -1,9 +1,7 @@
-"""Read-copy formats: the FP8 (e4m3, one power-of-two scale per state row) and the NVFP4
-(e2m1 codes, e4m3 block scales per 16 elements, power-of-two second-level scale per slot
-and group) encodings of a state, in the arithmetic order the kernels use.
-
-A "state row" is one head-dim row of a head's P x N state (64 or 80 x 128 or 256): the N
-state-dim values S[h, p, :]. docs/format.md is the specification; this module is its executable form.
+"""Read-copy encodings of a state in the kernels' arithmetic order (docs/format.md section 3
+is the specification; this module its executable form): FP8 e4m3 with one power-of-two
+scale per state row (the N values S[h, p, :]), NVFP4 e2m1 codes with e4m3 block scales per
+16 elements and a power-of-two second-level scale per slot and group.
 """
 
 from __future__ import annotations
@@ -35,34 +33,21 @@ def _exp2(e: torch.Tensor) -> torch.Tensor:
     return ((e + 127) << 23).to(torch.int32).view(torch.float32)
 
 
-# ---------------------------------------------------------------------------------------
-# FP8
-
-
 def fp8_row_scale(row_amax: torch.Tensor) -> torch.Tensor:
     """Smallest power of two s with row_amax / s <= 448 (448 = 1.75 * 2**8)."""
     return _exp2(_pow2_exponent_above(row_amax, 0x600000, 8))
 
 
 def fp8_encode(state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP32 state [..., P, N] -> (codes float8_e4m3fn [..., P, N], scales fp32 [..., P]).
-
-    Nearest-even; value = code * scale. Multiplying by 1/scale (a power of two) is exact,
-    so the encoded value is the correctly rounded e4m3 of state / scale.
-    """
-    amax = state.abs().amax(dim=-1)
-    scale = fp8_row_scale(amax)
-    inv = _exp2(-_pow2_exponent_above(amax, 0x600000, 8))
-    codes = encode(state * inv.unsqueeze(-1), E4M3)
-    return codes.to(torch.uint8).view(torch.float8_e4m3fn), scale
+    """FP32 state [..., P, N] -> (codes float8_e4m3fn [..., P, N], scales fp32 [..., P]);
+    nearest-even, value = code * scale (1/scale is a power of two: the product is exact)."""
+    e = _pow2_exponent_above(state.abs().amax(dim=-1), 0x600000, 8)  # fp8_row_scale's
+    codes = encode(state * _exp2(-e).unsqueeze(-1), E4M3)
+    return codes.to(torch.uint8).view(torch.float8_e4m3fn), _exp2(e)
 
 
 def fp8_decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return decode_e4m3(codes) * scales.unsqueeze(-1)
-
-
-# ---------------------------------------------------------------------------------------
-# NVFP4
 
 
 def nvfp4_global_scale(group_amax: torch.Tensor) -> torch.Tensor:
@@ -80,31 +65,20 @@ def nvfp4_encode(
     state: torch.Tensor, group_amax_live: torch.Tensor, rbits: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP32 state [..., P, N] -> (packed codes uint8 [..., P, N / 2], block scales
-    float8_e4m3fn [..., P, N / 16]), given the live group amax (broadcast to [...]).
-
-    Steps, each rounded to FP32 as written (the kernels do the same):
-      g    = nvfp4_global_scale(amax_live); ig = 1 / g            (powers of two)
-      t    = (block_amax * ig) * fp32(1/6)
-      s    = e4m3_rn_satfinite(t)                                (block scale code)
-      d    = e4m3_value(s) * g                                   (exact)
-      r    = 1 / d, IEEE-rounded; r = 0 when d == 0
-      code = e2m1_satfinite(v * r)       (nearest-even, or stochastic with `rbits`)
-    Byte j of a row holds element 2j in its low nibble and element 2j+1 in its high one.
-    """
+    float8_e4m3fn [..., P, N / 16]), given the live group amax (broadcast to [...]). Each
+    step below is rounded to FP32 as written, as in the kernels; the codes nearest-even, or
+    stochastic with `rbits`; byte j of a row holds element 2j in its low nibble."""
     *lead, P, N = state.shape
     g = nvfp4_global_scale(group_amax_live)
     ig = nvfp4_inv_global_scale(group_amax_live)
     blocks = state.reshape(*lead, P, N // NVFP4_BLOCK, NVFP4_BLOCK)
     bamax = blocks.abs().amax(dim=-1)
-    igb = ig.reshape(*lead, *([1] * 2))
-    t = (bamax * igb) * torch.tensor(ONE_SIXTH, dtype=torch.float32)
-    s_code = encode(t, E4M3)
-    d = decode_e4m3(s_code) * g.reshape(*lead, 1, 1)
+    t = (bamax * ig.reshape(*lead, 1, 1)) * torch.tensor(ONE_SIXTH, dtype=torch.float32)
+    s_code = encode(t, E4M3)  # the block scale
+    d = decode_e4m3(s_code) * g.reshape(*lead, 1, 1)  # exact
     one = torch.ones((), dtype=torch.float32, device=state.device)
-    r = torch.where(d == 0, torch.zeros_like(d), one / d)
-    scaled = blocks * r.unsqueeze(-1)
-    codes = encode(scaled, E2M1, rbits)
-    codes = codes.reshape(*lead, P, N)
+    r = torch.where(d == 0, torch.zeros_like(d), one / d)  # IEEE division
+    codes = encode(blocks * r.unsqueeze(-1), E2M1, rbits).reshape(*lead, P, N)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
     return packed, s_code.to(torch.uint8).view(torch.float8_e4m3fn)
 
@@ -121,20 +95,12 @@ def nvfp4_decode(
     """Inverse of `nvfp4_encode`: value = e2m1(code) * e4m3(block scale) * g."""
     *lead, P, half = packed.shape
     N = 2 * half
-    vals = decode_e2m1(nvfp4_unpack(packed))
-    vals = vals.reshape(*lead, P, N // NVFP4_BLOCK, NVFP4_BLOCK)
+    vals = decode_e2m1(nvfp4_unpack(packed)).reshape(*lead, P, N // NVFP4_BLOCK, NVFP4_BLOCK)
     d = decode_e4m3(block_scales) * nvfp4_global_scale(group_amax_live).reshape(*lead, 1, 1)
     return (vals * d.unsqueeze(-1)).reshape(*lead, P, N)
 
 
 __all__ = [
-    "MASK32",
-    "fp8_row_scale",
-    "fp8_encode",
-    "fp8_decode",
-    "nvfp4_global_scale",
-    "nvfp4_inv_global_scale",
-    "nvfp4_encode",
-    "nvfp4_unpack",
-    "nvfp4_decode",
+    "MASK32", "fp8_row_scale", "fp8_encode", "fp8_decode", "nvfp4_global_scale", "nvfp4_inv_global_scale",
+    "nvfp4_encode", "nvfp4_unpack", "nvfp4_decode",
 ]

@@ -1,31 +1,9 @@
-"""Bit-level FP32 -> small-float encoders, written in the integer order the kernels use.
-
-Every encoder here works on the IEEE bits of an FP32 value with integer operations only,
-so the Triton kernels (whose interpreter gets float downcasts wrong) and the CuTe kernels
-can run the very same steps and be tested bit for bit. Three targets share one routine:
-
-    format   exp bits  man bits  bias  largest finite (code)   NaN code
-    e4m3fn   4         3         7     448      (0x7E)         0x7F
-    e2m1     2         1         1     6        (0x7)          none
-    fp16     5         10        15    65504    (0x7BFF)       0x7FFF
-
-Rounding to a target with `m` mantissa bits discards `shift` low bits of the aligned
-significand (`shift = 23 - m` for normal results, more for subnormal ones):
-
-* nearest-even:  code = (v + 2**(shift-1) - 1 + ((v >> shift) & 1)) >> shift
-* stochastic:    code = (v + u) >> shift, with u the random increment below.
-
-Stochastic rounding takes `k` random bits per element (`RAND_BITS[fmt]`, the widths the
-sm_100a `cvt.rs` instructions consume) and adds them at the top of the discarded field:
-u = r << (shift - k) when shift >= k, else r >> (k - shift). With k random bits a value
-between two neighbours rounds up with probability floor(frac * 2**k) / 2**k, unbiased to
-within 2**-k of one ulp.
-
-All results saturate to the largest finite value (PTX `.satfinite`): out-of-range and
-infinite inputs map to it with their sign. NaN maps to the positive NaN code the hardware
-writes (e4m3 0x7F, fp16 0x7FFF); e2m1, having no NaN, maps it to +6 = 0x7 as PTX's
-satfinite e2m1 conversions do. For FP16 this is exactly `cvt.rs.satfinite.f16x2.f32`:
-13 random bits per element, carried into the top 13 discarded bits (PTX ISA, cvt).
+"""Bit-level FP32 -> small-float encoders (e4m3fn, e2m1, fp16) on the IEEE bits with integer
+operations only, in the order the kernels use, so the Triton kernels (whose interpreter
+gets float downcasts wrong) and the CuTe kernels run the very same steps and are tested bit
+for bit. docs/format.md section 2 specifies nearest-even and stochastic rounding (k random
+bits added at the top of the discarded field, PTX `cvt.rs`), saturation (`.satfinite`)
+and the NaN codes.
 """
 
 from __future__ import annotations
@@ -49,18 +27,13 @@ class MiniFloat:
     nan_code: int  # code written for NaN inputs (positive; the sign is dropped)
     rand_bits: int  # random bits consumed per element by stochastic rounding
 
-    @property
-    def sign_shift(self) -> int:
-        return self.exp_bits + self.man_bits
-
 
 E4M3 = MiniFloat("e4m3", 4, 3, 7, 0x7E, 0x7F, rand_bits=8)
 E2M1 = MiniFloat("e2m1", 2, 1, 1, 0x7, 0x7, rand_bits=8)
 FP16 = MiniFloat("fp16", 5, 10, 15, 0x7BFF, 0x7FFF, rand_bits=13)
 
-# FP16 thresholds as FP32 bit patterns (the sm_90a flush's fast stochastic rounding,
-# kernels/cute/bits.py, and its CPU emulation test): smallest normal 2**-14, largest
-# finite 65504, and 65536, from which every finite magnitude saturates.
+# FP16 thresholds as FP32 bits for the sm_90a flush's fast stochastic rounding (kernels/cute/
+# bits.py): smallest normal 2**-14, largest finite 65504, 65536 (from which all saturate).
 FP16_MIN_NORMAL_F32_BITS = 0x38800000
 FP16_MAX_F32_BITS = 0x477FE000
 FP16_OVERFLOW_F32_BITS = 0x47800000
@@ -73,19 +46,10 @@ def f32_bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int32).to(torch.int64) & MASK32
 
 
-def _random_increment(rbits: torch.Tensor, shift: torch.Tensor, k: int) -> torch.Tensor:
-    r = rbits & ((1 << k) - 1)
-    up = r << (shift - k).clamp(min=0, max=40)
-    down = r >> (k - shift).clamp(min=0, max=40)
-    return torch.where(shift >= k, up, down)
-
-
 def encode(x: torch.Tensor, fmt: MiniFloat, rbits: torch.Tensor | None = None) -> torch.Tensor:
-    """Encode FP32 `x` to `fmt` codes (int64, sign included), saturating.
-
-    Nearest-even when `rbits` is None; otherwise stochastic, drawing the low
-    `fmt.rand_bits` bits of each element's entry in `rbits` (int64, broadcastable).
-    """
+    """Encode FP32 `x` to `fmt` codes (int64, sign included), saturating: nearest-even when
+    `rbits` is None, else stochastic with the low `fmt.rand_bits` bits of each element's
+    entry in `rbits` (int64, broadcastable), added at the top of the discarded field."""
     bits = f32_bits(x)
     sign = bits >> 31
     a = bits & 0x7FFFFFFF
@@ -104,14 +68,16 @@ def encode(x: torch.Tensor, fmt: MiniFloat, rbits: torch.Tensor | None = None) -
     if rbits is None:
         inc = (torch.ones_like(shift) << (shift - 1)) - 1 + ((v >> shift) & 1)
     else:
-        inc = _random_increment(rbits.to(torch.int64) & MASK32, shift, fmt.rand_bits)
+        k = fmt.rand_bits
+        r = rbits.to(torch.int64) & ((1 << k) - 1)
+        up, down = r << (shift - k).clamp(min=0, max=40), r >> (k - shift).clamp(min=0, max=40)
+        inc = torch.where(shift >= k, up, down)
     code = (v + inc) >> shift
-    code = code.clamp(max=fmt.max_code) | (sign << fmt.sign_shift)
+    code = code.clamp(max=fmt.max_code) | (sign << (fmt.exp_bits + fmt.man_bits))
     return torch.where(a > 0x7F800000, torch.full_like(code, fmt.nan_code), code)
 
 
-# ---------------------------------------------------------------------------------------
-# Decoders (exact; floats accumulate only after decoding).
+# -- decoders (exact; floats accumulate only after decoding) ------------------------------
 
 _E2M1_VALUES = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],

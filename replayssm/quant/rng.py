@@ -1,21 +1,10 @@
-"""The random hash that feeds every stochastic rounding in replayssm.
+"""The random hash that feeds every stochastic rounding (docs/format.md section 6).
 
-A counter-based hash: the bits for one element depend only on (seed, slot, position,
-logical element index), never on addresses or strides, so the PyTorch reference, the
-Triton kernels and the CuTe kernels draw identical bits and can be compared bit for bit.
-
-Definition (all arithmetic on unsigned 32-bit words, multiplication wraps mod 2**32):
-
-    mix(x):   x ^= x >> 16;  x *= 0x7FEB352D;  x ^= x >> 15;  x *= 0x846CA68B;  x ^= x >> 16
-    key  = mix(seed_lo ^ 0x9E3779B9)
-    key  = mix(key ^ seed_hi)            # seed taken mod 2**64, split in two words
-    key  = mix(key ^ slot)
-    key  = mix(key ^ (position mod 2**32))
-    word(key, index) = mix(key ^ (index * 0x9E3779B9))
-
-`key` is the per-row "stream tag" the prepare-decode step computes once per row; a kernel
-then derives one 32-bit word per index with a single `mix`. `mix` is the "lowbias32"
-integer finalizer (two multiplies, three xor-shifts), a bijection on 32-bit words.
+Counter-based: the bits of an element depend only on (seed, slot, position, logical
+element index), never on addresses or strides, so the PyTorch reference and the Triton and
+CuTe kernels draw identical bits. `mix` is the "lowbias32" finalizer (a bijection on 32-bit
+words); `stream_key` is the per-row tag the prepare step computes once, from which a kernel
+derives one word per index with a single `mix` (`random_words`).
 """
 
 from __future__ import annotations
@@ -45,8 +34,7 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     x = _mul32(x, MIX_M1)
     x = x ^ (x >> 15)
     x = _mul32(x, MIX_M2)
-    x = x ^ (x >> 16)
-    return x
+    return x ^ (x >> 16)
 
 
 def mix32_int(x: int) -> int:
@@ -56,59 +44,43 @@ def mix32_int(x: int) -> int:
     x = (x * MIX_M1) & MASK32
     x ^= x >> 15
     x = (x * MIX_M2) & MASK32
-    x ^= x >> 16
-    return x
-
-
-def seed_words(seed: int) -> tuple[int, int]:
-    """Split a Python int seed (taken mod 2**64) into (lo, hi) 32-bit words."""
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise TypeError(f"seed must be a Python int; got {type(seed).__name__}")
-    s = seed % (1 << 64)
-    return s & MASK32, s >> 32
+    return x ^ (x >> 16)
 
 
 def seed_key(seed: int) -> int:
-    """The part of the stream key that depends on the seed alone (a 32-bit int)."""
-    lo, hi = seed_words(seed)
-    return mix32_int(mix32_int(lo ^ GOLDEN) ^ hi)
+    """The seed's part of the stream key (32 bits; the seed is taken mod 2**64)."""
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed must be a Python int; got {type(seed).__name__}")
+    s = seed % (1 << 64)
+    return mix32_int(mix32_int((s & MASK32) ^ GOLDEN) ^ (s >> 32))
 
 
 def seed_key_i32(seed: int) -> int:
     """`seed_key(seed)` as the int32 with the same bits (the kernels' seed argument)."""
-    key = seed_key(seed) & 0xFFFFFFFF
+    key = seed_key(seed)
     return key - (1 << 32) if key >= (1 << 31) else key
 
 
 def stream_key(seed: int, slot: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """Per-row stream tag from the seed, slot ids and positions (int tensors, any shape).
-
-    Returns int64 tensor of uint32 values, same shape as `slot`.
-    """
+    """Per-row stream tag (int64 holding uint32, `slot`'s shape) from the seed, slot ids and
+    positions (int tensors)."""
     k = torch.full_like(slot, seed_key(seed), dtype=torch.int64)
     k = mix32(k ^ (slot.to(torch.int64) & MASK32))
-    k = mix32(k ^ (position.to(torch.int64) & MASK32))
-    return k
+    return mix32(k ^ (position.to(torch.int64) & MASK32))
 
 
 def random_words(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """One 32-bit random word per (key, index): mix(key ^ index * GOLDEN).
-
-    `key` and `index` broadcast; both int64 holding uint32 values. Returns int64.
-    """
+    """One 32-bit random word per (key, index): mix(key ^ index * GOLDEN); int64 holding
+    uint32, broadcast."""
     return mix32(key ^ _mul32(index.to(torch.int64) & MASK32, GOLDEN))
 
 
 def checkpoint_rbits(key: torch.Tensor, heads: int, head_offset: int = 0, head_dim: int = 64, state_dim: int = 128) -> torch.Tensor:
-    """Random bits for the FP16 stochastic rounding of a whole checkpoint.
-
-    `key`: [rows] stream tags. Returns int64 [rows, heads, P, N] (P = `head_dim`, N =
-    `state_dim`): for element (h, p, n) the bits of word(key, (((h + head_offset) * P + p)
-    * N + n) // 2), taking bits [12:0] for even n and bits [28:16] for odd n -- the split
-    `cvt.rs.f16x2.f32 d, a, b, rbits` uses when a = element n+1 (upper half of d) and
-    b = element n (lower half). `head_offset`: the model's head of the cache's head 0, so
-    that tensor-parallel shards of a model draw the bits one unsharded cache would.
-    """
+    """Random bits int64 [rows, heads, P, N] for the FP16 stochastic rounding of the
+    checkpoints of `key` [rows]: element (h, p, n) takes word(key, (((h + head_offset) * P
+    + p) * N + n) // 2), bits [12:0] for even n and [28:16] for odd n, as `cvt.rs.f16x2.f32`
+    consumes them (docs/format.md section 6). `head_offset`: the model's head of the cache's
+    head 0, so tensor-parallel shards draw the bits one unsharded cache would."""
     rows = key.shape[0]
     per_head = head_dim * state_dim // 2
     idx = torch.arange(heads * per_head, device=key.device, dtype=torch.int64) + head_offset * per_head

@@ -1,9 +1,6 @@
-"""Which CuTe DSL target a GPU gets: one table keyed by compute capability.
-
-`REPLAYSSM_ARCH=sm_100a` (or sm_90a, sm_103a) overrides the device query, so a machine
-without the GPU (CPU CI) can compile for any target. The table (`env.ARCHS`, beside the
-variable it validates) is the only place that knows the mapping; kernels choose their
-conversion instructions from the arch string.
+"""Which CuTe DSL target a GPU gets, by the one table keyed by compute capability
+(`env.ARCHS`); `REPLAYSSM_ARCH=sm_100a` (or sm_90a, sm_103a) overrides the device query,
+so a machine without the GPU (CPU CI) can compile for any target.
 """
 
 from __future__ import annotations
@@ -29,7 +26,8 @@ def arch_for(device: torch.device | str | int | None = None) -> str:
         return env
     if not torch.cuda.is_available():
         raise ValueError(
-            f"no CUDA device to pick a CuTe target for; set ${ARCH_ENV} to one of {SUPPORTED} to compile without one"
+            f"no CUDA device to pick a CuTe target for; set ${ARCH_ENV} to one of {SUPPORTED} "
+            "to compile without one"
         )
     cc = torch.cuda.get_device_capability(device)
     arch = ARCHS.get(tuple(cc))

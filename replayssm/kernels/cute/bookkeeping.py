@@ -1,26 +1,16 @@
 """The bookkeeping kernel (CuTe DSL): initialize and clear, bit-exact with
 `reference.initialize` / `reference.clear`; one launch each, no host sync, no allocation.
 
-Grid (batch, groups * splits), 256 threads: CTA (b, g * splits + k) serves batch row b's
-slot (a padding row, slot <= 0 or >= num_slots: nothing) and heads g * hpg + k, + splits,
-.. of group g (hpg heads a group):
-- each head: its x and dt rings zeroed; initialize also reads the head's FP32 state (any
-  strides; 16-byte loads where the rows allow them) in the flush's lane map, the CTA's
-  threads acting as 256 / threads flush CTAs (`flush.Shape`) in as many trips as the
-  head's row parts need, a thread holding two rows at 16 consecutive columns
-  (`flush.Flush.lane_geometry`), and writes it as the flush writes a folded state: the
-  FP16 checkpoint by stochastic rounding under the stream tag of (seed, slot,
-  INIT_POSITION) (`Flush.store_checkpoint`), the read copy by the format's strategy
-  (`read_copy`: FP8 row scales, NVFP4 block scales and codes with the group amax as the
-  live amax; fp16: none);
-- k = 0: the group's B ring zeroed; NVFP4: meta[slot, g, 0] = meta[slot, g, 1] = the
-  group amax; g = k = 0 also: the positions (both words in pending mode); NVFP4: parity 0.
-NVFP4's second-level scale needs the amax over the group's heads before any head is
-encoded: every CTA reduces it over the whole group first (max of the bits of |x|: exact
-and order-free), so no CTA waits for another and nothing but the cache is written. The
-repeated reads (mostly L2 hits) are what `splits` trades against parallelism: about
-NVFP4_CTAS CTAs a launch, at least one a (row, group). FP8 and fp16 take one head a CTA
-(splits = hpg), and so does clear, which reads nothing.
+Grid (batch, groups * splits), 256 threads: CTA (b, g * splits + k) serves row b's slot
+(padding rows: nothing) and heads g * hpg + k, + splits, .. of group g: their x and dt
+rings zeroed and, initialize, their FP32 state written as the flush writes a folded state
+(the checkpoint under the tag of (seed, slot, INIT_POSITION), the read copy by the
+format's strategy). k = 0 also zeroes the group's B ring and writes NVFP4's meta, g = k = 0
+the positions (both words in pending mode) and NVFP4's parity. NVFP4 encodes with the
+group amax, which every CTA reduces over the whole group (max of |x|'s bits: exact,
+order-free), so none waits for another; `splits` trades those repeated reads (mostly L2
+hits) against parallelism: about NVFP4_CTAS CTAs a launch, at least one a (row, group).
+Other formats and clear take one head a CTA.
 """
 
 from __future__ import annotations
@@ -49,17 +39,15 @@ from .plan import ID_DTYPES, row_slot, slots_words, stream_key
 from .read_copy import read_copy_format
 
 THREADS = 256  # flush CTAs' lane maps (`flush.Shape`) side by side: a head in one or more trips
-# NVFP4: CTAs a launch aims at (about one an SM of an H100 / H200 / B200) before it stops
-# splitting a (row, group) over more CTAs, each of which reduces the group amax again.
+# NVFP4: CTAs a launch aims at (about one an SM) before it stops splitting a (row, group)
+# over more CTAs, each of which reduces the group amax again.
 NVFP4_CTAS = 128
 
 
 class Bookkeeping:
     """Initialize (`fmt`: a `read_copy` strategy) or clear (`fmt` None) for hpg heads a
-    group and positions of `pos_width` words; `vec`: the states' rows are read by 16-byte
-    loads (unit column stride, 16-byte-aligned base and other strides). The ids' type is
-    the compile-time pointer's. `P`, `N`: the cache geometry (head dim, state dim; the
-    format's when there is one)."""
+    group, positions of `pos_width` words and head dim P, state dim N; `vec`: the states'
+    rows are read by 16-byte loads (unit column stride, 16-byte-aligned base and strides)."""
 
     def __init__(self, fmt, hpg: int, pos_width: int, vec: bool = False, P: int = 64, N: int = 128) -> None:
         self.fmt, self.hpg, self.pos_width, self.vec = fmt, hpg, pos_width, vec
@@ -68,10 +56,9 @@ class Bookkeeping:
         self.P, self.N = P, N
         self.two_level = fmt is not None and fmt.name == "nvfp4"
         self.flush = Flush(fmt, hpg, 1) if fmt is not None else None
-        # The head's state rows as the flush's CTAs (units) map them, THREADS // threads
-        # units at a time: 64 / 128 two units of 128 threads in one trip; 64 / 256 one of
-        # 256, two trips; head dim 80 five units, the last trip's spare threads repeating
-        # the last unit (the same values to the same addresses).
+        # The head's rows as the flush's CTAs (units) map them, THREADS // threads units a
+        # trip (64 / 128: two of 128 threads, one trip; head dim 80: five units, the last
+        # trip's spare threads repeating the last one: same values, same addresses).
         self.sh = shape(P, N)
         self.unit = self.sh.threads
         self.trips = -(-self.sh.m_split // (THREADS // self.unit))
@@ -123,16 +110,14 @@ class Bookkeeping:
 
     @cute.jit
     def zero(self, t, ring, stride16, slot, i, vectors: cutlass.Constexpr):
-        """Zero part i (`vectors` 16-byte vectors: a head of the x ring, a group of the B
-        ring) of `slot` in a bf16 ring (slot stride in 16-byte units)."""
+        """Zero part i (`vectors` 16-byte vectors: an x ring head, a B ring group) of `slot`."""
         w = cute.recast_ptr(ring, dtype=Uint32)
         for k in cutlass.range_constexpr(-(-vectors // THREADS)):
             if t + k * THREADS < vectors:
                 bits.st_global_v4_u32((w + (slot * stride16 + i * vectors + Int64(t + k * THREADS)) * 4).toint(), [Uint32(0)] * 4)
 
     def part(self, t, trip: int):
-        """The state-row part (flush CTA) thread t maps in `trip`: unit t // unit of the
-        trip's, the last part for spare threads."""
+        """The row part (flush CTA) thread t maps in `trip` (the last one for spare threads)."""
         mh = t // self.unit + trip * (THREADS // self.unit)
         if self.trips * (THREADS // self.unit) > self.sh.m_split:
             mh = cutlass.min(mh, Int32(self.sh.m_split - 1))
@@ -140,8 +125,8 @@ class Bookkeeping:
 
     @cute.jit
     def load(self, t, mh, states, head, sp, sn):
-        """This thread's 32 values of the head at element offset `head` in part mh, as the
-        flush's accumulators: acc[nt][2 i + e] = S[rows[i], col0 + 2 nt + e]."""
+        """This thread's 32 values of the head at `head` in part mh as the flush's
+        accumulators: acc[nt][2 i + e] = S[rows[i], col0 + 2 nt + e]."""
         _, _, rows, col0 = Flush.lane_geometry(t % self.unit, mh, self.sh.mt)
         vals = []
         for i in cutlass.range_constexpr(2):
@@ -155,8 +140,8 @@ class Bookkeeping:
 
     @cute.jit
     def group_amax(self, t, states, row, sh, sp, sn, g, s_red):
-        """FP32 bits of max |x| over group g's heads of the row (the whole CTA; `s_red`:
-        a shared word a warp, free again when this returns)."""
+        """FP32 bits of max |x| over group g's heads of the row (the whole CTA; `s_red`: a
+        shared word a warp, free again on return)."""
         amax = Int32(0)
         for h in range(g * self.hpg, (g + Int32(1)) * self.hpg):
             for trip in cutlass.range_constexpr(self.trips):
@@ -174,8 +159,7 @@ class Bookkeeping:
 
     @cute.jit
     def encode(self, t, mh, acc, slot, hh, key, ckpt, copy, s_amax, ctx):
-        """Checkpoint and read copy of head hh from this thread's values `acc`, as the
-        flush writes a folded row (`flush.Flush.flush_row`)."""
+        """Checkpoint and read copy of head hh from `acc`, as `flush.Flush.flush_row`."""
         fmt = self.fmt
         q, nq, rows, col0 = Flush.lane_geometry(t % self.unit, mh, self.sh.mt)
         if cutlass.const_expr(fmt.row_amax):  # FP8: a row's amax over its column parts
@@ -193,30 +177,26 @@ class Bookkeeping:
 
 
 def bookkeeping_kernel(state_dtype: str | None, arch: str, hpg: int, pos_width: int, ids_dtype: torch.dtype, vec: bool, P: int = 64, N: int = 128):
-    """The kernel object (initialize of `state_dtype`, or clear for None) and its
-    compile-time arguments, for head dim `P` and state dim `N`."""
+    """The kernel (initialize of `state_dtype`, clear for None) and its compile-time arguments."""
     fmt = read_copy_format(state_dtype, arch, P, N) if state_dtype else None
     copy = (fmt or read_copy_format("fp16", arch, P, N)).Args  # clear: the checkpoint's struct in the copy's place
     idt = ID_DTYPES[ids_dtype]
-    obj = Bookkeeping(fmt, hpg, pos_width, vec, P, N)
     fake = [
         make_ptr(idt, 0, assumed_align=ids_dtype.itemsize), Int64(0), make_ptr(Float32, 0, assumed_align=16 if vec else 4),
         *[Int64(0)] * 4, A.fake(A.Checkpoint), A.fake(A.Ring), A.fake(copy), A.fake(A.Slots), Int32(0), Int32(0), Int32(0),
         Int32(1), make_fake_stream(),
     ]  # fmt: skip
-    return obj, fake
+    return Bookkeeping(fmt, hpg, pos_width, vec, P, N), fake
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_bookkeeping(state_dtype: str | None, arch: str, hpg: int, pos_width: int, ids_dtype: torch.dtype, vec: bool, P: int = 64, N: int = 128):
-    """The compiled kernel (compiled on first use)."""
     return compile_entry(*bookkeeping_kernel(state_dtype, arch, hpg, pos_width, ids_dtype, vec, P, N), arch)
 
 
 class BookkeepingLaunch:
-    """The initialize launches of one cache, format, seed and head offset, or (`fmt`
-    None) its clear launches, with the argument structs made once, as ints (it holds no
-    tensor; its keeper passes the ids, states and stream of each call)."""
+    """The initialize (clear: `fmt` None) launches of one cache, format, seed and head
+    offset, the structs made once as ints; it holds no tensor."""
 
     __slots__ = ("args", "key", "groups", "hpg", "two_level", "dims")
 
@@ -237,7 +217,7 @@ class BookkeepingLaunch:
 
     def __call__(self, ids: torch.Tensor, stream: int, states: torch.Tensor | None = None) -> None:
         """Initialize the valid slots of `ids` (1-D int32 / int64, batch >= 1) from FP32
-        `states` [batch, H, 64, 128], or (clear launches) zero their rings and positions."""
+        `states` [batch, H, P, N], or (clear) zero their rings and positions."""
         batch = ids.shape[0]
         if states is None:  # clear: the checkpoint's address stands in for the unread states
             fn = compiled_bookkeeping(*self.key, ids.dtype, False, *self.dims)

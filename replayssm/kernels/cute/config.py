@@ -1,10 +1,7 @@
-"""Which kernel variants a decode step launches: a small frozen config chosen by rule.
-
-`step_config(arch, state_dtype, heads, groups, batch)` resolves every per-shape choice
-that a measurement justified; docs/design.md ("Config rules") gives each rule's numbers
-and the command that measured them. Nothing here reads the environment: a cache resolves
-its configs when it is built or warmed, and a benchmark that wants another choice builds
-one with `dataclasses.replace` and passes it to `launch.decode_step(config=...)`.
+"""Which kernel variants a decode step launches: a frozen config chosen by the rules of
+docs/design.md section 7 (each with its measurement). Nothing here reads the environment;
+a benchmark that wants another choice passes `dataclasses.replace(config, ...)` to
+`launch.decode_step(config=...)`.
 """
 
 from __future__ import annotations
@@ -17,8 +14,7 @@ import functools
 PDL_MAX_BATCH = 1
 # FP8: the read copy's loads fetch whole 128-byte lines into L2 from heads x batch on.
 FP8_READ_HINT, FP8_READ_HINT_MIN_WORK = ".L2::128B", 8192
-# NVFP4: the read copy streams (evict first) but in the batch-1 PDL variant. fp16 (the
-# checkpoint read in its place) takes NVFP4's rules, not measured.
+# NVFP4 (and fp16, not measured): the read copy streams (evict first) but at batch 1.
 NVFP4_READ_HINT = ".cs"
 # FP8 flush row groups: 32 batch rows from this many heads and rows on, else 16.
 ROWS, WIDE_ROWS, WIDE_ROWS_HEADS, WIDE_ROWS_BATCH = 16, 32, 64, 128
@@ -59,7 +55,7 @@ def step_config(arch: str, state_dtype: str, heads: int, groups: int, batch: int
 
 def step_configs(arch: str, state_dtype: str, heads: int, groups: int) -> tuple[StepConfig, ...]:
     """Every config `step_config` gives this geometry at some batch (warmup compiles them
-    all). The rules switch at batch 2, WIDE_ROWS_BATCH and the read hint's threshold."""
+    all): the rules switch at batch 2, WIDE_ROWS_BATCH and the read hint's threshold."""
     hint_batch = -(-FP8_READ_HINT_MIN_WORK // heads)
     batches = (1, PDL_MAX_BATCH + 1, WIDE_ROWS_BATCH, hint_batch, max(WIDE_ROWS_BATCH, hint_batch))
     configs = (step_config(arch, state_dtype, heads, groups, max(b, 1)) for b in batches)

@@ -1,45 +1,25 @@
-"""Pending-mode step kernel (CuTe DSL, speculative decoding, docs/format.md section 5b):
-every live row's T_b <= 8 outputs and ring writes, one warp per (row, head), the
-read-copy format (`read_copy.Fp8` / `Nvfp4` / `Fp16`) supplying the read-copy loads and
-row dots; the rest is `decode.Decode`'s lane map with the tokens in the MMA's n dimension.
+"""Pending-mode step kernel (CuTe DSL; docs/format.md section 5b, docs/design.md section
+10): every live row's T_b <= 8 outputs and ring writes, one warp per (row, head),
+`decode.Decode`'s lane map (fragment layouts in mma.py) with the call's tokens in the MMA's
+n dimension: lane (g, q) = (lane // 4, lane % 4) supplies token g's C', so one pass over
+the read copy (the format's `pending_dots`) gives R . C_t for every token; B_j . C_t and
+the replay sum_j coef_j,t x_j are bf16 MMAs. It runs behind the plan and the fold (PDL)
+and resets the fold's work list, or split in two launches (`fold_and_step`).
 
-It runs after the plan kernel of `plan.py` and the fold
-(`flush.PendingFold`) on the same stream, launched with programmatic
-dependent launch (griddepcontrol.wait before its first global access), and resets the
-fold's work list for the next call; or, split (`fold_and_step`), as two launches that
-take the rows that do not fold (beside the fold, on another stream, the list left alone)
-and the rows that fold (after the fold, resetting the list). The plan row (slot or -1, c', f_old, nf, parity, key, first token, T_b) gives the window of 16 token
-indices from the checkpoint f_new = f_old + nf, whose entry j is ring entry (f_new + j)
-mod 16 for j < u = c' - f_new (committed) and token j - u of the call for u <= j < u +
-T_b; rows that folded read the read copy the fold kernel has just written. For token t (last = u + t), with pre_j = dt_0 + .. + dt_j:
+The plan row (slot or -1, c', f_old, nf, parity, key, first token, T_b) gives a window of
+16 entries from f_new = f_old + nf: entry j is ring entry (f_new + j) mod 16 for j < u =
+c' - f_new (committed), else token j - u. For token t (last = u + t), pre_j = dt_0 + .. + dt_j:
 
     y_t[p] = exp(A pre_last) R[p] . C_t + sum_{j <= last} dt_j exp(A (pre_last - pre_j)) (B_j . C_t) x_j[p] + D[p] x_t[p]
 
-Per warp, lane (g, q) = (lane // 4, lane % 4) (fragment layouts in mma.py):
-
-1. Read-copy dots R C_t (the format's `pending_dots`): A rows are the read copy's rows as
-   in decode.py, B column g is token g's C' (lane (g, q) loads token g's C on its
-   n-set); one pass over the read copy serves all T tokens. Accumulator (m-tile mt):
-   rows 8 g + 2 mt, + 1 by tokens 2 q, 2 q + 1.
-2. B_j . C_t (bf16 MMA, exact products) for the 16 window entries, split over k between
-   the CTA's warps as decode.py's; the partial [16 entries, 8 tokens] tiles meet in shared
-   memory.
-3. The scan over the entries (lane k % 16 = entry k) gives pre; lane (g, q) forms the
-   coefficients of token g at entries 2 q, 2 q + 1, 2 q + 8, 2 q + 9 (zero past last_g),
-   the replay MMA's B fragment, split into bf16 and its bf16 remainder (two MMAs).
-4. Ring replay sum_j coef_j,t x_j (bf16 MMA, A = the window's x as decode.py's): the
-   accumulators land on step 1's (rows, tokens).
-5. Lane (g, q) writes rows 8 g .. + 7 of tokens 2 q, 2 q + 1 (16-byte stores), and those
-   tokens' x into the ring; lane k < 16 the processed dt of entry k; the group's first
-   head's warps B.
-
-A call's later draft may hold NaN or Inf: an entry's non-finite x is zeroed in the MMA and
-the tokens that read it output NaN, so it reaches only them (B, C and dt of an entry never
-meet another token's terms: selected, not multiplied). Padding rows (slot -1) write zeros
-to their T_b outputs; live rows with T_b = 0 return.
+A later draft's non-finite x is zeroed in the MMA and only the tokens that read it output
+NaN (an entry's B, C and dt are selected, never multiplied, into other tokens' terms).
+Padding rows (slot -1) write zeros to their T_b outputs.
 """
 
 from __future__ import annotations
+
+import functools
 
 import cutlass
 import cutlass.cute as cute
@@ -60,22 +40,17 @@ from .mma import mma_bf16_16x8x16
 from .read_copy import read_copy_format
 
 TOKENS = 8  # the MMA's n: max_seqlen <= 8
-
-
 ROWS = ("all", "rest", "fold")  # the rows a step launch takes: every row, those that do not fold, those that fold
-# PTX cache qualifier of the step's read-copy loads: streaming (evict first); faster than
-# none at 16h/2g batch 256 (both formats) and NVFP4 batch 1024, level at FP8 batch 1024
-# (docs/design.md section 10).
+# The step's read-copy loads stream (evict first): faster than no hint at 16h/2g batch 256
+# and NVFP4 batch 1024, level at FP8 batch 1024.
 STEP_READ_HINT = ".cs"
 
 
 class PendingStep(Decode):
-    """The pending-mode step for one (format, heads, groups): `decode.Decode`'s launch
-    (grid heads / heads-per-CTA x batch, registers for `Decode.ctas_per_sm` CTAs an SM:
-    FP8 and NVFP4 4 of 4 heads, measured 5% faster than 3), CTA (the heads of one group
-    of one row, a warp each), lane map and helpers. `rows` (one of ROWS): the rows it
-    computes, the others return at once; "rest" (padding included) may run beside the
-    fold, "fold" after it. Each row's code is the same in every variant, so is its output."""
+    """The pending step for one (format, heads, groups): `decode.Decode`'s launch, CTA (a
+    group's heads of one row, a warp each; FP8 and NVFP4 4 CTAs an SM, 5% faster than 3),
+    lane map and helpers. `rows` (ROWS): the rows it computes; "rest" (padding included)
+    may run beside the fold, "fold" after it; a row's code is the same in every variant."""
 
     def __init__(self, fmt, heads: int, groups: int, *, pdl: bool = True, rows: str = "all") -> None:
         if rows not in ROWS:
@@ -93,8 +68,7 @@ class PendingStep(Decode):
         pw = cute.recast_ptr(plan.rows, dtype=Uint32)
         row0 = bits.ld_global_v4_u32((pw + bb * 8).toint())
         row1 = bits.ld_global_v4_u32((pw + bb * 8 + 4).toint())
-        slot32 = Int32(row0[0])
-        cn, f_old, nf = Int32(row0[1]), Int32(row0[2]), Int32(row0[3])
+        slot32, cn, f_old, nf = [Int32(v) for v in row0]
         start, tb = Int32(row1[2]), Int32(row1[3])
         lane = t % 32
         gq, q = lane // 4, lane % 4
@@ -124,8 +98,7 @@ class PendingStep(Decode):
 
     @cute.jit
     def live_row(self, ring, copy, inputs, bb, slot, cn, f_new, start, tb, lane, gq, q, hh, w, s_bc):
-        HPG = self.hpg
-        g = hh // HPG
+        g = hh // self.hpg
         u = cn - f_new  # committed entries in the window
         one, zero = Int32(1), Int32(0)
 
@@ -155,7 +128,6 @@ class PendingStep(Decode):
                 row.append(bits.ld_global_v4_u32_if(src, on))
             bq.append(row)
 
-        # The read copy.
         loaded = self.fmt.pending_loads(copy, slot, hh, g, gq, q, self.read_hint)
 
         # x of window entries 2 q + v % 2 + 8 (v // 2) at rows 8 gq .. + 7.
@@ -200,16 +172,15 @@ class PendingStep(Decode):
         # B_j . C_t, this warp's k share; partial tiles [entry, token] meet in shared memory.
         acc_bc = self.bc_partial(bq, cw, w)
         tile = w * (RING * TOKENS)
-        s_bc[tile + gq * TOKENS + 2 * q] = acc_bc[0]
-        s_bc[tile + gq * TOKENS + 2 * q + 1] = acc_bc[1]
-        s_bc[tile + (gq + 8) * TOKENS + 2 * q] = acc_bc[2]
-        s_bc[tile + (gq + 8) * TOKENS + 2 * q + 1] = acc_bc[3]
+        for e in cutlass.range_constexpr(4):  # entries gq, gq + 8 by tokens 2 q, 2 q + 1
+            s_bc[tile + (gq + 8 * (e // 2)) * TOKENS + 2 * q + e % 2] = acc_bc[e]
         cute.arch.sync_threads()
 
         # Scan over the entries (lane k % 16 = entry k).
         dt_k = sel(is_new, softplus(dt_raw + bias), sel(k < u, dt_ring, Float32(0.0)))
         pre = self.prefix_sum(dt_k, k)
-        # Token gq's coefficients at entries 2 q, 2 q + 1, 2 q + 8, 2 q + 9.
+        # Token gq's coefficients at entries 2 q, 2 q + 1, 2 q + 8, 2 q + 9 (zero past last_g):
+        # the replay MMA's B fragment, as bf16 plus its bf16 remainder (two MMAs).
         last_g = u + gq
         pre_last = cute.arch.shuffle_sync(pre, last_g % RING)
         coef = []
@@ -256,9 +227,7 @@ class PendingStep(Decode):
             up_t = cute.arch.shuffle_sync(up, 4 * tt)
             decay = cute.math.exp(a_h * pre_t)
             nan_t = (bad & ((Int32(2) << cutlass.min(u + tt, Int32(RING - 1))) - one)) != zero
-            xo = []
-            for wd in cutlass.range_constexpr(4):
-                xo += bf16x2_to_f32x2(xt[s][wd])
+            xo = [v for wd in range(4) for v in bf16x2_to_f32x2(xt[s][wd])]
             if cutlass.const_expr(self.fmt.TAIL):  # rows 64 + 2 gq, + 1: m-tile 4
                 xo += bf16x2_to_f32x2(xt_t[s])
             y = []
@@ -277,7 +246,7 @@ class PendingStep(Decode):
         if lane < RING:
             if is_new:
                 ring.dt[slot * ring.dt_stride + hh * RING + Int64((f_new + k) % RING)] = dt_k
-        if (hh - Int64(w)) % HPG == 0:  # the CTA holding the group's first head: each warp its share
+        if (hh - Int64(w)) % self.hpg == 0:  # the CTA holding the group's first head: each warp its share
             for e in cutlass.range_constexpr(2):
                 j = gq + 8 * e
                 if (j >= u) & (j < u + tb):
@@ -287,54 +256,36 @@ class PendingStep(Decode):
                         bits.st_global_v4_u32(dst, bq[e][i])
 
 
-_COMPILED: dict[tuple, object] = {}
-
-
 def pending_kernel(state_dtype: str, arch: str, heads: int, groups: int, dt_dtype: torch.dtype = torch.float32, rows: str = "all", P: int = 64, N: int = 128):
-    """The kernel object (`rows`: as PendingStep takes it) and its compile-time arguments,
-    for head dim `P` and state dim `N`."""
+    """The step (`rows`: as PendingStep takes it) and its compile-time arguments."""
     fmt = read_copy_format(state_dtype, arch, P, N)
-    obj = PendingStep(fmt, heads, groups, pdl=True, rows=rows)
     fake = [A.fake(A.Ring), A.fake(fmt.Args), A.fake(A.PendingInputs, dt=dt_dtype), A.fake(A.PendingPlan), Int32(0), make_fake_stream()]
-    return obj, fake
+    return PendingStep(fmt, heads, groups, pdl=True, rows=rows), fake
 
 
+@functools.lru_cache(maxsize=None)
 def compiled_pending(state_dtype: str, arch: str, heads: int, groups: int, dt_dtype: torch.dtype, rows: str = "all", P: int = 64, N: int = 128):
-    """The compiled launcher (compiled on first use)."""
-    key = (state_dtype, arch, heads, groups, dt_dtype, rows, P, N)
-    fn = _COMPILED.get(key)
-    if fn is None:
-        obj, fake = pending_kernel(state_dtype, arch, heads, groups, dt_dtype, rows, P, N)
-        fn = _COMPILED[key] = compile_entry(obj, fake, arch)
-    return fn
+    obj, fake = pending_kernel(state_dtype, arch, heads, groups, dt_dtype, rows, P, N)
+    return compile_entry(obj, fake, arch)
 
 
 def fold_kernel(state_dtype: str, arch: str, heads: int, groups: int, debug: bool = False, P: int = 64, N: int = 128):
-    """The pending fold (flush.PendingFold) and its compile-time arguments, for head dim
-    `P` and state dim `N`."""
+    """The pending fold (flush.PendingFold) and its compile-time arguments."""
     fmt = read_copy_format(state_dtype, arch, P, N)
-    obj = PendingFold(fmt, heads, groups, debug=debug)
     plan = A.fake(A.PendingDebugPlan if debug else A.PendingPlan)
     fake = [A.fake(A.Checkpoint), A.fake(A.Ring), A.fake(fmt.Args), A.fake(A.FoldParams), plan, Int32(0), make_fake_stream()]
-    return obj, fake
+    return PendingFold(fmt, heads, groups, debug=debug), fake
 
 
+@functools.lru_cache(maxsize=None)
 def compiled_fold(state_dtype: str, arch: str, heads: int, groups: int, debug: bool = False, P: int = 64, N: int = 128):
-    key = ("fold", state_dtype, arch, heads, groups, debug, P, N)
-    fn = _COMPILED.get(key)
-    if fn is None:
-        obj, fake = fold_kernel(state_dtype, arch, heads, groups, debug, P, N)
-        fn = _COMPILED[key] = compile_entry(obj, fake, arch)
-    return fn
+    return compile_entry(*fold_kernel(state_dtype, arch, heads, groups, debug, P, N), arch)
 
 
 class PendingLaunch:
-    """The CuTe fold and step launches of pending-mode calls on one cache, plan buffer,
-    format and head offset, with the argument structs that repeat between calls made once
-    (as tuples of ints): the cache's (checkpoint, rings, read copy) and the plan buffer's.
-    A call's own (its inputs' addresses and strides, A's) are read per call (`step_words`).
-    It holds no tensor (as `launch.Step`): its keeper (the kernel backend's per-cache
-    context) keys it by the plan buffer, and passes the cache it was made for to each call."""
+    """The fold and step launches of pending-mode calls on one cache, plan buffer, format
+    and head offset: the cache's and plan buffer's structs made once as tuples of ints, a
+    call's own read per call (`step_words`). It holds no tensor (as `launch.Step`)."""
 
     __slots__ = ("state_dtype", "arch", "heads", "groups", "dims", "fold_ctas", "head_parts", "ckpt", "ring", "copy", "plan", "kernels")
 
@@ -352,7 +303,7 @@ class PendingLaunch:
         self.kernels: dict[tuple, object] = {}
 
     def compiled(self, key: tuple):
-        """The compiled kernel of `key`: ("fold", debug) or (dt dtype, rows), compiled on first use."""
+        """The compiled kernel of `key`: ("fold", debug) or (dt dtype, rows)."""
         fn = self.kernels.get(key)
         if fn is None:
             if key[0] == "fold":
@@ -363,24 +314,19 @@ class PendingLaunch:
         return fn
 
     def fold(self, cache, A_, plan_rows, fold_list, stream: int, debug_state=None) -> None:
-        """Launch the fold of the rows the plan kernel listed (before the step): a persistent
-        grid of the format's `fold_ctas_per_sm` CTAs an SM (fewer for small batches).
-        `debug_state`: FP32 [b, H, 64, 128] receiving S of every folded row (tests)."""
-        batch = plan_rows.shape[0]
-        debug = debug_state is not None
-        fn = self.compiled(("fold", debug))
-        ctas = min(batch * self.head_parts, self.fold_ctas)
+        """Launch the fold of the listed rows on a persistent grid (`fold_ctas_per_sm` CTAs an
+        SM at most); `debug_state`: FP32 [b, H, P, N] receiving each folded row's S (tests)."""
         plan = self.plan
-        if debug:
+        if debug_state is not None:
             plan = tuple(A.raw(A.PendingDebugPlan, rows=plan_rows, fold_list=fold_list, state=debug_state))
+        ctas = min(plan_rows.shape[0] * self.head_parts, self.fold_ctas)
+        fn = self.compiled(("fold", debug_state is not None))
         fn(self.ckpt, self.ring, self.copy, (A_.data_ptr(), A_.stride(0)), plan, ctas, stream)
 
     def step(self, cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, varlen: bool, stream: int, rows: str = "all") -> None:
-        """Launch the step for a call whose plan kernel has run, and whose fold has unless
-        `rows` is "rest" (PendingStep's `rows`): x [b, T, H, 64] (varlen [total, H, 64]), B,
-        C [.., G, 128], out like x, dt [b, T, H] ([total, H]), A, dt_bias [H], D [H, 64];
-        `plan_rows` the plan kernel's int32 [b, 8] rows and `fold_list` the fold kernel's
-        work list, whose count the step resets (not "rest"). The caller checked `reads_as_is`."""
+        """Launch the step (`rows`: PendingStep's) behind the plan and, unless "rest", the fold:
+        x [b, T, H, 64] (varlen [total, H, 64]), B, C [.., G, 128], out like x, dt [b, T, H]
+        ([total, H]), A, dt_bias [H], D [H, 64]; the caller checked `reads_as_is`."""
         batch = plan_rows.shape[0]
         if dt.dtype not in A.DSL_DTYPES:
             dt = dt.float()
@@ -388,24 +334,10 @@ class PendingLaunch:
         fn(self.ring, self.copy, step_words(x, dt, A_, B, C, D, dt_bias, out, varlen), self.plan, batch, stream)
 
 
-def _tok_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int]:
-    """(row stride, token stride) of a dense [b, T, ...] or varlen [total, ...] tensor."""
-    return (0, t.stride(0)) if varlen else (t.stride(0), t.stride(1))
-
-
 def step_inputs(x, dt, A_, B, C, D, dt_bias, out, varlen: bool) -> dict:
     """The `A.PendingInputs` fields of a call, by name (tensors and strides)."""
-    x_row, x_tok = _tok_strides(x, varlen)
-    dt_row, dt_tok = _tok_strides(dt, varlen)
-    b_row, b_tok = _tok_strides(B, varlen)
-    c_row, c_tok = _tok_strides(C, varlen)
-    o_row, o_tok = _tok_strides(out, varlen)
-    return dict(
-        x=x, dt=dt, A=A_, B=B, C=C, D=D, dt_bias=dt_bias, out=out,
-        x_row=x_row, x_tok=x_tok, dt_row=dt_row, dt_tok=dt_tok, dt_h=dt.stride(-1), b_row=b_row, b_tok=b_tok,
-        c_row=c_row, c_tok=c_tok, o_row=o_row, o_tok=o_tok, a_stride=A_.stride(0), bias_stride=dt_bias.stride(0),
-        d_h=D.stride(0), d_p=D.stride(1),
-    )  # fmt: skip
+    words = step_words(x, dt, A_, B, C, D, dt_bias, out, varlen)
+    return dict(zip(A.PendingInputs._fields, (x, dt, A_, B, C, D, dt_bias, out, *words[8:])))
 
 
 def step_words(x, dt, A_, B, C, D, dt_bias, out, varlen: bool) -> tuple:
@@ -426,20 +358,14 @@ def pending_fold(cache, A_, plan_rows, fold_list, *, state_dtype: str, arch: str
     PendingLaunch(cache, plan_rows, fold_list, state_dtype, arch, head_offset).fold(cache, A_, plan_rows, fold_list, stream, debug_state)
 
 
-def _read_as_is(t, width: int, split: bool) -> bool:
-    """Whether the kernel reads `t` as it is: bf16, its last dims (n, width) (`split`) or
-    n * width contiguous (heads or groups at width elements), a 16-byte-aligned base, the
-    leading (row and token) strides multiples of 8."""
-    s = t.stride()
+def reads_as_is(t, width: int, varlen: bool = False) -> bool:
+    """Whether the step reads x, B, C or out as it is: bf16, dense [b, T, n, width] or [b, T,
+    n * width] (varlen [total, ...]) with (n, width) or n * width contiguous, a 16-byte-aligned
+    base, the leading (row and token) strides multiples of 8."""
+    split, s = len(t.shape) == (3 if varlen else 4), t.stride()
     if t.dtype != torch.bfloat16 or s[-1] != 1 or (split and s[-2] != width) or t.data_ptr() % 16:
         return False
     return not any(v % 8 for v in s[: -2 if split else -1])
-
-
-def reads_as_is(t, width: int, varlen: bool = False) -> bool:
-    """Whether the step reads x, B, C or out as it is: dense [b, T, n, width] or [b, T,
-    n * width], varlen [total, n, width] or [total, n * width] (`_read_as_is`)."""
-    return _read_as_is(t, width, len(t.shape) == (3 if varlen else 4))
 
 
 def pending_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, *, state_dtype: str, arch: str, varlen: bool, stream: int, rows: str = "all") -> None:
@@ -448,23 +374,18 @@ def pending_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, 
     launcher.step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, varlen, stream, rows)
 
 
-# From this batch on, a captured call's step runs in two launches: the rows that do not
-# fold on the device's side stream beside the fold, the rows that fold after it. Eager
-# calls keep one step launch: their host time is several times the kernels' GPU time.
-SPLIT_MIN_BATCH = 64
+SPLIT_MIN_BATCH = 64  # from this batch on a captured call's step is two launches
 
 
 def fold_and_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, launch_fold, *, state_dtype: str,
                   arch: str, varlen: bool, stream: int, split: bool | None = None, launcher: PendingLaunch | None = None) -> None:  # fmt: skip
-    """Launch a call's fold (`launch_fold()`, on `stream`, right behind the plan kernel)
-    and step (`PendingLaunch.step`'s arguments; `launcher`: the cache's, else one made for
-    this call). `split` (None: from SPLIT_MIN_BATCH rows on, while a CUDA graph is being
-    captured): the step of the rows that do not fold goes on the device's side stream,
-    forked after the plan, beside the fold, and the step of the rows that fold follows the
-    fold on `stream`; the side stream joins `stream` after both (as the single-token step's
-    flush and non-flush kernels). Else one step after the fold (eager calls of
-    SPLIT_MIN_BATCH rows or more compile the split variants, so that a capture compiles
-    nothing)."""
+    """Launch a call's fold (`launch_fold()`, on `stream` behind the plan) and step
+    (`launcher`: the cache's, else one made for this call). `split` (None: from
+    SPLIT_MIN_BATCH rows on while a CUDA graph is captured): the rows that do not fold step
+    on the side stream, forked after the plan, beside the fold, the others after the fold;
+    the side stream joins `stream` after both. Else one step after the fold (eager calls:
+    their host time is several times the kernels' GPU time; from SPLIT_MIN_BATCH rows they
+    compile the split variants, so that a capture compiles nothing)."""
     if launcher is None:
         launcher = PendingLaunch(cache, plan_rows, fold_list, state_dtype, arch)
     if dt.dtype not in A.DSL_DTYPES:

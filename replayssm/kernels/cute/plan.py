@@ -1,28 +1,14 @@
 """The plan kernels (CuTe DSL): the first launch of every decode call, bit-exact with the
-reference's bookkeeping. No host sync and no allocation once a plan buffer of the batch
-size exists, so a CUDA graph captures them with the seed baked in; freshness comes from
-the device-resident positions. Live slots are unique (API precondition), so each slot's
-positions, parity and meta are touched by one thread only; padding rows write nothing in
-the cache.
+reference's bookkeeping, with no host sync and no allocation, so a CUDA graph captures them
+(the seed baked in, freshness from the device-resident positions). Live slots are unique
+(API precondition), so one thread touches a slot's positions, parity and meta; padding
+rows write nothing in the cache.
 
-`Prepare` (single-token mode, `reference.prepare_decode`), grid (batch,), thread 0 of CTA
-i_b: the plan row (valid, slot: 0 for padding rows, ring_index = positions[slot] mod 16,
-flush = valid and ring_index == 15, key = stream tag of (seed, slot, position),
-old_parity: NVFP4 flush rows' parity before the step, else 0); positions[slot] + 1 (valid
-rows); NVFP4 flush rows flip parity[slot] and zero meta[slot, g, old_parity] for every
-group g (the half that becomes the flush's amax accumulator). The CTA's threads zero the
-output row of a padding row. With `trigger` it signals programmatic dependent launch as
-it starts: the PDL-launched step kernel behind it becomes resident while it runs (and
-waits for the whole grid by griddepcontrol.wait either way).
-
-`PendingPlanKernel` (pending mode, docs/format.md section 5b, `pending.pending_decode`
-steps 1-2), one thread a row: from the positions (c, q), a = clamp(num_accepted, 0, q)
-(q when no verdicts), c' = c + a, f_old = f(c), f_new = f(c'); positions become (c', T_b);
-NVFP4 rows that fold flip parity and zero the half of meta that becomes the amax
-accumulator. It writes the plan row (PLAN_COLS int32 words: slot or -1, c', f_old,
-nf = f_new - f_old, the live parity, the fold's stream key, the row's first token, T_b)
-and appends the rows that fold to the fold's work list (a count, reset by the step, then
-rows).
+`Prepare`: single-token mode's (`reference.prepare_decode`; docs/design.md sections 1-2),
+a CTA a row. `PendingPlanKernel`: pending mode's (docs/format.md section 5b steps 1-2), a
+thread a row; its plan row is PLAN_COLS int32 words (slot or -1, c', f_old, nf, the live
+parity, the fold's stream key, the first token, T_b) and the rows that fold are appended
+to the fold's work list (a count the step resets, then rows).
 """
 
 from __future__ import annotations
@@ -59,8 +45,8 @@ def slots_words(cache, fmt) -> tuple:
 
 @cute.jit
 def stream_key(seed: Int32, slot: Int64, position: Int32) -> Uint32:
-    """quant/rng.py `stream_key` from the seed's key (int32 bits): the low 32 bits of
-    slot and position, each mixed in."""
+    """quant/rng.py `stream_key` from the seed's key (int32 bits) and the low 32 bits of
+    slot and position."""
     k = mix32(Uint32(seed) ^ Uint32(Int32(slot)))
     return mix32(k ^ Uint32(position))
 
@@ -74,10 +60,12 @@ def row_slot(ids, i: Int64, ids_stride: Int64, num_slots: Int32):
 
 
 class Prepare:
-    """Single-token mode's plan kernel for one (groups, output row, format, trigger, ids dtype)."""
+    """Single-token mode's plan kernel for one (groups, output row, format, trigger); the
+    ids' type is the compile-time pointer's. `trigger`: signal dependent launch at once, so
+    the PDL kernel behind it becomes resident while it runs (it still waits for the grid)."""
 
-    def __init__(self, groups: int, out_row: int, two_level: bool, trigger: bool, ids_dtype=Int64) -> None:
-        self.groups, self.out_row, self.two_level, self.trigger, self.ids_dtype = groups, out_row, two_level, trigger, ids_dtype
+    def __init__(self, groups: int, out_row: int, two_level: bool, trigger: bool) -> None:
+        self.groups, self.out_row, self.two_level, self.trigger = groups, out_row, two_level, trigger
 
     @cute.jit
     def __call__(self, ids: Pointer, ids_stride: Int64, slots: A.Slots, out: Pointer, plan: A.Plan, seed: Int32, batch: Int32, stream: cuda_driver.CUstream):
@@ -119,12 +107,10 @@ class Prepare:
 
 
 class PendingPlanKernel:
-    """Pending mode's plan kernel for one (T, groups, verdicts given, varlen, format, ids
-    and verdicts dtypes)."""
+    """Pending mode's plan kernel for one (T, groups, verdicts given, varlen, format)."""
 
-    def __init__(self, T: int, groups: int, has_acc: bool, varlen: bool, two_level: bool, ids_dtype=Int64, acc_dtype=Int64) -> None:
+    def __init__(self, T: int, groups: int, has_acc: bool, varlen: bool, two_level: bool) -> None:
         self.T, self.groups, self.has_acc, self.varlen, self.two_level = T, groups, has_acc, varlen, two_level
-        self.ids_dtype, self.acc_dtype = ids_dtype, acc_dtype
 
     @cute.jit
     def __call__(self, ids: Pointer, ids_stride: Int64, acc: Pointer, cu: Pointer, slots: A.Slots, plan: A.PendingPlan,
@@ -189,20 +175,18 @@ def _ptr(dtype, align: int):
 def prepare_kernel(groups: int, out_row: int, two_level: bool, trigger: bool, ids_dtype: torch.dtype) -> tuple[Prepare, list]:
     """The prepare kernel object and its compile-time arguments."""
     idt = ID_DTYPES[ids_dtype]
-    obj = Prepare(groups, out_row, two_level, trigger, idt)
     fake = [_ptr(idt, ids_dtype.itemsize), Int64(0), A.fake(A.Slots), _ptr(cutlass.Int16, 2), A.fake(A.Plan), Int32(0), Int32(0), make_fake_stream()]
-    return obj, fake
+    return Prepare(groups, out_row, two_level, trigger), fake
 
 
 def pending_plan_kernel(T: int, groups: int, has_acc: bool, varlen: bool, two_level: bool, ids_dtype: torch.dtype, acc_dtype: torch.dtype):
     """The pending plan kernel object and its compile-time arguments."""
     idt, adt = ID_DTYPES[ids_dtype], ID_DTYPES[acc_dtype]
-    obj = PendingPlanKernel(T, groups, has_acc, varlen, two_level, idt, adt)
     fake = [
         _ptr(idt, ids_dtype.itemsize), Int64(0), _ptr(adt, acc_dtype.itemsize), _ptr(Int32, 4), A.fake(A.Slots), A.fake(A.PendingPlan),
         Int32(0), Int32(1), Int32(0), make_fake_stream(),
     ]  # fmt: skip
-    return obj, fake
+    return PendingPlanKernel(T, groups, has_acc, varlen, two_level), fake
 
 
 @functools.lru_cache(maxsize=None)
@@ -213,15 +197,13 @@ def compiled_prepare(arch: str, groups: int, out_row: int, two_level: bool, ids_
 
 @functools.lru_cache(maxsize=None)
 def compiled_pending_plan(arch: str, T: int, groups: int, has_acc: bool, varlen: bool, two_level: bool, ids_dtype, acc_dtype):
-    """The compiled pending plan kernel."""
     return compile_entry(*pending_plan_kernel(T, groups, has_acc, varlen, two_level, ids_dtype, acc_dtype), arch)
 
 
 class PrepareLaunch:
     """The prepare launches of one cache, plan scratch (`buffers.PlanScratch`), format and
-    seed: the argument structs made once, as ffi.Arrays of ints (as `launch.Step`'s), and
-    the compiled kernel of each ids dtype looked up once (it holds no tensor; its keeper
-    passes the ids and output of each call)."""
+    seed: the structs made once as ffi.Arrays of ints, the kernel of each ids dtype looked
+    up once; it holds no tensor."""
 
     __slots__ = ("slots", "plan", "seed", "key", "entries")
 
@@ -242,7 +224,7 @@ class PrepareLaunch:
 
 class PendingPlanLaunch:
     """The pending plan launches of one cache, plan buffer (`buffers.PendingPlan`), format,
-    seed and max_seqlen (argument structs made once, as `PrepareLaunch`)."""
+    seed and max_seqlen (structs made once, as `PrepareLaunch`)."""
 
     __slots__ = ("slots", "plan", "seed", "grid", "key", "two_level")
 

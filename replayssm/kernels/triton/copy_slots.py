@@ -1,31 +1,19 @@
 """Copy kernel: every per-slot tensor of any number of cache tuples, slots `src` into slots
 `dst`, in one launch.
 
-The tensors are described by a copy table (`copy_table`, built once per list of tensors;
-int64 [chunks, 4]), one row per chunk of at most `chunk` bytes of one tensor's slot:
+The copy table (`copy_table`, int64 [chunks, 4], built once per list of tensors) has a row per
+chunk of at most `chunk` bytes of one tensor's slot: [address in slot 0, slot stride, bytes,
+width], slot s's copy at address + s * stride. `width` is the access granularity: 16 (16-byte
+vectors; address, stride and bytes multiples of 16), 4 or 1. A tensor whose slot bytes are not
+a multiple of 16 (positions, NVFP4 parity) gets a tail chunk of width 4 or 1; an unaligned
+tensor, width 4 or 1 throughout. Grid (chunks, pairs); a pair with a padding id (<= 0 or >=
+num_slots) is skipped. The kernel turns table addresses into pointers, restating the 16-byte
+alignment (`tl.multiple_of`) for 16-byte accesses; the interpreter runs the same code on host
+addresses, so CPU tests exercise table and kernel alike.
 
-    [address of the chunk in slot 0, slot stride (bytes), bytes in the chunk, width]
-
-so slot s's copy of the chunk starts at address + s * stride. `width` is the access
-granularity: 16 (int32 vectors of 4, 16-byte loads and stores: address, stride and chunk
-bytes all multiples of 16), 4 (int32) or 1 (bytes). A tensor whose slot bytes are not a
-multiple of 16 (positions, NVFP4 parity, meta of an odd group count) gets a last chunk of
-width 4 (or 1) for its tail; a tensor that is not 16-byte aligned, width 4 or 1 throughout.
-
-Grid (chunks, pairs): program (i_c, i_p) copies chunk i_c of slot src[i_p] into slot
-dst[i_p]. A pair with either id <= 0 or >= num_slots (padding) is skipped. The kernel
-turns table addresses into pointers (`int64.to(tl.pointer_type(...))`), with the 16-byte
-alignment restated on the pointer (`tl.multiple_of`) so the compiler emits 16-byte
-accesses; the Triton interpreter runs the same code on CPU tensors (the addresses are host
-addresses there), so CPU tests exercise the table and the kernel alike.
-
-Staging (host swap: `stage_slots`, one launch): the same chunks, between slots of the
-cache and one contiguous byte buffer, from a staging table (`stage_rows`, int64 [chunks,
-8]) whose rows add the chunk's place in the buffer: the tensor's prefix (staging bytes a
-slot of the tensors before it), its slot bytes and the chunk's offset in the slot. For n
-slots, slot i's chunk sits at buffer + n * prefix + i * size + offset, so each tensor's
-n slots lie contiguous, [n, *per-slot shape], and one table serves any n. Grid (chunks,
-slots); a gather (cache -> buffer) or a scatter (buffer -> cache), a constexpr.
+Staging (host swap: `stage_slots`, one launch): the same chunks between cache slots and one
+contiguous byte buffer, from a staging table (`stage_rows`, int64 [chunks, 8]) whose rows add
+each chunk's place in the buffer; a gather (cache -> buffer) or a scatter, a constexpr.
 """
 
 from __future__ import annotations
@@ -36,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import interpreting
+from . import interpreting
 
 TABLE_COLUMNS = 4  # address, slot stride, bytes, width
 MAX_PAIRS_PER_LAUNCH = 65535  # CUDA's limit on grid dim 1
@@ -73,14 +61,7 @@ def _move_chunk(a_src, a_dst, nbytes, width, BLOCK: tl.constexpr, ITERS: tl.cons
 
 @triton.jit(do_not_specialize=["num_slots"])
 def _copy_slots_kernel(
-    p_table,
-    p_src,
-    p_dst,
-    stride_src,
-    stride_dst,
-    num_slots,
-    BLOCK: tl.constexpr,
-    ITERS: tl.constexpr,
+    p_table, p_src, p_dst, stride_src, stride_dst, num_slots, BLOCK: tl.constexpr, ITERS: tl.constexpr
 ):
     i_c = tl.program_id(0)
     i_p = tl.program_id(1)
@@ -100,17 +81,9 @@ def _copy_slots_kernel(
 
 @triton.jit(do_not_specialize=["staging", "n", "first", "num_slots"])
 def _stage_slots_kernel(
-    p_table,
-    p_slots,
-    stride_slots,
-    staging,
-    n,
-    first,
-    num_slots,
-    TO_STAGING: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ITERS: tl.constexpr,
-):
+    p_table, p_slots, stride_slots, staging, n, first, num_slots,
+    TO_STAGING: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+):  # fmt: skip
     i_c = tl.program_id(0)
     i_p = tl.program_id(1)
     s = tl.load(p_slots + i_p.to(tl.int64) * stride_slots)
@@ -139,17 +112,13 @@ def default_chunk() -> int:
 
 
 def _width(address: int, stride: int, nbytes: int, widths=(16, 4)) -> int:
-    for w in widths:
-        if address % w == 0 and stride % w == 0 and nbytes % w == 0:
-            return w
-    return 1
+    return next((w for w in widths if address % w == stride % w == nbytes % w == 0), 1)
 
 
 def table_rows(tensors: Sequence[torch.Tensor], chunk: int) -> list[tuple[int, int, int, int]]:
-    """The copy table's rows for `tensors` (each [slots, ...], contiguous within a slot:
-    `layout.slot_stride_ok`), in order: chunks of `chunk` bytes (a multiple of 16) of each
-    tensor's slot, the widest access each allows: its 16-byte body at width 16 when the
-    tensor is 16-byte aligned, the rest (its tail, or all of it) at width 4 or 1."""
+    """The copy table's rows for `tensors` (each [slots, ...], contiguous within a slot), in
+    order: chunks of `chunk` bytes (a multiple of 16) of each tensor's slot at the widest
+    access it allows (see the module docstring)."""
     if chunk <= 0 or chunk % 16:
         raise ValueError(f"chunk must be a positive multiple of 16 bytes; got {chunk}")
     rows = []
@@ -165,24 +134,22 @@ def table_rows(tensors: Sequence[torch.Tensor], chunk: int) -> list[tuple[int, i
 
 
 def copy_table(tensors: Sequence[torch.Tensor], device: torch.device, chunk: int | None = None) -> torch.Tensor:
-    """The copy table (int64 [chunks, 4] on `device`) of `tensors`; see the module docstring.
-    Not capturable (a host-to-device copy): build it before capturing a graph."""
+    """The copy table of `tensors` on `device`. Not capturable (a host-to-device copy)."""
     rows = table_rows(tensors, default_chunk() if chunk is None else chunk)
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, TABLE_COLUMNS).to(device)
 
 
 def block_for(chunk: int) -> tuple[int, int]:
-    """(BLOCK, ITERS): a program moves a chunk in ITERS iterations of BLOCK int32 (4 * BLOCK
-    bytes); one iteration in the interpreter (it pays per op), 4 KiB ones on the GPU."""
+    """(BLOCK, ITERS): a chunk moves in ITERS iterations of BLOCK int32; one iteration in the
+    interpreter (it pays per op), 4 KiB ones on the GPU."""
     block = chunk // 4 if interpreting() else min(1024, chunk // 4)
     block = max(4, triton.next_power_of_2(block))
     return block, max(1, triton.cdiv(chunk, 4 * block))
 
 
 def copy_slots(table: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_slots: int, *, chunk: int | None = None) -> None:
-    """Copy every chunk of `table` (from `copy_table`, built with the same `chunk`) from
-    slot src[i] into slot dst[i] (int32/int64 [n] on the table's device, any stride; pairs
-    with a padding id skipped). One launch (one per 65535 pairs); no host sync."""
+    """Copy every chunk of `table` (`copy_table` with the same `chunk`) from slot src[i] into
+    slot dst[i] (int32/int64 [n], any stride). One launch per 65535 pairs; no host sync."""
     src, dst = src.reshape(-1), dst.reshape(-1)
     n, chunks = src.numel(), table.shape[0]
     if n == 0 or chunks == 0:
@@ -191,15 +158,7 @@ def copy_slots(table: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_sl
     for start in range(0, n, MAX_PAIRS_PER_LAUNCH):
         s, d = src[start : start + MAX_PAIRS_PER_LAUNCH], dst[start : start + MAX_PAIRS_PER_LAUNCH]
         _copy_slots_kernel[(chunks, s.numel())](
-            table,
-            s,
-            d,
-            s.stride(0),
-            d.stride(0),
-            num_slots,
-            BLOCK=block,
-            ITERS=iters,
-            num_warps=4,
+            table, s, d, s.stride(0), d.stride(0), num_slots, BLOCK=block, ITERS=iters, num_warps=4
         )
 
 
@@ -209,40 +168,33 @@ STAGE_COLUMNS = 8  # address, slot stride, bytes, width, staging prefix, slot by
 
 def _align(nbytes: int) -> int:
     """The largest power of two (at most 16) dividing `nbytes` (16 for 0)."""
-    for a in (16, 8, 4, 2):
-        if nbytes % a == 0:
-            return a
-    return 1
+    return next(a for a in (16, 8, 4, 2, 1) if nbytes % a == 0)
 
 
 def staging_order(sizes: Sequence[int], kinds: Sequence | None = None) -> list[int]:
-    """Indices of tensors with per-slot byte sizes `sizes` in staging order: by the
-    alignment of their size (16, 8, 4, 2, 1), then (with `kinds`, a hashable per tensor)
-    tensors of one kind together, in the order their kinds first appear; stable. Each
-    tensor's region of n slots then starts at n * (the sizes before it), a multiple of
-    its own alignment: every region can be viewed as its dtype, and 16-byte tensors keep
-    16-byte accesses. Tensors of one kind (the same tensor of every layer) lie one after
-    another, so one view of the buffer covers them all."""
+    """Indices of tensors with per-slot byte sizes `sizes` in staging order (stable): by the
+    alignment of their size (16, 8, 4, 2, 1), then tensors of one of `kinds` (a hashable per
+    tensor) together, in order of first appearance. Each tensor's region of n slots then
+    starts at a multiple of its own alignment (viewable as its dtype; 16-byte tensors keep
+    16-byte accesses), and one view covers a kind (the same tensor of every layer)."""
+    kinds = range(len(sizes)) if kinds is None else kinds
     first: dict = {}
-    for i, k in enumerate(kinds if kinds is not None else range(len(sizes))):
+    for i, k in enumerate(kinds):
         first.setdefault(k, i)
-    rank = [first[k] for k in kinds] if kinds is not None else list(range(len(sizes)))
-    return sorted(range(len(sizes)), key=lambda i: (-_align(sizes[i]), rank[i]))
+    return sorted(range(len(sizes)), key=lambda i: (-_align(sizes[i]), first[kinds[i]]))
 
 
 def stage_rows(
     tensors: Sequence[torch.Tensor], chunk: int, kinds: Sequence | None = None
 ) -> tuple[list[tuple[int, ...]], list[int]]:
-    """The staging table's rows for `tensors` (each [slots, ...], contiguous within a
-    slot) and each tensor's prefix (staging bytes per slot of the tensors before it).
+    """The staging table's rows for `tensors` (each [slots, ...], contiguous within a slot)
+    and each tensor's prefix (staging bytes per slot of the tensors before it).
 
-    Staging layout for n slots: tensor k (in `staging_order`) holds bytes [n * prefix_k,
-    n * (prefix_k + size_k)), slot i of the call at n * prefix_k + i * size_k: each
-    tensor's slots contiguous, as an export of that tensor alone would hold them. A row:
-    (address of the chunk in slot 0, slot stride, bytes, width, prefix_k, size_k, offset
-    of the chunk within the slot, 0); width 16 where the tensor's address, slot stride
-    and size allow it (its staging side then does too), else 4 or 1, for the whole
-    tensor (a tail at another width would break the staging side's alignment)."""
+    For n slots, tensor k (in `staging_order`) holds bytes [n * prefix_k, n * (prefix_k +
+    size_k)), slot i at n * prefix_k + i * size_k: [n, *per-slot shape], as an export of that
+    tensor alone would hold it. A row: (address in slot 0, slot stride, bytes, width, prefix_k,
+    size_k, offset of the chunk in the slot, 0); one width for the whole tensor (a tail at
+    another width would break the staging side's alignment)."""
     if chunk <= 0 or chunk % 16:
         raise ValueError(f"chunk must be a positive multiple of 16 bytes; got {chunk}")
     sizes = [t[0].numel() * t.element_size() if t.shape[0] else 0 for t in tensors]
@@ -261,25 +213,17 @@ def stage_rows(
 
 
 def stage_table(rows: Sequence[tuple[int, ...]], device: torch.device) -> torch.Tensor:
-    """The staging table (int64 [chunks, 8] on `device`) of `stage_rows`."""
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, STAGE_COLUMNS).to(device)
 
 
 def stage_slots(
-    table: torch.Tensor,
-    slots: torch.Tensor,
-    staging: torch.Tensor,
-    num_slots: int,
-    *,
-    to_staging: bool,
+    table: torch.Tensor, slots: torch.Tensor, staging: torch.Tensor, num_slots: int, *, to_staging: bool,
     chunk: int | None = None,
 ) -> None:
-    """Gather (`to_staging`) every chunk of `table` (from `stage_table`, built with the
-    same `chunk`) of slots `slots` (int32/int64 [n] on the table's device) into the
-    contiguous byte buffer `staging` (at least n x the table's bytes per slot, on the
-    same device, 16-byte aligned) at the layout `stage_rows` describes, or scatter it
-    back (`to_staging=False`). One launch (one per 65535 slots); no host sync. A padding
-    id (<= 0 or >= num_slots) moves nothing."""
+    """Gather (`to_staging`) every chunk of `table` (`stage_table` with the same `chunk`) of
+    `slots` (int32/int64 [n]) into the 16-byte-aligned byte buffer `staging` (at least n x the
+    table's bytes per slot) at `stage_rows`' layout, or scatter it back. One launch per 65535
+    slots; no host sync. A padding id (<= 0 or >= num_slots) moves nothing."""
     slots = slots.reshape(-1)
     n, chunks = slots.numel(), table.shape[0]
     if n == 0 or chunks == 0:
@@ -290,15 +234,6 @@ def stage_slots(
     for start in range(0, n, MAX_PAIRS_PER_LAUNCH):
         s = slots[start : start + MAX_PAIRS_PER_LAUNCH]
         _stage_slots_kernel[(chunks, s.numel())](
-            table,
-            s,
-            s.stride(0),
-            staging.data_ptr(),
-            n,
-            start,
-            num_slots,
-            TO_STAGING=to_staging,
-            BLOCK=block,
-            ITERS=iters,
-            num_warps=4,
-        )
+            table, s, s.stride(0), staging.data_ptr(), n, start, num_slots,
+            TO_STAGING=to_staging, BLOCK=block, ITERS=iters, num_warps=4,
+        )  # fmt: skip

@@ -1,9 +1,8 @@
-"""Materialize kernel: the FP32 state [n, H, P, N] of each row's slot after every
-decoded token, `reference.materialize`'s math on the device: no host sync, no allocation
-when `out` is given, so a CUDA graph can capture it.
+"""Materialize kernel: `reference.materialize`'s math on the device (no host sync, no
+allocation when `out` is given, so a CUDA graph can capture it).
 
-Grid (n, H, P // BLOCK_P): program (i_b, i_h, i_p) computes state rows
-p in [i_p * BLOCK_P, (i_p + 1) * BLOCK_P) of head i_h for batch row i_b:
+Grid (n, H, P // BLOCK_P): program (i_b, i_h, i_p) computes BLOCK_P state rows of head i_h
+for batch row i_b:
 
     live   = positions[slot] mod 16, the entries from ring index start = 0 (separate mode);
              pending mode: c = positions[slot, 0], the checkpoint at f = grid * (c div grid),
@@ -26,36 +25,16 @@ import triton.language as tl
 
 from ... import layout as L
 from ...pending import grid as pending_grid
-from .launch import interpreting
+from . import interpreting
 
 
 @triton.jit(do_not_specialize=["num_slots", "grid"])
 def _materialize_kernel(
-    p_ids,
-    p_A,
-    p_ckpt,
-    p_x,
-    p_dt,
-    p_b,
-    p_pos,
-    p_out,
-    stride_ids,
-    stride_A,
-    stride_ckpt,
-    stride_x,
-    stride_dt,
-    stride_b,
-    stride_pos,
-    stride_out,
-    num_slots,
-    grid,
-    H: tl.constexpr,
-    HPG: tl.constexpr,
-    P: tl.constexpr,
-    N: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    p_ids, p_A, p_ckpt, p_x, p_dt, p_b, p_pos, p_out,
+    stride_ids, stride_A, stride_ckpt, stride_x, stride_dt, stride_b, stride_pos, stride_out, num_slots, grid,
+    H: tl.constexpr, HPG: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr,
     PENDING: tl.constexpr,
-):
+):  # fmt: skip
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
     i_p = tl.program_id(2)
@@ -103,11 +82,10 @@ def _materialize_kernel(
 def materialize(
     cache, ids: torch.Tensor, A: torch.Tensor, out: torch.Tensor | None = None, max_seqlen: int | None = None
 ) -> torch.Tensor:
-    """FP32 states [n, H, P, N] of the slots in `ids` (int32/int64 [n]; padding rows
-    read as zeros) into `out` (contiguous FP32 [n, H, P, N], P and N the cache's
-    `layout.dims`; allocated when None).
-    `A`: FP32 [H] (any stride). A pending cache (positions [S, 2]) needs its `max_seqlen`
-    and gives the state after the committed tokens. One launch; reads the cache only."""
+    """FP32 states [n, H, P, N] of the slots in `ids` (int32/int64 [n]; padding rows read as
+    zeros) into contiguous `out` (allocated when None). `A`: FP32 [H], any stride. A pending
+    cache (positions [S, 2]) needs its `max_seqlen` and gives the state after the committed
+    tokens."""
     ids = ids.reshape(-1)
     n = ids.numel()
     ckpt = cache[L.CHECKPOINT]
@@ -127,30 +105,9 @@ def materialize(
     # tl.arange takes powers of two: head dim 80 runs 16 rows a program on both.
     block_p = 64 if P == 64 and interpreting() else 16
     _materialize_kernel[(n, heads, P // block_p)](
-        ids,
-        A,
-        ckpt,
-        x_ring.view(torch.int16),
-        dt_ring,
-        b_ring.view(torch.int16),
-        pos,
-        out,
-        ids.stride(0),
-        A.stride(0),
-        ckpt.stride(0),
-        x_ring.stride(0),
-        dt_ring.stride(0),
-        b_ring.stride(0),
-        pos.stride(0),
-        out.stride(0),
-        num_slots,
-        grid,
-        H=heads,
-        HPG=heads // groups,
-        P=P,
-        N=N,
-        BLOCK_P=block_p,
-        PENDING=pending,
-        num_warps=4,
-    )
+        ids, A, ckpt, x_ring.view(torch.int16), dt_ring, b_ring.view(torch.int16), pos, out,
+        ids.stride(0), A.stride(0), ckpt.stride(0), x_ring.stride(0), dt_ring.stride(0), b_ring.stride(0),
+        pos.stride(0), out.stride(0), num_slots, grid,
+        H=heads, HPG=heads // groups, P=P, N=N, BLOCK_P=block_p, PENDING=pending, num_warps=4,
+    )  # fmt: skip
     return out
