@@ -159,7 +159,7 @@ class Bookkeeping:
 
     @cute.jit
     def encode(self, t, mh, acc, slot, hh, key, ckpt, copy, s_amax, ctx):
-        """Checkpoint and read copy of head hh from `acc`, as `flush.Flush.flush_row`."""
+        """Checkpoint and read copy of head hh from `acc`, as `flush.Flush.fold_row`."""
         fmt = self.fmt
         q, nq, rows, col0 = Flush.lane_geometry(t % self.unit, mh, self.sh.mt)
         if cutlass.const_expr(fmt.row_amax):  # FP8: a row's amax over its column parts
