@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.standard_decode import _softplus, _store_rn
+from benchmarks.standard_decode import _softplus, _store_rn, _tile
 from replayssm.layout import HEAD_DIM, STATE_DIM
 
 
@@ -99,22 +99,7 @@ def spec_step_kernel(
     N: tl.constexpr,
     SOFT_BF16: tl.constexpr,
 ):
-    NUM_PB: tl.constexpr = P // BLOCK_P
-    i_hp = tl.program_id(0)
-    i_b = tl.program_id(1).to(tl.int64)
-    i_h = i_hp // NUM_PB
-    i_p = i_hp % NUM_PB
-    i_g = i_h // HEADS_PER_GROUP
-
-    slot = tl.load(slots + i_b).to(tl.int64)
-    valid = (slot > 0) & (slot < num_slots)
-    slot = tl.where(valid, slot, 0)  # padding rows: every cache access below is masked
-
-    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    o_n = tl.arange(0, N)
-    m_p = o_p < tl.where(valid, P, 0)
-    m_n = o_n < tl.where(valid, N, 0)
-    m_s = m_p[:, None] & m_n[None, :]
+    i_b, i_h, i_g, slot, valid, o_p, o_n, m_p, m_n, m_s = _tile(slots, num_slots, HEADS_PER_GROUP, BLOCK_P, P, N)
 
     b_dtb = tl.load(dt_bias + i_h * stride_dtb_h).to(tl.float32)
     b_a = tl.load(A + i_h * stride_a_h).to(tl.float32)

@@ -66,6 +66,25 @@ def _store_rn(p, v, mask, SOFT_BF16: tl.constexpr, EVICT: tl.constexpr):
 
 
 @triton.jit
+def _tile(slots, num_slots, HEADS_PER_GROUP: tl.constexpr, BLOCK_P: tl.constexpr, P: tl.constexpr, N: tl.constexpr):
+    """This program's (row, head, group, slot, valid, P offsets, N offsets, P / N / tile masks):
+    grid (heads * P // BLOCK_P, batch)."""
+    NUM_PB: tl.constexpr = P // BLOCK_P
+    i_hp = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
+    i_h = i_hp // NUM_PB
+    slot = tl.load(slots + i_b).to(tl.int64)
+    valid = (slot > 0) & (slot < num_slots)
+    # Padding rows address slot 0 (never dereferenced: every cache access is masked).
+    slot = tl.where(valid, slot, 0)
+    o_p = (i_hp % NUM_PB) * BLOCK_P + tl.arange(0, BLOCK_P)
+    o_n = tl.arange(0, N)
+    m_p = o_p < tl.where(valid, P, 0)
+    m_n = o_n < tl.where(valid, N, 0)
+    return i_b, i_h, i_h // HEADS_PER_GROUP, slot, valid, o_p, o_n, m_p, m_n, m_p[:, None] & m_n[None, :]
+
+
+@triton.jit
 def standard_decode_kernel(
     state,  # [num_slots, H, P, N] fp32 / bf16 / fp16, updated in place
     x,  # [batch, H, P] bf16
@@ -102,23 +121,7 @@ def standard_decode_kernel(
     N: tl.constexpr,
     SOFT_BF16: tl.constexpr,
 ):
-    NUM_PB: tl.constexpr = P // BLOCK_P
-    i_hp = tl.program_id(0)
-    i_b = tl.program_id(1).to(tl.int64)
-    i_h = i_hp // NUM_PB
-    i_p = i_hp % NUM_PB
-    i_g = i_h // HEADS_PER_GROUP
-
-    slot = tl.load(slots + i_b).to(tl.int64)
-    valid = (slot > 0) & (slot < num_slots)
-    # Padding rows address slot 0 (never dereferenced: every cache access is masked).
-    slot = tl.where(valid, slot, 0)
-
-    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    o_n = tl.arange(0, N)
-    m_p = o_p < tl.where(valid, P, 0)
-    m_n = o_n < tl.where(valid, N, 0)
-    m_s = m_p[:, None] & m_n[None, :]
+    i_b, i_h, i_g, slot, valid, o_p, o_n, m_p, m_n, m_s = _tile(slots, num_slots, HEADS_PER_GROUP, BLOCK_P, P, N)
 
     b_dt = tl.load(dt + i_b * stride_dt_b + i_h * stride_dt_h).to(tl.float32)
     b_dtb = tl.load(dt_bias + i_h * stride_dtb_h).to(tl.float32)
