@@ -152,6 +152,34 @@ class ReplaySSMCache:
         chk.int_ids("slots", ids)
         self.allocator.check_live(self._host_ids(ids))
 
+    def _rows(self, slots, checks: bool) -> torch.Tensor:
+        """A decode call's slot ids: at most max_batch, live ones checked with `checks`."""
+        slots = self._slots(slots)
+        if slots.numel() > self.max_batch:
+            raise ValueError(f"slots must hold at most max_batch={self.max_batch} rows; got {slots.numel()}")
+        if checks and not torch.compiler.is_compiling():  # host reads: eager only (ops.py)
+            self._check_live(slots)
+        return slots
+
+    def _default_A(self, A: torch.Tensor | None, slots: torch.Tensor, caller: str) -> torch.Tensor:
+        """`A`, else the last decode call's, else (none yet) zeros if no live slot has
+        tokens to fold: pending ones for `accept`, committed since the checkpoint else."""
+        if A is not None or self._last_A is not None:
+            return self._last_A if A is None else A
+        pos = self.tensors[L.POSITIONS][slots[(slots > 0) & (slots < self.num_slots)].long()]
+        if caller == "accept":
+            live = pos[:, 1]
+        elif self.spec_tokens:
+            from .pending import checkpoint_index
+
+            c = pos[:, 0].long()
+            live = c - checkpoint_index(c, self.max_seqlen)
+        else:
+            live = pos % L.RING
+        if bool((live != 0).any()):
+            raise ValueError(f"{caller} needs A: no decode call has supplied one yet")
+        return torch.zeros(self.num_heads, dtype=torch.float32, device=self.device)
+
     def allocate(self, n: int) -> torch.Tensor:
         """n unique free slot ids (int32, on the cache device); passing the tensor back
         (to `prefill_init`, `release`, ...) reads nothing from the device (`_issue`)."""
@@ -202,42 +230,35 @@ class ReplaySSMCache:
         ):  # fmt: skip
             object.__setattr__(self, "_last_A", A)  # as at the end
             return out
-        given, slots = slots, self._slots(slots)
-        batch = slots.numel()
-        if batch > self.max_batch:
-            raise ValueError(f"slots must hold at most max_batch={self.max_batch} rows; got {batch}")
-        if checks and not torch.compiler.is_compiling():  # host reads: eager only (ops.py)
-            self._check_live(slots)
-        if self.spec_tokens:
-            if out is None:
-                lead = (x.shape[0],) if cu_seqlens is not None and isinstance(x, torch.Tensor) else (batch, self.max_seqlen)
-                out = torch.empty(*lead, self.num_heads, self.head_dim, dtype=torch.bfloat16, device=self.device)
-            # The eager fast path of the dense layout (api.direct_decode_pending), else the op.
-            if not (
-                direct and cu_seqlens is None
-                and api.direct_decode_pending(self.tensors, self.num_heads, self.num_groups, self._backend, x, dt, A, B, C,
-                                               D, dt_bias, slots, out, self._format, self.seed, self.max_seqlen,
-                                               num_accepted_tokens, self.head_offset)
-            ):  # fmt: skip
-                api.decode_pending(
-                    self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
-                    fmt=self._format, seed=self.seed, checks=checks, max_seqlen=self.max_seqlen,
-                    num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=self.head_offset,
-                    own_seqlen=True, ids_name="slots",
-                )
-        else:
-            if num_accepted_tokens is not None or cu_seqlens is not None:
-                raise ValueError(
-                    "num_accepted_tokens and cu_seqlens are pending-mode arguments; this cache has spec_tokens=0 "
-                    "(separate mode): build it with spec_tokens=k for speculative decoding"
-                )
-            try_direct = direct and (out is None or slots is not given)  # else the fast path above tried these
-            if out is None:
-                out = torch.empty(batch, self.num_heads, self.head_dim, dtype=torch.bfloat16, device=self.device)
+        given, slots = slots, self._rows(slots, checks)
+        if not self.spec_tokens and (num_accepted_tokens is not None or cu_seqlens is not None):
+            raise ValueError(
+                "num_accepted_tokens and cu_seqlens are pending-mode arguments; this cache has spec_tokens=0 "
+                "(separate mode): build it with spec_tokens=k for speculative decoding"
+            )
+        try_direct = direct and (out is None or slots is not given)  # else the fast path above tried these
+        if out is None:  # [batch, heads, P]; pending mode [batch, max_seqlen, heads, P], varlen [tokens, heads, P]
+            rows = (slots.numel(), self.max_seqlen) if self.spec_tokens else (slots.numel(),)
+            lead = (x.shape[0],) if cu_seqlens is not None and isinstance(x, torch.Tensor) else rows
+            out = torch.empty(*lead, self.num_heads, self.head_dim, dtype=torch.bfloat16, device=self.device)
+        if not self.spec_tokens:
             api.decode(
                 self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
                 fmt=self._format, seed=self.seed, checks=checks, scratch=self._scratch, head_offset=self.head_offset,
                 try_direct=try_direct, ids_name="slots",
+            )
+        # The eager fast path of the dense layout (api.direct_decode_pending), else the op.
+        elif not (
+            direct and cu_seqlens is None
+            and api.direct_decode_pending(self.tensors, self.num_heads, self.num_groups, self._backend, x, dt, A, B, C,
+                                           D, dt_bias, slots, out, self._format, self.seed, self.max_seqlen,
+                                           num_accepted_tokens, self.head_offset)
+        ):  # fmt: skip
+            api.decode_pending(
+                self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
+                fmt=self._format, seed=self.seed, checks=checks, max_seqlen=self.max_seqlen,
+                num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=self.head_offset,
+                own_seqlen=True, ids_name="slots",
             )
         # Not `self._last_A = A`: torch 2.13's dynamo recurses without end into the attrs
         # __setattr__ of this class (the `device` converter) and breaks the graph.
@@ -251,27 +272,14 @@ class ReplaySSMCache:
         checks = debug()
         if not self.spec_tokens:
             raise ValueError("accept is pending mode's: this cache has spec_tokens=0 (separate mode)")
-        slots = self._slots(slots)
-        n = slots.numel()
-        if n > self.max_batch:
-            raise ValueError(f"slots must hold at most max_batch={self.max_batch} rows; got {n}")
-        if checks and not torch.compiler.is_compiling():  # host reads: eager only
-            self._check_live(slots)
-        if A is None:
-            A = self._last_A
-            if A is None:
-                live = slots[(slots > 0) & (slots < self.num_slots)].long()
-                if bool((self.tensors[L.POSITIONS][live][:, 1] != 0).any()):
-                    raise ValueError("accept needs A: no decode call has supplied one yet")
-                A = torch.zeros(self.num_heads, dtype=torch.float32, device=self.device)  # nothing to fold
-        h, g = self.num_heads, self.num_groups
-        bf = dict(dtype=torch.bfloat16, device=self.device)
-        x = torch.empty(0, h, self.head_dim, **bf)
-        BC = torch.empty(0, g, self.state_dim, **bf)
-        dt = torch.empty(0, h, device=self.device)
-        out = torch.empty(0, h, self.head_dim, **bf)
-        cu = torch.zeros(n + 1, dtype=torch.int32, device=self.device)
-        D = torch.zeros(h, device=self.device)
+        slots = self._rows(slots, checks)
+        A = self._default_A(A, slots, "accept")
+        # No tokens: empty x, dt, B, C and out, every row's cu_seqlens span empty.
+        h, dev, bf = self.num_heads, self.device, torch.bfloat16
+        x, out = (torch.empty(0, h, self.head_dim, dtype=bf, device=dev) for _ in range(2))
+        BC = torch.empty(0, self.num_groups, self.state_dim, dtype=bf, device=dev)
+        dt, D = torch.empty(0, h, device=dev), torch.zeros(h, device=dev)
+        cu = torch.zeros(slots.numel() + 1, dtype=torch.int32, device=dev)
         api.decode_pending(
             self.tensors, self._geometry, self._backend, x, dt, A, BC, BC, D, D, slots, out,
             fmt=self._format, seed=self.seed, checks=checks, max_seqlen=self.max_seqlen,
@@ -286,22 +294,8 @@ class ReplaySSMCache:
         debug()
         slots = self._slots(slots)
         self._check_live(slots)
-        if A is None:
-            A = self._last_A
-            if A is None:
-                pos = self.tensors[L.POSITIONS][slots[(slots > 0) & (slots < self.num_slots)].long()]
-                if self.spec_tokens:
-                    from .pending import checkpoint_index
-
-                    c = pos[:, 0].long()
-                    live = c - checkpoint_index(c, self.max_seqlen)
-                else:
-                    live = pos % L.RING
-                if bool((live != 0).any()):
-                    raise ValueError("materialize needs A: no decode call has supplied one yet")
-                A = torch.zeros(self.num_heads, dtype=torch.float32, device=self.device)
         return api.materialize(
-            self.tensors, self._geometry, self._backend, slots, A, out,
+            self.tensors, self._geometry, self._backend, slots, self._default_A(A, slots, "materialize"), out,
             max_seqlen=self.max_seqlen if self.spec_tokens else None, ids_name="slots",
         )
 
@@ -376,20 +370,7 @@ class ReplaySSMCache:
         the GPU are checked only with REPLAYSSM_DEBUG=1, so the copy can be captured (once a
         first call has built the copy kernel's table)."""
         debug()
-        src, dst = self._handoff_ids("src", src), self._handoff_ids("dst", dst)
-        device = self.tensors[L.CHECKPOINT].device  # with its index: device ids compare equal to it
-        kernel = handoff.use_kernel(device, "auto", (self,))
-        s, d = handoff.validate_pair(src, dst, device, self.num_slots, keep_dtype=kernel)
-        if (src.device.type == "cpu" and dst.device.type == "cpu") or debug():
-            self._check_handoff_live(src, "src", unique=False)
-            self._check_handoff_live(dst, "dst")
-        self._copy(s, d, kernel)
-
-    def _copy(self, src: torch.Tensor, dst: torch.Tensor, kernel: bool) -> None:
-        if kernel:
-            handoff.copy_plan((self,)).copy(src, dst)
-        else:
-            handoff.copy_rows(self.tensors, src.to(torch.int64), dst.to(torch.int64))
+        _copy((self,), src, dst, "auto", own=True)
 
     def fork(self, src, n: int = 1) -> torch.Tensor:
         """Allocate `n` slots per slot of `src` and copy it into them; returns the new ids
@@ -398,10 +379,8 @@ class ReplaySSMCache:
         chk.integer("n", n, low=1)
         src = self._handoff_ids("src", src)
         self._check_handoff_live(src, "src")
-        kernel = handoff.use_kernel(self.device, "auto", (self,))
         dst = self.allocate(n * src.numel())  # raises before changing anything if too few are free
-        s = src.to(self.device, torch.int64).repeat_interleave(n)
-        self._copy(s, dst, kernel)
+        _copy((self,), src.to(self.device, torch.int64).repeat_interleave(n), dst, "auto", own=True)
         return dst
 
     def snapshot(self, src, dst, A: torch.Tensor | None = None) -> None:
@@ -423,14 +402,9 @@ class ReplaySSMCache:
         layout.tensor_specs gives them; `compact=True`: the materialized FP32 {"state": [n,
         heads, head_dim, state_dim]} (`A` as for `materialize`) alone."""
         debug()
-        ids = self._handoff_ids("slots", slots)
-        self._check_handoff_live(ids, "slots")
-        d = ids.to(self.device, torch.int64)
         if not compact:
-            if handoff.use_kernel(self.device, "auto", (self,)):  # one gather launch, one device-to-host copy
-                return handoff.export_staged(handoff.copy_plan((self,)), [self.tensors], [self._format], d, non_blocking)[0]
-            return handoff.export_rows(self.tensors, d, self._format, non_blocking)
-        states = self.materialize(d, A)
+            return _export((self,), slots, non_blocking, "auto", own=True)[0]
+        states = self.materialize(_layer_ids((self,), slots, self.device, own=True), A)
         host = handoff.host_empty(states.shape, states.dtype)
         host.copy_(states, non_blocking=non_blocking and host.is_pinned())
         handoff.finish(self.tensors, non_blocking)
@@ -439,23 +413,14 @@ class ReplaySSMCache:
     def import_(self, data: dict, slots) -> None:
         """Write `export`ed data into the allocated slots `slots` (one per exported slot),
         or for the compact form initialize them from it; everything is checked first."""
-        checks = debug()
-        ids = self._handoff_ids("slots", slots)
-        self._check_handoff_live(ids, "slots")
-        # Drafts awaiting a verdict must fit this cache's max_seqlen (decode trusts it).
-        compact = handoff.check_export(data, self.tensors, self._format, ids.numel(), self.max_seqlen)
-        d = ids.to(self.device, torch.int64)
-        if not compact and handoff.use_kernel(self.device, "auto", (self,)):
-            plan = handoff.copy_plan((self,))
-            if handoff.import_staged(plan, [self.tensors], [self._format], [data], d):  # an export's one buffer
-                return
-        handoff.import_rows(
-            self.tensors, self._geometry, self._backend, data, d, compact,
-            fmt=self._format, seed=self.seed, checks=checks, head_offset=self.head_offset,
-        )
+        debug()
+        _import((self,), [data], slots, "auto", own=True)
 
 
 # -- slot hand-off over every layer of a model (docs/format.md "Slot hand-off") -------------
+# A cache's own hand-off methods run the functions below with `own`: they read slot ids back
+# (a sync for GPU ids) always (a copy: when src and dst both are on the host), accept ids on
+# any device, and their `backend` is "auto".
 def _check_layers(caches: Sequence, backend: str) -> torch.device | None:
     """The one device (with its index) of caches with one num_slots; None for no caches."""
     if isinstance(caches, ReplaySSMCache) or not isinstance(caches, Sequence):
@@ -482,6 +447,10 @@ def copy_slots(caches: Sequence, src, dst, *, backend: str = "auto") -> None:
     device) in one copy-kernel launch. `backend`: "auto" the kernel where it can run and no
     cache chose backend="reference"; "kernels" the kernel or a ValueError; "reference"
     per-tensor copies."""
+    _copy(caches, src, dst, backend)
+
+
+def _copy(caches: Sequence, src, dst, backend: str, own: bool = False) -> None:
     device = _check_layers(caches, backend)
     if device is None:
         return
@@ -489,7 +458,7 @@ def copy_slots(caches: Sequence, src, dst, *, backend: str = "auto") -> None:
     kernel = handoff.use_kernel(device, backend, caches)
     src_t, dst_t = first._handoff_ids("src", src), first._handoff_ids("dst", dst)  # lists stay on the host
     s, d = handoff.validate_pair(src_t, dst_t, device, first.num_slots, keep_dtype=kernel)
-    if src_t.device.type == "cpu" or debug():
+    if (src_t.device.type == "cpu" and (not own or dst_t.device.type == "cpu")) or debug():
         for c in caches:
             c._check_handoff_live(src_t, "src", unique=False)
             c._check_handoff_live(dst_t, "dst")
@@ -500,11 +469,14 @@ def copy_slots(caches: Sequence, src, dst, *, backend: str = "auto") -> None:
         handoff.copy_rows(c.tensors, s, d)
 
 
-def _layer_ids(caches: Sequence, slots, device: torch.device) -> torch.Tensor:
+def _layer_ids(caches: Sequence, slots, device: torch.device, own: bool = False) -> torch.Tensor:
     """`slots` in range, unique and allocated in every layer (ids on the device checked
-    only with REPLAYSSM_DEBUG=1), as int64 on the device."""
+    only with REPLAYSSM_DEBUG=1, unless `own`), as int64 on the device."""
     first = caches[0]
     ids = first._handoff_ids("slots", slots)  # lists stay on the host
+    if own:
+        first._check_handoff_live(ids, "slots")
+        return ids.to(first.device, torch.int64)
     d = handoff.validate_slots(ids, device, first.num_slots)
     if ids.device.type == "cpu" or debug():
         for c in caches:
@@ -516,11 +488,15 @@ def export_slots(caches: Sequence, slots, *, non_blocking: bool = False, backend
     """`ReplaySSMCache.export(slots)` over all layers' caches, a dict per layer. With the
     kernel (`backend` as for `copy_slots`) every tensor is a view of one pinned host buffer
     (one gather launch, one device-to-host copy)."""
+    return _export(caches, slots, non_blocking, backend)
+
+
+def _export(caches: Sequence, slots, non_blocking: bool, backend: str, own: bool = False) -> list[dict]:
     device = _check_layers(caches, backend)
     if device is None:
         return []
     kernel = handoff.use_kernel(device, backend, caches)
-    ids = _layer_ids(caches, slots, device)
+    ids = _layer_ids(caches, slots, device, own)
     if kernel:
         plan = handoff.copy_plan(caches)
         return handoff.export_staged(plan, [c.tensors for c in caches], [c.format for c in caches], ids, non_blocking)
@@ -533,6 +509,10 @@ def import_slots(caches: Sequence, data: Sequence[dict], slots, *, backend: str 
     """`ReplaySSMCache.import_(data[i], slots)` for every layer i, everything checked
     first. `export_slots`' one buffer goes back in one host-to-device copy and one scatter
     launch (`backend` as for `copy_slots`)."""
+    _import(caches, data, slots, backend)
+
+
+def _import(caches: Sequence, data: Sequence[dict], slots, backend: str, own: bool = False) -> None:
     device = _check_layers(caches, backend)
     if device is None:
         return
@@ -541,7 +521,8 @@ def import_slots(caches: Sequence, data: Sequence[dict], slots, *, backend: str 
         raise TypeError(f"data must be a sequence of dicts (one per cache, from export_slots); got {type(data).__name__}")
     if len(data) != len(caches):
         raise ValueError(f"data must hold one dict per cache; got {len(data)} for {len(caches)} caches")
-    ids = _layer_ids(caches, slots, device)
+    ids = _layer_ids(caches, slots, device, own)
+    # Drafts awaiting a verdict must fit each cache's max_seqlen (decode trusts it).
     compact = [handoff.check_export(d, c.tensors, c.format, ids.numel(), c.max_seqlen) for c, d in zip(caches, data)]
     if kernel and not any(compact):
         plan = handoff.copy_plan(caches)
