@@ -36,17 +36,16 @@ from . import layout as L
 from .formats import Format, format_of
 from .kernels import backend_for, check_backend
 from .kernels.env import arch_override, debug
+from .pending import MAX_SEQLEN, checkpoint_index
 from .slots import NULL_SLOT, SlotAllocator
 
 
 @attrs.define(eq=False, repr=False)
 class ReplaySSMCache:
-    """One model layer's ReplaySSM state for `num_slots` slots (slot 0 reserved): the cache
-    tuple (`.tensors`, docs/format.md; validated once here, so the methods skip the
-    functional API's per-call tuple checks), its slots, prefill and decode. `max_batch`
-    (default num_slots - 1) bounds the rows of a call; `backend` as for the functional API,
-    chosen once (`backend_name`). `spec_tokens` k in 1..7 is pending mode for speculative
-    decoding with k draft tokens (max_seqlen = k + 1 for the cache's lifetime)."""
+    """One model layer's state for `num_slots` slots (slot 0 reserved): the cache tuple
+    `.tensors` (docs/format.md; checked once here, not per call), its slots, prefill and
+    decode. `max_batch` (default num_slots - 1) bounds a call's rows; `backend` as for the
+    functional API. `spec_tokens` k in 1..7: pending mode with k draft tokens (max_seqlen k + 1)."""
 
     num_slots: int
     num_heads: int
@@ -72,7 +71,6 @@ class ReplaySSMCache:
     # The A of the last decode call (a reference, not a copy), None before the first.
     _last_A: torch.Tensor | None = attrs.field(init=False, default=None, repr=False)
     _scratch: object = attrs.field(init=False, default=None, repr=False)
-    # Whether eager decode calls may take api.direct_decode (kernel backend, CUDA cache).
     _direct: bool = attrs.field(init=False, default=False, repr=False)
     # id -> (weak reference, version, host values) of the id tensors `allocate` returned.
     _issued: dict = attrs.field(init=False, factory=dict, repr=False)
@@ -85,8 +83,6 @@ class ReplaySSMCache:
         L.check_geometry(self.num_slots, self.num_heads, self.num_groups, self.head_dim, self.state_dim)
         chk.seed(self.seed)
         chk.head_offset(self.head_offset)
-        from .pending import MAX_SEQLEN
-
         if not isinstance(self.spec_tokens, int) or isinstance(self.spec_tokens, bool):
             raise TypeError(f"spec_tokens must be an int; got {type(self.spec_tokens).__name__}")
         if not 0 <= self.spec_tokens <= MAX_SEQLEN - 1:
@@ -140,8 +136,7 @@ class ReplaySSMCache:
         return ids
 
     def _host_ids(self, ids: torch.Tensor) -> list[int]:
-        """Slot ids' values: from `_issue`'s record for a tensor it made that is unchanged
-        since (the same object at the same version), else read (a sync on CUDA)."""
+        """Slot ids' values: `_issue`'s record of a tensor it made, if unchanged, else read."""
         hit = self._issued.get(id(ids))
         if hit is not None and hit[0]() is ids and hit[1] == ids._version:
             return hit[2]
@@ -170,8 +165,6 @@ class ReplaySSMCache:
         if caller == "accept":
             live = pos[:, 1]
         elif self.spec_tokens:
-            from .pending import checkpoint_index
-
             c = pos[:, 0].long()
             live = c - checkpoint_index(c, self.max_seqlen)
         else:
@@ -215,11 +208,9 @@ class ReplaySSMCache:
         self, x, dt, A, B, C, D, dt_bias, slots, out=None, *, num_accepted_tokens=None, cu_seqlens=None
     ) -> torch.Tensor:
         """One decode step; returns bf16 [batch, heads, P] (`out` if given: pass it when
-        capturing a CUDA graph). Live ids must be allocated and unique (padding ids are
-        ignored), checked only with REPLAYSSM_DEBUG=1. Pending mode: `num_accepted_tokens`
-        and the layouts (dense, or varlen with `cu_seqlens`) as for
-        `selective_state_update_replayssm`; token t's output is the layer's after the
-        committed tokens and the row's tokens 0..t."""
+        capturing a CUDA graph). Live ids must be allocated and unique, checked only with
+        REPLAYSSM_DEBUG=1. Pending mode: arguments and layouts (dense, or varlen with
+        `cu_seqlens`) as for `selective_state_update_replayssm` (docs/format.md section 5b)."""
         checks = debug()
         direct = not checks and self._direct and not torch.compiler.is_compiling()
         # The eager fast path first (ids as `_slots` returns them, at most max_batch rows).
@@ -237,7 +228,7 @@ class ReplaySSMCache:
                 "(separate mode): build it with spec_tokens=k for speculative decoding"
             )
         try_direct = direct and (out is None or slots is not given)  # else the fast path above tried these
-        if out is None:  # [batch, heads, P]; pending mode [batch, max_seqlen, heads, P], varlen [tokens, heads, P]
+        if out is None:  # pending mode: [batch, max_seqlen, heads, P], varlen [tokens, heads, P]
             rows = (slots.numel(), self.max_seqlen) if self.spec_tokens else (slots.numel(),)
             lead = (x.shape[0],) if cu_seqlens is not None and isinstance(x, torch.Tensor) else rows
             out = torch.empty(*lead, self.num_heads, self.head_dim, dtype=torch.bfloat16, device=self.device)
@@ -357,8 +348,7 @@ class ReplaySSMCache:
         return chk.id_list(name, slots)
 
     def _check_handoff_live(self, ids: torch.Tensor, name: str, *, unique: bool = True) -> None:
-        """Every id in [1, num_slots - 1], allocated and (with `unique`) named once (a host
-        read: a sync for CUDA ids)."""
+        """Every id in [1, num_slots - 1], allocated and (with `unique`) named once; a host read."""
         values = [int(v) for v in ids.tolist()]
         handoff.check_host_ids(name, values, self.num_slots, unique=unique)
         stray = sorted({s for s in values if not self.allocator.is_allocated(s)})
@@ -418,11 +408,11 @@ class ReplaySSMCache:
 
 
 # -- slot hand-off over every layer of a model (docs/format.md "Slot hand-off") -------------
-# A cache's own hand-off methods run the functions below with `own`: they read slot ids back
-# (a sync for GPU ids) always (a copy: when src and dst both are on the host), accept ids on
-# any device, and their `backend` is "auto".
-def _check_layers(caches: Sequence, backend: str) -> torch.device | None:
-    """The one device (with its index) of caches with one num_slots; None for no caches."""
+# A cache's methods run these with `own`: slot ids on any device, read back (a GPU sync)
+# always (a copy: when both src and dst are on the host).
+def _check_layers(caches: Sequence, backend: str) -> tuple[torch.device, bool] | None:
+    """The one device (with its index) of caches with one num_slots and whether the copy
+    kernel serves them (`handoff.use_kernel`); None for no caches."""
     if isinstance(caches, ReplaySSMCache) or not isinstance(caches, Sequence):
         raise TypeError(f"caches must be a sequence of ReplaySSMCache; got {type(caches).__name__}")
     for i, c in enumerate(caches):
@@ -439,7 +429,7 @@ def _check_layers(caches: Sequence, backend: str) -> torch.device | None:
                 f"caches must share num_slots and device; caches[{i}] has {c.num_slots} slots on "
                 f"{c.tensors[L.CHECKPOINT].device}, caches[0] {first.num_slots} on {device}"
             )
-    return device
+    return device, handoff.use_kernel(device, backend, caches)
 
 
 def copy_slots(caches: Sequence, src, dst, *, backend: str = "auto") -> None:
@@ -451,11 +441,10 @@ def copy_slots(caches: Sequence, src, dst, *, backend: str = "auto") -> None:
 
 
 def _copy(caches: Sequence, src, dst, backend: str, own: bool = False) -> None:
-    device = _check_layers(caches, backend)
-    if device is None:
+    if (layers := _check_layers(caches, backend)) is None:
         return
+    device, kernel = layers
     first = caches[0]
-    kernel = handoff.use_kernel(device, backend, caches)
     src_t, dst_t = first._handoff_ids("src", src), first._handoff_ids("dst", dst)  # lists stay on the host
     s, d = handoff.validate_pair(src_t, dst_t, device, first.num_slots, keep_dtype=kernel)
     if (src_t.device.type == "cpu" and (not own or dst_t.device.type == "cpu")) or debug():
@@ -492,10 +481,9 @@ def export_slots(caches: Sequence, slots, *, non_blocking: bool = False, backend
 
 
 def _export(caches: Sequence, slots, non_blocking: bool, backend: str, own: bool = False) -> list[dict]:
-    device = _check_layers(caches, backend)
-    if device is None:
+    if (layers := _check_layers(caches, backend)) is None:
         return []
-    kernel = handoff.use_kernel(device, backend, caches)
+    device, kernel = layers
     ids = _layer_ids(caches, slots, device, own)
     if kernel:
         plan = handoff.copy_plan(caches)
@@ -513,10 +501,9 @@ def import_slots(caches: Sequence, data: Sequence[dict], slots, *, backend: str 
 
 
 def _import(caches: Sequence, data: Sequence[dict], slots, backend: str, own: bool = False) -> None:
-    device = _check_layers(caches, backend)
-    if device is None:
+    if (layers := _check_layers(caches, backend)) is None:
         return
-    kernel = handoff.use_kernel(device, backend, caches)
+    device, kernel = layers
     if isinstance(data, dict) or not isinstance(data, Sequence):
         raise TypeError(f"data must be a sequence of dicts (one per cache, from export_slots); got {type(data).__name__}")
     if len(data) != len(caches):
