@@ -360,7 +360,11 @@ class ReplaySSMCache:
         the GPU are checked only with REPLAYSSM_DEBUG=1, so the copy can be captured (once a
         first call has built the copy kernel's table)."""
         debug()
-        _copy((self,), src, dst, "auto", own=True)
+        src, dst = self._handoff_ids("src", src), self._handoff_ids("dst", dst)
+        # Ids are read back when both are on the host; the layer function does when src is.
+        if src.device.type == "cpu" and dst.device.type != "cpu":
+            src = src.to(self.tensors[L.CHECKPOINT].device)
+        copy_slots((self,), src, dst)
 
     def fork(self, src, n: int = 1) -> torch.Tensor:
         """Allocate `n` slots per slot of `src` and copy it into them; returns the new ids
@@ -370,7 +374,7 @@ class ReplaySSMCache:
         src = self._handoff_ids("src", src)
         self._check_handoff_live(src, "src")
         dst = self.allocate(n * src.numel())  # raises before changing anything if too few are free
-        _copy((self,), src.to(self.device, torch.int64).repeat_interleave(n), dst, "auto", own=True)
+        copy_slots((self,), src.to(self.device, torch.int64).repeat_interleave(n), dst)
         return dst
 
     def snapshot(self, src, dst, A: torch.Tensor | None = None) -> None:
@@ -392,9 +396,12 @@ class ReplaySSMCache:
         layout.tensor_specs gives them; `compact=True`: the materialized FP32 {"state": [n,
         heads, head_dim, state_dim]} (`A` as for `materialize`) alone."""
         debug()
+        ids = self._handoff_ids("slots", slots)
+        self._check_handoff_live(ids, "slots")  # always; the layer function: host ids only
+        d = ids.to(self.device, torch.int64)
         if not compact:
-            return _export((self,), slots, non_blocking, "auto", own=True)[0]
-        states = self.materialize(_layer_ids((self,), slots, self.device, own=True), A)
+            return export_slots((self,), d, non_blocking=non_blocking)[0]
+        states = self.materialize(d, A)
         host = handoff.host_empty(states.shape, states.dtype)
         host.copy_(states, non_blocking=non_blocking and host.is_pinned())
         handoff.finish(self.tensors, non_blocking)
@@ -404,12 +411,12 @@ class ReplaySSMCache:
         """Write `export`ed data into the allocated slots `slots` (one per exported slot),
         or for the compact form initialize them from it; everything is checked first."""
         debug()
-        _import((self,), [data], slots, "auto", own=True)
+        ids = self._handoff_ids("slots", slots)
+        self._check_handoff_live(ids, "slots")  # always, as in `export`
+        import_slots((self,), [data], ids.to(self.device, torch.int64))
 
 
 # -- slot hand-off over every layer of a model (docs/format.md "Slot hand-off") -------------
-# A cache's methods run these with `own`: slot ids on any device, read back (a GPU sync)
-# always (a copy: when both src and dst are on the host).
 def _check_layers(caches: Sequence, backend: str) -> tuple[torch.device, bool] | None:
     """The one device (with its index) of caches with one num_slots and whether the copy
     kernel serves them (`handoff.use_kernel`); None for no caches."""
@@ -437,17 +444,13 @@ def copy_slots(caches: Sequence, src, dst, *, backend: str = "auto") -> None:
     device) in one copy-kernel launch. `backend`: "auto" the kernel where it can run and no
     cache chose backend="reference"; "kernels" the kernel or a ValueError; "reference"
     per-tensor copies."""
-    _copy(caches, src, dst, backend)
-
-
-def _copy(caches: Sequence, src, dst, backend: str, own: bool = False) -> None:
     if (layers := _check_layers(caches, backend)) is None:
         return
     device, kernel = layers
     first = caches[0]
     src_t, dst_t = first._handoff_ids("src", src), first._handoff_ids("dst", dst)  # lists stay on the host
     s, d = handoff.validate_pair(src_t, dst_t, device, first.num_slots, keep_dtype=kernel)
-    if (src_t.device.type == "cpu" and (not own or dst_t.device.type == "cpu")) or debug():
+    if src_t.device.type == "cpu" or debug():
         for c in caches:
             c._check_handoff_live(src_t, "src", unique=False)
             c._check_handoff_live(dst_t, "dst")
@@ -458,14 +461,11 @@ def _copy(caches: Sequence, src, dst, backend: str, own: bool = False) -> None:
         handoff.copy_rows(c.tensors, s, d)
 
 
-def _layer_ids(caches: Sequence, slots, device: torch.device, own: bool = False) -> torch.Tensor:
+def _layer_ids(caches: Sequence, slots, device: torch.device) -> torch.Tensor:
     """`slots` in range, unique and allocated in every layer (ids on the device checked
-    only with REPLAYSSM_DEBUG=1, unless `own`), as int64 on the device."""
+    only with REPLAYSSM_DEBUG=1), as int64 on the device."""
     first = caches[0]
     ids = first._handoff_ids("slots", slots)  # lists stay on the host
-    if own:
-        first._check_handoff_live(ids, "slots")
-        return ids.to(first.device, torch.int64)
     d = handoff.validate_slots(ids, device, first.num_slots)
     if ids.device.type == "cpu" or debug():
         for c in caches:
@@ -477,14 +477,10 @@ def export_slots(caches: Sequence, slots, *, non_blocking: bool = False, backend
     """`ReplaySSMCache.export(slots)` over all layers' caches, a dict per layer. With the
     kernel (`backend` as for `copy_slots`) every tensor is a view of one pinned host buffer
     (one gather launch, one device-to-host copy)."""
-    return _export(caches, slots, non_blocking, backend)
-
-
-def _export(caches: Sequence, slots, non_blocking: bool, backend: str, own: bool = False) -> list[dict]:
     if (layers := _check_layers(caches, backend)) is None:
         return []
     device, kernel = layers
-    ids = _layer_ids(caches, slots, device, own)
+    ids = _layer_ids(caches, slots, device)
     if kernel:
         plan = handoff.copy_plan(caches)
         return handoff.export_staged(plan, [c.tensors for c in caches], [c.format for c in caches], ids, non_blocking)
@@ -497,10 +493,6 @@ def import_slots(caches: Sequence, data: Sequence[dict], slots, *, backend: str 
     """`ReplaySSMCache.import_(data[i], slots)` for every layer i, everything checked
     first. `export_slots`' one buffer goes back in one host-to-device copy and one scatter
     launch (`backend` as for `copy_slots`)."""
-    _import(caches, data, slots, backend)
-
-
-def _import(caches: Sequence, data: Sequence[dict], slots, backend: str, own: bool = False) -> None:
     if (layers := _check_layers(caches, backend)) is None:
         return
     device, kernel = layers
@@ -508,7 +500,7 @@ def _import(caches: Sequence, data: Sequence[dict], slots, backend: str, own: bo
         raise TypeError(f"data must be a sequence of dicts (one per cache, from export_slots); got {type(data).__name__}")
     if len(data) != len(caches):
         raise ValueError(f"data must hold one dict per cache; got {len(data)} for {len(caches)} caches")
-    ids = _layer_ids(caches, slots, device, own)
+    ids = _layer_ids(caches, slots, device)
     # Drafts awaiting a verdict must fit each cache's max_seqlen (decode trusts it).
     compact = [handoff.check_export(d, c.tensors, c.format, ids.numel(), c.max_seqlen) for c, d in zip(caches, data)]
     if kernel and not any(compact):
