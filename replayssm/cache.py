@@ -142,10 +142,11 @@ class ReplaySSMCache:
             return hit[2]
         return ids.tolist()
 
-    def _check_live(self, ids: torch.Tensor) -> None:
-        """Live ids allocated and unique; padding ids pass."""
-        chk.int_ids("slots", ids)
+    def _live(self, slots) -> torch.Tensor:
+        """`_slots`, live ids checked allocated and unique (on the host); padding ids pass."""
+        ids = self._slots(slots)
         self.allocator.check_live(self._host_ids(ids))
+        return ids
 
     def _rows(self, slots, checks: bool) -> torch.Tensor:
         """A decode call's slot ids: at most max_batch, live ones checked with `checks`."""
@@ -153,7 +154,7 @@ class ReplaySSMCache:
         if slots.numel() > self.max_batch:
             raise ValueError(f"slots must hold at most max_batch={self.max_batch} rows; got {slots.numel()}")
         if checks and not torch.compiler.is_compiling():  # host reads: eager only (ops.py)
-            self._check_live(slots)
+            self._live(slots)
         return slots
 
     def _default_A(self, A: torch.Tensor | None, slots: torch.Tensor, caller: str) -> torch.Tensor:
@@ -165,8 +166,7 @@ class ReplaySSMCache:
         if caller == "accept":
             live = pos[:, 1]
         elif self.spec_tokens:
-            c = pos[:, 0].long()
-            live = c - checkpoint_index(c, self.max_seqlen)
+            live = pos[:, 0].long() - checkpoint_index(pos[:, 0].long(), self.max_seqlen)
         else:
             live = pos % L.RING
         if bool((live != 0).any()):
@@ -190,8 +190,7 @@ class ReplaySSMCache:
         """Write the checkpoint and read copy of `slots` from FP32 `states` [n, heads,
         head_dim, state_dim], clear their rings and positions. Live ids must be allocated
         and unique (checked on the host); padding ids are ignored."""
-        slots = self._slots(slots)
-        self._check_live(slots)
+        slots = self._live(slots)
         api.initialize(
             self.tensors, self._geometry, self._backend, states, slots,
             fmt=self._format, seed=self.seed, checks=debug(), head_offset=self.head_offset, ids_name="slots",
@@ -283,8 +282,7 @@ class ReplaySSMCache:
         into `out` if given; padding ids read as zero states. Live ids as for
         `prefill_init`; `A` defaults to the last decode call's."""
         debug()
-        slots = self._slots(slots)
-        self._check_live(slots)
+        slots = self._live(slots)
         return api.materialize(
             self.tensors, self._geometry, self._backend, slots, self._default_A(A, slots, "materialize"), out,
             max_seqlen=self.max_seqlen if self.spec_tokens else None, ids_name="slots",
@@ -305,11 +303,10 @@ class ReplaySSMCache:
         ]
         if (self.head_dim, self.state_dim) != (L.HEAD_DIM, L.STATE_DIM):
             parts += [f"head_dim={self.head_dim}", f"state_dim={self.state_dim}"]
+        conv = None if self.conv_state_shape is None else tuple(self.conv_state_shape)
         optional = (("head_offset", self.head_offset), ("spec_tokens", self.spec_tokens),
-                    ("slot_padding", self.slot_padding))  # fmt: skip
-        parts += [f"{name}={value}" for name, value in optional if value]
-        if self.conv_state_shape is not None:
-            parts.append(f"conv_state_shape={tuple(self.conv_state_shape)}")
+                    ("slot_padding", self.slot_padding), ("conv_state_shape", conv))  # fmt: skip
+        parts += [f"{name}={value}" for name, value in optional if value is not None and value != 0]
         parts.append(f"slots_in_use={self.allocator.num_used}/{self.allocator.capacity}")
         return f"ReplaySSMCache({', '.join(parts)})"
 
