@@ -127,8 +127,7 @@ class ReplaySSMCache:
         return self._issue(chk.id_list("slots", slots))
 
     def _issue(self, host: torch.Tensor) -> torch.Tensor:
-        """Host ids on the cache device, copied without waiting for the GPU, and remembered
-        so that checking them reads nothing back (`_host_ids`)."""
+        """Host ids on the cache device (no GPU wait), remembered so `_host_ids` reads nothing back."""
         ids = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
         if len(self._issued) >= 1024:  # drop the records of tensors gone
             self._issued = {k: v for k, v in self._issued.items() if v[0]() is not None}
@@ -278,9 +277,8 @@ class ReplaySSMCache:
         )
 
     def materialize(self, slots: torch.Tensor, A: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """FP32 state [n, heads, head_dim, state_dim] of `slots` after their committed tokens,
-        into `out` if given; padding ids read as zero states. Live ids as for
-        `prefill_init`; `A` defaults to the last decode call's."""
+        """FP32 state [n, heads, head_dim, state_dim] of `slots` after their committed tokens (into
+        `out` if given; padding ids: zeros). Live ids as for `prefill_init`; `A` as for `accept`."""
         debug()
         slots = self._live(slots)
         return api.materialize(
