@@ -1,8 +1,6 @@
-"""Slot hand-off: copy and fork, prefix snapshots, host swap (export / import), in separate
-and pending mode. docs/format.md section 5a is the contract (what moves, the random stream,
-slot ids); docs/design.md section 9 the copy and staging kernels. Ids on a CUDA device are
-checked only with REPLAYSSM_DEBUG=1 (a read-back would break graph capture), host ids always.
-"""
+"""Slot hand-off: copy and fork, prefix snapshots, host swap (export / import). docs/format.md
+section 5a is the contract (what moves, the random stream, slot ids: host ids always checked,
+CUDA ids only with REPLAYSSM_DEBUG=1); docs/design.md section 9 the copy and staging kernels."""
 
 from __future__ import annotations
 
@@ -10,6 +8,7 @@ import contextlib
 import weakref
 from collections import Counter
 from collections.abc import Sequence
+from itertools import groupby
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -32,14 +31,10 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_VIEW[t.element_size()])
 
 
-def _specs(cache, fmt: Format):
-    heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
-    return L.tensor_specs(heads, groups, fmt, cache[L.POSITIONS].dim() == 2, *L.dims(cache))
-
-
 def per_slot_names(cache: Sequence[torch.Tensor], fmt: Format) -> list[tuple[str, int]]:
     """[(name, cache index)] of every per-slot tensor, named as `layout.tensor_specs` does."""
-    specs = _specs(cache, fmt)
+    heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
+    specs = L.tensor_specs(heads, groups, fmt, cache[L.POSITIONS].dim() == 2, *L.dims(cache))
     return [(name, i if i < len(specs) else len(cache) - 1) for i, (name, _, _) in enumerate(specs, start=1)]
 
 
@@ -62,9 +57,8 @@ def check_host_ids(name: str, values: list[int], num_slots: int, *, unique: bool
 
 
 def validate_pair(src, dst, device, num_slots: int, *, keep_dtype: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """src / dst ids (same count; host values in range, dst unique, disjoint) on the cache
-    device as int64, or with `keep_dtype` as given (the copy kernel reads both; host ids
-    then travel in one host-to-device copy)."""
+    """src / dst ids (same count; host values in range, dst unique, disjoint) on the cache device
+    as int64, or with `keep_dtype` as given (the copy kernel's; host ids: one host-to-device copy)."""
     src = _ids("src", src, device)
     dst = _ids("dst", dst, device)
     if src.numel() != dst.numel():
@@ -102,10 +96,9 @@ def copy_rows(cache: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tenso
 
 
 def use_kernel(device: torch.device, backend: str, caches: Sequence = ()) -> bool:
-    """Whether a copy runs on the copy kernel. "reference": never; "kernels": always, a
-    ValueError where it cannot run; "auto": on a CUDA device unless a cache of `caches`
-    chose backend="reference", on the CPU (the interpreter; tests) only when every cache
-    of `caches` runs the kernels backend."""
+    """Whether a copy runs on the copy kernel: "reference" never, "kernels" always (a ValueError
+    where it cannot), "auto" on a CUDA device unless a cache of `caches` chose "reference", on the
+    CPU (the interpreter: tests) only when every cache of `caches` runs the kernels backend."""
     check_backend(backend)
     if backend == "reference":
         return False
@@ -183,15 +176,12 @@ class StagePlan:
         self.names = [[name for layer_, name in names if layer_ == layer] for layer in range(len(tuples))]
         sizes = [t[0].numel() * t.element_size() for t in tensors]
         self.slot_bytes = sum(sizes)
-        # runs of one kind at consecutive places, in staging order (prefix 0 first):
-        # (kind, prefix, slot bytes, [(layer, name)])
+        # Runs of one kind in staging order (prefix 0 first), each at consecutive places (the
+        # prefixes add up the sizes in that order): (kind, prefix, slot bytes, [(layer, name)]).
         self.groups: list[tuple[tuple, int, int, list]] = []
-        for k in sorted(range(len(tensors)), key=prefixes.__getitem__):
-            g = self.groups[-1] if self.groups else None
-            if g is not None and g[0] == kinds[k] and g[1] + len(g[3]) * g[2] == prefixes[k]:
-                g[3].append(names[k])
-            else:
-                self.groups.append((kinds[k], prefixes[k], sizes[k], [names[k]]))
+        for kind, run in groupby(sorted(range(len(kinds)), key=prefixes.__getitem__), key=kinds.__getitem__):
+            run = list(run)
+            self.groups.append((kind, prefixes[run[0]], sizes[run[0]], [names[k] for k in run]))
 
     def views(self, buffer: torch.Tensor, n: int) -> list[dict[str, torch.Tensor]]:
         """Per-layer dicts {name: [n, *per-slot shape]} viewing the byte buffer of n slots."""
@@ -317,9 +307,8 @@ def export_rows(cache, ids: torch.Tensor, fmt: Format, non_blocking: bool) -> di
     data = {}
     for name, i in per_slot_names(cache, fmt):
         t = cache[i]
-        host = host_empty((ids.numel(), *t.shape[1:]), t.dtype)
+        data[name] = host = host_empty((ids.numel(), *t.shape[1:]), t.dtype)
         as_bits(host).copy_(as_bits(t).index_select(0, ids), non_blocking=non_blocking and host.is_pinned())
-        data[name] = host
     finish(cache, non_blocking)
     return data
 
@@ -327,11 +316,10 @@ def export_rows(cache, ids: torch.Tensor, fmt: Format, non_blocking: bool) -> di
 def export_staged(plan: CopyPlan, tuples, formats: Sequence[Format], ids: torch.Tensor, non_blocking: bool) -> list[dict]:
     """Slots `ids` of every tuple: one gather launch, one copy into one (pinned) host buffer;
     per-tuple dicts of views of it."""
-    staged = plan.stage_plan(tuples, formats)
-    n = ids.numel()
+    staged, n = plan.stage_plan(tuples, formats), ids.numel()
     staging = torch.empty(n * staged.slot_bytes, dtype=torch.uint8, device=plan.device)
     plan.stage(ids, staging, to_staging=True)
-    host = host_empty((n * staged.slot_bytes,), torch.uint8)
+    host = host_empty(staging.shape, torch.uint8)
     host.copy_(staging, non_blocking=non_blocking and host.is_pinned())
     finish(tuples[0], non_blocking)
     return staged.views(host, n)
@@ -356,15 +344,15 @@ def finish(cache, non_blocking: bool) -> None:
 
 
 def check_export(data: object, cache, fmt: Format, n: int, max_pending: int | None = None) -> bool:
-    """Validate exported `data` for `n` slots of `cache`: True for the compact form, False for
-    the full one. Dtypes, shapes, devices, and the values the cache trusts (positions >= 0,
-    pending counts in 0..`max_pending`, NVFP4 parity 0 or 1) where read without a GPU sync."""
+    """Validate exported `data` for `n` slots of `cache` (keys, dtypes, shapes, devices, and the
+    values the cache trusts where read without a GPU sync): True for the compact form."""
     if not isinstance(data, dict):
         raise TypeError(f"data must be a dict of tensors (from export); got {type(data).__name__}")
     if set(data) == {COMPACT_KEY}:
         want = {COMPACT_KEY: ((n, cache[L.CHECKPOINT].shape[1], *L.dims(cache)), torch.float32)}
     else:
-        want = {name: ((n, *shape), dt) for name, shape, dt in _specs(cache, fmt)}
+        # the layout's shapes and dtypes (a checked cache holds them)
+        want = {name: ((n, *cache[i].shape[1:]), cache[i].dtype) for name, i in per_slot_names(cache, fmt)}
         if set(data) != set(want):
             raise ValueError(
                 f"data must hold the {fmt.name} cache's tensors {sorted(want)} (or only {COMPACT_KEY!r}, the compact "
