@@ -59,8 +59,7 @@ def check_host_ids(name: str, values: list[int], num_slots: int, *, unique: bool
 def validate_pair(src, dst, device, num_slots: int, *, keep_dtype: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """src / dst ids (same count; host values in range, dst unique, disjoint) on the cache device
     as int64, or with `keep_dtype` as given (the copy kernel's; host ids: one host-to-device copy)."""
-    src = _ids("src", src, device)
-    dst = _ids("dst", dst, device)
+    src, dst = _ids("src", src, device), _ids("dst", dst, device)
     if src.numel() != dst.numel():
         raise ValueError(f"src and dst must hold the same number of slots; got {src.numel()} and {dst.numel()}")
     host = src.device.type == "cpu" and dst.device.type == "cpu"
@@ -178,10 +177,9 @@ class StagePlan:
         self.slot_bytes = sum(sizes)
         # Runs of one kind in staging order (prefix 0 first), each at consecutive places (the
         # prefixes add up the sizes in that order): (kind, prefix, slot bytes, [(layer, name)]).
-        self.groups: list[tuple[tuple, int, int, list]] = []
-        for kind, run in groupby(sorted(range(len(kinds)), key=prefixes.__getitem__), key=kinds.__getitem__):
-            run = list(run)
-            self.groups.append((kind, prefixes[run[0]], sizes[run[0]], [names[k] for k in run]))
+        order = sorted(range(len(kinds)), key=prefixes.__getitem__)
+        runs = [list(run) for _, run in groupby(order, key=kinds.__getitem__)]
+        self.groups = [(kinds[r[0]], prefixes[r[0]], sizes[r[0]], [names[k] for k in r]) for r in runs]
 
     def views(self, buffer: torch.Tensor, n: int) -> list[dict[str, torch.Tensor]]:
         """Per-layer dicts {name: [n, *per-slot shape]} viewing the byte buffer of n slots."""
@@ -199,23 +197,20 @@ class StagePlan:
             return None
         layer, name = self.groups[0][3][0]
         first = data[layer][name]
-        storage, nbytes = first.untyped_storage(), n * self.slot_bytes
-        offset = first.data_ptr() - storage.data_ptr()
+        base, cuda, storage = first.data_ptr(), first.is_cuda, first.untyped_storage()
+        offset, nbytes = base - storage.data_ptr(), n * self.slot_bytes
         if offset < 0 or offset + nbytes > storage.nbytes():
             return None
-        buffer = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, offset, (nbytes,))
-        for got, want in zip(data, self.views(buffer, n)):
-            for name, v in want.items():
-                t = got[name]
-                if t.data_ptr() != v.data_ptr() or t.is_cuda != first.is_cuda or not t.is_contiguous():
+        for _, at, size, members in self.groups:  # tensor j of a run: prefix at + j * size
+            for j, t in enumerate(data[layer][name] for layer, name in members):
+                if t.data_ptr() != base + n * (at + j * size) or t.is_cuda != cuda or not t.is_contiguous():
                     return None
-        return buffer
+        return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, offset, (nbytes,))
 
 
-# Plans of ReplaySSMCache lists by the caches' ids, with weak references (dropped when one dies)
-# and their tensor tuples (a reused id or replaced tuple is never mistaken for them); never evicted
-# while they live: a captured graph reads the table. Plans of bare tuples (the functional API)
-# by the checkpoint tensor, checked against the tuple's layout (a change: new table, recapture).
+# Plans of ReplaySSMCache lists by the caches' ids, with weak references (dropped when one dies) and
+# their tensor tuples (a reused id or replaced tuple is never mistaken for them); never evicted while
+# they live: a captured graph reads the table. Of bare tuples: by checkpoint, new on a layout change.
 _LIST_PLANS: dict[tuple[int, ...], tuple[list, list, CopyPlan]] = {}
 _TUPLE_PLANS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -248,9 +243,8 @@ def tuple_plan(cache: Sequence[torch.Tensor], num_slots: int) -> CopyPlan:
 def copy_replayssm_slots(
     cache: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor, *, state_dtype: str, backend: str = "auto"
 ) -> None:
-    """Copy every per-slot tensor of slots `src` into slots `dst` (src may repeat: a fork).
-    `backend` as for `replayssm.copy_slots`; the kernel's table is built on a tuple's first
-    call: make it before capturing a graph."""
+    """Copy every per-slot tensor of slots `src` into slots `dst` (src may repeat: a fork). `backend` as
+    for `replayssm.copy_slots`; a tuple's first call builds the kernel's table (it cannot be captured)."""
     fmt = format_of(state_dtype)
     num_slots = L.check_cache(cache, fmt).num_slots
     device = cache[L.CHECKPOINT].device
@@ -266,9 +260,8 @@ def snapshot_replayssm_slots(
     cache: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor, A: torch.Tensor, *, state_dtype: str,
     seed: int = 0, backend: str = "auto", head_offset: int = 0, max_seqlen: int | None = None,
 ) -> None:
-    """Start slots `dst` as if prefilled with the materialized states of slots `src` (both
-    unique). `A` as for decode; a pending-mode cache needs `max_seqlen` (as for
-    `materialize_replayssm_state`) and snapshots its committed state."""
+    """Start slots `dst` as if prefilled with the materialized states of the unique slots `src` (`A` as
+    for decode; a pending-mode cache needs `max_seqlen`, as `materialize_replayssm_state` does)."""
     fmt = format_of(state_dtype)
     checks = debug()
     chk.seed(seed)
@@ -314,8 +307,7 @@ def export_rows(cache, ids: torch.Tensor, fmt: Format, non_blocking: bool) -> di
 
 
 def export_staged(plan: CopyPlan, tuples, formats: Sequence[Format], ids: torch.Tensor, non_blocking: bool) -> list[dict]:
-    """Slots `ids` of every tuple: one gather launch, one copy into one (pinned) host buffer;
-    per-tuple dicts of views of it."""
+    """Slots `ids` of every tuple: one gather launch, one copy to one host buffer; viewed per tuple."""
     staged, n = plan.stage_plan(tuples, formats), ids.numel()
     staging = torch.empty(n * staged.slot_bytes, dtype=torch.uint8, device=plan.device)
     plan.stage(ids, staging, to_staging=True)
@@ -388,9 +380,8 @@ def import_replayssm_slots(
     cache: Sequence[torch.Tensor], data: dict[str, torch.Tensor], slots: torch.Tensor, *, state_dtype: str,
     seed: int = 0, backend: str = "auto", head_offset: int = 0,
 ) -> None:
-    """Write exported `data` into `slots` (one per exported slot): the full form restores
-    every per-slot tensor, the compact form initializes a prefill state (`seed`, `backend`
-    as for `initialize_replayssm_state`)."""
+    """Write exported `data` into `slots` (one per exported slot): the full form restores every tensor,
+    the compact form initializes a prefill state (`seed`, `backend` as for `initialize_replayssm_state`)."""
     fmt = format_of(state_dtype)
     checks = debug()
     chk.seed(seed)
