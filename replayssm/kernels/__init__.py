@@ -40,12 +40,8 @@ class ReferenceBackend:
     """Runs every operation with the PyTorch reference (`replayssm.reference`)."""
 
     name = "reference"
-
-    def initialize(self, cache, states, ids, *, fmt: Format, seed: int, head_offset: int = 0) -> None:
-        ref.initialize(cache, states, ids, fmt=fmt, seed=seed, head_offset=head_offset)
-
-    def clear(self, cache, ids) -> None:
-        ref.clear(cache, ids)
+    initialize = staticmethod(ref.initialize)
+    clear = staticmethod(ref.clear)
 
     def decode(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, fmt: Format, seed: int, head_offset: int = 0) -> None:
         ref.decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt=fmt, seed=seed, head_offset=head_offset)
@@ -74,10 +70,8 @@ class _CacheContext:
     (`decodes`: a decode call's prepare and step, one lookup a call). Weak references only:
     `alive` turns False when a tensor is freed, after which another tensor may take its id."""
 
-    __slots__ = (
-        "refs", "alive", "index", "cute", "reason", "prepares", "steps", "decodes", "pending", "outgrown",
-        "plan_launches", "pending_launches", "bookkeeping",
-    )  # fmt: skip
+    __slots__ = ("refs", "alive", "index", "cute", "reason", "prepares", "steps", "decodes", "pending",
+                 "outgrown", "plan_launches", "pending_launches", "bookkeeping")  # fmt: skip
 
     def __init__(self, cache, cute, reason: str | None) -> None:
         self.alive = True
