@@ -101,8 +101,8 @@ def ring_entries(cache, slot, start, count):
 def _entries(cache, slot, x, dt, B, r):
     """Ring entries 0..r-1 of each row plus the current token at entry r (as `ring_entries`)."""
     cur = torch.arange(L.RING, device=x.device).view(1, -1) == r.view(-1, 1)  # [n, 16]
-    return [torch.where(cur.view(-1, 1, L.RING, *(1,) * (e.dim() - 3)), v.float().unsqueeze(2), e)
-            for e, v in zip(ring_entries(cache, slot, torch.zeros_like(r), r), (x, dt, B))]  # fmt: skip
+    pairs = zip(ring_entries(cache, slot, torch.zeros_like(r), r), (x.float(), dt, B.float()))
+    return [torch.where(cur.view(-1, 1, L.RING, *(1,) * (e.dim() - 3)), v.unsqueeze(2), e) for e, v in pairs]
 
 
 def replay_weights(dt_e: torch.Tensor, A: torch.Tensor, last: torch.Tensor):
