@@ -1,5 +1,5 @@
 """Copy kernel: every per-slot tensor of any number of cache tuples, slots `src` into slots
-`dst`, in one launch (docs/design.md, "Slot copies").
+`dst`, in one launch (docs/design.md section 9).
 
 The copy table (`copy_table`, int64 [chunks, 4]) has a row per chunk of at most `chunk` bytes
 of one tensor's slot: [address in slot 0, slot stride, bytes, width], slot s's copy at address
