@@ -27,8 +27,7 @@ SPECS: dict[type, dict[str, tuple]] = {}
 
 
 def _scalar(entry: tuple):
-    """The DSL type of a stride (tensor field, dim, unit[, DSL type: Int64]) or VALUE entry;
-    None for a pointer (dtype, alignment)."""
+    """The DSL type of a stride or VALUE entry (Int64 unless given); None for a pointer."""
     if len(entry) >= 3:
         return entry[3] if len(entry) > 3 else Int64
     return entry[1] if entry[0] == VALUE else None

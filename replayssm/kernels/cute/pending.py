@@ -389,16 +389,15 @@ def fold_and_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list,
         for rows in ("rest", "fold"):
             launcher.compiled((dt.dtype, rows))
     args = (cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, varlen)
-    if not split:
-        launch_fold()
-        launcher.step(*args, stream)
-        return
-    index = out.get_device()
-    side = fork_streams(index, True, stream)[1]  # before the fold: the side stream waits for the plan only
+    # The side stream forks before the fold: it waits for the plan only.
+    side = fork_streams(out.get_device(), True, stream)[1] if split else None
     launch_fold()
-    launcher.step(*args, side, "rest")
-    launcher.step(*args, stream, "fold")
-    join_streams(index, stream)
+    if split:
+        launcher.step(*args, side, "rest")
+        launcher.step(*args, stream, "fold")
+        join_streams(out.get_device(), stream)
+    else:
+        launcher.step(*args, stream)
 
 
 __all__ = [

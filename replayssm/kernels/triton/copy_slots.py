@@ -4,8 +4,7 @@
 The copy table (`copy_table`, int64 [chunks, 4]) has a row per chunk of at most `chunk` bytes
 of one tensor's slot: [address in slot 0, slot stride, bytes, width], slot s's copy at address
 + s * stride; `width` 16 (address, stride and bytes multiples of 16), 4 or 1. Grid (chunks,
-pairs); a pair with a padding id (<= 0 or >= num_slots) is skipped. The interpreter runs the
-same code on host addresses, so CPU tests exercise table and kernel alike. Staging (host swap,
+pairs); a pair with a padding id (<= 0 or >= num_slots) is skipped. Staging (host swap,
 `stage_slots`): the same chunks between cache slots and one contiguous byte buffer, from a
 staging table (`stage_rows`, int64 [chunks, 8]) whose rows add each chunk's place in it.
 """
@@ -163,9 +162,8 @@ STAGE_COLUMNS = 8  # address, slot stride, bytes, width, staging prefix, slot by
 def staging_order(sizes: Sequence[int], kinds: Sequence | None = None) -> list[int]:
     """Indices of tensors with per-slot byte sizes `sizes` in staging order (stable): by the
     alignment of their size (the largest of 16, 8, 4, 2, 1 dividing it), then tensors of one
-    of `kinds` (a hashable per tensor) together, in order of first appearance. Each tensor's
-    region of n slots then starts at a multiple of its own alignment (viewable as its dtype;
-    16-byte tensors keep 16-byte accesses), and one view covers a kind."""
+    of `kinds` (a hashable per tensor) together, in order of first appearance (docs/design.md
+    section 9 says why)."""
     kinds = range(len(sizes)) if kinds is None else kinds
     first = {k: i for i, k in reversed(list(enumerate(kinds)))}
     return sorted(range(len(sizes)), key=lambda i: (-min(16, sizes[i] & -sizes[i] or 16), first[kinds[i]]))
@@ -179,9 +177,8 @@ def stage_rows(
 
     For n slots, tensor k (in `staging_order`) holds bytes [n * prefix_k, n * (prefix_k +
     size_k)), slot i at n * prefix_k + i * size_k: [n, *per-slot shape], as an export of that
-    tensor alone would hold it. A row: (address in slot 0, slot stride, bytes, width, prefix_k,
-    size_k, offset of the chunk in the slot, 0); one width for the whole tensor (a tail at
-    another width would break the staging side's alignment)."""
+    tensor alone would hold it. Rows as STAGE_COLUMNS, one width for the whole tensor (a tail
+    at another width would break the staging side's alignment)."""
     slots = _slots(tensors, chunk)
     prefixes = [0] * len(slots)
     rows: list[tuple[int, ...]] = []
