@@ -30,12 +30,10 @@ def state_bytes_per_token(state_dtype: str, heads: int, head_dim: int = L.HEAD_D
     copy and its scales; the flush reads and writes the FP16 checkpoint and writes the
     read copy and scales. Ring bytes (inputs) are not included."""
     n = head_dim * state_dim
-    if state_dtype == "fp8":
-        copy = n + head_dim * 4  # e4m3 codes + one fp32 scale per row
-    elif state_dtype == "nvfp4":
-        copy = n // 2 + n // L.NVFP4_BLOCK  # e2m1 codes + e4m3 block scales
-    else:  # fp16: 15 steps read the checkpoint, the flush reads and writes it
+    if state_dtype not in ("fp8", "nvfp4"):  # fp16: 15 steps read the checkpoint, the flush both ways
         return heads * (15 * 2 * n + 2 * n * 2) / 16
+    # e4m3 codes + one fp32 scale per row; e2m1 codes + e4m3 block scales
+    copy = n + head_dim * 4 if state_dtype == "fp8" else n // 2 + n // L.NVFP4_BLOCK
     return heads * (15 * copy + 2 * n * 2 + copy) / 16  # the flush: the checkpoint both ways and the copy
 
 
@@ -51,9 +49,9 @@ class _Progress:
     def __init__(self, stream: TextIO, mode: str | None):
         self.stream, self.mode = stream, mode
 
-    def note(self, text: str) -> None:
+    def note(self, text: str, end: str = "\n") -> None:
         if self.mode is not None:
-            self.stream.write(text + "\n")
+            self.stream.write(text + end)
             self.stream.flush()
 
     def start(self, label: str, total: int, batch: int) -> None:
@@ -67,12 +65,10 @@ class _Progress:
         rate = done * self.batch / max(time.perf_counter() - self.t0, 1e-9)
         if self.mode == "bar":
             fill = int(30 * done / self.total)
-            bar = f"[{'#' * fill}{'.' * (30 - fill)}]"
-            end = "\n" if done == self.total else ""
-            self.stream.write(f"\r{self.label} {bar} {done}/{self.total} steps {rate:9.1f} tokens/s{end}")
+            bar = f"[{'#' * fill}{'.' * (30 - fill)}] {done}/{self.total} steps {rate:9.1f} tokens/s"
+            self.note(f"\r{self.label} {bar}", "\n" if done == self.total else "")
         else:
-            self.stream.write(f"{self.label}: {done}/{self.total} steps, {rate:.1f} tokens/s\n")
-        self.stream.flush()
+            self.note(f"{self.label}: {done}/{self.total} steps, {rate:.1f} tokens/s")
 
 
 def run_demo(
@@ -89,7 +85,10 @@ def run_demo(
     tty = progress is None and sys.stderr.isatty()
     bar = _Progress(sys.stderr, None if progress is False else "bar" if tty else "lines")
     sync = torch.cuda.synchronize if dev.type == "cuda" else lambda: None
-    results = []
+    # The CPU has no kernels: name the reference there (no fallback warning). On a GPU,
+    # "auto" takes the kernels; the table's backend column shows which ran.
+    backend = "reference" if dev.type == "cpu" else "auto"
+    dims, results = {"head_dim": head_dim, "state_dim": state_dim}, []
     print(
         f"replayssm demo: {heads} heads, {groups} groups, head dim {head_dim}, state dim {state_dim}, "
         f"batch {batch}, {steps} tokens, device {dev}",
@@ -99,14 +98,8 @@ def run_demo(
         bar.note(f"{fmt}: prefill states ({prompt} prompt tokens), cache init and warmup")
         gen = torch.Generator().manual_seed(seed)
         params = layer_params(heads, generator=gen, device=dev)
-        # The CPU has no kernels: name the reference there (no fallback warning). On a GPU,
-        # "auto" takes the kernels; the table's backend column shows which ran.
-        cache = ReplaySSMCache(
-            batch + 1, heads, groups, fmt, dev, seed=seed, backend="reference" if dev.type == "cpu" else "auto",
-            head_dim=head_dim, state_dim=state_dim,
-        )
+        cache = ReplaySSMCache(batch + 1, heads, groups, fmt, dev, seed=seed, backend=backend, **dims)
         slots = cache.allocate(batch)
-        dims = {"head_dim": head_dim, "state_dim": state_dim}
         states = prefill_states(params, batch, groups, prompt, generator=gen, device=dev, **dims)
         cache.prefill_init(states, slots)
         cache.warmup()  # compile every kernel first: tokens/s measures decoding, not compiling
@@ -127,33 +120,26 @@ def run_demo(
         ref = torch.stack([exact.step(tok) for tok in tokens])
         half = steps // 2  # the halves show drift; a 1-step demo has none
         results.append({
-            "format": fmt,
-            "backend": cache.backend_name,
-            "elapsed_s": elapsed,
-            "tokens_per_s": rate,
+            "format": fmt, "backend": cache.backend_name, "elapsed_s": elapsed, "tokens_per_s": rate,
             "sqnr_db": sqnr_db(ref, out_buf),
             "sqnr_first_half_db": sqnr_db(ref[:half], out_buf[:half]) if half else None,
             "sqnr_second_half_db": sqnr_db(ref[half:], out_buf[half:]) if half else None,
-            "state_bytes_per_token": state_bytes_per_token(fmt, heads, head_dim, state_dim),
-            "standard_bf16_bytes_per_token": standard_bytes_per_token(2, heads, head_dim, state_dim),
-            "standard_fp32_bytes_per_token": standard_bytes_per_token(4, heads, head_dim, state_dim),
+            "state_bytes_per_token": state_bytes_per_token(fmt, heads, **dims),
+            "standard_bf16_bytes_per_token": standard_bytes_per_token(2, heads, **dims),
+            "standard_fp32_bytes_per_token": standard_bytes_per_token(4, heads, **dims),
             "cache_bytes_per_slot": cache.bytes_per_slot(),
         })
     print(
         f"{'format':>6} {'backend':>16} {'tokens/s':>10} {'SQNR dB':>8} {'1st/2nd half':>13} "
-        f"{'state B/token':>13} {'vs bf16':>8} {'vs fp32':>8}",
-        file=out,
+        f"{'state B/token':>13} {'vs bf16':>8} {'vs fp32':>8}", file=out,
     )
     for r in results:
-        halves = f"{'-':>6}/{'-':<6}"
-        if r["sqnr_first_half_db"] is not None:
-            halves = f"{r['sqnr_first_half_db']:>6.2f}/{r['sqnr_second_half_db']:<6.2f}"
-        b = r["state_bytes_per_token"]
+        h1, h2, b = r["sqnr_first_half_db"], r["sqnr_second_half_db"], r["state_bytes_per_token"]
+        halves = f"{'-':>6}/{'-':<6}" if h1 is None else f"{h1:>6.2f}/{h2:<6.2f}"
         print(
             f"{r['format']:>6} {r['backend']:>16} {r['tokens_per_s']:>10.0f} {r['sqnr_db']:>8.2f} {halves} "
             f"{b:>13.0f} {r['standard_bf16_bytes_per_token'] / b:>7.2f}x "
-            f"{r['standard_fp32_bytes_per_token'] / b:>7.2f}x",
-            file=out,
+            f"{r['standard_fp32_bytes_per_token'] / b:>7.2f}x", file=out,
         )
     print(
         "tokens/s: batch rows x decode steps a second, one layer; SQNR: decode outputs vs an exact "
@@ -163,9 +149,6 @@ def run_demo(
         file=out, flush=True,
     )
     return results
-
-
-SEED_LIMIT = 1 << 64  # the cache takes its seed mod 2**64 (quant/rng.py); torch.Generator too
 
 
 def _int_at_least(low: int, high: int | None = None, high_text: str | None = None):
@@ -240,10 +223,9 @@ def read_mamba2_config(text: str) -> tuple[int, int, int, int]:
         if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 1:
             raise argparse.ArgumentTypeError(f"{where}: {key} must be a positive integer; got {cfg[key]!r}")
     heads, groups, head_dim, state_dim = (cfg[key] for key in keys)
-    if head_dim not in L.HEAD_DIMS:
-        raise argparse.ArgumentTypeError(f"{where}: {keys[2]} must be one of {L.HEAD_DIMS}; got {head_dim}")
-    if state_dim not in L.STATE_DIMS:
-        raise argparse.ArgumentTypeError(f"{where}: {keys[3]} must be one of {L.STATE_DIMS}; got {state_dim}")
+    for key, value, allowed in ((keys[2], head_dim, L.HEAD_DIMS), (keys[3], state_dim, L.STATE_DIMS)):
+        if value not in allowed:
+            raise argparse.ArgumentTypeError(f"{where}: {key} must be one of {allowed}; got {value}")
     if L.group_error(heads, groups):
         raise argparse.ArgumentTypeError(f"{where}: {keys[0]} {heads}, {keys[1]} {groups}: {L.group_error(heads, groups)}")
     return heads, groups, head_dim, state_dim
@@ -258,7 +240,7 @@ class _Geometry(argparse.Action):
         namespace.geometry_given = [*namespace.geometry_given, self.option_strings[0]]
 
 
-def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m replayssm", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
@@ -287,17 +269,13 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "geometry (not allowed with --heads, --groups, --head-dim, --state-dim)")
     demo.set_defaults(geometry_given=[])
     add("--prompt", type=_int_at_least(0), default=64, help="prefill tokens that build each request's state")
-    add("--seed", type=_int_at_least(0, SEED_LIMIT, "2**64"), default=0,
+    # the cache takes its seed mod 2**64 (quant/rng.py); torch.Generator too
+    add("--seed", type=_int_at_least(0, 1 << 64, "2**64"), default=0,
         help="seed of the data and of the stochastic rounding")
     add("--threads", type=_int_at_least(1), default=1,
         help="torch CPU threads (on a 2-core CPU two threads ran the demo 1.25x faster on idle cores and 3-4x "
         "slower on busy ones)")
     add("--no-progress", action="store_true", help="print no progress on stderr")
-    return parser, demo
-
-
-def main(argv=None) -> int:
-    parser, demo = _parser()
     args = parser.parse_args(argv)  # "demo" is the one command
     # Every option is checked here, before anything is printed. --config sets the whole
     # geometry: an explicit geometry option with it is an error, not an override.

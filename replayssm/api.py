@@ -2,10 +2,9 @@
 
 Everything a call could reject is checked before anything is written. `backend`: "auto"
 (the default: the kernels where they can run, else the PyTorch reference with a warning),
-"kernels" or "reference" (`replayssm.kernels.backend_for`). A public function validates
-the cache tuple and calls its checked entry (`initialize`, `clear`, `decode`,
-`decode_pending`, `materialize`: what `ReplaySSMCache` and the hand-off functions call),
-which validates the other inputs and calls the op (`replayssm.ops`).
+"kernels" or "reference". A public function validates the cache tuple and calls its
+checked entry (what `ReplaySSMCache` and the hand-off functions call), which validates
+the other inputs and calls the op (`replayssm.ops`).
 """
 
 from __future__ import annotations
@@ -25,20 +24,18 @@ from .kernels.env import debug
 _describe = chk.describe
 
 
+def _expect(name: str, t: torch.Tensor, dtype: torch.dtype, ok: bool, want: str) -> None:
+    """A DTypeError unless `t` is `dtype`, else a ValueError unless `ok`."""
+    if t.dtype != dtype or not ok:
+        error = chk.DTypeError if t.dtype != dtype else ValueError
+        raise error(f"{name} must be {want}; got {_describe(t)}")
+
+
 def _check_unique(ids: torch.Tensor, num_slots: int) -> None:
     """REPLAYSSM_DEBUG=1: live slots are unique (a host sync, so off on the hot path)."""
     live = ids[(ids > 0) & (ids < num_slots)]
     if live.numel() != torch.unique(live).numel():
         raise ValueError(f"state_indices must name each live slot once; got {ids.tolist()}")
-
-
-def _check_finite(states: torch.Tensor, ids: torch.Tensor, num_slots: int) -> None:
-    """REPLAYSSM_DEBUG=1: the prefill states of live rows are finite (unchecked otherwise)."""
-    live = (ids > 0) & (ids < num_slots)
-    bad = (~torch.isfinite(states[live])).flatten(1).any(dim=1)
-    if bool(bad.any()):
-        rows = torch.nonzero(live).flatten()[bad].tolist()
-        raise ValueError(f"states must be finite (REPLAYSSM_DEBUG=1); rows {rows} hold NaN or Inf")
 
 
 def initialize_replayssm_state(
@@ -75,10 +72,8 @@ def initialize(
 ) -> None:
     slots, heads, _, P, N = geometry
     device = cache[L.CHECKPOINT].device
-    chk.tensor("states", states)
-    if states.dtype != torch.float32 or states.dim() != 4 or states.shape[1:] != (heads, P, N):
-        error = chk.DTypeError if states.dtype != torch.float32 else ValueError
-        raise error(f"states must be float32 [batch, {heads}, {P}, {N}]; got {_describe(states)}")
+    ok = chk.tensor("states", states).dim() == 4 and states.shape[1:] == (heads, P, N)
+    _expect("states", states, torch.float32, ok, f"float32 [batch, {heads}, {P}, {N}]")
     chk.on_device("states", states, device)
     ids = chk.slot_ids(ids_name, state_indices, device)
     if ids.numel() != states.shape[0]:
@@ -87,7 +82,11 @@ def initialize(
         return
     if checks and not torch.compiler.is_compiling():  # host reads: eager only
         _check_unique(ids, slots)
-        _check_finite(states, ids, slots)
+        live = (ids > 0) & (ids < slots)
+        bad = (~torch.isfinite(states[live])).flatten(1).any(dim=1)
+        if bool(bad.any()):
+            rows = torch.nonzero(live).flatten()[bad].tolist()
+            raise ValueError(f"states must be finite (REPLAYSSM_DEBUG=1); rows {rows} hold NaN or Inf")
     ops.initialize(cache, states, ids, state_dtype=fmt.name, seed=seed, backend=impl.name, head_offset=head_offset)
 
 
@@ -108,37 +107,32 @@ def clear(cache, impl, state_indices) -> None:
         ops.clear(cache, ids, backend=impl.name)
 
 
-def _check_rows(x, B, Cm, lead: tuple[int, ...], heads: int, groups: int, lay: str, P: int, N: int) -> None:
-    """x lead + [H, P] or lead + [H*P], B and C lead + [G, N] or lead + [G*N], all bf16."""
-    for name, t, n, w in (("x", x, heads, P), ("B", B, groups, N), ("C", Cm, groups, N)):
-        chk.tensor(name, t)
-        want = f"bfloat16 {[*lead, n, w]} or {[*lead, n * w]}{lay}"
-        if t.dtype != torch.bfloat16:
-            raise chk.DTypeError(f"{name} must be {want}; got {_describe(t)}")
-        if tuple(t.shape) not in (lead + (n, w), lead + (n * w,)):
-            raise ValueError(f"{name} must be {want}; got {_describe(t)}")
+def _normalize(x, dt, A, B, C, D, dt_bias, lead: tuple, heads: int, groups: int, P, N, lay, dt_want):
+    """x lead + [H, P] or lead + [H*P], B, C lead + [G, N] or lead + [G*N], all bf16, dt
+    lead + [H] or a tied lead + [H, P], as views in the kernels' layout (x, B, C keep
+    their row strides); A, D, dt_bias as `chk.params` leaves them."""
+    for name, t, n, w in (("x", x, heads, P), ("B", B, groups, N), ("C", C, groups, N)):
+        ok = tuple(chk.tensor(name, t).shape) in (lead + (n, w), lead + (n * w,))
+        _expect(name, t, torch.bfloat16, ok, f"bfloat16 {[*lead, n, w]} or {[*lead, n * w]}{lay}")
+    chk.floating("dt", dt)
+    if tuple(dt.shape) not in (lead + (heads,), lead + (heads, P)):
+        raise ValueError(f"dt must be {dt_want}; got {_describe(dt)}")
+    tied = dt.dim() == len(lead) + 2
+    chk.tied("dt", dt, dt if tied else dt.unsqueeze(-1))
+    A, D, dt_bias = chk.params(A, D, dt_bias, heads, P, N)
+    x, B, C = x.reshape(*lead, heads, P), B.reshape(*lead, groups, N), C.reshape(*lead, groups, N)
+    return x, dt[..., 0] if tied else dt, A, B, C, D, dt_bias
 
 
 def normalize_decode_inputs(
     x, dt, A, B, C, D, dt_bias, batch: int, heads: int, groups: int, P: int = L.HEAD_DIM, N: int = L.STATE_DIM
 ):
-    """Validate one decode step's inputs and return them in the kernels' layout, as views
-    (row-strided x, B, C keep their strides): x [b, H, P] (or [b, H*P]) bf16, dt [b, H] (or
-    tied [b, H, P]; a float type other than f32 / bf16 / f16 is converted), B, C [b, G, N]
-    (or [b, G*N]) bf16, A, D, dt_bias as `chk.params` leaves them."""
-    _check_rows(x, B, C, (batch,), heads, groups, "", P, N)
-    chk.floating("dt", dt)
-    if tuple(dt.shape) not in ((batch, heads), (batch, heads, P)):
-        raise ValueError(f"dt must be [{batch}, {heads}] or a tied [{batch}, {heads}, {P}] view; got {_describe(dt)}")
-    chk.tied("dt", dt, dt if dt.dim() == 3 else dt.unsqueeze(-1))
-    A, D, dt_bias = chk.params(A, D, dt_bias, heads, P, N)
-    x = x.reshape(batch, heads, P)
-    B = B.reshape(batch, groups, N)
-    C = C.reshape(batch, groups, N)
-    dt = dt[:, :, 0] if dt.dim() == 3 else dt
-    if dt.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        dt = dt.float()
-    return x, dt, A, B, C, D, dt_bias
+    """Validate one decode step's inputs and return them in the kernels' layout: x [b, H, P]
+    (or [b, H*P]), dt [b, H] (or tied [b, H, P]; a float type other than f32 / bf16 / f16
+    is converted), B, C [b, G, N] (or [b, G*N])."""
+    dt_want = f"[{batch}, {heads}] or a tied [{batch}, {heads}, {P}] view"
+    x, dt, *rest = _normalize(x, dt, A, B, C, D, dt_bias, (batch,), heads, groups, P, N, "", dt_want)
+    return x, dt if dt.dtype in _DT_DTYPES else dt.float(), *rest
 
 
 def normalize_pending_inputs(
@@ -149,27 +143,15 @@ def normalize_pending_inputs(
     the dense layout, (total,) for varlen; dt of any float type is not converted."""
     lead = tuple(int(v) for v in lead)
     lay = "dense [b, T, ...] with T == max_seqlen" if len(lead) == 2 else "varlen [total, ...]"
-    _check_rows(x, B, C, lead, heads, groups, f" ({lay})", P, N)
-    chk.floating("dt", dt)
-    if tuple(dt.shape) not in (lead + (heads,), lead + (heads, P)):
-        raise ValueError(f"dt must be {[*lead, heads]} or {[*lead, heads, P]} (tied) ({lay}); got {_describe(dt)}")
-    dt_flat = dt if dt.dim() == len(lead) + 2 else dt.unsqueeze(-1)  # lead + [H, 1 or P]
-    chk.tied("dt", dt, dt_flat)
-    A, D, dt_bias = chk.params(A, D, dt_bias, heads, P, N)
-    x = x.reshape(*lead, heads, P)
-    B = B.reshape(*lead, groups, N)
-    C = C.reshape(*lead, groups, N)
-    return x, dt_flat[..., 0], A, B, C, D, dt_bias
+    dt_want = f"{[*lead, heads]} or {[*lead, heads, P]} (tied) ({lay})"
+    return _normalize(x, dt, A, B, C, D, dt_bias, lead, heads, groups, P, N, f" ({lay})", dt_want)
 
 
 def _check_out(out: object, lead: tuple[int, ...], heads: int, lay: str, P: int = L.HEAD_DIM) -> None:
     """`out` of a decode call: contiguous bf16 lead + [H, P] (or lead + [H*P])."""
-    chk.tensor("out", out)
+    ok = tuple(chk.tensor("out", out).shape) in (lead + (heads, P), lead + (heads * P,))
     want = f"contiguous bfloat16 {[*lead, heads, P]} or {[*lead, heads * P]}{lay}"
-    if out.dtype != torch.bfloat16:
-        raise chk.DTypeError(f"out must be {want}; got {_describe(out)}")
-    if tuple(out.shape) not in (lead + (heads, P), lead + (heads * P,)) or not out.is_contiguous():
-        raise ValueError(f"out must be {want}; got {_describe(out)}")
+    _expect("out", out, torch.bfloat16, ok and out.is_contiguous(), want)
 
 
 def check_max_seqlen(max_seqlen: object) -> int:
@@ -430,10 +412,8 @@ def decode_pending(
     chk.verdicts(num_accepted_tokens, batch, device, max_seqlen)
     if varlen and not own_cu:
         # Its values (a host read) outside torch.compile; inside it the op checks them.
-        chk.tensor("cu_seqlens", cu_seqlens)
-        if cu_seqlens.dtype != torch.int32 or tuple(cu_seqlens.shape) != (batch + 1,):
-            error = chk.DTypeError if cu_seqlens.dtype != torch.int32 else ValueError
-            raise error(f"cu_seqlens must be int32 [{batch + 1}] (batch + 1); got {_describe(cu_seqlens)}")
+        ok = tuple(chk.tensor("cu_seqlens", cu_seqlens).shape) == (batch + 1,)
+        _expect("cu_seqlens", cu_seqlens, torch.int32, ok, f"int32 [{batch + 1}] (batch + 1)")
         chk.on_device("cu_seqlens", cu_seqlens, device)
         if chk.host_reads_allowed():
             from .pending import check_cu_seqlens
@@ -497,10 +477,8 @@ def materialize(
     if out is not None:
         # The backend writes `out` directly: the op returns a new tensor (for torch.compile).
         shape = (ids.numel(), heads, P, N)
-        chk.tensor("out", out)
-        if out.dtype != torch.float32 or tuple(out.shape) != shape or not out.is_contiguous():
-            error = chk.DTypeError if out.dtype != torch.float32 else ValueError
-            raise error(f"out must be contiguous float32 {list(shape)}; got {_describe(out)}")
+        ok = tuple(chk.tensor("out", out).shape) == shape and out.is_contiguous()
+        _expect("out", out, torch.float32, ok, f"contiguous float32 {list(shape)}")
         chk.on_device("out", out, device)
         if pending_seqlen is not None:
             return impl.materialize_pending(cache, ids, A1, max_seqlen=pending_seqlen, out=out)

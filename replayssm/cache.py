@@ -36,17 +36,16 @@ from . import layout as L
 from .formats import Format, format_of
 from .kernels import backend_for, check_backend
 from .kernels.env import arch_override, debug
+from .pending import MAX_SEQLEN, checkpoint_index
 from .slots import NULL_SLOT, SlotAllocator
 
 
 @attrs.define(eq=False, repr=False)
 class ReplaySSMCache:
-    """One model layer's ReplaySSM state for `num_slots` slots (slot 0 reserved): the cache
-    tuple (`.tensors`, docs/format.md; validated once here, so the methods skip the
-    functional API's per-call tuple checks), its slots, prefill and decode. `max_batch`
-    (default num_slots - 1) bounds the rows of a call; `backend` as for the functional API,
-    chosen once (`backend_name`). `spec_tokens` k in 1..7 is pending mode for speculative
-    decoding with k draft tokens (max_seqlen = k + 1 for the cache's lifetime)."""
+    """One model layer's state for `num_slots` slots (slot 0 reserved): the cache tuple
+    `.tensors` (docs/format.md; checked once here, not per call), its slots, prefill and
+    decode. `max_batch` (default num_slots - 1) bounds a call's rows; `backend` as for the
+    functional API. `spec_tokens` k in 1..7: pending mode with k draft tokens (max_seqlen k + 1)."""
 
     num_slots: int
     num_heads: int
@@ -72,7 +71,6 @@ class ReplaySSMCache:
     # The A of the last decode call (a reference, not a copy), None before the first.
     _last_A: torch.Tensor | None = attrs.field(init=False, default=None, repr=False)
     _scratch: object = attrs.field(init=False, default=None, repr=False)
-    # Whether eager decode calls may take api.direct_decode (kernel backend, CUDA cache).
     _direct: bool = attrs.field(init=False, default=False, repr=False)
     # id -> (weak reference, version, host values) of the id tensors `allocate` returned.
     _issued: dict = attrs.field(init=False, factory=dict, repr=False)
@@ -85,8 +83,6 @@ class ReplaySSMCache:
         L.check_geometry(self.num_slots, self.num_heads, self.num_groups, self.head_dim, self.state_dim)
         chk.seed(self.seed)
         chk.head_offset(self.head_offset)
-        from .pending import MAX_SEQLEN
-
         if not isinstance(self.spec_tokens, int) or isinstance(self.spec_tokens, bool):
             raise TypeError(f"spec_tokens must be an int; got {type(self.spec_tokens).__name__}")
         if not 0 <= self.spec_tokens <= MAX_SEQLEN - 1:
@@ -131,8 +127,7 @@ class ReplaySSMCache:
         return self._issue(chk.id_list("slots", slots))
 
     def _issue(self, host: torch.Tensor) -> torch.Tensor:
-        """Host ids on the cache device, copied without waiting for the GPU, and remembered
-        so that checking them reads nothing back (`_host_ids`)."""
+        """Host ids on the cache device (no GPU wait), remembered so `_host_ids` reads nothing back."""
         ids = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
         if len(self._issued) >= 1024:  # drop the records of tensors gone
             self._issued = {k: v for k, v in self._issued.items() if v[0]() is not None}
@@ -140,17 +135,42 @@ class ReplaySSMCache:
         return ids
 
     def _host_ids(self, ids: torch.Tensor) -> list[int]:
-        """Slot ids' values: from `_issue`'s record for a tensor it made that is unchanged
-        since (the same object at the same version), else read (a sync on CUDA)."""
+        """Slot ids' values: `_issue`'s record of a tensor it made, if unchanged, else read."""
         hit = self._issued.get(id(ids))
         if hit is not None and hit[0]() is ids and hit[1] == ids._version:
             return hit[2]
         return ids.tolist()
 
-    def _check_live(self, ids: torch.Tensor) -> None:
-        """Live ids allocated and unique; padding ids pass."""
-        chk.int_ids("slots", ids)
+    def _live(self, slots) -> torch.Tensor:
+        """`_slots`, live ids checked allocated and unique (on the host); padding ids pass."""
+        ids = self._slots(slots)
         self.allocator.check_live(self._host_ids(ids))
+        return ids
+
+    def _rows(self, slots, checks: bool) -> torch.Tensor:
+        """A decode call's slot ids: at most max_batch, live ones checked with `checks`."""
+        slots = self._slots(slots)
+        if slots.numel() > self.max_batch:
+            raise ValueError(f"slots must hold at most max_batch={self.max_batch} rows; got {slots.numel()}")
+        if checks and not torch.compiler.is_compiling():  # host reads: eager only (ops.py)
+            self._live(slots)
+        return slots
+
+    def _default_A(self, A: torch.Tensor | None, slots: torch.Tensor, caller: str) -> torch.Tensor:
+        """`A`, else the last decode call's, else (none yet) zeros if no live slot has
+        tokens to fold: pending ones for `accept`, committed since the checkpoint else."""
+        if A is not None or self._last_A is not None:
+            return self._last_A if A is None else A
+        pos = self.tensors[L.POSITIONS][slots[(slots > 0) & (slots < self.num_slots)].long()]
+        if caller == "accept":
+            live = pos[:, 1]
+        elif self.spec_tokens:
+            live = pos[:, 0].long() - checkpoint_index(pos[:, 0].long(), self.max_seqlen)
+        else:
+            live = pos % L.RING
+        if bool((live != 0).any()):
+            raise ValueError(f"{caller} needs A: no decode call has supplied one yet")
+        return torch.zeros(self.num_heads, dtype=torch.float32, device=self.device)
 
     def allocate(self, n: int) -> torch.Tensor:
         """n unique free slot ids (int32, on the cache device); passing the tensor back
@@ -169,8 +189,7 @@ class ReplaySSMCache:
         """Write the checkpoint and read copy of `slots` from FP32 `states` [n, heads,
         head_dim, state_dim], clear their rings and positions. Live ids must be allocated
         and unique (checked on the host); padding ids are ignored."""
-        slots = self._slots(slots)
-        self._check_live(slots)
+        slots = self._live(slots)
         api.initialize(
             self.tensors, self._geometry, self._backend, states, slots,
             fmt=self._format, seed=self.seed, checks=debug(), head_offset=self.head_offset, ids_name="slots",
@@ -187,11 +206,9 @@ class ReplaySSMCache:
         self, x, dt, A, B, C, D, dt_bias, slots, out=None, *, num_accepted_tokens=None, cu_seqlens=None
     ) -> torch.Tensor:
         """One decode step; returns bf16 [batch, heads, P] (`out` if given: pass it when
-        capturing a CUDA graph). Live ids must be allocated and unique (padding ids are
-        ignored), checked only with REPLAYSSM_DEBUG=1. Pending mode: `num_accepted_tokens`
-        and the layouts (dense, or varlen with `cu_seqlens`) as for
-        `selective_state_update_replayssm`; token t's output is the layer's after the
-        committed tokens and the row's tokens 0..t."""
+        capturing a CUDA graph). Live ids must be allocated and unique, checked only with
+        REPLAYSSM_DEBUG=1. Pending mode: arguments and layouts (dense, or varlen with
+        `cu_seqlens`) as for `selective_state_update_replayssm` (docs/format.md section 5b)."""
         checks = debug()
         direct = not checks and self._direct and not torch.compiler.is_compiling()
         # The eager fast path first (ids as `_slots` returns them, at most max_batch rows).
@@ -202,42 +219,35 @@ class ReplaySSMCache:
         ):  # fmt: skip
             object.__setattr__(self, "_last_A", A)  # as at the end
             return out
-        given, slots = slots, self._slots(slots)
-        batch = slots.numel()
-        if batch > self.max_batch:
-            raise ValueError(f"slots must hold at most max_batch={self.max_batch} rows; got {batch}")
-        if checks and not torch.compiler.is_compiling():  # host reads: eager only (ops.py)
-            self._check_live(slots)
-        if self.spec_tokens:
-            if out is None:
-                lead = (x.shape[0],) if cu_seqlens is not None and isinstance(x, torch.Tensor) else (batch, self.max_seqlen)
-                out = torch.empty(*lead, self.num_heads, self.head_dim, dtype=torch.bfloat16, device=self.device)
-            # The eager fast path of the dense layout (api.direct_decode_pending), else the op.
-            if not (
-                direct and cu_seqlens is None
-                and api.direct_decode_pending(self.tensors, self.num_heads, self.num_groups, self._backend, x, dt, A, B, C,
-                                               D, dt_bias, slots, out, self._format, self.seed, self.max_seqlen,
-                                               num_accepted_tokens, self.head_offset)
-            ):  # fmt: skip
-                api.decode_pending(
-                    self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
-                    fmt=self._format, seed=self.seed, checks=checks, max_seqlen=self.max_seqlen,
-                    num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=self.head_offset,
-                    own_seqlen=True, ids_name="slots",
-                )
-        else:
-            if num_accepted_tokens is not None or cu_seqlens is not None:
-                raise ValueError(
-                    "num_accepted_tokens and cu_seqlens are pending-mode arguments; this cache has spec_tokens=0 "
-                    "(separate mode): build it with spec_tokens=k for speculative decoding"
-                )
-            try_direct = direct and (out is None or slots is not given)  # else the fast path above tried these
-            if out is None:
-                out = torch.empty(batch, self.num_heads, self.head_dim, dtype=torch.bfloat16, device=self.device)
+        given, slots = slots, self._rows(slots, checks)
+        if not self.spec_tokens and (num_accepted_tokens is not None or cu_seqlens is not None):
+            raise ValueError(
+                "num_accepted_tokens and cu_seqlens are pending-mode arguments; this cache has spec_tokens=0 "
+                "(separate mode): build it with spec_tokens=k for speculative decoding"
+            )
+        try_direct = direct and (out is None or slots is not given)  # else the fast path above tried these
+        if out is None:  # pending mode: [batch, max_seqlen, heads, P], varlen [tokens, heads, P]
+            rows = (slots.numel(), self.max_seqlen) if self.spec_tokens else (slots.numel(),)
+            lead = (x.shape[0],) if cu_seqlens is not None and isinstance(x, torch.Tensor) else rows
+            out = torch.empty(*lead, self.num_heads, self.head_dim, dtype=torch.bfloat16, device=self.device)
+        if not self.spec_tokens:
             api.decode(
                 self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
                 fmt=self._format, seed=self.seed, checks=checks, scratch=self._scratch, head_offset=self.head_offset,
                 try_direct=try_direct, ids_name="slots",
+            )
+        # The eager fast path of the dense layout (api.direct_decode_pending), else the op.
+        elif not (
+            direct and cu_seqlens is None
+            and api.direct_decode_pending(self.tensors, self.num_heads, self.num_groups, self._backend, x, dt, A, B, C,
+                                           D, dt_bias, slots, out, self._format, self.seed, self.max_seqlen,
+                                           num_accepted_tokens, self.head_offset)
+        ):  # fmt: skip
+            api.decode_pending(
+                self.tensors, self._geometry, self._backend, x, dt, A, B, C, D, dt_bias, slots, out,
+                fmt=self._format, seed=self.seed, checks=checks, max_seqlen=self.max_seqlen,
+                num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=self.head_offset,
+                own_seqlen=True, ids_name="slots",
             )
         # Not `self._last_A = A`: torch 2.13's dynamo recurses without end into the attrs
         # __setattr__ of this class (the `device` converter) and breaks the graph.
@@ -251,27 +261,14 @@ class ReplaySSMCache:
         checks = debug()
         if not self.spec_tokens:
             raise ValueError("accept is pending mode's: this cache has spec_tokens=0 (separate mode)")
-        slots = self._slots(slots)
-        n = slots.numel()
-        if n > self.max_batch:
-            raise ValueError(f"slots must hold at most max_batch={self.max_batch} rows; got {n}")
-        if checks and not torch.compiler.is_compiling():  # host reads: eager only
-            self._check_live(slots)
-        if A is None:
-            A = self._last_A
-            if A is None:
-                live = slots[(slots > 0) & (slots < self.num_slots)].long()
-                if bool((self.tensors[L.POSITIONS][live][:, 1] != 0).any()):
-                    raise ValueError("accept needs A: no decode call has supplied one yet")
-                A = torch.zeros(self.num_heads, dtype=torch.float32, device=self.device)  # nothing to fold
-        h, g = self.num_heads, self.num_groups
-        bf = dict(dtype=torch.bfloat16, device=self.device)
-        x = torch.empty(0, h, self.head_dim, **bf)
-        BC = torch.empty(0, g, self.state_dim, **bf)
-        dt = torch.empty(0, h, device=self.device)
-        out = torch.empty(0, h, self.head_dim, **bf)
-        cu = torch.zeros(n + 1, dtype=torch.int32, device=self.device)
-        D = torch.zeros(h, device=self.device)
+        slots = self._rows(slots, checks)
+        A = self._default_A(A, slots, "accept")
+        # No tokens: empty x, dt, B, C and out, every row's cu_seqlens span empty.
+        h, dev, bf = self.num_heads, self.device, torch.bfloat16
+        x, out = (torch.empty(0, h, self.head_dim, dtype=bf, device=dev) for _ in range(2))
+        BC = torch.empty(0, self.num_groups, self.state_dim, dtype=bf, device=dev)
+        dt, D = torch.empty(0, h, device=dev), torch.zeros(h, device=dev)
+        cu = torch.zeros(slots.numel() + 1, dtype=torch.int32, device=dev)
         api.decode_pending(
             self.tensors, self._geometry, self._backend, x, dt, A, BC, BC, D, D, slots, out,
             fmt=self._format, seed=self.seed, checks=checks, max_seqlen=self.max_seqlen,
@@ -280,28 +277,12 @@ class ReplaySSMCache:
         )
 
     def materialize(self, slots: torch.Tensor, A: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """FP32 state [n, heads, head_dim, state_dim] of `slots` after their committed tokens,
-        into `out` if given; padding ids read as zero states. Live ids as for
-        `prefill_init`; `A` defaults to the last decode call's."""
+        """FP32 state [n, heads, head_dim, state_dim] of `slots` after their committed tokens (into
+        `out` if given; padding ids: zeros). Live ids as for `prefill_init`; `A` as for `accept`."""
         debug()
-        slots = self._slots(slots)
-        self._check_live(slots)
-        if A is None:
-            A = self._last_A
-            if A is None:
-                pos = self.tensors[L.POSITIONS][slots[(slots > 0) & (slots < self.num_slots)].long()]
-                if self.spec_tokens:
-                    from .pending import checkpoint_index
-
-                    c = pos[:, 0].long()
-                    live = c - checkpoint_index(c, self.max_seqlen)
-                else:
-                    live = pos % L.RING
-                if bool((live != 0).any()):
-                    raise ValueError("materialize needs A: no decode call has supplied one yet")
-                A = torch.zeros(self.num_heads, dtype=torch.float32, device=self.device)
+        slots = self._live(slots)
         return api.materialize(
-            self.tensors, self._geometry, self._backend, slots, A, out,
+            self.tensors, self._geometry, self._backend, slots, self._default_A(A, slots, "materialize"), out,
             max_seqlen=self.max_seqlen if self.spec_tokens else None, ids_name="slots",
         )
 
@@ -320,11 +301,10 @@ class ReplaySSMCache:
         ]
         if (self.head_dim, self.state_dim) != (L.HEAD_DIM, L.STATE_DIM):
             parts += [f"head_dim={self.head_dim}", f"state_dim={self.state_dim}"]
+        conv = None if self.conv_state_shape is None else tuple(self.conv_state_shape)
         optional = (("head_offset", self.head_offset), ("spec_tokens", self.spec_tokens),
-                    ("slot_padding", self.slot_padding))  # fmt: skip
-        parts += [f"{name}={value}" for name, value in optional if value]
-        if self.conv_state_shape is not None:
-            parts.append(f"conv_state_shape={tuple(self.conv_state_shape)}")
+                    ("slot_padding", self.slot_padding), ("conv_state_shape", conv))  # fmt: skip
+        parts += [f"{name}={value}" for name, value in optional if value is not None and value != 0]
         parts.append(f"slots_in_use={self.allocator.num_used}/{self.allocator.capacity}")
         return f"ReplaySSMCache({', '.join(parts)})"
 
@@ -363,8 +343,7 @@ class ReplaySSMCache:
         return chk.id_list(name, slots)
 
     def _check_handoff_live(self, ids: torch.Tensor, name: str, *, unique: bool = True) -> None:
-        """Every id in [1, num_slots - 1], allocated and (with `unique`) named once (a host
-        read: a sync for CUDA ids)."""
+        """Every id in [1, num_slots - 1], allocated and (with `unique`) named once; a host read."""
         values = [int(v) for v in ids.tolist()]
         handoff.check_host_ids(name, values, self.num_slots, unique=unique)
         stray = sorted({s for s in values if not self.allocator.is_allocated(s)})
@@ -377,19 +356,10 @@ class ReplaySSMCache:
         first call has built the copy kernel's table)."""
         debug()
         src, dst = self._handoff_ids("src", src), self._handoff_ids("dst", dst)
-        device = self.tensors[L.CHECKPOINT].device  # with its index: device ids compare equal to it
-        kernel = handoff.use_kernel(device, "auto", (self,))
-        s, d = handoff.validate_pair(src, dst, device, self.num_slots, keep_dtype=kernel)
-        if (src.device.type == "cpu" and dst.device.type == "cpu") or debug():
-            self._check_handoff_live(src, "src", unique=False)
-            self._check_handoff_live(dst, "dst")
-        self._copy(s, d, kernel)
-
-    def _copy(self, src: torch.Tensor, dst: torch.Tensor, kernel: bool) -> None:
-        if kernel:
-            handoff.copy_plan((self,)).copy(src, dst)
-        else:
-            handoff.copy_rows(self.tensors, src.to(torch.int64), dst.to(torch.int64))
+        # Ids are read back when both are on the host; the layer function does when src is.
+        if src.device.type == "cpu" and dst.device.type != "cpu":
+            src = src.to(self.tensors[L.CHECKPOINT].device)
+        copy_slots((self,), src, dst)
 
     def fork(self, src, n: int = 1) -> torch.Tensor:
         """Allocate `n` slots per slot of `src` and copy it into them; returns the new ids
@@ -398,10 +368,8 @@ class ReplaySSMCache:
         chk.integer("n", n, low=1)
         src = self._handoff_ids("src", src)
         self._check_handoff_live(src, "src")
-        kernel = handoff.use_kernel(self.device, "auto", (self,))
         dst = self.allocate(n * src.numel())  # raises before changing anything if too few are free
-        s = src.to(self.device, torch.int64).repeat_interleave(n)
-        self._copy(s, dst, kernel)
+        copy_slots((self,), src.to(self.device, torch.int64).repeat_interleave(n), dst)
         return dst
 
     def snapshot(self, src, dst, A: torch.Tensor | None = None) -> None:
@@ -424,12 +392,10 @@ class ReplaySSMCache:
         heads, head_dim, state_dim]} (`A` as for `materialize`) alone."""
         debug()
         ids = self._handoff_ids("slots", slots)
-        self._check_handoff_live(ids, "slots")
+        self._check_handoff_live(ids, "slots")  # always; the layer function: host ids only
         d = ids.to(self.device, torch.int64)
         if not compact:
-            if handoff.use_kernel(self.device, "auto", (self,)):  # one gather launch, one device-to-host copy
-                return handoff.export_staged(handoff.copy_plan((self,)), [self.tensors], [self._format], d, non_blocking)[0]
-            return handoff.export_rows(self.tensors, d, self._format, non_blocking)
+            return export_slots((self,), d, non_blocking=non_blocking)[0]
         states = self.materialize(d, A)
         host = handoff.host_empty(states.shape, states.dtype)
         host.copy_(states, non_blocking=non_blocking and host.is_pinned())
@@ -439,25 +405,16 @@ class ReplaySSMCache:
     def import_(self, data: dict, slots) -> None:
         """Write `export`ed data into the allocated slots `slots` (one per exported slot),
         or for the compact form initialize them from it; everything is checked first."""
-        checks = debug()
+        debug()
         ids = self._handoff_ids("slots", slots)
-        self._check_handoff_live(ids, "slots")
-        # Drafts awaiting a verdict must fit this cache's max_seqlen (decode trusts it).
-        compact = handoff.check_export(data, self.tensors, self._format, ids.numel(), self.max_seqlen)
-        d = ids.to(self.device, torch.int64)
-        if not compact and handoff.use_kernel(self.device, "auto", (self,)):
-            plan = handoff.copy_plan((self,))
-            if handoff.import_staged(plan, [self.tensors], [self._format], [data], d):  # an export's one buffer
-                return
-        handoff.import_rows(
-            self.tensors, self._geometry, self._backend, data, d, compact,
-            fmt=self._format, seed=self.seed, checks=checks, head_offset=self.head_offset,
-        )
+        self._check_handoff_live(ids, "slots")  # always, as in `export`
+        import_slots((self,), [data], ids.to(self.device, torch.int64))
 
 
 # -- slot hand-off over every layer of a model (docs/format.md "Slot hand-off") -------------
-def _check_layers(caches: Sequence, backend: str) -> torch.device | None:
-    """The one device (with its index) of caches with one num_slots; None for no caches."""
+def _check_layers(caches: Sequence, backend: str) -> tuple[torch.device, bool] | None:
+    """The one device (with its index) of caches with one num_slots and whether the copy
+    kernel serves them (`handoff.use_kernel`); None for no caches."""
     if isinstance(caches, ReplaySSMCache) or not isinstance(caches, Sequence):
         raise TypeError(f"caches must be a sequence of ReplaySSMCache; got {type(caches).__name__}")
     for i, c in enumerate(caches):
@@ -474,7 +431,7 @@ def _check_layers(caches: Sequence, backend: str) -> torch.device | None:
                 f"caches must share num_slots and device; caches[{i}] has {c.num_slots} slots on "
                 f"{c.tensors[L.CHECKPOINT].device}, caches[0] {first.num_slots} on {device}"
             )
-    return device
+    return device, handoff.use_kernel(device, backend, caches)
 
 
 def copy_slots(caches: Sequence, src, dst, *, backend: str = "auto") -> None:
@@ -482,11 +439,10 @@ def copy_slots(caches: Sequence, src, dst, *, backend: str = "auto") -> None:
     device) in one copy-kernel launch. `backend`: "auto" the kernel where it can run and no
     cache chose backend="reference"; "kernels" the kernel or a ValueError; "reference"
     per-tensor copies."""
-    device = _check_layers(caches, backend)
-    if device is None:
+    if (layers := _check_layers(caches, backend)) is None:
         return
+    device, kernel = layers
     first = caches[0]
-    kernel = handoff.use_kernel(device, backend, caches)
     src_t, dst_t = first._handoff_ids("src", src), first._handoff_ids("dst", dst)  # lists stay on the host
     s, d = handoff.validate_pair(src_t, dst_t, device, first.num_slots, keep_dtype=kernel)
     if src_t.device.type == "cpu" or debug():
@@ -516,10 +472,9 @@ def export_slots(caches: Sequence, slots, *, non_blocking: bool = False, backend
     """`ReplaySSMCache.export(slots)` over all layers' caches, a dict per layer. With the
     kernel (`backend` as for `copy_slots`) every tensor is a view of one pinned host buffer
     (one gather launch, one device-to-host copy)."""
-    device = _check_layers(caches, backend)
-    if device is None:
+    if (layers := _check_layers(caches, backend)) is None:
         return []
-    kernel = handoff.use_kernel(device, backend, caches)
+    device, kernel = layers
     ids = _layer_ids(caches, slots, device)
     if kernel:
         plan = handoff.copy_plan(caches)
@@ -533,15 +488,15 @@ def import_slots(caches: Sequence, data: Sequence[dict], slots, *, backend: str 
     """`ReplaySSMCache.import_(data[i], slots)` for every layer i, everything checked
     first. `export_slots`' one buffer goes back in one host-to-device copy and one scatter
     launch (`backend` as for `copy_slots`)."""
-    device = _check_layers(caches, backend)
-    if device is None:
+    if (layers := _check_layers(caches, backend)) is None:
         return
-    kernel = handoff.use_kernel(device, backend, caches)
+    device, kernel = layers
     if isinstance(data, dict) or not isinstance(data, Sequence):
         raise TypeError(f"data must be a sequence of dicts (one per cache, from export_slots); got {type(data).__name__}")
     if len(data) != len(caches):
         raise ValueError(f"data must hold one dict per cache; got {len(data)} for {len(caches)} caches")
     ids = _layer_ids(caches, slots, device)
+    # Drafts awaiting a verdict must fit each cache's max_seqlen (decode trusts it).
     compact = [handoff.check_export(d, c.tensors, c.format, ids.numel(), c.max_seqlen) for c, d in zip(caches, data)]
     if kernel and not any(compact):
         plan = handoff.copy_plan(caches)

@@ -1,10 +1,6 @@
-"""Read-copy formats as objects, made from the user's `state_dtype` at the API's edge
-(`format_of`): the cache tensors a format adds after the rings (docs/format.md sections
-2-4) and, in PyTorch, the four places where formats differ (write the read copy at init,
-the parity flip of a fold, re-derive the copy from a folded state, read it back as FP32).
-The quantizers are `replayssm.quant.formats`, the kernels' strategies
-`kernels.cute.read_copy`; a new format needs all three.
-"""
+"""Read-copy formats as objects, made from the user's `state_dtype` by `format_of`: the cache
+tensors a format adds after the rings (docs/format.md sections 3-4b) and the reference's four
+format-specific steps. A new format also needs `quant.formats` and `kernels.cute.read_copy`."""
 
 from __future__ import annotations
 
@@ -12,11 +8,6 @@ import torch
 
 from .geometry import CHECKPOINT, HEAD_DIM, META, NVFP4_BLOCK, PARITY, READ_COPY, SCALES, STATE_DIM
 from .quant import formats as Q
-
-
-def head_group(heads: int, groups: int, device) -> torch.Tensor:
-    """The group of each head: h // (heads / groups)."""
-    return torch.arange(heads, device=device) // (heads // groups)
 
 
 def group_amax(state: torch.Tensor, groups: int) -> torch.Tensor:
@@ -55,8 +46,8 @@ class Format:
         return torch.zeros_like(slot)
 
     def refresh(self, cache, slot: torch.Tensor, state: torch.Tensor, old_parity: torch.Tensor) -> None:
-        """Re-derive the read copy of `slot`s from their folded FP32 `state`."""
-        raise NotImplementedError
+        """Re-derive the read copy of `slot`s from their folded FP32 `state` (as at init)."""
+        self.init(cache, slot, state)
 
     def read(self, cache, slot: torch.Tensor) -> torch.Tensor:
         """The dequantized read copy [n, H, P, N] (FP32) of `slot`s."""
@@ -80,9 +71,6 @@ class Fp8Format(Format):
     def init(self, cache, slot, state) -> None:
         cache[READ_COPY][slot], cache[SCALES][slot] = Q.fp8_encode(state)
 
-    def refresh(self, cache, slot, state, old_parity) -> None:
-        self.init(cache, slot, state)
-
     def read(self, cache, slot):
         return Q.fp8_decode(cache[READ_COPY][slot], cache[SCALES][slot])
 
@@ -104,20 +92,20 @@ class Nvfp4Format(Format):
         ]
 
     def _per_head(self, cache, amax: torch.Tensor) -> torch.Tensor:
-        return amax[:, head_group(cache[READ_COPY].shape[1], cache[META].shape[1], amax.device)]
-
-    def _write(self, cache, slot, state, live_amax) -> None:
-        cache[READ_COPY][slot], cache[SCALES][slot] = Q.nvfp4_encode(state, self._per_head(cache, live_amax))
+        """[n, G] -> [n, H]: each head takes its group's (group of head h: h // (H / G))."""
+        heads = cache[READ_COPY].shape[1]
+        return amax[:, torch.arange(heads, device=amax.device) // (heads // cache[META].shape[1])]
 
     def _live_amax(self, cache, slot, parity) -> torch.Tensor:
-        groups = cache[META].shape[1]
-        return cache[META][slot].gather(2, parity.view(-1, 1, 1).expand(-1, groups, 1)).squeeze(-1)
+        """The group amax in the half of `meta` that `parity` names, per head [n, H]."""
+        index = parity.view(-1, 1, 1).expand(-1, cache[META].shape[1], 1)
+        return self._per_head(cache, cache[META][slot].gather(2, index).squeeze(-1))
 
     def init(self, cache, slot, state) -> None:
         live_amax = group_amax(state, cache[META].shape[1])
         cache[META][slot] = live_amax.unsqueeze(-1).expand(-1, -1, 2)
         cache[PARITY][slot] = 0
-        self._write(cache, slot, state, live_amax)
+        cache[READ_COPY][slot], cache[SCALES][slot] = Q.nvfp4_encode(state, self._per_head(cache, live_amax))
 
     def flip(self, cache, slot):
         """The parity flips; the half that was live becomes the amax accumulator (zeroed)."""
@@ -131,11 +119,11 @@ class Nvfp4Format(Format):
         state's group amax in the half that was live."""
         live_amax = self._live_amax(cache, slot, 1 - old_parity)
         cache[META][slot, :, old_parity] = group_amax(state, cache[META].shape[1])
-        self._write(cache, slot, state, live_amax)
+        cache[READ_COPY][slot], cache[SCALES][slot] = Q.nvfp4_encode(state, live_amax)
 
     def read(self, cache, slot):
         live_amax = self._live_amax(cache, slot, cache[PARITY][slot].to(torch.int64))
-        return Q.nvfp4_decode(cache[READ_COPY][slot], cache[SCALES][slot], self._per_head(cache, live_amax))
+        return Q.nvfp4_decode(cache[READ_COPY][slot], cache[SCALES][slot], live_amax)
 
 
 class Fp16Format(Format):
@@ -149,9 +137,6 @@ class Fp16Format(Format):
 
     def init(self, cache, slot, state) -> None:
         pass  # the checkpoint is the read copy
-
-    def refresh(self, cache, slot, state, old_parity) -> None:
-        pass
 
     def read(self, cache, slot):
         return cache[CHECKPOINT][slot].float()

@@ -1,11 +1,6 @@
-"""Slot hand-off: copy and fork, prefix snapshots, host swap (export / import), in separate
-and pending mode. docs/format.md section 5a specifies what moves (every per-slot tensor,
-never the conv state), the random stream after a move and the slot-id rules; docs/design.md
-section 9 the copy and staging kernels (`CopyPlan`, `StagePlan`: one launch for every
-tensor of every layer; the per-tensor copies serve the CPU and backend="reference").
-Host ids are validated on every call; ids on a CUDA device are not read back (a sync would
-break graph capture) unless REPLAYSSM_DEBUG=1. A rejected call changes nothing.
-"""
+"""Slot hand-off: copy and fork, prefix snapshots, host swap (export / import). docs/format.md
+section 5a is the contract (what moves, the random stream, slot ids: host ids always checked,
+CUDA ids only with REPLAYSSM_DEBUG=1); docs/design.md section 9 the copy and staging kernels."""
 
 from __future__ import annotations
 
@@ -13,6 +8,7 @@ import contextlib
 import weakref
 from collections import Counter
 from collections.abc import Sequence
+from itertools import groupby
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -35,14 +31,10 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_VIEW[t.element_size()])
 
 
-def _specs(cache, fmt: Format):
-    heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
-    return L.tensor_specs(heads, groups, fmt, cache[L.POSITIONS].dim() == 2, *L.dims(cache))
-
-
 def per_slot_names(cache: Sequence[torch.Tensor], fmt: Format) -> list[tuple[str, int]]:
     """[(name, cache index)] of every per-slot tensor, named as `layout.tensor_specs` does."""
-    specs = _specs(cache, fmt)
+    heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
+    specs = L.tensor_specs(heads, groups, fmt, cache[L.POSITIONS].dim() == 2, *L.dims(cache))
     return [(name, i if i < len(specs) else len(cache) - 1) for i, (name, _, _) in enumerate(specs, start=1)]
 
 
@@ -65,11 +57,9 @@ def check_host_ids(name: str, values: list[int], num_slots: int, *, unique: bool
 
 
 def validate_pair(src, dst, device, num_slots: int, *, keep_dtype: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """src / dst ids of a copy or snapshot (same count; host values in range, dst unique,
-    disjoint), returned on the cache device as int64, or with `keep_dtype` as given (the
-    copy kernel reads int32 and int64; host ids then travel in one host-to-device copy)."""
-    src = _ids("src", src, device)
-    dst = _ids("dst", dst, device)
+    """src / dst ids (same count; host values in range, dst unique, disjoint) on the cache device
+    as int64, or with `keep_dtype` as given (the copy kernel's; host ids: one host-to-device copy)."""
+    src, dst = _ids("src", src, device), _ids("dst", dst, device)
     if src.numel() != dst.numel():
         raise ValueError(f"src and dst must hold the same number of slots; got {src.numel()} and {dst.numel()}")
     host = src.device.type == "cpu" and dst.device.type == "cpu"
@@ -104,44 +94,35 @@ def copy_rows(cache: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tenso
         b.index_copy_(0, dst, b.index_select(0, src))
 
 
-def kernel_copy_unavailable(device: torch.device) -> str | None:
-    """None when the Triton copy kernel can run on `device`; else the reason, in words."""
-    interpreting = triton_interpreting()
-    if device.type == "cuda" and interpreting:
-        return "TRITON_INTERPRET=1 runs Triton kernels on host memory only; the cache is on the GPU"
-    if device.type != "cuda" and not interpreting:
-        return f"the copy kernel needs a CUDA device (or TRITON_INTERPRET=1 on the CPU); got {device}"
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:
-        return f"Triton is unavailable ({exc})"
-    return None
-
-
 def use_kernel(device: torch.device, backend: str, caches: Sequence = ()) -> bool:
-    """Whether a copy runs on the copy kernel. "reference": never; "kernels": always, a
-    ValueError where it cannot run; "auto": on a CUDA device unless a cache of `caches`
-    chose backend="reference", on the CPU only when every cache of `caches` runs the
-    kernels backend (the interpreter; tests)."""
+    """Whether a copy runs on the copy kernel: "reference" never, "kernels" always (a ValueError
+    where it cannot), "auto" on a CUDA device unless a cache of `caches` chose "reference", on the
+    CPU (the interpreter: tests) only when every cache of `caches` runs the kernels backend."""
     check_backend(backend)
     if backend == "reference":
         return False
-    reason = kernel_copy_unavailable(device)
-    if backend == "kernels":
-        if reason is not None:
-            raise ValueError(f"backend='kernels' cannot copy here: {reason}; pass backend='auto' or 'reference'")
-        return True
-    if reason is not None:
-        return False
+    interpreting, reason = triton_interpreting(), None
+    if device.type == "cuda" and interpreting:
+        reason = "TRITON_INTERPRET=1 runs Triton kernels on host memory only; the cache is on the GPU"
+    elif device.type != "cuda" and not interpreting:
+        reason = f"the copy kernel needs a CUDA device (or TRITON_INTERPRET=1 on the CPU); got {device}"
+    else:
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:
+            reason = f"Triton is unavailable ({exc})"
+    if backend == "kernels" and reason is not None:
+        raise ValueError(f"backend='kernels' cannot copy here: {reason}; pass backend='auto' or 'reference'")
+    if backend == "kernels" or reason is not None:
+        return reason is None
     if device.type == "cuda":
         return all(c.backend != "reference" for c in caches)
     return bool(caches) and all(c.backend_name == "kernels" for c in caches)
 
 
 class CopyPlan:
-    """The copy kernel's table for a list of cache tuples on one device (one row per chunk
-    of every per-slot tensor), built once and launched as often as needed; `copy` is one
-    launch for every tensor of every tuple, no host sync, capturable."""
+    """The copy kernel's table for cache tuples on one device (one row per chunk of every
+    per-slot tensor), built once; `copy` is one capturable launch for every tensor."""
 
     def __init__(self, tuples: Sequence[Sequence[torch.Tensor]], num_slots: int, chunk: int | None = None):
         from .kernels.triton import copy_slots as K
@@ -158,62 +139,50 @@ class CopyPlan:
         self.staging: StagePlan | None = None  # built by the first staged export / import
         self._kernels = K
 
-    def _launch(self, fn, *args, **kw) -> None:
+    def _launch(self, fn, table: torch.Tensor, ids: torch.Tensor, buffer: torch.Tensor, **kw) -> None:
         index = self.device.index
         other = self.device.type == "cuda" and index is not None and index != torch.cuda.current_device()
         # Triton launches on the current device
         with torch.cuda.device(index) if other else contextlib.nullcontext():
-            fn(*args, **kw)
+            fn(table, ids, buffer, self.num_slots, chunk=self.chunk, **kw)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Slots src[i] -> dst[i] in every tensor (validated ids on the device; padding pairs skipped)."""
-        self._launch(self._kernels.copy_slots, self.table, src, dst, self.num_slots, chunk=self.chunk)
+        self._launch(self._kernels.copy_slots, self.table, src, dst)
 
     def stage_plan(self, tuples: Sequence[Sequence[torch.Tensor]], formats: Sequence[Format]) -> StagePlan:
-        """The staging table of this plan's tuples, built on first use and kept."""
         if self.staging is None:
             self.staging = StagePlan(tuples, formats, self.device, self.chunk)
         return self.staging
 
-    def stage(self, plan: StagePlan, slots: torch.Tensor, staging: torch.Tensor, *, to_staging: bool) -> None:
+    def stage(self, slots: torch.Tensor, staging: torch.Tensor, *, to_staging: bool) -> None:
         """Every per-slot tensor of `slots` into the byte buffer `staging` (`to_staging`), or back."""
-        self._launch(
-            self._kernels.stage_slots, plan.table, slots, staging, self.num_slots, to_staging=to_staging, chunk=self.chunk
-        )
+        self._launch(self._kernels.stage_slots, self.staging.table, slots, staging, to_staging=to_staging)
 
 
 class StagePlan:
-    """Where every per-slot tensor of a list of cache tuples lies in one byte buffer of n
-    slots (kernels/triton/copy_slots.py, "Staging"): tensor k's n slots at bytes
-    [n * prefix_k, n * (prefix_k + size_k)); `table` is the kernel's staging table."""
+    """Where every per-slot tensor of cache tuples lies in one byte buffer of n slots
+    (`copy_slots.stage_rows`): tensor k's n slots at bytes [n * prefix_k, n * (prefix_k + size_k))."""
 
     def __init__(self, tuples, formats: Sequence[Format], device: torch.device, chunk: int):
         from .kernels.triton import copy_slots as K
 
-        items = [((layer, name), cache[i]) for layer, (cache, fmt) in enumerate(zip(tuples, formats))
-                 for name, i in per_slot_names(cache, fmt)]  # fmt: skip
-        names, tensors = [k for k, _ in items], [t for _, t in items]
+        names, tensors = zip(*[((layer, name), c[i]) for layer, (c, f) in enumerate(zip(tuples, formats))
+                               for name, i in per_slot_names(c, f)])  # fmt: skip
         kinds = [(name, tuple(t.shape[1:]), t.dtype) for (_, name), t in zip(names, tensors)]
         rows, prefixes = K.stage_rows(tensors, chunk, kinds)
         self.table = K.stage_table(rows, device)
         self.names = [[name for layer_, name in names if layer_ == layer] for layer in range(len(tuples))]
         sizes = [t[0].numel() * t.element_size() for t in tensors]
-        # (layer, name, prefix), in staging order (prefix 0 first)
-        order = sorted(range(len(tensors)), key=prefixes.__getitem__)
-        self.entries = [(*names[k], prefixes[k]) for k in order]
         self.slot_bytes = sum(sizes)
-        # runs of one kind at consecutive places: (kind, prefix, slot bytes, [(layer, name)])
-        self.groups: list[tuple[tuple, int, int, list]] = []
-        for k in order:
-            g = self.groups[-1] if self.groups else None
-            if g is not None and g[0] == kinds[k] and g[1] + len(g[3]) * g[2] == prefixes[k]:
-                g[3].append(names[k])
-            else:
-                self.groups.append((kinds[k], prefixes[k], sizes[k], [names[k]]))
+        # Runs of one kind in staging order (prefix 0 first), each at consecutive places (the
+        # prefixes add up the sizes in that order): (kind, prefix, slot bytes, [(layer, name)]).
+        order = sorted(range(len(kinds)), key=prefixes.__getitem__)
+        runs = [list(run) for _, run in groupby(order, key=kinds.__getitem__)]
+        self.groups = [(kinds[r[0]], prefixes[r[0]], sizes[r[0]], [names[k] for k in r]) for r in runs]
 
     def views(self, buffer: torch.Tensor, n: int) -> list[dict[str, torch.Tensor]]:
-        """Per-layer dicts {name: [n, *per-slot shape]} viewing the byte buffer of n slots
-        (one view and one unbind per run of a kind)."""
+        """Per-layer dicts {name: [n, *per-slot shape]} viewing the byte buffer of n slots."""
         out = [dict.fromkeys(names) for names in self.names]
         for (_, shape, dtype), prefix, size, members in self.groups:
             region = buffer[n * prefix : n * (prefix + len(members) * size)]
@@ -222,47 +191,40 @@ class StagePlan:
         return out
 
     def buffer_of(self, data: Sequence[dict], n: int) -> torch.Tensor | None:
-        """The 1-D uint8 buffer of n * slot_bytes that the checked per-layer dicts `data`
-        view, when every tensor is a contiguous view at exactly its place in one storage
-        (as `views` made them); else None."""
+        """The uint8 buffer of n * slot_bytes that the per-layer dicts `data` view when every
+        tensor is a contiguous view at its place in one storage (as `views` made them); else None."""
         if n == 0 or len(data) != len(self.names):
             return None
-        layer, name, _ = self.entries[0]
+        layer, name = self.groups[0][3][0]
         first = data[layer][name]
-        base, cuda = first.data_ptr(), first.is_cuda
-        storage = first.untyped_storage()
-        offset = base - storage.data_ptr()
-        if offset < 0 or offset + n * self.slot_bytes > storage.nbytes():
+        base, cuda, storage = first.data_ptr(), first.is_cuda, first.untyped_storage()
+        offset, nbytes = base - storage.data_ptr(), n * self.slot_bytes
+        if offset < 0 or offset + nbytes > storage.nbytes():
             return None
-        for layer, name, prefix in self.entries:
-            t = data[layer][name]
-            if t.data_ptr() != base + n * prefix or t.is_cuda != cuda or not t.is_contiguous():
-                return None
-        return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, offset, (n * self.slot_bytes,))
+        for _, at, size, members in self.groups:  # tensor j of a run: prefix at + j * size
+            for j, t in enumerate(data[layer][name] for layer, name in members):
+                if t.data_ptr() != base + n * (at + j * size) or t.is_cuda != cuda or not t.is_contiguous():
+                    return None
+        return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, offset, (nbytes,))
 
 
-# Plans of ReplaySSMCache lists, keyed by the caches' ids, holding weak references to them
-# (dropped when one dies) and their tensor tuples (a reused id or a replaced tuple is never
-# mistaken for them). Never evicted while the caches live: a captured graph reads the table.
+# Plans of ReplaySSMCache lists by the caches' ids, with weak references (dropped when one dies) and
+# their tensor tuples (a reused id or replaced tuple is never mistaken for them); never evicted while
+# they live: a captured graph reads the table. Of bare tuples: by checkpoint, new on a layout change.
 _LIST_PLANS: dict[tuple[int, ...], tuple[list, list, CopyPlan]] = {}
-# Plans of bare cache tuples (the functional API), keyed by the checkpoint tensor and checked
-# against the tuple's layout: a changed tensor gets a new table (graphs on the old: recapture).
 _TUPLE_PLANS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def copy_plan(caches: Sequence) -> CopyPlan:
     """The (cached) copy plan of a list of ReplaySSMCache (same num_slots, one device)."""
     key = tuple(map(id, caches))
-    entry = _LIST_PLANS.get(key)
-    if entry is not None:
-        refs, tuples, plan = entry
-        if all(r() is c and c.tensors is t for r, c, t in zip(refs, caches, tuples)):
-            return plan
+    refs, tuples, plan = _LIST_PLANS.get(key, ((), (), None))
+    if plan is not None and all(r() is c and c.tensors is t for r, c, t in zip(refs, caches, tuples)):
+        return plan
     plan = CopyPlan([c.tensors for c in caches], caches[0].num_slots)
 
     def drop(_ref, key=key, plan=plan) -> None:
-        got = _LIST_PLANS.get(key)
-        if got is not None and got[2] is plan:
+        if key in _LIST_PLANS and _LIST_PLANS[key][2] is plan:
             del _LIST_PLANS[key]
 
     _LIST_PLANS[key] = ([weakref.ref(c, drop) for c in caches], [c.tensors for c in caches], plan)
@@ -271,22 +233,18 @@ def copy_plan(caches: Sequence) -> CopyPlan:
 
 def tuple_plan(cache: Sequence[torch.Tensor], num_slots: int) -> CopyPlan:
     layout = tuple((t.data_ptr(), t.stride(0), t.shape, t.dtype) for t in cache[1:])
-    entry = _TUPLE_PLANS.get(cache[L.CHECKPOINT])
-    if entry is not None and entry[0] == layout:
-        return entry[1]
-    plan = CopyPlan([cache], num_slots)
-    _TUPLE_PLANS[cache[L.CHECKPOINT]] = (layout, plan)
+    old, plan = _TUPLE_PLANS.get(cache[L.CHECKPOINT], (None, None))
+    if plan is None or old != layout:
+        plan = CopyPlan([cache], num_slots)
+        _TUPLE_PLANS[cache[L.CHECKPOINT]] = (layout, plan)
     return plan
 
 
 def copy_replayssm_slots(
     cache: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor, *, state_dtype: str, backend: str = "auto"
 ) -> None:
-    """Copy every per-slot tensor of slots `src` into slots `dst` (not the conv state), so
-    that each dst continues as its src would. `src` may repeat (a fork); `dst` unique;
-    disjoint. `backend`: "auto" one copy-kernel launch on a CUDA device (its table is built
-    on the first call for a tuple: call once before capturing a graph), per-tensor copies
-    elsewhere; "kernels" the kernel or a ValueError; "reference" the per-tensor copies."""
+    """Copy every per-slot tensor of slots `src` into slots `dst` (src may repeat: a fork). `backend` as
+    for `replayssm.copy_slots`; a tuple's first call builds the kernel's table (it cannot be captured)."""
     fmt = format_of(state_dtype)
     num_slots = L.check_cache(cache, fmt).num_slots
     device = cache[L.CHECKPOINT].device
@@ -302,11 +260,8 @@ def snapshot_replayssm_slots(
     cache: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor, A: torch.Tensor, *, state_dtype: str,
     seed: int = 0, backend: str = "auto", head_offset: int = 0, max_seqlen: int | None = None,
 ) -> None:
-    """Start slots `dst` from the current states of slots `src` as if prefilled with them:
-    materialize src (FP32), initialize dst from it (random stream of an init of dst). `A`
-    as for decode; `src` unique, `dst` unique, disjoint. A pending-mode cache needs
-    `max_seqlen` (as `materialize_replayssm_state`); its snapshot holds the state after
-    the committed tokens."""
+    """Start slots `dst` as if prefilled with the materialized states of the unique slots `src` (`A` as
+    for decode; a pending-mode cache needs `max_seqlen`, as `materialize_replayssm_state` does)."""
     fmt = format_of(state_dtype)
     checks = debug()
     chk.seed(seed)
@@ -330,9 +285,8 @@ def host_empty(shape, dtype) -> torch.Tensor:
 def export_replayssm_slots(
     cache: Sequence[torch.Tensor], slots: torch.Tensor, *, state_dtype: str, non_blocking: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Every per-slot tensor of `slots` (unique, in range) as host tensors {name: [n,
-    *per-slot shape]} (pinned where CUDA is available). With `non_blocking` the copies are
-    only queued on the current stream: synchronize before reading them."""
+    """Every per-slot tensor of `slots` as host tensors {name: [n, *per-slot shape]}. With
+    `non_blocking` the copies are only queued on the current stream: synchronize first."""
     fmt = format_of(state_dtype)
     num_slots = L.check_cache(cache, fmt).num_slots
     device = cache[L.CHECKPOINT].device
@@ -343,42 +297,36 @@ def export_replayssm_slots(
 
 
 def export_rows(cache, ids: torch.Tensor, fmt: Format, non_blocking: bool) -> dict[str, torch.Tensor]:
-    """The per-tensor export: an index_select and a device-to-host copy per tensor."""
     data = {}
     for name, i in per_slot_names(cache, fmt):
         t = cache[i]
-        host = host_empty((ids.numel(), *t.shape[1:]), t.dtype)
+        data[name] = host = host_empty((ids.numel(), *t.shape[1:]), t.dtype)
         as_bits(host).copy_(as_bits(t).index_select(0, ids), non_blocking=non_blocking and host.is_pinned())
-        data[name] = host
     finish(cache, non_blocking)
     return data
 
 
 def export_staged(plan: CopyPlan, tuples, formats: Sequence[Format], ids: torch.Tensor, non_blocking: bool) -> list[dict]:
-    """Slots `ids` of every tuple: one gather launch into a device staging buffer, one copy
-    into one (pinned) host buffer; per-tuple dicts of views of it."""
-    staged = plan.stage_plan(tuples, formats)
-    n = ids.numel()
+    """Slots `ids` of every tuple: one gather launch, one copy to one host buffer; viewed per tuple."""
+    staged, n = plan.stage_plan(tuples, formats), ids.numel()
     staging = torch.empty(n * staged.slot_bytes, dtype=torch.uint8, device=plan.device)
-    plan.stage(staged, ids, staging, to_staging=True)
-    host = host_empty((n * staged.slot_bytes,), torch.uint8)
+    plan.stage(ids, staging, to_staging=True)
+    host = host_empty(staging.shape, torch.uint8)
     host.copy_(staging, non_blocking=non_blocking and host.is_pinned())
     finish(tuples[0], non_blocking)
     return staged.views(host, n)
 
 
 def import_staged(plan: CopyPlan, tuples, formats: Sequence[Format], data: Sequence[dict], ids: torch.Tensor) -> bool:
-    """When the checked full-form `data` (one dict per tuple) view one buffer at the staging
-    layout (an export's): one copy of it to the device and one scatter launch into slots
-    `ids`; True. Else nothing, False."""
-    staged = plan.stage_plan(tuples, formats)
-    buffer = staged.buffer_of(data, ids.numel())
+    """When the checked full-form `data` view one buffer at the staging layout (an export's):
+    one copy to the device and one scatter launch into slots `ids`, True; else False."""
+    buffer = plan.stage_plan(tuples, formats).buffer_of(data, ids.numel())
     if buffer is None:
         return False
     staging = buffer.to(plan.device, non_blocking=buffer.is_pinned())
     if staging.data_ptr() % 16:  # already on the device, at an offset: the kernel wants 16-byte alignment
         staging = staging.clone()
-    plan.stage(staged, ids, staging, to_staging=False)
+    plan.stage(ids, staging, to_staging=False)
     return True
 
 
@@ -388,16 +336,15 @@ def finish(cache, non_blocking: bool) -> None:
 
 
 def check_export(data: object, cache, fmt: Format, n: int, max_pending: int | None = None) -> bool:
-    """Validate exported `data` for `n` slots of `cache`: True for the compact form
-    ({"state": FP32 [n, H, P, N]}), False for the full form. Dtypes, shapes, devices, and
-    the values the cache trusts (positions >= 0, pending counts in 0..`max_pending`,
-    NVFP4 parity 0 or 1) where `checks.host_values` reads them without a GPU read."""
+    """Validate exported `data` for `n` slots of `cache` (keys, dtypes, shapes, devices, and the
+    values the cache trusts where read without a GPU sync): True for the compact form."""
     if not isinstance(data, dict):
         raise TypeError(f"data must be a dict of tensors (from export); got {type(data).__name__}")
     if set(data) == {COMPACT_KEY}:
         want = {COMPACT_KEY: ((n, cache[L.CHECKPOINT].shape[1], *L.dims(cache)), torch.float32)}
     else:
-        want = {name: ((n, *shape), dt) for name, shape, dt in _specs(cache, fmt)}
+        # the layout's shapes and dtypes (a checked cache holds them)
+        want = {name: ((n, *cache[i].shape[1:]), cache[i].dtype) for name, i in per_slot_names(cache, fmt)}
         if set(data) != set(want):
             raise ValueError(
                 f"data must hold the {fmt.name} cache's tensors {sorted(want)} (or only {COMPACT_KEY!r}, the compact "
@@ -406,31 +353,26 @@ def check_export(data: object, cache, fmt: Format, n: int, max_pending: int | No
     device = cache[L.CHECKPOINT].device
     for name, (shape, dt) in want.items():
         t = chk.tensor(f"data[{name!r}]", data[name])
-        if t.dtype != dt:
-            raise chk.DTypeError(f"data[{name!r}] must be {dt} {list(shape)}; got {chk.describe(t)}")
-        if tuple(t.shape) != shape:
-            raise ValueError(f"data[{name!r}] must be {dt} {list(shape)}; got {chk.describe(t)}")
+        if t.dtype != dt or tuple(t.shape) != shape:
+            error = chk.DTypeError if t.dtype != dt else ValueError
+            raise error(f"data[{name!r}] must be {dt} {list(shape)}; got {chk.describe(t)}")
         if t.device != device and t.device.type != "cpu":
             raise ValueError(f"data[{name!r}] must be on the host or the cache device {device}; got {t.device}")
     if COMPACT_KEY in want:
         return True
-    pos = chk.host_values(data["positions"])
-    if pos is not None:
-        pending = data["positions"].dim() == 2
-        bad = sorted({c for c in ([p[0] for p in pos] if pending else pos) if c < 0})
+    pos, pending = chk.host_values(data["positions"]) or [], data["positions"].dim() == 2
+    par = (chk.host_values(data["parity"]) or []) if fmt.two_level else []
+    counts = [p[0] for p in pos] if pending else pos
+    q_max = MAX_SEQLEN if max_pending is None else max_pending
+    for bad, what in (
+        ([c for c in counts if c < 0], "data['positions'] must hold token counts >= 0"),
+        ([p[1] for p in pos if pending and not 0 <= p[1] <= q_max],
+         f"data['positions'][:, 1] (tokens awaiting a verdict) must be in 0..{q_max} for this cache"),
+        ([p for p in par if p not in (0, 1)],
+         "data['parity'] must be 0 or 1 (the live half of the NVFP4 scales)"),
+    ):  # fmt: skip
         if bad:
-            raise ValueError(f"data['positions'] must hold token counts >= 0; got {bad}")
-        q_max = MAX_SEQLEN if max_pending is None else max_pending
-        bad = sorted({p[1] for p in pos if not 0 <= p[1] <= q_max}) if pending else []
-        if bad:
-            raise ValueError(
-                f"data['positions'][:, 1] (tokens awaiting a verdict) must be in 0..{q_max} for this cache; got {bad}"
-            )
-    if fmt.two_level:
-        par = chk.host_values(data["parity"])
-        bad = sorted({p for p in par if p not in (0, 1)}) if par is not None else []
-        if bad:
-            raise ValueError(f"data['parity'] must be 0 or 1 (the live half of the NVFP4 scales); got {bad}")
+            raise ValueError(f"{what}; got {sorted(set(bad))}")
     return False
 
 
@@ -438,10 +380,8 @@ def import_replayssm_slots(
     cache: Sequence[torch.Tensor], data: dict[str, torch.Tensor], slots: torch.Tensor, *, state_dtype: str,
     seed: int = 0, backend: str = "auto", head_offset: int = 0,
 ) -> None:
-    """Write exported `data` into `slots` (unique, in range; one per exported slot). The
-    full form restores every per-slot tensor (same slot id: bit-identical continuation);
-    the compact form is initialized as a prefill state (a snapshot; `seed` and `backend`
-    serve it as they serve `initialize_replayssm_state`)."""
+    """Write exported `data` into `slots` (one per exported slot): the full form restores every tensor,
+    the compact form initializes a prefill state (`seed`, `backend` as for `initialize_replayssm_state`)."""
     fmt = format_of(state_dtype)
     checks = debug()
     chk.seed(seed)
@@ -458,8 +398,8 @@ def import_replayssm_slots(
 
 
 def stage_import(cache, data: dict, compact: bool, fmt: Format):
-    """Checked `data` copied to the cache device before anything is written (a copy that
-    fails fails first): the compact form's states, or [(cache index, integer view)]."""
+    """Checked `data` on the cache device before anything is written (a failing copy fails
+    first): the compact form's states, or [(cache index, integer view)]."""
     device = cache[L.CHECKPOINT].device
     if compact:
         return data[COMPACT_KEY].to(device, non_blocking=data[COMPACT_KEY].is_pinned())

@@ -1,9 +1,9 @@
-"""The cache tuple: indices, shapes, dtypes, allocation (optionally carved from one byte
-page per slot with padding between slots) and its validation. docs/format.md specifies it.
-"""
+"""The cache tuple (docs/format.md section 1): indices, shapes, dtypes, allocation (optionally
+carved from one byte page per slot with padding between slots) and its validation."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -23,7 +23,6 @@ def check_device(device: object) -> torch.device:
     else a ValueError saying what it accepts (a TypeError for a value that is no device)."""
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be a str or torch.device; got {type(device).__name__}")
-    given = str(device)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     accepted = f"'cpu', 'cuda' or 'cuda:0'..'cuda:{gpus - 1}'" if gpus else "'cpu' (no CUDA GPU is visible)"
     try:
@@ -33,7 +32,7 @@ def check_device(device: object) -> torch.device:
     cpu_ok = dev is not None and dev.type == "cpu" and dev.index in (None, 0)
     cuda_ok = dev is not None and dev.type == "cuda" and gpus > 0 and (dev.index is None or dev.index < gpus)
     if not (cpu_ok or cuda_ok):
-        raise ValueError(f"device must be {accepted}; got {given!r}")
+        raise ValueError(f"device must be {accepted}; got {str(device)!r}")
     return dev
 
 
@@ -76,21 +75,16 @@ def allocate_cache(
         tensors = [torch.empty(num_slots, *shape, dtype=dt, device=device) for _, shape, dt in specs]
     else:
         sizes = [math.prod(shape) * dt.itemsize for _, shape, dt in specs]
-        offsets, offset = [], 0
-        for nbytes in sizes:
-            offset = -(-offset // 16) * 16  # 16-byte alignment of every tensor
-            offsets.append(offset)
-            offset += nbytes + slot_padding
-        page = torch.empty(num_slots, -(-offset // 16) * 16, dtype=torch.uint8, device=device)
+        # Every tensor starts 16-byte aligned, `slot_padding` bytes or more after the last.
+        offsets = [0, *itertools.accumulate(-(-(nbytes + slot_padding) // 16) * 16 for nbytes in sizes)]
+        page = torch.empty(num_slots, offsets[-1], dtype=torch.uint8, device=device)
         if fill is not None:
             page.fill_(0xFF)  # NaN in every float dtype used here
         tensors = [page[:, off : off + nbytes].view(dt).reshape(num_slots, *shape)
                    for (_, shape, dt), off, nbytes in zip(specs, offsets, sizes)]  # fmt: skip
     for (name, _, _), t in zip(specs, tensors):
-        if fill is None or name in ("x_ring", "dt_ring", "b_ring", "positions", "parity"):
-            t.zero_()
-        else:
-            t.fill_(fill if t.dtype.is_floating_point else 0)
+        poison = fill is not None and t.dtype.is_floating_point and not name.endswith("_ring")
+        t.fill_(fill if poison else 0)
     return [conv, *tensors]
 
 
@@ -104,10 +98,8 @@ def check_geometry(num_slots: object, heads: object, groups: object, head_dim: o
             raise ValueError(f"{name} must be positive; got {v}")
     if num_slots < 2:
         raise ValueError(f"num_slots must be >= 2 (slot 0 is the padding slot); got {num_slots}")
-    if group_error(heads, groups):
-        raise ValueError(group_error(heads, groups))
-    if dims_error(head_dim, state_dim):
-        raise ValueError(dims_error(head_dim, state_dim))
+    if error := group_error(heads, groups) or dims_error(head_dim, state_dim):
+        raise ValueError(error)
 
 
 def check_conv(shape: object, dtype: object) -> tuple[int, ...] | None:
@@ -160,12 +152,11 @@ def check_cache(cache: Sequence[torch.Tensor], fmt: Format) -> Geometry:
     if bring.dim() != 4:
         raise ValueError(f"cache[4] (B ring) must be [slots, groups, 16, {N}]; got {list(bring.shape)}")
     groups = bring.shape[1]
-    if group_error(heads, groups):
-        raise ValueError(group_error(heads, groups))
+    if error := group_error(heads, groups):
+        raise ValueError(error)
     specs = tensor_specs(heads, groups, fmt, cache[POSITIONS].dim() == 2, P, N)
     device = ckpt.device
-    for i, (name, shape, dt) in enumerate(specs, start=1):
-        idx = i if i < len(specs) else len(cache) - 1
+    for idx, (name, shape, dt) in enumerate(specs, start=1):  # positions: idx == len(cache) - 1
         t = cache[idx]
         if t.dtype != dt or tuple(t.shape) != (slots, *shape):
             raise ValueError(

@@ -1,13 +1,8 @@
-"""Pure-PyTorch reference of pending mode (speculative decoding; dense layout).
-
-docs/format.md section 5b specifies it: positions [S, 2] = (c committed tokens, q tokens
-awaiting a verdict), the fold grid f(c) = Gd * (c div Gd) with Gd = 17 - max_seqlen, and
-one call's four steps per live row (commit, fold, outputs, append), with the proof that
-no ring entry is overwritten while live.
-
-Inputs (normalized, as `reference.py` takes them): x [b, T, H, P] (or [b, T, H*P]) bf16,
-dt [b, T, H] (raw), A [H], B, C [b, T, G, N] bf16, D [H] or [H, P], dt_bias [H], slots
-[b], out [b, T, H, P], T == max_seqlen; seq_lens int [b] gives T_b (None: T every row).
+"""Pure-PyTorch reference of pending mode (speculative decoding), specified in docs/format.md
+section 5b: positions [S, 2] = (c committed tokens, q awaiting a verdict), the fold grid
+f(c) = Gd * (c div Gd) with Gd = 17 - max_seqlen. Inputs as `reference.py` takes them with a
+token axis T == max_seqlen: x [b, T, H, P] (or [b, T, H*P]) bf16, dt [b, T, H] (raw), B, C
+[b, T, G, N] bf16, out [b, T, H, P]; seq_lens int [b] gives T_b (None: T every row).
 """
 
 from __future__ import annotations
@@ -56,50 +51,6 @@ def _check_int_vector(name: str, t, batch: int, device) -> torch.Tensor:
     if tuple(t.shape) != (batch,):
         raise ValueError(f"{name} must have shape [{batch}]; got {list(t.shape)}")
     return t.to(device=device, dtype=torch.int64)
-
-
-def _validate(cache, x, dt, A, B, C, D, dt_bias, slots, out, fmt, max_seqlen, num_accepted_tokens, seq_lens):
-    _check_max_seqlen(max_seqlen)
-    want = fmt.cache_len()
-    if len(cache) != want:
-        raise ValueError(f"cache must hold {want} tensors for state_dtype {fmt.name!r}; got {len(cache)}")
-    num_slots, heads, P, N = cache[L.CHECKPOINT].shape
-    groups = cache[L.B_RING].shape[1]
-    pos = cache[L.POSITIONS]
-    _check_pending_positions(pos)
-    if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in _INT_DTYPES:
-        raise ValueError("slots must be a 1-D integer tensor")
-    b, T = slots.shape[0], max_seqlen
-    if x.dim() == 3 and x.shape[2] == heads * P:
-        x = x.reshape(x.shape[0], x.shape[1], heads, P)
-    if tuple(x.shape) != (b, T, heads, P):
-        raise ValueError(f"x must be [{b}, {T}, {heads}, {P}] (T == max_seqlen); got {list(x.shape)}")
-    shapes = (("dt", dt, (b, T, heads)), ("B", B, (b, T, groups, N)), ("C", C, (b, T, groups, N)),
-              ("A", A, (heads,)), ("dt_bias", dt_bias, (heads,)))  # fmt: skip
-    for name, t, shape in shapes:
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must be {list(shape)}; got {list(t.shape)}")
-    if tuple(D.shape) not in ((heads,), (heads, P)):
-        raise ValueError(f"D must be [{heads}] or [{heads}, {P}]; got {list(D.shape)}")
-    if tuple(out.shape) != (b, T, heads, P):
-        raise ValueError(f"out must be [{b}, {T}, {heads}, {P}]; got {list(out.shape)}")
-    dev = slots.device
-    if num_accepted_tokens is not None:
-        num_accepted_tokens = _check_int_vector("num_accepted_tokens", num_accepted_tokens, b, dev)
-    if seq_lens is None:
-        seq_lens = torch.full((b,), T, dtype=torch.int64, device=dev)
-    else:
-        seq_lens = _check_int_vector("seq_lens", seq_lens, b, dev)
-        if bool(((seq_lens < 0) | (seq_lens > T)).any()):
-            raise ValueError(f"seq_lens must lie in 0..max_seqlen={T}; got {seq_lens.tolist()}")
-    slot = slots.to(torch.int64)
-    q = pos[slot[valid_rows(slot, num_slots)]][:, 1].to(torch.int64)
-    if bool((q > T).any()):
-        raise ValueError(
-            f"max_seqlen={T} is smaller than a slot's pending count {int(q.max())}: "
-            "a cache's slots are decoded with one max_seqlen between inits"
-        )
-    return x, num_accepted_tokens, seq_lens
 
 
 def fold_range(cache, slot, start, count, A) -> torch.Tensor:
@@ -159,10 +110,10 @@ def pending_decode(
     with `cu_seqlens` (int32 [b + 1]): x [total, H, P] (or [total, H*P]), dt [total, H], B,
     C [total, G, N], out [total, H, P], gathered into the dense layout (the same bits). It
     reads a few values on the host, so it is not graph-capturable."""
+    if cu_seqlens is not None and seq_lens is not None:
+        raise ValueError("pass seq_lens (dense layout) or cu_seqlens (varlen layout), not both")
+    _check_max_seqlen(max_seqlen)
     if cu_seqlens is not None:
-        if seq_lens is not None:
-            raise ValueError("pass seq_lens (dense layout) or cu_seqlens (varlen layout), not both")
-        _check_max_seqlen(max_seqlen)
         heads, P = cache[L.CHECKPOINT].shape[1:3]
         if out.shape[0] != x.shape[0] or out.numel() != x.shape[0] * heads * P:
             raise ValueError(f"out must be [{x.shape[0]}, {heads}, {P}] (varlen: one row a token); got {list(out.shape)}")
@@ -174,21 +125,48 @@ def pending_decode(
         )
         out.copy_(dense_out[ok].reshape(out.shape))
         return out
-    x, num_accepted_tokens, seq_lens = _validate(
-        cache, x, dt, A, B, C, D, dt_bias, slots, out, fmt, max_seqlen, num_accepted_tokens, seq_lens
-    )
+    if len(cache) != (want := fmt.cache_len()):
+        raise ValueError(f"cache must hold {want} tensors for state_dtype {fmt.name!r}; got {len(cache)}")
     num_slots, heads, P, N = cache[L.CHECKPOINT].shape
-    T = max_seqlen
-    A = A.float()
+    groups = cache[L.B_RING].shape[1]
+    _check_pending_positions(cache[L.POSITIONS])
+    if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in _INT_DTYPES:
+        raise ValueError("slots must be a 1-D integer tensor")
+    b, T = slots.shape[0], max_seqlen
+    if x.dim() == 3 and x.shape[2] == heads * P:
+        x = x.reshape(x.shape[0], x.shape[1], heads, P)
+    if tuple(x.shape) != (b, T, heads, P):
+        raise ValueError(f"x must be [{b}, {T}, {heads}, {P}] (T == max_seqlen); got {list(x.shape)}")
+    shapes = (("dt", dt, (b, T, heads)), ("B", B, (b, T, groups, N)), ("C", C, (b, T, groups, N)),
+              ("A", A, (heads,)), ("dt_bias", dt_bias, (heads,)), ("D", D, (heads,), (heads, P)),
+              ("out", out, (b, T, heads, P)))  # fmt: skip
+    for name, t, *allow in shapes:
+        if tuple(t.shape) not in allow:
+            raise ValueError(f"{name} must be {' or '.join(map(str, map(list, allow)))}; got {list(t.shape)}")
+    dev = slots.device
+    if num_accepted_tokens is not None:
+        num_accepted_tokens = _check_int_vector("num_accepted_tokens", num_accepted_tokens, b, dev)
+    if seq_lens is None:
+        seq_lens = torch.full((b,), T, dtype=torch.int64, device=dev)
+    else:
+        seq_lens = _check_int_vector("seq_lens", seq_lens, b, dev)
+        if bool(((seq_lens < 0) | (seq_lens > T)).any()):
+            raise ValueError(f"seq_lens must lie in 0..max_seqlen={T}; got {seq_lens.tolist()}")
     slot_all = slots.to(torch.int64)
     valid = valid_rows(slot_all, num_slots)
-    out.zero_()
-    if not bool(valid.any()):
-        return out
     rows = valid.nonzero().squeeze(-1)
     slot = slot_all[rows]
     pos = cache[L.POSITIONS][slot].to(torch.int64)
     c, q = pos[:, 0], pos[:, 1]
+    if bool((q > T).any()):
+        raise ValueError(
+            f"max_seqlen={T} is smaller than a slot's pending count {int(q.max())}: "
+            "a cache's slots are decoded with one max_seqlen between inits"
+        )
+    out.zero_()
+    if not bool(valid.any()):
+        return out
+    A = A.float()
     a = q if num_accepted_tokens is None else torch.minimum(num_accepted_tokens[rows].clamp_min(0), q)
     c_new = c + a
     f_old = checkpoint_index(c, max_seqlen)
@@ -246,13 +224,9 @@ def pending_decode(
     # Append tokens 0..T_b-1 at ring entries (c' + i) mod 16.
     for t in range(T):
         sel = tok_ok[:, t]
-        if not bool(sel.any()):
-            continue
-        s = slot[sel]
-        e = (c_new[sel] + t) % L.RING
-        cache[L.X_RING][s, :, e] = x[rows][sel, t].to(cache[L.X_RING].dtype)
-        cache[L.DT_RING][s, :, e] = dts[sel, t]
-        cache[L.B_RING][s, :, e] = B[rows][sel, t].to(cache[L.B_RING].dtype)
+        s, e = slot[sel], (c_new[sel] + t) % L.RING
+        for i, v in ((L.X_RING, x[rows][sel, t]), (L.DT_RING, dts[sel, t]), (L.B_RING, B[rows][sel, t])):
+            cache[i][s, :, e] = v.to(cache[i].dtype)
     cache[L.POSITIONS][slot] = torch.stack((c_new, Tb), dim=-1).to(torch.int32)
     return out
 

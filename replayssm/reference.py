@@ -70,17 +70,14 @@ def prepare_decode(
     flush rows flip the parity and zero the half that becomes the amax accumulator."""
     slot = slots.reshape(-1).to(torch.int64)
     valid = valid_rows(slot, cache[L.CHECKPOINT].shape[0])
-    slot = torch.where(valid, slot, torch.zeros_like(slot))
-    pos_t = cache[L.POSITIONS]
-    pos = pos_t[slot].to(torch.int64)
-    pos = torch.where(valid, pos, torch.zeros_like(pos))
+    slot = torch.where(valid, slot, 0)
+    pos = torch.where(valid, cache[L.POSITIONS][slot].to(torch.int64), 0)
     ring_index = pos % L.RING
     flush = valid & (ring_index == L.RING - 1)
     key = stream_key(seed, slot, pos)
     old_parity = torch.zeros_like(slot)
     out.reshape(slot.shape[0], -1)[~valid] = 0
-    live = slot[valid]
-    pos_t[live] = (pos[valid] + 1).to(torch.int32)
+    cache[L.POSITIONS][slot[valid]] = (pos[valid] + 1).to(torch.int32)
     old_parity[flush] = fmt.flip(cache, slot[flush])
     return Plan(valid, slot, ring_index, flush, key, old_parity)
 
@@ -104,11 +101,8 @@ def ring_entries(cache, slot, start, count):
 def _entries(cache, slot, x, dt, B, r):
     """Ring entries 0..r-1 of each row plus the current token at entry r (as `ring_entries`)."""
     cur = torch.arange(L.RING, device=x.device).view(1, -1) == r.view(-1, 1)  # [n, 16]
-    x_e, dt_e, B_e = ring_entries(cache, slot, torch.zeros_like(r), r)
-    x_e = torch.where(cur[:, None, :, None], x.float()[:, :, None, :], x_e)
-    dt_e = torch.where(cur[:, None, :], dt[:, :, None], dt_e)
-    B_e = torch.where(cur[:, None, :, None], B.float()[:, :, None, :], B_e)
-    return x_e, dt_e, B_e
+    pairs = zip(ring_entries(cache, slot, torch.zeros_like(r), r), (x.float(), dt, B.float()))
+    return [torch.where(cur.view(-1, 1, L.RING, *(1,) * (e.dim() - 3)), v.unsqueeze(2), e) for e, v in pairs]
 
 
 def replay_weights(dt_e: torch.Tensor, A: torch.Tensor, last: torch.Tensor):

@@ -3,6 +3,7 @@ handed out."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import attrs
@@ -18,9 +19,7 @@ outputs zeros and changes no cache state."""
 def _show(ids: Sequence[int], limit: int = 16) -> str:
     """`ids` for an error message: the first `limit` of them and the count beyond."""
     ids = list(ids)
-    if len(ids) <= limit:
-        return str(ids)
-    return f"[{', '.join(map(str, ids[:limit]))}, ... ({len(ids)} ids)]"
+    return str(ids) if len(ids) <= limit else f"[{', '.join(map(str, ids[:limit]))}, ... ({len(ids)} ids)]"
 
 
 @attrs.define
@@ -66,8 +65,7 @@ class SlotAllocator:
                 f"slot(s) {stray} are not allocated; got {_show(ids)}"
             )
         if len(set(live)) != len(live):
-            seen: set[int] = set()
-            repeated = sorted({s for s in live if s in seen or seen.add(s)})
+            repeated = sorted(s for s, count in Counter(live).items() if count > 1)
             raise ValueError(f"{name} must name each live slot once; slot(s) {repeated} repeat; got {_show(ids)}")
 
     def allocate(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -28,25 +28,22 @@ class Token:
 
 
 def layer_params(heads: int, *, generator: torch.Generator, device="cpu") -> LayerParams:
-    u = torch.rand(heads, generator=generator)
-    A = -torch.exp(u * torch.log(torch.tensor(16.0)))
-    dt0 = torch.exp(torch.rand(heads, generator=generator) * (torch.log(torch.tensor(0.1)) - torch.log(torch.tensor(1e-3))) + torch.log(torch.tensor(1e-3)))
+    A = -torch.exp(torch.rand(heads, generator=generator) * torch.log(torch.tensor(16.0)))
+    lo, hi = torch.log(torch.tensor(1e-3)), torch.log(torch.tensor(0.1))
+    dt0 = torch.exp(torch.rand(heads, generator=generator) * (hi - lo) + lo)
     dt_bias = dt0 + torch.log(-torch.expm1(-dt0))  # softplus^-1(dt0)
-    D = torch.ones(heads)
-    return LayerParams(A.to(device), D.to(device), dt_bias.to(device))
+    return LayerParams(A.to(device), torch.ones(heads, device=device), dt_bias.to(device))
 
 
 def token(
     batch: int, heads: int, groups: int, *, generator: torch.Generator, device="cpu", head_dim: int = HEAD_DIM,
     state_dim: int = STATE_DIM,
 ) -> Token:
-    g = generator
-    x = torch.randn(batch, heads, head_dim, generator=g)
+    g, bf16 = generator, torch.bfloat16
+    x = torch.randn(batch, heads, head_dim, generator=g).to(device, bf16)
     dt = 0.5 * torch.randn(batch, heads, generator=g)
-    B = torch.randn(batch, groups, state_dim, generator=g)
-    C = torch.randn(batch, groups, state_dim, generator=g)
-    bf16 = torch.bfloat16
-    return Token(x.to(device, bf16), dt.to(device), B.to(device, bf16), C.to(device, bf16))
+    B, C = (torch.randn(batch, groups, state_dim, generator=g).to(device, bf16) for _ in range(2))
+    return Token(x, dt.to(device), B, C)
 
 
 def engine_inputs(tok: Token, params: LayerParams) -> tuple[torch.Tensor, ...]:
@@ -84,8 +81,7 @@ class ExactRecurrence:
         heads, groups = self.S.shape[1], tok.B.shape[1]
         dt = torch.nn.functional.softplus(tok.dt.double() + self.p.dt_bias.double().to(tok.dt.device))
         a = torch.exp(self.p.A.double().to(dt.device) * dt)
-        Bh = tok.B.double().repeat_interleave(heads // groups, 1)
-        Ch = tok.C.double().repeat_interleave(heads // groups, 1)
+        Bh, Ch = (t.double().repeat_interleave(heads // groups, 1) for t in (tok.B, tok.C))
         x = tok.x.double()
         self.S = a[:, :, None, None] * self.S + (dt[:, :, None] * x)[:, :, :, None] * Bh[:, :, None, :]
         return torch.einsum("bhpn,bhn->bhp", self.S, Ch) + self.p.D.double().to(x.device)[None, :, None] * x

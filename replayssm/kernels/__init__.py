@@ -1,19 +1,12 @@
-"""Device code and backend choice.
-
-Two backends run the cache operations with the same methods (`initialize`, `clear`, `decode`,
-`materialize`, pending mode's `decode_pending`, `materialize_pending`) on inputs that
-`replayssm.api` validated (backends never validate user input):
-
-- `ReferenceBackend` ("reference"): the PyTorch reference, on any device.
-- `KernelBackend` ("kernels"): CuTe DSL kernels for initialize, clear and every decode call,
-  Triton kernels for materialize and slot copies, on a CUDA GPU in the arch table with a
-  16-byte-aligned cache. On the CPU only under TRITON_INTERPRET=1 (tests): the Triton
-  kernels interpreted, everything else the reference.
-
-`backend_for` turns the caller's choice into one of them; "auto" falls back to the reference
-with a `ReferenceFallbackWarning`, once per reason and process. Triton and the CuTe DSL are
-imported on first use, never by importing replayssm: `triton.jit` picks compiler or
-interpreter when a kernel is defined, so TRITON_INTERPRET must be set before then.
+"""Device code and backend choice: two backends with the same methods, run on inputs that
+`replayssm.api` validated. `ReferenceBackend` is the PyTorch reference on any device;
+`KernelBackend` runs CuTe DSL kernels for initialize, clear and every decode call and Triton
+kernels for materialize and slot copies, on a CUDA GPU in the arch table with a 16-byte-aligned
+cache (on the CPU only under TRITON_INTERPRET=1, for tests: the Triton kernels interpreted,
+the rest the reference). `backend_for` picks one; "auto" falls back to the reference with a
+`ReferenceFallbackWarning`, once per reason and process. Triton and the CuTe DSL are imported
+on first use: `triton.jit` picks compiler or interpreter when a kernel is defined, so
+TRITON_INTERPRET must be set before then.
 """
 
 from __future__ import annotations
@@ -23,8 +16,8 @@ import os
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections import namedtuple
+from collections.abc import Sequence
 
 import torch
 
@@ -47,12 +40,8 @@ class ReferenceBackend:
     """Runs every operation with the PyTorch reference (`replayssm.reference`)."""
 
     name = "reference"
-
-    def initialize(self, cache, states, ids, *, fmt: Format, seed: int, head_offset: int = 0) -> None:
-        ref.initialize(cache, states, ids, fmt=fmt, seed=seed, head_offset=head_offset)
-
-    def clear(self, cache, ids) -> None:
-        ref.clear(cache, ids)
+    initialize = staticmethod(ref.initialize)
+    clear = staticmethod(ref.clear)
 
     def decode(self, cache, x, dt, A, B, C, D, dt_bias, ids, out, *, fmt: Format, seed: int, head_offset: int = 0) -> None:
         ref.decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt=fmt, seed=seed, head_offset=head_offset)
@@ -70,60 +59,47 @@ class ReferenceBackend:
 
 
 # An eager step below this batch launches its two CuTe kernels one after the other on the
-# current stream: there the call's host time exceeds the kernels' GPU time, and the side
-# stream's fork and join cost more host time (H200 host: 6-7 us a call) than running the
-# kernels side by side saves. A captured step (CUDA graph) always runs them side by side.
+# current stream: the side stream's fork and join cost more host time (H200: 6-7 us a call)
+# than running them side by side saves. A captured step always runs them side by side.
 EAGER_FORK_MIN_BATCH = 512
 
 
 class _CacheContext:
     """What the kernel backend keeps of one CUDA cache tuple between calls: (launch module,
     arch) or the reason the CuTe kernels cannot run it, and its launch objects by key
-    (`decodes`: a decode call's prepare and step, one lookup a call). Weak references only
-    (launches hold addresses and get the tensors on each call): `alive` turns False when a
-    tensor is freed, after which another tensor may take its id."""
+    (`decodes`: a decode call's prepare and step, one lookup a call). Weak references only:
+    `alive` turns False when a tensor is freed, after which another tensor may take its id."""
 
-    __slots__ = (
-        "refs", "alive", "index", "cute", "reason", "prepares", "steps", "decodes", "pending", "outgrown", "plan_launches",
-        "pending_launches", "bookkeeping",
-    )  # fmt: skip
+    __slots__ = ("refs", "alive", "index", "cute", "reason", "prepares", "steps", "decodes", "pending",
+                 "outgrown", "plan_launches", "pending_launches", "bookkeeping")  # fmt: skip
 
     def __init__(self, cache, cute, reason: str | None) -> None:
         self.alive = True
         self.refs = tuple(weakref.ref(t, self._freed) for t in cache)
         self.index = cache[L.CHECKPOINT].get_device()
         self.cute, self.reason = cute, reason
-        self.prepares: dict[tuple, object] = {}
-        self.steps: dict[tuple, object] = {}
-        self.decodes: dict[tuple, tuple] = {}
+        self.prepares, self.steps, self.decodes = {}, {}, {}
+        self.plan_launches, self.pending_launches, self.bookkeeping = {}, {}, {}
         self.pending = None  # buffers.PendingPlan
         self.outgrown: list = []  # the smaller ones before it: a captured graph may still use them
-        self.plan_launches: dict[tuple, object] = {}
-        self.pending_launches: dict[tuple, object] = {}
-        self.bookkeeping: dict[tuple, object] = {}
 
     def _freed(self, ref) -> None:
         self.alive = False
 
 
 class KernelBackend:
-    """The kernels (see the module docstring). `cute_unavailable` says why the CuTe kernels
-    cannot run a cache; a CUDA call they cannot run is a ValueError, never a silent fallback.
-
-    Plan scratch: `prepare` / `decode` write the plan into a `PlanScratch`, so a step
-    allocates no device memory: the caller's (`scratch=`), else the smallest shared one on
-    the device with room for the batch (created at the batch rounded up to a power of two,
-    at least 64), so after `warmup` eager calls and captured graphs reuse one buffer. Shared
-    buffers assume one stream per device: a plan is consumed by the kernels launched right
-    after it, before the next `prepare` on that stream overwrites it.
-    """
+    """The kernels (see the module docstring); a CUDA call the CuTe kernels cannot run is a
+    ValueError, never a silent fallback. A step writes its plan into a `PlanScratch`: the
+    caller's (`scratch=`), else the smallest shared one on the device with room for the batch
+    (made at the batch rounded up to a power of two, at least 64), so it allocates nothing.
+    Shared ones assume one stream per device: the kernels launched right after a prepare
+    consume its plan before the next prepare on that stream overwrites it."""
 
     name = "kernels"
 
     def __init__(self) -> None:
         self._scratch: dict[tuple[torch.device, int], object] = {}
-        self._cute_launch = None  # replayssm.kernels.cute.launch, False when unavailable
-        self._cute_error: str | None = None
+        self._cute_launch = None  # replayssm.kernels.cute.launch, or why it is unavailable (a str)
         self._cute_arch: dict[torch.device, tuple[str | None, str | None]] = {}  # (arch, reason)
         self._contexts: dict[tuple, _CacheContext] = {}
 
@@ -145,22 +121,18 @@ class KernelBackend:
 
     def initialize(self, cache, states, ids, *, fmt: Format, seed: int, head_offset: int = 0) -> None:
         """One CuTe launch on the current stream (cute/bookkeeping.py); on the CPU the reference."""
-        self._bookkeeping(cache, ids, states, fmt, seed, head_offset)
+        if cache[L.CHECKPOINT].device.type != "cuda":
+            return ref.initialize(cache, states, ids, fmt=fmt, seed=seed, head_offset=head_offset)
+        self._bookkeeping(self._context(cache, "initialize"), cache, ids, states, fmt, seed, head_offset)
 
     def clear(self, cache, ids) -> None:
-        self._bookkeeping(cache, ids, None, None, 0, 0)
+        if cache[L.CHECKPOINT].device.type != "cuda":
+            return ref.clear(cache, ids)
+        self._bookkeeping(self._context(cache, "clear"), cache, ids, None, None, 0, 0)
 
-    def _bookkeeping(self, cache, ids, states, fmt: Format | None, seed: int, head_offset: int) -> None:
+    @staticmethod
+    def _bookkeeping(ctx, cache, ids, states, fmt: Format | None, seed: int, head_offset: int) -> None:
         """Initialize (`fmt` given) or clear."""
-        ctx = self._context(cache) if cache[L.CHECKPOINT].device.type == "cuda" else None
-        if ctx is not None and ctx.cute is None:
-            raise ValueError(f"the kernel backend cannot {'initialize' if fmt else 'clear'} this cache: {ctx.reason}")
-        if ctx is None:
-            if fmt is None:
-                ref.clear(cache, ids)
-            else:
-                ref.initialize(cache, states, ids, fmt=fmt, seed=seed, head_offset=head_offset)
-            return
         if ids.dim() != 1:
             ids = ids.reshape(-1)
         if ids.shape[0] == 0:
@@ -207,9 +179,7 @@ class KernelBackend:
         if not cache[L.CHECKPOINT].is_cuda:
             ref.decode(cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt=fmt, seed=seed, head_offset=head_offset)
             return
-        ctx = self._context(cache)
-        if ctx.cute is None:
-            raise ValueError(f"the kernel backend cannot decode this cache: {ctx.reason}")
+        ctx = self._context(cache, "decode")
         if ids.dim() != 1:
             ids = ids.reshape(-1)
         batch = ids.numel()
@@ -232,18 +202,20 @@ class KernelBackend:
         fork = batch >= EAGER_FORK_MIN_BATCH or torch.cuda.is_current_stream_capturing()
         step(cache, plan, x, dt, A, B, C, D, dt_bias, out, stream, fork=fork)
 
-    def _context(self, cache) -> "_CacheContext":
+    def _context(self, cache, op: str | None = None) -> "_CacheContext":
         """The `_CacheContext` of a CUDA cache tuple, keyed by the tensors' ids (a context
-        still `alive` was made for these very tensors: no live object's id is reused)."""
+        still `alive` was made for these very tensors); with `op`, a ValueError where the CuTe
+        kernels cannot run the cache."""
         key = tuple(map(id, cache))
         ctx = self._contexts.get(key)
-        if ctx is not None and ctx.alive:
-            return ctx
-        if len(self._contexts) >= 4096:
-            self._contexts.clear()
-        reason = self.cute_unavailable(cache)
-        cute = None if reason else (self._cute_launch, self._cute_arch[cache[L.CHECKPOINT].device][0])
-        ctx = self._contexts[key] = _CacheContext(cache, cute, reason)
+        if ctx is None or not ctx.alive:
+            if len(self._contexts) >= 4096:
+                self._contexts.clear()
+            reason = self.cute_unavailable(cache)
+            cute = None if reason else (self._cute_launch, self._cute_arch[cache[L.CHECKPOINT].device][0])
+            ctx = self._contexts[key] = _CacheContext(cache, cute, reason)
+        if op and ctx.cute is None:
+            raise ValueError(f"the kernel backend cannot {op} this cache: {ctx.reason}")
         return ctx
 
     def decode_pending(
@@ -256,11 +228,10 @@ class KernelBackend:
         if cache[L.CHECKPOINT].device.type == "cuda":
             ctx = self._context(cache)
             if ctx.cute is not None and not triton_interpreting():
-                self._pending_launch(
+                return self._pending_launch(
                     ctx, cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt, seed, max_seqlen, num_accepted_tokens, cu_seqlens,
                     head_offset,
                 )  # fmt: skip
-                return
         REFERENCE.decode_pending(
             cache, x, dt, A, B, C, D, dt_bias, ids, out, fmt=fmt, seed=seed, max_seqlen=max_seqlen,
             num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=head_offset,
@@ -341,11 +312,10 @@ class KernelBackend:
                 from .cute import launch
 
                 self._cute_launch = launch
-            except Exception as exc:  # ImportError, or the DSL failing to initialize
-                self._cute_launch = False
-                self._cute_error = f"the CuTe DSL decode kernels are unavailable ({type(exc).__name__}: {exc})"
-        if self._cute_launch is False:
-            return self._cute_error
+            except Exception as e:  # ImportError, or the DSL failing to initialize
+                self._cute_launch = f"the CuTe DSL decode kernels are unavailable ({type(e).__name__}: {e})"
+        if isinstance(self._cute_launch, str):
+            return self._cute_launch
         if device not in self._cute_arch:
             from .cute.arch import arch_for
 
@@ -368,9 +338,8 @@ class KernelBackend:
     def warmup(self, cache) -> list[str]:
         """Compile the kernels for a `ReplaySSMCache` and create its plan scratch, changing
         nothing in the cache: every launch uses padding rows (slot 0) only."""
-        fmt = cache.format
-        tensors, device = cache.tensors, cache.tensors[L.CHECKPOINT].device
-        heads = tensors[L.CHECKPOINT].shape[1]
+        fmt, seed, tensors = cache.format, cache.seed, cache.tensors
+        device, heads = tensors[L.CHECKPOINT].device, tensors[L.CHECKPOINT].shape[1]
         scratch = self.scratch(device, cache.max_batch)
         cute = self.cute_for(tensors)
         if cute is None:  # every operation runs the reference (CPU): nothing to compile
@@ -385,16 +354,16 @@ class KernelBackend:
         for dtype in (torch.int32, torch.int64):
             ids = torch.zeros(2, dtype=dtype, device=device)
             for states in (rows, columns):
-                self.initialize(tensors, states.expand(2, -1, -1, -1), ids, fmt=fmt, seed=cache.seed)
+                self.initialize(tensors, states.expand(2, -1, -1, -1), ids, fmt=fmt, seed=seed)
             self.clear(tensors, ids)
-            self.prepare(tensors, ids, out, fmt=fmt, seed=cache.seed, scratch=scratch)
+            self.prepare(tensors, ids, out, fmt=fmt, seed=seed, scratch=scratch)
             names += [f"cute.initialize[{dtype}]", f"cute.clear[{dtype}]", f"cute.prepare[{dtype}]"]
         # Every decode variant a step may launch, then launched once on padding rows so their
         # modules are loaded before any graph capture.
         launch, arch = cute
         names += launch.warmup(cache.state_dtype, heads, tensors[L.B_RING].shape[1], arch)
         ids = torch.zeros(2, dtype=torch.int32, device=device)
-        plan = self.prepare(tensors, ids, out, fmt=fmt, seed=cache.seed, scratch=scratch)
+        plan = self.prepare(tensors, ids, out, fmt=fmt, seed=seed, scratch=scratch)
         launch.launch_padding(tensors, plan, out, cache.state_dtype, arch)
         return names
 
@@ -412,16 +381,12 @@ def compile_all(arch: str, dump_dir) -> list[str]:
     return _compile_all(arch, dump_dir)
 
 
-class _PendingCute(NamedTuple):
-    PendingLaunch: type
-    fold_and_step: Callable
-    reads_as_is: Callable
-    current_stream: Callable
+_PendingCute = namedtuple("_PendingCute", "PendingLaunch fold_and_step reads_as_is current_stream")
 
 
 @functools.cache
 def _pending_cute() -> _PendingCute:
-    """Pending mode's CuTe launchers, imported on first use."""
+    """Pending mode's CuTe launchers, imported on first use (a tuple: tests replace one)."""
     from .cute.launch import current_stream
     from .cute.pending import PendingLaunch, fold_and_step, reads_as_is
 
@@ -483,23 +448,18 @@ def backend_for(
         raise ValueError(f"backend='kernels' cannot run here: {reason}; pass backend='auto' or 'reference'")
     if reason not in _WARNED:
         _WARNED.add(reason)
+        # stacklevel: the user's line, the first frame outside replayssm and attrs-generated __init__s
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+        frame, level = sys._getframe(), 1
+        while frame is not None and frame.f_code.co_filename.startswith((package, "<attrs generated")):
+            frame, level = frame.f_back, level + 1
         warnings.warn(
             f"replayssm backend='auto' runs the PyTorch reference: {reason} "
             "(pass backend='reference' to choose it explicitly)",
             ReferenceFallbackWarning,
-            stacklevel=_caller_stacklevel(),
+            stacklevel=level,
         )
     return REFERENCE
-
-
-def _caller_stacklevel() -> int:
-    """`warnings.warn`'s stacklevel, called from `backend_for`, of the user's line: the first
-    frame outside replayssm (and attrs-generated __init__s)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith((package, "<attrs generated")):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 __all__ = [

@@ -1,8 +1,5 @@
-"""Read-copy encodings of a state in the kernels' arithmetic order (docs/format.md section 3
-is the specification; this module its executable form): FP8 e4m3 with one power-of-two
-scale per state row (the N values S[h, p, :]), NVFP4 e2m1 codes with e4m3 block scales per
-16 elements and a power-of-two second-level scale per slot and group.
-"""
+"""Read-copy encodings in the kernels' arithmetic order, the executable form of
+docs/format.md section 3: FP8 (a power-of-two scale per state row) and NVFP4."""
 
 from __future__ import annotations
 
@@ -10,22 +7,21 @@ import torch
 
 from ..geometry import NVFP4_BLOCK
 from .minifloat import E2M1, E4M3, MASK32, decode_e2m1, decode_e4m3, encode, f32_bits
-# Headroom of the delayed second-level scale: the amax measured at one flush may grow by
+
+# The delayed second-level scale's headroom: the amax measured at one flush may grow by
 # this factor before the next flush's largest block scale saturates at 448.
 NVFP4_HEADROOM = 16
 ONE_SIXTH = 1.0 / 6.0  # rounded once to FP32 where used
 
 
 def _pow2_exponent_above(amax: torch.Tensor, mant_limit: int, e_off: int) -> torch.Tensor:
-    """E = ceil(log2(amax / L)) for a limit L = (1 + mant_limit / 2**23) * 2**e_off,
-    computed from the FP32 bits of amax (>= 0). amax == 0 (or FP32-subnormal) gives 0.
-    Clamped to [-100, 100] so that 2**E and 2**-E are normal FP32 numbers."""
+    """E = ceil(log2(amax / L)) for L = (1 + mant_limit / 2**23) * 2**e_off, from the FP32
+    bits of amax >= 0; 0 for amax 0 or FP32-subnormal; clamped to [-100, 100] so that 2**E
+    and 2**-E are normal FP32 numbers."""
     b = f32_bits(amax)
     ef = (b >> 23) & 0xFF
-    mant = b & 0x7FFFFF
-    e = ef - 127 - e_off + (mant > mant_limit).to(torch.int64)
-    e = torch.where(ef == 0, torch.zeros_like(e), e)
-    return e.clamp(-100, 100)
+    e = ef - 127 - e_off + ((b & 0x7FFFFF) > mant_limit).to(torch.int64)
+    return torch.where(ef == 0, torch.zeros_like(e), e).clamp(-100, 100)
 
 
 def _exp2(e: torch.Tensor) -> torch.Tensor:
@@ -69,15 +65,13 @@ def nvfp4_encode(
     step below is rounded to FP32 as written, as in the kernels; the codes nearest-even, or
     stochastic with `rbits`; byte j of a row holds element 2j in its low nibble."""
     *lead, P, N = state.shape
-    g = nvfp4_global_scale(group_amax_live)
-    ig = nvfp4_inv_global_scale(group_amax_live)
+    g, ig = nvfp4_global_scale(group_amax_live), nvfp4_inv_global_scale(group_amax_live)
     blocks = state.reshape(*lead, P, N // NVFP4_BLOCK, NVFP4_BLOCK)
     bamax = blocks.abs().amax(dim=-1)
     t = (bamax * ig.reshape(*lead, 1, 1)) * torch.tensor(ONE_SIXTH, dtype=torch.float32)
     s_code = encode(t, E4M3)  # the block scale
     d = decode_e4m3(s_code) * g.reshape(*lead, 1, 1)  # exact
-    one = torch.ones((), dtype=torch.float32, device=state.device)
-    r = torch.where(d == 0, torch.zeros_like(d), one / d)  # IEEE division
+    r = torch.where(d == 0, torch.zeros_like(d), torch.ones_like(d) / d)  # IEEE division
     codes = encode(blocks * r.unsqueeze(-1), E2M1, rbits).reshape(*lead, P, N)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
     return packed, s_code.to(torch.uint8).view(torch.float8_e4m3fn)
@@ -94,10 +88,9 @@ def nvfp4_decode(
 ) -> torch.Tensor:
     """Inverse of `nvfp4_encode`: value = e2m1(code) * e4m3(block scale) * g."""
     *lead, P, half = packed.shape
-    N = 2 * half
-    vals = decode_e2m1(nvfp4_unpack(packed)).reshape(*lead, P, N // NVFP4_BLOCK, NVFP4_BLOCK)
+    vals = decode_e2m1(nvfp4_unpack(packed)).reshape(*lead, P, half * 2 // NVFP4_BLOCK, NVFP4_BLOCK)
     d = decode_e4m3(block_scales) * nvfp4_global_scale(group_amax_live).reshape(*lead, 1, 1)
-    return (vals * d.unsqueeze(-1)).reshape(*lead, P, N)
+    return (vals * d.unsqueeze(-1)).reshape(*lead, P, 2 * half)
 
 
 __all__ = [

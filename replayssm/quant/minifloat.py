@@ -1,10 +1,6 @@
-"""Bit-level FP32 -> small-float encoders (e4m3fn, e2m1, fp16) on the IEEE bits with integer
-operations only, in the order the kernels use, so the Triton kernels (whose interpreter
-gets float downcasts wrong) and the CuTe kernels run the very same steps and are tested bit
-for bit. docs/format.md section 2 specifies nearest-even and stochastic rounding (k random
-bits added at the top of the discarded field, PTX `cvt.rs`), saturation (`.satfinite`)
-and the NaN codes.
-"""
+"""FP32 -> e4m3fn / e2m1 / fp16 encoders on the IEEE bits with integer operations only, in
+the kernels' order (the Triton interpreter gets float downcasts wrong), so kernels are tested
+bit for bit. docs/format.md section 2 specifies the rounding, saturation and NaN codes."""
 
 from __future__ import annotations
 
@@ -79,10 +75,8 @@ def encode(x: torch.Tensor, fmt: MiniFloat, rbits: torch.Tensor | None = None) -
 
 # -- decoders (exact; floats accumulate only after decoding) ------------------------------
 
-_E2M1_VALUES = torch.tensor(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-    dtype=torch.float32,
-)
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_VALUES = torch.tensor([*_E2M1, *(-v for v in _E2M1)], dtype=torch.float32)  # codes 8..15: -0.0 to -6
 
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:

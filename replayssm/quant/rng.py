@@ -1,11 +1,6 @@
-"""The random hash that feeds every stochastic rounding (docs/format.md section 6).
-
-Counter-based: the bits of an element depend only on (seed, slot, position, logical
-element index), never on addresses or strides, so the PyTorch reference and the Triton and
-CuTe kernels draw identical bits. `mix` is the "lowbias32" finalizer (a bijection on 32-bit
-words); `stream_key` is the per-row tag the prepare step computes once, from which a kernel
-derives one word per index with a single `mix` (`random_words`).
-"""
+"""The counter-based random hash of every stochastic rounding (docs/format.md section 6):
+bits depend only on (seed, slot, position, element index), never on addresses, so the
+reference and the kernels draw identical bits. `mix32` is the lowbias32 finalizer."""
 
 from __future__ import annotations
 
@@ -15,20 +10,18 @@ MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
 MIX_M1 = 0x7FEB352D
 MIX_M2 = 0x846CA68B
-# Position used for the stochastic rounding done by `prefill_init` (positions restart at 0
-# after it, so -1 mod 2**32 never collides with a decode flush of the same slot).
-INIT_POSITION = MASK32
+INIT_POSITION = MASK32  # prefill init's position (-1; decode positions restart at 0 after it)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for int64 tensors holding uint32 values, without int64 overflow."""
+    """(x * c) mod 2**32 for uint32 values (int64 tensors: without overflow)."""
     lo = (x & 0xFFFF) * c
     hi = ((x >> 16) * c) & 0xFFFF
     return (lo + (hi << 16)) & MASK32
 
 
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 on an int64 tensor of uint32 values; returns int64 uint32 values."""
+def mix32(x: torch.Tensor | int) -> torch.Tensor | int:
+    """lowbias32 on an int64 tensor of uint32 values, or on a Python int (`mix32_int`)."""
     x = x & MASK32
     x = x ^ (x >> 16)
     x = _mul32(x, MIX_M1)
@@ -37,14 +30,7 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def mix32_int(x: int) -> int:
-    """lowbias32 on a Python int (scalar twin of `mix32`)."""
-    x &= MASK32
-    x ^= x >> 16
-    x = (x * MIX_M1) & MASK32
-    x ^= x >> 15
-    x = (x * MIX_M2) & MASK32
-    return x ^ (x >> 16)
+mix32_int = mix32  # `_mul32`'s steps are exact on Python ints too
 
 
 def seed_key(seed: int) -> int:
@@ -77,10 +63,8 @@ def random_words(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def checkpoint_rbits(key: torch.Tensor, heads: int, head_offset: int = 0, head_dim: int = 64, state_dim: int = 128) -> torch.Tensor:
     """Random bits int64 [rows, heads, P, N] for the FP16 stochastic rounding of the
-    checkpoints of `key` [rows]: element (h, p, n) takes word(key, (((h + head_offset) * P
-    + p) * N + n) // 2), bits [12:0] for even n and [28:16] for odd n, as `cvt.rs.f16x2.f32`
-    consumes them (docs/format.md section 6). `head_offset`: the model's head of the cache's
-    head 0, so tensor-parallel shards draw the bits one unsharded cache would."""
+    checkpoints of `key` [rows] (docs/format.md section 6: one word per element pair);
+    `head_offset`: the model's head of the cache's head 0 (tensor-parallel shards)."""
     rows = key.shape[0]
     per_head = head_dim * state_dim // 2
     idx = torch.arange(heads * per_head, device=key.device, dtype=torch.int64) + head_offset * per_head

@@ -1,7 +1,5 @@
-"""Which CuTe DSL target a GPU gets, by the one table keyed by compute capability
-(`env.ARCHS`); `REPLAYSSM_ARCH=sm_100a` (or sm_90a, sm_103a) overrides the device query,
-so a machine without the GPU (CPU CI) can compile for any target.
-"""
+"""Which CuTe DSL target a GPU gets, by the table keyed by compute capability (`env.ARCHS`);
+$REPLAYSSM_ARCH overrides the device query, so CPU CI can compile for any target."""
 
 from __future__ import annotations
 

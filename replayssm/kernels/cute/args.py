@@ -10,7 +10,6 @@ the same spec, so struct, placeholders and values cannot disagree.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -27,16 +26,16 @@ DSL_DTYPES = {torch.float32: Float32, torch.bfloat16: BFloat16, torch.float16: F
 SPECS: dict[type, dict[str, tuple]] = {}
 
 
-def _is_stride(entry: tuple) -> bool:
-    return len(entry) >= 3  # (tensor field, dim, unit[, DSL type: Int64]); a pointer is (dtype, alignment)
+def _scalar(entry: tuple):
+    """The DSL type of a stride or VALUE entry (Int64 unless given); None for a pointer."""
+    if len(entry) >= 3:
+        return entry[3] if len(entry) > 3 else Int64
+    return entry[1] if entry[0] == VALUE else None
 
 
 def _struct(name: str, spec: dict[str, tuple]) -> type:
     """The NamedTuple of `spec`'s fields (a pointer a Pointer, a stride or value its DSL type)."""
-    struct = NamedTuple(name, [
-        (f, (e[3] if len(e) > 3 else Int64) if _is_stride(e) else e[1] if e[0] == VALUE else Pointer)
-        for f, e in spec.items()
-    ])  # fmt: skip
+    struct = NamedTuple(name, [(f, _scalar(e) or Pointer) for f, e in spec.items()])
     SPECS[struct] = spec
     return struct
 
@@ -130,10 +129,8 @@ def fake(struct: type, **dtypes: torch.dtype):
     of the input's own type takes it from `dtypes`, float32 by default)."""
     values = []
     for name, entry in SPECS[struct].items():
-        if _is_stride(entry):
-            values.append((entry[3] if len(entry) > 3 else Int64)(0))
-        elif entry[0] == VALUE:
-            values.append(entry[1](0))
+        if (scalar := _scalar(entry)) is not None:
+            values.append(scalar(0))
         elif entry[0] == INPUT_DTYPE:
             dtype = dtypes.get(name, torch.float32)
             values.append(make_ptr(DSL_DTYPES[dtype], 0, assumed_align=dtype.itemsize))
@@ -142,28 +139,18 @@ def fake(struct: type, **dtypes: torch.dtype):
     return struct(*values)
 
 
-@functools.cache
-def _raw_plan(struct: type) -> tuple:
-    """How `raw` reads each field: (kind, tensor or field name, dim, unit), kind 0 a pointer,
-    1 a stride, 2 a value."""
-    return tuple(
-        (1, *entry[:3]) if _is_stride(entry) else (2 if entry[0] == VALUE else 0, name, 0, 0)
-        for name, entry in SPECS[struct].items()
-    )
-
-
 def raw(struct: type, **tensors) -> list[int]:
     """`struct`'s fields as ints for the given tensors (one per pointer field): addresses,
     strides in the spec's units, VALUE fields' ints."""
     out = []
-    for kind, name, dim, unit in _raw_plan(struct):
-        t = tensors[name]
-        if kind == 0:
-            out.append(t.data_ptr())
-        elif kind == 1:
-            out.append(t.stride(dim) * t.element_size() // 16 if unit == 16 else t.stride(dim))
+    for name, entry in SPECS[struct].items():
+        if len(entry) >= 3:
+            t, dim = tensors[entry[0]], entry[1]
+            out.append(t.stride(dim) * t.element_size() // 16 if entry[2] == 16 else t.stride(dim))
+        elif entry[0] == VALUE:
+            out.append(int(tensors[name]))
         else:
-            out.append(int(t))
+            out.append(tensors[name].data_ptr())
     return out
 
 

@@ -2,15 +2,13 @@
 `reference.initialize` / `reference.clear`; one launch each, no host sync, no allocation.
 
 Grid (batch, groups * splits), 256 threads: CTA (b, g * splits + k) serves row b's slot
-(padding rows: nothing) and heads g * hpg + k, + splits, .. of group g: their x and dt
-rings zeroed and, initialize, their FP32 state written as the flush writes a folded state
-(the checkpoint under the tag of (seed, slot, INIT_POSITION), the read copy by the
-format's strategy). k = 0 also zeroes the group's B ring and writes NVFP4's meta, g = k = 0
-the positions (both words in pending mode) and NVFP4's parity. NVFP4 encodes with the
-group amax, which every CTA reduces over the whole group (max of |x|'s bits: exact,
-order-free), so none waits for another; `splits` trades those repeated reads (mostly L2
-hits) against parallelism: about NVFP4_CTAS CTAs a launch, at least one a (row, group).
-Other formats and clear take one head a CTA.
+(padding rows: nothing) and heads g * hpg + k, + splits, .. of group g: x and dt rings
+zeroed and, initialize, the FP32 state written as the flush writes a folded one (checkpoint
+tagged (seed, slot, INIT_POSITION), read copy by the format's strategy). k = 0 also zeroes
+the group's B ring and writes NVFP4's meta, g = k = 0 the positions (both words in pending
+mode) and NVFP4's parity. Every NVFP4 CTA reduces the group amax itself (max of |x|'s bits:
+exact, order-free), so none waits for another; `splits` trades those repeated reads (mostly
+L2 hits) against parallelism. Other formats and clear take one head a CTA.
 """
 
 from __future__ import annotations
@@ -56,9 +54,8 @@ class Bookkeeping:
         self.P, self.N = P, N
         self.two_level = fmt is not None and fmt.name == "nvfp4"
         self.flush = Flush(fmt, hpg, 1) if fmt is not None else None
-        # The head's rows as the flush's CTAs (units) map them, THREADS // threads units a
-        # trip (64 / 128: two of 128 threads, one trip; head dim 80: five units, the last
-        # trip's spare threads repeating the last one: same values, same addresses).
+        # The head's rows as the flush's CTAs (units) map them, THREADS // threads units a trip
+        # (head dim 80: 5 units; the last trip's spare threads redo the last: same values, addresses).
         self.sh = shape(P, N)
         self.unit = self.sh.threads
         self.trips = -(-self.sh.m_split // (THREADS // self.unit))
@@ -219,15 +216,14 @@ class BookkeepingLaunch:
         """Initialize the valid slots of `ids` (1-D int32 / int64, batch >= 1) from FP32
         `states` [batch, H, P, N], or (clear) zero their rings and positions."""
         batch = ids.shape[0]
-        if states is None:  # clear: the checkpoint's address stands in for the unread states
-            fn = compiled_bookkeeping(*self.key, ids.dtype, False, *self.dims)
-            fn(ids.data_ptr(), ids.stride(0), self.args[0][0], 0, 0, 0, 0, *self.args, batch, self.groups, self.hpg, stream)
-            return
-        st = states.stride()
-        vec = st[3] == 1 and st[0] % 4 == 0 and st[1] % 4 == 0 and st[2] % 4 == 0 and states.data_ptr() % 16 == 0
-        splits = min(self.hpg, -(-NVFP4_CTAS // (batch * self.groups))) if self.two_level else self.hpg
+        # clear: the checkpoint's address stands in for the unread states
+        at, st, vec, splits = self.args[0][0], (0, 0, 0, 0), False, self.hpg
+        if states is not None:
+            at, st = states.data_ptr(), states.stride()
+            vec = st[3] == 1 and st[0] % 4 == 0 and st[1] % 4 == 0 and st[2] % 4 == 0 and at % 16 == 0
+            splits = min(self.hpg, -(-NVFP4_CTAS // (batch * self.groups))) if self.two_level else self.hpg
         fn = compiled_bookkeeping(*self.key, ids.dtype, vec, *self.dims)
-        fn(ids.data_ptr(), ids.stride(0), states.data_ptr(), *st, *self.args, batch, self.groups, splits, stream)
+        fn(ids.data_ptr(), ids.stride(0), at, *st, *self.args, batch, self.groups, splits, stream)
 
 
 __all__ = ["Bookkeeping", "BookkeepingLaunch", "bookkeeping_kernel", "compiled_bookkeeping", "NVFP4_CTAS", "THREADS"]

@@ -1,8 +1,6 @@
 """Which kernel variants a decode step launches: a frozen config chosen by the rules of
-docs/design.md section 7 (each with its measurement). Nothing here reads the environment;
-a benchmark that wants another choice passes `dataclasses.replace(config, ...)` to
-`launch.decode_step(config=...)`.
-"""
+docs/design.md section 7 (each with its measurement), never by the environment; a benchmark
+passes `dataclasses.replace(config, ...)` to `launch.decode_step(config=...)`."""
 
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
-"""Compile cache and the one launcher of the CuTe DSL decode kernels, every format.
-
-A step (after the prepare kernel wrote the plan) launches the flush (flush.py; rows at ring
-index 15) and the non-flush kernel (decode.py; the other live rows) over every batch row.
-They touch disjoint slots and output rows, so they run side by side: the one launched with
-programmatic dependent launch (`StepConfig.flush_pdl`) stays on the current stream behind
-prepare, the other goes on a side stream forked after prepare and joined after the step (a
-captured CUDA graph records both as edges).
-
+"""Compile cache and the one launcher of the CuTe DSL decode kernels, every format: a step
+(after prepare) launches the flush (flush.py; rows at ring index 15) and the non-flush kernel
+(decode.py; the other live rows), side by side on two streams (docs/design.md section 1).
 Compile keys hold static properties only; batch, slot count and strides (slot strides in
-16-byte units, so the kernels still know their vectors are aligned) are runtime arguments.
-Kernels are called through the DSL's TVM-FFI entry (`compile_entry`) with their structs as
-tuples of ints (`args.raw`); the structs that repeat between calls are converted to ffi.Arrays
-once (converting per call cost ~1 us an eager step on a CPU, `benchmarks/host_path.py`).
+16-byte units, so the kernels know their vectors are aligned) are runtime arguments. Kernels
+are called through the DSL's TVM-FFI entry (`compile_entry`) with their structs as tuples of
+ints (`args.raw`); the structs that repeat between calls are converted to ffi.Arrays once
+(per call cost ~1 us an eager step on a CPU, `benchmarks/host_path.py`).
 """
 
 from __future__ import annotations
@@ -79,20 +73,16 @@ def flush_kernel(cfg: StepConfig, debug: bool = False, dt_dtype: torch.dtype = t
 
 def compiled_decode(cfg: StepConfig, dt_dtype: torch.dtype = torch.float32, dense_rows: bool = True, P: int = 64, N: int = 128):
     key = ("decode", cfg.arch, cfg.state_dtype, cfg.heads, cfg.groups, cfg.nonflush_pdl, cfg.read_hint, dt_dtype, dense_rows, P, N)
-    fn = _COMPILED.get(key)
-    if fn is None:
-        obj, fake = decode_kernel(cfg, dt_dtype, dense_rows, P, N)
-        fn = _COMPILED[key] = compile_entry(obj, fake, cfg.arch)
-    return fn
+    if key not in _COMPILED:
+        _COMPILED[key] = compile_entry(*decode_kernel(cfg, dt_dtype, dense_rows, P, N), cfg.arch)
+    return _COMPILED[key]
 
 
 def compiled_flush(cfg: StepConfig, debug: bool = False, dt_dtype: torch.dtype = torch.float32, dense_rows: bool = True, P: int = 64, N: int = 128):
     key = ("flush", cfg.arch, cfg.state_dtype, cfg.heads, cfg.groups, cfg.flush_pdl, cfg.flush_rows, debug, dt_dtype, dense_rows, P, N)
-    fn = _COMPILED.get(key)
-    if fn is None:
-        obj, fake = flush_kernel(cfg, debug, dt_dtype, dense_rows, P, N)
-        fn = _COMPILED[key] = compile_entry(obj, fake, cfg.arch)
-    return fn
+    if key not in _COMPILED:
+        _COMPILED[key] = compile_entry(*flush_kernel(cfg, debug, dt_dtype, dense_rows, P, N), cfg.arch)
+    return _COMPILED[key]
 
 
 def variant_name(kind: str, cfg: StepConfig) -> str:
@@ -143,13 +133,11 @@ def warmup(state_dtype: str, heads: int, groups: int, arch: str | None = None, i
     dtype) of `inputs`; returns their names."""
     arch = arch or arch_for()
     names = []
-    for dense, dt_dtype in inputs:
+    for dense, dt in inputs:
+        tag = f"{arch},dt={str(dt).removeprefix('torch.')}{'' if dense else ',strided'}"
         for name, (kind, cfg) in _variants(arch, state_dtype, heads, groups).items():
-            if kind == "decode":
-                compiled_decode(cfg, dt_dtype, dense)
-            else:
-                compiled_flush(cfg, False, dt_dtype, dense)
-            names.append(f"cute.{name}[{arch},dt={str(dt_dtype).removeprefix('torch.')}{'' if dense else ',strided'}]")
+            compiled_decode(cfg, dt, dense) if kind == "decode" else compiled_flush(cfg, False, dt, dense)
+            names.append(f"cute.{name}[{tag}]")
     return names
 
 
@@ -160,8 +148,7 @@ def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, state
     heads, groups = cache[L.CHECKPOINT].shape[1], cache[L.B_RING].shape[1]
     P, N = L.dims(cache)
     dev = out.device
-    per_head = torch.zeros(heads, device=dev)
-    D = torch.zeros(heads, P, device=dev)
+    per_head, D = torch.zeros(heads, device=dev), torch.zeros(heads, P, device=dev)
     for dense, dt_dtype in inputs:
         pad = 0 if dense else 8  # a wider row: x, B, C as row-strided column slices
         x = torch.zeros(batch, heads * P + pad, dtype=torch.bfloat16, device=dev)[:, : heads * P]
@@ -172,16 +159,13 @@ def launch_padding(cache: Sequence[torch.Tensor], plan, out: torch.Tensor, state
             decode_step(cache, x, dt, per_head, bc, bc, D, per_head, plan, out, state_dtype=state_dtype, config=cfg)
 
 
-def _aligned16(t: torch.Tensor) -> bool:
-    return t.data_ptr() % 16 == 0 and (t.shape[0] <= 1 or (t.stride(0) * t.element_size()) % 16 == 0)
-
-
 def layout_ok(cache: Sequence[torch.Tensor]) -> str | None:
     """None when the kernels can address `cache` (16-byte-aligned bases and slot strides of
     the tensors read by vector), else the reason."""
     has_copy = L.READ_COPY < len(cache) - 1  # fp16 has none: its positions (the last tensor) are there
     for i in (L.CHECKPOINT, L.X_RING, L.B_RING) + ((L.READ_COPY,) if has_copy else ()):
-        if not _aligned16(cache[i]):
+        t = cache[i]
+        if t.data_ptr() % 16 or (t.shape[0] > 1 and t.stride(0) * t.element_size() % 16):
             return f"cache[{i}] needs a 16-byte-aligned base and slot stride (data_ptr {cache[i].data_ptr():#x}, stride {cache[i].stride(0)})"
     return None
 

@@ -1,10 +1,7 @@
 """Pending-mode step kernel (CuTe DSL; docs/format.md section 5b, docs/design.md section
 10): every live row's T_b <= 8 outputs and ring writes, one warp per (row, head),
-`decode.Decode`'s lane map (fragment layouts in mma.py) with the call's tokens in the MMA's
-n dimension: lane (g, q) = (lane // 4, lane % 4) supplies token g's C', so one pass over
-the read copy (the format's `pending_dots`) gives R . C_t for every token; B_j . C_t and
-the replay sum_j coef_j,t x_j are bf16 MMAs. It runs behind the plan and the fold (PDL)
-and resets the fold's work list, or split in two launches (`fold_and_step`).
+`decode.Decode`'s lane map with the call's tokens in the MMA's n dimension (lane (g, q) =
+(lane // 4, lane % 4) supplies token g's C'). It resets the fold's work list.
 
 The plan row (slot or -1, c', f_old, nf, parity, key, first token, T_b) gives a window of
 16 entries from f_new = f_old + nf: entry j is ring entry (f_new + j) mod 16 for j < u =
@@ -47,10 +44,9 @@ STEP_READ_HINT = ".cs"
 
 
 class PendingStep(Decode):
-    """The pending step for one (format, heads, groups): `decode.Decode`'s launch, CTA (a
-    group's heads of one row, a warp each; FP8 and NVFP4 4 CTAs an SM, 5% faster than 3),
-    lane map and helpers. `rows` (ROWS): the rows it computes; "rest" (padding included)
-    may run beside the fold, "fold" after it; a row's code is the same in every variant."""
+    """The pending step for one (format, heads, groups) with `decode.Decode`'s launch, CTA (a
+    group's heads of one row, a warp each; 4 CTAs an SM, 5% faster than 3) and helpers.
+    `rows` (ROWS): the rows it computes, with the same code for a row in every variant."""
 
     def __init__(self, fmt, heads: int, groups: int, *, pdl: bool = True, rows: str = "all") -> None:
         if rows not in ROWS:
@@ -265,8 +261,7 @@ def pending_kernel(state_dtype: str, arch: str, heads: int, groups: int, dt_dtyp
 
 @functools.lru_cache(maxsize=None)
 def compiled_pending(state_dtype: str, arch: str, heads: int, groups: int, dt_dtype: torch.dtype, rows: str = "all", P: int = 64, N: int = 128):
-    obj, fake = pending_kernel(state_dtype, arch, heads, groups, dt_dtype, rows, P, N)
-    return compile_entry(obj, fake, arch)
+    return compile_entry(*pending_kernel(state_dtype, arch, heads, groups, dt_dtype, rows, P, N), arch)
 
 
 def fold_kernel(state_dtype: str, arch: str, heads: int, groups: int, debug: bool = False, P: int = 64, N: int = 128):
@@ -284,8 +279,7 @@ def compiled_fold(state_dtype: str, arch: str, heads: int, groups: int, debug: b
 
 class PendingLaunch:
     """The fold and step launches of pending-mode calls on one cache, plan buffer, format
-    and head offset: the cache's and plan buffer's structs made once as tuples of ints, a
-    call's own read per call (`step_words`). It holds no tensor (as `launch.Step`)."""
+    and head offset: the structs made once as tuples of ints, a call's by `step_words`."""
 
     __slots__ = ("state_dtype", "arch", "heads", "groups", "dims", "fold_ctas", "head_parts", "ckpt", "ring", "copy", "plan", "kernels")
 
@@ -382,10 +376,8 @@ def fold_and_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list,
     """Launch a call's fold (`launch_fold()`, on `stream` behind the plan) and step
     (`launcher`: the cache's, else one made for this call). `split` (None: from
     SPLIT_MIN_BATCH rows on while a CUDA graph is captured): the rows that do not fold step
-    on the side stream, forked after the plan, beside the fold, the others after the fold;
-    the side stream joins `stream` after both. Else one step after the fold (eager calls:
-    their host time is several times the kernels' GPU time; from SPLIT_MIN_BATCH rows they
-    compile the split variants, so that a capture compiles nothing)."""
+    on a side stream beside the fold, the others after it (docs/design.md section 10).
+    Eager calls of SPLIT_MIN_BATCH rows compile the split variants, so a capture does not."""
     if launcher is None:
         launcher = PendingLaunch(cache, plan_rows, fold_list, state_dtype, arch)
     if dt.dtype not in A.DSL_DTYPES:
@@ -397,16 +389,15 @@ def fold_and_step(cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list,
         for rows in ("rest", "fold"):
             launcher.compiled((dt.dtype, rows))
     args = (cache, x, dt, A_, B, C, D, dt_bias, out, plan_rows, fold_list, varlen)
-    if not split:
-        launch_fold()
-        launcher.step(*args, stream)
-        return
-    index = out.get_device()
-    side = fork_streams(index, True, stream)[1]  # before the fold: the side stream waits for the plan only
+    # The side stream forks before the fold: it waits for the plan only.
+    side = fork_streams(out.get_device(), True, stream)[1] if split else None
     launch_fold()
-    launcher.step(*args, side, "rest")
-    launcher.step(*args, stream, "fold")
-    join_streams(index, stream)
+    if split:
+        launcher.step(*args, side, "rest")
+        launcher.step(*args, stream, "fold")
+        join_streams(out.get_device(), stream)
+    else:
+        launcher.step(*args, stream)
 
 
 __all__ = [

@@ -1,8 +1,7 @@
 """Triton kernels: `materialize.py` (the FP32 state of a slot after its decoded tokens) and
 `copy_slots.py` (slot copies and host staging), compiled on CUDA or interpreted on the CPU
 (TRITON_INTERPRET=1). Import the modules lazily, after the environment is settled:
-`triton.jit` picks interpreter or compiler when a kernel is defined. Launchers are imported
-from their modules; nothing is re-exported.
+`triton.jit` picks interpreter or compiler when a kernel is defined.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Copy kernel: every per-slot tensor of any number of cache tuples, slots `src` into slots
-`dst`, in one launch.
+`dst`, in one launch (docs/design.md section 9).
 
-The copy table (`copy_table`, int64 [chunks, 4], built once per list of tensors) has a row per
-chunk of at most `chunk` bytes of one tensor's slot: [address in slot 0, slot stride, bytes,
-width], slot s's copy at address + s * stride. `width` is the access granularity: 16 (16-byte
-vectors; address, stride and bytes multiples of 16), 4 or 1. A tensor whose slot bytes are not
-a multiple of 16 (positions, NVFP4 parity) gets a tail chunk of width 4 or 1; an unaligned
-tensor, width 4 or 1 throughout. Grid (chunks, pairs); a pair with a padding id (<= 0 or >=
-num_slots) is skipped. The kernel turns table addresses into pointers, restating the 16-byte
-alignment (`tl.multiple_of`) for 16-byte accesses; the interpreter runs the same code on host
-addresses, so CPU tests exercise table and kernel alike.
-
-Staging (host swap: `stage_slots`, one launch): the same chunks between cache slots and one
-contiguous byte buffer, from a staging table (`stage_rows`, int64 [chunks, 8]) whose rows add
-each chunk's place in the buffer; a gather (cache -> buffer) or a scatter, a constexpr.
+The copy table (`copy_table`, int64 [chunks, 4]) has a row per chunk of at most `chunk` bytes
+of one tensor's slot: [address in slot 0, slot stride, bytes, width], slot s's copy at address
++ s * stride; `width` 16 (address, stride and bytes multiples of 16), 4 or 1. Grid (chunks,
+pairs); a pair with a padding id (<= 0 or >= num_slots) is skipped. Staging (host swap,
+`stage_slots`): the same chunks between cache slots and one contiguous byte buffer, from a
+staging table (`stage_rows`, int64 [chunks, 8]) whose rows add each chunk's place in it.
 """
 
 from __future__ import annotations
@@ -31,32 +24,37 @@ MAX_PAIRS_PER_LAUNCH = 65535  # CUDA's limit on grid dim 1
 
 
 @triton.jit
-def _move_chunk(a_src, a_dst, nbytes, width, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """Copy `nbytes` from address `a_src` to address `a_dst` (int64) at `width` (16, 4, 1)."""
-    # Static loops: ITERS * BLOCK int32 (4 * BLOCK bytes) cover a chunk; masks end it.
+def _move(p_s, p_d, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Copy elements [0, n) of `p_s` to `p_d` in ITERS static iterations of BLOCK (masks end it)."""
     o = tl.arange(0, BLOCK)
-    # Each branch names its own pointers: Triton types a variable once across branches.
+    for i in tl.static_range(ITERS):
+        m = i * BLOCK + o < n
+        tl.store(p_d + i * BLOCK + o, tl.load(p_s + i * BLOCK + o, mask=m), mask=m)
+
+
+@triton.jit
+def _move_chunk(a_src, a_dst, nbytes, width, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Copy `nbytes` from address `a_src` to address `a_dst` (int64) at `width` (16, 4, 1):
+    ITERS * BLOCK int32 (4 * BLOCK bytes) cover a chunk."""
+    # Each branch makes its own pointers (Triton types a variable once across branches); the
+    # 16-byte alignment is restated on the pointer, where the conversion does not lose it.
     if width == 16:
         p_s16 = tl.multiple_of(a_src.to(tl.pointer_type(tl.int32)), 16)
         p_d16 = tl.multiple_of(a_dst.to(tl.pointer_type(tl.int32)), 16)
-        n16 = (nbytes // 16) * 4  # a multiple of 4: the mask never splits a vector
-        for i in tl.static_range(ITERS):
-            m16 = i * BLOCK + o < n16
-            tl.store(p_d16 + i * BLOCK + o, tl.load(p_s16 + i * BLOCK + o, mask=m16), mask=m16)
+        _move(p_s16, p_d16, (nbytes // 16) * 4, BLOCK, ITERS)  # a multiple of 4: no mask splits a vector
     elif width == 4:
-        p_s4 = a_src.to(tl.pointer_type(tl.int32))
-        p_d4 = a_dst.to(tl.pointer_type(tl.int32))
-        n4 = nbytes // 4
-        for i in tl.static_range(ITERS):
-            m4 = i * BLOCK + o < n4
-            tl.store(p_d4 + i * BLOCK + o, tl.load(p_s4 + i * BLOCK + o, mask=m4), mask=m4)
+        p_s4, p_d4 = a_src.to(tl.pointer_type(tl.int32)), a_dst.to(tl.pointer_type(tl.int32))
+        _move(p_s4, p_d4, nbytes // 4, BLOCK, ITERS)
     else:
-        p_s1 = a_src.to(tl.pointer_type(tl.uint8))
-        p_d1 = a_dst.to(tl.pointer_type(tl.uint8))
-        o1 = tl.arange(0, 4 * BLOCK)
-        for i in tl.static_range(ITERS):
-            m1 = i * 4 * BLOCK + o1 < nbytes
-            tl.store(p_d1 + i * 4 * BLOCK + o1, tl.load(p_s1 + i * 4 * BLOCK + o1, mask=m1), mask=m1)
+        p_s1, p_d1 = a_src.to(tl.pointer_type(tl.uint8)), a_dst.to(tl.pointer_type(tl.uint8))
+        _move(p_s1, p_d1, nbytes, 4 * BLOCK, ITERS)
+
+
+@triton.jit
+def _row(p_table, i_c, COLUMNS: tl.constexpr):
+    """Row i_c of a copy or staging table: its pointer, then (address, slot stride, bytes, width)."""
+    p_row = p_table + i_c.to(tl.int64) * COLUMNS
+    return p_row, tl.load(p_row), tl.load(p_row + 1), tl.load(p_row + 2), tl.load(p_row + 3)
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -69,14 +67,8 @@ def _copy_slots_kernel(
     d = tl.load(p_dst + i_p.to(tl.int64) * stride_dst)
     if (s <= 0) | (s >= num_slots) | (d <= 0) | (d >= num_slots):  # a padding pair
         return
-    p_row = p_table + i_c.to(tl.int64) * 4
-    base = tl.load(p_row)
-    stride = tl.load(p_row + 1)
-    nbytes = tl.load(p_row + 2)
-    width = tl.load(p_row + 3)
-    a_src = base + s.to(tl.int64) * stride
-    a_dst = base + d.to(tl.int64) * stride
-    _move_chunk(a_src, a_dst, nbytes, width, BLOCK, ITERS)
+    _, base, stride, nbytes, width = _row(p_table, i_c, 4)
+    _move_chunk(base + s.to(tl.int64) * stride, base + d.to(tl.int64) * stride, nbytes, width, BLOCK, ITERS)
 
 
 @triton.jit(do_not_specialize=["staging", "n", "first", "num_slots"])
@@ -89,11 +81,7 @@ def _stage_slots_kernel(
     s = tl.load(p_slots + i_p.to(tl.int64) * stride_slots)
     if (s <= 0) | (s >= num_slots):  # a padding id: its staging bytes are left as they are
         return
-    p_row = p_table + i_c.to(tl.int64) * 8
-    base = tl.load(p_row)
-    stride = tl.load(p_row + 1)
-    nbytes = tl.load(p_row + 2)
-    width = tl.load(p_row + 3)
+    p_row, base, stride, nbytes, width = _row(p_table, i_c, 8)
     prefix = tl.load(p_row + 4)
     size = tl.load(p_row + 5)
     offset = tl.load(p_row + 6)
@@ -115,16 +103,21 @@ def _width(address: int, stride: int, nbytes: int, widths=(16, 4)) -> int:
     return next((w for w in widths if address % w == stride % w == nbytes % w == 0), 1)
 
 
+def _slots(tensors: Sequence[torch.Tensor], chunk: int) -> list[tuple[int, int, int]]:
+    """(address, slot stride, slot bytes) of each of `tensors` ([slots, ...], contiguous within
+    a slot), checking the chunk bytes."""
+    if chunk <= 0 or chunk % 16:
+        raise ValueError(f"chunk must be a positive multiple of 16 bytes; got {chunk}")
+    sizes = [t[0].numel() * t.element_size() if t.shape[0] else 0 for t in tensors]
+    return [(t.data_ptr(), t.stride(0) * t.element_size(), size) for t, size in zip(tensors, sizes)]
+
+
 def table_rows(tensors: Sequence[torch.Tensor], chunk: int) -> list[tuple[int, int, int, int]]:
     """The copy table's rows for `tensors` (each [slots, ...], contiguous within a slot), in
     order: chunks of `chunk` bytes (a multiple of 16) of each tensor's slot at the widest
-    access it allows (see the module docstring)."""
-    if chunk <= 0 or chunk % 16:
-        raise ValueError(f"chunk must be a positive multiple of 16 bytes; got {chunk}")
+    access it allows: 16-byte aligned tensors a body at 16 and a tail at 4 or 1."""
     rows = []
-    for t in tensors:
-        size = t[0].numel() * t.element_size() if t.shape[0] else 0
-        base, stride = t.data_ptr(), t.stride(0) * t.element_size()
+    for base, stride, size in _slots(tensors, chunk):
         body = size - size % 16 if _width(base, stride, 0, (16,)) == 16 else 0
         tail = _width(base + body, stride, size - body, (4,))
         for start, end, width in ((0, body, 16), (body, size, tail)):
@@ -166,22 +159,14 @@ def copy_slots(table: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_sl
 STAGE_COLUMNS = 8  # address, slot stride, bytes, width, staging prefix, slot bytes, offset, 0
 
 
-def _align(nbytes: int) -> int:
-    """The largest power of two (at most 16) dividing `nbytes` (16 for 0)."""
-    return next(a for a in (16, 8, 4, 2, 1) if nbytes % a == 0)
-
-
 def staging_order(sizes: Sequence[int], kinds: Sequence | None = None) -> list[int]:
     """Indices of tensors with per-slot byte sizes `sizes` in staging order (stable): by the
-    alignment of their size (16, 8, 4, 2, 1), then tensors of one of `kinds` (a hashable per
-    tensor) together, in order of first appearance. Each tensor's region of n slots then
-    starts at a multiple of its own alignment (viewable as its dtype; 16-byte tensors keep
-    16-byte accesses), and one view covers a kind (the same tensor of every layer)."""
+    alignment of their size (the largest of 16, 8, 4, 2, 1 dividing it), then tensors of one
+    of `kinds` (a hashable per tensor) together, in order of first appearance (docs/design.md
+    section 9 says why)."""
     kinds = range(len(sizes)) if kinds is None else kinds
-    first: dict = {}
-    for i, k in enumerate(kinds):
-        first.setdefault(k, i)
-    return sorted(range(len(sizes)), key=lambda i: (-_align(sizes[i]), first[kinds[i]]))
+    first = {k: i for i, k in reversed(list(enumerate(kinds)))}
+    return sorted(range(len(sizes)), key=lambda i: (-min(16, sizes[i] & -sizes[i] or 16), first[kinds[i]]))
 
 
 def stage_rows(
@@ -192,19 +177,15 @@ def stage_rows(
 
     For n slots, tensor k (in `staging_order`) holds bytes [n * prefix_k, n * (prefix_k +
     size_k)), slot i at n * prefix_k + i * size_k: [n, *per-slot shape], as an export of that
-    tensor alone would hold it. A row: (address in slot 0, slot stride, bytes, width, prefix_k,
-    size_k, offset of the chunk in the slot, 0); one width for the whole tensor (a tail at
-    another width would break the staging side's alignment)."""
-    if chunk <= 0 or chunk % 16:
-        raise ValueError(f"chunk must be a positive multiple of 16 bytes; got {chunk}")
-    sizes = [t[0].numel() * t.element_size() if t.shape[0] else 0 for t in tensors]
-    prefixes = [0] * len(tensors)
+    tensor alone would hold it. Rows as STAGE_COLUMNS, one width for the whole tensor (a tail
+    at another width would break the staging side's alignment)."""
+    slots = _slots(tensors, chunk)
+    prefixes = [0] * len(slots)
     rows: list[tuple[int, ...]] = []
     prefix = 0
-    for k in staging_order(sizes, kinds):
-        t, size = tensors[k], sizes[k]
+    for k in staging_order([size for *_, size in slots], kinds):
+        base, stride, size = slots[k]
         prefixes[k] = prefix
-        base, stride = t.data_ptr(), t.stride(0) * t.element_size()
         width = _width(base, stride, size)
         for off in range(0, size, chunk):
             rows.append((base + off, stride, min(chunk, size - off), width, prefix, size, off, 0))

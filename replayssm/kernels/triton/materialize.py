@@ -1,8 +1,6 @@
-"""Materialize kernel: `reference.materialize`'s math on the device (no host sync, no
-allocation when `out` is given, so a CUDA graph can capture it).
-
-Grid (n, H, P // BLOCK_P): program (i_b, i_h, i_p) computes BLOCK_P state rows of head i_h
-for batch row i_b:
+"""Materialize kernel: `reference.materialize`'s math on the device, capturable (no host
+sync; no allocation when `out` is given). Grid (n, H, P // BLOCK_P): program (i_b, i_h,
+i_p) computes BLOCK_P state rows of head i_h for batch row i_b:
 
     live   = positions[slot] mod 16, the entries from ring index start = 0 (separate mode);
              pending mode: c = positions[slot, 0], the checkpoint at f = grid * (c div grid),
@@ -11,10 +9,9 @@ for batch row i_b:
     pre_j  = dt_e0 + .. + dt_ej             over j < live (zero beyond)
     S      = exp(A pre_live) S0 + sum_{j < live} dt_ej exp(A (pre_live - pre_j)) x_ej (x) B_ej
 
-in plain FP32 (no tensor cores: the ring terms are rank-1 updates accumulated in entry
-order, so the result differs from the reference's einsum by FP32 summation order only).
-Ring entries at or beyond `live` are never loaded (masked loads give 0; NaN poison there
-cannot reach the state). Padding rows (slot <= 0 or >= num_slots) store zeros.
+in plain FP32 (rank-1 updates in entry order: the reference's einsum up to FP32 summation
+order). Entries at or beyond `live` are never loaded (masked: NaN poison there cannot reach
+the state). Padding rows (slot <= 0 or >= num_slots) store zeros.
 """
 
 from __future__ import annotations
@@ -96,7 +93,6 @@ def materialize(
     if n == 0:
         return out
     x_ring, dt_ring, b_ring, pos = cache[L.X_RING], cache[L.DT_RING], cache[L.B_RING], cache[L.POSITIONS]
-    groups = b_ring.shape[1]
     pending = pos.dim() == 2
     if pending and max_seqlen is None:
         raise ValueError("materialize of a pending cache (positions [S, 2]) needs its max_seqlen")
@@ -108,6 +104,6 @@ def materialize(
         ids, A, ckpt, x_ring.view(torch.int16), dt_ring, b_ring.view(torch.int16), pos, out,
         ids.stride(0), A.stride(0), ckpt.stride(0), x_ring.stride(0), dt_ring.stride(0), b_ring.stride(0),
         pos.stride(0), out.stride(0), num_slots, grid,
-        H=heads, HPG=heads // groups, P=P, N=N, BLOCK_P=block_p, PENDING=pending, num_warps=4,
+        H=heads, HPG=heads // b_ring.shape[1], P=P, N=N, BLOCK_P=block_p, PENDING=pending, num_warps=4,
     )  # fmt: skip
     return out
