@@ -267,9 +267,11 @@ def snapshot_replayssm_slots(
     chk.seed(seed)
     geometry = L.check_cache(cache, fmt)
     device = cache[L.CHECKPOINT].device
+    # Host ids are checked on every call: read them before validate_pair moves them to the device.
+    host = src.reshape(-1).tolist() if isinstance(src, torch.Tensor) and src.device.type == "cpu" else None
     src, dst = validate_pair(src, dst, device, geometry[0])
-    if src.device.type == "cpu" or checks:
-        check_host_ids("src", src.tolist(), geometry[0])
+    if host is not None or checks:
+        check_host_ids("src", src.tolist() if host is None else host, geometry[0])
     impl = backend_for(device, backend, cache, fmt)
     head_offset = chk.head_offset(head_offset)
     states = api.materialize(cache, geometry, impl, src, A, max_seqlen=max_seqlen)

@@ -472,6 +472,18 @@ def _gpu_layer(fmt, gen, *, batch=8, steps=21, heads=H, groups=G):
 
 
 @pytest.mark.gpu
+def test_gpu_snapshot_functional_rejects_repeated_host_src():
+    """A CUDA cache given host src ids that repeat: the ValueError before any write (the
+    check once read the ids after they had moved to the device, and skipped them)."""
+    cache, req = start("fp8", gen=torch.Generator().manual_seed(21), num_slots=6, steps=3, device="cuda")
+    cache.allocate(2)
+    before = snapshot(cache.tensors)
+    with pytest.raises(ValueError, match="src must name each slot once"):
+        snapshot_replayssm_slots(cache.tensors, torch.tensor([1, 1]), torch.tensor([2, 3]), req.p.A, state_dtype="fp8")
+    assert_cache_equal(before, cache.tensors)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FMTS)
 def test_gpu_materialize_kernel_in_a_cuda_graph(fmt):
     """The compiled materialize kernel, captured in a CUDA graph with device ids and

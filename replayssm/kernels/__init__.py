@@ -78,8 +78,12 @@ class _CacheContext:
         self.refs = tuple(weakref.ref(t, self._freed) for t in cache)
         self.index = cache[L.CHECKPOINT].get_device()
         self.cute, self.reason = cute, reason
-        self.prepares, self.steps, self.decodes = {}, {}, {}
-        self.plan_launches, self.pending_launches, self.bookkeeping = {}, {}, {}
+        self.prepares: dict[tuple, object] = {}
+        self.steps: dict[tuple, object] = {}
+        self.decodes: dict[tuple, tuple] = {}
+        self.plan_launches: dict[tuple, object] = {}
+        self.pending_launches: dict[tuple, object] = {}
+        self.bookkeeping: dict[tuple, object] = {}
         self.pending = None  # buffers.PendingPlan
         self.outgrown: list = []  # the smaller ones before it: a captured graph may still use them
 
