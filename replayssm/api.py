@@ -72,8 +72,8 @@ def initialize(
 ) -> None:
     slots, heads, _, P, N = geometry
     device = cache[L.CHECKPOINT].device
-    ok = chk.tensor("states", states).dim() == 4 and states.shape[1:] == (heads, P, N)
-    _expect("states", states, torch.float32, ok, f"float32 [batch, {heads}, {P}, {N}]")
+    if chk.tensor("states", states).dtype != torch.float32 or states.dim() != 4 or states.shape[1:] != (heads, P, N):
+        _expect("states", states, torch.float32, False, f"float32 [batch, {heads}, {P}, {N}]")
     chk.on_device("states", states, device)
     ids = chk.slot_ids(ids_name, state_indices, device)
     if ids.numel() != states.shape[0]:

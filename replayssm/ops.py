@@ -3,8 +3,10 @@
 
 torch.compile sees each as one opaque op whose schema marks exactly the cache tensors it
 writes, so a model calling `ReplaySSMCache.decode` compiles with fullgraph=True. The ops
-validate nothing (`replayssm.api` does, at trace time under torch.compile); an eager call
-runs the body directly, without the dispatcher's boxing of ~20 arguments.
+validate nothing (`replayssm.api` does, at trace time under torch.compile). Under
+torch.compile a wrapper below calls the op; an eager call runs its body directly, without
+the dispatcher's boxing of ~20 arguments (a generic wrapper's *args / **kwargs measured
+~0.8 us a call more on the CPU).
 
 - The cache tensors are separate arguments, not one `Tensor(a!)[]` list: a list marks
   every entry written, and functionalization (e.g. backend="aot_eager") then copies them
@@ -83,7 +85,7 @@ def _backend(name: str):
 
 
 def _int64(seed: int) -> int:
-    """`seed` as the int64 equal to it mod 2**64 (the random streams take it mod 2**64)."""
+    """`seed` as the int64 equal to it mod 2**64."""
     s = seed % (1 << 64)
     return s - (1 << 64) if s >= 1 << 63 else s
 
@@ -113,6 +115,89 @@ def register_scratch(scratch) -> int:
 scratch_handle = register_scratch  # what a compiled step traces: the lookup, for a registered one
 
 
+# -- wrappers: a validated cache tuple and validated, normalized inputs in -----------------
+# Each is also its op's implementation (`_register`): at run time is_compiling() is False.
+
+
+def initialize(
+    cache, states, state_indices, *, state_dtype: str, seed: int, backend: str, head_offset: int = 0
+) -> None:
+    if torch.compiler.is_compiling():
+        return _initialize_op(
+            *cache_args(cache), states, state_indices, state_dtype=state_dtype, seed=_int64(seed),
+            backend=backend, head_offset=head_offset,
+        )
+    with torch.no_grad():
+        _backend(backend).initialize(
+            cache, states, state_indices, fmt=format_of(state_dtype), seed=_int64(seed),
+            head_offset=head_offset,
+        )
+
+
+def clear(cache, state_indices, *, backend: str) -> None:
+    if torch.compiler.is_compiling():
+        return _clear_op(*cache_args(cache), state_indices, backend=backend)
+    with torch.no_grad():
+        _backend(backend).clear(cache, state_indices)
+
+
+def decode(
+    cache, x, dt, A, B, C, D, dt_bias, state_indices, out,
+    *, state_dtype: str, seed: int, backend: str, scratch: int = 0, head_offset: int = 0,
+) -> None:
+    """Inputs as `api.normalize_decode_inputs` leaves them; writes `out` (contiguous bf16,
+    batch * heads * P elements) and the cache. `scratch`: a `scratch_handle`."""
+    if torch.compiler.is_compiling():
+        return _decode_op(
+            *cache_args(cache), x, dt, A, B, C, D, dt_bias, state_indices, out,
+            state_dtype=state_dtype, seed=_int64(seed), backend=backend, scratch=scratch,
+            head_offset=head_offset,
+        )
+    buf = _SCRATCH.get(scratch) if scratch else None
+    extra = {} if buf is None else {"scratch": buf}
+    with torch.no_grad():
+        _backend(backend).decode(
+            cache, x, dt, A, B, C, D, dt_bias, state_indices,
+            out.view(state_indices.numel(), *cache[L.CHECKPOINT].shape[1:3]),
+            fmt=format_of(state_dtype), seed=_int64(seed), head_offset=head_offset, **extra,
+        )
+
+
+def materialize(cache, state_indices, A, *, backend: str, max_seqlen: int | None = None) -> torch.Tensor:
+    """A new FP32 tensor; `max_seqlen` given: a pending cache's states after the committed
+    tokens (`replayssm::materialize_pending`)."""
+    if torch.compiler.is_compiling():
+        if max_seqlen is None:
+            return _materialize_op(*cache_args(cache), state_indices, A, backend=backend)
+        return _materialize_pending_op(
+            *cache_args(cache), state_indices, A, backend=backend, max_seqlen=max_seqlen
+        )
+    with torch.no_grad():
+        if max_seqlen is None:
+            return _backend(backend).materialize(cache, state_indices, A)
+        return _backend(backend).materialize_pending(cache, state_indices, A, max_seqlen=max_seqlen)
+
+
+def decode_pending(
+    cache, x, dt, A, B, C, D, dt_bias, state_indices, out, num_accepted_tokens, cu_seqlens,
+    *, state_dtype: str, seed: int, backend: str, max_seqlen: int, head_offset: int = 0,
+) -> None:
+    """Inputs as `api.normalize_pending_inputs` leaves them: dense x [b, T, H, P] with
+    `cu_seqlens` None, or varlen x [total, H, P] with `cu_seqlens` int32 [b + 1]."""
+    if torch.compiler.is_compiling():
+        return _decode_pending_op(
+            *cache_args(cache), x, dt, A, B, C, D, dt_bias, state_indices, out,
+            num_accepted_tokens, cu_seqlens, state_dtype=state_dtype, seed=_int64(seed), backend=backend,
+            max_seqlen=max_seqlen, head_offset=head_offset,
+        )
+    with torch.no_grad():
+        _backend(backend).decode_pending(
+            cache, x, dt, A, B, C, D, dt_bias, state_indices, out,
+            fmt=format_of(state_dtype), seed=_int64(seed), max_seqlen=max_seqlen,
+            num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, head_offset=head_offset,
+        )
+
+
 # -- the ops -------------------------------------------------------------------------------
 # Plain `torch.library.Library`, not `custom_op`, whose ADInplaceOrView kernel
 # (`torch._library.utils.fill_defaults`) re-reads `schema.arguments` per argument on every
@@ -123,31 +208,7 @@ scratch_handle = register_scratch  # what a compiled step traces: the lookup, fo
 _LIB = torch.library.Library("replayssm", "DEF")
 
 
-def _states_fake(*args, **kwargs) -> torch.Tensor:
-    """materialize's output: FP32 [n, heads, P, N] on the device of the slot ids (the cache's)."""
-    ids, checkpoint = args[10], args[1]
-    return ids.new_empty((ids.numel(), *checkpoint.shape[1:]), dtype=torch.float32)
-
-
-def _define(name: str, body=None):
-    """Op `name` and its wrapper, which takes a validated cache tuple, then the op's other
-    arguments (inputs validated and normalized by `replayssm.api`). Under torch.compile the
-    wrapper calls the op; eagerly, and as the op's kernel (at run time is_compiling() is
-    False), `body(backend, cache, *inputs, **scalars)` (default: the backend's method
-    `name`) under no_grad, with `fmt` for state_dtype."""
-    body = body or (lambda impl, *args, **kwargs: getattr(impl, name)(*args, **kwargs))
-
-    def wrapper(cache, *inputs, backend: str, **scalars):
-        if "seed" in scalars:
-            scalars["seed"] = _int64(scalars["seed"])
-        if torch.compiler.is_compiling():
-            return op(*cache_args(cache), *inputs, backend=backend, **scalars)
-        impl = _backend(backend)
-        if "state_dtype" in scalars:
-            scalars["fmt"] = format_of(scalars.pop("state_dtype"))
-        with torch.no_grad():
-            return body(impl, cache, *inputs, **scalars)
-
+def _register(name: str, wrapper, fake) -> torch._ops.OpOverload:
     def kernel(*args, **kwargs):
         # The caller's cache tuple back from the ten cache arguments: the absent ones are None.
         return wrapper(tuple(t for t in args[:10] if t is not None), *args[10:], **kwargs)
@@ -155,45 +216,26 @@ def _define(name: str, body=None):
     _LIB.define(name + SCHEMAS[name])
     for key in ("CPU", "CUDA"):
         _LIB.impl(name, kernel, key)
-    fake = _states_fake if _OPS[name][2] == "Tensor" else lambda *args, **kwargs: None
     torch.library.register_fake(f"replayssm::{name}", fake, lib=_LIB)
-    op = getattr(torch.ops.replayssm, name).default
-    return op, wrapper
+    return getattr(torch.ops.replayssm, name).default
 
 
-def _decode(impl, cache, x, dt, A, B, C, D, dt_bias, state_indices, out, *, scratch: int = 0, **scalars):
-    """Inputs as `api.normalize_decode_inputs` leaves them; writes `out` (contiguous bf16,
-    batch * heads * P elements) and the cache. `scratch`: a `scratch_handle` (0: the
-    backend's shared plan scratch)."""
-    buf = _SCRATCH.get(scratch) if scratch else None
-    if buf is not None:
-        scalars["scratch"] = buf
-    out = out.view(state_indices.numel(), *cache[L.CHECKPOINT].shape[1:3])
-    impl.decode(cache, x, dt, A, B, C, D, dt_bias, state_indices, out, **scalars)
+def _writes_only(*args, **kwargs) -> None:
+    return None
 
 
-def _decode_pending(impl, cache, *inputs, **scalars) -> None:
-    """Inputs as `api.normalize_pending_inputs` leaves them, then num_accepted_tokens and
-    cu_seqlens: dense x [b, T, H, P] with `cu_seqlens` None, or varlen x [total, H, P] with
-    `cu_seqlens` int32 [b + 1]."""
-    *inputs, accepted, cu_seqlens = inputs
-    impl.decode_pending(cache, *inputs, num_accepted_tokens=accepted, cu_seqlens=cu_seqlens, **scalars)
+def _states_fake(*args, **kwargs) -> torch.Tensor:
+    """materialize's output: FP32 [n, heads, P, N] on the device of the slot ids (the cache's)."""
+    ids, checkpoint = args[10], args[1]
+    return ids.new_empty((ids.numel(), *checkpoint.shape[1:]), dtype=torch.float32)
 
 
-_initialize_op, initialize = _define("initialize")
-_clear_op, clear = _define("clear")
-_decode_op, decode = _define("decode", _decode)
-_materialize_op, _materialize = _define("materialize")
-_decode_pending_op, decode_pending = _define("decode_pending", _decode_pending)
-_materialize_pending_op, _materialize_pending = _define("materialize_pending")
-
-
-def materialize(cache, state_indices, A, *, backend: str, max_seqlen: int | None = None) -> torch.Tensor:
-    """A new FP32 tensor; `max_seqlen` given: a pending cache's states after the committed
-    tokens (`replayssm::materialize_pending`)."""
-    if max_seqlen is None:
-        return _materialize(cache, state_indices, A, backend=backend)
-    return _materialize_pending(cache, state_indices, A, backend=backend, max_seqlen=max_seqlen)
+_initialize_op = _register("initialize", initialize, _writes_only)
+_clear_op = _register("clear", clear, _writes_only)
+_decode_op = _register("decode", decode, _writes_only)
+_materialize_op = _register("materialize", materialize, _states_fake)
+_decode_pending_op = _register("decode_pending", decode_pending, _writes_only)
+_materialize_pending_op = _register("materialize_pending", materialize, _states_fake)
 
 
 __all__ = [
