@@ -158,8 +158,8 @@ def wall_seconds(fn, reps: int) -> float:
 
 def make_layers(fmt: str, args, device: str) -> list[ReplaySSMCache]:
     """`args.layers` caches, every slot but 0 allocated, random bits in every tensor;
-    positions random in [16, 4096) (any ring fill), checkpoints finite (materialize reads
-    them as numbers)."""
+    positions random in [16, 4096) (any ring fill), NVFP4 parity 0 or 1, checkpoints finite
+    (materialize reads them as numbers)."""
     caches = []
     for _ in range(args.layers):
         c = ReplaySSMCache(args.slots, args.heads, args.groups, fmt, device, seed=args.seed, backend="reference")
@@ -173,6 +173,8 @@ def make_layers(fmt: str, args, device: str) -> list[ReplaySSMCache]:
             c.tensors[i].normal_(0.0, scale)
         c.tensors[L.DT_RING].uniform_(0.001, 0.1)
         c.positions.copy_(torch.randint(16, 4096, c.positions.shape, device=device, dtype=torch.int32))
+        if len(c.tensors) > L.PARITY and c.tensors[L.PARITY] is not None:  # NVFP4: import checks it is 0 or 1
+            c.tensors[L.PARITY].copy_(torch.randint(0, 2, c.tensors[L.PARITY].shape, device=device))
         caches.append(c)
     return caches
 

@@ -365,19 +365,20 @@ def test_profile_steps_runs_the_layer_for_the_given_steps(fmt):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--dry-run switches the process to the Triton interpreter; run the benchmark itself on a GPU")
-def test_bench_handoff_dry_run_measures_the_bytes_it_claims(tmp_path):
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_bench_handoff_dry_run_measures_the_bytes_it_claims(tmp_path, fmt):
     """benchmarks/bench_handoff.py --dry-run (CPU, interpreter, 2 layers x 8 slots): its
     correctness checks pass, and every row's bytes are what the caches hold (copy: slots x
     bytes a slot x layers; swap: one slot over the layers; materialize: checkpoints, live
     ring entries and FP32 states of its rows); results.json holds the same rows."""
     from benchmarks import bench_handoff as bh
 
-    result = bh.main(["--dry-run", "--formats", "fp8", "--out", str(tmp_path)])
+    result = bh.main(["--dry-run", "--formats", fmt, "--out", str(tmp_path)])
     args = result["meta"]["args"]
     assert all(c.get("ok", True) for c in result["checks"]), result["checks"]
     mat = [c for c in result["checks"] if "materialize" in c["check"]]
     assert mat and mat[0]["value"] <= tol.FOLD_REL_TOL
-    per_slot = replayssm.ReplaySSMCache(3, args["heads"], args["groups"], "fp8", "cpu", backend="reference").bytes_per_slot()
+    per_slot = replayssm.ReplaySSMCache(3, args["heads"], args["groups"], fmt, "cpu", backend="reference").bytes_per_slot()
     rows = {r["op"]: r for r in result["rows"]}
     copy = args["copy_slots"] * per_slot * args["layers"]
     swap = per_slot * args["layers"]
