@@ -24,30 +24,32 @@ MAX_PAIRS_PER_LAUNCH = 65535  # CUDA's limit on grid dim 1
 
 
 @triton.jit
-def _move(p_s, p_d, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """Copy elements [0, n) of `p_s` to `p_d` in ITERS static iterations of BLOCK (masks end it)."""
-    o = tl.arange(0, BLOCK)
+def _move(p_s, p_d, n, o, STEP: tl.constexpr, ITERS: tl.constexpr):
+    """Copy elements [0, n) of `p_s` to `p_d`: offsets `o` (arange(0, STEP)), ITERS static
+    iterations (masks end it)."""
     for i in tl.static_range(ITERS):
-        m = i * BLOCK + o < n
-        tl.store(p_d + i * BLOCK + o, tl.load(p_s + i * BLOCK + o, mask=m), mask=m)
+        m = i * STEP + o < n
+        tl.store(p_d + i * STEP + o, tl.load(p_s + i * STEP + o, mask=m), mask=m)
 
 
 @triton.jit
 def _move_chunk(a_src, a_dst, nbytes, width, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     """Copy `nbytes` from address `a_src` to address `a_dst` (int64) at `width` (16, 4, 1):
     ITERS * BLOCK int32 (4 * BLOCK bytes) cover a chunk."""
+    # One arange for the 16- and 4-byte copies (one each took ~8% more instructions on sm_90).
+    o = tl.arange(0, BLOCK)
     # Each branch makes its own pointers (Triton types a variable once across branches); the
     # 16-byte alignment is restated on the pointer, where the conversion does not lose it.
     if width == 16:
         p_s16 = tl.multiple_of(a_src.to(tl.pointer_type(tl.int32)), 16)
         p_d16 = tl.multiple_of(a_dst.to(tl.pointer_type(tl.int32)), 16)
-        _move(p_s16, p_d16, (nbytes // 16) * 4, BLOCK, ITERS)  # a multiple of 4: no mask splits a vector
+        _move(p_s16, p_d16, (nbytes // 16) * 4, o, BLOCK, ITERS)  # a multiple of 4: no mask splits a vector
     elif width == 4:
         p_s4, p_d4 = a_src.to(tl.pointer_type(tl.int32)), a_dst.to(tl.pointer_type(tl.int32))
-        _move(p_s4, p_d4, nbytes // 4, BLOCK, ITERS)
+        _move(p_s4, p_d4, nbytes // 4, o, BLOCK, ITERS)
     else:
         p_s1, p_d1 = a_src.to(tl.pointer_type(tl.uint8)), a_dst.to(tl.pointer_type(tl.uint8))
-        _move(p_s1, p_d1, nbytes, 4 * BLOCK, ITERS)
+        _move(p_s1, p_d1, nbytes, tl.arange(0, 4 * BLOCK), 4 * BLOCK, ITERS)
 
 
 @triton.jit
