@@ -342,9 +342,10 @@ class ReplaySSMCache:
             return slots.reshape(-1)
         return chk.id_list(name, slots)
 
-    def _check_handoff_live(self, ids: torch.Tensor, name: str, *, unique: bool = True) -> None:
-        """Every id in [1, num_slots - 1], allocated and (with `unique`) named once; a host read."""
-        values = [int(v) for v in ids.tolist()]
+    def _check_handoff_live(self, ids, name: str, *, unique: bool = True) -> None:
+        """Every id in [1, num_slots - 1], allocated and (with `unique`) named once; ids a
+        tensor (a host read) or its values."""
+        values = [int(v) for v in ids.tolist()] if isinstance(ids, torch.Tensor) else ids
         handoff.check_host_ids(name, values, self.num_slots, unique=unique)
         stray = sorted({s for s in values if not self.allocator.is_allocated(s)})
         if stray:
@@ -446,9 +447,10 @@ def copy_slots(caches: Sequence, src, dst, *, backend: str = "auto") -> None:
     src_t, dst_t = first._handoff_ids("src", src), first._handoff_ids("dst", dst)  # lists stay on the host
     s, d = handoff.validate_pair(src_t, dst_t, device, first.num_slots, keep_dtype=kernel)
     if src_t.device.type == "cpu" or debug():
+        s_ids, d_ids = [int(v) for v in src_t.tolist()], [int(v) for v in dst_t.tolist()]  # one read for every layer
         for c in caches:
-            c._check_handoff_live(src_t, "src", unique=False)
-            c._check_handoff_live(dst_t, "dst")
+            c._check_handoff_live(s_ids, "src", unique=False)
+            c._check_handoff_live(d_ids, "dst")
     if kernel:
         handoff.copy_plan(caches).copy(s, d)
         return
@@ -463,8 +465,9 @@ def _layer_ids(caches: Sequence, slots, device: torch.device) -> torch.Tensor:
     ids = first._handoff_ids("slots", slots)  # lists stay on the host
     d = handoff.validate_slots(ids, device, first.num_slots)
     if ids.device.type == "cpu" or debug():
+        values = [int(v) for v in ids.tolist()]  # one read for every layer
         for c in caches:
-            c._check_handoff_live(ids, "slots")
+            c._check_handoff_live(values, "slots")
     return d
 
 

@@ -56,20 +56,26 @@ def check_host_ids(name: str, values: list[int], num_slots: int, *, unique: bool
         raise ValueError(f"{name} must name each slot once; slot(s) {rep} repeat; got {values}")
 
 
-def validate_pair(src, dst, device, num_slots: int, *, keep_dtype: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """src / dst ids (same count; host values in range, dst unique, disjoint) on the cache device
-    as int64, or with `keep_dtype` as given (the copy kernel's; host ids: one host-to-device copy)."""
+def validate_pair(
+    src, dst, device, num_slots: int, *, keep_dtype: bool = False, unique_src: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """src / dst ids (same count; values in range, dst (and with `unique_src` src) unique, the
+    two disjoint) on the cache device as int64, or with `keep_dtype` as given (the copy
+    kernel's; host ids: one host-to-device copy). Ids on the host are checked on every call,
+    ids on the device (a sync) with REPLAYSSM_DEBUG=1."""
     src, dst = _ids("src", src, device), _ids("dst", dst, device)
     if src.numel() != dst.numel():
         raise ValueError(f"src and dst must hold the same number of slots; got {src.numel()} and {dst.numel()}")
     host = src.device.type == "cpu" and dst.device.type == "cpu"
-    if host or debug():
-        s, d = src.tolist(), dst.tolist()
-        check_host_ids("src", s, num_slots, unique=False)
+    checks = debug()
+    s = src.tolist() if checks or src.device.type == "cpu" else None
+    d = dst.tolist() if checks or dst.device.type == "cpu" else None
+    if s is not None:
+        check_host_ids("src", s, num_slots, unique=unique_src)
+    if d is not None:
         check_host_ids("dst", d, num_slots)
-        both = sorted(set(s) & set(d))
-        if both:
-            raise ValueError(f"src and dst must be disjoint; slot(s) {both} are in both (src {s}, dst {d})")
+    if s is not None and d is not None and (both := sorted(set(s) & set(d))):
+        raise ValueError(f"src and dst must be disjoint; slot(s) {both} are in both (src {s}, dst {d})")
     if not keep_dtype:
         return src.to(device, torch.int64), dst.to(device, torch.int64)
     if host and device.type != "cpu":
@@ -267,11 +273,7 @@ def snapshot_replayssm_slots(
     chk.seed(seed)
     geometry = L.check_cache(cache, fmt)
     device = cache[L.CHECKPOINT].device
-    # Host ids are checked on every call: read them before validate_pair moves them to the device.
-    host = src.reshape(-1).tolist() if isinstance(src, torch.Tensor) and src.device.type == "cpu" else None
-    src, dst = validate_pair(src, dst, device, geometry[0])
-    if host is not None or checks:
-        check_host_ids("src", src.tolist() if host is None else host, geometry[0])
+    src, dst = validate_pair(src, dst, device, geometry[0], unique_src=True)
     impl = backend_for(device, backend, cache, fmt)
     head_offset = chk.head_offset(head_offset)
     states = api.materialize(cache, geometry, impl, src, A, max_seqlen=max_seqlen)

@@ -260,6 +260,29 @@ def test_rejected_handoff_changes_nothing(live, case):
     assert cache.allocator.num_used == used
 
 
+@pytest.mark.parametrize(
+    "src, dst, unique_src, match",
+    [
+        ("host", "device", False, "src must be slot ids in \\[1, 7\\]; got \\[9\\]"),  # host src, device dst
+        ("device", "host", False, "dst must be slot ids in \\[1, 7\\]; got \\[9\\]"),
+        ("host", "device", True, "src must name each slot once"),
+    ],
+)
+def test_pair_ids_on_the_host_are_checked_when_the_other_side_is_on_the_device(src, dst, unique_src, match):
+    """validate_pair reads the side whose ids are on the host, whatever the other side's
+    device (the meta device stands in for a GPU: its values cannot be read)."""
+    from replayssm.handoff import validate_pair
+
+    meta = torch.device("meta")
+    bad = torch.tensor([1, 1]) if unique_src else torch.tensor([9])
+    good = torch.tensor([2, 3][: bad.numel()], device=meta)
+    s, d = (bad, good) if src == "host" else (good.clone(), bad)
+    with pytest.raises(ValueError, match=match):
+        validate_pair(s, d, meta, 8, unique_src=unique_src)
+    s2, d2 = validate_pair(torch.tensor([4, 5][: bad.numel()]), good, meta, 8, unique_src=unique_src)
+    assert s2.device == d2.device == meta and s2.dtype == d2.dtype == torch.int64
+
+
 # ---------------------------------------------------------------------------------------
 # Materialize on the kernels (Triton interpreter on the CPU)
 
