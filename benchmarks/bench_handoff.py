@@ -173,7 +173,7 @@ def make_layers(fmt: str, args, device: str) -> list[ReplaySSMCache]:
             c.tensors[i].normal_(0.0, scale)
         c.tensors[L.DT_RING].uniform_(0.001, 0.1)
         c.positions.copy_(torch.randint(16, 4096, c.positions.shape, device=device, dtype=torch.int32))
-        if len(c.tensors) > L.PARITY and c.tensors[L.PARITY] is not None:  # NVFP4: import checks it is 0 or 1
+        if c.format.two_level:  # NVFP4's parity: import checks it is 0 or 1
             c.tensors[L.PARITY].copy_(torch.randint(0, 2, c.tensors[L.PARITY].shape, device=device))
         caches.append(c)
     return caches
