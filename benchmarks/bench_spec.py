@@ -172,7 +172,7 @@ def tiled(states: torch.Tensor, n: int) -> torch.Tensor:
 def row_bytes(provider, shape, batch, T) -> dict:
     """(memory per layer, DRAM bytes per call) for the whole batch."""
     s = bm.Shape(*shape)
-    if provider in PENDING:  # the cache as the single-token step's; no byte model of a call
+    if provider in PENDING:  # the cache as the single-token step's; a call's bytes follow its commits (run_row)
         fmt = provider.split("-")[1]
         return {"mem_per_layer": (batch + 1) * bm.cache_bytes_per_slot("replayssm-" + fmt, s), "bytes_per_call": None,
                 "commit_bytes": None}  # fmt: skip
@@ -372,6 +372,7 @@ def run_row(provider, shape, batch, T, ctx, skip: str | None = None) -> dict:
             t, timing = timed(run, args.reps, device.type == "cuda")
             us = t / (args.calls * layers) * 1e6
             row["tokens_per_row"] = mean_acc
+            row["bytes_per_call"] = batch * bm.pending_call(bm.Shape(*shape), provider.split("-")[1], T, mean_acc).total
         else:
             period, keep = build_single(provider, shape, batch, layers, ctx)
             t, timing = timed(period, args.reps, device.type == "cuda")

@@ -150,6 +150,34 @@ def replay_period_average(s: Shape, fmt: str) -> StepBytes:
     return StepBytes(sum(b.read for b in steps) // RING, sum(b.write for b in steps) // RING)
 
 
+def pending_call(s: Shape, fmt: str, tokens: int, committed: float) -> StepBytes:
+    """Bytes per row of one pending-mode call (docs/format.md section 5b) of `tokens` tokens
+    a row (M = tokens, fold grid Gd = 17 - M) that commits `committed` tokens a row on
+    average, so that committed / Gd of the rows fold. The plan reads and writes the
+    positions (two int32) and reads the slot id and the verdict; a folding row reads the
+    checkpoint and its Gd committed ring entries (NVFP4: and the meta pair and parity) and
+    writes the checkpoint and the read copy, as a flush does; every row's step reads the read
+    copy, the (Gd - 1) / 2 committed entries it replays on average (c' - f(c') taken as
+    uniform over 0 .. Gd - 1) and its tokens' inputs, and writes their ring entries and
+    outputs. Rounded to whole bytes."""
+    if not 1 <= tokens <= 8:
+        raise ValueError(f"tokens must be in [1, 8]; got {tokens}")
+    if not 0 <= committed <= tokens:
+        raise ValueError(f"committed must be in [0, tokens={tokens}]; got {committed}")
+    gd = RING + 1 - tokens
+    io = io_bytes(s)
+    entry = ring_entry_bytes(s)
+    rcb = read_copy_bytes(s, fmt)
+    rc = sum(rcb.values())
+    ckpt = s.state_elems * 2
+    fold_read = ckpt + gd * entry + (rcb["meta"] + rcb["parity"] if fmt == "nvfp4" else 0)
+    fold_write = ckpt + (0 if fmt == "fp16" else rc)
+    per_token_in = io["x"] + io["dt"] + io["B"] + io["C"]
+    read = 8 + io["slot_id"] + 4 + committed / gd * fold_read + rc + (gd - 1) / 2 * entry + tokens * per_token_in
+    write = 8 + committed / gd * fold_write + tokens * (entry + io["out"])
+    return StepBytes(round(read), round(write))
+
+
 def step_bytes(provider: str, s: Shape) -> StepBytes:
     """Per-row bytes of one decode step for a provider name: "replayssm-fp8",
     "replayssm-nvfp4" (period average) or "standard-fp32" / "-bf16" / "-fp16"."""
@@ -216,6 +244,7 @@ __all__ = [
     "standard_step",
     "replay_step",
     "replay_period_average",
+    "pending_call",
     "step_bytes",
     "state_bytes_per_head_token",
     "cache_bytes_per_slot",

@@ -108,6 +108,38 @@ def test_step_bytes_match_cache_tensors(fmt, heads, groups, P, N):
         assert (b.read, b.write) == (state + inputs, state + out)
 
 
+@pytest.mark.parametrize("heads,groups,P,N", SHAPES)
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "fp16"])
+def test_pending_call_bytes_match_cache_tensors(fmt, heads, groups, P, N):
+    """Every term of a pending call's model recomputed from a pending cache's tensors: the
+    plan's positions, slot id and verdict; the fold's checkpoint, Gd = 17 - T ring entries
+    and read copy for committed / Gd of the rows; every row's read copy (fp16: the
+    checkpoint), (Gd - 1) / 2 replayed entries, T tokens' inputs, ring entries and outputs."""
+    cache = replayssm.allocate_cache(3, heads, groups, fmt, head_dim=P, state_dim=N, pending=True)
+    shape = bm.Shape(heads, groups, P, N)
+    entry = cache[L.X_RING][0, :, 0].nbytes + cache[L.DT_RING][0, :, 0].nbytes + cache[L.B_RING][0, :, 0].nbytes
+    ckpt = slot_nbytes(cache[L.CHECKPOINT])
+    meta = slot_nbytes(cache[L.META]) + slot_nbytes(cache[L.PARITY]) if fmt == "nvfp4" else 0
+    read_copy = ckpt if fmt == "fp16" else slot_nbytes(cache[L.READ_COPY]) + slot_nbytes(cache[L.SCALES]) + meta
+    pos = slot_nbytes(cache[L.POSITIONS])
+    assert pos == 8
+    x = torch.empty(1, heads, P, dtype=torch.bfloat16).nbytes
+    token_in = x + torch.empty(1, heads).nbytes + 2 * torch.empty(1, groups, N, dtype=torch.bfloat16).nbytes
+    ids_and_verdict = 2 * torch.empty(1, dtype=torch.int32).nbytes
+    for T in (1, 2, 4, 8):
+        gd = 17 - T
+        for committed in (0.0, T / 2, float(T)):
+            f = committed / gd
+            read = pos + ids_and_verdict + f * (ckpt + gd * entry + meta) + read_copy + (gd - 1) / 2 * entry + T * token_in
+            write = pos + f * (ckpt + (0 if fmt == "fp16" else read_copy)) + T * (entry + x)
+            b = bm.pending_call(shape, fmt, T, committed)
+            assert (b.read, b.write) == (round(read), round(write)), (T, committed)
+    with pytest.raises(ValueError, match="committed"):
+        bm.pending_call(shape, fmt, 4, 4.5)
+    with pytest.raises(ValueError, match="tokens"):
+        bm.pending_call(shape, fmt, 9, 1.0)
+
+
 def test_state_bytes_per_head_token_match_design_table():
     """Design brief §6: 65,536 / 32,768 bytes per head per token for the standard decode,
     about 11,000 (FP8) and 7,500 (NVFP4) for ReplaySSM."""
@@ -428,6 +460,10 @@ def test_bench_spec_dry_run_rows_bytes_and_targets(tmp_path):
     assert spec["bytes_per_call"] == 2 * ((1 + T) * state + T * per_token + 4 + 2 * state + 8)
     assert 1.0 <= spec["tokens_per_row"] <= T
     assert math.isclose(spec["us_per_token"], spec["us_per_call"] / spec["tokens_per_row"])
+    for fmt in ("fp8", "nvfp4", "fp16"):  # a pending call's bytes follow its measured commits
+        r = rows[f"pending-{fmt}"]
+        assert r["bytes_per_call"] == 2 * bm.pending_call(bm.Shape(8, 1), fmt, r["T"], r["tokens_per_row"]).total
+        assert math.isclose(r["tb_per_s"], r["bytes_per_call"] / (r["us_per_call"] * 1e-6) / 1e12)
     for fmt in ("fp8", "nvfp4"):
         single = rows[f"replayssm-{fmt}"]["us_per_call"]
         assert math.isclose(spec[f"target_us_{fmt}"], min(1.6 * single, spec["us_per_call"] / 3))
