@@ -123,6 +123,16 @@ def standard_step(s: Shape, dtype: str) -> StepBytes:
     return StepBytes(read=state + sum(io.values()) - io["out"], write=state + io["out"])
 
 
+def fold_bytes(s: Shape, fmt: str, entries: int) -> StepBytes:
+    """The state traffic of one fold of `entries` ring entries into the checkpoint (a flush,
+    or a pending-mode fold): read the checkpoint and the entries (NVFP4: and the meta pair
+    and parity), write the checkpoint and the read copy (fp16: the checkpoint only)."""
+    rcb = read_copy_bytes(s, fmt)
+    ckpt = s.state_elems * 2
+    read = ckpt + entries * ring_entry_bytes(s) + (rcb["meta"] + rcb["parity"] if fmt == "nvfp4" else 0)
+    return StepBytes(read, ckpt + (0 if fmt == "fp16" else sum(rcb.values())))
+
+
 def replay_step(s: Shape, fmt: str, ring_index: int) -> StepBytes:
     """Bytes per row of one ReplaySSM step at ring index `ring_index` (0..15; 15 flushes)."""
     if not 0 <= ring_index < RING:
@@ -135,11 +145,9 @@ def replay_step(s: Shape, fmt: str, ring_index: int) -> StepBytes:
         read = rc + ring_index * entry + inputs + 4
         write = entry + io["out"] + 4
     else:
-        ckpt = s.state_elems * 2
-        read = ckpt + (RING - 1) * entry + inputs + 4
-        if fmt == "nvfp4":
-            read += read_copy_bytes(s, fmt)["meta"] + 4  # meta pair and parity
-        write = ckpt + (0 if fmt == "fp16" else rc) + io["out"] + 4
+        fold = fold_bytes(s, fmt, RING - 1)
+        read = fold.read + inputs + 4
+        write = fold.write + io["out"] + 4
     return StepBytes(read, write)
 
 
@@ -167,14 +175,13 @@ def pending_call(s: Shape, fmt: str, tokens: int, committed: float) -> StepBytes
     gd = RING + 1 - tokens
     io = io_bytes(s)
     entry = ring_entry_bytes(s)
-    rcb = read_copy_bytes(s, fmt)
-    rc = sum(rcb.values())
-    ckpt = s.state_elems * 2
-    fold_read = ckpt + gd * entry + (rcb["meta"] + rcb["parity"] if fmt == "nvfp4" else 0)
-    fold_write = ckpt + (0 if fmt == "fp16" else rc)
+    fold = fold_bytes(s, fmt, gd)
+    share = committed / gd  # of the rows that fold
+    positions, verdict = 8, 4  # [S, 2] int32; int32
     per_token_in = io["x"] + io["dt"] + io["B"] + io["C"]
-    read = 8 + io["slot_id"] + 4 + committed / gd * fold_read + rc + (gd - 1) / 2 * entry + tokens * per_token_in
-    write = 8 + committed / gd * fold_write + tokens * (entry + io["out"])
+    step_read = sum(read_copy_bytes(s, fmt).values()) + (gd - 1) / 2 * entry + tokens * per_token_in
+    read = positions + io["slot_id"] + verdict + share * fold.read + step_read
+    write = positions + share * fold.write + tokens * (entry + io["out"])
     return StepBytes(round(read), round(write))
 
 
@@ -242,6 +249,7 @@ __all__ = [
     "ring_entry_bytes",
     "read_copy_bytes",
     "standard_step",
+    "fold_bytes",
     "replay_step",
     "replay_period_average",
     "pending_call",
